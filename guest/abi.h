@@ -1,0 +1,30 @@
+/*
+ * The contract between the workload guest and a VMM. ferry mirrors these numbers in
+ * crates/vmm/src/devices/heartbeat.rs; keep both in step.
+ */
+#ifndef FERRY_GUEST_ABI_H
+#define FERRY_GUEST_ABI_H
+
+#define PORT_SERIAL        0x3f8 /* COM1: human-readable progress lines */
+#define PORT_REGISTER      0x600 /* out32: guest-physical address of this vCPU's hb_block */
+#define PORT_HEARTBEAT     0x604 /* out32: low 32 bits of the block's seq; counters are in the block */
+#define PORT_VERIFY_ERROR  0x608 /* out32: working-set page index whose stamp was wrong */
+#define PORT_DONE          0x60c /* out32: this vCPU finished its workload (0) or failed (1) */
+#define PORT_FATAL_MSG     0x610 /* out8: one byte of a fatal configuration error, '\n' ends it */
+
+#define HB_MAGIC 0x46455259u /* "FERY" */
+
+/* One per vCPU, 64 bytes, in guest memory; the VMM reads it on every heartbeat. */
+struct hb_block {
+    unsigned long long seq;        /* heartbeats sent by this vCPU */
+    unsigned long long pages;      /* pages touched (read or written) */
+    unsigned long long passes;     /* completed passes over this vCPU's share */
+    unsigned long long errors;     /* verify mismatches seen */
+    unsigned long long share_base; /* guest-physical address of this vCPU's first page */
+    unsigned long long share_pages;/* pages in this vCPU's share */
+    unsigned int cpu;
+    unsigned int magic;
+    unsigned long long ws_base;    /* guest-physical address of the whole working set */
+};
+
+#endif
