@@ -1,14 +1,12 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! ferry's control API: HTTP/JSON over a Unix socket. Request and response types, the server
+//! (routing and errors; the VMM supplies a `Handler`) and a small client for the CLI.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod client;
+pub mod request;
+pub mod server;
+pub mod types;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use client::{ApiClient, ClientError};
+pub use request::ApiRequest;
+pub use server::{ApiError, ApiServer, Handler};
+pub use types::*;

@@ -1,3 +1,33 @@
+//! The `ferry` command: run a VM, drive and watch it through its API.
+
+mod cli;
+mod controller;
+mod run;
+mod status;
+
+use clap::Parser;
+
 fn main() {
-    println!("Hello, world!");
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("FERRY_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = cli::Cli::parse();
+    let result = match args.command {
+        cli::Command::Run(run_args) => run::run(run_args),
+        cli::Command::Status(a) => status::status(&a),
+        cli::Command::Pause(a) => status::simple_put(&a, "vm.pause"),
+        cli::Command::Resume(a) => status::simple_put(&a, "vm.resume"),
+        cli::Command::Shutdown(a) => status::simple_put(&a, "vm.shutdown"),
+    };
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("ferry: error: {e:#}");
+            std::process::exit(1);
+        }
+    }
 }

@@ -1,14 +1,17 @@
-pub fn add(left: u64, right: u64) -> u64 {
-    left + right
-}
+//! A VM on KVM: guest memory, vCPUs, PVH boot, devices, and the VM state that migration moves.
+//!
+//! The crate knows KVM and nothing about migration streams; `migration` drives it through the
+//! traits the VM implements.
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+pub mod boot;
+pub mod devices;
+pub mod error;
+pub mod layout;
+pub mod memory;
+pub mod state;
+pub mod vcpu;
+pub mod vm;
 
-    #[test]
-    fn it_works() {
-        let result = add(2, 2);
-        assert_eq!(result, 4);
-    }
-}
+pub use error::{Error, Result};
+pub use memory::{MemoryBackend, MemorySize};
+pub use vm::{Vm, VmConfig, VmEvent, VmInfo, VmState};

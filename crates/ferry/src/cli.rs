@@ -1,0 +1,58 @@
+//! Command-line grammar.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use vmm::{MemoryBackend, MemorySize};
+
+#[derive(Parser, Debug)]
+#[command(name = "ferry", version, about = "A VMM built to move running VMs between hosts")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Boot a guest (or wait for an incoming migration) and serve the control API.
+    Run(RunArgs),
+    /// Print the VM's state and guest progress (GET vm.info) as JSON.
+    Status(ApiArgs),
+    /// Pause every vCPU.
+    Pause(ApiArgs),
+    /// Resume a paused VM.
+    Resume(ApiArgs),
+    /// Stop the VM and its ferry process.
+    Shutdown(ApiArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ApiArgs {
+    /// The Unix socket of the VM's control API.
+    #[arg(long)]
+    pub api_socket: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// The guest ELF (PVH), e.g. guest/build/guest.elf.
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
+    /// Guest memory: 512M, 4G, ...
+    #[arg(long, default_value = "1G")]
+    pub memory: MemorySize,
+    /// How guest memory is backed: anonymous or memfd.
+    #[arg(long, default_value = "anonymous")]
+    pub memory_backend: MemoryBackend,
+    #[arg(long, default_value_t = 1)]
+    pub vcpus: usize,
+    /// The guest's command line (its workload), e.g. "write ws=256M seq verify".
+    #[arg(long, default_value = "")]
+    pub cmdline: String,
+    /// Where the guest's serial console goes: a file path, or "stdout".
+    #[arg(long, default_value = "stdout")]
+    pub serial: String,
+    /// Serve the control API on this Unix socket.
+    #[arg(long)]
+    pub api_socket: Option<PathBuf>,
+}

@@ -1,0 +1,322 @@
+//! vCPU threads and the control that parks and releases them.
+//!
+//! A vCPU thread owns its `VcpuFd` (behind a mutex) while running. To pause, the controller
+//! sets the wish, then kicks each thread with a signal whose handler sets `immediate_exit`, so
+//! a kick can never be lost between the wish check and `KVM_RUN`. A parking vCPU first re-enters
+//! KVM once with `immediate_exit` set, which completes a pending port I/O: its register state is
+//! then final and safe to save. Parked threads release the fd lock, so the controller can read
+//! and write vCPU state.
+
+use std::cell::Cell;
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvm_bindings::kvm_run;
+use kvm_ioctls::{VcpuExit, VcpuFd};
+use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+
+use crate::devices::{GuestEvent, PortBus};
+use crate::error::{Error, Result};
+use crate::memory::GuestMemory;
+use crate::vm::VmEvent;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wish {
+    Run,
+    Pause,
+    Stop,
+}
+
+struct ControlState {
+    wish: Wish,
+    parked: usize,
+    alive: usize,
+}
+
+/// What every vCPU thread looks at between two `KVM_RUN`s.
+pub struct RunControl {
+    state: Mutex<ControlState>,
+    changed: Condvar,
+}
+
+const PARK_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl RunControl {
+    fn new(start_paused: bool, vcpus: usize) -> Self {
+        Self {
+            state: Mutex::new(ControlState {
+                wish: if start_paused { Wish::Pause } else { Wish::Run },
+                parked: 0,
+                alive: vcpus,
+            }),
+            changed: Condvar::new(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, ControlState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn wants_park(&self) -> bool {
+        self.lock().wish != Wish::Run
+    }
+
+    /// Parks the calling vCPU thread while paused; tells whether to stop.
+    fn park_until_released(&self) -> bool {
+        let mut s = self.lock();
+        s.parked += 1;
+        self.changed.notify_all();
+        while s.wish == Wish::Pause {
+            s = self.changed.wait(s).unwrap_or_else(|e| e.into_inner());
+        }
+        s.parked -= 1;
+        self.changed.notify_all();
+        s.wish == Wish::Stop
+    }
+
+    fn thread_exited(&self) {
+        let mut s = self.lock();
+        s.alive -= 1;
+        self.changed.notify_all();
+    }
+
+    fn set_wish(&self, wish: Wish) {
+        self.lock().wish = wish;
+        self.changed.notify_all();
+    }
+
+    /// Waits until every live vCPU thread is parked.
+    fn wait_all_parked(&self) -> Result<()> {
+        let deadline = Instant::now() + PARK_TIMEOUT;
+        let mut s = self.lock();
+        while s.parked < s.alive {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Vcpu {
+                    cpu: 0,
+                    reason: format!("only {} of {} vCPUs parked in time", s.parked, s.alive),
+                });
+            }
+            s = self
+                .changed
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+}
+
+thread_local! {
+    static THIS_KVM_RUN: Cell<*mut kvm_run> = const { Cell::new(std::ptr::null_mut()) };
+}
+
+extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+    THIS_KVM_RUN.with(|run| {
+        let run = run.get();
+        if !run.is_null() {
+            // SAFETY: the pointer is this thread's own mapped kvm_run, set while its fd is held.
+            unsafe { (*run).immediate_exit = 1 };
+        }
+    });
+}
+
+fn kick_signal() -> libc::c_int {
+    SIGRTMIN()
+}
+
+/// Installs the kick handler once per process.
+pub fn install_kick_handler() -> Result<()> {
+    static ONCE: std::sync::OnceLock<std::result::Result<(), String>> = std::sync::OnceLock::new();
+    ONCE.get_or_init(|| {
+        register_signal_handler(kick_signal(), kick_handler).map_err(|e| e.to_string())
+    })
+    .clone()
+    .map_err(|e| Error::Vcpu {
+        cpu: 0,
+        reason: format!("cannot install the vCPU kick handler: {e}"),
+    })
+}
+
+/// The running vCPU threads of one VM.
+pub struct VcpuSet {
+    pub fds: Vec<Arc<Mutex<VcpuFd>>>,
+    control: Arc<RunControl>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+struct VcpuContext {
+    cpu: usize,
+    fd: Arc<Mutex<VcpuFd>>,
+    memory: GuestMemory,
+    bus: Arc<PortBus>,
+    control: Arc<RunControl>,
+    events: Sender<VmEvent>,
+}
+
+impl VcpuSet {
+    pub fn start(
+        fds: Vec<VcpuFd>,
+        memory: &GuestMemory,
+        bus: &Arc<PortBus>,
+        events: &Sender<VmEvent>,
+        start_paused: bool,
+    ) -> Result<Self> {
+        install_kick_handler()?;
+        let control = Arc::new(RunControl::new(start_paused, fds.len()));
+        let fds: Vec<_> = fds.into_iter().map(|f| Arc::new(Mutex::new(f))).collect();
+        let mut threads = Vec::new();
+        for (cpu, fd) in fds.iter().enumerate() {
+            let ctx = VcpuContext {
+                cpu,
+                fd: fd.clone(),
+                memory: memory.clone(),
+                bus: bus.clone(),
+                control: control.clone(),
+                events: events.clone(),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("vcpu{cpu}"))
+                .spawn(move || ctx.run())
+                .map_err(|e| Error::Vcpu {
+                    cpu,
+                    reason: format!("cannot start thread: {e}"),
+                })?;
+            threads.push(thread);
+        }
+        let set = Self {
+            fds,
+            control,
+            threads: Mutex::new(threads),
+        };
+        if start_paused {
+            set.control.wait_all_parked()?;
+        }
+        Ok(set)
+    }
+
+    fn kick_all(&self) {
+        for t in self.threads.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let _ = t.kill(kick_signal());
+        }
+    }
+
+    /// Returns once every vCPU is parked with its state complete.
+    pub fn pause(&self) -> Result<()> {
+        self.control.set_wish(Wish::Pause);
+        self.kick_all();
+        self.control.wait_all_parked()
+    }
+
+    pub fn resume(&self) {
+        self.control.set_wish(Wish::Run);
+    }
+
+    /// Stops and joins every vCPU thread.
+    pub fn stop(&self) {
+        self.control.set_wish(Wish::Stop);
+        self.kick_all();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+
+    /// The fd of a parked vCPU, for state save/restore.
+    pub fn lock_fd(&self, cpu: usize) -> MutexGuard<'_, VcpuFd> {
+        self.fds[cpu].lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for VcpuSet {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+enum Step {
+    Continue,
+    Park,
+    Exit,
+}
+
+impl VcpuContext {
+    fn run(self) {
+        loop {
+            if self.control.wants_park() && self.control.park_until_released() {
+                break;
+            }
+            if let Step::Exit = self.run_until_park() {
+                break;
+            }
+        }
+        self.control.thread_exited();
+    }
+
+    /// Runs the vCPU until a pause or stop is wished, or the vCPU cannot go on.
+    fn run_until_park(&self) -> Step {
+        let mut fd = self.fd.lock().unwrap_or_else(|e| e.into_inner());
+        THIS_KVM_RUN.with(|r| r.set(fd.get_kvm_run() as *mut kvm_run));
+        let step = loop {
+            if self.control.wants_park() {
+                complete_pending_io(&mut fd);
+                break Step::Park;
+            }
+            match self.step(&mut fd) {
+                Step::Continue => {}
+                other => break other,
+            }
+        };
+        THIS_KVM_RUN.with(|r| r.set(std::ptr::null_mut()));
+        step
+    }
+
+    fn step(&self, fd: &mut VcpuFd) -> Step {
+        let exit = match fd.run() {
+            Ok(exit) => exit,
+            Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
+                fd.set_kvm_immediate_exit(0);
+                return Step::Continue;
+            }
+            Err(e) => return self.fail(format!("KVM_RUN failed: {e}")),
+        };
+        match exit {
+            VcpuExit::IoOut(port, data) => {
+                if let Some(event) = self.bus.port_out(self.cpu, port, data, &self.memory) {
+                    let _ = self.events.send(VmEvent::Guest(event));
+                }
+            }
+            VcpuExit::IoIn(port, data) => self.bus.port_in(port, data),
+            VcpuExit::MmioRead(_, data) => data.fill(0xff),
+            VcpuExit::MmioWrite(..) => {}
+            VcpuExit::Hlt => {
+                let _ = self.events.send(VmEvent::Guest(GuestEvent::Finished { failed: false }));
+                return Step::Exit;
+            }
+            VcpuExit::Shutdown => return self.fail("the guest shut down (triple fault)".into()),
+            VcpuExit::FailEntry(reason, _) => {
+                return self.fail(format!("VM entry failed, hardware reason {reason:#x}"))
+            }
+            VcpuExit::InternalError => return self.fail("KVM internal error".into()),
+            other => tracing::debug!(cpu = self.cpu, "unhandled exit {other:?}"),
+        }
+        Step::Continue
+    }
+
+    fn fail(&self, reason: String) -> Step {
+        let _ = self.events.send(VmEvent::VcpuFailed {
+            cpu: self.cpu,
+            reason,
+        });
+        Step::Exit
+    }
+}
+
+/// Re-enters KVM with `immediate_exit` so that a port I/O the vCPU exited for is completed.
+fn complete_pending_io(fd: &mut VcpuFd) {
+    fd.set_kvm_immediate_exit(1);
+    let _ = fd.run();
+    fd.set_kvm_immediate_exit(0);
+}

@@ -1,0 +1,378 @@
+//! One VM: KVM objects, guest memory, vCPU threads and devices, and what can be done to it.
+
+use std::path::Path;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+
+use kvm_bindings::{
+    kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES,
+    KVM_MEM_LOG_DIRTY_PAGES, KVM_MP_STATE_RUNNABLE, KVM_PIT_SPEAKER_DUMMY,
+};
+use kvm_ioctls::{Kvm, VcpuFd, VmFd};
+use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+
+use crate::boot;
+use crate::devices::{serial, GuestEvent, HeartbeatDevice, PortBus, SerialDevice};
+use crate::error::{kvm, Error, Result};
+use crate::memory::{create_guest_memory, GuestMemory, MemoryBackend};
+use crate::state::{self, DeviceState, VcpuState};
+use crate::vcpu::VcpuSet;
+
+const MEMORY_SLOT: u32 = 0;
+const TSS_ADDRESS: usize = 0xfffb_d000;
+pub const MAX_VCPUS: usize = 16;
+
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    pub memory: u64,
+    pub vcpus: usize,
+    pub backend: MemoryBackend,
+}
+
+/// Something the VM tells its owner without being asked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmEvent {
+    Guest(GuestEvent),
+    VcpuFailed { cpu: usize, reason: String },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmState {
+    Running,
+    Paused,
+}
+
+/// A snapshot of what the VM is doing, for status displays.
+#[derive(Clone, Debug)]
+pub struct VmInfo {
+    pub state: VmState,
+    pub memory: u64,
+    pub vcpus: usize,
+    pub heartbeats: u64,
+    pub progress: Vec<crate::devices::Progress>,
+    pub total: crate::devices::Progress,
+    pub verify_errors: u64,
+    pub verify_error_pages: Vec<u64>,
+    pub max_heartbeat_gap_ns: u64,
+    pub observed_downtime_ns: Option<u64>,
+}
+
+pub struct Vm {
+    kvm: Kvm,
+    fd: VmFd,
+    memory: GuestMemory,
+    vcpus: VcpuSet,
+    bus: Arc<PortBus>,
+    msrs: Vec<u32>,
+    config: VmConfig,
+    state: Mutex<VmState>,
+    events: Mutex<Receiver<VmEvent>>,
+}
+
+/// KVM objects made, vCPUs not yet started.
+struct Parts {
+    kvm: Kvm,
+    fd: VmFd,
+    memory: GuestMemory,
+    vcpu_fds: Vec<VcpuFd>,
+    bus: Arc<PortBus>,
+    msrs: Vec<u32>,
+}
+
+impl Vm {
+    /// Boots the guest ELF with its command line; vCPUs run when this returns.
+    pub fn boot(
+        config: VmConfig,
+        guest: &Path,
+        cmdline: &str,
+        serial: serial::Output,
+    ) -> Result<Self> {
+        let parts = Parts::create(&config, serial)?;
+        let info = boot::load_guest(&parts.memory, guest, cmdline)?;
+        for (i, vcpu) in parts.vcpu_fds.iter().enumerate() {
+            let sregs = vcpu.get_sregs().map_err(kvm("KVM_GET_SREGS"))?;
+            vcpu.set_sregs(&boot::long_mode_sregs(sregs))
+                .map_err(kvm("KVM_SET_SREGS"))?;
+            vcpu.set_regs(&boot::entry_regs(&info, i))
+                .map_err(kvm("KVM_SET_REGS"))?;
+            set_fpu_defaults(vcpu)?;
+            // Secondary vCPUs start at the entry too, not in wait-for-SIPI.
+            vcpu.set_mp_state(kvm_bindings::kvm_mp_state {
+                mp_state: KVM_MP_STATE_RUNNABLE,
+            })
+            .map_err(kvm("KVM_SET_MP_STATE"))?;
+        }
+        Self::start(config, parts, false)
+    }
+
+    /// An empty VM, vCPUs parked, waiting for memory and state (a migration or a snapshot).
+    pub fn for_restore(config: VmConfig, serial: serial::Output) -> Result<Self> {
+        let parts = Parts::create(&config, serial)?;
+        Self::start(config, parts, true)
+    }
+
+    fn start(config: VmConfig, parts: Parts, paused: bool) -> Result<Self> {
+        let (tx, rx): (Sender<VmEvent>, _) = channel();
+        let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
+        Ok(Self {
+            kvm: parts.kvm,
+            fd: parts.fd,
+            memory: parts.memory,
+            vcpus,
+            bus: parts.bus,
+            msrs: parts.msrs,
+            config,
+            state: Mutex::new(if paused {
+                VmState::Paused
+            } else {
+                VmState::Running
+            }),
+            events: Mutex::new(rx),
+        })
+    }
+
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
+    }
+    pub fn config(&self) -> &VmConfig {
+        &self.config
+    }
+    pub fn state(&self) -> VmState {
+        *self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Parks every vCPU with complete state. Pausing a paused VM is a no-op.
+    pub fn pause(&self) -> Result<()> {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        if *state == VmState::Running {
+            self.vcpus.pause()?;
+            *state = VmState::Paused;
+        }
+        Ok(())
+    }
+
+    pub fn resume(&self) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        self.vcpus.resume();
+        *state = VmState::Running;
+    }
+
+    /// Waits for the next event from the guest or a vCPU, up to `timeout`.
+    pub fn next_event(&self, timeout: std::time::Duration) -> Option<VmEvent> {
+        let rx = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        rx.recv_timeout(timeout).ok()
+    }
+
+    pub fn heartbeat(&self) -> std::sync::MutexGuard<'_, HeartbeatDevice> {
+        self.bus.heartbeat.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn info(&self) -> VmInfo {
+        let hb = self.heartbeat();
+        VmInfo {
+            state: self.state(),
+            memory: self.config.memory,
+            vcpus: self.config.vcpus,
+            heartbeats: hb.count(),
+            progress: hb.vcpus().to_vec(),
+            total: hb.total(),
+            verify_errors: hb.verify_errors(),
+            verify_error_pages: hb.verify_error_pages().to_vec(),
+            max_heartbeat_gap_ns: hb.max_gap_ns(),
+            observed_downtime_ns: hb.observed_downtime_ns(),
+        }
+    }
+
+    /// The host address of guest memory (one region from guest-physical 0).
+    pub fn host_address(&self) -> *mut u8 {
+        self.memory
+            .find_region(GuestAddress(0))
+            .and_then(|r| r.get_host_address(vm_memory::MemoryRegionAddress(0)).ok())
+            .unwrap_or(std::ptr::null_mut())
+    }
+
+    /// Turns KVM dirty logging on or off for all guest memory.
+    pub fn set_dirty_logging(&self, on: bool) -> Result<()> {
+        let region = kvm_userspace_memory_region {
+            slot: MEMORY_SLOT,
+            flags: if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
+            guest_phys_addr: 0,
+            memory_size: self.config.memory,
+            userspace_addr: self.host_address() as u64,
+        };
+        // SAFETY: the region is our own live mapping of exactly this size.
+        unsafe { self.fd.set_user_memory_region(region) }
+            .map_err(kvm("KVM_SET_USER_MEMORY_REGION"))
+    }
+
+    /// Returns and resets the pages the guest dirtied since the last call (one bit per page).
+    pub fn take_dirty_log(&self) -> Result<Vec<u64>> {
+        self.fd
+            .get_dirty_log(MEMORY_SLOT, self.config.memory as usize)
+            .map_err(kvm("KVM_GET_DIRTY_LOG"))
+    }
+
+    /// Saves every vCPU; the VM must be paused.
+    pub fn save_vcpus(&self) -> Result<Vec<VcpuState>> {
+        self.require_paused("save vCPU state")?;
+        (0..self.config.vcpus)
+            .map(|cpu| state::save_vcpu(&self.vcpus.lock_fd(cpu), &self.msrs))
+            .collect()
+    }
+
+    pub fn save_devices(&self) -> Result<DeviceState> {
+        self.require_paused("save device state")?;
+        let serial = self
+            .bus
+            .serial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .save();
+        Ok(DeviceState {
+            irqchip: state::save_irqchip(&self.fd)?,
+            pit: self.fd.get_pit2().map_err(kvm("KVM_GET_PIT2"))?,
+            clock: self.fd.get_clock().map_err(kvm("KVM_GET_CLOCK"))?,
+            serial,
+            heartbeat: self.heartbeat().save(),
+        })
+    }
+
+    /// Loads state saved by `save_vcpus`/`save_devices` (of a VM with this shape).
+    pub fn restore(&self, vcpus: &[VcpuState], devices: &DeviceState) -> Result<()> {
+        self.require_paused("restore state")?;
+        if vcpus.len() != self.config.vcpus {
+            return Err(Error::State(format!(
+                "state has {} vCPUs, this VM {}",
+                vcpus.len(),
+                self.config.vcpus
+            )));
+        }
+        state::restore_irqchip(&self.fd, &devices.irqchip)?;
+        self.fd
+            .set_pit2(&devices.pit)
+            .map_err(kvm("KVM_SET_PIT2"))?;
+        self.fd
+            .set_clock(&state::clock_for_restore(devices.clock))
+            .map_err(kvm("KVM_SET_CLOCK"))?;
+        for (cpu, s) in vcpus.iter().enumerate() {
+            state::restore_vcpu(&self.vcpus.lock_fd(cpu), s)
+                .map_err(|e| Error::State(format!("vCPU {cpu}: {e}")))?;
+        }
+        self.bus
+            .serial
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .load(&devices.serial)
+            .map_err(Error::State)?;
+        *self.heartbeat() = HeartbeatDevice::restore(devices.heartbeat.clone(), true);
+        Ok(())
+    }
+
+    fn require_paused(&self, what: &str) -> Result<()> {
+        if self.state() != VmState::Paused {
+            return Err(Error::State(format!("cannot {what}: the VM is running")));
+        }
+        Ok(())
+    }
+
+    /// Stops every vCPU thread; the VM cannot run again.
+    pub fn shutdown(&self) {
+        self.vcpus.stop();
+    }
+
+    pub fn kvm(&self) -> &Kvm {
+        &self.kvm
+    }
+    pub fn vm_fd(&self) -> &VmFd {
+        &self.fd
+    }
+}
+
+impl Parts {
+    fn create(config: &VmConfig, serial_out: serial::Output) -> Result<Self> {
+        if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
+            return Err(Error::Vcpu {
+                cpu: 0,
+                reason: format!("vCPU count must be 1..={MAX_VCPUS}, not {}", config.vcpus),
+            });
+        }
+        let kvm_sys = Kvm::new().map_err(Error::Kvm)?;
+        let fd = kvm_sys.create_vm().map_err(kvm("KVM_CREATE_VM"))?;
+        let memory = create_guest_memory(config.memory, config.backend)?;
+        let host = memory
+            .find_region(GuestAddress(0))
+            .and_then(|r| r.get_host_address(vm_memory::MemoryRegionAddress(0)).ok())
+            .ok_or_else(|| Error::Memory("no region at 0".into()))?;
+        let region = kvm_userspace_memory_region {
+            slot: MEMORY_SLOT,
+            flags: 0,
+            guest_phys_addr: 0,
+            memory_size: config.memory,
+            userspace_addr: host as u64,
+        };
+        // SAFETY: the mapping lives as long as the VM (both are owned by `Vm`).
+        unsafe { fd.set_user_memory_region(region) }
+            .map_err(kvm("KVM_SET_USER_MEMORY_REGION"))?;
+        if let Err(e) = fd.set_tss_address(TSS_ADDRESS) {
+            tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on every KVM)");
+        }
+        fd.create_irq_chip().map_err(kvm("KVM_CREATE_IRQCHIP"))?;
+        fd.create_pit2(kvm_pit_config {
+            flags: KVM_PIT_SPEAKER_DUMMY,
+            ..Default::default()
+        })
+        .map_err(kvm("KVM_CREATE_PIT2"))?;
+
+        let irq = EventFd::new(EFD_NONBLOCK)?;
+        fd.register_irqfd(&irq, serial::IRQ)
+            .map_err(kvm("KVM_IRQFD"))?;
+        let bus = Arc::new(PortBus {
+            serial: Mutex::new(SerialDevice::new(irq, serial_out)?),
+            heartbeat: Mutex::new(HeartbeatDevice::new(config.vcpus)),
+        });
+
+        let cpuid = kvm_sys
+            .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm("KVM_GET_SUPPORTED_CPUID"))?;
+        let mut vcpu_fds = Vec::new();
+        for i in 0..config.vcpus {
+            let vcpu = fd.create_vcpu(i as u64).map_err(kvm("KVM_CREATE_VCPU"))?;
+            vcpu.set_cpuid2(&cpuid_for(&cpuid, i as u32))
+                .map_err(kvm("KVM_SET_CPUID2"))?;
+            vcpu_fds.push(vcpu);
+        }
+        let msrs = state::migratable_msrs(&kvm_sys, &vcpu_fds[0])?;
+        Ok(Self {
+            kvm: kvm_sys,
+            fd,
+            memory,
+            vcpu_fds,
+            bus,
+            msrs,
+        })
+    }
+}
+
+/// The host's supported CPUID with this vCPU's APIC ID filled in.
+fn cpuid_for(supported: &CpuId, apic_id: u32) -> CpuId {
+    let mut cpuid = supported.clone();
+    for entry in cpuid.as_mut_slice() {
+        match entry.function {
+            1 => entry.ebx = (entry.ebx & 0x00ff_ffff) | (apic_id << 24),
+            0xb | 0x1f => entry.edx = apic_id,
+            _ => {}
+        }
+    }
+    cpuid
+}
+
+/// x87 control word and MXCSR as after reset; KVM leaves them zero.
+fn set_fpu_defaults(vcpu: &VcpuFd) -> Result<()> {
+    let fpu = kvm_bindings::kvm_fpu {
+        fcw: 0x37f,
+        mxcsr: 0x1f80,
+        ..Default::default()
+    };
+    vcpu.set_fpu(&fpu).map_err(kvm("KVM_SET_FPU"))
+}
