@@ -53,12 +53,18 @@ impl ApiClient {
         endpoint: &str,
         body: Option<&Value>,
     ) -> Result<Value, ClientError> {
-        let mut stream = UnixStream::connect(&self.path).map_err(|source| ClientError::Connect {
-            path: self.path.clone(),
-            source,
-        })?;
-        stream.set_read_timeout(Some(self.timeout))?;
         let body = body.map(Value::to_string).unwrap_or_default();
+        self.call_raw(method, endpoint, &body)
+    }
+
+    /// Like `call`, with the body as given (tests use it to send malformed JSON).
+    pub fn call_raw(&self, method: &str, endpoint: &str, body: &str) -> Result<Value, ClientError> {
+        let mut stream =
+            UnixStream::connect(&self.path).map_err(|source| ClientError::Connect {
+                path: self.path.clone(),
+                source,
+            })?;
+        stream.set_read_timeout(Some(self.timeout))?;
         write!(
             stream,
             "{method} {PREFIX}{endpoint} HTTP/1.1\r\nHost: ferry\r\nConnection: close\r\n\

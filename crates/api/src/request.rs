@@ -75,8 +75,8 @@ mod tests {
         let e = ApiRequest::parse("PUT", "/api/v1/vm.debug-corrupt-page", b"{page").unwrap_err();
         assert_eq!(e.status, 400);
         assert!(e.message.contains("malformed JSON"));
-        let e = ApiRequest::parse("PUT", "/api/v1/vm.debug-corrupt-page", br#"{"pg":1}"#)
-            .unwrap_err();
+        let e =
+            ApiRequest::parse("PUT", "/api/v1/vm.debug-corrupt-page", br#"{"pg":1}"#).unwrap_err();
         assert!(e.message.contains("unknown field"));
     }
 }

@@ -6,7 +6,11 @@ use clap::{Args, Parser, Subcommand};
 use vmm::{MemoryBackend, MemorySize};
 
 #[derive(Parser, Debug)]
-#[command(name = "ferry", version, about = "A VMM built to move running VMs between hosts")]
+#[command(
+    name = "ferry",
+    version,
+    about = "A VMM built to move running VMs between hosts"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,

@@ -2,11 +2,11 @@
 
 use std::fs::File;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result, bail};
 use api::ApiServer;
 use vmm::devices::GuestEvent;
 use vmm::{Vm, VmConfig, VmEvent};
@@ -77,8 +77,7 @@ fn supervise(controller: &Controller) -> i32 {
 }
 
 fn check_guest_file(path: &Path) -> Result<()> {
-    let meta = std::fs::metadata(path)
-        .with_context(|| format!("guest file {}", path.display()))?;
+    let meta = std::fs::metadata(path).with_context(|| format!("guest file {}", path.display()))?;
     if !meta.is_file() {
         bail!("guest file {} is not a regular file", path.display());
     }
@@ -95,7 +94,9 @@ pub fn cmdline_with_vcpus(cmdline: &str, vcpus: usize) -> Result<String> {
             return Ok(cmdline.to_string());
         }
     }
-    Ok(format!("{} vcpus={vcpus}", cmdline.trim()).trim().to_string())
+    Ok(format!("{} vcpus={vcpus}", cmdline.trim())
+        .trim()
+        .to_string())
 }
 
 fn open_serial(target: &str) -> Result<Box<dyn std::io::Write + Send>> {
@@ -122,9 +123,15 @@ mod tests {
 
     #[test]
     fn vcpus_word_is_added_or_checked() {
-        assert_eq!(cmdline_with_vcpus("write ws=64M", 2).unwrap(), "write ws=64M vcpus=2");
+        assert_eq!(
+            cmdline_with_vcpus("write ws=64M", 2).unwrap(),
+            "write ws=64M vcpus=2"
+        );
         assert_eq!(cmdline_with_vcpus("", 1).unwrap(), "vcpus=1");
-        assert_eq!(cmdline_with_vcpus("idle vcpus=2", 2).unwrap(), "idle vcpus=2");
+        assert_eq!(
+            cmdline_with_vcpus("idle vcpus=2", 2).unwrap(),
+            "idle vcpus=2"
+        );
         assert!(cmdline_with_vcpus("idle vcpus=3", 2).is_err());
     }
 }

@@ -8,9 +8,9 @@ use std::fs::File;
 use std::path::Path;
 
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
+use linux_loader::loader::KernelLoader;
 use linux_loader::loader::elf::start_info::{hvm_memmap_table_entry, hvm_start_info};
 use linux_loader::loader::elf::{Elf, PvhBootCapability};
-use linux_loader::loader::KernelLoader;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend};
 
 use crate::error::{Error, Result};

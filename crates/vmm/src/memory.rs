@@ -27,7 +27,9 @@ impl FromStr for MemoryBackend {
         match s {
             "anonymous" | "anon" => Ok(Self::Anonymous),
             "memfd" => Ok(Self::Memfd),
-            other => Err(format!("unknown memory backend '{other}' (use anonymous or memfd)")),
+            other => Err(format!(
+                "unknown memory backend '{other}' (use anonymous or memfd)"
+            )),
         }
     }
 }
@@ -63,9 +65,9 @@ impl FromStr for MemorySize {
 impl fmt::Display for MemorySize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let b = self.0;
-        if b % (1 << 30) == 0 {
+        if b.is_multiple_of(1 << 30) {
             write!(f, "{}G", b >> 30)
-        } else if b % (1 << 20) == 0 {
+        } else if b.is_multiple_of(1 << 20) {
             write!(f, "{}M", b >> 20)
         } else {
             write!(f, "{b}")
@@ -91,8 +93,10 @@ pub fn create_guest_memory(size: u64, backend: MemoryBackend) -> Result<GuestMem
             MemorySize(MAX_MEMORY)
         )));
     }
-    if size % 4096 != 0 {
-        return Err(Error::Memory("memory size must be a multiple of 4 KiB".into()));
+    if !size.is_multiple_of(4096) {
+        return Err(Error::Memory(
+            "memory size must be a multiple of 4 KiB".into(),
+        ));
     }
     let len = size as usize;
     let region = match backend {
@@ -130,8 +134,17 @@ mod tests {
         assert_eq!("4G".parse::<MemorySize>().unwrap().0, 4 << 30);
         assert_eq!("512m".parse::<MemorySize>().unwrap().0, 512 << 20);
         assert_eq!("4096".parse::<MemorySize>().unwrap().0, 4096);
-        assert!("0".parse::<MemorySize>().unwrap_err().contains("larger than 0"));
-        assert!("abc".parse::<MemorySize>().unwrap_err().contains("not a size"));
+        assert!(
+            "0".parse::<MemorySize>()
+                .unwrap_err()
+                .contains("larger than 0")
+        );
+        assert!(
+            "abc"
+                .parse::<MemorySize>()
+                .unwrap_err()
+                .contains("not a size")
+        );
         assert!("99999999999T".parse::<MemorySize>().is_err());
     }
 

@@ -3,15 +3,15 @@
 //! the live KVM objects they are taken from (Firecracker's `Persist` split).
 
 use kvm_bindings::{
-    kvm_clock_data, kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry,
-    kvm_pit_state2, kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave, Msrs,
-    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, Msrs, kvm_clock_data,
+    kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_pit_state2,
+    kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::{Deserialize, Serialize};
 
 use crate::devices::{HeartbeatState, SerialDeviceState};
-use crate::error::{kvm, Error, Result};
+use crate::error::{Error, Result, kvm};
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VcpuState {
@@ -106,8 +106,7 @@ pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState) -> Result<()> {
     vcpu.set_xcrs(&state.xcrs).map_err(kvm("KVM_SET_XCRS"))?;
     // SAFETY: the XSAVE area was produced by KVM_GET_XSAVE of the same size.
     unsafe { vcpu.set_xsave(&state.xsave) }.map_err(kvm("KVM_SET_XSAVE"))?;
-    let msrs =
-        Msrs::from_entries(&state.msrs).map_err(|e| Error::State(format!("MSRs: {e:?}")))?;
+    let msrs = Msrs::from_entries(&state.msrs).map_err(|e| Error::State(format!("MSRs: {e:?}")))?;
     let written = vcpu.set_msrs(&msrs).map_err(kvm("KVM_SET_MSRS"))?;
     if written != state.msrs.len() {
         return Err(Error::State(format!(

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvm_bindings::kvm_run;
 use kvm_ioctls::{VcpuExit, VcpuFd};
-use vmm_sys_util::signal::{register_signal_handler, Killable, SIGRTMIN};
+use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
 
 use crate::devices::{GuestEvent, PortBus};
 use crate::error::{Error, Result};
@@ -198,7 +198,12 @@ impl VcpuSet {
     }
 
     fn kick_all(&self) {
-        for t in self.threads.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        for t in self
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+        {
             let _ = t.kill(kick_signal());
         }
     }
@@ -292,12 +297,14 @@ impl VcpuContext {
             VcpuExit::MmioRead(_, data) => data.fill(0xff),
             VcpuExit::MmioWrite(..) => {}
             VcpuExit::Hlt => {
-                let _ = self.events.send(VmEvent::Guest(GuestEvent::Finished { failed: false }));
+                let _ = self
+                    .events
+                    .send(VmEvent::Guest(GuestEvent::Finished { failed: false }));
                 return Step::Exit;
             }
             VcpuExit::Shutdown => return self.fail("the guest shut down (triple fault)".into()),
             VcpuExit::FailEntry(reason, _) => {
-                return self.fail(format!("VM entry failed, hardware reason {reason:#x}"))
+                return self.fail(format!("VM entry failed, hardware reason {reason:#x}"));
             }
             VcpuExit::InternalError => return self.fail("KVM internal error".into()),
             other => tracing::debug!(cpu = self.cpu, "unhandled exit {other:?}"),

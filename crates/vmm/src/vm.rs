@@ -1,21 +1,21 @@
 //! One VM: KVM objects, guest memory, vCPU threads and devices, and what can be done to it.
 
 use std::path::Path;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{
-    kvm_pit_config, kvm_userspace_memory_region, CpuId, KVM_MAX_CPUID_ENTRIES,
-    KVM_MEM_LOG_DIRTY_PAGES, KVM_MP_STATE_RUNNABLE, KVM_PIT_SPEAKER_DUMMY,
+    CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES, KVM_MP_STATE_RUNNABLE,
+    KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
-use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::boot;
-use crate::devices::{serial, GuestEvent, HeartbeatDevice, PortBus, SerialDevice};
-use crate::error::{kvm, Error, Result};
-use crate::memory::{create_guest_memory, GuestMemory, MemoryBackend};
+use crate::devices::{GuestEvent, HeartbeatDevice, PortBus, SerialDevice, serial};
+use crate::error::{Error, Result, kvm};
+use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory};
 use crate::state::{self, DeviceState, VcpuState};
 use crate::vcpu::VcpuSet;
 
@@ -202,8 +202,7 @@ impl Vm {
             userspace_addr: self.host_address() as u64,
         };
         // SAFETY: the region is our own live mapping of exactly this size.
-        unsafe { self.fd.set_user_memory_region(region) }
-            .map_err(kvm("KVM_SET_USER_MEMORY_REGION"))
+        unsafe { self.fd.set_user_memory_region(region) }.map_err(kvm("KVM_SET_USER_MEMORY_REGION"))
     }
 
     /// Returns and resets the pages the guest dirtied since the last call (one bit per page).
@@ -312,8 +311,7 @@ impl Parts {
             userspace_addr: host as u64,
         };
         // SAFETY: the mapping lives as long as the VM (both are owned by `Vm`).
-        unsafe { fd.set_user_memory_region(region) }
-            .map_err(kvm("KVM_SET_USER_MEMORY_REGION"))?;
+        unsafe { fd.set_user_memory_region(region) }.map_err(kvm("KVM_SET_USER_MEMORY_REGION"))?;
         if let Err(e) = fd.set_tss_address(TSS_ADDRESS) {
             tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on every KVM)");
         }

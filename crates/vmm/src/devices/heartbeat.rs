@@ -165,7 +165,12 @@ impl HeartbeatDevice {
         }
         p.last_heartbeat_ns = now;
         self.count += 1;
-        if cpu == 0 && self.history.back().is_none_or(|&(t, _)| now >= t + SAMPLE_EVERY_NS) {
+        if cpu == 0
+            && self
+                .history
+                .back()
+                .is_none_or(|&(t, _)| now >= t + SAMPLE_EVERY_NS)
+        {
             if self.history.len() == HISTORY_LEN {
                 self.history.pop_front();
             }

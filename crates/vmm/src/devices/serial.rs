@@ -91,7 +91,10 @@ impl SerialDevice {
             scratch: sc,
             in_buffer: state.in_buffer.clone(),
         };
-        let irq = self.irq.try_clone().map_err(|e| format!("serial irq: {e}"))?;
+        let irq = self
+            .irq
+            .try_clone()
+            .map_err(|e| format!("serial irq: {e}"))?;
         let output = std::mem::replace(self.uart.writer_mut(), Box::new(std::io::sink()));
         self.uart = Serial::from_state(&s, IrqTrigger(irq), NoEvents, output)
             .map_err(|e| format!("serial state: {e:?}"))?;

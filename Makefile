@@ -1,0 +1,36 @@
+# ferry: the two commands that matter are `make demo` and `make test` (see README.md).
+SHELL := /bin/bash
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+CARGO ?= cargo
+GUEST := guest/build/guest.elf
+FERRY := target/release/ferry
+
+.PHONY: all deps guest build test demo bench lint clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+guest: deps
+	@$(MAKE) -s -C guest
+
+build: deps guest
+	$(CARGO) build --release --workspace
+
+test: build
+	$(CARGO) test --release --workspace -- --test-threads=2
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+
+demo: build
+	@scripts/demo.sh
+
+bench: build
+	@bench/run.sh
+
+clean:
+	$(CARGO) clean
+	$(MAKE) -C guest clean

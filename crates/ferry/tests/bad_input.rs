@@ -1,0 +1,138 @@
+//! Bad input gets a clear error naming the problem, and never a panic.
+
+mod common;
+
+use common::*;
+
+fn run_fails(args: &[&str], expect: &str) {
+    let out = ferry_output(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{args:?} should fail");
+    assert!(
+        stderr.contains(expect),
+        "{args:?}: expected {expect:?} in stderr, got:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "{args:?} panicked:\n{stderr}");
+}
+
+#[test]
+fn missing_guest_file() {
+    run_fails(
+        &["run", "--guest", "/nonexistent/guest.elf"],
+        "guest file /nonexistent/guest.elf",
+    );
+}
+
+#[test]
+fn guest_that_is_not_an_elf() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("notes.txt");
+    std::fs::write(&path, "just some text, not a kernel\n").unwrap();
+    run_fails(
+        &[
+            "run",
+            "--guest",
+            path.to_str().unwrap(),
+            "--serial",
+            "/dev/null",
+        ],
+        "not a loadable 64-bit ELF",
+    );
+}
+
+#[test]
+fn bad_memory_sizes() {
+    let guest = guest();
+    let g = guest.to_str().unwrap();
+    run_fails(&["run", "--guest", g, "--memory", "0"], "larger than 0");
+    run_fails(&["run", "--guest", g, "--memory", "abc"], "not a size");
+    if kvm_available() {
+        run_fails(
+            &[
+                "run",
+                "--guest",
+                g,
+                "--memory",
+                "100T",
+                "--serial",
+                "/dev/null",
+            ],
+            "larger than ferry can map",
+        );
+    }
+}
+
+#[test]
+fn unknown_workload_word() {
+    if !kvm_available() {
+        return;
+    }
+    let guest = guest();
+    run_fails(
+        &[
+            "run",
+            "--guest",
+            guest.to_str().unwrap(),
+            "--cmdline",
+            "write bogus",
+            "--serial",
+            "/dev/null",
+        ],
+        "unknown workload word bogus",
+    );
+}
+
+#[test]
+fn api_socket_already_in_use() {
+    if !kvm_available() {
+        return;
+    }
+    let ferry = Ferry::boot(VmSpec::default());
+    let guest = guest();
+    run_fails(
+        &[
+            "run",
+            "--guest",
+            guest.to_str().unwrap(),
+            "--api-socket",
+            ferry.socket.to_str().unwrap(),
+        ],
+        "is in use by another process",
+    );
+    assert_eq!(ferry.info().state, "running", "the first VM is untouched");
+}
+
+#[test]
+fn malformed_api_requests() {
+    if !kvm_available() {
+        return;
+    }
+    let ferry = Ferry::boot(VmSpec::default());
+    let api = ferry.api();
+    let err = api
+        .call_raw("PUT", "vm.debug-corrupt-page", "{page")
+        .unwrap_err();
+    assert!(err.to_string().contains("malformed JSON"), "{err}");
+    assert!(err.to_string().contains("400"), "{err}");
+    let err = api.call_raw("GET", "vm.pause", "").unwrap_err();
+    assert!(err.to_string().contains("takes PUT"), "{err}");
+    let err = api.call_raw("GET", "vm.nothing", "").unwrap_err();
+    assert!(err.to_string().contains("no such endpoint"), "{err}");
+    assert_eq!(ferry.info().state, "running");
+}
+
+#[test]
+fn status_without_a_vm() {
+    run_fails(
+        &["status", "--api-socket", "/nonexistent/ferry.sock"],
+        "cannot reach the ferry API",
+    );
+}
+
+#[test]
+fn wrong_flag() {
+    run_fails(&["run", "--memroy", "1G"], "--memroy");
+}

@@ -1,0 +1,200 @@
+//! Helpers for end-to-end tests that start real ferry processes.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use api::{ApiClient, VmInfo};
+
+pub const FERRY: &str = env!("CARGO_BIN_EXE_ferry");
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The workload guest, built by `make -C guest` if it is not there yet.
+pub fn guest() -> PathBuf {
+    let path = repo_root().join("guest/build/guest.elf");
+    if !path.exists() {
+        let ok = Command::new("make")
+            .arg("-s")
+            .arg("-C")
+            .arg(repo_root().join("guest"))
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
+        assert!(ok, "building the workload guest failed");
+    }
+    path
+}
+
+/// False (with a loud message) when /dev/kvm is missing outside CI; in CI that is a failure.
+pub fn kvm_available() -> bool {
+    if Path::new("/dev/kvm").exists() {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").is_err(),
+        "/dev/kvm is missing in CI: KVM tests cannot run"
+    );
+    eprintln!("\n*** SKIPPED: /dev/kvm is absent; this test needs KVM ***\n");
+    false
+}
+
+/// Polls `f` every 20 ms until it returns Some, or panics after `timeout` naming `what`.
+pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A ferry process that is killed when the test lets go of it.
+pub struct Ferry {
+    pub child: Option<Child>,
+    pub socket: PathBuf,
+    pub serial: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+pub struct VmSpec<'a> {
+    pub memory: &'a str,
+    pub vcpus: usize,
+    pub cmdline: &'a str,
+}
+
+impl Default for VmSpec<'_> {
+    fn default() -> Self {
+        Self {
+            memory: "1G",
+            vcpus: 1,
+            cmdline: "idle",
+        }
+    }
+}
+
+impl Ferry {
+    /// `ferry run` with extra arguments; waits until the API answers.
+    pub fn start(extra: &[&str]) -> Ferry {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("api.sock");
+        let serial = dir.path().join("serial.log");
+        let child = Command::new(FERRY)
+            .arg("run")
+            .arg("--api-socket")
+            .arg(&socket)
+            .arg("--serial")
+            .arg(&serial)
+            .args(extra)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn ferry");
+        let mut ferry = Ferry {
+            child: Some(child),
+            socket,
+            serial,
+            _dir: dir,
+        };
+        ferry.wait_api();
+        ferry
+    }
+
+    pub fn boot(spec: VmSpec) -> Ferry {
+        let guest = guest();
+        let vcpus = spec.vcpus.to_string();
+        Ferry::start(&[
+            "--guest",
+            guest.to_str().unwrap(),
+            "--memory",
+            spec.memory,
+            "--vcpus",
+            &vcpus,
+            "--cmdline",
+            spec.cmdline,
+        ])
+    }
+
+    fn wait_api(&mut self) {
+        let socket = self.socket.clone();
+        let child = self.child.as_mut().unwrap();
+        wait_for("the ferry API socket", Duration::from_secs(20), || {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("ferry exited early: {status}");
+            }
+            ApiClient::new(&socket).get("vm.info").ok()
+        });
+    }
+
+    pub fn api(&self) -> ApiClient {
+        ApiClient::new(&self.socket)
+    }
+
+    pub fn info(&self) -> VmInfo {
+        let v = self.api().get("vm.info").expect("vm.info");
+        serde_json::from_value(v).expect("vm.info body")
+    }
+
+    pub fn put(&self, endpoint: &str) {
+        self.api().put(endpoint, None).expect(endpoint);
+    }
+
+    /// Waits until `pred` holds for vm.info; returns that info.
+    pub fn wait_info(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&VmInfo) -> bool,
+    ) -> VmInfo {
+        wait_for(what, timeout, || {
+            let info = self.info();
+            pred(&info).then_some(info)
+        })
+    }
+
+    pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
+        let child = self.child.as_mut().unwrap();
+        wait_for("ferry to exit", timeout, || child.try_wait().ok().flatten())
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(|c| c.try_wait()), Some(Ok(None)))
+    }
+
+    pub fn serial_text(&self) -> String {
+        std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+}
+
+impl Drop for Ferry {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Runs ferry to completion with `args` (for commands that must fail fast).
+pub fn ferry_output(args: &[&str]) -> Output {
+    let mut child = Command::new(FERRY)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn ferry");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while child.try_wait().ok().flatten().is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("ferry {args:?} did not exit within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("ferry output")
+}

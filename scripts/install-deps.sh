@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs what ferry needs on a fresh Debian 12 machine (as root); does nothing when all is there.
+set -euo pipefail
+
+need=()
+command -v gcc >/dev/null || need+=(gcc)
+command -v make >/dev/null || need+=(make)
+command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+command -v ip >/dev/null || need+=(iproute2)
+command -v tc >/dev/null || need+=(iproute2)
+command -v curl >/dev/null || need+=(curl)
+[ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/x86_64-linux-gnu/libclang*.so >/dev/null 2>&1 || need+=(libclang-dev)
+command -v python3 >/dev/null || need+=(python3)
+
+if [ ${#need[@]} -gt 0 ]; then
+    if [ "$(id -u)" != 0 ]; then
+        echo "ferry: missing packages: ${need[*]}; run as root or install them" >&2
+        exit 1
+    fi
+    echo "ferry: installing ${need[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q "${need[@]}"
+fi
+
+if ! command -v cargo >/dev/null; then
+    if [ -x "$HOME/.cargo/bin/cargo" ]; then
+        echo "ferry: cargo is in ~/.cargo/bin; add it to PATH" >&2
+    else
+        echo "ferry: a Rust toolchain (cargo, Rust >= 1.80) is required: install it with rustup" >&2
+    fi
+    exit 1
+fi
