@@ -3,7 +3,7 @@
 use serde::de::DeserializeOwned;
 
 use crate::server::ApiError;
-use crate::types::CorruptPageRequest;
+use crate::types::{CorruptPageRequest, MigrationRequest, SnapshotRequest};
 
 pub const PREFIX: &str = "/api/v1/";
 
@@ -14,6 +14,10 @@ pub enum ApiRequest {
     Resume,
     Shutdown,
     CorruptPage(CorruptPageRequest),
+    SendMigration(MigrationRequest),
+    MigrationStatus,
+    CancelMigration,
+    Snapshot(SnapshotRequest),
 }
 
 impl ApiRequest {
@@ -27,6 +31,10 @@ impl ApiRequest {
             "vm.resume" => ("PUT", ApiRequest::Resume),
             "vm.shutdown" => ("PUT", ApiRequest::Shutdown),
             "vm.debug-corrupt-page" => ("PUT", ApiRequest::CorruptPage(json(endpoint, body)?)),
+            "vm.send-migration" => ("PUT", ApiRequest::SendMigration(json(endpoint, body)?)),
+            "vm.migration" => ("GET", ApiRequest::MigrationStatus),
+            "vm.cancel-migration" => ("PUT", ApiRequest::CancelMigration),
+            "vm.snapshot" => ("PUT", ApiRequest::Snapshot(json(endpoint, body)?)),
             _ => return Err(ApiError::not_found(path)),
         };
         if method != want {

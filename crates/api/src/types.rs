@@ -50,3 +50,29 @@ pub struct CorruptPageRequest {
     /// Working-set page index.
     pub page: u64,
 }
+
+/// Body of `PUT /api/v1/vm.send-migration`. Limits are signed so that a negative number gets
+/// an error naming the field rather than a type error.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MigrationRequest {
+    /// tcp:HOST:PORT or unix:PATH
+    pub destination: String,
+    /// precopy (default) or warm
+    pub mode: Option<String>,
+    pub max_downtime_ms: Option<i64>,
+    pub max_bandwidth_mbps: Option<i64>,
+    pub max_rounds: Option<i64>,
+    pub timeout_s: Option<i64>,
+    /// Both VMMs checksum guest memory at the switch (adds downtime; for tests).
+    pub checksum: Option<bool>,
+}
+
+/// Body of `PUT /api/v1/vm.snapshot`.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotRequest {
+    pub file: String,
+}
+
+pub use migration::{MigrationPhase, MigrationStatus, RoundStats};

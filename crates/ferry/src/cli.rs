@@ -28,6 +28,47 @@ pub enum Command {
     Resume(ApiArgs),
     /// Stop the VM and its ferry process.
     Shutdown(ApiArgs),
+    /// Live-migrate the VM to a ferry started with --incoming, showing progress.
+    Migrate(MigrateArgs),
+    /// Write the paused VM to a file (cold migration); `ferry run --restore FILE` brings it back.
+    Snapshot(SnapshotArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct MigrateArgs {
+    #[arg(long)]
+    pub api_socket: PathBuf,
+    /// Destination: tcp:HOST:PORT or unix:PATH
+    #[arg(long)]
+    pub to: String,
+    /// precopy (live) or warm (pause, copy, resume there)
+    #[arg(long, default_value = "precopy")]
+    pub mode: String,
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_downtime_ms: Option<i64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_bandwidth_mbps: Option<i64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub max_rounds: Option<i64>,
+    #[arg(long, allow_negative_numbers = true)]
+    pub timeout_s: Option<i64>,
+    /// Both VMMs checksum guest memory at the switch and compare (adds downtime).
+    #[arg(long)]
+    pub checksum: bool,
+    /// Print the final report as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct SnapshotArgs {
+    #[arg(long)]
+    pub api_socket: PathBuf,
+    /// The snapshot file to write.
+    #[arg(long)]
+    pub to: PathBuf,
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -59,4 +100,10 @@ pub struct RunArgs {
     /// Serve the control API on this Unix socket.
     #[arg(long)]
     pub api_socket: Option<PathBuf>,
+    /// Wait for one incoming migration (tcp:HOST:PORT or unix:PATH) instead of booting.
+    #[arg(long, conflicts_with_all = ["guest", "cmdline", "restore"])]
+    pub incoming: Option<String>,
+    /// Bring back a VM from a snapshot file instead of booting.
+    #[arg(long, conflicts_with_all = ["guest", "cmdline"])]
+    pub restore: Option<PathBuf>,
 }

@@ -1,35 +1,65 @@
-//! The VM as the API sees it: maps requests to VM operations and builds `vm.info`.
+//! The VM as the API sees it: its phase of life, `vm.info`, and request dispatch.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use api::{ApiError, ApiRequest, Handler, VcpuProgress, VmInfo};
 use serde_json::Value;
-use vm_memory_bytes::write_guest_byte;
 use vmm::devices::heartbeat::now_ns;
 use vmm::{Vm, VmState};
+
+use crate::outgoing::Outgoing;
 
 /// Where the VM is in its life, beyond running/paused.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Phase {
+    /// Waiting for an incoming migration or restoring a snapshot.
+    Incoming,
     Live,
+    /// The destination runs the VM; this process is about to exit.
+    Migrated,
     ShuttingDown,
     Failed(String),
 }
 
 pub struct Controller {
-    pub vm: Arc<Vm>,
+    me: Weak<Controller>,
+    vm: OnceLock<Arc<Vm>>,
     phase: Mutex<Phase>,
     shutdown: AtomicBool,
+    pub outgoing: Outgoing,
 }
 
 impl Controller {
-    pub fn new(vm: Arc<Vm>) -> Self {
-        Self {
-            vm,
-            phase: Mutex::new(Phase::Live),
+    pub fn new(phase: Phase) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            me: me.clone(),
+            vm: OnceLock::new(),
+            phase: Mutex::new(phase),
             shutdown: AtomicBool::new(false),
-        }
+            outgoing: Outgoing::default(),
+        })
+    }
+
+    pub fn with_vm(vm: Arc<Vm>) -> Arc<Self> {
+        let c = Self::new(Phase::Live);
+        c.set_vm(vm);
+        c
+    }
+
+    /// This controller as an `Arc`, for work that outlives a request.
+    pub fn self_ref(&self) -> Arc<Self> {
+        self.me.upgrade().expect("a controller lives in an Arc")
+    }
+
+    pub fn set_vm(&self, vm: Arc<Vm>) {
+        let _ = self.vm.set(vm);
+    }
+
+    pub fn vm(&self) -> Result<&Arc<Vm>, ApiError> {
+        self.vm
+            .get()
+            .ok_or_else(|| ApiError::conflict("no VM yet: waiting for an incoming migration"))
     }
 
     pub fn shutdown_requested(&self) -> bool {
@@ -40,22 +70,27 @@ impl Controller {
         *self.phase.lock().unwrap_or_else(|e| e.into_inner()) = phase;
     }
 
-    fn phase(&self) -> Phase {
+    pub fn phase(&self) -> Phase {
         self.phase.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     pub fn info(&self) -> VmInfo {
-        let i = self.vm.info();
-        let (state, error) = match self.phase() {
-            Phase::Live => (
-                match i.state {
-                    VmState::Running => "running",
-                    VmState::Paused => "paused",
-                },
-                None,
-            ),
-            Phase::ShuttingDown => ("shutting-down", None),
-            Phase::Failed(e) => ("failed", Some(e)),
+        let phase = self.phase();
+        let Some(vm) = self.vm.get() else {
+            return VmInfo {
+                state: "incoming".into(),
+                ..Default::default()
+            };
+        };
+        let i = vm.info();
+        let state = match &phase {
+            Phase::Incoming => "incoming",
+            Phase::Live if self.outgoing.running() => "migrating",
+            Phase::Live if i.state == VmState::Running => "running",
+            Phase::Live => "paused",
+            Phase::Migrated => "migrated",
+            Phase::ShuttingDown => "shutting-down",
+            Phase::Failed(_) => "failed",
         };
         let ms = |ns: u64| ns as f64 / 1e6;
         let last = i.total.last_heartbeat_ns;
@@ -87,26 +122,27 @@ impl Controller {
                     share_pages: p.share_pages,
                 })
                 .collect(),
-            error,
+            error: match phase {
+                Phase::Failed(e) => Some(e),
+                _ => None,
+            },
         }
     }
 
-    fn require_live(&self) -> Result<(), ApiError> {
+    /// Operations that change the VM need it live here (not gone, not going).
+    pub fn require_live(&self) -> Result<&Arc<Vm>, ApiError> {
         match self.phase() {
-            Phase::Live => Ok(()),
-            other => Err(ApiError::conflict(format!(
-                "the VM is {}",
-                match other {
-                    Phase::ShuttingDown => "shutting down".to_string(),
-                    Phase::Failed(e) => format!("failed: {e}"),
-                    Phase::Live => unreachable!(),
-                }
-            ))),
+            Phase::Live => self.vm(),
+            Phase::Incoming => Err(ApiError::conflict("the VM has not arrived yet")),
+            Phase::Migrated => Err(ApiError::conflict("the VM has migrated away")),
+            Phase::ShuttingDown => Err(ApiError::conflict("the VM is shutting down")),
+            Phase::Failed(e) => Err(ApiError::conflict(format!("the VM failed: {e}"))),
         }
     }
 
     fn corrupt_page(&self, page: u64) -> Result<(), ApiError> {
-        let info = self.vm.info();
+        let vm = self.require_live()?;
+        let info = vm.info();
         let ws_pages: u64 = info.progress.iter().map(|p| p.share_pages).sum();
         if info.total.ws_base == 0 || page >= ws_pages {
             return Err(ApiError::bad_request(format!(
@@ -114,8 +150,10 @@ impl Controller {
             )));
         }
         let gpa = info.total.ws_base + page * 4096;
-        write_guest_byte(self.vm.memory(), gpa, |b| b ^ 0x5a)
-            .map_err(|e| ApiError::internal(format!("cannot write guest memory: {e}")))
+        let mut byte = [0u8];
+        let fail = |e: vmm::Error| ApiError::internal(format!("guest memory: {e}"));
+        vm.read_guest(gpa, &mut byte).map_err(fail)?;
+        vm.write_guest(gpa, &[byte[0] ^ 0x5a]).map_err(fail)
     }
 }
 
@@ -125,13 +163,11 @@ impl Handler for Controller {
         match request {
             ApiRequest::VmInfo => Ok(serde_json::to_value(self.info()).unwrap_or_default()),
             ApiRequest::Pause => {
-                self.require_live()?;
-                self.vm.pause().map_err(internal)?;
+                self.require_live()?.pause().map_err(internal)?;
                 Ok(Value::Null)
             }
             ApiRequest::Resume => {
-                self.require_live()?;
-                self.vm.resume();
+                self.require_live()?.resume();
                 Ok(Value::Null)
             }
             ApiRequest::Shutdown => {
@@ -140,24 +176,13 @@ impl Handler for Controller {
                 Ok(Value::Null)
             }
             ApiRequest::CorruptPage(req) => {
-                self.require_live()?;
                 self.corrupt_page(req.page)?;
                 Ok(Value::Null)
             }
+            ApiRequest::SendMigration(req) => self.send_migration(&req),
+            ApiRequest::MigrationStatus => Ok(self.outgoing.status_json()),
+            ApiRequest::CancelMigration => self.outgoing.cancel(),
+            ApiRequest::Snapshot(req) => self.snapshot(&req),
         }
-    }
-}
-
-mod vm_memory_bytes {
-    use vm_memory::{Bytes, GuestAddress};
-
-    /// Read-modify-write of one guest byte, as a device emulation would do it.
-    pub fn write_guest_byte(
-        memory: &vmm::memory::GuestMemory,
-        gpa: u64,
-        f: impl FnOnce(u8) -> u8,
-    ) -> Result<(), vm_memory::GuestMemoryError> {
-        let b: u8 = memory.read_obj(GuestAddress(gpa))?;
-        memory.write_obj(f(b), GuestAddress(gpa))
     }
 }

@@ -2,6 +2,9 @@
 
 mod cli;
 mod controller;
+mod migrate;
+mod outgoing;
+mod report;
 mod run;
 mod status;
 
@@ -22,6 +25,8 @@ fn main() {
         cli::Command::Pause(a) => status::simple_put(&a, "vm.pause"),
         cli::Command::Resume(a) => status::simple_put(&a, "vm.resume"),
         cli::Command::Shutdown(a) => status::simple_put(&a, "vm.shutdown"),
+        cli::Command::Migrate(a) => migrate::migrate(&a),
+        cli::Command::Snapshot(a) => migrate::snapshot(&a),
     };
     match result {
         Ok(code) => std::process::exit(code),

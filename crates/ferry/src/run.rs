@@ -1,13 +1,15 @@
-//! `ferry run`: boot a guest, serve the API, and supervise the VM until it ends.
+//! `ferry run`: boot a guest (or receive one), serve the API, supervise the VM until it ends.
 
 use std::fs::File;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use api::ApiServer;
+use migration::Incoming;
+use migration::receive::{Received, open_incoming, receive_migration, send_guest_report};
 use vmm::devices::GuestEvent;
 use vmm::{Vm, VmConfig, VmEvent};
 
@@ -16,15 +18,34 @@ use crate::controller::{Controller, Phase};
 
 static TERMINATE: AtomicBool = AtomicBool::new(false);
 
+/// After migrating away, the source waits this long for someone to read the final report.
+const REPORT_LINGER: Duration = Duration::from_secs(10);
+/// The destination measures the guest's work rate over this window after resuming.
+const AFTER_WINDOW: Duration = Duration::from_secs(1);
+
 pub fn run(args: RunArgs) -> Result<i32> {
-    let Some(guest) = args.guest.as_deref() else {
-        bail!("--guest PATH is required");
-    };
-    check_guest_file(guest)?;
-    let cmdline = cmdline_with_vcpus(&args.cmdline, args.vcpus)?;
     if let Some(socket) = &args.api_socket {
         ApiServer::ensure_available(socket)?;
     }
+    install_termination_handler();
+    let incoming = match (&args.incoming, &args.restore) {
+        (Some(url), None) => Some(Incoming::Listen(url.parse()?)),
+        (None, Some(file)) => Some(Incoming::Snapshot(file.clone())),
+        (None, None) => None,
+        (Some(_), Some(_)) => bail!("--incoming and --restore exclude each other"),
+    };
+    match incoming {
+        Some(incoming) => run_incoming(&args, &incoming),
+        None => run_boot(&args),
+    }
+}
+
+fn run_boot(args: &RunArgs) -> Result<i32> {
+    let Some(guest) = args.guest.as_deref() else {
+        bail!("--guest PATH is required (or --incoming URL / --restore FILE)");
+    };
+    check_guest_file(guest)?;
+    let cmdline = cmdline_with_vcpus(&args.cmdline, args.vcpus)?;
     let config = VmConfig {
         memory: args.memory.0,
         vcpus: args.vcpus,
@@ -32,46 +53,117 @@ pub fn run(args: RunArgs) -> Result<i32> {
     };
     let serial = open_serial(&args.serial)?;
     let vm = Vm::boot(config, guest, &cmdline, serial).context("cannot start the VM")?;
-    serve(Arc::new(vm), args.api_socket.as_deref())
+    let controller = Controller::with_vm(Arc::new(vm));
+    let _server = start_api(&controller, args.api_socket.as_deref())?;
+    Ok(supervise(&controller))
 }
 
-/// Serves the API for `vm` and supervises it until it ends; returns the exit status.
-fn serve(vm: Arc<Vm>, socket: Option<&Path>) -> Result<i32> {
-    let controller = Arc::new(Controller::new(vm));
-    let _server = match socket {
+fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
+    let controller = Controller::new(Phase::Incoming);
+    let _server = start_api(&controller, args.api_socket.as_deref())?;
+    let stream = open_incoming(incoming)?;
+    let serial = open_serial(&args.serial)?;
+    let status = controller.outgoing.status.clone();
+    let received = receive_migration(
+        stream,
+        |descriptor| {
+            let config = VmConfig::from_descriptor(descriptor)?;
+            Vm::for_restore(config, serial)
+                .map(Arc::new)
+                .map_err(|e| migration::Error::Vm(format!("cannot build the VM: {e}")))
+        },
+        &status,
+    );
+    let Received {
+        vm,
+        mut stream,
+        resumed_at_ns,
+    } = match received {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("ferry: error: incoming migration failed: {e}");
+            return Ok(1);
+        }
+    };
+    controller.set_vm(vm.clone());
+    controller.set_phase(Phase::Live);
+    let report_status = status.clone();
+    std::thread::spawn(move || {
+        // Let the guest run a moment, then tell the source what it lived through.
+        std::thread::sleep(AFTER_WINDOW);
+        let (observed, rate) = {
+            let hb = vm.heartbeat();
+            let end = resumed_at_ns + AFTER_WINDOW.as_nanos() as u64;
+            (
+                hb.observed_downtime_ns(),
+                hb.pages_per_second(resumed_at_ns, end),
+            )
+        };
+        {
+            let mut s = migration::stats::lock(&report_status);
+            s.guest_observed_downtime_ms = observed.map(|n| n as f64 / 1e6);
+            s.guest_pages_per_s_after = rate;
+        }
+        send_guest_report(&mut stream, observed, rate);
+    });
+    Ok(supervise(&controller))
+}
+
+fn start_api(controller: &Arc<Controller>, socket: Option<&Path>) -> Result<Option<ApiServer>> {
+    Ok(match socket {
         Some(path) => Some(ApiServer::start(path, controller.clone())?),
         None => None,
-    };
-    install_termination_handler();
-    let code = supervise(&controller);
-    controller.vm.shutdown();
-    Ok(code)
+    })
 }
 
+/// Runs until the VM ends, is shut down, or has migrated away; returns the exit status.
 fn supervise(controller: &Controller) -> i32 {
-    loop {
-        if let Some(event) = controller.vm.next_event(Duration::from_millis(50)) {
-            match event {
-                VmEvent::Guest(GuestEvent::Finished { failed: false }) => return 0,
-                VmEvent::Guest(GuestEvent::Finished { failed: true }) => {
-                    eprintln!("ferry: the guest reported that its workload failed");
-                    return 1;
-                }
-                VmEvent::Guest(GuestEvent::Fatal(msg)) => {
-                    let msg = msg.trim_start_matches("ferry-guest: error: ");
-                    eprintln!("ferry: error: the guest refused its command line: {msg}");
-                    controller.set_phase(Phase::Failed(msg.to_string()));
-                    return 1;
-                }
-                VmEvent::VcpuFailed { cpu, reason } => {
-                    eprintln!("ferry: error: vCPU {cpu} stopped: {reason}");
-                    controller.set_phase(Phase::Failed(reason));
-                    return 1;
-                }
+    let vm = match controller.vm() {
+        Ok(vm) => vm.clone(),
+        Err(_) => return 1,
+    };
+    let mut migrated_at: Option<Instant> = None;
+    let code = loop {
+        if let Some(event) = vm.next_event(Duration::from_millis(20)) {
+            if let Some(code) = on_event(controller, event) {
+                break code;
             }
         }
         if controller.shutdown_requested() || TERMINATE.load(Ordering::Acquire) {
-            return 0;
+            break 0;
+        }
+        if controller.phase() == Phase::Migrated {
+            let since = *migrated_at.get_or_insert_with(Instant::now);
+            let read = controller
+                .outgoing
+                .final_status_read
+                .load(Ordering::Acquire);
+            if read || since.elapsed() > REPORT_LINGER {
+                break 0;
+            }
+        }
+    };
+    vm.shutdown();
+    code
+}
+
+fn on_event(controller: &Controller, event: VmEvent) -> Option<i32> {
+    match event {
+        VmEvent::Guest(GuestEvent::Finished { failed: false }) => Some(0),
+        VmEvent::Guest(GuestEvent::Finished { failed: true }) => {
+            eprintln!("ferry: the guest reported that its workload failed");
+            Some(1)
+        }
+        VmEvent::Guest(GuestEvent::Fatal(msg)) => {
+            let msg = msg.trim_start_matches("ferry-guest: error: ");
+            eprintln!("ferry: error: the guest refused its command line: {msg}");
+            controller.set_phase(Phase::Failed(msg.to_string()));
+            Some(1)
+        }
+        VmEvent::VcpuFailed { cpu, reason } => {
+            eprintln!("ferry: error: vCPU {cpu} stopped: {reason}");
+            controller.set_phase(Phase::Failed(reason));
+            Some(1)
         }
     }
 }
@@ -103,7 +195,11 @@ fn open_serial(target: &str) -> Result<Box<dyn std::io::Write + Send>> {
     if target == "stdout" {
         return Ok(Box::new(std::io::stdout()));
     }
-    let file = File::create(target).with_context(|| format!("serial output {target}"))?;
+    let file = File::options()
+        .create(true)
+        .append(true)
+        .open(target)
+        .with_context(|| format!("serial output {target}"))?;
     Ok(Box::new(file))
 }
 

@@ -8,6 +8,7 @@ pub mod devices;
 pub mod error;
 pub mod layout;
 pub mod memory;
+pub mod migratable;
 pub mod state;
 pub mod vcpu;
 pub mod vm;

@@ -9,7 +9,8 @@ use kvm_bindings::{
     KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use migration::bitmap::Bitmap;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::boot;
@@ -68,6 +69,8 @@ pub struct Vm {
     config: VmConfig,
     state: Mutex<VmState>,
     events: Mutex<Receiver<VmEvent>>,
+    /// Pages the VMM itself wrote (device emulation): dirty for migration like guest writes.
+    vmm_writes: Mutex<Bitmap>,
 }
 
 /// KVM objects made, vCPUs not yet started.
@@ -115,6 +118,7 @@ impl Vm {
     fn start(config: VmConfig, parts: Parts, paused: bool) -> Result<Self> {
         let (tx, rx): (Sender<VmEvent>, _) = channel();
         let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
+        let pages = config.memory / 4096;
         Ok(Self {
             kvm: parts.kvm,
             fd: parts.fd,
@@ -129,6 +133,7 @@ impl Vm {
                 VmState::Running
             }),
             events: Mutex::new(rx),
+            vmm_writes: Mutex::new(Bitmap::new(pages)),
         })
     }
 
@@ -192,6 +197,31 @@ impl Vm {
             .unwrap_or(std::ptr::null_mut())
     }
 
+    /// Writes guest memory as a device would, recording the pages as dirty.
+    pub fn write_guest(&self, gpa: u64, data: &[u8]) -> Result<()> {
+        self.memory
+            .write_slice(data, GuestAddress(gpa))
+            .map_err(|e| Error::Memory(e.to_string()))?;
+        let mut dirty = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+        for pfn in gpa / 4096..(gpa + data.len() as u64).div_ceil(4096) {
+            dirty.set(pfn);
+        }
+        Ok(())
+    }
+
+    pub fn read_guest(&self, gpa: u64, data: &mut [u8]) -> Result<()> {
+        self.memory
+            .read_slice(data, GuestAddress(gpa))
+            .map_err(|e| Error::Memory(e.to_string()))
+    }
+
+    /// Returns and clears the pages the VMM wrote since the last call.
+    pub fn take_vmm_writes(&self) -> Bitmap {
+        let mut dirty = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = Bitmap::new(dirty.pages());
+        std::mem::replace(&mut *dirty, fresh)
+    }
+
     /// Turns KVM dirty logging on or off for all guest memory.
     pub fn set_dirty_logging(&self, on: bool) -> Result<()> {
         let region = kvm_userspace_memory_region {
@@ -213,14 +243,14 @@ impl Vm {
     }
 
     /// Saves every vCPU; the VM must be paused.
-    pub fn save_vcpus(&self) -> Result<Vec<VcpuState>> {
+    pub fn save_vcpus_state(&self) -> Result<Vec<VcpuState>> {
         self.require_paused("save vCPU state")?;
         (0..self.config.vcpus)
             .map(|cpu| state::save_vcpu(&self.vcpus.lock_fd(cpu), &self.msrs))
             .collect()
     }
 
-    pub fn save_devices(&self) -> Result<DeviceState> {
+    pub fn save_devices_state(&self) -> Result<DeviceState> {
         self.require_paused("save device state")?;
         let serial = self
             .bus

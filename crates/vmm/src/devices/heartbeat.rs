@@ -258,9 +258,16 @@ impl HeartbeatDevice {
     pub fn observed_downtime_ns(&self) -> Option<u64> {
         self.observed_downtime_ns
     }
-    /// (host ns, total pages) samples, oldest first.
-    pub fn history(&self) -> impl Iterator<Item = &(u64, u64)> {
-        self.history.iter()
+    /// Guest pages touched per second between two host times, from the samples in between.
+    pub fn pages_per_second(&self, from_ns: u64, to_ns: u64) -> Option<f64> {
+        let mut inside = self
+            .history
+            .iter()
+            .filter(|(t, _)| *t >= from_ns && *t <= to_ns);
+        let first = inside.next()?;
+        let last = inside.last()?;
+        let dt = (last.0 - first.0) as f64 / 1e9;
+        (dt > 0.0).then(|| (last.1 - first.1) as f64 / dt)
     }
 }
 

@@ -1,0 +1,151 @@
+//! Migrations and snapshots started through the API: one at a time, in the background, with
+//! a status anyone can read and a cancel anyone can press.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use api::{ApiError, MigrationRequest, SnapshotRequest};
+use migration::stats::lock;
+use migration::{Endpoint, MigrationParams, MigrationPhase, SharedStatus};
+use serde_json::Value;
+
+use crate::controller::{Controller, Phase};
+
+#[derive(Default)]
+pub struct Outgoing {
+    pub status: SharedStatus,
+    cancel: Arc<AtomicBool>,
+    busy: Mutex<bool>,
+    /// Set once a client has read a final status, so the source may exit.
+    pub final_status_read: AtomicBool,
+}
+
+/// How long `vm.send-migration` waits to learn whether the destination answered.
+const SETUP_WAIT: Duration = Duration::from_secs(15);
+
+impl Outgoing {
+    pub fn running(&self) -> bool {
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Claims the single migration slot.
+    fn claim(&self) -> Result<(), ApiError> {
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        if *busy {
+            return Err(ApiError::conflict("a migration is already running"));
+        }
+        *busy = true;
+        self.cancel.store(false, Ordering::Release);
+        self.final_status_read.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    fn release(&self) {
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+
+    pub fn status_json(&self) -> Value {
+        let s = lock(&self.status).clone();
+        if !s.phase.is_running() && s.phase != MigrationPhase::None {
+            self.final_status_read.store(true, Ordering::Release);
+        }
+        serde_json::to_value(s).unwrap_or_default()
+    }
+
+    pub fn cancel(&self) -> Result<Value, ApiError> {
+        if !self.running() {
+            return Err(ApiError::conflict("no migration is running"));
+        }
+        self.cancel.store(true, Ordering::Release);
+        Ok(Value::Null)
+    }
+}
+
+/// Turns the API body into engine parameters, naming any bad field.
+pub fn params_from_request(
+    req: &MigrationRequest,
+) -> Result<(Endpoint, MigrationParams), ApiError> {
+    let bad = |e: migration::Error| ApiError::bad_request(e.to_string());
+    let endpoint: Endpoint = req.destination.parse().map_err(bad)?;
+    let positive = |name: &str, v: Option<i64>| -> Result<Option<u64>, ApiError> {
+        match v {
+            Some(n) if n <= 0 => Err(ApiError::bad_request(format!(
+                "{name} must be positive, not {n}"
+            ))),
+            other => Ok(other.map(|n| n as u64)),
+        }
+    };
+    let defaults = MigrationParams::default();
+    let params = MigrationParams {
+        mode: match &req.mode {
+            Some(m) => m.parse().map_err(bad)?,
+            None => defaults.mode,
+        },
+        max_downtime_ms: positive("max_downtime_ms", req.max_downtime_ms)?
+            .unwrap_or(defaults.max_downtime_ms),
+        max_bandwidth_mbps: positive("max_bandwidth_mbps", req.max_bandwidth_mbps)?,
+        max_rounds: positive("max_rounds", req.max_rounds)?
+            .map(|n| n.min(u64::from(u32::MAX)) as u32)
+            .unwrap_or(defaults.max_rounds),
+        timeout_s: positive("timeout_s", req.timeout_s)?.unwrap_or(defaults.timeout_s),
+        checksum: req.checksum.unwrap_or(false),
+    };
+    Ok((endpoint, params))
+}
+
+impl Controller {
+    pub fn send_migration(self: &Controller, req: &MigrationRequest) -> Result<Value, ApiError> {
+        let (endpoint, params) = params_from_request(req)?;
+        let vm = self.require_live()?.clone();
+        self.outgoing.claim()?;
+        {
+            let mut s = lock(&self.outgoing.status);
+            *s = Default::default();
+            s.phase = MigrationPhase::Setup;
+        }
+        let status = self.outgoing.status.clone();
+        let cancel = self.outgoing.cancel.clone();
+        let this = self.self_ref();
+        std::thread::Builder::new()
+            .name("migration".into())
+            .spawn(move || {
+                let result =
+                    migration::send_migration(vm.as_ref(), &endpoint, &params, &status, &cancel);
+                match result {
+                    Ok(()) => this.set_phase(Phase::Migrated),
+                    Err(e) => tracing::warn!("migration failed, the VM runs on here: {e}"),
+                }
+                this.outgoing.release();
+            })
+            .map_err(|e| ApiError::internal(format!("cannot start the migration: {e}")))?;
+        // Answer once the destination has answered, so a dead address is an error right here.
+        let deadline = Instant::now() + SETUP_WAIT;
+        loop {
+            let s = lock(&self.outgoing.status).clone();
+            if s.phase != MigrationPhase::Setup || Instant::now() > deadline {
+                if let (MigrationPhase::Failed, Some(e)) = (s.phase, &s.error) {
+                    return Err(ApiError::new(502, e.clone()));
+                }
+                return Ok(serde_json::to_value(s).unwrap_or_default());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    pub fn snapshot(&self, req: &SnapshotRequest) -> Result<Value, ApiError> {
+        let vm = self.require_live()?.clone();
+        self.outgoing.claim()?;
+        let result = migration::precopy::save_snapshot(
+            vm.as_ref(),
+            Path::new(&req.file),
+            &self.outgoing.status,
+        );
+        self.outgoing.release();
+        match result {
+            Ok(()) => Ok(self.outgoing.status_json()),
+            Err(e) => Err(ApiError::internal(format!("snapshot failed: {e}"))),
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! The migration report for people: a live progress line and a final table.
+
+use std::fmt::Write;
+
+use api::MigrationStatus;
+
+pub fn progress_line(s: &MigrationStatus) -> String {
+    format!(
+        "{:?} round {} | {} pages left | dirty {:.0} pages/s | {:.0} Mbit/s | expected downtime {:.1} ms{}",
+        s.phase,
+        s.round,
+        s.pages_remaining,
+        s.dirty_pages_per_s,
+        s.throughput_mbps,
+        s.expected_downtime_ms,
+        s.note
+            .as_deref()
+            .map(|n| format!(" | {n}"))
+            .unwrap_or_default()
+    )
+}
+
+fn opt_ms(v: Option<f64>) -> String {
+    v.map(|x| format!("{x:.2} ms"))
+        .unwrap_or_else(|| "-".into())
+}
+
+fn opt_rate(v: Option<f64>) -> String {
+    v.map(|x| format!("{x:.0} pages/s"))
+        .unwrap_or_else(|| "-".into())
+}
+
+pub fn render(s: &MigrationStatus) -> String {
+    let mut o = String::new();
+    let _ = writeln!(o, "migration {:?} ({} to {})", s.phase, s.mode, s.peer);
+    if let Some(e) = &s.error {
+        let _ = writeln!(o, "  error: {e}");
+    }
+    if let Some(n) = &s.note {
+        let _ = writeln!(o, "  note: {n}");
+    }
+    let rows: [(&str, String); 16] = [
+        ("setup", format!("{:.2} ms", s.setup_ms)),
+        ("downtime (VMM)", opt_ms(s.downtime_ms)),
+        (
+            "downtime (guest-observed)",
+            opt_ms(s.guest_observed_downtime_ms),
+        ),
+        ("total time", format!("{:.2} ms", s.total_ms)),
+        ("memory pages", s.memory_pages.to_string()),
+        ("pages sent full", s.pages_full.to_string()),
+        ("pages sent as zero markers", s.pages_zero.to_string()),
+        (
+            "pages skipped (never populated)",
+            s.pages_skipped_unpopulated.to_string(),
+        ),
+        ("pages resent (dirtied again)", s.pages_resent.to_string()),
+        ("bytes on the wire", s.bytes_on_wire.to_string()),
+        (
+            "average throughput",
+            format!("{:.1} Mbit/s", s.average_throughput_mbps),
+        ),
+        (
+            "converged",
+            s.converged.map(|c| c.to_string()).unwrap_or("-".into()),
+        ),
+        ("guest rate before", opt_rate(s.guest_pages_per_s_before)),
+        ("guest rate during", opt_rate(s.guest_pages_per_s_during)),
+        ("guest rate after", opt_rate(s.guest_pages_per_s_after)),
+        (
+            "memory checksum src/dst",
+            match (s.memory_checksum_source, s.memory_checksum_destination) {
+                (Some(a), Some(b)) => format!("{a:#010x} / {b:#010x}"),
+                _ => "-".into(),
+            },
+        ),
+    ];
+    for (k, v) in rows {
+        let _ = writeln!(o, "  {k:<33} {v}");
+    }
+    if !s.rounds.is_empty() {
+        let _ = writeln!(
+            o,
+            "  {:>5} {:>10} {:>10} {:>12} {:>10} {:>14}",
+            "round", "pages", "zero", "bytes", "ms", "dirty pages/s"
+        );
+        for r in &s.rounds {
+            let _ = writeln!(
+                o,
+                "  {:>5} {:>10} {:>10} {:>12} {:>10.2} {:>14.0}",
+                r.round, r.pages, r.zero_pages, r.bytes, r.duration_ms, r.dirty_pages_per_s
+            );
+        }
+    }
+    o
+}

@@ -1,0 +1,89 @@
+//! A page bitmap in the layout KVM's dirty log uses: bit `pfn % 64` of word `pfn / 64`.
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Bitmap {
+    words: Vec<u64>,
+    pages: u64,
+}
+
+impl Bitmap {
+    pub fn new(pages: u64) -> Self {
+        Self {
+            words: vec![0; pages.div_ceil(64) as usize],
+            pages,
+        }
+    }
+
+    /// Wraps a KVM dirty-log bitmap of `pages` pages.
+    pub fn from_words(words: Vec<u64>, pages: u64) -> Self {
+        let mut b = Self { words, pages };
+        b.words.resize(pages.div_ceil(64) as usize, 0);
+        b
+    }
+
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    pub fn set(&mut self, pfn: u64) {
+        if pfn < self.pages {
+            self.words[(pfn / 64) as usize] |= 1 << (pfn % 64);
+        }
+    }
+
+    pub fn get(&self, pfn: u64) -> bool {
+        pfn < self.pages && self.words[(pfn / 64) as usize] & (1 << (pfn % 64)) != 0
+    }
+
+    /// Sets every bit of `other` here too.
+    pub fn merge(&mut self, other: &Bitmap) {
+        for (a, b) in self.words.iter_mut().zip(&other.words) {
+            *a |= *b;
+        }
+    }
+
+    pub fn count(&self) -> u64 {
+        self.words.iter().map(|w| u64::from(w.count_ones())).sum()
+    }
+
+    pub fn clear(&mut self) {
+        self.words.fill(0);
+    }
+
+    /// Set pages in ascending order.
+    pub fn iter(&self) -> impl Iterator<Item = u64> + '_ {
+        self.words.iter().enumerate().flat_map(|(i, &w)| {
+            let mut w = w;
+            std::iter::from_fn(move || {
+                if w == 0 {
+                    return None;
+                }
+                let bit = w.trailing_zeros();
+                w &= w - 1;
+                Some(i as u64 * 64 + u64::from(bit))
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_get_iterate_merge() {
+        let mut a = Bitmap::new(130);
+        for p in [0, 63, 64, 129, 500] {
+            a.set(p);
+        }
+        assert_eq!(a.iter().collect::<Vec<_>>(), vec![0, 63, 64, 129]);
+        assert_eq!(a.count(), 4);
+        let mut b = Bitmap::new(130);
+        b.set(1);
+        b.merge(&a);
+        assert_eq!(b.count(), 5);
+        assert!(b.get(1) && b.get(129) && !b.get(2));
+        b.clear();
+        assert_eq!(b.count(), 0);
+    }
+}

@@ -1,0 +1,288 @@
+//! Pages on the wire: the sender batches pages into frames written with one vectored write
+//! straight from guest memory; the receiver reads page data straight into guest memory.
+//! Also: which pages were ever populated (pagemap), and a checksum of guest memory.
+
+use std::fs::File;
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::unix::fs::FileExt;
+
+use crate::PAGE_SIZE;
+use crate::bitmap::Bitmap;
+use crate::error::{Error, Result};
+use crate::protocol::{self, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding};
+use crate::ratelimit::RateLimiter;
+use crate::vm::GuestRam;
+use crate::zero::is_zero_page;
+
+/// Payload prefix of a page frame: page count u32, reserved u32.
+const PREFIX_LEN: usize = 8;
+
+/// What a sender has put on the wire so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendCounters {
+    pub full: u64,
+    pub zero: u64,
+    pub bytes: u64,
+}
+
+/// Collects pages into frames and sends each frame with one vectored write.
+pub struct PageSender {
+    pfns: Vec<(u64, PageEncoding)>,
+    head: Vec<u8>,
+    batch: usize,
+    /// Whether page data is covered by the frame checksum (only when the guest is paused).
+    pub checked: bool,
+    pub counters: SendCounters,
+}
+
+impl PageSender {
+    pub fn new(batch: usize) -> Self {
+        let batch = batch.clamp(1, protocol::MAX_BATCH_PAGES as usize);
+        Self {
+            pfns: Vec::with_capacity(batch),
+            head: Vec::with_capacity(FRAME_HEADER_LEN + PREFIX_LEN + 8 * batch),
+            batch,
+            checked: false,
+            counters: SendCounters::default(),
+        }
+    }
+
+    /// Queues page `pfn` (a zero page becomes a marker) and sends a frame when one is full.
+    pub fn push(
+        &mut self,
+        w: &mut impl Write,
+        ram: &GuestRam,
+        pfn: u64,
+        limiter: &mut RateLimiter,
+    ) -> Result<()> {
+        let enc = if is_zero_page(ram.page(pfn)) {
+            PageEncoding::Zero
+        } else {
+            PageEncoding::Full
+        };
+        self.pfns.push((pfn, enc));
+        if self.pfns.len() >= self.batch {
+            self.flush(w, ram, limiter)?;
+        }
+        Ok(())
+    }
+
+    pub fn flush(
+        &mut self,
+        w: &mut impl Write,
+        ram: &GuestRam,
+        limiter: &mut RateLimiter,
+    ) -> Result<()> {
+        if self.pfns.is_empty() {
+            return Ok(());
+        }
+        let full = self
+            .pfns
+            .iter()
+            .filter(|(_, e)| *e == PageEncoding::Full)
+            .count();
+        let len = PREFIX_LEN + 8 * self.pfns.len() + PAGE_SIZE * full;
+        let flags = if self.checked { 0 } else { PAGE_DATA_UNCHECKED };
+        self.head.clear();
+        self.head
+            .extend_from_slice(&protocol::frame_header(KIND_PAGES, flags, len as u32));
+        self.head
+            .extend_from_slice(&(self.pfns.len() as u32).to_le_bytes());
+        self.head.extend_from_slice(&[0; 4]);
+        for &(pfn, enc) in &self.pfns {
+            self.head
+                .extend_from_slice(&protocol::descriptor(pfn, enc).to_le_bytes());
+        }
+
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&self.head);
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(full + 2);
+        slices.push(IoSlice::new(&self.head));
+        // Adjacent pages are adjacent in the host mapping too: one slice per run.
+        let mut run: Option<(u64, usize)> = None;
+        for &(pfn, _) in self.pfns.iter().filter(|(_, e)| *e == PageEncoding::Full) {
+            if self.checked {
+                crc.update(ram.page(pfn));
+            }
+            run = match run {
+                Some((start, n)) if start + n as u64 == pfn => Some((start, n + 1)),
+                Some((start, n)) => {
+                    slices.push(run_slice(ram, start, n));
+                    Some((pfn, 1))
+                }
+                None => Some((pfn, 1)),
+            };
+        }
+        if let Some((start, n)) = run {
+            slices.push(run_slice(ram, start, n));
+        }
+        let trailer = crc.finalize().to_le_bytes();
+        slices.push(IoSlice::new(&trailer));
+
+        let frame_bytes = (FRAME_HEADER_LEN + len + 4) as u64;
+        limiter.take(frame_bytes);
+        protocol::write_all_vectored(w, &mut slices)?;
+        self.counters.full += full as u64;
+        self.counters.zero += (self.pfns.len() - full) as u64;
+        self.counters.bytes += frame_bytes;
+        self.pfns.clear();
+        Ok(())
+    }
+}
+
+fn run_slice(ram: &GuestRam, start: u64, pages: usize) -> IoSlice<'_> {
+    // SAFETY: `start..start+pages` are pages of the mapping (checked by the caller's pfns).
+    IoSlice::new(unsafe { std::slice::from_raw_parts(ram.page_ptr(start), pages * PAGE_SIZE) })
+}
+
+/// Reads page frames into guest memory.
+pub struct PageReceiver {
+    descs: Vec<u8>,
+    full: Vec<u64>,
+    /// Pages this receiver has written: a zero marker for any other page needs no write.
+    written: Bitmap,
+    pub pages: u64,
+}
+
+impl PageReceiver {
+    pub fn new(ram: &GuestRam) -> Self {
+        Self {
+            descs: Vec::new(),
+            full: Vec::new(),
+            written: Bitmap::new(ram.pages()),
+            pages: 0,
+        }
+    }
+
+    /// Reads the body of a page frame whose header was `header`.
+    pub fn receive(
+        &mut self,
+        r: &mut impl Read,
+        ram: &GuestRam,
+        header: &[u8; FRAME_HEADER_LEN],
+        len: u32,
+    ) -> Result<()> {
+        let mut prefix = [0u8; PREFIX_LEN];
+        protocol::read_exact(r, &mut prefix, "page frame")?;
+        let count = u32::from_le_bytes(prefix[..4].try_into().unwrap());
+        if count == 0 || count > protocol::MAX_BATCH_PAGES {
+            return Err(Error::Protocol(format!(
+                "page frame with {count} pages (1..={} allowed)",
+                protocol::MAX_BATCH_PAGES
+            )));
+        }
+        self.descs.resize(8 * count as usize, 0);
+        protocol::read_exact(r, &mut self.descs, "page descriptors")?;
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(header);
+        crc.update(&prefix);
+        crc.update(&self.descs);
+
+        self.full.clear();
+        let mut zeros = Vec::new();
+        for chunk in self.descs.chunks_exact(8) {
+            let (pfn, enc) =
+                protocol::split_descriptor(u64::from_le_bytes(chunk.try_into().unwrap()))?;
+            if pfn >= ram.pages() {
+                return Err(Error::Protocol(format!(
+                    "page {pfn:#x} lies outside guest memory ({} pages)",
+                    ram.pages()
+                )));
+            }
+            match enc {
+                PageEncoding::Full => self.full.push(pfn),
+                PageEncoding::Zero => zeros.push(pfn),
+            }
+        }
+        let expected = PREFIX_LEN + 8 * count as usize + PAGE_SIZE * self.full.len();
+        if expected != len as usize {
+            return Err(Error::Protocol(format!(
+                "page frame length {len} does not match its {count} descriptors ({expected})"
+            )));
+        }
+        self.read_full_pages(r, ram)?;
+        for &pfn in &zeros {
+            if self.written.get(pfn) {
+                ram.page_mut(pfn).fill(0);
+            }
+        }
+        if header[1] & PAGE_DATA_UNCHECKED == 0 {
+            for &pfn in &self.full {
+                crc.update(ram.page(pfn));
+            }
+        }
+        protocol::check_trailer(r, crc.finalize(), "page frame")?;
+        for &pfn in &self.full {
+            self.written.set(pfn);
+        }
+        self.pages += u64::from(count);
+        Ok(())
+    }
+
+    fn read_full_pages(&mut self, r: &mut impl Read, ram: &GuestRam) -> Result<()> {
+        let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(self.full.len());
+        let mut i = 0;
+        while i < self.full.len() {
+            let start = self.full[i];
+            let mut n = 1;
+            while i + n < self.full.len() && self.full[i + n] == start + n as u64 {
+                n += 1;
+            }
+            // SAFETY: pages were bounds-checked above; the destination's vCPUs are parked.
+            slices.push(IoSliceMut::new(unsafe {
+                std::slice::from_raw_parts_mut(ram.page_ptr(start), n * PAGE_SIZE)
+            }));
+            i += n;
+        }
+        let mut bufs = slices.as_mut_slice();
+        while !bufs.is_empty() {
+            match r.read_vectored(bufs) {
+                Ok(0) => return Err(Error::Protocol("stream truncated in page data".into())),
+                Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::Transport(format!("reading page data: {e}"))),
+            }
+        }
+        Ok(())
+    }
+}
+
+const PM_PRESENT: u64 = 1 << 63;
+const PM_SWAPPED: u64 = 1 << 62;
+const PAGEMAP_CHUNK: usize = 64 * 1024;
+
+/// Pages of `ram` that hold anything: present in RAM or swapped out. A page never touched is
+/// neither, and is skipped without being read (reading it would populate it).
+pub fn populated_pages(ram: &GuestRam) -> Result<Bitmap> {
+    let pagemap = File::open("/proc/self/pagemap")?;
+    let mut out = Bitmap::new(ram.pages());
+    let first = ram.base() as u64 / PAGE_SIZE as u64;
+    let mut entries = vec![0u8; PAGEMAP_CHUNK * 8];
+    let mut pfn = 0u64;
+    while pfn < ram.pages() {
+        let n = (ram.pages() - pfn).min(PAGEMAP_CHUNK as u64) as usize;
+        let buf = &mut entries[..n * 8];
+        pagemap.read_exact_at(buf, (first + pfn) * 8)?;
+        for (i, e) in buf.chunks_exact(8).enumerate() {
+            if u64::from_le_bytes(e.try_into().unwrap()) & (PM_PRESENT | PM_SWAPPED) != 0 {
+                out.set(pfn + i as u64);
+            }
+        }
+        pfn += n as u64;
+    }
+    Ok(out)
+}
+
+/// A checksum of guest memory that both ends can compute: CRC32 over (page number, data) of
+/// every populated non-zero page, so never-populated and zero pages count alike.
+pub fn memory_checksum(ram: &GuestRam) -> Result<u32> {
+    let mut crc = crc32fast::Hasher::new();
+    for pfn in populated_pages(ram)?.iter() {
+        let page = ram.page(pfn);
+        if !is_zero_page(page) {
+            crc.update(&pfn.to_le_bytes());
+            crc.update(page);
+        }
+    }
+    Ok(crc.finalize())
+}

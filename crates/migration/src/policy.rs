@@ -1,0 +1,121 @@
+//! When to stop iterating and switch over: a pure function of measured figures.
+
+use crate::PAGE_SIZE;
+
+/// Bytes a page costs on the wire when sent in full (data + descriptor).
+pub const FULL_PAGE_WIRE_BYTES: f64 = (PAGE_SIZE + 8) as f64;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Measured {
+    /// Rounds completed so far (round 0 included).
+    pub rounds_done: u32,
+    /// Dirty pages waiting to be sent.
+    pub pages_remaining: u64,
+    /// Goodput measured over everything sent so far.
+    pub bandwidth_bytes_per_s: f64,
+    pub dirty_pages_per_s: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Limits {
+    pub max_downtime_ms: f64,
+    pub max_rounds: u32,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Decision {
+    /// Send another live round.
+    Iterate,
+    /// Pause and send the rest; `converged` false means the downtime goal will be missed.
+    SwitchOver { converged: bool, why: String },
+}
+
+/// Time to send `pages` at the measured bandwidth, in ms.
+pub fn expected_downtime_ms(pages: u64, bandwidth_bytes_per_s: f64) -> f64 {
+    if bandwidth_bytes_per_s <= 0.0 {
+        return f64::INFINITY;
+    }
+    pages as f64 * FULL_PAGE_WIRE_BYTES / bandwidth_bytes_per_s * 1e3
+}
+
+/// True when the guest dirties memory faster than the link drains it.
+pub fn outpaced(m: &Measured) -> bool {
+    m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= m.bandwidth_bytes_per_s
+}
+
+pub fn decide(m: &Measured, limits: &Limits) -> Decision {
+    let downtime = expected_downtime_ms(m.pages_remaining, m.bandwidth_bytes_per_s);
+    if downtime <= limits.max_downtime_ms {
+        return Decision::SwitchOver {
+            converged: true,
+            why: format!(
+                "{} pages left: expected downtime {downtime:.1} ms within {} ms",
+                m.pages_remaining, limits.max_downtime_ms
+            ),
+        };
+    }
+    if m.rounds_done >= limits.max_rounds {
+        let pace = if outpaced(m) {
+            " (the guest dirties memory faster than the link sends it)"
+        } else {
+            ""
+        };
+        return Decision::SwitchOver {
+            converged: false,
+            why: format!(
+                "did not converge in {} rounds{pace}: stop-and-copy of {} pages, expected downtime {downtime:.1} ms",
+                m.rounds_done, m.pages_remaining
+            ),
+        };
+    }
+    Decision::Iterate
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const LIMITS: Limits = Limits {
+        max_downtime_ms: 10.0,
+        max_rounds: 5,
+    };
+
+    fn m(rounds_done: u32, pages_remaining: u64, dirty: f64) -> Measured {
+        Measured {
+            rounds_done,
+            pages_remaining,
+            bandwidth_bytes_per_s: 100e6,
+            dirty_pages_per_s: dirty,
+        }
+    }
+
+    #[test]
+    fn switches_when_the_rest_fits_the_downtime() {
+        // 200 pages ≈ 0.82 MB ≈ 8.2 ms at 100 MB/s
+        assert!(matches!(
+            decide(&m(1, 200, 0.0), &LIMITS),
+            Decision::SwitchOver {
+                converged: true,
+                ..
+            }
+        ));
+        assert_eq!(decide(&m(1, 300, 0.0), &LIMITS), Decision::Iterate);
+    }
+
+    #[test]
+    fn gives_up_after_max_rounds_and_says_why() {
+        match decide(&m(5, 100_000, 50_000.0), &LIMITS) {
+            Decision::SwitchOver { converged, why } => {
+                assert!(!converged);
+                assert!(why.contains("faster than the link"), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn no_bandwidth_means_infinite_downtime() {
+        assert!(expected_downtime_ms(1, 0.0).is_infinite());
+        assert_eq!(expected_downtime_ms(0, 1.0), 0.0);
+    }
+}

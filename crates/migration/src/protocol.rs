@@ -1,0 +1,306 @@
+//! The wire format (documented in docs/protocol.md). Everything that crosses the wire is
+//! encoded and checked here.
+//!
+//! Stream: a 16-byte header (`FERRYMIG`, version u32 LE, reserved u32), then frames.
+//! Frame: kind u8 | flags u8 | reserved u16 | length u32 | payload | crc32 u32 (LE).
+//! The CRC covers the 8 header bytes and the payload, except that a page frame sent from a
+//! running guest (flag `PAGE_DATA_UNCHECKED`) covers only its descriptors: the guest may change
+//! a page while it is on its way, and such a page is dirty and sent again.
+
+use std::io::{IoSlice, Read, Write};
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::vm::VmDescriptor;
+
+pub const MAGIC: &[u8; 8] = b"FERRYMIG";
+pub const VERSION: u32 = 1;
+pub const STREAM_HEADER_LEN: usize = 16;
+pub const FRAME_HEADER_LEN: usize = 8;
+
+pub const KIND_CONTROL: u8 = 1;
+pub const KIND_PAGES: u8 = 2;
+pub const PAGE_DATA_UNCHECKED: u8 = 1;
+
+/// Control frames are small; a larger length means a corrupt or foreign stream.
+pub const MAX_CONTROL_LEN: u32 = 64 << 20;
+/// Pages per page frame, at most.
+pub const MAX_BATCH_PAGES: u32 = 1024;
+
+/// How a page travels in a page frame (low 8 bits of its descriptor).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PageEncoding {
+    /// 4096 bytes follow in the frame's data.
+    Full = 0,
+    /// The page is all zeros; no data.
+    Zero = 1,
+}
+
+impl PageEncoding {
+    pub fn from_u8(v: u8) -> Result<Self> {
+        match v {
+            0 => Ok(Self::Full),
+            1 => Ok(Self::Zero),
+            other => Err(Error::Protocol(format!("unknown page encoding {other}"))),
+        }
+    }
+}
+
+/// A page descriptor: page frame number << 8 | encoding.
+pub fn descriptor(pfn: u64, enc: PageEncoding) -> u64 {
+    (pfn << 8) | enc as u64
+}
+
+pub fn split_descriptor(d: u64) -> Result<(u64, PageEncoding)> {
+    Ok((d >> 8, PageEncoding::from_u8(d as u8)?))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StreamMode {
+    /// Live pre-copy: the source runs until switch-over.
+    Precopy,
+    /// Warm: paused first, everything sent, resumed on the destination.
+    Warm,
+    /// Cold: a snapshot file; no peer answers.
+    Snapshot,
+}
+
+/// Every frame that is not a page frame.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Control {
+    /// Source → destination, first: what to build.
+    Hello {
+        vm: VmDescriptor,
+        mode: StreamMode,
+        source: String,
+    },
+    /// Destination → source: the VM is built, send pages.
+    Ready,
+    /// Source → destination: round `round` is complete.
+    RoundEnd { round: u32, pages: u64 },
+    /// Source → destination: one vCPU's state.
+    VcpuState { index: u32, state: Vec<u8> },
+    /// Source → destination: the rest of the VM's state.
+    DeviceState { state: Vec<u8> },
+    /// Source → destination: nothing more follows; the source paused at `paused_at_ns`.
+    StateEnd {
+        paused_at_ns: u64,
+        pages_sent: u64,
+        memory_checksum: Option<u32>,
+    },
+    /// Destination → source: everything loaded; waiting for `Go`.
+    Loaded { memory_checksum: Option<u32> },
+    /// Source → destination: the source gives the VM up; resume it.
+    Go,
+    /// Destination → source: the VM runs here now.
+    Resumed { resumed_at_ns: u64 },
+    /// Destination → source, after the guest's first heartbeats on the destination.
+    GuestReport {
+        observed_downtime_ns: Option<u64>,
+        pages_per_s_after: Option<f64>,
+    },
+    /// Either side: the migration failed, with why.
+    Abort { reason: String },
+}
+
+pub fn write_stream_header(w: &mut impl Write) -> Result<()> {
+    let mut h = [0u8; STREAM_HEADER_LEN];
+    h[..8].copy_from_slice(MAGIC);
+    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    w.write_all(&h)?;
+    Ok(())
+}
+
+pub fn read_stream_header(r: &mut impl Read) -> Result<()> {
+    let mut h = [0u8; STREAM_HEADER_LEN];
+    read_exact(r, &mut h, "stream header")?;
+    if &h[..8] != MAGIC {
+        return Err(Error::Protocol(
+            "not a ferry migration stream (bad magic)".into(),
+        ));
+    }
+    let version = u32::from_le_bytes(h[8..12].try_into().unwrap());
+    if version != VERSION {
+        return Err(Error::Protocol(format!(
+            "stream version {version} is not supported (this ferry speaks version {VERSION})"
+        )));
+    }
+    Ok(())
+}
+
+pub fn frame_header(kind: u8, flags: u8, len: u32) -> [u8; FRAME_HEADER_LEN] {
+    let mut h = [0u8; FRAME_HEADER_LEN];
+    h[0] = kind;
+    h[1] = flags;
+    h[4..8].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+pub fn write_control(w: &mut impl Write, msg: &Control) -> Result<()> {
+    let payload = bincode::serialize(msg)
+        .map_err(|e| Error::Protocol(format!("cannot encode {msg:?}: {e}")))?;
+    let header = frame_header(KIND_CONTROL, 0, payload.len() as u32);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&header);
+    crc.update(&payload);
+    let trailer = crc.finalize().to_le_bytes();
+    write_all_vectored(
+        w,
+        &mut [
+            IoSlice::new(&header),
+            IoSlice::new(&payload),
+            IoSlice::new(&trailer),
+        ],
+    )?;
+    w.flush()?;
+    Ok(())
+}
+
+/// A frame as read: either a decoded control message or the start of a page frame, whose
+/// body the caller reads straight into guest memory.
+pub enum Frame {
+    Control(Control),
+    Pages {
+        header: [u8; FRAME_HEADER_LEN],
+        len: u32,
+    },
+}
+
+pub fn read_frame(r: &mut impl Read) -> Result<Frame> {
+    let mut header = [0u8; FRAME_HEADER_LEN];
+    read_exact(r, &mut header, "frame header")?;
+    let len = u32::from_le_bytes(header[4..8].try_into().unwrap());
+    match header[0] {
+        KIND_CONTROL => {
+            if len > MAX_CONTROL_LEN {
+                return Err(Error::Protocol(format!(
+                    "control frame of {len} bytes is larger than the {MAX_CONTROL_LEN} allowed"
+                )));
+            }
+            let mut payload = vec![0u8; len as usize];
+            read_exact(r, &mut payload, "control frame")?;
+            let mut crc = crc32fast::Hasher::new();
+            crc.update(&header);
+            crc.update(&payload);
+            check_trailer(r, crc.finalize(), "control frame")?;
+            let msg = bincode::deserialize(&payload)
+                .map_err(|e| Error::Protocol(format!("undecodable control frame: {e}")))?;
+            Ok(Frame::Control(msg))
+        }
+        KIND_PAGES => Ok(Frame::Pages { header, len }),
+        other => Err(Error::Protocol(format!("unknown frame kind {other}"))),
+    }
+}
+
+/// Reads a frame's CRC trailer and compares it with what was computed.
+pub fn check_trailer(r: &mut impl Read, computed: u32, what: &str) -> Result<()> {
+    let mut t = [0u8; 4];
+    read_exact(r, &mut t, what)?;
+    let sent = u32::from_le_bytes(t);
+    if sent != computed {
+        return Err(Error::Protocol(format!(
+            "checksum mismatch in {what} (sent {sent:#010x}, computed {computed:#010x})"
+        )));
+    }
+    Ok(())
+}
+
+/// Expects a control frame; anything else, or an `Abort`, is an error.
+pub fn read_control(r: &mut impl Read) -> Result<Control> {
+    match read_frame(r)? {
+        Frame::Control(Control::Abort { reason }) => Err(Error::Peer(reason)),
+        Frame::Control(c) => Ok(c),
+        Frame::Pages { .. } => Err(Error::Protocol(
+            "page frame where a control frame was expected".into(),
+        )),
+    }
+}
+
+/// `read_exact` whose error says what was being read when the stream ended.
+pub fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &str) -> Result<()> {
+    r.read_exact(buf).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::UnexpectedEof {
+            Error::Protocol(format!("stream truncated in {what}"))
+        } else {
+            Error::Transport(format!("reading {what}: {e}"))
+        }
+    })
+}
+
+/// Writes every byte of `bufs` (std's `write_all_vectored` is not stable).
+pub fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(Error::Transport("connection closed while sending".into())),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(Error::Transport(format!("sending: {e}"))),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn roundtrip(msg: Control) -> Control {
+        let mut buf = Vec::new();
+        write_control(&mut buf, &msg).unwrap();
+        read_control(&mut buf.as_slice()).unwrap()
+    }
+
+    #[test]
+    fn control_frames_roundtrip() {
+        let m = Control::RoundEnd {
+            round: 3,
+            pages: 77,
+        };
+        assert_eq!(roundtrip(m.clone()), m);
+        let m = Control::VcpuState {
+            index: 1,
+            state: vec![1, 2, 3],
+        };
+        assert_eq!(roundtrip(m.clone()), m);
+    }
+
+    #[test]
+    fn refuses_bad_streams_with_a_reason() {
+        let mut h = Vec::new();
+        write_stream_header(&mut h).unwrap();
+        assert!(read_stream_header(&mut h.as_slice()).is_ok());
+        let mut other = h.clone();
+        other[8] = 9;
+        let e = read_stream_header(&mut other.as_slice()).unwrap_err();
+        assert!(e.to_string().contains("version 9"), "{e}");
+        let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();
+        assert!(e.to_string().contains("bad magic"), "{e}");
+
+        let mut f = Vec::new();
+        write_control(&mut f, &Control::Go).unwrap();
+        let mut corrupt = f.clone();
+        corrupt[FRAME_HEADER_LEN] ^= 1;
+        let e = read_control(&mut corrupt.as_slice()).err().unwrap();
+        assert!(e.to_string().contains("checksum mismatch"), "{e}");
+        let e = read_control(&mut &f[..f.len() - 2]).err().unwrap();
+        assert!(e.to_string().contains("truncated"), "{e}");
+        let mut huge = f.clone();
+        huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+        let e = read_control(&mut huge.as_slice()).err().unwrap();
+        assert!(e.to_string().contains("larger than"), "{e}");
+        let mut kind = f;
+        kind[0] = 77;
+        let e = read_control(&mut kind.as_slice()).err().unwrap();
+        assert!(e.to_string().contains("unknown frame kind 77"), "{e}");
+    }
+
+    #[test]
+    fn descriptors_pack_pfn_and_encoding() {
+        let d = descriptor(0x12345, PageEncoding::Zero);
+        assert_eq!(split_descriptor(d).unwrap(), (0x12345, PageEncoding::Zero));
+        assert!(split_descriptor(0x1_07).is_err());
+    }
+}

@@ -1,0 +1,238 @@
+//! Where a migration goes: `tcp:HOST:PORT`, `unix:PATH`, or a file (snapshots).
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Tcp(String),
+    Unix(PathBuf),
+}
+
+impl FromStr for Endpoint {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = |why: &str| {
+            Error::Param(format!(
+                "'{s}' is not a migration address: {why} (use tcp:HOST:PORT or unix:PATH)"
+            ))
+        };
+        if let Some(rest) = s.strip_prefix("tcp:") {
+            let (host, port) = rest.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+            if host.is_empty() {
+                return Err(bad("no host"));
+            }
+            port.parse::<u16>().map_err(|_| bad("bad port"))?;
+            Ok(Endpoint::Tcp(rest.to_string()))
+        } else if let Some(path) = s.strip_prefix("unix:") {
+            if path.is_empty() {
+                return Err(bad("no path"));
+            }
+            Ok(Endpoint::Unix(PathBuf::from(path)))
+        } else {
+            Err(bad("unknown scheme"))
+        }
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Endpoint::Tcp(a) => write!(f, "tcp:{a}"),
+            Endpoint::Unix(p) => write!(f, "unix:{}", p.display()),
+        }
+    }
+}
+
+/// A byte stream to or from a peer (or a snapshot file).
+pub enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+    File(File),
+}
+
+const IO_TIMEOUT: Duration = Duration::from_secs(30);
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Endpoint {
+    pub fn connect(&self) -> Result<Stream> {
+        let fail = |e: std::io::Error| Error::Transport(format!("cannot connect to {self}: {e}"));
+        let stream = match self {
+            Endpoint::Tcp(addr) => {
+                let mut last = None;
+                let addrs = addr.to_socket_addrs().map_err(fail)?;
+                let mut connected = None;
+                for a in addrs {
+                    match TcpStream::connect_timeout(&a, CONNECT_TIMEOUT) {
+                        Ok(s) => {
+                            connected = Some(s);
+                            break;
+                        }
+                        Err(e) => last = Some(e),
+                    }
+                }
+                let s = connected.ok_or_else(|| {
+                    fail(last.unwrap_or_else(|| std::io::Error::other("no address")))
+                })?;
+                s.set_nodelay(true)?;
+                Stream::Tcp(s)
+            }
+            Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(fail)?),
+        };
+        stream.set_timeouts(Some(IO_TIMEOUT))?;
+        Ok(stream)
+    }
+
+    /// Binds, then waits for exactly one incoming migration.
+    pub fn listen(&self) -> Result<Listener> {
+        let fail = |e: std::io::Error| Error::Transport(format!("cannot listen on {self}: {e}"));
+        Ok(match self {
+            Endpoint::Tcp(addr) => Listener::Tcp(TcpListener::bind(addr).map_err(fail)?),
+            Endpoint::Unix(path) => {
+                if path.exists() && UnixStream::connect(path).is_err() {
+                    let _ = std::fs::remove_file(path);
+                }
+                Listener::Unix(UnixListener::bind(path).map_err(fail)?, path.clone())
+            }
+        })
+    }
+}
+
+pub enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    pub fn accept(&self) -> Result<Stream> {
+        let stream = match self {
+            Listener::Tcp(l) => {
+                let (s, _) = l.accept()?;
+                s.set_nodelay(true)?;
+                Stream::Tcp(s)
+            }
+            Listener::Unix(l, _) => Stream::Unix(l.accept()?.0),
+        };
+        stream.set_timeouts(Some(IO_TIMEOUT))?;
+        Ok(stream)
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+impl Stream {
+    pub fn set_timeouts(&self, t: Option<Duration>) -> Result<()> {
+        match self {
+            Stream::Tcp(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)?;
+            }
+            Stream::Unix(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)?;
+            }
+            Stream::File(_) => {}
+        }
+        Ok(())
+    }
+
+    /// Whether anyone answers on this stream (a file does not).
+    pub fn has_peer(&self) -> bool {
+        !matches!(self, Stream::File(_))
+    }
+
+    /// Closes the sending direction, so the peer sees the end of the stream.
+    pub fn shutdown(&self) {
+        match self {
+            Stream::Tcp(s) => {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            Stream::Unix(s) => {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            Stream::File(_) => {}
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+            Stream::File(s) => s.read(buf),
+        }
+    }
+    fn read_vectored(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read_vectored(bufs),
+            Stream::Unix(s) => s.read_vectored(bufs),
+            Stream::File(s) => s.read_vectored(bufs),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+            Stream::File(s) => s.write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write_vectored(bufs),
+            Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::File(s) => s.write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.flush(),
+            Stream::Unix(s) => s.flush(),
+            Stream::File(s) => s.flush(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_refuses_addresses() {
+        assert_eq!(
+            "tcp:127.0.0.1:4444".parse::<Endpoint>().unwrap(),
+            Endpoint::Tcp("127.0.0.1:4444".into())
+        );
+        assert_eq!(
+            "unix:/tmp/x".parse::<Endpoint>().unwrap(),
+            Endpoint::Unix("/tmp/x".into())
+        );
+        for bad in [
+            "127.0.0.1:4444",
+            "tcp:host",
+            "tcp::1",
+            "tcp:h:99999",
+            "unix:",
+            "udp:x:1",
+        ] {
+            let e = bad.parse::<Endpoint>().unwrap_err().to_string();
+            assert!(e.contains("not a migration address"), "{bad}: {e}");
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! The KVM VM as the migration engine sees it.
+
+use migration::bitmap::Bitmap;
+use migration::{GuestRam, Migratable, VmDescriptor};
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::memory::MemoryBackend;
+use crate::vm::{Vm, VmConfig};
+
+/// Version of the vCPU and device state encodings below; bump on any change to them.
+const STATE_VERSION: u32 = 1;
+
+fn vm_err(e: impl std::fmt::Display) -> migration::Error {
+    migration::Error::Vm(e.to_string())
+}
+
+fn encode<T: Serialize>(value: &T) -> migration::Result<Vec<u8>> {
+    bincode::serialize(&(STATE_VERSION, value)).map_err(vm_err)
+}
+
+fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> migration::Result<T> {
+    let (version, value): (u32, T) = bincode::deserialize(bytes)
+        .map_err(|e| migration::Error::Protocol(format!("undecodable {what} state: {e}")))?;
+    if version != STATE_VERSION {
+        return Err(migration::Error::Protocol(format!(
+            "{what} state version {version}, this ferry reads {STATE_VERSION}"
+        )));
+    }
+    Ok(value)
+}
+
+impl VmConfig {
+    pub fn descriptor(&self) -> VmDescriptor {
+        VmDescriptor {
+            memory_bytes: self.memory,
+            vcpus: self.vcpus as u32,
+            memory_backend: match self.backend {
+                MemoryBackend::Anonymous => "anonymous",
+                MemoryBackend::Memfd => "memfd",
+            }
+            .into(),
+        }
+    }
+
+    pub fn from_descriptor(d: &VmDescriptor) -> migration::Result<Self> {
+        Ok(Self {
+            memory: d.memory_bytes,
+            vcpus: d.vcpus as usize,
+            backend: d
+                .memory_backend
+                .parse()
+                .map_err(migration::Error::Protocol)?,
+        })
+    }
+}
+
+impl Migratable for Vm {
+    fn descriptor(&self) -> VmDescriptor {
+        self.config().descriptor()
+    }
+
+    fn ram(&self) -> GuestRam {
+        // SAFETY: the mapping lives as long as the VM.
+        unsafe { GuestRam::new(self.host_address(), self.config().memory as usize) }
+    }
+
+    fn start_dirty_log(&self) -> migration::Result<()> {
+        self.set_dirty_logging(true).map_err(vm_err)?;
+        self.take_vmm_writes(); // only writes from now on count
+        Ok(())
+    }
+
+    fn take_dirty(&self) -> migration::Result<Bitmap> {
+        let pages = self.config().memory / 4096;
+        let mut dirty = Bitmap::from_words(self.take_dirty_log().map_err(vm_err)?, pages);
+        dirty.merge(&self.take_vmm_writes());
+        Ok(dirty)
+    }
+
+    fn stop_dirty_log(&self) -> migration::Result<()> {
+        self.set_dirty_logging(false).map_err(vm_err)
+    }
+
+    fn pause(&self) -> migration::Result<()> {
+        Vm::pause(self).map_err(vm_err)
+    }
+
+    fn resume(&self) -> migration::Result<()> {
+        Vm::resume(self);
+        Ok(())
+    }
+
+    fn save_vcpus(&self) -> migration::Result<Vec<Vec<u8>>> {
+        self.save_vcpus_state()
+            .map_err(vm_err)?
+            .iter()
+            .map(encode)
+            .collect()
+    }
+
+    fn save_devices(&self) -> migration::Result<Vec<u8>> {
+        encode(&self.save_devices_state().map_err(vm_err)?)
+    }
+
+    fn load_state(&self, vcpus: &[Vec<u8>], devices: &[u8]) -> migration::Result<()> {
+        let vcpus = vcpus
+            .iter()
+            .map(|b| decode(b, "vCPU"))
+            .collect::<migration::Result<Vec<_>>>()?;
+        let devices = decode(devices, "device")?;
+        self.restore(&vcpus, &devices).map_err(vm_err)
+    }
+
+    fn guest_progress_rate(&self, from_ns: u64, to_ns: u64) -> Option<f64> {
+        self.heartbeat().pages_per_second(from_ns, to_ns)
+    }
+}
