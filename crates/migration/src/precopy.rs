@@ -424,7 +424,7 @@ impl<'a> Sender<'a> {
             }
             self.pages
                 .push(&mut self.stream, &self.ram, pfn, &mut self.limiter)?;
-            if (i as u64 + 1) % STATUS_EVERY_PAGES == 0 {
+            if (i as u64 + 1).is_multiple_of(STATUS_EVERY_PAGES) {
                 self.check_continue()?;
                 self.live_status(total - i as u64 - 1, began, before.bytes);
             }
@@ -517,10 +517,10 @@ impl<'a> Sender<'a> {
             let _ = self.vm.stop_dirty_log();
         }
         let mut error = error;
-        if self.paused && self.stream.has_peer() {
-            if let Err(e) = self.vm.resume() {
-                error = Error::Vm(format!("{error}; and resuming the source failed: {e}"));
-            }
+        if self.paused
+            && let Err(e) = self.vm.resume()
+        {
+            error = Error::Vm(format!("{error}; and resuming the source failed: {e}"));
         }
         let phase = if matches!(error, Error::Cancelled) {
             MigrationPhase::Cancelled
