@@ -265,7 +265,7 @@ impl HeartbeatDevice {
             .iter()
             .filter(|(t, _)| *t >= from_ns && *t <= to_ns);
         let first = inside.next()?;
-        let last = inside.last()?;
+        let last = inside.next_back()?;
         let dt = (last.0 - first.0) as f64 / 1e9;
         (dt > 0.0).then(|| (last.1 - first.1) as f64 / dt)
     }
