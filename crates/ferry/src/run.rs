@@ -124,10 +124,10 @@ fn supervise(controller: &Controller) -> i32 {
     };
     let mut migrated_at: Option<Instant> = None;
     let code = loop {
-        if let Some(event) = vm.next_event(Duration::from_millis(20)) {
-            if let Some(code) = on_event(controller, event) {
-                break code;
-            }
+        if let Some(event) = vm.next_event(Duration::from_millis(20))
+            && let Some(code) = on_event(controller, event)
+        {
+            break code;
         }
         if controller.shutdown_requested() || TERMINATE.load(Ordering::Acquire) {
             break 0;
