@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use api::ApiServer;
 use migration::Incoming;
-use migration::receive::{Received, open_incoming, receive_migration, send_guest_report};
+use migration::receive::{Received, receive_migration, send_guest_report};
 use vmm::devices::GuestEvent;
 use vmm::{Vm, VmConfig, VmEvent};
 
@@ -59,9 +59,11 @@ fn run_boot(args: &RunArgs) -> Result<i32> {
 }
 
 fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
+    // Listen before the API answers, so that "API up" means "ready for the migration".
+    let pending = incoming.prepare()?;
     let controller = Controller::new(Phase::Incoming);
     let _server = start_api(&controller, args.api_socket.as_deref())?;
-    let stream = open_incoming(incoming)?;
+    let stream = pending.accept()?;
     let serial = open_serial(&args.serial)?;
     let status = controller.outgoing.status.clone();
     let received = receive_migration(

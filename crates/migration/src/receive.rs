@@ -11,7 +11,7 @@ use crate::pages::{PageReceiver, memory_checksum};
 use crate::precopy::now_ns;
 use crate::protocol::{self, Control, Frame, StreamMode};
 use crate::stats::{MigrationPhase, RoundStats, SharedStatus, lock};
-use crate::transport::{Endpoint, Stream};
+use crate::transport::{Endpoint, Listener, Stream};
 use crate::vm::{Migratable, VmDescriptor};
 
 /// Where a VM comes from.
@@ -28,11 +28,29 @@ pub struct Received<V> {
     pub resumed_at_ns: u64,
 }
 
-/// Opens the source of an incoming VM: accepts one connection, or opens the snapshot file.
-pub fn open_incoming(incoming: &Incoming) -> Result<Stream> {
-    match incoming {
-        Incoming::Listen(endpoint) => endpoint.listen()?.accept(),
-        Incoming::Snapshot(path) => open_snapshot(path),
+/// An incoming VM's source, bound or opened but not yet read.
+pub enum Pending {
+    Listening(Listener),
+    Snapshot(Stream),
+}
+
+impl Incoming {
+    /// Binds the listener (or opens the file) so that a peer can connect from now on.
+    pub fn prepare(&self) -> Result<Pending> {
+        Ok(match self {
+            Incoming::Listen(endpoint) => Pending::Listening(endpoint.listen()?),
+            Incoming::Snapshot(path) => Pending::Snapshot(open_snapshot(path)?),
+        })
+    }
+}
+
+impl Pending {
+    /// Waits for the one incoming connection (a snapshot is there already).
+    pub fn accept(self) -> Result<Stream> {
+        match self {
+            Pending::Listening(listener) => listener.accept(),
+            Pending::Snapshot(stream) => Ok(stream),
+        }
     }
 }
 

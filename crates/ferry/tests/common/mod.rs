@@ -1,6 +1,8 @@
 //! Helpers for end-to-end tests that start real ferry processes.
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -84,6 +86,7 @@ impl Ferry {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("api.sock");
         let serial = dir.path().join("serial.log");
+        let stderr = std::fs::File::create(dir.path().join("stderr.log")).expect("stderr log");
         let child = Command::new(FERRY)
             .arg("run")
             .arg("--api-socket")
@@ -92,6 +95,7 @@ impl Ferry {
             .arg(&serial)
             .args(extra)
             .stdin(Stdio::null())
+            .stderr(stderr)
             .spawn()
             .expect("spawn ferry");
         let mut ferry = Ferry {
@@ -102,6 +106,11 @@ impl Ferry {
         };
         ferry.wait_api();
         ferry
+    }
+
+    /// A destination waiting for one migration at `url`.
+    pub fn incoming(url: &str) -> Ferry {
+        Ferry::start(&["--incoming", url])
     }
 
     pub fn boot(spec: VmSpec) -> Ferry {
@@ -167,6 +176,20 @@ impl Ferry {
 
     pub fn serial_text(&self) -> String {
         std::fs::read_to_string(&self.serial).unwrap_or_default()
+    }
+
+    pub fn stderr_text(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("stderr.log")).unwrap_or_default()
+    }
+
+    /// A path for sockets or files that lives as long as this process's scratch directory.
+    pub fn scratch(&self, name: &str) -> PathBuf {
+        self._dir.path().join(name)
+    }
+
+    pub fn migration_status(&self) -> api::MigrationStatus {
+        serde_json::from_value(self.api().get("vm.migration").expect("vm.migration"))
+            .expect("vm.migration body")
     }
 }
 

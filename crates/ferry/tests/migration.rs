@@ -1,0 +1,465 @@
+//! Live, warm and cold migration between real ferry processes on this machine.
+
+mod common;
+
+use std::time::Duration;
+
+use api::{MigrationPhase, MigrationStatus};
+use common::*;
+
+const T: Duration = Duration::from_secs(60);
+
+/// `ferry migrate ... --json`: the final report (if one was printed), whether the command
+/// succeeded, and every error message it gave (report error and stderr).
+fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (MigrationStatus, bool, String) {
+    let socket = src.socket.to_str().unwrap().to_string();
+    let mut args = vec!["migrate", "--api-socket", &socket, "--to", to, "--json"];
+    args.extend_from_slice(extra);
+    let out = ferry_output(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let status: MigrationStatus = serde_json::from_str(&stdout).unwrap_or_default();
+    let errors = format!(
+        "{}\n{}",
+        status.error.clone().unwrap_or_default(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (status, out.status.success(), errors)
+}
+
+fn unix_url(f: &Ferry, name: &str) -> String {
+    format!("unix:{}", f.scratch(name).display())
+}
+
+/// Waits for `pred` on the destination's vm.info, for a VM that was migrated there.
+fn passes_after(dst: &Ferry, extra: u64) -> api::VmInfo {
+    let start = dst.info().passes;
+    dst.wait_info("more passes on the destination", T, |i| {
+        i.passes >= start + extra
+    })
+}
+
+#[test]
+fn idle_guest_moves_over_tcp_and_heartbeats_continue() {
+    if !kvm_available() {
+        return;
+    }
+    let mut src = Ferry::boot(VmSpec::default());
+    let before = src.wait_info("heartbeats", T, |i| i.heartbeat_seq > 50);
+    let port = free_port();
+    let url = format!("tcp:127.0.0.1:{port}");
+    let dst = Ferry::incoming(&url);
+    assert_eq!(dst.info().state, "incoming");
+
+    let (report, ok, stderr) = migrate(&src, &url, &[]);
+    assert!(ok, "migrate failed: {stderr}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(report.pages_skipped_unpopulated > 200_000, "{report:?}");
+    assert!(
+        src.wait_exit(T).success(),
+        "the source exits 0 after migrating"
+    );
+
+    let after = dst.wait_info("heartbeats on the destination", T, |i| i.heartbeats > 10);
+    assert!(after.heartbeat_seq > before.heartbeat_seq);
+    assert_eq!(after.state, "running");
+    assert!(after.migration_observed_downtime_ms.is_some());
+}
+
+#[test]
+fn write_workload_precopy_keeps_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    let mut src = Ferry::boot(VmSpec {
+        cmdline: "write ws=256M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let dst = Ferry::incoming(&unix_url(&src, "mig.sock"));
+    let (report, ok, stderr) = migrate(
+        &src,
+        &unix_url(&src, "mig.sock"),
+        &["--checksum", "--max-downtime-ms", "5"],
+    );
+    assert!(ok, "migrate failed: {stderr}\n{report:?}");
+    assert!(
+        report.rounds.len() >= 2,
+        "several rounds: {:?}",
+        report.rounds
+    );
+    assert!(report.pages_resent > 0, "dirty pages were sent again");
+    let (a, b) = (
+        report.memory_checksum_source,
+        report.memory_checksum_destination,
+    );
+    assert!(
+        a.is_some() && a == b,
+        "memory equal at the switch: {a:?} vs {b:?}"
+    );
+    assert!(src.wait_exit(T).success());
+
+    let info = passes_after(&dst, 2);
+    assert_eq!(
+        info.verify_errors, 0,
+        "pages lost: {:?}",
+        info.verify_error_pages
+    );
+    assert_eq!(info.per_vcpu[0].guest_errors, 0);
+}
+
+#[test]
+fn both_vcpus_progress_after_migration() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        vcpus: 2,
+        cmdline: "write ws=64M random verify",
+        ..Default::default()
+    });
+    src.wait_info("progress", T, |i| i.pages_touched > 10_000);
+    let url = unix_url(&src, "mig.sock");
+    let dst = Ferry::incoming(&url);
+    let (_, ok, stderr) = migrate(&src, &url, &[]);
+    assert!(ok, "{stderr}");
+    let start = dst.info();
+    let info = dst.wait_info("both vCPUs progressing", T, |i| {
+        i.per_vcpu
+            .iter()
+            .zip(&start.per_vcpu)
+            .all(|(now, then)| now.pages > then.pages + 5_000)
+    });
+    assert_eq!(info.verify_errors, 0);
+}
+
+#[test]
+fn warm_migration_keeps_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        cmdline: "write ws=64M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let url = unix_url(&src, "mig.sock");
+    let dst = Ferry::incoming(&url);
+    let (report, ok, stderr) = migrate(&src, &url, &["--mode", "warm", "--checksum"]);
+    assert!(ok, "{stderr}");
+    assert_eq!(report.mode, "warm");
+    assert_eq!(report.rounds.len(), 1, "warm sends memory once");
+    assert_eq!(
+        report.memory_checksum_source,
+        report.memory_checksum_destination
+    );
+    let info = passes_after(&dst, 2);
+    assert_eq!(info.verify_errors, 0);
+}
+
+#[test]
+fn snapshot_and_restore_continue_the_workload() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        cmdline: "write ws=32M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let file = src.scratch("vm.ferry");
+    let out = ferry_output(&[
+        "snapshot",
+        "--api-socket",
+        src.socket.to_str().unwrap(),
+        "--to",
+        file.to_str().unwrap(),
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let saved = src.info();
+    assert_eq!(saved.state, "paused", "a snapshot leaves the source paused");
+
+    let restored = Ferry::start(&["--restore", file.to_str().unwrap()]);
+    let info = passes_after(&restored, 2);
+    assert_eq!(info.verify_errors, 0);
+    assert!(info.heartbeat_seq > saved.heartbeat_seq);
+}
+
+#[test]
+fn killed_destination_leaves_the_source_running() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        cmdline: "write ws=128M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let url = unix_url(&src, "mig1.sock");
+    let mut dst = Ferry::incoming(&url);
+    // Slow enough (64 Mbit/s) that the kill lands mid-round.
+    src.api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
+        )
+        .expect("start");
+    src.wait_for_migration_bytes(1 << 20);
+    dst.child.as_mut().unwrap().kill().unwrap();
+    let status = src.wait_migration_end();
+    assert_eq!(status.phase, MigrationPhase::Failed, "{status:?}");
+    assert!(status.error.is_some());
+    assert_source_keeps_running(&src);
+    assert_second_attempt_succeeds(&src);
+}
+
+#[test]
+fn cut_connection_leaves_the_source_running() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        cmdline: "write ws=64M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let port = free_port();
+    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
+    let proxy = common::proxy::Proxy::start(
+        &format!("127.0.0.1:{port}"),
+        common::proxy::Fault::CutAfter(8 << 20),
+    );
+    let (report, ok, _) = migrate(&src, &proxy.url, &[]);
+    assert!(!ok);
+    assert_eq!(report.phase, MigrationPhase::Failed, "{report:?}");
+    assert!(
+        !dst.wait_exit(T).success(),
+        "the destination refuses a cut stream"
+    );
+    assert!(dst.stderr_text().contains("incoming migration failed"));
+    drop(proxy);
+    assert_source_keeps_running(&src);
+    assert_second_attempt_succeeds(&src);
+}
+
+#[test]
+fn corrupt_frame_is_refused_and_the_source_runs_on() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        cmdline: "write ws=16M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let port = free_port();
+    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
+    // Byte 40 lies inside the Hello frame's payload.
+    let proxy = common::proxy::Proxy::start(
+        &format!("127.0.0.1:{port}"),
+        common::proxy::Fault::FlipAt(40),
+    );
+    let (_, ok, error) = migrate(&src, &proxy.url, &[]);
+    assert!(!ok);
+    assert!(
+        error.contains("checksum mismatch"),
+        "the reason travels back: {error}"
+    );
+    assert!(!dst.wait_exit(T).success());
+    drop(proxy);
+    assert_source_keeps_running(&src);
+    assert_second_attempt_succeeds(&src);
+}
+
+#[test]
+fn foreign_streams_are_refused() {
+    if !kvm_available() {
+        return;
+    }
+    use std::io::Write;
+    // A stream of another version, sent to a destination.
+    let port = free_port();
+    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut header = b"FERRYMIG".to_vec();
+    header.extend_from_slice(&2u32.to_le_bytes());
+    header.extend_from_slice(&[0; 4]);
+    s.write_all(&header).unwrap();
+    assert!(!dst.wait_exit(T).success());
+    assert!(
+        dst.stderr_text()
+            .contains("stream version 2 is not supported"),
+        "{}",
+        dst.stderr_text()
+    );
+
+    // A source whose "destination" answers something that is not ferry.
+    let src = Ferry::boot(VmSpec::default());
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("tcp:{}", fake.local_addr().unwrap());
+    let server = std::thread::spawn(move || {
+        let (mut c, _) = fake.accept().unwrap();
+        let _ = c.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        std::thread::sleep(Duration::from_millis(200));
+    });
+    let (_, ok, error) = migrate(&src, &url, &[]);
+    server.join().unwrap();
+    assert!(!ok);
+    assert!(error.contains("migration stream"), "{error}");
+    assert_source_keeps_running(&src);
+}
+
+#[test]
+fn cancel_leaves_the_source_running() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        cmdline: "write ws=128M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let url = unix_url(&src, "mig1.sock");
+    let mut dst = Ferry::incoming(&url);
+    src.api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
+        )
+        .expect("start");
+    src.wait_for_migration_bytes(1 << 20);
+    src.put("vm.cancel-migration");
+    let status = src.wait_migration_end();
+    assert_eq!(status.phase, MigrationPhase::Cancelled, "{status:?}");
+    assert!(
+        !dst.wait_exit(T).success(),
+        "the destination never resumes a cancelled VM"
+    );
+    assert!(
+        dst.stderr_text().contains("cancelled"),
+        "{}",
+        dst.stderr_text()
+    );
+    assert_source_keeps_running(&src);
+    assert_second_attempt_succeeds(&src);
+}
+
+#[test]
+fn bad_migration_requests_are_refused_clearly() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        cmdline: "write ws=64M seq",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let socket = src.socket.to_str().unwrap().to_string();
+    let fails = |extra: &[&str], expect: &str| {
+        let mut args = vec!["migrate", "--api-socket", &socket];
+        args.extend_from_slice(extra);
+        let out = ferry_output(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{extra:?} should fail");
+        assert!(
+            stderr.contains(expect),
+            "{extra:?}: wanted {expect:?} in:\n{stderr}"
+        );
+    };
+    let nobody = format!("tcp:127.0.0.1:{}", free_port());
+    fails(&["--to", &nobody], "cannot connect");
+    fails(&["--to", "127.0.0.1:4444"], "not a migration address");
+    fails(&["--to", "tcp:localhost"], "not a migration address");
+    fails(
+        &["--to", &nobody, "--max-downtime-ms", "0"],
+        "max_downtime_ms must be positive",
+    );
+    fails(
+        &["--to", &nobody, "--max-bandwidth-mbps", "-5"],
+        "max_bandwidth_mbps must be positive",
+    );
+    fails(
+        &["--to", &nobody, "--max-rounds", "0"],
+        "max_rounds must be positive",
+    );
+    fails(
+        &["--to", &nobody, "--mode", "teleport"],
+        "unknown mode 'teleport'",
+    );
+
+    // Two at once: the second is refused while the first runs.
+    let url = unix_url(&src, "mig.sock");
+    let _dst = Ferry::incoming(&url);
+    src.api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 8})),
+        )
+        .expect("first");
+    let err = src
+        .api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": url})),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("already running"), "{err}");
+    src.put("vm.cancel-migration");
+    src.wait_migration_end();
+    assert_source_keeps_running(&src);
+}
+
+fn assert_source_keeps_running(src: &Ferry) {
+    let info = src.info();
+    assert_eq!(info.state, "running", "{info:?}");
+    src.wait_info("heartbeats on the source", T, |i| {
+        i.heartbeat_seq > info.heartbeat_seq + 50
+    });
+    assert_eq!(src.info().verify_errors, 0);
+}
+
+fn assert_second_attempt_succeeds(src: &Ferry) {
+    let url = unix_url(src, "mig2.sock");
+    let dst = Ferry::incoming(&url);
+    let (report, ok, stderr) = migrate(src, &url, &["--checksum"]);
+    assert!(ok, "second attempt: {stderr}\n{report:?}");
+    assert_eq!(
+        report.memory_checksum_source,
+        report.memory_checksum_destination
+    );
+    let info = passes_after(&dst, 1);
+    assert_eq!(info.verify_errors, 0);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+trait MigrationWait {
+    fn wait_for_migration_bytes(&self, bytes: u64);
+    fn wait_migration_end(&self) -> MigrationStatus;
+}
+
+impl MigrationWait for Ferry {
+    fn wait_for_migration_bytes(&self, bytes: u64) {
+        wait_for("migration traffic", T, || {
+            let s = self.migration_status();
+            (s.bytes_on_wire >= bytes).then_some(())
+        });
+    }
+
+    fn wait_migration_end(&self) -> MigrationStatus {
+        wait_for("the migration to end", T, || {
+            let s = self.migration_status();
+            (!s.phase.is_running()).then_some(s)
+        })
+    }
+}
