@@ -1,27 +1,40 @@
 #!/usr/bin/env bash
-# The demo: boot a guest in ferry, watch its heartbeats, pause and resume it, shut it down.
+# The demo: boot a guest that writes and verifies 256 MiB, live-migrate it between two ferry
+# processes over TCP on loopback, print the report, and show the guest verifying on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FERRY=target/release/ferry
 GUEST=guest/build/guest.elf
 work=$(mktemp -d /tmp/ferry-demo.XXXXXX)
-cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"; }
 pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$work"; }
 trap cleanup EXIT
 
+wait_socket() { for _ in $(seq 200); do [ -S "$1" ] && return 0; sleep 0.05; done; echo "no API at $1" >&2; exit 1; }
 status() { "$FERRY" status --api-socket "$1" | python3 -c '
 import json, sys
 i = json.load(sys.stdin)
-print("  state=%-9s heartbeat=%-7d pages=%-9d passes=%-5d verify_errors=%d"
-      % (i["state"], i["heartbeat_seq"], i["pages_touched"], i["passes"], i["verify_errors"]))'; }
+print("  %-12s state=%-9s heartbeat=%-7d pages=%-9d passes=%-4d verify_errors=%d"
+      % (sys.argv[1], i["state"], i["heartbeat_seq"], i["pages_touched"], i["passes"], i["verify_errors"]))' "$2"; }
 
-echo "== booting a 1 GiB guest: write ws=256M seq verify, 2 vCPUs"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+
+echo "== source: a 1 GiB guest, 2 vCPUs, writing and verifying a 256 MiB working set"
 "$FERRY" run --guest "$GUEST" --memory 1G --vcpus 2 --cmdline "write ws=256M seq verify" \
     --api-socket "$work/src.sock" --serial "$work/src.serial" &
+pids+=($!); src_pid=$!
+wait_socket "$work/src.sock"
+echo "== destination: waiting on tcp:127.0.0.1:$port"
+"$FERRY" run --incoming "tcp:127.0.0.1:$port" --api-socket "$work/dst.sock" --serial "$work/dst.serial" &
 pids+=($!)
-for _ in $(seq 100); do [ -S "$work/src.sock" ] && break; sleep 0.1; done
-for _ in 1 2 3; do sleep 1; status "$work/src.sock"; done
-echo "== pause"; "$FERRY" pause --api-socket "$work/src.sock"; status "$work/src.sock"; sleep 1; status "$work/src.sock"
-echo "== resume"; "$FERRY" resume --api-socket "$work/src.sock"; sleep 1; status "$work/src.sock"
-echo "== guest serial console (last lines)"; tail -n 3 "$work/src.serial"
-echo "== shutdown"; "$FERRY" shutdown --api-socket "$work/src.sock"; wait "${pids[0]}"; echo "  ferry exited with status $?"
+wait_socket "$work/dst.sock"
+for _ in 1 2; do sleep 1; status "$work/src.sock" source; done
+
+echo "== ferry migrate --to tcp:127.0.0.1:$port --max-downtime-ms 20 --checksum"
+"$FERRY" migrate --api-socket "$work/src.sock" --to "tcp:127.0.0.1:$port" --max-downtime-ms 20 --checksum
+wait "$src_pid" && echo "== the source process exited with status 0"
+
+echo "== the guest runs on at the destination, verifying every page it wrote before the move"
+for _ in 1 2 3; do sleep 1; status "$work/dst.sock" destination; done
+echo "== destination serial console (last lines)"; tail -n 2 "$work/dst.serial"
+"$FERRY" shutdown --api-socket "$work/dst.sock"
