@@ -41,6 +41,9 @@ fn map(len: usize) -> Mapping {
     Mapping(p as *mut u8, len)
 }
 
+/// vCPU states and device state, as loaded.
+type LoadedState = (Vec<Vec<u8>>, Vec<u8>);
+
 /// A VM whose "guest" is a thread writing pages in a scripted order.
 struct FakeVm {
     mem: Mapping,
@@ -48,7 +51,7 @@ struct FakeVm {
     logging: AtomicBool,
     paused: AtomicBool,
     writes: AtomicU64,
-    state: Mutex<Option<(Vec<Vec<u8>>, Vec<u8>)>>,
+    state: Mutex<Option<LoadedState>>,
 }
 
 impl FakeVm {
@@ -95,10 +98,10 @@ impl FakeVm {
                 let pfn = lo + (i * 7919) % (hi - lo);
                 vm.write_page(pfn, generation);
                 i += 1;
-                if i % (hi - lo) == 0 {
+                if i.is_multiple_of(hi - lo) {
                     generation += 1;
                 }
-                if i % 64 == 0 {
+                if i.is_multiple_of(64) {
                     std::thread::sleep(Duration::from_micros(50));
                 }
             }
