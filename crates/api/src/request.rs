@@ -3,7 +3,7 @@
 use serde::de::DeserializeOwned;
 
 use crate::server::ApiError;
-use crate::types::{CorruptPageRequest, MigrationRequest, SnapshotRequest};
+use crate::types::{CorruptPageRequest, DirtyLoggingRequest, MigrationRequest, SnapshotRequest};
 
 pub const PREFIX: &str = "/api/v1/";
 
@@ -14,6 +14,7 @@ pub enum ApiRequest {
     Resume,
     Shutdown,
     CorruptPage(CorruptPageRequest),
+    DirtyLogging(DirtyLoggingRequest),
     SendMigration(MigrationRequest),
     MigrationStatus,
     CancelMigration,
@@ -31,6 +32,7 @@ impl ApiRequest {
             "vm.resume" => ("PUT", ApiRequest::Resume),
             "vm.shutdown" => ("PUT", ApiRequest::Shutdown),
             "vm.debug-corrupt-page" => ("PUT", ApiRequest::CorruptPage(json(endpoint, body)?)),
+            "vm.debug-dirty-logging" => ("PUT", ApiRequest::DirtyLogging(json(endpoint, body)?)),
             "vm.send-migration" => ("PUT", ApiRequest::SendMigration(json(endpoint, body)?)),
             "vm.migration" => ("GET", ApiRequest::MigrationStatus),
             "vm.cancel-migration" => ("PUT", ApiRequest::CancelMigration),

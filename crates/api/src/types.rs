@@ -51,6 +51,15 @@ pub struct CorruptPageRequest {
     pub page: u64,
 }
 
+/// Benchmark hook: KVM dirty logging on or off outside a migration, harvested every
+/// `harvest_ms` as a pre-copy would, to measure what dirty tracking costs the guest.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DirtyLoggingRequest {
+    pub enabled: bool,
+    pub harvest_ms: Option<u64>,
+}
+
 /// Body of `PUT /api/v1/vm.send-migration`. Limits are signed so that a negative number gets
 /// an error naming the field rather than a type error.
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

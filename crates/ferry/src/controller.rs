@@ -179,6 +179,15 @@ impl Handler for Controller {
                 self.corrupt_page(req.page)?;
                 Ok(Value::Null)
             }
+            ApiRequest::DirtyLogging(req) => {
+                let vm = self.require_live()?;
+                if self.outgoing.running() {
+                    return Err(ApiError::conflict("a migration owns dirty logging now"));
+                }
+                crate::dirty_bench::set(vm, req.enabled, req.harvest_ms.unwrap_or(100))
+                    .map_err(ApiError::internal)?;
+                Ok(Value::Null)
+            }
             ApiRequest::SendMigration(req) => self.send_migration(&req),
             ApiRequest::MigrationStatus => Ok(self.outgoing.status_json()),
             ApiRequest::CancelMigration => self.outgoing.cancel(),

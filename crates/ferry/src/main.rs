@@ -2,6 +2,7 @@
 
 mod cli;
 mod controller;
+mod dirty_bench;
 mod migrate;
 mod outgoing;
 mod report;

@@ -1,0 +1,128 @@
+"""Drives ferry: boot a source, start a destination, migrate through the CLI, collect the
+report, and the boot and dirty-logging measurements."""
+import json
+import os
+import subprocess
+import time
+
+from .serial import SerialClock, observed_downtime_ms
+from .util import FERRY, GUEST, BenchError, free_port, wait_until
+
+
+def api(socket_path, method, endpoint, body=None, timeout=30):
+    """One HTTP request to a ferry API socket (curl is in every Debian install)."""
+    argv = ["curl", "-s", "-S", "--max-time", str(timeout), "--unix-socket", socket_path,
+            "-X", method, f"http://ferry/api/v1/{endpoint}"]
+    if body is not None:
+        argv += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
+    out = subprocess.run(argv, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise BenchError(f"{endpoint}: {out.stderr.strip()}")
+    return json.loads(out.stdout) if out.stdout.strip() else None
+
+
+class FerryPeer:
+    name = "ferry"
+
+    def __init__(self, procs, workdir):
+        self.procs = procs
+        self.work = workdir
+
+    def boot(self, memory, vcpus, cmdline, netns=None, serial=None):
+        sock = os.path.join(self.work, f"src-{time.time_ns()}.sock")
+        serial_path = serial or os.path.join(self.work, "src.serial")
+        self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
+                          "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path],
+                         netns=netns, stderr=open(os.path.join(self.work, "src.err"), "ab"))
+        wait_until("the ferry source API", 30, lambda: os.path.exists(sock))
+        return sock
+
+    def info(self, sock):
+        return api(sock, "GET", "vm.info")
+
+    def migrate_once(self, scenario, link):
+        """One migration; returns a result row."""
+        src_clock, dst_clock = SerialClock(), SerialClock()
+        src_serial = os.path.join(self.work, f"s{time.time_ns()}.fifo")
+        dst_serial = os.path.join(self.work, f"d{time.time_ns()}.fifo")
+        src_clock.follow_fifo(src_serial)
+        dst_clock.follow_fifo(dst_serial)
+        src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"],
+                        netns=link.ns_src, serial=src_serial)
+        wait_until("guest progress", 60, lambda: self.info(src)["heartbeats"] > 100)
+        if scenario.get("warmup_s"):
+            time.sleep(scenario["warmup_s"])
+        port = free_port()
+        dst = os.path.join(self.work, f"dst-{time.time_ns()}.sock")
+        self.procs.start([FERRY, "run", "--incoming", f"tcp:{link.dst_host}:{port}",
+                          "--api-socket", dst, "--serial", dst_serial], netns=link.ns_dst,
+                         stderr=open(os.path.join(self.work, "dst.err"), "ab"))
+        wait_until("the ferry destination API", 30, lambda: os.path.exists(dst))
+        argv = [FERRY, "migrate", "--api-socket", src, "--to", f"tcp:{link.dst_host}:{port}",
+                "--mode", scenario["mode"], "--max-downtime-ms", str(scenario["max_downtime_ms"]),
+                "--json"]
+        started = time.time()
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise BenchError(f"ferry migrate failed: {out.stderr.strip()} {out.stdout[-400:]}")
+        report = json.loads(out.stdout)
+        time.sleep(0.5)  # let the destination print a few lines
+        dinfo = self.info(dst)
+        api(dst, "PUT", "vm.shutdown")
+        round0 = report["rounds"][0] if report["rounds"] else {}
+        return {
+            "peer": "ferry",
+            "total_ms": report["total_ms"],
+            "downtime_ms": report["downtime_ms"],
+            "guest_downtime_ms": report["guest_observed_downtime_ms"],
+            "serial_downtime_ms": observed_downtime_ms(src_clock, dst_clock, started),
+            "bytes": report["bytes_on_wire"],
+            "must_move_bytes": round0.get("pages", 0) * 4096 - round0.get("zero_pages", 0) * 4096,
+            "rounds": len(report["rounds"]),
+            "round_table": report["rounds"],
+            "pages_full": report["pages_full"],
+            "pages_zero": report["pages_zero"],
+            "pages_skipped": report["pages_skipped_unpopulated"],
+            "pages_resent": report["pages_resent"],
+            "converged": report["converged"],
+            "verify_errors_after": dinfo["verify_errors"],
+            "rate_before": report["guest_pages_per_s_before"],
+            "rate_during": report["guest_pages_per_s_during"],
+            "rate_after": report["guest_pages_per_s_after"],
+        }
+
+    def boot_metrics(self, memory):
+        """Time from `ferry run` to the first heartbeat, and the heartbeat rate after it."""
+        t0 = time.time()
+        sock = os.path.join(self.work, f"boot-{time.time_ns()}.sock")
+        p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--cmdline", "idle",
+                              "--api-socket", sock, "--serial", "/dev/null"])
+        wait_until("the API", 30, lambda: os.path.exists(sock), interval=0.001)
+        first = wait_until("a heartbeat", 30, lambda: self.info(sock)["heartbeats"] > 0, interval=0.001)
+        t_first = time.time() - t0
+        a = self.info(sock)
+        time.sleep(1.0)
+        b = self.info(sock)
+        api(sock, "PUT", "vm.shutdown")
+        p.wait(timeout=30)
+        return {"memory": memory, "first_heartbeat_ms": t_first * 1e3,
+                "heartbeats_per_s": (b["heartbeats"] - a["heartbeats"]) / 1.0, "ok": bool(first)}
+
+    def dirty_logging_cost(self, ws="256M", seconds=2.0):
+        """Guest page-touch rate without and with KVM dirty logging (harvested every 100 ms)."""
+        sock = self.boot("1G", 1, f"write ws={ws} seq")
+        wait_until("progress", 30, lambda: self.info(sock)["passes"] >= 1)
+
+        def rate():
+            a = self.info(sock)
+            t = time.time()
+            time.sleep(seconds)
+            b = self.info(sock)
+            return (b["pages_touched"] - a["pages_touched"]) / (time.time() - t)
+
+        off = rate()
+        api(sock, "PUT", "vm.debug-dirty-logging", {"enabled": True, "harvest_ms": 100})
+        on = rate()
+        api(sock, "PUT", "vm.debug-dirty-logging", {"enabled": False})
+        api(sock, "PUT", "vm.shutdown")
+        return {"pages_per_s_without": off, "pages_per_s_with": on, "ratio": on / off if off else None}

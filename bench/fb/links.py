@@ -1,0 +1,92 @@
+"""The link between the two VMMs: loopback, or two network namespaces' worth of veth shaped
+with tc. Everything created here is removed in `close`, even when the scenario failed."""
+import socket
+import subprocess
+import threading
+import time
+
+ADDR_SRC = "169.254.77.1"
+ADDR_DST = "169.254.77.2"
+
+
+def sh(*argv, check=True):
+    r = subprocess.run(argv, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+    return r
+
+
+class Link:
+    """name: loopback | 1gbit | 10gbit; delay_ms adds netem latency (a WAN-like case)."""
+
+    def __init__(self, name, tag, delay_ms=0):
+        self.name = name
+        self.delay_ms = delay_ms
+        self.tag = tag
+        self.ns_src = self.ns_dst = None
+        self.dst_host = "127.0.0.1"
+        self.created = []
+
+    def __enter__(self):
+        if self.name == "loopback":
+            return self
+        rate = {"1gbit": "1gbit", "10gbit": "10gbit"}[self.name]
+        burst = {"1gbit": "256kb", "10gbit": "2mb"}[self.name]
+        self.ns_src, self.ns_dst = f"fbs-{self.tag}", f"fbd-{self.tag}"
+        for ns in (self.ns_src, self.ns_dst):
+            sh("ip", "netns", "add", ns)
+            self.created.append(ns)
+        va, vb = f"fbva{self.tag}"[:15], f"fbvb{self.tag}"[:15]
+        sh("ip", "link", "add", va, "netns", self.ns_src, "type", "veth", "peer", "name", vb, "netns", self.ns_dst)
+        for ns, dev, addr in ((self.ns_src, va, ADDR_SRC), (self.ns_dst, vb, ADDR_DST)):
+            sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+            sh("ip", "-n", ns, "link", "set", dev, "up")
+            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            if self.delay_ms:
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:",
+                   "netem", "delay", f"{self.delay_ms}ms")
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
+                   "handle", "10:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
+            else:
+                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
+                   "rate", rate, "burst", burst, "latency", "50ms")
+        self.dst_host = ADDR_DST
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        for ns in self.created:
+            sh("ip", "netns", "del", ns, check=False)
+        self.created.clear()
+
+    def goodput_bytes_per_s(self, megabytes=64):
+        """TCP goodput source → destination, measured with a plain socket transfer."""
+        port = 45999
+        server = ["python3", "-c", (
+            "import socket,sys;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+            f"s.bind(('{self.dst_host}',{port}));s.listen(1);c,_=s.accept();n=0\n"
+            "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
+            "print(n)")]
+        if self.ns_dst:
+            server = ["ip", "netns", "exec", self.ns_dst] + server
+        srv = subprocess.Popen(server, stdout=subprocess.PIPE, text=True)
+        try:
+            client = (
+                "import socket,time,sys\n"
+                "for _ in range(200):\n"
+                " try:\n"
+                f"  c=socket.create_connection(('{self.dst_host}',{port}));break\n"
+                " except OSError: time.sleep(0.02)\n"
+                f"buf=b'x'*(1<<20);t=time.time()\n"
+                f"for _ in range({megabytes}): c.sendall(buf)\n"
+                "c.shutdown(socket.SHUT_WR);c.recv(1);print(time.time()-t)")
+            argv = ["python3", "-c", client]
+            if self.ns_src:
+                argv = ["ip", "netns", "exec", self.ns_src] + argv
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            seconds = float(out.stdout.strip())
+            return megabytes * (1 << 20) / seconds
+        finally:
+            srv.wait(timeout=30)

@@ -1,0 +1,151 @@
+"""Drives QEMU (Debian's qemu-system-x86_64, -enable-kvm, default CPU model) on the same guest
+and link, over QMP: pre-copy with the same downtime limit and bandwidth as ferry, and a
+'qemu-best' variant with multifd. Numbers come from query-migrate; guest-observed downtime
+from the same serial timestamps used for ferry."""
+import json
+import os
+import shutil
+import socket
+import time
+
+from .serial import SerialClock, observed_downtime_ms
+from .util import GUEST, BenchError, free_port, wait_until
+
+QEMU = "qemu-system-x86_64"
+
+
+def available():
+    return shutil.which(QEMU) is not None
+
+
+class Qmp:
+    def __init__(self, path, timeout=30):
+        deadline = time.time() + timeout
+        while True:
+            try:
+                self.sock = socket.socket(socket.AF_UNIX)
+                self.sock.connect(path)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise BenchError(f"no QMP socket at {path}")
+                time.sleep(0.02)
+        self.file = self.sock.makefile("rwb")
+        self._read()  # greeting
+        self.cmd("qmp_capabilities")
+
+    def _read(self):
+        while True:
+            line = self.file.readline()
+            if not line:
+                raise BenchError("QMP connection closed")
+            msg = json.loads(line)
+            if "event" not in msg:
+                return msg
+
+    def cmd(self, name, **args):
+        self.file.write(json.dumps({"execute": name, "arguments": args}).encode() + b"\n")
+        self.file.flush()
+        reply = self._read()
+        if "error" in reply:
+            raise BenchError(f"QMP {name}: {reply['error'].get('desc')}")
+        return reply.get("return")
+
+    def close(self):
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class QemuPeer:
+    def __init__(self, procs, workdir, best=False):
+        self.procs = procs
+        self.work = workdir
+        self.best = best
+        self.name = "qemu-best" if best else "qemu"
+
+    def _start(self, tag, scenario, clock, netns, incoming=None):
+        qmp = os.path.join(self.work, f"{tag}-{time.time_ns()}.qmp")
+        ser = os.path.join(self.work, f"{tag}-{time.time_ns()}.ser")
+        mem_mib = parse_mib(scenario["memory"])
+        argv = [QEMU, "-enable-kvm", "-nodefaults", "-display", "none", "-m", str(mem_mib),
+                "-smp", str(scenario["vcpus"]),
+                "-chardev", f"socket,id=ser0,path={ser},server=on,wait=off", "-serial", "chardev:ser0",
+                "-kernel", GUEST, "-append", scenario["cmdline"],
+                "-qmp", f"unix:{qmp},server=on,wait=off"]
+        if incoming:
+            argv += ["-incoming", incoming]
+        self.procs.start(argv, netns=netns, stderr=open(os.path.join(self.work, f"qemu-{tag}.err"), "ab"))
+        wait_until("the QEMU serial socket", 30, lambda: os.path.exists(ser))
+        clock.follow_socket(ser)
+        return Qmp(qmp)
+
+    def _configure(self, qmp, scenario):
+        caps = [{"capability": "multifd", "state": True}] if self.best else []
+        if caps:
+            qmp.cmd("migrate-set-capabilities", capabilities=caps)
+        params = {"downtime-limit": scenario["max_downtime_ms"], "max-bandwidth": 100 << 30}
+        if self.best:
+            params["multifd-channels"] = 2
+        qmp.cmd("migrate-set-parameters", **params)
+
+    def migrate_once(self, scenario, link):
+        if scenario["mode"] != "precopy":
+            raise BenchError(f"the QEMU driver has no {scenario['mode']} mode yet")
+        src_clock, dst_clock = SerialClock(), SerialClock()
+        src = self._start("src", scenario, src_clock, link.ns_src)
+        wait_until("guest serial progress", 60, lambda: len(src_clock.lines()) > 3)
+        if scenario.get("warmup_s"):
+            time.sleep(scenario["warmup_s"])
+        port = free_port()
+        dst = self._start("dst", scenario, dst_clock, link.ns_dst,
+                          incoming=f"tcp:{link.dst_host}:{port}")
+        self._configure(src, scenario)
+        self._configure(dst, scenario)
+        started = time.time()
+        src.cmd("migrate", uri=f"tcp:{link.dst_host}:{port}")
+
+        def done():
+            info = src.cmd("query-migrate")
+            if info.get("status") in ("completed", "failed", "cancelled"):
+                return info
+            return None
+
+        info = wait_until("the QEMU migration", 600, done, interval=0.02)
+        if info["status"] != "completed":
+            raise BenchError(f"QEMU migration {info['status']}: {info.get('error-desc', '')}")
+        time.sleep(0.5)
+        ram = info.get("ram", {})
+        for q in (src, dst):
+            try:
+                q.cmd("quit")
+            except BenchError:
+                pass
+            q.close()
+        return {
+            "peer": self.name,
+            "total_ms": info.get("total-time"),
+            "downtime_ms": info.get("downtime"),
+            "guest_downtime_ms": None,
+            "serial_downtime_ms": observed_downtime_ms(src_clock, dst_clock, started),
+            "bytes": ram.get("transferred"),
+            "must_move_bytes": None,
+            "rounds": ram.get("dirty-sync-count"),
+            "round_table": [],
+            "pages_full": ram.get("normal"),
+            "pages_zero": ram.get("duplicate"),
+            "pages_skipped": None,
+            "pages_resent": None,
+            "converged": None,
+            "verify_errors_after": None,
+            "rate_before": None,
+            "rate_during": None,
+            "rate_after": None,
+        }
+
+
+def parse_mib(size):
+    unit = size[-1].upper()
+    n = int(size[:-1]) if unit in "KMG" else int(size)
+    return {"G": n * 1024, "M": n, "K": max(1, n // 1024)}.get(unit, n >> 20)

@@ -1,0 +1,166 @@
+"""results.json, a Markdown table and plots from one run."""
+import json
+import os
+
+from .util import summarize
+
+METRICS = ["total_ms", "downtime_ms", "guest_downtime_ms", "serial_downtime_ms", "bytes", "rounds"]
+
+
+def summarize_rows(rows):
+    return {m: summarize([r.get(m) for r in rows]) for m in METRICS}
+
+
+def median(summary, metric):
+    s = summary.get(metric)
+    return s["median"] if s else None
+
+
+def ratios(results):
+    """ferry / QEMU per scenario and link, for each QEMU variant."""
+    out = []
+    by_key = {}
+    for r in results["scenarios"]:
+        by_key.setdefault((r["scenario"], r["link"]), {})[r["peer"]] = r["summary"]
+    for (scenario, link), peers in by_key.items():
+        ferry = peers.get("ferry")
+        for peer, other in peers.items():
+            if peer == "ferry" or not ferry:
+                continue
+            row = {"scenario": scenario, "link": link, "versus": peer}
+            for m in ("total_ms", "downtime_ms", "serial_downtime_ms", "bytes"):
+                a, b = median(ferry, m), median(other, m)
+                row[m] = (a / b) if (a is not None and b) else None
+            out.append(row)
+    return out
+
+
+def fmt(summary, metric, scale=1.0, digits=1):
+    s = summary.get(metric)
+    if not s:
+        return "-"
+    return f"{s['median'] / scale:.{digits}f} [{s['min'] / scale:.{digits}f}–{s['max'] / scale:.{digits}f}]"
+
+
+def markdown(results):
+    m = results["machine"]
+    lines = [f"# ferry benchmark — {results['started']}", "",
+             f"Machine: {m['cpu']}, {m['cores']} cores, kernel {m['kernel']}, KVM: {m['kvm']}. "
+             f"Profile `{results['profile']}`, {results['repeats']} runs per row; "
+             "cells are median [min–max].", ""]
+    if results.get("links"):
+        lines += ["| link | TCP goodput (MB/s) |", "|---|---|"]
+        lines += [f"| {k} | {v / 1e6:.0f} |" for k, v in results["links"].items()]
+        lines.append("")
+    if results.get("boot"):
+        lines += ["## Boot", "", "| memory | ferry run → first heartbeat (ms) | heartbeats/s |", "|---|---|---|"]
+        lines += [f"| {b['memory']} | {b['first_heartbeat_ms']:.1f} | {b['heartbeats_per_s']:.0f} |"
+                  for b in results["boot"]]
+        lines.append("")
+    if results.get("dirty_logging"):
+        d = results["dirty_logging"]
+        lines += ["## Cost of dirty logging to the guest", "",
+                  f"`write ws=256M seq`: {d['pages_per_s_without']:.0f} pages/s without, "
+                  f"{d['pages_per_s_with']:.0f} pages/s with KVM dirty logging harvested every 100 ms "
+                  f"(ratio {d['ratio']:.2f}).", ""]
+    lines += ["## Migrations", "",
+              "| link | scenario | peer | total ms | downtime ms (VMM) | guest downtime ms (heartbeat port) "
+              "| guest downtime ms (serial) | MB on wire | rounds | floor ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results["scenarios"]:
+        s = r["summary"]
+        floor = f"{r['floor_ms']:.1f}" if r.get("floor_ms") is not None else "-"
+        err = f" (failed: {r['error']})" if r.get("error") else ""
+        lines.append(f"| {r['link']} | {r['scenario']} | {r['peer']}{err} | {fmt(s, 'total_ms')} | "
+                     f"{fmt(s, 'downtime_ms', digits=2)} | {fmt(s, 'guest_downtime_ms', digits=2)} | "
+                     f"{fmt(s, 'serial_downtime_ms')} | {fmt(s, 'bytes', 1e6)} | {fmt(s, 'rounds', digits=0)} | {floor} |")
+    if results.get("ratios"):
+        lines += ["", "## ferry / QEMU (medians; < 1 means ferry is better)", "",
+                  "| link | scenario | versus | total | downtime (VMM) | downtime (serial) | bytes |",
+                  "|---|---|---|---|---|---|---|"]
+        f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        for r in results["ratios"]:
+            lines.append(f"| {r['link']} | {r['scenario']} | {r['versus']} | {f(r['total_ms'])} | "
+                         f"{f(r['downtime_ms'])} | {f(r['serial_downtime_ms'])} | {f(r['bytes'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(results, outdir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    # Per-round bars for ferry pre-copy: pages and duration.
+    precopy = [r for r in results["scenarios"] if r["peer"] == "ferry" and r["runs"] and r["runs"][0]["round_table"]]
+    if precopy:
+        fig, axes = plt.subplots(len(precopy), 2, figsize=(10, 2.6 * len(precopy)), squeeze=False)
+        for row, r in zip(axes, precopy):
+            table = r["runs"][0]["round_table"]
+            rounds = [t["round"] for t in table]
+            row[0].bar(rounds, [t["pages"] for t in table], color="#3b7dd8")
+            row[0].set_title(f"{r['scenario']} / {r['link']}: pages per round", fontsize=9)
+            row[1].bar(rounds, [t["duration_ms"] for t in table], color="#d8843b")
+            row[1].set_title("round duration (ms)", fontsize=9)
+        fig.tight_layout()
+        path = os.path.join(outdir, "precopy_rounds.svg")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+
+        # Throughput over time, from the round table of each first run.
+        fig, ax = plt.subplots(figsize=(10, 4))
+        for r in precopy:
+            t, xs, ys = 0.0, [], []
+            for rt in r["runs"][0]["round_table"]:
+                mbps = rt["bytes"] * 8 / max(rt["duration_ms"], 1e-3) / 1e3
+                xs += [t, t + rt["duration_ms"]]
+                ys += [mbps, mbps]
+                t += rt["duration_ms"]
+            ax.plot(xs, ys, label=f"{r['scenario']} / {r['link']}")
+        ax.set_xlabel("time since migration start (ms)")
+        ax.set_ylabel("Mbit/s")
+        ax.set_title("ferry pre-copy throughput per round")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(outdir, "throughput.svg")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+
+    # ferry vs QEMU bars.
+    keys = sorted({(r["scenario"], r["link"]) for r in results["scenarios"]})
+    peers = sorted({r["peer"] for r in results["scenarios"]})
+    if keys:
+        fig, axes = plt.subplots(1, 3, figsize=(14, 4 + 0.2 * len(keys)))
+        for ax, (metric, title, scale) in zip(axes, [("total_ms", "total time (ms)", 1),
+                                                     ("downtime_ms", "downtime, VMM (ms)", 1),
+                                                     ("bytes", "MB on the wire", 1e6)]):
+            width = 0.8 / max(len(peers), 1)
+            for i, peer in enumerate(peers):
+                vals = []
+                for k in keys:
+                    row = next((r for r in results["scenarios"] if (r["scenario"], r["link"]) == k and r["peer"] == peer), None)
+                    v = median(row["summary"], metric) if row else None
+                    vals.append((v or 0) / scale)
+                ax.barh([j + i * width for j in range(len(keys))], vals, height=width, label=peer)
+            ax.set_yticks([j + 0.4 - width / 2 for j in range(len(keys))])
+            ax.set_yticklabels([f"{s}\n{l}" for s, l in keys], fontsize=7)
+            ax.set_title(title, fontsize=9)
+            ax.set_xscale("log")
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(outdir, "ferry_vs_qemu.svg")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_all(results, outdir):
+    results["ratios"] = ratios(results)
+    with open(os.path.join(outdir, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    with open(os.path.join(outdir, "results.md"), "w") as f:
+        f.write(markdown(results))
+    return plots(results, outdir)

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""ferry's benchmark runner. `make bench` runs the quick profile; see --help.
+
+Every namespace, veth, qdisc and process a scenario creates is removed when it ends, failed
+or not."""
+import argparse
+import datetime
+import os
+import platform
+import sys
+import tempfile
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fb import qemu, report  # noqa: E402
+from fb.ferry import FerryPeer  # noqa: E402
+from fb.links import Link  # noqa: E402
+from fb.util import REPO, BenchError, Processes  # noqa: E402
+
+SERIAL = "serial_ms=10"
+
+
+def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5):
+    return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
+            "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s}
+
+
+PROFILES = {
+    "tiny": {
+        "links": ["loopback"], "peers": ["ferry"], "repeats": 1, "boot": [], "dirty": False,
+        "scenarios": [scenario("idle 64M", "64M", "idle")],
+    },
+    "quick": {
+        "links": ["loopback", "1gbit"], "peers": ["ferry", "qemu"], "repeats": 3,
+        "boot": ["1G", "16G"], "dirty": True,
+        "scenarios": [scenario("idle 1G", "1G", "idle"), scenario("idle 8G", "8G", "idle"),
+                      scenario("write seq 256M / 1G", "1G", "write ws=256M seq")],
+    },
+    "full": {
+        "links": ["loopback", "1gbit", "10gbit"], "peers": ["ferry", "qemu", "qemu-best"], "repeats": 3,
+        "boot": ["1G", "16G"], "dirty": True,
+        "scenarios": [scenario("idle 1G", "1G", "idle"), scenario("idle 4G", "4G", "idle"),
+                      scenario("idle 8G", "8G", "idle"),
+                      scenario("write seq 64M / 1G", "1G", "write ws=64M seq"),
+                      scenario("write seq 256M / 1G", "1G", "write ws=256M seq"),
+                      scenario("write seq 256M / 2G", "2G", "write ws=256M seq"),
+                      scenario("write random 256M / 2G", "2G", "write ws=256M random"),
+                      scenario("read 256M / 2G", "2G", "read ws=256M seq"),
+                      scenario("write seq 256M / 1G warm", "1G", "write ws=256M seq", mode="warm")],
+    },
+}
+
+
+def machine():
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    kvm = "PVM (kvm_pvm)" if os.path.exists("/sys/module/kvm_pvm") else (
+        "kvm_intel" if os.path.exists("/sys/module/kvm_intel") else
+        "kvm_amd" if os.path.exists("/sys/module/kvm_amd") else "?")
+    return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "kvm": kvm,
+            "guest_execution": "KVM instruction emulator on PVM (see DESIGN.md section 4)"
+            if "PVM" in kvm else "native"}
+
+
+def make_peer(name, procs, work):
+    if name == "ferry":
+        return FerryPeer(procs, work)
+    return qemu.QemuPeer(procs, work, best=(name == "qemu-best"))
+
+
+def run(args):
+    profile = PROFILES[args.profile]
+    links = args.links.split(",") if args.links else profile["links"]
+    peers = args.peers.split(",") if args.peers else profile["peers"]
+    repeats = args.repeats or profile["repeats"]
+    if any(p.startswith("qemu") for p in peers) and not qemu.available():
+        print("*** QEMU is absent: QEMU rows are skipped (make bench installs it) ***", file=sys.stderr)
+        peers = [p for p in peers if not p.startswith("qemu")]
+    started = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    outdir = args.out or os.path.join(REPO, "bench", "results", started)
+    os.makedirs(outdir, exist_ok=True)
+    results = {"started": started, "profile": args.profile, "repeats": repeats, "machine": machine(),
+               "links": {}, "boot": [], "dirty_logging": None, "scenarios": []}
+    tag = str(os.getpid() % 100000)
+
+    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as work:
+        procs = Processes()
+        try:
+            ferry = FerryPeer(procs, work)
+            for mem in profile["boot"]:
+                results["boot"].append(ferry.boot_metrics(mem))
+                procs.stop_all()
+            if profile["dirty"]:
+                results["dirty_logging"] = ferry.dirty_logging_cost()
+                procs.stop_all()
+            for link_name in links:
+                with Link(link_name, tag) as link:
+                    if link_name != "loopback":
+                        results["links"][link_name] = link.goodput_bytes_per_s()
+                    for sc in profile["scenarios"]:
+                        if args.fail_scenario:
+                            sc = dict(sc, memory="0")  # a scenario made to fail (cleanup test)
+                        for peer_name in peers:
+                            peer = make_peer(peer_name, procs, work)
+                            rows, error = [], None
+                            for i in range(repeats):
+                                try:
+                                    rows.append(peer.migrate_once(sc, link))
+                                except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
+                                    error = str(e).splitlines()[0][:300]
+                                    traceback.print_exc(file=sys.stderr)
+                                finally:
+                                    procs.stop_all()
+                                print(f"  {link_name:8} {sc['name']:28} {peer_name:9} run {i + 1}/{repeats}"
+                                      f" {'ok' if not error else 'FAILED: ' + error}", file=sys.stderr)
+                            must = [r["must_move_bytes"] for r in rows if r.get("must_move_bytes")]
+                            goodput = results["links"].get(link_name)
+                            entry = {"scenario": sc["name"], "link": link_name, "peer": peer_name,
+                                     "runs": rows, "summary": report.summarize_rows(rows), "error": error}
+                            if must and goodput:
+                                entry["floor_ms"] = sorted(must)[len(must) // 2] / goodput * 1e3
+                            results["scenarios"].append(entry)
+                    # QEMU rows get the same floor as ferry's (same guest, same link).
+                    for e in results["scenarios"]:
+                        if e["link"] == link_name and "floor_ms" not in e:
+                            twin = next((x for x in results["scenarios"] if x["link"] == link_name
+                                         and x["scenario"] == e["scenario"] and "floor_ms" in x), None)
+                            if twin:
+                                e["floor_ms"] = twin["floor_ms"]
+        finally:
+            procs.stop_all()
+    written = report.write_all(results, outdir)
+    print(open(os.path.join(outdir, "results.md")).read())
+    print(f"results: {outdir} ({', '.join(os.path.basename(w) for w in written)})", file=sys.stderr)
+    return 0 if not any(e.get("error") for e in results["scenarios"]) else 1
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    p.add_argument("--links", help="comma list: loopback,1gbit,10gbit")
+    p.add_argument("--peers", help="comma list: ferry,qemu,qemu-best")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--out", help="results directory (default bench/results/<timestamp>)")
+    p.add_argument("--fail-scenario", action="store_true", help=argparse.SUPPRESS)
+    sys.exit(run(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+//! Dirty logging without a migration, for measuring its cost to the guest (`make bench`).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use migration::Migratable;
+use vmm::Vm;
+
+static HARVESTER: Mutex<Option<Arc<AtomicBool>>> = Mutex::new(None);
+
+/// Turns logging on (with a thread harvesting the log every `harvest_ms`) or off.
+pub fn set(vm: &Arc<Vm>, enabled: bool, harvest_ms: u64) -> Result<(), String> {
+    let mut slot = HARVESTER.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(stop) = slot.take() {
+        stop.store(true, Ordering::Release);
+    }
+    if !enabled {
+        return vm.stop_dirty_log().map_err(|e| e.to_string());
+    }
+    vm.start_dirty_log().map_err(|e| e.to_string())?;
+    let stop = Arc::new(AtomicBool::new(false));
+    *slot = Some(stop.clone());
+    let vm = vm.clone();
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::Acquire) {
+            std::thread::sleep(Duration::from_millis(harvest_ms.max(1)));
+            if vm.take_dirty().is_err() {
+                break;
+            }
+        }
+    });
+    Ok(())
+}
