@@ -14,12 +14,22 @@ pub struct Measured {
     /// Goodput measured over everything sent so far.
     pub bandwidth_bytes_per_s: f64,
     pub dirty_pages_per_s: f64,
+    /// Consecutive recent rounds whose dirty set did not shrink by a tenth.
+    pub stalled_rounds: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Limits {
     pub max_downtime_ms: f64,
     pub max_rounds: u32,
+    /// Give up iterating after this many rounds without progress: more rounds only resend
+    /// the same pages (the seed papers' "writable working set" floor).
+    pub max_stalled_rounds: u32,
+}
+
+/// Whether a dirty set of `now` pages is progress over the previous one of `before`.
+pub fn shrank(before: u64, now: u64) -> bool {
+    (now as f64) < before as f64 * 0.9
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -54,19 +64,26 @@ pub fn decide(m: &Measured, limits: &Limits) -> Decision {
             ),
         };
     }
+    let pace = if outpaced(m) {
+        " (the guest dirties memory faster than the link sends it)"
+    } else {
+        ""
+    };
+    let give_up = |reason: String| Decision::SwitchOver {
+        converged: false,
+        why: format!(
+            "{reason}{pace}: stop-and-copy of {} pages, expected downtime {downtime:.1} ms",
+            m.pages_remaining
+        ),
+    };
     if m.rounds_done >= limits.max_rounds {
-        let pace = if outpaced(m) {
-            " (the guest dirties memory faster than the link sends it)"
-        } else {
-            ""
-        };
-        return Decision::SwitchOver {
-            converged: false,
-            why: format!(
-                "did not converge in {} rounds{pace}: stop-and-copy of {} pages, expected downtime {downtime:.1} ms",
-                m.rounds_done, m.pages_remaining
-            ),
-        };
+        return give_up(format!("did not converge in {} rounds", m.rounds_done));
+    }
+    if m.stalled_rounds >= limits.max_stalled_rounds {
+        return give_up(format!(
+            "not converging: the dirty set stopped shrinking for {} rounds",
+            m.stalled_rounds
+        ));
     }
     Decision::Iterate
 }
@@ -78,6 +95,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         max_downtime_ms: 10.0,
         max_rounds: 5,
+        max_stalled_rounds: 3,
     };
 
     fn m(rounds_done: u32, pages_remaining: u64, dirty: f64) -> Measured {
@@ -86,7 +104,24 @@ mod tests {
             pages_remaining,
             bandwidth_bytes_per_s: 100e6,
             dirty_pages_per_s: dirty,
+            stalled_rounds: 0,
         }
+    }
+
+    #[test]
+    fn stops_iterating_when_the_dirty_set_stops_shrinking() {
+        let stalled = Measured {
+            stalled_rounds: 3,
+            ..m(3, 100_000, 50_000.0)
+        };
+        match decide(&stalled, &LIMITS) {
+            Decision::SwitchOver { converged, why } => {
+                assert!(!converged);
+                assert!(why.contains("stopped shrinking"), "{why}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(shrank(1000, 899) && !shrank(1000, 950));
     }
 
     #[test]

@@ -84,6 +84,8 @@ impl MigrationParams {
 }
 
 const DEFAULT_BATCH_PAGES: usize = 256;
+/// Rounds without progress before pre-copy gives up iterating (see `policy`).
+const MAX_STALLED_ROUNDS: u32 = 3;
 /// How long the source waits for the destination's guest report after completion.
 const GUEST_REPORT_WAIT: Duration = Duration::from_secs(4);
 /// Live status is refreshed every this many pages inside a round.
@@ -255,12 +257,17 @@ impl<'a> Sender<'a> {
         let limits = Limits {
             max_downtime_ms: self.params.max_downtime_ms as f64,
             max_rounds: self.params.max_rounds,
+            max_stalled_rounds: MAX_STALLED_ROUNDS,
         };
         let mut round = 1;
+        let (mut previous, mut stalled) = (u64::MAX, 0);
         loop {
             self.check_continue()?;
             let dirty = self.vm.take_dirty()?;
-            let measured = self.measure(round, dirty.count());
+            let count = dirty.count();
+            stalled = if policy::shrank(previous, count) { 0 } else { stalled + 1 };
+            previous = count;
+            let measured = self.measure(round, count, stalled);
             match policy::decide(&measured, &limits) {
                 Decision::Iterate => self.send_round(round, &dirty)?,
                 Decision::SwitchOver { converged, why } => {
@@ -274,7 +281,7 @@ impl<'a> Sender<'a> {
         }
     }
 
-    fn measure(&self, rounds_done: u32, pages_remaining: u64) -> Measured {
+    fn measure(&self, rounds_done: u32, pages_remaining: u64, stalled_rounds: u32) -> Measured {
         let mut s = lock(self.status);
         let bytes: u64 = s.rounds.iter().map(|r| r.bytes).sum();
         let bandwidth = bytes as f64 / self.send_time.as_secs_f64().max(1e-6);
@@ -293,6 +300,7 @@ impl<'a> Sender<'a> {
             pages_remaining,
             bandwidth_bytes_per_s: bandwidth,
             dirty_pages_per_s: dirty_rate,
+            stalled_rounds,
         };
         s.pages_remaining = pages_remaining;
         s.expected_downtime_ms = policy::expected_downtime_ms(pages_remaining, bandwidth);
