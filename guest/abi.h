@@ -1,16 +1,17 @@
 /*
- * The contract between the workload guest and a VMM. ferry mirrors these numbers in
+ * The contract between the workload guest and a VMM. The ports avoid 0x600-0x63f, where
+ * firmware on QEMU's PC machines puts the ACPI PM block (a write to 0x604 can power off). ferry mirrors these numbers in
  * crates/vmm/src/devices/heartbeat.rs; keep both in step.
  */
 #ifndef FERRY_GUEST_ABI_H
 #define FERRY_GUEST_ABI_H
 
 #define PORT_SERIAL        0x3f8 /* COM1: human-readable progress lines */
-#define PORT_REGISTER      0x600 /* out32: guest-physical address of this vCPU's hb_block */
-#define PORT_HEARTBEAT     0x604 /* out32: low 32 bits of the block's seq; counters are in the block */
-#define PORT_VERIFY_ERROR  0x608 /* out32: working-set page index whose stamp was wrong */
-#define PORT_DONE          0x60c /* out32: this vCPU finished its workload (0) or failed (1) */
-#define PORT_FATAL_MSG     0x610 /* out8: one byte of a fatal configuration error, '\n' ends it */
+#define PORT_REGISTER      0x5a0 /* out32: guest-physical address of this vCPU's hb_block */
+#define PORT_HEARTBEAT     0x5a4 /* out32: low 32 bits of the block's seq; counters are in the block */
+#define PORT_VERIFY_ERROR  0x5a8 /* out32: working-set page index whose stamp was wrong */
+#define PORT_DONE          0x5ac /* out32: this vCPU finished its workload (0) or failed (1) */
+#define PORT_FATAL_MSG     0x5b0 /* out8: one byte of a fatal configuration error, '\n' ends it */
 
 #define HB_MAGIC 0x46455259u /* "FERY" */
 

@@ -14,12 +14,12 @@ use vm_memory::{Bytes, GuestAddress};
 
 use crate::memory::GuestMemory;
 
-pub const PORTS: RangeInclusive<u16> = 0x600..=0x613;
-pub const PORT_REGISTER: u16 = 0x600;
-pub const PORT_HEARTBEAT: u16 = 0x604;
-pub const PORT_VERIFY_ERROR: u16 = 0x608;
-pub const PORT_DONE: u16 = 0x60c;
-pub const PORT_FATAL_MSG: u16 = 0x610;
+pub const PORTS: RangeInclusive<u16> = 0x5a0..=0x5b3;
+pub const PORT_REGISTER: u16 = 0x5a0;
+pub const PORT_HEARTBEAT: u16 = 0x5a4;
+pub const PORT_VERIFY_ERROR: u16 = 0x5a8;
+pub const PORT_DONE: u16 = 0x5ac;
+pub const PORT_FATAL_MSG: u16 = 0x5b0;
 const HB_MAGIC: u32 = 0x4645_5259;
 const BLOCK_SIZE: usize = 64;
 /// Verify-error pages kept for display; the count goes on past it.
