@@ -31,10 +31,17 @@ class FerryPeer:
     def boot(self, memory, vcpus, cmdline, netns=None, serial=None):
         sock = os.path.join(self.work, f"src-{time.time_ns()}.sock")
         serial_path = serial or os.path.join(self.work, "src.serial")
-        self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
-                          "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path],
-                         netns=netns, stderr=open(os.path.join(self.work, "src.err"), "ab"))
-        wait_until("the ferry source API", 30, lambda: os.path.exists(sock))
+        err = os.path.join(self.work, "src.err")
+        p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
+                              "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path],
+                             netns=netns, stderr=open(err, "ab"))
+
+        def up():
+            if p.poll() is not None:
+                raise BenchError(f"ferry run exited: {open(err).read().strip()[-300:]}")
+            return os.path.exists(sock)
+
+        wait_until("the ferry source API", 30, up)
         return sock
 
     def info(self, sock):
