@@ -21,9 +21,11 @@ from fb.util import REPO, BenchError, Processes  # noqa: E402
 SERIAL = "serial_ms=10"
 
 
-def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5):
+def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5,
+             timeout_s=120):
     return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
-            "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s}
+            "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s,
+            "timeout_s": timeout_s}
 
 
 PROFILES = {

@@ -67,7 +67,7 @@ class FerryPeer:
         wait_until("the ferry destination API", 30, lambda: os.path.exists(dst))
         argv = [FERRY, "migrate", "--api-socket", src, "--to", f"tcp:{link.dst_host}:{port}",
                 "--mode", scenario["mode"], "--max-downtime-ms", str(scenario["max_downtime_ms"]),
-                "--json"]
+                "--timeout-s", str(scenario["timeout_s"]), "--json"]
         started = time.time()
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if out.returncode != 0:

@@ -1,6 +1,7 @@
 """Drives QEMU (Debian's qemu-system-x86_64, -enable-kvm, default CPU model) on the same guest
 and link, over QMP: pre-copy with the same downtime limit and bandwidth as ferry, and a
-'qemu-best' variant with multifd. Numbers come from query-migrate; guest-observed downtime
+'qemu-best' variant with multifd and auto-converge (QEMU's answer to a guest that dirties
+memory faster than the link sends it). Numbers come from query-migrate; guest-observed downtime
 from the same serial timestamps used for ferry."""
 import json
 import os
@@ -82,7 +83,8 @@ class QemuPeer:
         return Qmp(qmp)
 
     def _configure(self, qmp, scenario):
-        caps = [{"capability": "multifd", "state": True}] if self.best else []
+        caps = ([{"capability": "multifd", "state": True},
+                 {"capability": "auto-converge", "state": True}] if self.best else [])
         if caps:
             qmp.cmd("migrate-set-capabilities", capabilities=caps)
         params = {"downtime-limit": scenario["max_downtime_ms"], "max-bandwidth": 100 << 30}
@@ -112,7 +114,11 @@ class QemuPeer:
                 return info
             return None
 
-        info = wait_until("the QEMU migration", 600, done, interval=0.02)
+        try:
+            info = wait_until("the QEMU migration", scenario["timeout_s"], done, interval=0.02)
+        except BenchError:
+            src.cmd("migrate_cancel")
+            raise BenchError(f"QEMU did not complete within {scenario['timeout_s']} s (no convergence)")
         if info["status"] != "completed":
             raise BenchError(f"QEMU migration {info['status']}: {info.get('error-desc', '')}")
         time.sleep(0.5)

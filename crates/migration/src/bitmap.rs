@@ -31,6 +31,16 @@ impl Bitmap {
         }
     }
 
+    pub fn unset(&mut self, pfn: u64) {
+        if pfn < self.pages {
+            self.words[(pfn / 64) as usize] &= !(1 << (pfn % 64));
+        }
+    }
+
+    pub fn words(&self) -> &[u64] {
+        &self.words
+    }
+
     pub fn get(&self, pfn: u64) -> bool {
         pfn < self.pages && self.words[(pfn / 64) as usize] & (1 << (pfn % 64)) != 0
     }
@@ -85,5 +95,39 @@ mod tests {
         assert!(b.get(1) && b.get(129) && !b.get(2));
         b.clear();
         assert_eq!(b.count(), 0);
+    }
+}
+
+/// A page bitmap several threads set and read at once (post-copy's "page is here").
+pub struct AtomicBitmap {
+    words: Vec<std::sync::atomic::AtomicU64>,
+    pages: u64,
+}
+
+impl AtomicBitmap {
+    pub fn new(pages: u64) -> Self {
+        Self {
+            words: (0..pages.div_ceil(64))
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
+            pages,
+        }
+    }
+
+    /// Sets the bit; returns whether it was already set.
+    pub fn set(&self, pfn: u64) -> bool {
+        if pfn >= self.pages {
+            return true;
+        }
+        let bit = 1 << (pfn % 64);
+        self.words[(pfn / 64) as usize].fetch_or(bit, std::sync::atomic::Ordering::AcqRel) & bit
+            != 0
+    }
+
+    pub fn get(&self, pfn: u64) -> bool {
+        pfn < self.pages
+            && self.words[(pfn / 64) as usize].load(std::sync::atomic::Ordering::Acquire)
+                & (1 << (pfn % 64))
+                != 0
     }
 }

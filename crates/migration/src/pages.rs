@@ -247,6 +247,85 @@ impl PageReceiver {
     }
 }
 
+/// Reads a page frame's prefix and descriptors into `descs` (checking count, bounds and
+/// length against `len`), feeding them to `crc`; returns the page count.
+fn read_descriptors(
+    r: &mut impl Read,
+    ram: &GuestRam,
+    len: u32,
+    descs: &mut Vec<u8>,
+    crc: &mut crc32fast::Hasher,
+) -> Result<u32> {
+    let mut prefix = [0u8; PREFIX_LEN];
+    protocol::read_exact(r, &mut prefix, "page frame")?;
+    let count = u32::from_le_bytes(prefix[..4].try_into().unwrap());
+    if count == 0 || count > protocol::MAX_BATCH_PAGES {
+        return Err(Error::Protocol(format!(
+            "page frame with {count} pages (1..={} allowed)",
+            protocol::MAX_BATCH_PAGES
+        )));
+    }
+    descs.resize(8 * count as usize, 0);
+    protocol::read_exact(r, descs, "page descriptors")?;
+    crc.update(&prefix);
+    crc.update(descs);
+    let mut full = 0;
+    for chunk in descs.chunks_exact(8) {
+        let (pfn, enc) = protocol::split_descriptor(u64::from_le_bytes(chunk.try_into().unwrap()))?;
+        if pfn >= ram.pages() {
+            return Err(Error::Protocol(format!(
+                "page {pfn:#x} lies outside guest memory ({} pages)",
+                ram.pages()
+            )));
+        }
+        full += usize::from(enc == PageEncoding::Full);
+    }
+    let expected = PREFIX_LEN + 8 * count as usize + PAGE_SIZE * full;
+    if expected != len as usize {
+        return Err(Error::Protocol(format!(
+            "page frame length {len} does not match its {count} descriptors ({expected})"
+        )));
+    }
+    Ok(count)
+}
+
+/// The (page, encoding) pairs of descriptors already checked by `read_descriptors`.
+fn descriptors(descs: &[u8]) -> impl Iterator<Item = (u64, PageEncoding)> + '_ {
+    descs.chunks_exact(8).map(|c| {
+        let d = u64::from_le_bytes(c.try_into().unwrap());
+        (d >> 8, PageEncoding::from_u8(d as u8).unwrap_or(PageEncoding::Zero))
+    })
+}
+
+/// Reads a whole page frame into `scratch` (post-copy installs pages with `UFFDIO_COPY`, which
+/// copies from a buffer) and returns each page with its data, `None` for a zero page.
+pub fn read_page_frame<'s>(
+    r: &mut impl Read,
+    ram: &GuestRam,
+    header: &[u8; FRAME_HEADER_LEN],
+    len: u32,
+    scratch: &'s mut Vec<u8>,
+) -> Result<Vec<(u64, Option<&'s [u8]>)>> {
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(header);
+    let mut descs = Vec::new();
+    read_descriptors(r, ram, len, &mut descs, &mut crc)?;
+    let data_len = len as usize - PREFIX_LEN - descs.len();
+    scratch.resize(data_len, 0);
+    protocol::read_exact(r, scratch, "page data")?;
+    if header[1] & PAGE_DATA_UNCHECKED == 0 {
+        crc.update(scratch);
+    }
+    protocol::check_trailer(r, crc.finalize(), "page frame")?;
+    let mut data = scratch.chunks_exact(PAGE_SIZE);
+    Ok(descriptors(&descs)
+        .map(|(pfn, enc)| match enc {
+            PageEncoding::Full => (pfn, data.next()),
+            PageEncoding::Zero => (pfn, None),
+        })
+        .collect())
+}
+
 const PM_PRESENT: u64 = 1 << 63;
 const PM_SWAPPED: u64 = 1 << 62;
 const PAGEMAP_CHUNK: usize = 64 * 1024;

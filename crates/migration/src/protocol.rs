@@ -76,8 +76,8 @@ pub enum Control {
         mode: StreamMode,
         source: String,
     },
-    /// Destination → source: the VM is built, send pages.
-    Ready,
+    /// Destination → source: the VM is built, send pages; whether it can take post-copy.
+    Ready { postcopy: bool },
     /// Source → destination: round `round` is complete.
     RoundEnd { round: u32, pages: u64 },
     /// Source → destination: one vCPU's state.
@@ -103,6 +103,33 @@ pub enum Control {
     },
     /// Either side: the migration failed, with why.
     Abort { reason: String },
+    /// Source → destination, before the state: the switch is to post-copy, and these pages
+    /// (a page bitmap) will come after the guest resumes; all others are final.
+    PostcopyPending { pages: u64, words: Vec<u64> },
+    /// Destination → source during post-copy: the guest needs this page now.
+    PageRequest { pfn: u64 },
+    /// Source → destination: every pending page has been sent.
+    PostcopyDone { pages_sent: u64 },
+    /// Destination → source: every page is in place; the source may let go.
+    PostcopyComplete(PostcopyReport),
+}
+
+/// What the destination saw during post-copy.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PostcopyReport {
+    /// Faults that had to wait for a page from the source.
+    pub network_faults: u64,
+    /// Faults resolved here with a zero page (the page held nothing on the source).
+    pub zero_faults: u64,
+    /// Pages that arrived before the guest touched them (pushed, never faulted).
+    pub pages_before_access: u64,
+    /// Pages that arrived when they were already here: must stay 0.
+    pub duplicates: u64,
+    pub fault_latency_p50_ms: Option<f64>,
+    pub fault_latency_p99_ms: Option<f64>,
+    pub fault_latency_max_ms: Option<f64>,
+    /// Guest resume to the last page in place.
+    pub resume_ms: f64,
 }
 
 pub fn write_stream_header(w: &mut impl Write) -> Result<()> {

@@ -1,0 +1,361 @@
+//! Post-copy: the guest resumes on the destination before its memory has arrived.
+//!
+//! Destination: guest memory is registered with userfaultfd (missing pages) before the vCPUs
+//! resume. A fault on a page the source never populated is resolved here with a zero page; any
+//! other missing page is requested from the source on the connection's return direction, which
+//! bulk pushes (going the other way) cannot delay. Pages that arrive — requested or pushed — are
+//! installed with `UFFDIO_COPY`, which also wakes whoever waits for them. A VMM thread touching a
+//! missing page (device emulation) faults the same way and waits: nothing is overwritten or lost.
+//!
+//! Source: serves requests first and pushes everything else in the planner's order (see
+//! `prepaging`); each page leaves at most once.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use userfaultfd::{Event, Uffd, UffdBuilder};
+
+use crate::bitmap::{AtomicBitmap, Bitmap};
+use crate::error::{Error, Result};
+use crate::pages::{read_page_frame, PageSender};
+use crate::prepaging::{Planner, Strategy};
+use crate::protocol::{self, Control, Frame, PostcopyReport};
+use crate::ratelimit::RateLimiter;
+use crate::transport::Stream;
+use crate::vm::GuestRam;
+use crate::PAGE_SIZE;
+
+/// Pages pushed between two looks at the request queue.
+const PUSH_BATCH: usize = 16;
+/// How long the source waits for the destination's final word once everything is sent.
+const COMPLETE_WAIT: Duration = Duration::from_secs(60);
+
+/// Whether this host can serve post-copy (userfaultfd with kernel-mode faults, as KVM needs).
+pub fn supported() -> bool {
+    new_uffd().is_ok()
+}
+
+fn new_uffd() -> Result<Uffd> {
+    UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(false)
+        .user_mode_only(false)
+        .create()
+        .map_err(|e| Error::Vm(format!("userfaultfd: {e} (post-copy needs root)")))
+}
+
+// ------------------------------------------------------------------------------------------
+// Source
+
+/// What the source's reader thread hears from the destination during post-copy.
+pub enum FromDestination {
+    Request(u64),
+    Complete(PostcopyReport),
+    Report(Control),
+    Failed(Error),
+}
+
+/// Reads the destination's messages on their own thread, so requests are seen while the
+/// sender is busy pushing.
+pub fn spawn_reader(mut stream: Stream) -> Receiver<FromDestination> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("postcopy-requests".into())
+        .spawn(move || {
+            loop {
+                let msg = match protocol::read_control(&mut stream) {
+                    Ok(Control::PageRequest { pfn }) => FromDestination::Request(pfn),
+                    Ok(Control::PostcopyComplete(r)) => FromDestination::Complete(r),
+                    Ok(other) => FromDestination::Report(other),
+                    Err(e) => {
+                        let _ = tx.send(FromDestination::Failed(e));
+                        return;
+                    }
+                };
+                if tx.send(msg).is_err() {
+                    return;
+                }
+            }
+        })
+        .expect("spawn post-copy reader");
+    rx
+}
+
+/// Counters of the source's post-copy phase.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SourceCounters {
+    pub pushed: u64,
+    pub requested: u64,
+}
+
+/// Sends every page of `pending`, requests first; then waits for the destination's report.
+/// `on_report` receives other messages (the guest report) that arrive meanwhile.
+pub fn serve_source(
+    stream: &mut Stream,
+    events: &Receiver<FromDestination>,
+    ram: &GuestRam,
+    pending: Bitmap,
+    strategy: Strategy,
+    limiter: &mut RateLimiter,
+    sender: &mut PageSender,
+    mut progress: impl FnMut(SourceCounters, u64),
+    mut on_report: impl FnMut(Control),
+) -> Result<(SourceCounters, PostcopyReport)> {
+    let mut planner = Planner::new(pending, strategy);
+    let mut counters = SourceCounters::default();
+    let mut handle = |event: FromDestination,
+                      planner: &mut Planner,
+                      stream: &mut Stream,
+                      sender: &mut PageSender,
+                      limiter: &mut RateLimiter,
+                      counters: &mut SourceCounters|
+     -> Result<Option<PostcopyReport>> {
+        match event {
+            FromDestination::Request(pfn) => {
+                planner.recenter(pfn);
+                if planner.take(pfn) {
+                    sender.push(stream, ram, pfn, limiter)?;
+                    sender.flush(stream, ram, limiter)?;
+                    counters.requested += 1;
+                }
+                Ok(None)
+            }
+            FromDestination::Complete(r) => Ok(Some(r)),
+            FromDestination::Report(other) => {
+                on_report(other);
+                Ok(None)
+            }
+            FromDestination::Failed(e) => Err(e),
+        }
+    };
+    while planner.remaining() > 0 {
+        while let Ok(event) = events.try_recv() {
+            if let Some(r) = handle(event, &mut planner, stream, sender, limiter, &mut counters)? {
+                return Err(Error::Protocol(format!(
+                    "the destination reported completion with pages missing ({r:?})"
+                )));
+            }
+        }
+        for _ in 0..PUSH_BATCH {
+            let Some(pfn) = planner.next() else { break };
+            sender.push(stream, ram, pfn, limiter)?;
+            counters.pushed += 1;
+        }
+        sender.flush(stream, ram, limiter)?;
+        progress(counters, planner.remaining());
+    }
+    protocol::write_control(
+        stream,
+        &Control::PostcopyDone {
+            pages_sent: counters.pushed + counters.requested,
+        },
+    )?;
+    let deadline = Instant::now() + COMPLETE_WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match events.recv_timeout(left) {
+            Ok(event) => {
+                if let Some(r) =
+                    handle(event, &mut planner, stream, sender, limiter, &mut counters)?
+                {
+                    return Ok((counters, r));
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(Error::Transport(
+                    "the destination never confirmed that every page arrived".into(),
+                ))
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(Error::Transport("the destination went away".into()))
+            }
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Destination
+
+/// The destination's side of post-copy, armed before the guest resumes.
+pub struct Destination {
+    ram: GuestRam,
+    uffd: Arc<Uffd>,
+    pending: Arc<Bitmap>,
+    present: Arc<AtomicBitmap>,
+    faults: Arc<Mutex<FaultLog>>,
+}
+
+#[derive(Default)]
+struct FaultLog {
+    waiting: HashMap<u64, Instant>,
+    latencies_ms: Vec<f64>,
+    network: u64,
+    zero: u64,
+}
+
+impl Destination {
+    /// Drops stale copies of pending pages and registers guest memory for missing-page
+    /// faults. The vCPUs must still be parked.
+    pub fn arm(ram: GuestRam, pending: Bitmap) -> Result<Self> {
+        for pfn in pending.iter() {
+            // A page received in an earlier round and dirtied since is stale: make it missing.
+            // SAFETY: a page of our own mapping, while no vCPU runs.
+            unsafe {
+                let p = ram.page_ptr(pfn) as *mut libc::c_void;
+                libc::madvise(p, PAGE_SIZE, libc::MADV_DONTNEED);
+                libc::madvise(p, PAGE_SIZE, libc::MADV_REMOVE);
+            }
+        }
+        let uffd = new_uffd()?;
+        uffd.register(ram.base() as *mut libc::c_void, ram.len())
+            .map_err(|e| Error::Vm(format!("userfaultfd register: {e}")))?;
+        Ok(Self {
+            ram,
+            uffd: Arc::new(uffd),
+            present: Arc::new(AtomicBitmap::new(ram.pages())),
+            pending: Arc::new(pending),
+            faults: Arc::new(Mutex::new(FaultLog::default())),
+        })
+    }
+
+    /// Resolves faults until the returned flag is set: zero pages here, the rest requested on
+    /// `requests`.
+    pub fn spawn_fault_handler(&self, requests: Arc<Mutex<Stream>>) -> Arc<std::sync::atomic::AtomicBool> {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (uffd, ram, pending, present, faults, stop2) = (
+            self.uffd.clone(),
+            self.ram,
+            self.pending.clone(),
+            self.present.clone(),
+            self.faults.clone(),
+            stop.clone(),
+        );
+        std::thread::Builder::new()
+            .name("postcopy-faults".into())
+            .spawn(move || {
+                let mut poll = libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(uffd.as_ref()),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                while !stop2.load(std::sync::atomic::Ordering::Acquire) {
+                    // SAFETY: one valid pollfd; bounded wait so `stop` is seen.
+                    if unsafe { libc::poll(&mut poll, 1, 50) } <= 0 {
+                        continue;
+                    }
+                    let Ok(Some(Event::Pagefault { addr, .. })) = uffd.read_event() else {
+                        continue;
+                    };
+                    let pfn = (addr as u64 - ram.base() as u64) / PAGE_SIZE as u64;
+                    let page = ram.page_ptr(pfn) as *mut libc::c_void;
+                    if present.get(pfn) {
+                        let _ = uffd.wake(page, PAGE_SIZE);
+                    } else if !pending.get(pfn) {
+                        // SAFETY: a page of the registered range.
+                        let _ = unsafe { uffd.zeropage(page, PAGE_SIZE, true) };
+                        if !present.set(pfn) {
+                            faults.lock().unwrap_or_else(|e| e.into_inner()).zero += 1;
+                        }
+                    } else {
+                        let first = {
+                            let mut log = faults.lock().unwrap_or_else(|e| e.into_inner());
+                            let first = !log.waiting.contains_key(&pfn);
+                            if first {
+                                log.waiting.insert(pfn, Instant::now());
+                                log.network += 1;
+                            }
+                            first
+                        };
+                        if first {
+                            let mut s = requests.lock().unwrap_or_else(|e| e.into_inner());
+                            let _ = protocol::write_control(&mut *s, &Control::PageRequest { pfn });
+                        }
+                    }
+                }
+            })
+            .expect("spawn fault handler");
+        stop
+    }
+
+    /// Installs pages from the stream until the source says it sent them all.
+    pub fn receive_pages(&self, stream: &mut impl Read, resumed: Instant) -> Result<PostcopyReport> {
+        let mut scratch = Vec::new();
+        let mut duplicates = 0;
+        let mut installed = 0u64;
+        let want = self.pending.count();
+        loop {
+            match protocol::read_frame(stream)? {
+                Frame::Pages { header, len } => {
+                    for (pfn, data) in read_page_frame(stream, &self.ram, &header, len, &mut scratch)? {
+                        if !self.pending.get(pfn) || self.present.get(pfn) {
+                            duplicates += 1;
+                            continue;
+                        }
+                        self.install(pfn, data)?;
+                        installed += 1;
+                    }
+                }
+                Frame::Control(Control::PostcopyDone { pages_sent }) => {
+                    if installed + duplicates != pages_sent || installed != want {
+                        return Err(Error::Protocol(format!(
+                            "post-copy ended with {installed} of {want} pages installed ({pages_sent} sent)"
+                        )));
+                    }
+                    break;
+                }
+                Frame::Control(Control::Abort { reason }) => return Err(Error::Peer(reason)),
+                Frame::Control(other) => {
+                    return Err(Error::Protocol(format!("unexpected {other:?} during post-copy")))
+                }
+            }
+        }
+        let resume_ms = resumed.elapsed().as_secs_f64() * 1e3;
+        let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lat = log.latencies_ms.clone();
+        lat.sort_by(f64::total_cmp);
+        let pct = |q: f64| (!lat.is_empty()).then(|| lat[((lat.len() - 1) as f64 * q) as usize]);
+        Ok(PostcopyReport {
+            network_faults: log.network,
+            zero_faults: log.zero,
+            pages_before_access: installed.saturating_sub(log.network),
+            duplicates,
+            fault_latency_p50_ms: pct(0.5),
+            fault_latency_p99_ms: pct(0.99),
+            fault_latency_max_ms: lat.last().copied(),
+            resume_ms,
+        })
+    }
+
+    fn install(&self, pfn: u64, data: Option<&[u8]>) -> Result<()> {
+        let page = self.ram.page_ptr(pfn) as *mut libc::c_void;
+        // SAFETY: `page` is a page of the registered range; `data` is one page long.
+        let done = unsafe {
+            match data {
+                Some(d) => self.uffd.copy(d.as_ptr() as *const _, page, PAGE_SIZE, true),
+                None => self.uffd.zeropage(page, PAGE_SIZE, true),
+            }
+        };
+        match done {
+            Ok(_) => {}
+            // Already mapped (a racing zero-page resolution cannot happen for pending pages,
+            // but the kernel says so when it does): the page is there.
+            Err(userfaultfd::Error::CopyFailed(e)) | Err(userfaultfd::Error::ZeropageFailed(e))
+                if e as i32 == libc::EEXIST => {}
+            Err(e) => return Err(Error::Vm(format!("installing page {pfn:#x}: {e}"))),
+        }
+        self.present.set(pfn);
+        let mut log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(t) = log.waiting.remove(&pfn) {
+            log.latencies_ms.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        Ok(())
+    }
+
+    /// Post-copy is over: the memory is ordinary memory again.
+    pub fn disarm(&self) {
+        let _ = self.uffd.unregister(self.ram.base() as *mut libc::c_void, self.ram.len());
+    }
+}
