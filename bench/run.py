@@ -7,6 +7,7 @@ import argparse
 import datetime
 import os
 import platform
+import signal
 import sys
 import tempfile
 import traceback
@@ -138,6 +139,9 @@ def run(args):
 
 
 def main():
+    # SIGTERM/SIGHUP unwind like Ctrl-C, so every namespace and process is removed.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda num, _frame: sys.exit(128 + num))
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     p.add_argument("--links", help="comma list: loopback,1gbit,10gbit")
