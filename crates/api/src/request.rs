@@ -18,6 +18,7 @@ pub enum ApiRequest {
     SendMigration(MigrationRequest),
     MigrationStatus,
     CancelMigration,
+    StartPostcopy,
     Snapshot(SnapshotRequest),
 }
 
@@ -36,6 +37,7 @@ impl ApiRequest {
             "vm.send-migration" => ("PUT", ApiRequest::SendMigration(json(endpoint, body)?)),
             "vm.migration" => ("GET", ApiRequest::MigrationStatus),
             "vm.cancel-migration" => ("PUT", ApiRequest::CancelMigration),
+            "vm.migrate-start-postcopy" => ("PUT", ApiRequest::StartPostcopy),
             "vm.snapshot" => ("PUT", ApiRequest::Snapshot(json(endpoint, body)?)),
             _ => return Err(ApiError::not_found(path)),
         };

@@ -75,6 +75,10 @@ pub struct MigrationRequest {
     pub timeout_s: Option<i64>,
     /// Both VMMs checksum guest memory at the switch (adds downtime; for tests).
     pub checksum: Option<bool>,
+    /// precopy only: switch to post-copy instead of stop-and-copy when it will not converge.
+    pub auto_postcopy: Option<bool>,
+    /// Post-copy push order: bubble (default; pre-paging around faults) or linear (push only).
+    pub prepaging: Option<String>,
 }
 
 /// Body of `PUT /api/v1/vm.snapshot`.

@@ -30,6 +30,8 @@ pub enum Command {
     Shutdown(ApiArgs),
     /// Live-migrate the VM to a ferry started with --incoming, showing progress.
     Migrate(MigrateArgs),
+    /// Switch the running pre-copy migration to post-copy (like QEMU's migrate-start-postcopy).
+    StartPostcopy(ApiArgs),
     /// Write the paused VM to a file (cold migration); `ferry run --restore FILE` brings it back.
     Snapshot(SnapshotArgs),
 }
@@ -41,9 +43,16 @@ pub struct MigrateArgs {
     /// Destination: tcp:HOST:PORT or unix:PATH
     #[arg(long)]
     pub to: String,
-    /// precopy (live) or warm (pause, copy, resume there)
+    /// precopy (live), warm (pause, copy, resume there), postcopy (resume there at once,
+    /// pages follow) or hybrid (one pre-copy round, then post-copy)
     #[arg(long, default_value = "precopy")]
     pub mode: String,
+    /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
+    #[arg(long)]
+    pub auto_postcopy: bool,
+    /// Post-copy push order: bubble (pre-paging around the last fault) or linear (push only).
+    #[arg(long)]
+    pub prepaging: Option<String>,
     #[arg(long, allow_negative_numbers = true)]
     pub max_downtime_ms: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]

@@ -191,6 +191,7 @@ impl Handler for Controller {
             ApiRequest::SendMigration(req) => self.send_migration(&req),
             ApiRequest::MigrationStatus => Ok(self.outgoing.status_json()),
             ApiRequest::CancelMigration => self.outgoing.cancel(),
+            ApiRequest::StartPostcopy => self.outgoing.start_postcopy(),
             ApiRequest::Snapshot(req) => self.snapshot(&req),
         }
     }

@@ -27,6 +27,7 @@ fn main() {
         cli::Command::Resume(a) => status::simple_put(&a, "vm.resume"),
         cli::Command::Shutdown(a) => status::simple_put(&a, "vm.shutdown"),
         cli::Command::Migrate(a) => migrate::migrate(&a),
+        cli::Command::StartPostcopy(a) => status::simple_put(&a, "vm.migrate-start-postcopy"),
         cli::Command::Snapshot(a) => migrate::snapshot(&a),
     };
     match result {

@@ -32,6 +32,8 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         max_rounds: args.max_rounds,
         timeout_s: args.timeout_s,
         checksum: Some(args.checksum),
+        auto_postcopy: Some(args.auto_postcopy),
+        prepaging: args.prepaging.clone(),
     };
     let _ = vmm_sys_util::signal::register_signal_handler(libc::SIGINT, on_interrupt);
     client

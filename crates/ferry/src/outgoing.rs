@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use api::{ApiError, MigrationRequest, SnapshotRequest};
+use migration::prepaging::Strategy;
 use migration::stats::lock;
-use migration::{Endpoint, MigrationParams, MigrationPhase, SharedStatus};
+use migration::{Endpoint, MigrationParams, MigrationPhase, SharedStatus, Signals};
 use serde_json::Value;
 
 use crate::controller::{Controller, Phase};
@@ -16,7 +17,7 @@ use crate::controller::{Controller, Phase};
 #[derive(Default)]
 pub struct Outgoing {
     pub status: SharedStatus,
-    cancel: Arc<AtomicBool>,
+    signals: Arc<Signals>,
     busy: Mutex<bool>,
     /// Set once a client has read a final status, so the source may exit.
     pub final_status_read: AtomicBool,
@@ -37,7 +38,8 @@ impl Outgoing {
             return Err(ApiError::conflict("a migration is already running"));
         }
         *busy = true;
-        self.cancel.store(false, Ordering::Release);
+        self.signals.cancel.store(false, Ordering::Release);
+        self.signals.start_postcopy.store(false, Ordering::Release);
         self.final_status_read.store(false, Ordering::Release);
         Ok(())
     }
@@ -58,7 +60,28 @@ impl Outgoing {
         if !self.running() {
             return Err(ApiError::conflict("no migration is running"));
         }
-        self.cancel.store(true, Ordering::Release);
+        self.signals.cancel.store(true, Ordering::Release);
+        Ok(Value::Null)
+    }
+
+    /// Like QEMU's migrate-start-postcopy: the running pre-copy hands over by post-copy at
+    /// its next round.
+    pub fn start_postcopy(&self) -> Result<Value, ApiError> {
+        if !self.running() {
+            return Err(ApiError::conflict("no migration is running"));
+        }
+        let s = lock(&self.status).clone();
+        if s.destination_supports_postcopy == Some(false) {
+            return Err(ApiError::conflict(
+                "the destination does not support post-copy (no userfaultfd there)",
+            ));
+        }
+        if s.phase == MigrationPhase::Switchover || s.postcopy {
+            return Err(ApiError::conflict(
+                "the migration is already switching over",
+            ));
+        }
+        self.signals.start_postcopy.store(true, Ordering::Release);
         Ok(Value::Null)
     }
 }
@@ -91,6 +114,16 @@ pub fn params_from_request(
             .unwrap_or(defaults.max_rounds),
         timeout_s: positive("timeout_s", req.timeout_s)?.unwrap_or(defaults.timeout_s),
         checksum: req.checksum.unwrap_or(false),
+        auto_postcopy: req.auto_postcopy.unwrap_or(false),
+        prepaging: match req.prepaging.as_deref() {
+            None | Some("bubble") => Strategy::Bubble,
+            Some("linear") => Strategy::Linear,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "unknown prepaging '{other}' (use bubble or linear)"
+                )));
+            }
+        },
     };
     Ok((endpoint, params))
 }
@@ -106,13 +139,13 @@ impl Controller {
             s.phase = MigrationPhase::Setup;
         }
         let status = self.outgoing.status.clone();
-        let cancel = self.outgoing.cancel.clone();
+        let signals = self.outgoing.signals.clone();
         let this = self.self_ref();
         std::thread::Builder::new()
             .name("migration".into())
             .spawn(move || {
                 let result =
-                    migration::send_migration(vm.as_ref(), &endpoint, &params, &status, &cancel);
+                    migration::send_migration(vm.as_ref(), &endpoint, &params, &status, &signals);
                 match result {
                     Ok(()) => this.set_phase(Phase::Migrated),
                     Err(e) => tracing::warn!("migration failed, the VM runs on here: {e}"),

@@ -78,6 +78,28 @@ pub fn render(s: &MigrationStatus) -> String {
     for (k, v) in rows {
         let _ = writeln!(o, "  {k:<33} {v}");
     }
+    if s.postcopy {
+        let _ = writeln!(
+            o,
+            "  post-copy: {} pages pushed, {} requested",
+            s.pages_pushed, s.pages_requested
+        );
+        if let Some(r) = &s.postcopy_report {
+            let _ = writeln!(
+                o,
+                "  network faults {} | zero-page faults {} | pages there before first access {} | duplicates {}",
+                r.network_faults, r.zero_faults, r.pages_before_access, r.duplicates
+            );
+            let _ = writeln!(
+                o,
+                "  fault latency p50 {} p99 {} max {} | resume time (resume to last page) {:.2} ms",
+                opt_ms(r.fault_latency_p50_ms),
+                opt_ms(r.fault_latency_p99_ms),
+                opt_ms(r.fault_latency_max_ms),
+                r.resume_ms
+            );
+        }
+    }
     if !s.rounds.is_empty() {
         let _ = writeln!(
             o,

@@ -74,6 +74,11 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
                 .map(Arc::new)
                 .map_err(|e| migration::Error::Vm(format!("cannot build the VM: {e}")))
         },
+        // The VM runs from here on (in post-copy, while its pages still arrive).
+        |vm| {
+            controller.set_vm(vm.clone());
+            controller.set_phase(Phase::Live);
+        },
         &status,
     );
     let Received {
@@ -87,8 +92,6 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
             return Ok(1);
         }
     };
-    controller.set_vm(vm.clone());
-    controller.set_phase(Phase::Live);
     let report_status = status.clone();
     std::thread::spawn(move || {
         // Let the guest run a moment, then tell the source what it lived through.

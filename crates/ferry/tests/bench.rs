@@ -16,7 +16,9 @@ fn runner(args: &[&str]) -> std::process::Output {
 }
 
 fn non_empty(path: &Path) -> bool {
-    std::fs::metadata(path).map(|m| m.len() > 0).unwrap_or(false)
+    std::fs::metadata(path)
+        .map(|m| m.len() > 0)
+        .unwrap_or(false)
 }
 
 #[test]
@@ -30,7 +32,15 @@ fn tiny_profile_writes_every_output() {
     assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
     let json: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.path().join("results.json")).unwrap()).unwrap();
-    for key in ["started", "profile", "repeats", "machine", "links", "scenarios", "ratios"] {
+    for key in [
+        "started",
+        "profile",
+        "repeats",
+        "machine",
+        "links",
+        "scenarios",
+        "ratios",
+    ] {
         assert!(json.get(key).is_some(), "results.json lacks {key}");
     }
     for key in ["cpu", "cores", "kernel", "kvm"] {
@@ -40,18 +50,34 @@ fn tiny_profile_writes_every_output() {
     assert_eq!(row["peer"], "ferry");
     assert!(row["error"].is_null(), "{row}");
     let run = &row["runs"][0];
-    for key in ["total_ms", "downtime_ms", "guest_downtime_ms", "bytes", "rounds", "pages_skipped"] {
+    for key in [
+        "total_ms",
+        "downtime_ms",
+        "guest_downtime_ms",
+        "bytes",
+        "rounds",
+        "pages_skipped",
+    ] {
         assert!(!run[key].is_null(), "run lacks {key}: {run}");
     }
     assert!(row["summary"]["total_ms"]["median"].as_f64().unwrap() > 0.0);
-    for file in ["results.md", "precopy_rounds.svg", "throughput.svg", "ferry_vs_qemu.svg"] {
+    for file in [
+        "results.md",
+        "precopy_rounds.svg",
+        "throughput.svg",
+        "ferry_vs_qemu.svg",
+    ] {
         assert!(non_empty(&out.path().join(file)), "{file} missing or empty");
     }
 }
 
 #[test]
 fn qemu_driver_measures_a_qemu_migration() {
-    if Command::new("qemu-system-x86_64").arg("--version").output().is_err() {
+    if Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         assert!(std::env::var("CI").is_err(), "QEMU is missing in CI");
         eprintln!("\n*** SKIPPED: qemu-system-x86_64 is absent (make test installs it) ***\n");
         return;
@@ -94,19 +120,28 @@ fn a_failed_scenario_leaves_nothing_behind() {
         "--out",
         out.path().to_str().unwrap(),
     ]);
-    assert!(!r.status.success(), "the failing scenario is reported as a failure");
+    assert!(
+        !r.status.success(),
+        "the failing scenario is reported as a failure"
+    );
     let netns = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let netns = String::from_utf8_lossy(&netns.stdout);
     assert!(
-        !netns.lines().any(|l| l.starts_with("fbs-") || l.starts_with("fbd-")),
+        !netns
+            .lines()
+            .any(|l| l.starts_with("fbs-") || l.starts_with("fbd-")),
         "namespaces left behind:\n{netns}"
     );
     let links = Command::new("ip").args(["-o", "link"]).output().unwrap();
-    assert!(!String::from_utf8_lossy(&links.stdout).contains("fbva"), "veth left behind");
+    assert!(
+        !String::from_utf8_lossy(&links.stdout).contains("fbva"),
+        "veth left behind"
+    );
     let ps = Command::new("ps").args(["-eo", "args"]).output().unwrap();
     let ps = String::from_utf8_lossy(&ps.stdout);
     assert!(
-        !ps.lines().any(|l| l.contains("ferry-bench-") && !l.contains("ps -eo")),
+        !ps.lines()
+            .any(|l| l.contains("ferry-bench-") && !l.contains("ps -eo")),
         "processes left behind:\n{ps}"
     );
 }

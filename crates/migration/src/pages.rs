@@ -293,7 +293,10 @@ fn read_descriptors(
 fn descriptors(descs: &[u8]) -> impl Iterator<Item = (u64, PageEncoding)> + '_ {
     descs.chunks_exact(8).map(|c| {
         let d = u64::from_le_bytes(c.try_into().unwrap());
-        (d >> 8, PageEncoding::from_u8(d as u8).unwrap_or(PageEncoding::Zero))
+        (
+            d >> 8,
+            PageEncoding::from_u8(d as u8).unwrap_or(PageEncoding::Zero),
+        )
     })
 }
 
@@ -352,16 +355,27 @@ pub fn populated_pages(ram: &GuestRam) -> Result<Bitmap> {
     Ok(out)
 }
 
-/// A checksum of guest memory that both ends can compute: CRC32 over (page number, data) of
-/// every populated non-zero page, so never-populated and zero pages count alike.
-pub fn memory_checksum(ram: &GuestRam) -> Result<u32> {
-    let mut crc = crc32fast::Hasher::new();
-    for pfn in populated_pages(ram)?.iter() {
-        let page = ram.page(pfn);
-        if !is_zero_page(page) {
-            crc.update(&pfn.to_le_bytes());
-            crc.update(page);
-        }
+/// One page's share of `memory_checksum`: CRC32 over (page number, data); 0 for a zero page.
+pub fn page_digest(pfn: u64, page: &[u8]) -> u64 {
+    if is_zero_page(page) {
+        return 0;
     }
-    Ok(crc.finalize())
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&pfn.to_le_bytes());
+    crc.update(page);
+    u64::from(crc.finalize())
+}
+
+/// A checksum of guest memory that both ends can compute: the sum of `page_digest` over every
+/// populated page, so never-populated and zero pages count alike, and the order pages arrive
+/// in does not matter (post-copy adds them up as they come).
+pub fn memory_checksum(ram: &GuestRam) -> Result<u64> {
+    memory_checksum_of(ram, &populated_pages(ram)?)
+}
+
+/// `memory_checksum` over the pages of `set` only.
+pub fn memory_checksum_of(ram: &GuestRam, set: &Bitmap) -> Result<u64> {
+    Ok(set.iter().fold(0u64, |sum, pfn| {
+        sum.wrapping_add(page_digest(pfn, ram.page(pfn)))
+    }))
 }

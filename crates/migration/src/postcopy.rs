@@ -18,15 +18,15 @@ use std::time::{Duration, Instant};
 
 use userfaultfd::{Event, Uffd, UffdBuilder};
 
+use crate::PAGE_SIZE;
 use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::error::{Error, Result};
-use crate::pages::{read_page_frame, PageSender};
+use crate::pages::{PageSender, memory_checksum_of, page_digest, populated_pages, read_page_frame};
 use crate::prepaging::{Planner, Strategy};
 use crate::protocol::{self, Control, Frame, PostcopyReport};
 use crate::ratelimit::RateLimiter;
 use crate::transport::Stream;
 use crate::vm::GuestRam;
-use crate::PAGE_SIZE;
 
 /// Pages pushed between two looks at the request queue.
 const PUSH_BATCH: usize = 16;
@@ -167,10 +167,10 @@ pub fn serve_source(
             Err(RecvTimeoutError::Timeout) => {
                 return Err(Error::Transport(
                     "the destination never confirmed that every page arrived".into(),
-                ))
+                ));
             }
             Err(RecvTimeoutError::Disconnected) => {
-                return Err(Error::Transport("the destination went away".into()))
+                return Err(Error::Transport("the destination went away".into()));
             }
         }
     }
@@ -182,6 +182,8 @@ pub fn serve_source(
 /// The destination's side of post-copy, armed before the guest resumes.
 pub struct Destination {
     ram: GuestRam,
+    /// Checksum of the pages already here at the switch, when a checksum was asked for.
+    base_checksum: Option<u64>,
     uffd: Arc<Uffd>,
     pending: Arc<Bitmap>,
     present: Arc<AtomicBitmap>,
@@ -199,7 +201,7 @@ struct FaultLog {
 impl Destination {
     /// Drops stale copies of pending pages and registers guest memory for missing-page
     /// faults. The vCPUs must still be parked.
-    pub fn arm(ram: GuestRam, pending: Bitmap) -> Result<Self> {
+    pub fn arm(ram: GuestRam, pending: Bitmap, checksum: bool) -> Result<Self> {
         for pfn in pending.iter() {
             // A page received in an earlier round and dirtied since is stale: make it missing.
             // SAFETY: a page of our own mapping, while no vCPU runs.
@@ -209,11 +211,21 @@ impl Destination {
                 libc::madvise(p, PAGE_SIZE, libc::MADV_REMOVE);
             }
         }
+        let base_checksum = if checksum {
+            let mut here = populated_pages(&ram)?;
+            for pfn in pending.iter() {
+                here.unset(pfn);
+            }
+            Some(memory_checksum_of(&ram, &here)?)
+        } else {
+            None
+        };
         let uffd = new_uffd()?;
         uffd.register(ram.base() as *mut libc::c_void, ram.len())
             .map_err(|e| Error::Vm(format!("userfaultfd register: {e}")))?;
         Ok(Self {
             ram,
+            base_checksum,
             uffd: Arc::new(uffd),
             present: Arc::new(AtomicBitmap::new(ram.pages())),
             pending: Arc::new(pending),
@@ -223,7 +235,10 @@ impl Destination {
 
     /// Resolves faults until the returned flag is set: zero pages here, the rest requested on
     /// `requests`.
-    pub fn spawn_fault_handler(&self, requests: Arc<Mutex<Stream>>) -> Arc<std::sync::atomic::AtomicBool> {
+    pub fn spawn_fault_handler(
+        &self,
+        requests: Arc<Mutex<Stream>>,
+    ) -> Arc<std::sync::atomic::AtomicBool> {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (uffd, ram, pending, present, faults, stop2) = (
             self.uffd.clone(),
@@ -281,21 +296,31 @@ impl Destination {
     }
 
     /// Installs pages from the stream until the source says it sent them all.
-    pub fn receive_pages(&self, stream: &mut impl Read, resumed: Instant) -> Result<PostcopyReport> {
+    pub fn receive_pages(
+        &self,
+        stream: &mut impl Read,
+        resumed: Instant,
+    ) -> Result<PostcopyReport> {
         let mut scratch = Vec::new();
         let mut duplicates = 0;
         let mut installed = 0u64;
+        let mut checksum = self.base_checksum;
         let want = self.pending.count();
         loop {
             match protocol::read_frame(stream)? {
                 Frame::Pages { header, len } => {
-                    for (pfn, data) in read_page_frame(stream, &self.ram, &header, len, &mut scratch)? {
+                    for (pfn, data) in
+                        read_page_frame(stream, &self.ram, &header, len, &mut scratch)?
+                    {
                         if !self.pending.get(pfn) || self.present.get(pfn) {
                             duplicates += 1;
                             continue;
                         }
                         self.install(pfn, data)?;
                         installed += 1;
+                        if let (Some(sum), Some(d)) = (checksum.as_mut(), data) {
+                            *sum = sum.wrapping_add(page_digest(pfn, d));
+                        }
                     }
                 }
                 Frame::Control(Control::PostcopyDone { pages_sent }) => {
@@ -308,7 +333,9 @@ impl Destination {
                 }
                 Frame::Control(Control::Abort { reason }) => return Err(Error::Peer(reason)),
                 Frame::Control(other) => {
-                    return Err(Error::Protocol(format!("unexpected {other:?} during post-copy")))
+                    return Err(Error::Protocol(format!(
+                        "unexpected {other:?} during post-copy"
+                    )));
                 }
             }
         }
@@ -326,6 +353,7 @@ impl Destination {
             fault_latency_p99_ms: pct(0.99),
             fault_latency_max_ms: lat.last().copied(),
             resume_ms,
+            memory_checksum: checksum,
         })
     }
 
@@ -334,7 +362,9 @@ impl Destination {
         // SAFETY: `page` is a page of the registered range; `data` is one page long.
         let done = unsafe {
             match data {
-                Some(d) => self.uffd.copy(d.as_ptr() as *const _, page, PAGE_SIZE, true),
+                Some(d) => self
+                    .uffd
+                    .copy(d.as_ptr() as *const _, page, PAGE_SIZE, true),
                 None => self.uffd.zeropage(page, PAGE_SIZE, true),
             }
         };
@@ -356,6 +386,8 @@ impl Destination {
 
     /// Post-copy is over: the memory is ordinary memory again.
     pub fn disarm(&self) {
-        let _ = self.uffd.unregister(self.ram.base() as *mut libc::c_void, self.ram.len());
+        let _ = self
+            .uffd
+            .unregister(self.ram.base() as *mut libc::c_void, self.ram.len());
     }
 }

@@ -13,6 +13,8 @@ use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::pages::{PageSender, memory_checksum, populated_pages};
 use crate::policy::{self, Decision, Limits, Measured};
+use crate::postcopy;
+use crate::prepaging::Strategy;
 use crate::protocol::{self, Control, StreamMode};
 use crate::ratelimit::RateLimiter;
 use crate::stats::{MigrationPhase, RoundStats, SharedStatus, lock};
@@ -25,6 +27,11 @@ pub enum Mode {
     Precopy,
     /// Pause, send everything, resume on the destination.
     Warm,
+    /// Resume on the destination at once with the vCPU state; pages follow on demand and by
+    /// push (Hines & Gopalan).
+    Postcopy,
+    /// One live pre-copy round, then post-copy for what was dirtied since.
+    Hybrid,
 }
 
 impl std::str::FromStr for Mode {
@@ -33,8 +40,10 @@ impl std::str::FromStr for Mode {
         match s {
             "precopy" => Ok(Mode::Precopy),
             "warm" => Ok(Mode::Warm),
+            "postcopy" => Ok(Mode::Postcopy),
+            "hybrid" => Ok(Mode::Hybrid),
             other => Err(Error::Param(format!(
-                "unknown mode '{other}' (this ferry migrates with precopy or warm)"
+                "unknown mode '{other}' (use precopy, warm, postcopy or hybrid)"
             ))),
         }
     }
@@ -49,6 +58,10 @@ pub struct MigrationParams {
     pub timeout_s: u64,
     /// Both ends checksum guest memory at the switch (costs downtime; for tests).
     pub checksum: bool,
+    /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
+    pub auto_postcopy: bool,
+    /// Post-copy push order: bubble (pre-paging around faults) or linear (push only).
+    pub prepaging: Strategy,
 }
 
 impl Default for MigrationParams {
@@ -60,6 +73,8 @@ impl Default for MigrationParams {
             max_rounds: 30,
             timeout_s: 600,
             checksum: false,
+            auto_postcopy: false,
+            prepaging: Strategy::Bubble,
         }
     }
 }
@@ -93,13 +108,21 @@ const STATUS_EVERY_PAGES: u64 = 4096;
 /// Window for the guest's progress rate before the migration.
 const RATE_WINDOW_NS: u64 = 2_000_000_000;
 
+/// What others may ask of a running migration.
+#[derive(Debug, Default)]
+pub struct Signals {
+    pub cancel: AtomicBool,
+    /// Switch a running pre-copy to post-copy at the next round boundary.
+    pub start_postcopy: AtomicBool,
+}
+
 /// Migrates `vm` to `endpoint`. `Ok` means the destination runs the VM now.
 pub fn send_migration(
     vm: &dyn Migratable,
     endpoint: &Endpoint,
     params: &MigrationParams,
     status: &SharedStatus,
-    cancel: &AtomicBool,
+    signals: &Signals,
 ) -> Result<()> {
     params.validate()?;
     let started = Instant::now();
@@ -117,10 +140,10 @@ pub fn send_migration(
         Err(e) => return Err(fail(status, e, MigrationPhase::Failed)),
     };
     let stream_mode = match params.mode {
-        Mode::Precopy => StreamMode::Precopy,
         Mode::Warm => StreamMode::Warm,
+        Mode::Precopy | Mode::Postcopy | Mode::Hybrid => StreamMode::Precopy,
     };
-    let mut sender = Sender::new(vm, stream, params, status, cancel, started);
+    let mut sender = Sender::new(vm, stream, params, status, signals, started);
     let result = sender.migrate(stream_mode);
     sender.finish(result)
 }
@@ -143,9 +166,9 @@ pub fn save_snapshot(vm: &dyn Migratable, path: &Path, status: &SharedStatus) ->
         Ok(f) => f,
         Err(e) => return Err(fail(status, e, MigrationPhase::Failed)),
     };
-    let never = AtomicBool::new(false);
+    let signals = Signals::default();
     let params = MigrationParams::default();
-    let mut sender = Sender::new(vm, Stream::File(file), &params, status, &never, started);
+    let mut sender = Sender::new(vm, Stream::File(file), &params, status, &signals, started);
     let result = sender.migrate(StreamMode::Snapshot);
     if result.is_err() {
         let _ = std::fs::remove_file(path);
@@ -168,15 +191,19 @@ struct Sender<'a> {
     limiter: RateLimiter,
     params: &'a MigrationParams,
     status: &'a SharedStatus,
-    cancel: &'a AtomicBool,
+    signals: &'a Signals,
     started: Instant,
     sent_once: Bitmap,
+    /// The destination said it can take post-copy.
+    peer_postcopy: bool,
     /// Time spent sending pages, for the bandwidth estimate.
     send_time: Duration,
     paused: bool,
     paused_at_ns: u64,
     dirty_logging: bool,
     go_sent: bool,
+    /// When the last page was in place (post-copy ends after the guest resumed).
+    finished: Option<Instant>,
 }
 
 impl<'a> Sender<'a> {
@@ -185,7 +212,7 @@ impl<'a> Sender<'a> {
         stream: Stream,
         params: &'a MigrationParams,
         status: &'a SharedStatus,
-        cancel: &'a AtomicBool,
+        signals: &'a Signals,
         started: Instant,
     ) -> Self {
         let ram = vm.ram();
@@ -198,14 +225,16 @@ impl<'a> Sender<'a> {
             limiter,
             params,
             status,
-            cancel,
+            signals,
             started,
             sent_once: Bitmap::new(ram.pages()),
+            peer_postcopy: false,
             send_time: Duration::ZERO,
             paused: false,
             paused_at_ns: 0,
             dirty_logging: false,
             go_sent: false,
+            finished: None,
         }
     }
 
@@ -225,8 +254,17 @@ impl<'a> Sender<'a> {
         )?;
         if self.stream.has_peer() {
             match protocol::read_control(&mut self.stream)? {
-                Control::Ready => {}
+                Control::Ready { postcopy } => {
+                    self.peer_postcopy = postcopy;
+                    lock(self.status).destination_supports_postcopy = Some(postcopy);
+                }
                 other => return Err(unexpected("Ready", &other)),
+            }
+            let wants = matches!(self.params.mode, Mode::Postcopy | Mode::Hybrid);
+            if wants && !self.peer_postcopy {
+                return Err(Error::Param(
+                    "the destination cannot take post-copy (no userfaultfd there)".into(),
+                ));
             }
         }
         {
@@ -235,25 +273,36 @@ impl<'a> Sender<'a> {
             s.phase = MigrationPhase::Active;
         }
 
+        let populated = populated_pages(&self.ram)?;
+        lock(self.status).pages_skipped_unpopulated = self.ram.pages() - populated.count();
+        if self.params.mode == Mode::Postcopy {
+            // Nothing moves before the switch: every page that holds data follows it.
+            return self.switch_over(populated, true, start_ns);
+        }
         if mode == StreamMode::Precopy {
             self.vm.start_dirty_log()?;
             self.dirty_logging = true;
         } else {
             self.pause()?;
         }
-        let populated = populated_pages(&self.ram)?;
-        lock(self.status).pages_skipped_unpopulated = self.ram.pages() - populated.count();
         self.send_round(0, &populated)?;
 
-        let mut pending = Bitmap::new(self.ram.pages());
-        if mode == StreamMode::Precopy {
-            pending = self.iterate()?;
+        match (mode, self.params.mode) {
+            (StreamMode::Precopy, Mode::Hybrid) => {
+                let dirty = self.vm.take_dirty()?;
+                self.switch_over(dirty, true, start_ns)
+            }
+            (StreamMode::Precopy, _) => {
+                let (pending, postcopy) = self.iterate()?;
+                self.switch_over(pending, postcopy, start_ns)
+            }
+            _ => self.switch_over(Bitmap::new(self.ram.pages()), false, start_ns),
         }
-        self.switch_over(pending, start_ns)
     }
 
-    /// Live rounds until the policy says switch; returns the dirty set not yet sent.
-    fn iterate(&mut self) -> Result<Bitmap> {
+    /// Live rounds until the policy (or the user) says switch; returns the dirty set not yet
+    /// sent, and whether to hand it over by post-copy.
+    fn iterate(&mut self) -> Result<(Bitmap, bool)> {
         let limits = Limits {
             max_downtime_ms: self.params.max_downtime_ms as f64,
             max_rounds: self.params.max_rounds,
@@ -265,16 +314,29 @@ impl<'a> Sender<'a> {
             self.check_continue()?;
             let dirty = self.vm.take_dirty()?;
             let count = dirty.count();
-            stalled = if policy::shrank(previous, count) { 0 } else { stalled + 1 };
+            stalled = if policy::shrank(previous, count) {
+                0
+            } else {
+                stalled + 1
+            };
             previous = count;
             let measured = self.measure(round, count, stalled);
+            if self.signals.start_postcopy.load(Ordering::Acquire) && self.peer_postcopy {
+                lock(self.status).note = Some("switched to post-copy on request".into());
+                return Ok((dirty, true));
+            }
             match policy::decide(&measured, &limits) {
                 Decision::Iterate => self.send_round(round, &dirty)?,
                 Decision::SwitchOver { converged, why } => {
+                    let postcopy = !converged && self.params.auto_postcopy;
                     let mut s = lock(self.status);
                     s.converged = Some(converged);
-                    s.note = Some(why);
-                    return Ok(dirty);
+                    s.note = Some(if postcopy {
+                        format!("{why}; switching to post-copy instead")
+                    } else {
+                        why
+                    });
+                    return Ok((dirty, postcopy));
                 }
             }
             round += 1;
@@ -310,8 +372,9 @@ impl<'a> Sender<'a> {
         m
     }
 
-    /// Pauses the guest, sends what is left and the VM state, and hands over.
-    fn switch_over(&mut self, mut pending: Bitmap, start_ns: u64) -> Result<()> {
+    /// Pauses the guest, sends what is left (or, for post-copy, which pages will follow) and
+    /// the VM state, and hands over.
+    fn switch_over(&mut self, mut pending: Bitmap, postcopy: bool, start_ns: u64) -> Result<()> {
         self.check_continue()?;
         lock(self.status).phase = MigrationPhase::Switchover;
         if !self.paused {
@@ -324,7 +387,16 @@ impl<'a> Sender<'a> {
         }
         self.pages.checked = true; // the guest is still: page data can be checksummed
         let round = lock(self.status).rounds.len() as u32;
-        if pending.count() > 0 || round == 0 {
+        if postcopy {
+            lock(self.status).postcopy = true;
+            protocol::write_control(
+                &mut self.stream,
+                &Control::PostcopyPending {
+                    pages: pending.pages(),
+                    words: pending.words().to_vec(),
+                },
+            )?;
+        } else if pending.count() > 0 || round == 0 {
             self.send_round(round, &pending)?;
         }
         let checksum = if self.params.checksum {
@@ -354,13 +426,84 @@ impl<'a> Sender<'a> {
             Control::Resumed { resumed_at_ns } => resumed_at_ns,
             other => return Err(unexpected("Resumed", &other)),
         };
-        // The report waits for what the guest saw; `complete` marks the end for readers.
-        self.await_guest_report();
+        if postcopy {
+            self.post_copy(pending)?;
+        } else {
+            // The report waits for what the guest saw; `complete` marks the end for readers.
+            self.await_guest_report();
+        }
         self.complete(Some(resumed_at_ns));
         Ok(())
     }
 
-    fn send_state(&mut self, checksum: Option<u32>) -> Result<()> {
+    /// The VM runs on the destination; its pages follow, requested ones first.
+    fn post_copy(&mut self, pending: Bitmap) -> Result<()> {
+        let began = Instant::now();
+        let events = postcopy::spawn_reader(self.stream.try_clone()?);
+        let status = self.status;
+        let before = self.pages.counters;
+        self.pages.checked = true; // the source guest is paused for good
+        let mut guest_report = None;
+        let (counters, report) = postcopy::serve_source(
+            &mut self.stream,
+            &events,
+            &self.ram,
+            pending,
+            self.params.prepaging,
+            &mut self.limiter,
+            &mut self.pages,
+            |c, left| {
+                let mut s = lock(status);
+                s.pages_pushed = c.pushed;
+                s.pages_requested = c.requested;
+                s.pages_remaining = left;
+            },
+            |other| guest_report = Some(other),
+        )?;
+        self.finished = Some(Instant::now());
+        let after = self.pages.counters;
+        {
+            let mut s = lock(self.status);
+            s.pages_pushed = counters.pushed;
+            s.pages_requested = counters.requested;
+            s.pages_full = after.full;
+            s.pages_zero = after.zero;
+            s.bytes_on_wire = after.bytes;
+            s.memory_checksum_destination = report.memory_checksum;
+            s.postcopy_report = Some(report);
+            let round = s.rounds.len() as u32;
+            s.rounds.push(RoundStats {
+                round,
+                pages: counters.pushed + counters.requested,
+                zero_pages: after.zero - before.zero,
+                bytes: after.bytes - before.bytes,
+                duration_ms: ms(began.elapsed()),
+                dirty_pages_per_s: 0.0,
+            });
+        }
+        // The destination reports what the guest saw a moment after it resumed.
+        let deadline = Instant::now() + GUEST_REPORT_WAIT;
+        while guest_report.is_none() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match events.recv_timeout(left) {
+                Ok(postcopy::FromDestination::Report(c)) => guest_report = Some(c),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        if let Some(Control::GuestReport {
+            observed_downtime_ns,
+            pages_per_s_after,
+        }) = guest_report
+        {
+            let mut s = lock(self.status);
+            s.guest_observed_downtime_ms = observed_downtime_ns.map(|n| n as f64 / 1e6);
+            s.guest_pages_per_s_after = pages_per_s_after;
+        }
+        Ok(())
+    }
+
+    fn send_state(&mut self, checksum: Option<u64>) -> Result<()> {
         for (index, state) in self.vm.save_vcpus()?.into_iter().enumerate() {
             protocol::write_control(
                 &mut self.stream,
@@ -390,14 +533,15 @@ impl<'a> Sender<'a> {
         let mut s = lock(self.status);
         s.phase = MigrationPhase::Completed;
         s.pages_remaining = 0;
-        let total = match resumed_at_ns {
-            Some(r) => {
+        let total = match (self.finished, resumed_at_ns) {
+            (Some(done), _) => done.duration_since(self.started),
+            (None, Some(r)) => {
                 s.downtime_ms = Some(r.saturating_sub(self.paused_at_ns) as f64 / 1e6);
                 self.started
                     .elapsed()
                     .saturating_sub(Duration::from_nanos(now_ns().saturating_sub(r)))
             }
-            None => self.started.elapsed(),
+            (None, None) => self.started.elapsed(),
         };
         s.total_ms = ms(total);
         s.average_throughput_mbps =
@@ -488,7 +632,7 @@ impl<'a> Sender<'a> {
     }
 
     fn check_continue(&self) -> Result<()> {
-        if self.cancel.load(Ordering::Acquire) {
+        if self.signals.cancel.load(Ordering::Acquire) {
             return Err(Error::Cancelled);
         }
         if self.started.elapsed() > Duration::from_secs(self.params.timeout_s) {

@@ -24,6 +24,8 @@ pub struct Planner {
     /// Next distances to try above and below the pivot.
     up: u64,
     down: u64,
+    /// Whether the next candidate is taken above the pivot (bubble alternates).
+    above_next: bool,
     /// Linear cursor.
     cursor: u64,
 }
@@ -38,6 +40,7 @@ impl Planner {
             pivot: 0,
             up: 0,
             down: 1,
+            above_next: true,
             cursor: 0,
         }
     }
@@ -62,6 +65,7 @@ impl Planner {
             self.pivot = pfn;
             self.up = 1;
             self.down = 1;
+            self.above_next = true;
         }
     }
 
@@ -100,18 +104,18 @@ impl Planner {
                 // while `left > 0`, but never loop forever).
                 return self.todo.iter().next();
             }
-            // Alternate: one above, one below, widening the window each time.
-            if let Some(p) = above {
+            // Alternate one above, one below, widening the window each time.
+            let take_above = self.above_next;
+            self.above_next = !self.above_next;
+            let candidate = if take_above {
                 self.up += 1;
-                if self.todo.get(p) {
-                    return Some(p);
-                }
-            }
-            if let Some(p) = below {
+                above
+            } else {
                 self.down += 1;
-                if self.todo.get(p) {
-                    return Some(p);
-                }
+                below
+            };
+            if let Some(p) = candidate.filter(|&p| self.todo.get(p)) {
+                return Some(p);
             }
         }
     }

@@ -88,10 +88,10 @@ pub enum Control {
     StateEnd {
         paused_at_ns: u64,
         pages_sent: u64,
-        memory_checksum: Option<u32>,
+        memory_checksum: Option<u64>,
     },
     /// Destination → source: everything loaded; waiting for `Go`.
-    Loaded { memory_checksum: Option<u32> },
+    Loaded { memory_checksum: Option<u64> },
     /// Source → destination: the source gives the VM up; resume it.
     Go,
     /// Destination → source: the VM runs here now.
@@ -130,6 +130,8 @@ pub struct PostcopyReport {
     pub fault_latency_max_ms: Option<f64>,
     /// Guest resume to the last page in place.
     pub resume_ms: f64,
+    /// `memory_checksum` of guest memory as it was at the switch (what arrived), when asked.
+    pub memory_checksum: Option<u64>,
 }
 
 pub fn write_stream_header(w: &mut impl Write) -> Result<()> {

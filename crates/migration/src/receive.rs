@@ -3,11 +3,13 @@
 //! On any failure the VM is never resumed and the source is told why.
 
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::pages::{PageReceiver, memory_checksum};
+use crate::postcopy;
 use crate::precopy::now_ns;
 use crate::protocol::{self, Control, Frame, StreamMode};
 use crate::stats::{MigrationPhase, RoundStats, SharedStatus, lock};
@@ -60,10 +62,12 @@ fn open_snapshot(path: &Path) -> Result<Stream> {
         .map_err(|e| Error::Transport(format!("cannot open snapshot {}: {e}", path.display())))
 }
 
-/// Receives one VM from `stream`. `build` makes a paused, empty VM of the given shape.
+/// Receives one VM from `stream`. `build` makes a paused, empty VM of the given shape;
+/// `on_resumed` gets it the moment it runs (in post-copy, before its memory has all arrived).
 pub fn receive_migration<V: Migratable + 'static>(
     mut stream: Stream,
     build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+    on_resumed: impl FnOnce(&Arc<V>),
     status: &SharedStatus,
 ) -> Result<Received<V>> {
     let started = Instant::now();
@@ -73,7 +77,7 @@ pub fn receive_migration<V: Migratable + 'static>(
         s.phase = MigrationPhase::Setup;
         s.role = "destination".into();
     }
-    let result = receive(&mut stream, build, status, started);
+    let result = receive(&mut stream, build, on_resumed, status, started);
     match result {
         Ok((vm, resumed_at_ns)) => Ok(Received {
             vm,
@@ -102,6 +106,7 @@ pub fn receive_migration<V: Migratable + 'static>(
 fn receive<V: Migratable + 'static>(
     stream: &mut Stream,
     build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+    on_resumed: impl FnOnce(&Arc<V>),
     status: &SharedStatus,
     started: Instant,
 ) -> Result<(Arc<V>, u64)> {
@@ -134,12 +139,18 @@ fn receive<V: Migratable + 'static>(
         s.setup_ms = started.elapsed().as_secs_f64() * 1e3;
     }
     if mode != StreamMode::Snapshot {
-        protocol::write_control(stream, &Control::Ready)?;
+        protocol::write_control(
+            stream,
+            &Control::Ready {
+                postcopy: postcopy::supported(),
+            },
+        )?;
     }
 
     let mut pages = PageReceiver::new(&ram);
     let mut vcpus: Vec<Option<Vec<u8>>> = vec![None; descriptor.vcpus as usize];
     let mut devices = None;
+    let mut pending: Option<Bitmap> = None;
     let mut round_started = Instant::now();
     let (paused_at_ns, source_checksum) = loop {
         match protocol::read_frame(stream)? {
@@ -165,6 +176,15 @@ fn receive<V: Migratable + 'static>(
                 *slot = Some(state);
             }
             Frame::Control(Control::DeviceState { state }) => devices = Some(state),
+            Frame::Control(Control::PostcopyPending { pages: n, words }) => {
+                if n != ram.pages() {
+                    return Err(Error::Protocol(format!(
+                        "post-copy page map of {n} pages for {} pages of memory",
+                        ram.pages()
+                    )));
+                }
+                pending = Some(Bitmap::from_words(words, n));
+            }
             Frame::Control(Control::StateEnd {
                 paused_at_ns,
                 pages_sent,
@@ -193,9 +213,18 @@ fn receive<V: Migratable + 'static>(
         .collect::<Result<_>>()?;
     let devices = devices.ok_or_else(|| Error::Protocol("no device state".into()))?;
     vm.load_state(&vcpus, &devices)?;
-    let checksum = match source_checksum {
-        Some(_) => Some(memory_checksum(&ram)?),
+    let postcopy = match pending {
+        Some(p) => Some(postcopy::Destination::arm(
+            ram,
+            p,
+            source_checksum.is_some(),
+        )?),
         None => None,
+    };
+    // In post-copy the pages are not all here yet: the checksum is taken as they arrive.
+    let checksum = match (source_checksum, &postcopy) {
+        (Some(_), None) => Some(memory_checksum(&ram)?),
+        _ => None,
     };
     {
         let mut s = lock(status);
@@ -204,7 +233,7 @@ fn receive<V: Migratable + 'static>(
         s.memory_checksum_destination = checksum;
         s.phase = MigrationPhase::Switchover;
     }
-    if source_checksum.is_some() && checksum != source_checksum {
+    if postcopy.is_none() && source_checksum.is_some() && checksum != source_checksum {
         return Err(Error::Protocol(format!(
             "guest memory differs from the source's (checksum {:#x?} here, {source_checksum:#x?} there)",
             checksum
@@ -223,10 +252,28 @@ fn receive<V: Migratable + 'static>(
         }
     }
     vm.resume()?;
+    let resumed = Instant::now();
     let resumed_at_ns = now_ns();
     if mode != StreamMode::Snapshot {
         // The VM runs here now; a failure to tell the source changes nothing for it.
         let _ = protocol::write_control(stream, &Control::Resumed { resumed_at_ns });
+    }
+    on_resumed(&vm);
+    if let Some(dest) = postcopy {
+        lock(status).postcopy = true;
+        let requests = Arc::new(Mutex::new(stream.try_clone()?));
+        let stop = dest.spawn_fault_handler(requests.clone());
+        let result = dest.receive_pages(stream, resumed);
+        stop.store(true, std::sync::atomic::Ordering::Release);
+        let report = result?;
+        dest.disarm();
+        {
+            let mut s = lock(status);
+            s.memory_checksum_destination = report.memory_checksum;
+            s.postcopy_report = Some(report.clone());
+        }
+        let mut w = requests.lock().unwrap_or_else(|e| e.into_inner());
+        protocol::write_control(&mut *w, &Control::PostcopyComplete(report))?;
     }
     let mut s = lock(status);
     s.phase = MigrationPhase::Completed;

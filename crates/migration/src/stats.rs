@@ -75,9 +75,17 @@ pub struct MigrationStatus {
     pub guest_pages_per_s_before: Option<f64>,
     pub guest_pages_per_s_during: Option<f64>,
     pub guest_pages_per_s_after: Option<f64>,
+    // post-copy
+    /// What the destination said when it answered: can it take post-copy?
+    pub destination_supports_postcopy: Option<bool>,
+    /// Whether the switch-over handed over to post-copy.
+    pub postcopy: bool,
+    pub pages_pushed: u64,
+    pub pages_requested: u64,
+    pub postcopy_report: Option<crate::protocol::PostcopyReport>,
     // verification aid
-    pub memory_checksum_source: Option<u32>,
-    pub memory_checksum_destination: Option<u32>,
+    pub memory_checksum_source: Option<u64>,
+    pub memory_checksum_destination: Option<u64>,
     pub error: Option<String>,
 }
 

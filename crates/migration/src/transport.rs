@@ -149,6 +149,15 @@ impl Stream {
         Ok(())
     }
 
+    /// A second handle on the same connection (one thread reads while another writes).
+    pub fn try_clone(&self) -> Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::File(f) => Stream::File(f.try_clone()?),
+        })
+    }
+
     /// Whether anyone answers on this stream (a file does not).
     pub fn has_peer(&self) -> bool {
         !matches!(self, Stream::File(_))

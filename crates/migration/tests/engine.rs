@@ -11,7 +11,7 @@ use migration::precopy::save_snapshot;
 use migration::receive::{Incoming, receive_migration};
 use migration::stats::lock;
 use migration::{
-    Endpoint, GuestRam, Migratable, MigrationParams, MigrationPhase, Mode, SharedStatus,
+    Endpoint, GuestRam, Migratable, MigrationParams, MigrationPhase, Mode, SharedStatus, Signals,
     VmDescriptor, send_migration,
 };
 
@@ -182,13 +182,19 @@ fn migrate(src: &Arc<FakeVm>, params: MigrationParams, refuse: Option<&'static s
                 Some(why) => Err(migration::Error::Vm(why.into())),
                 None => Ok(FakeVm::new()),
             },
+            |_| {},
             &status,
         )
         .map(|r| r.vm)
     });
     let status = SharedStatus::default();
-    let cancel = AtomicBool::new(false);
-    let result = send_migration(src.as_ref(), &endpoint, &params, &status, &cancel);
+    let result = send_migration(
+        src.as_ref(),
+        &endpoint,
+        &params,
+        &status,
+        &Signals::default(),
+    );
     let dest = dest_thread.join().unwrap();
     Run {
         source_status: status,
@@ -293,9 +299,14 @@ fn snapshot_file_restores_the_same_memory() {
     let status = SharedStatus::default();
     save_snapshot(src.as_ref(), &file, &status).expect("snapshot");
     let pending = Incoming::Snapshot(file.clone()).prepare().unwrap();
-    let restored = receive_migration(pending.accept().unwrap(), |_| Ok(FakeVm::new()), &status)
-        .expect("restore")
-        .vm;
+    let restored = receive_migration(
+        pending.accept().unwrap(),
+        |_| Ok(FakeVm::new()),
+        |_| {},
+        &status,
+    )
+    .expect("restore")
+    .vm;
     assert!(src.memory() == restored.memory());
 
     // A truncated snapshot is refused, and nothing is resumed.
@@ -304,10 +315,15 @@ fn snapshot_file_restores_the_same_memory() {
     let pending = Incoming::Snapshot(file).prepare().unwrap();
     let fresh = FakeVm::new();
     let probe = fresh.clone();
-    let err = receive_migration(pending.accept().unwrap(), move |_| Ok(fresh), &status)
-        .err()
-        .expect("truncated stream refused")
-        .to_string();
+    let err = receive_migration(
+        pending.accept().unwrap(),
+        move |_| Ok(fresh),
+        |_| {},
+        &status,
+    )
+    .err()
+    .expect("truncated stream refused")
+    .to_string();
     assert!(err.contains("truncated"), "{err}");
     assert!(probe.paused.load(Ordering::Acquire), "never resumed");
 }
