@@ -273,17 +273,18 @@ impl<'a> Sender<'a> {
             s.phase = MigrationPhase::Active;
         }
 
-        let populated = populated_pages(&self.ram)?;
-        lock(self.status).pages_skipped_unpopulated = self.ram.pages() - populated.count();
-        if self.params.mode == Mode::Postcopy {
-            // Nothing moves before the switch: every page that holds data follows it.
-            return self.switch_over(populated, true, start_ns);
-        }
+        // Log first, then look: a page the guest first touches while we scan is still caught.
         if mode == StreamMode::Precopy {
             self.vm.start_dirty_log()?;
             self.dirty_logging = true;
         } else {
             self.pause()?;
+        }
+        let populated = populated_pages(&self.ram)?;
+        lock(self.status).pages_skipped_unpopulated = self.ram.pages() - populated.count();
+        if self.params.mode == Mode::Postcopy {
+            // Nothing moves before the switch: every page that holds data follows it.
+            return self.switch_over(populated, true, start_ns);
         }
         self.send_round(0, &populated)?;
 
@@ -533,14 +534,16 @@ impl<'a> Sender<'a> {
         let mut s = lock(self.status);
         s.phase = MigrationPhase::Completed;
         s.pages_remaining = 0;
+        if let Some(r) = resumed_at_ns {
+            s.downtime_ms = Some(r.saturating_sub(self.paused_at_ns) as f64 / 1e6);
+        }
+        // Post-copy ends when the last page is in place; the others when the guest resumed.
         let total = match (self.finished, resumed_at_ns) {
             (Some(done), _) => done.duration_since(self.started),
-            (None, Some(r)) => {
-                s.downtime_ms = Some(r.saturating_sub(self.paused_at_ns) as f64 / 1e6);
-                self.started
-                    .elapsed()
-                    .saturating_sub(Duration::from_nanos(now_ns().saturating_sub(r)))
-            }
+            (None, Some(r)) => self
+                .started
+                .elapsed()
+                .saturating_sub(Duration::from_nanos(now_ns().saturating_sub(r))),
             (None, None) => self.started.elapsed(),
         };
         s.total_ms = ms(total);
