@@ -86,7 +86,7 @@ def run(args):
                "links": {}, "boot": [], "dirty_logging": None, "scenarios": []}
     tag = str(os.getpid() % 100000)
 
-    with tempfile.TemporaryDirectory(prefix="ferry-bench-") as work:
+    with tempfile.TemporaryDirectory(prefix=args.work_prefix) as work:
         procs = Processes()
         try:
             ferry = FerryPeer(procs, work)
@@ -149,6 +149,7 @@ def main():
     p.add_argument("--repeats", type=int)
     p.add_argument("--out", help="results directory (default bench/results/<timestamp>)")
     p.add_argument("--fail-scenario", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--work-prefix", default="ferry-bench-", help=argparse.SUPPRESS)
     sys.exit(run(p.parse_args()))
 
 

@@ -111,12 +111,15 @@ fn a_failed_scenario_leaves_nothing_behind() {
     }
     guest();
     let out = tempfile::tempdir().unwrap();
+    let prefix = format!("ferry-bench-failtest-{}-", std::process::id());
     let r = runner(&[
         "--profile",
         "tiny",
         "--links",
         "1gbit",
         "--fail-scenario",
+        "--work-prefix",
+        &prefix,
         "--out",
         out.path().to_str().unwrap(),
     ]);
@@ -140,8 +143,7 @@ fn a_failed_scenario_leaves_nothing_behind() {
     let ps = Command::new("ps").args(["-eo", "args"]).output().unwrap();
     let ps = String::from_utf8_lossy(&ps.stdout);
     assert!(
-        !ps.lines()
-            .any(|l| l.contains("ferry-bench-") && !l.contains("ps -eo")),
+        !ps.lines().any(|l| l.contains(&prefix)),
         "processes left behind:\n{ps}"
     );
 }

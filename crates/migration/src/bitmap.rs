@@ -76,28 +76,6 @@ impl Bitmap {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn set_get_iterate_merge() {
-        let mut a = Bitmap::new(130);
-        for p in [0, 63, 64, 129, 500] {
-            a.set(p);
-        }
-        assert_eq!(a.iter().collect::<Vec<_>>(), vec![0, 63, 64, 129]);
-        assert_eq!(a.count(), 4);
-        let mut b = Bitmap::new(130);
-        b.set(1);
-        b.merge(&a);
-        assert_eq!(b.count(), 5);
-        assert!(b.get(1) && b.get(129) && !b.get(2));
-        b.clear();
-        assert_eq!(b.count(), 0);
-    }
-}
-
 /// A page bitmap several threads set and read at once (post-copy's "page is here").
 pub struct AtomicBitmap {
     words: Vec<std::sync::atomic::AtomicU64>,
@@ -129,5 +107,27 @@ impl AtomicBitmap {
             && self.words[(pfn / 64) as usize].load(std::sync::atomic::Ordering::Acquire)
                 & (1 << (pfn % 64))
                 != 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_get_iterate_merge() {
+        let mut a = Bitmap::new(130);
+        for p in [0, 63, 64, 129, 500] {
+            a.set(p);
+        }
+        assert_eq!(a.iter().collect::<Vec<_>>(), vec![0, 63, 64, 129]);
+        assert_eq!(a.count(), 4);
+        let mut b = Bitmap::new(130);
+        b.set(1);
+        b.merge(&a);
+        assert_eq!(b.count(), 5);
+        assert!(b.get(1) && b.get(129) && !b.get(2));
+        b.clear();
+        assert_eq!(b.count(), 0);
     }
 }

@@ -300,6 +300,9 @@ fn descriptors(descs: &[u8]) -> impl Iterator<Item = (u64, PageEncoding)> + '_ {
     })
 }
 
+/// Each page of a frame with its data (`None`: a zero page), borrowed from the read buffer.
+pub type FramePages<'s> = Vec<(u64, Option<&'s [u8]>)>;
+
 /// Reads a whole page frame into `scratch` (post-copy installs pages with `UFFDIO_COPY`, which
 /// copies from a buffer) and returns each page with its data, `None` for a zero page.
 pub fn read_page_frame<'s>(
@@ -308,7 +311,7 @@ pub fn read_page_frame<'s>(
     header: &[u8; FRAME_HEADER_LEN],
     len: u32,
     scratch: &'s mut Vec<u8>,
-) -> Result<Vec<(u64, Option<&'s [u8]>)>> {
+) -> Result<FramePages<'s>> {
     let mut crc = crc32fast::Hasher::new();
     crc.update(header);
     let mut descs = Vec::new();

@@ -91,87 +91,119 @@ pub struct SourceCounters {
     pub requested: u64,
 }
 
-/// Sends every page of `pending`, requests first; then waits for the destination's report.
-/// `on_report` receives other messages (the guest report) that arrive meanwhile.
-pub fn serve_source(
-    stream: &mut Stream,
-    events: &Receiver<FromDestination>,
-    ram: &GuestRam,
-    pending: Bitmap,
-    strategy: Strategy,
-    limiter: &mut RateLimiter,
-    sender: &mut PageSender,
-    mut progress: impl FnMut(SourceCounters, u64),
-    mut on_report: impl FnMut(Control),
-) -> Result<(SourceCounters, PostcopyReport)> {
-    let mut planner = Planner::new(pending, strategy);
-    let mut counters = SourceCounters::default();
-    let mut handle = |event: FromDestination,
-                      planner: &mut Planner,
-                      stream: &mut Stream,
-                      sender: &mut PageSender,
-                      limiter: &mut RateLimiter,
-                      counters: &mut SourceCounters|
-     -> Result<Option<PostcopyReport>> {
+/// Where the source's pages go: the stream, and what it needs to send pages on it.
+pub struct Outbound<'a> {
+    pub stream: &'a mut Stream,
+    pub ram: &'a GuestRam,
+    pub limiter: &'a mut RateLimiter,
+    pub sender: &'a mut PageSender,
+}
+
+impl Outbound<'_> {
+    fn push(&mut self, pfn: u64) -> Result<()> {
+        self.sender.push(self.stream, self.ram, pfn, self.limiter)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        self.sender.flush(self.stream, self.ram, self.limiter)
+    }
+}
+
+/// The source's post-copy phase.
+pub struct SourcePhase<'a, 'o> {
+    pub out: Outbound<'o>,
+    pub events: &'a Receiver<FromDestination>,
+    planner: Planner,
+    counters: SourceCounters,
+    /// Other messages that arrived meanwhile (the guest report).
+    pub other: Vec<Control>,
+}
+
+impl<'a, 'o> SourcePhase<'a, 'o> {
+    pub fn new(
+        out: Outbound<'o>,
+        events: &'a Receiver<FromDestination>,
+        pending: Bitmap,
+        strategy: Strategy,
+    ) -> Self {
+        Self {
+            out,
+            events,
+            planner: Planner::new(pending, strategy),
+            counters: SourceCounters::default(),
+            other: Vec::new(),
+        }
+    }
+
+    /// Sends every pending page, requests first, then waits for the destination's report.
+    /// `progress` sees the counters and the pages left after each batch.
+    pub fn run(
+        &mut self,
+        mut progress: impl FnMut(SourceCounters, u64),
+    ) -> Result<(SourceCounters, PostcopyReport)> {
+        while self.planner.remaining() > 0 {
+            while let Ok(event) = self.events.try_recv() {
+                if let Some(r) = self.handle(event)? {
+                    return Err(Error::Protocol(format!(
+                        "the destination reported completion with pages missing ({r:?})"
+                    )));
+                }
+            }
+            for _ in 0..PUSH_BATCH {
+                let Some(pfn) = self.planner.next_page() else {
+                    break;
+                };
+                self.out.push(pfn)?;
+                self.counters.pushed += 1;
+            }
+            self.out.flush()?;
+            progress(self.counters, self.planner.remaining());
+        }
+        protocol::write_control(
+            self.out.stream,
+            &Control::PostcopyDone {
+                pages_sent: self.counters.pushed + self.counters.requested,
+            },
+        )?;
+        let deadline = Instant::now() + COMPLETE_WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.events.recv_timeout(left) {
+                Ok(event) => {
+                    if let Some(r) = self.handle(event)? {
+                        return Ok((self.counters, r));
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(Error::Transport(
+                        "the destination never confirmed that every page arrived".into(),
+                    ));
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(Error::Transport("the destination went away".into()));
+                }
+            }
+        }
+    }
+
+    /// A request is served at once (the window moves there); completion ends the phase.
+    fn handle(&mut self, event: FromDestination) -> Result<Option<PostcopyReport>> {
         match event {
             FromDestination::Request(pfn) => {
-                planner.recenter(pfn);
-                if planner.take(pfn) {
-                    sender.push(stream, ram, pfn, limiter)?;
-                    sender.flush(stream, ram, limiter)?;
-                    counters.requested += 1;
+                self.planner.recenter(pfn);
+                if self.planner.take(pfn) {
+                    self.out.push(pfn)?;
+                    self.out.flush()?;
+                    self.counters.requested += 1;
                 }
                 Ok(None)
             }
             FromDestination::Complete(r) => Ok(Some(r)),
             FromDestination::Report(other) => {
-                on_report(other);
+                self.other.push(other);
                 Ok(None)
             }
             FromDestination::Failed(e) => Err(e),
-        }
-    };
-    while planner.remaining() > 0 {
-        while let Ok(event) = events.try_recv() {
-            if let Some(r) = handle(event, &mut planner, stream, sender, limiter, &mut counters)? {
-                return Err(Error::Protocol(format!(
-                    "the destination reported completion with pages missing ({r:?})"
-                )));
-            }
-        }
-        for _ in 0..PUSH_BATCH {
-            let Some(pfn) = planner.next() else { break };
-            sender.push(stream, ram, pfn, limiter)?;
-            counters.pushed += 1;
-        }
-        sender.flush(stream, ram, limiter)?;
-        progress(counters, planner.remaining());
-    }
-    protocol::write_control(
-        stream,
-        &Control::PostcopyDone {
-            pages_sent: counters.pushed + counters.requested,
-        },
-    )?;
-    let deadline = Instant::now() + COMPLETE_WAIT;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match events.recv_timeout(left) {
-            Ok(event) => {
-                if let Some(r) =
-                    handle(event, &mut planner, stream, sender, limiter, &mut counters)?
-                {
-                    return Ok((counters, r));
-                }
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                return Err(Error::Transport(
-                    "the destination never confirmed that every page arrived".into(),
-                ));
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(Error::Transport("the destination went away".into()));
-            }
         }
     }
 }

@@ -444,23 +444,20 @@ impl<'a> Sender<'a> {
         let status = self.status;
         let before = self.pages.counters;
         self.pages.checked = true; // the source guest is paused for good
-        let mut guest_report = None;
-        let (counters, report) = postcopy::serve_source(
-            &mut self.stream,
-            &events,
-            &self.ram,
-            pending,
-            self.params.prepaging,
-            &mut self.limiter,
-            &mut self.pages,
-            |c, left| {
-                let mut s = lock(status);
-                s.pages_pushed = c.pushed;
-                s.pages_requested = c.requested;
-                s.pages_remaining = left;
-            },
-            |other| guest_report = Some(other),
-        )?;
+        let out = postcopy::Outbound {
+            stream: &mut self.stream,
+            ram: &self.ram,
+            limiter: &mut self.limiter,
+            sender: &mut self.pages,
+        };
+        let mut phase = postcopy::SourcePhase::new(out, &events, pending, self.params.prepaging);
+        let (counters, report) = phase.run(|c, left| {
+            let mut s = lock(status);
+            s.pages_pushed = c.pushed;
+            s.pages_requested = c.requested;
+            s.pages_remaining = left;
+        })?;
+        let mut guest_report = phase.other.pop();
         self.finished = Some(Instant::now());
         let after = self.pages.counters;
         {

@@ -70,7 +70,7 @@ impl Planner {
     }
 
     /// The next page to push, claimed.
-    pub fn next(&mut self) -> Option<u64> {
+    pub fn next_page(&mut self) -> Option<u64> {
         if self.left == 0 {
             return None;
         }
@@ -138,7 +138,7 @@ mod tests {
         let mut p = Planner::new(all(10), Strategy::Linear);
         assert!(p.take(3));
         assert!(!p.take(3), "a page leaves once");
-        let order: Vec<u64> = std::iter::from_fn(|| p.next()).collect();
+        let order: Vec<u64> = std::iter::from_fn(|| p.next_page()).collect();
         assert_eq!(order, vec![0, 1, 2, 4, 5, 6, 7, 8, 9]);
         assert_eq!(p.remaining(), 0);
     }
@@ -148,13 +148,13 @@ mod tests {
         let mut p = Planner::new(all(100), Strategy::Bubble);
         assert!(p.take(50));
         p.recenter(50);
-        let order: Vec<u64> = (0..6).filter_map(|_| p.next()).collect();
+        let order: Vec<u64> = (0..6).filter_map(|_| p.next_page()).collect();
         assert_eq!(order, vec![51, 49, 52, 48, 53, 47]);
         // A new fault moves the window at once.
         assert!(p.take(10));
         p.recenter(10);
-        assert_eq!(p.next(), Some(11));
-        assert_eq!(p.next(), Some(9));
+        assert_eq!(p.next_page(), Some(11));
+        assert_eq!(p.next_page(), Some(9));
     }
 
     #[test]
@@ -174,7 +174,7 @@ mod tests {
             }
             p.recenter(fault);
             for _ in 0..50 {
-                if let Some(x) = p.next() {
+                if let Some(x) = p.next_page() {
                     assert!(!seen.get(x), "page {x} twice");
                     assert_eq!(x % 3, 0, "page {x} was never due");
                     seen.set(x);
@@ -182,7 +182,7 @@ mod tests {
                 }
             }
         }
-        while let Some(x) = p.next() {
+        while let Some(x) = p.next_page() {
             assert!(!seen.get(x), "page {x} twice");
             seen.set(x);
             sent += 1;

@@ -1,0 +1,203 @@
+//! Post-copy and hybrid migration between real ferry processes: the VM runs on the
+//! destination at once, its pages follow, each exactly once, and nothing is lost.
+
+mod common;
+
+use std::time::Duration;
+
+use api::{MigrationPhase, MigrationStatus};
+use common::*;
+
+const T: Duration = Duration::from_secs(60);
+
+fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> MigrationStatus {
+    let socket = src.socket.to_str().unwrap().to_string();
+    let mut args = vec!["migrate", "--api-socket", &socket, "--to", to, "--json"];
+    args.extend_from_slice(extra);
+    let out = ferry_output(&args);
+    assert!(
+        out.status.success(),
+        "migrate {extra:?} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        String::from_utf8_lossy(&out.stdout)
+    );
+    serde_json::from_slice(&out.stdout).expect("report")
+}
+
+/// Boots `cmdline`, migrates with `extra`, checks every promise of post-copy, and returns
+/// the report.
+fn postcopy_keeps_every_page(vcpus: usize, cmdline: &str, extra: &[&str]) -> MigrationStatus {
+    let mut src = Ferry::boot(VmSpec {
+        vcpus,
+        cmdline,
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= vcpus as u64);
+    let url = format!("unix:{}", src.scratch("mig.sock").display());
+    let dst = Ferry::incoming(&url);
+    let mut args = vec!["--checksum"];
+    args.extend_from_slice(extra);
+    let report = migrate(&src, &url, &args);
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(report.postcopy, "the switch went to post-copy: {report:?}");
+    let pc = report.postcopy_report.clone().expect("post-copy report");
+    assert_eq!(
+        pc.duplicates, 0,
+        "each page crosses the wire at most once after the switch"
+    );
+    let (a, b) = (
+        report.memory_checksum_source,
+        report.memory_checksum_destination,
+    );
+    assert!(
+        a.is_some() && a == b,
+        "destination memory is the source's at the switch"
+    );
+    assert!(src.wait_exit(T).success(), "the source lets go and exits 0");
+
+    let start = dst.info();
+    let info = dst.wait_info("two more passes on the destination", T, |i| {
+        i.passes >= start.passes + 2 * vcpus as u64
+    });
+    assert_eq!(
+        info.verify_errors, 0,
+        "pages lost: {:?}",
+        info.verify_error_pages
+    );
+    report
+}
+
+#[test]
+fn postcopy_sequential_writer() {
+    if !kvm_available() {
+        return;
+    }
+    let r = postcopy_keeps_every_page(1, "write ws=256M seq verify", &["--mode", "postcopy"]);
+    // Pure post-copy: every page that held data was sent once, by push or by request.
+    assert_eq!(
+        r.pages_pushed + r.pages_requested,
+        r.memory_pages - r.pages_skipped_unpopulated,
+        "{r:?}"
+    );
+    assert_eq!(r.rounds.len(), 1);
+    assert_eq!(r.pages_resent, 0);
+}
+
+#[test]
+fn postcopy_random_writer_on_two_vcpus() {
+    if !kvm_available() {
+        return;
+    }
+    let r = postcopy_keeps_every_page(2, "write ws=128M random verify", &["--mode", "postcopy"]);
+    assert!(
+        r.postcopy_report.unwrap().network_faults > 0,
+        "the guest faulted on missing pages"
+    );
+}
+
+#[test]
+fn postcopy_push_only() {
+    if !kvm_available() {
+        return;
+    }
+    postcopy_keeps_every_page(
+        1,
+        "write ws=64M random verify",
+        &["--mode", "postcopy", "--prepaging", "linear"],
+    );
+}
+
+#[test]
+fn hybrid_sends_one_round_then_post_copies_the_rest() {
+    if !kvm_available() {
+        return;
+    }
+    let r = postcopy_keeps_every_page(1, "write ws=128M random verify", &["--mode", "hybrid"]);
+    assert_eq!(
+        r.rounds.len(),
+        2,
+        "one pre-copy round, then post-copy: {:?}",
+        r.rounds
+    );
+}
+
+#[test]
+fn non_converging_precopy_switches_to_postcopy_by_itself() {
+    if !kvm_available() {
+        return;
+    }
+    // 100 Mbit/s cannot keep up with a guest rewriting 64 MiB many times a second.
+    let r = postcopy_keeps_every_page(
+        1,
+        "write ws=64M seq verify",
+        &[
+            "--max-bandwidth-mbps",
+            "100",
+            "--auto-postcopy",
+            "--max-downtime-ms",
+            "5",
+        ],
+    );
+    assert_eq!(r.converged, Some(false));
+    assert!(
+        r.note
+            .unwrap_or_default()
+            .contains("switching to post-copy")
+    );
+}
+
+#[test]
+fn start_postcopy_switches_a_running_precopy() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec {
+        cmdline: "write ws=64M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let url = format!("unix:{}", src.scratch("mig.sock").display());
+    let dst = Ferry::incoming(&url);
+    src.api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 100, "max_rounds": 1000})),
+        )
+        .expect("start");
+    wait_for("round 1", T, || {
+        let s = src.migration_status();
+        (s.round >= 1).then_some(())
+    });
+    src.put("vm.migrate-start-postcopy");
+    let status = wait_for("the migration to end", T, || {
+        let s = src.migration_status();
+        (!s.phase.is_running()).then_some(s)
+    });
+    assert_eq!(status.phase, MigrationPhase::Completed, "{status:?}");
+    assert!(status.postcopy);
+    let start = dst.info();
+    let info = dst.wait_info("passes on the destination", T, |i| {
+        i.passes >= start.passes + 2
+    });
+    assert_eq!(info.verify_errors, 0);
+}
+
+#[test]
+fn start_postcopy_without_a_migration_is_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::boot(VmSpec::default());
+    let err = src
+        .api()
+        .put("vm.migrate-start-postcopy", None)
+        .unwrap_err();
+    assert!(err.to_string().contains("no migration is running"), "{err}");
+    let out = ferry_output(&[
+        "start-postcopy",
+        "--api-socket",
+        src.socket.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    assert_eq!(src.info().state, "running");
+}
