@@ -23,10 +23,22 @@ SERIAL = "serial_ms=10"
 
 
 def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5,
-             timeout_s=120):
+             timeout_s=120, prepaging=None):
     return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
             "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s,
-            "timeout_s": timeout_s}
+            "timeout_s": timeout_s, "prepaging": prepaging}
+
+
+def table2():
+    """Hines & Gopalan's Table 2: a 2 GiB guest writing working sets of 8..512 MiB
+    sequentially, post-copy push-only vs pre-paging, beside pre-copy."""
+    rows = []
+    for ws in (8, 16, 32, 64, 128, 256, 512):
+        cmd = f"write ws={ws}M seq"
+        rows += [scenario(f"ws {ws}M post-copy push-only", "2G", cmd, mode="postcopy", prepaging="linear"),
+                 scenario(f"ws {ws}M post-copy pre-paging", "2G", cmd, mode="postcopy", prepaging="bubble"),
+                 scenario(f"ws {ws}M pre-copy", "2G", cmd)]
+    return rows
 
 
 PROFILES = {
@@ -38,7 +50,12 @@ PROFILES = {
         "links": ["loopback", "1gbit"], "peers": ["ferry", "qemu"], "repeats": 3,
         "boot": ["1G", "16G"], "dirty": True,
         "scenarios": [scenario("idle 1G", "1G", "idle"), scenario("idle 8G", "8G", "idle"),
-                      scenario("write seq 256M / 1G", "1G", "write ws=256M seq")],
+                      scenario("write seq 256M / 1G", "1G", "write ws=256M seq"),
+                      scenario("write seq 256M / 1G post-copy", "1G", "write ws=256M seq", mode="postcopy")],
+    },
+    "table2": {
+        "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
+        "scenarios": table2(),
     },
     "full": {
         "links": ["loopback", "1gbit", "10gbit"], "peers": ["ferry", "qemu", "qemu-best"], "repeats": 3,
@@ -50,7 +67,11 @@ PROFILES = {
                       scenario("write seq 256M / 2G", "2G", "write ws=256M seq"),
                       scenario("write random 256M / 2G", "2G", "write ws=256M random"),
                       scenario("read 256M / 2G", "2G", "read ws=256M seq"),
-                      scenario("write seq 256M / 1G warm", "1G", "write ws=256M seq", mode="warm")],
+                      scenario("write seq 256M / 1G warm", "1G", "write ws=256M seq", mode="warm"),
+                      scenario("write seq 256M / 2G post-copy", "2G", "write ws=256M seq", mode="postcopy"),
+                      scenario("write seq 256M / 2G hybrid", "2G", "write ws=256M seq", mode="hybrid"),
+                      scenario("write random 256M / 2G post-copy", "2G", "write ws=256M random",
+                               mode="postcopy")],
     },
 }
 
@@ -104,6 +125,10 @@ def run(args):
                         if args.fail_scenario:
                             sc = dict(sc, memory="0")  # a scenario made to fail (cleanup test)
                         for peer_name in peers:
+                            if peer_name.startswith("qemu") and sc["mode"] not in ("precopy", "postcopy"):
+                                continue  # QEMU has no warm or hybrid mode to compare with
+                            if peer_name == "qemu-best" and sc["mode"] == "postcopy":
+                                continue
                             peer = make_peer(peer_name, procs, work)
                             rows, error = [], None
                             for i in range(repeats):

@@ -68,6 +68,8 @@ class FerryPeer:
         argv = [FERRY, "migrate", "--api-socket", src, "--to", f"tcp:{link.dst_host}:{port}",
                 "--mode", scenario["mode"], "--max-downtime-ms", str(scenario["max_downtime_ms"]),
                 "--timeout-s", str(scenario["timeout_s"]), "--json"]
+        if scenario.get("prepaging"):
+            argv += ["--prepaging", scenario["prepaging"]]
         started = time.time()
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
@@ -77,6 +79,8 @@ class FerryPeer:
         dinfo = self.info(dst)
         api(dst, "PUT", "vm.shutdown")
         round0 = report["rounds"][0] if report["rounds"] else {}
+        pc = report.get("postcopy_report") or {}
+        sent_after = report.get("pages_pushed", 0) + report.get("pages_requested", 0)
         return {
             "peer": "ferry",
             "total_ms": report["total_ms"],
@@ -96,6 +100,17 @@ class FerryPeer:
             "rate_before": report["guest_pages_per_s_before"],
             "rate_during": report["guest_pages_per_s_during"],
             "rate_after": report["guest_pages_per_s_after"],
+            "postcopy": report.get("postcopy", False),
+            "pages_pushed": report.get("pages_pushed"),
+            "pages_requested": report.get("pages_requested"),
+            "network_faults": pc.get("network_faults"),
+            "network_fault_share": (pc["network_faults"] / sent_after) if pc and sent_after else None,
+            "fault_latency_p50_ms": pc.get("fault_latency_p50_ms"),
+            "fault_latency_p99_ms": pc.get("fault_latency_p99_ms"),
+            "fault_latency_max_ms": pc.get("fault_latency_max_ms"),
+            "resume_ms": pc.get("resume_ms"),
+            "duplicates": pc.get("duplicates"),
+            "pages_transferred": report["pages_full"] + report["pages_zero"],
         }
 
     def boot_metrics(self, memory):

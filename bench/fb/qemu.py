@@ -93,8 +93,9 @@ class QemuPeer:
         qmp.cmd("migrate-set-parameters", **params)
 
     def migrate_once(self, scenario, link):
-        if scenario["mode"] != "precopy":
-            raise BenchError(f"the QEMU driver has no {scenario['mode']} mode yet")
+        if scenario["mode"] not in ("precopy", "postcopy"):
+            raise BenchError(f"the QEMU driver has no {scenario['mode']} mode")
+        postcopy = scenario["mode"] == "postcopy"
         src_clock, dst_clock = SerialClock(), SerialClock()
         src = self._start("src", scenario, src_clock, link.ns_src)
         wait_until("guest serial progress", 60, lambda: len(src_clock.lines()) > 3)
@@ -105,8 +106,15 @@ class QemuPeer:
                           incoming=f"tcp:{link.dst_host}:{port}")
         self._configure(src, scenario)
         self._configure(dst, scenario)
+        if postcopy:
+            for q in (src, dst):
+                q.cmd("migrate-set-capabilities", capabilities=[{"capability": "postcopy-ram", "state": True}])
         started = time.time()
         src.cmd("migrate", uri=f"tcp:{link.dst_host}:{port}")
+        if postcopy:
+            # As soon as QEMU allows it: QEMU switches after its first pass has begun.
+            wait_until("QEMU to accept migrate-start-postcopy", 30,
+                       lambda: _try(lambda: src.cmd("migrate-start-postcopy")), interval=0.01)
 
         def done():
             info = src.cmd("query-migrate")
@@ -148,7 +156,19 @@ class QemuPeer:
             "rate_before": None,
             "rate_during": None,
             "rate_after": None,
+            "postcopy": postcopy,
+            "pages_requested": ram.get("postcopy-requests"),
+            "resume_ms": None,
+            "pages_transferred": (ram.get("normal") or 0) + (ram.get("duplicate") or 0),
         }
+
+
+def _try(f):
+    try:
+        f()
+        return True
+    except BenchError:
+        return False
 
 
 def parse_mib(size):

@@ -155,6 +155,11 @@ impl PageReceiver {
     }
 
     /// Reads the body of a page frame whose header was `header`.
+    /// Pages this receiver has written into guest memory.
+    pub fn written(&self) -> &Bitmap {
+        &self.written
+    }
+
     pub fn receive(
         &mut self,
         r: &mut impl Read,

@@ -217,6 +217,7 @@ fn receive<V: Migratable + 'static>(
         Some(p) => Some(postcopy::Destination::arm(
             ram,
             p,
+            pages.written(),
             source_checksum.is_some(),
         )?),
         None => None,
