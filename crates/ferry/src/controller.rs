@@ -167,7 +167,16 @@ impl Handler for Controller {
                 Ok(Value::Null)
             }
             ApiRequest::Resume => {
-                self.require_live()?.resume();
+                let vm = self.require_live()?;
+                if migration::stats::lock(&self.outgoing.status).phase
+                    == migration::MigrationPhase::Unconfirmed
+                {
+                    return Err(ApiError::conflict(
+                        "the destination may already run this VM (the migration's outcome is \
+                         unconfirmed); resuming here could make two copies",
+                    ));
+                }
+                vm.resume();
                 Ok(Value::Null)
             }
             ApiRequest::Shutdown => {

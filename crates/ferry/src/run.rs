@@ -92,6 +92,9 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
             return Ok(1);
         }
     };
+    if let Some(e) = migration::stats::lock(&status).error.clone() {
+        eprintln!("ferry: warning: {e}");
+    }
     let report_status = status.clone();
     std::thread::spawn(move || {
         // Let the guest run a moment, then tell the source what it lived through.

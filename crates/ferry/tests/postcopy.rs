@@ -201,3 +201,58 @@ fn start_postcopy_without_a_migration_is_refused() {
     assert!(!out.status.success());
     assert_eq!(src.info().state, "running");
 }
+
+#[test]
+fn cut_during_postcopy_keeps_both_halves_alive() {
+    if !kvm_available() {
+        return;
+    }
+    let mut src = Ferry::boot(VmSpec {
+        cmdline: "write ws=64M seq verify",
+        ..Default::default()
+    });
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
+    // 4 MiB: past the state and the switch, well before the 64 MiB of pages are through.
+    let proxy = common::proxy::Proxy::start(
+        &format!("127.0.0.1:{port}"),
+        common::proxy::Fault::CutAfter(4 << 20),
+    );
+    let socket = src.socket.to_str().unwrap().to_string();
+    let out = ferry_output(&[
+        "migrate",
+        "--api-socket",
+        &socket,
+        "--to",
+        &proxy.url,
+        "--mode",
+        "postcopy",
+        "--json",
+    ]);
+    assert!(!out.status.success());
+    let report: MigrationStatus = serde_json::from_slice(&out.stdout).expect("report");
+    assert_eq!(report.phase, MigrationPhase::Unconfirmed, "{report:?}");
+    drop(proxy);
+
+    // The destination holds the newest state: it must live on, and say what happened.
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(dst.is_running(), "the destination VM is never thrown away");
+    let dstatus = dst.migration_status();
+    assert!(
+        dstatus
+            .error
+            .unwrap_or_default()
+            .contains("post-copy interrupted"),
+        "the destination explains itself"
+    );
+    // The source keeps its copy paused and refuses to make a second running one.
+    assert!(src.is_running());
+    assert_eq!(src.info().state, "paused");
+    let err = src.api().put("vm.resume", None).unwrap_err();
+    assert!(err.to_string().contains("two copies"), "{err}");
+}

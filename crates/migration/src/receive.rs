@@ -264,17 +264,31 @@ fn receive<V: Migratable + 'static>(
         lock(status).postcopy = true;
         let requests = Arc::new(Mutex::new(stream.try_clone()?));
         let stop = dest.spawn_fault_handler(requests.clone());
-        let result = dest.receive_pages(stream, resumed);
-        stop.store(true, std::sync::atomic::Ordering::Release);
-        let report = result?;
-        dest.disarm();
-        {
-            let mut s = lock(status);
-            s.memory_checksum_destination = report.memory_checksum;
-            s.postcopy_report = Some(report.clone());
+        match dest.receive_pages(stream, resumed) {
+            Ok(report) => {
+                stop.store(true, std::sync::atomic::Ordering::Release);
+                dest.disarm();
+                {
+                    let mut s = lock(status);
+                    s.memory_checksum_destination = report.memory_checksum;
+                    s.postcopy_report = Some(report.clone());
+                }
+                let mut w = requests.lock().unwrap_or_else(|e| e.into_inner());
+                protocol::write_control(&mut *w, &Control::PostcopyComplete(report))?;
+            }
+            Err(e) => {
+                // The VM lives here now, with part of its memory still on the source. It runs
+                // on; the fault handler stays armed, so a vCPU that touches a missing page
+                // waits for it instead of seeing zeros. Never exit: this is the newest state.
+                let mut s = lock(status);
+                s.phase = MigrationPhase::Failed;
+                s.error = Some(format!(
+                    "post-copy interrupted after the switch: {e}; the VM runs on the pages it \
+                     has, and vCPUs that touch a page still on the source wait for it"
+                ));
+                return Ok((vm, resumed_at_ns));
+            }
         }
-        let mut w = requests.lock().unwrap_or_else(|e| e.into_inner());
-        protocol::write_control(&mut *w, &Control::PostcopyComplete(report))?;
     }
     let mut s = lock(status);
     s.phase = MigrationPhase::Completed;
