@@ -9,23 +9,6 @@ use common::*;
 
 const T: Duration = Duration::from_secs(60);
 
-/// `ferry migrate ... --json`: the final report (if one was printed), whether the command
-/// succeeded, and every error message it gave (report error and stderr).
-fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (MigrationStatus, bool, String) {
-    let socket = src.socket.to_str().unwrap().to_string();
-    let mut args = vec!["migrate", "--api-socket", &socket, "--to", to, "--json"];
-    args.extend_from_slice(extra);
-    let out = ferry_output(&args);
-    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
-    let status: MigrationStatus = serde_json::from_str(&stdout).unwrap_or_default();
-    let errors = format!(
-        "{}\n{}",
-        status.error.clone().unwrap_or_default(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (status, out.status.success(), errors)
-}
-
 fn unix_url(f: &Ferry, name: &str) -> String {
     format!("unix:{}", f.scratch(name).display())
 }
@@ -70,11 +53,7 @@ fn write_workload_precopy_keeps_every_page() {
     if !kvm_available() {
         return;
     }
-    let mut src = Ferry::boot(VmSpec {
-        cmdline: "write ws=256M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let mut src = Ferry::writer("write ws=256M seq verify");
     let dst = Ferry::incoming(&unix_url(&src, "mig.sock"));
     let (report, ok, stderr) = migrate(
         &src,
@@ -137,11 +116,7 @@ fn warm_migration_keeps_every_page() {
     if !kvm_available() {
         return;
     }
-    let src = Ferry::boot(VmSpec {
-        cmdline: "write ws=64M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let src = Ferry::writer("write ws=64M seq verify");
     let url = unix_url(&src, "mig.sock");
     let dst = Ferry::incoming(&url);
     let (report, ok, stderr) = migrate(&src, &url, &["--mode", "warm", "--checksum"]);
@@ -161,11 +136,7 @@ fn snapshot_and_restore_continue_the_workload() {
     if !kvm_available() {
         return;
     }
-    let src = Ferry::boot(VmSpec {
-        cmdline: "write ws=32M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let src = Ferry::writer("write ws=32M seq verify");
     let file = src.scratch("vm.ferry");
     let out = ferry_output(&[
         "snapshot",
@@ -194,21 +165,8 @@ fn killed_destination_leaves_the_source_running() {
     if !kvm_available() {
         return;
     }
-    let src = Ferry::boot(VmSpec {
-        cmdline: "write ws=128M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
-    let url = unix_url(&src, "mig1.sock");
-    let mut dst = Ferry::incoming(&url);
-    // Slow enough (64 Mbit/s) that the kill lands mid-round.
-    src.api()
-        .put(
-            "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
-        )
-        .expect("start");
-    src.wait_for_migration_bytes(1 << 20);
+    let src = Ferry::writer("write ws=128M seq verify");
+    let mut dst = start_slow_migration(&src);
     dst.child.as_mut().unwrap().kill().unwrap();
     let status = src.wait_migration_end();
     assert_eq!(status.phase, MigrationPhase::Failed, "{status:?}");
@@ -222,17 +180,8 @@ fn cut_connection_leaves_the_source_running() {
     if !kvm_available() {
         return;
     }
-    let src = Ferry::boot(VmSpec {
-        cmdline: "write ws=64M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
-    let port = free_port();
-    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
-    let proxy = common::proxy::Proxy::start(
-        &format!("127.0.0.1:{port}"),
-        common::proxy::Fault::CutAfter(8 << 20),
-    );
+    let src = Ferry::writer("write ws=64M seq verify");
+    let (mut dst, proxy) = destination_behind(common::proxy::Fault::CutAfter(8 << 20));
     let (report, ok, _) = migrate(&src, &proxy.url, &[]);
     assert!(!ok);
     assert_eq!(report.phase, MigrationPhase::Failed, "{report:?}");
@@ -251,18 +200,8 @@ fn corrupt_frame_is_refused_and_the_source_runs_on() {
     if !kvm_available() {
         return;
     }
-    let src = Ferry::boot(VmSpec {
-        cmdline: "write ws=16M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
-    let port = free_port();
-    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
-    // Byte 40 lies inside the Hello frame's payload.
-    let proxy = common::proxy::Proxy::start(
-        &format!("127.0.0.1:{port}"),
-        common::proxy::Fault::FlipAt(40),
-    );
+    let src = Ferry::writer("write ws=16M seq verify");
+    let (mut dst, proxy) = destination_behind(common::proxy::Fault::FlipAt(40));
     let (_, ok, error) = migrate(&src, &proxy.url, &[]);
     assert!(!ok);
     assert!(
@@ -318,20 +257,8 @@ fn cancel_leaves_the_source_running() {
     if !kvm_available() {
         return;
     }
-    let src = Ferry::boot(VmSpec {
-        cmdline: "write ws=128M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
-    let url = unix_url(&src, "mig1.sock");
-    let mut dst = Ferry::incoming(&url);
-    src.api()
-        .put(
-            "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
-        )
-        .expect("start");
-    src.wait_for_migration_bytes(1 << 20);
+    let src = Ferry::writer("write ws=128M seq verify");
+    let mut dst = start_slow_migration(&src);
     src.put("vm.cancel-migration");
     let status = src.wait_migration_end();
     assert_eq!(status.phase, MigrationPhase::Cancelled, "{status:?}");
@@ -353,11 +280,7 @@ fn bad_migration_requests_are_refused_clearly() {
     if !kvm_available() {
         return;
     }
-    let src = Ferry::boot(VmSpec {
-        cmdline: "write ws=64M seq",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let src = Ferry::writer("write ws=64M seq");
     let socket = src.socket.to_str().unwrap().to_string();
     let fails = |extra: &[&str], expect: &str| {
         let mut args = vec!["migrate", "--api-socket", &socket];
@@ -413,6 +336,21 @@ fn bad_migration_requests_are_refused_clearly() {
     assert_source_keeps_running(&src);
 }
 
+/// Starts a migration slow enough (64 Mbit/s) to be interrupted mid-round, once a first
+/// MiB is on its way; returns the destination.
+fn start_slow_migration(src: &Ferry) -> Ferry {
+    let url = unix_url(src, "mig1.sock");
+    let dst = Ferry::incoming(&url);
+    src.api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
+        )
+        .expect("start");
+    src.wait_for_migration_bytes(1 << 20);
+    dst
+}
+
 fn assert_source_keeps_running(src: &Ferry) {
     let info = src.info();
     assert_eq!(info.state, "running", "{info:?}");
@@ -433,14 +371,6 @@ fn assert_second_attempt_succeeds(src: &Ferry) {
     );
     let info = passes_after(&dst, 1);
     assert_eq!(info.verify_errors, 0);
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 trait MigrationWait {

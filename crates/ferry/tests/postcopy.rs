@@ -10,20 +10,6 @@ use common::*;
 
 const T: Duration = Duration::from_secs(60);
 
-fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> MigrationStatus {
-    let socket = src.socket.to_str().unwrap().to_string();
-    let mut args = vec!["migrate", "--api-socket", &socket, "--to", to, "--json"];
-    args.extend_from_slice(extra);
-    let out = ferry_output(&args);
-    assert!(
-        out.status.success(),
-        "migrate {extra:?} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        String::from_utf8_lossy(&out.stdout)
-    );
-    serde_json::from_slice(&out.stdout).expect("report")
-}
-
 /// Boots `cmdline`, migrates with `extra`, checks every promise of post-copy, and returns
 /// the report.
 fn postcopy_keeps_every_page(vcpus: usize, cmdline: &str, extra: &[&str]) -> MigrationStatus {
@@ -37,7 +23,8 @@ fn postcopy_keeps_every_page(vcpus: usize, cmdline: &str, extra: &[&str]) -> Mig
     let dst = Ferry::incoming(&url);
     let mut args = vec!["--checksum"];
     args.extend_from_slice(extra);
-    let report = migrate(&src, &url, &args);
+    let (report, ok, errors) = migrate(&src, &url, &args);
+    assert!(ok, "migrate {extra:?} failed: {errors}");
     assert_eq!(report.phase, MigrationPhase::Completed);
     assert!(report.postcopy, "the switch went to post-copy: {report:?}");
     let pc = report.postcopy_report.clone().expect("post-copy report");
@@ -151,11 +138,7 @@ fn start_postcopy_switches_a_running_precopy() {
     if !kvm_available() {
         return;
     }
-    let src = Ferry::boot(VmSpec {
-        cmdline: "write ws=64M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let src = Ferry::writer("write ws=64M seq verify");
     let url = format!("unix:{}", src.scratch("mig.sock").display());
     let dst = Ferry::incoming(&url);
     src.api()
@@ -207,35 +190,10 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
     if !kvm_available() {
         return;
     }
-    let mut src = Ferry::boot(VmSpec {
-        cmdline: "write ws=64M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", T, |i| i.passes >= 1);
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
-    // 4 MiB: past the state and the switch, well before the 64 MiB of pages are through.
-    let proxy = common::proxy::Proxy::start(
-        &format!("127.0.0.1:{port}"),
-        common::proxy::Fault::CutAfter(4 << 20),
-    );
-    let socket = src.socket.to_str().unwrap().to_string();
-    let out = ferry_output(&[
-        "migrate",
-        "--api-socket",
-        &socket,
-        "--to",
-        &proxy.url,
-        "--mode",
-        "postcopy",
-        "--json",
-    ]);
-    assert!(!out.status.success());
-    let report: MigrationStatus = serde_json::from_slice(&out.stdout).expect("report");
+    let mut src = Ferry::writer("write ws=64M seq verify");
+    let (mut dst, proxy) = destination_behind(common::proxy::Fault::CutAfter(4 << 20));
+    let (report, ok, _) = migrate(&src, &proxy.url, &["--mode", "postcopy"]);
+    assert!(!ok);
     assert_eq!(report.phase, MigrationPhase::Unconfirmed, "{report:?}");
     drop(proxy);
 

@@ -167,43 +167,16 @@ impl PageReceiver {
         header: &[u8; FRAME_HEADER_LEN],
         len: u32,
     ) -> Result<()> {
-        let mut prefix = [0u8; PREFIX_LEN];
-        protocol::read_exact(r, &mut prefix, "page frame")?;
-        let count = u32::from_le_bytes(prefix[..4].try_into().unwrap());
-        if count == 0 || count > protocol::MAX_BATCH_PAGES {
-            return Err(Error::Protocol(format!(
-                "page frame with {count} pages (1..={} allowed)",
-                protocol::MAX_BATCH_PAGES
-            )));
-        }
-        self.descs.resize(8 * count as usize, 0);
-        protocol::read_exact(r, &mut self.descs, "page descriptors")?;
         let mut crc = crc32fast::Hasher::new();
         crc.update(header);
-        crc.update(&prefix);
-        crc.update(&self.descs);
-
+        let count = read_descriptors(r, ram, len, &mut self.descs, &mut crc)?;
         self.full.clear();
         let mut zeros = Vec::new();
-        for chunk in self.descs.chunks_exact(8) {
-            let (pfn, enc) =
-                protocol::split_descriptor(u64::from_le_bytes(chunk.try_into().unwrap()))?;
-            if pfn >= ram.pages() {
-                return Err(Error::Protocol(format!(
-                    "page {pfn:#x} lies outside guest memory ({} pages)",
-                    ram.pages()
-                )));
-            }
+        for (pfn, enc) in descriptors(&self.descs) {
             match enc {
                 PageEncoding::Full => self.full.push(pfn),
                 PageEncoding::Zero => zeros.push(pfn),
             }
-        }
-        let expected = PREFIX_LEN + 8 * count as usize + PAGE_SIZE * self.full.len();
-        if expected != len as usize {
-            return Err(Error::Protocol(format!(
-                "page frame length {len} does not match its {count} descriptors ({expected})"
-            )));
         }
         self.read_full_pages(r, ram)?;
         for &pfn in &zeros {

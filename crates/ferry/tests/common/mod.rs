@@ -44,6 +44,20 @@ pub fn kvm_available() -> bool {
     false
 }
 
+/// False (with a loud message) when QEMU is missing outside CI; in CI that is a failure.
+pub fn qemu_available() -> bool {
+    if Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .is_ok()
+    {
+        return true;
+    }
+    assert!(std::env::var("CI").is_err(), "QEMU is missing in CI");
+    eprintln!("\n*** SKIPPED: qemu-system-x86_64 is absent (make test installs it) ***\n");
+    false
+}
+
 /// Polls `f` every 20 ms until it returns Some, or panics after `timeout` naming `what`.
 pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> T {
     let deadline = Instant::now() + timeout;
@@ -111,6 +125,16 @@ impl Ferry {
     /// A destination waiting for one migration at `url`.
     pub fn incoming(url: &str) -> Ferry {
         Ferry::start(&["--incoming", url])
+    }
+
+    /// A one-vCPU, 1 GiB guest running `cmdline` that has finished its first pass.
+    pub fn writer(cmdline: &str) -> Ferry {
+        let ferry = Ferry::boot(VmSpec {
+            cmdline,
+            ..Default::default()
+        });
+        ferry.wait_info("a first pass", Duration::from_secs(60), |i| i.passes >= 1);
+        ferry
     }
 
     pub fn boot(spec: VmSpec) -> Ferry {
@@ -220,4 +244,37 @@ pub fn ferry_output(args: &[&str]) -> Output {
         std::thread::sleep(Duration::from_millis(20));
     }
     child.wait_with_output().expect("ferry output")
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `ferry migrate ... --json`: the final report (default when none was printed), whether the
+/// command succeeded, and every error message it gave (report error and stderr).
+pub fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (api::MigrationStatus, bool, String) {
+    let socket = src.socket.to_str().unwrap().to_string();
+    let mut args = vec!["migrate", "--api-socket", &socket, "--to", to, "--json"];
+    args.extend_from_slice(extra);
+    let out = ferry_output(&args);
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let status: api::MigrationStatus = serde_json::from_str(&stdout).unwrap_or_default();
+    let errors = format!(
+        "{}\n{}",
+        status.error.clone().unwrap_or_default(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (status, out.status.success(), errors)
+}
+
+/// A destination listening on TCP behind a relay that injects `fault`.
+pub fn destination_behind(fault: proxy::Fault) -> (Ferry, proxy::Proxy) {
+    let port = free_port();
+    let dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
+    let relay = proxy::Proxy::start(&format!("127.0.0.1:{port}"), fault);
+    (dst, relay)
 }
