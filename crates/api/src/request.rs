@@ -3,7 +3,10 @@
 use serde::de::DeserializeOwned;
 
 use crate::server::ApiError;
-use crate::types::{CorruptPageRequest, DirtyLoggingRequest, MigrationRequest, SnapshotRequest};
+use crate::types::{
+    CorruptPageRequest, DirtyLoggingRequest, MigrateResumeRequest, MigrationRequest,
+    SnapshotRequest,
+};
 
 pub const PREFIX: &str = "/api/v1/";
 
@@ -19,6 +22,7 @@ pub enum ApiRequest {
     MigrationStatus,
     CancelMigration,
     StartPostcopy,
+    MigrateResume(MigrateResumeRequest),
     Snapshot(SnapshotRequest),
 }
 
@@ -38,6 +42,7 @@ impl ApiRequest {
             "vm.migration" => ("GET", ApiRequest::MigrationStatus),
             "vm.cancel-migration" => ("PUT", ApiRequest::CancelMigration),
             "vm.migrate-start-postcopy" => ("PUT", ApiRequest::StartPostcopy),
+            "vm.migrate-resume" => ("PUT", ApiRequest::MigrateResume(json(endpoint, body)?)),
             "vm.snapshot" => ("PUT", ApiRequest::Snapshot(json(endpoint, body)?)),
             _ => return Err(ApiError::not_found(path)),
         };

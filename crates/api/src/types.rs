@@ -81,6 +81,15 @@ pub struct MigrationRequest {
     pub prepaging: Option<String>,
 }
 
+/// Body of `PUT /api/v1/vm.migrate-resume`: on the destination `listen` (where to wait for the
+/// source), on the source `destination` (where to reconnect).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MigrateResumeRequest {
+    pub listen: Option<String>,
+    pub destination: Option<String>,
+}
+
 /// Body of `PUT /api/v1/vm.snapshot`.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]

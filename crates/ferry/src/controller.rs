@@ -201,6 +201,7 @@ impl Handler for Controller {
             ApiRequest::MigrationStatus => Ok(self.outgoing.status_json()),
             ApiRequest::CancelMigration => self.outgoing.cancel(),
             ApiRequest::StartPostcopy => self.outgoing.start_postcopy(),
+            ApiRequest::MigrateResume(req) => self.migrate_resume(&req),
             ApiRequest::Snapshot(req) => self.snapshot(&req),
         }
     }

@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use api::{ApiError, MigrationRequest, SnapshotRequest};
+use api::{ApiError, MigrateResumeRequest, MigrationRequest, SnapshotRequest};
+use migration::postcopy::{Destination, resume_destination};
 use migration::prepaging::Strategy;
 use migration::stats::lock;
 use migration::{Endpoint, MigrationParams, MigrationPhase, SharedStatus, Signals};
@@ -18,6 +19,10 @@ use crate::controller::{Controller, Phase};
 pub struct Outgoing {
     pub status: SharedStatus,
     signals: Arc<Signals>,
+    /// The parameters of the last migration (a post-copy resume reuses them).
+    last_params: Mutex<Option<MigrationParams>>,
+    /// Destination side: a post-copy whose connection broke after the switch.
+    pub interrupted: Mutex<Option<Arc<Destination>>>,
     busy: Mutex<bool>,
     /// Set once a client has read a final status, so the source may exit.
     pub final_status_read: AtomicBool,
@@ -29,6 +34,17 @@ const SETUP_WAIT: Duration = Duration::from_secs(15);
 impl Outgoing {
     pub fn running(&self) -> bool {
         *self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Claims the slot for a post-copy resume (its leftover pages stay).
+    fn claim_keeping_leftover(&self) -> Result<(), ApiError> {
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        if *busy {
+            return Err(ApiError::conflict("a migration is already running"));
+        }
+        *busy = true;
+        self.final_status_read.store(false, Ordering::Release);
+        Ok(())
     }
 
     /// Claims the single migration slot.
@@ -138,6 +154,11 @@ impl Controller {
             *s = Default::default();
             s.phase = MigrationPhase::Setup;
         }
+        *self
+            .outgoing
+            .last_params
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(params.clone());
         let status = self.outgoing.status.clone();
         let signals = self.outgoing.signals.clone();
         let this = self.self_ref();
@@ -164,6 +185,92 @@ impl Controller {
                 return Ok(serde_json::to_value(s).unwrap_or_default());
             }
             std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// `vm.migrate-resume`: carries on a post-copy whose connection broke, on either side.
+    pub fn migrate_resume(&self, req: &MigrateResumeRequest) -> Result<Value, ApiError> {
+        let bad = |e: migration::Error| ApiError::bad_request(e.to_string());
+        match (&req.listen, &req.destination) {
+            (Some(listen), None) => {
+                let endpoint: Endpoint = listen.parse().map_err(bad)?;
+                let dest = self
+                    .outgoing
+                    .interrupted
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take()
+                    .ok_or_else(|| {
+                        ApiError::conflict("there is no interrupted post-copy to resume here")
+                    })?;
+                let listener = endpoint.listen().map_err(|e| {
+                    *self
+                        .outgoing
+                        .interrupted
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(dest.clone());
+                    ApiError::bad_request(e.to_string())
+                })?;
+                let this = self.self_ref();
+                std::thread::spawn(move || {
+                    let result = resume_destination(&dest, listener);
+                    let mut s = lock(&this.outgoing.status);
+                    match result {
+                        Ok(report) => {
+                            s.phase = MigrationPhase::Completed;
+                            s.error = None;
+                            s.memory_checksum_destination = report.memory_checksum;
+                            s.postcopy_report = Some(report);
+                        }
+                        Err(e) => {
+                            s.error = Some(format!("resuming post-copy failed: {e}"));
+                            drop(s);
+                            *this
+                                .outgoing
+                                .interrupted
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner()) = Some(dest);
+                        }
+                    }
+                });
+                Ok(Value::Null)
+            }
+            (None, Some(destination)) => {
+                let endpoint: Endpoint = destination.parse().map_err(bad)?;
+                if !self.outgoing.signals.can_resume() {
+                    return Err(ApiError::conflict(
+                        "there is no interrupted post-copy to resume here",
+                    ));
+                }
+                let vm = self.vm()?.clone();
+                let params = self
+                    .outgoing
+                    .last_params
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone()
+                    .unwrap_or_default();
+                self.outgoing.claim_keeping_leftover()?;
+                let this = self.self_ref();
+                std::thread::spawn(move || {
+                    let o = &this.outgoing;
+                    let result = migration::resume_postcopy(
+                        vm.as_ref(),
+                        &endpoint,
+                        &params,
+                        &o.status,
+                        &o.signals,
+                    );
+                    if result.is_ok() {
+                        this.set_phase(Phase::Migrated);
+                    }
+                    o.release();
+                });
+                Ok(Value::Null)
+            }
+            _ => Err(ApiError::bad_request(
+                "vm.migrate-resume needs exactly one of listen (destination) or destination (source)",
+            )),
         }
     }
 

@@ -85,6 +85,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
         vm,
         mut stream,
         resumed_at_ns,
+        interrupted,
     } = match received {
         Ok(r) => r,
         Err(e) => {
@@ -95,6 +96,11 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
     if let Some(e) = migration::stats::lock(&status).error.clone() {
         eprintln!("ferry: warning: {e}");
     }
+    *controller
+        .outgoing
+        .interrupted
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = interrupted;
     let report_status = status.clone();
     std::thread::spawn(move || {
         // Let the guest run a moment, then tell the source what it lived through.

@@ -213,4 +213,59 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
     assert_eq!(src.info().state, "paused");
     let err = src.api().put("vm.resume", None).unwrap_err();
     assert!(err.to_string().contains("two copies"), "{err}");
+
+    // Carry on over a new connection, like QEMU's post-copy recovery.
+    let url = format!("unix:{}", dst.scratch("resume.sock").display());
+    dst.api()
+        .put(
+            "vm.migrate-resume",
+            Some(&serde_json::json!({"listen": url})),
+        )
+        .expect("destination listens again");
+    src.api()
+        .put(
+            "vm.migrate-resume",
+            Some(&serde_json::json!({"destination": url})),
+        )
+        .expect("source reconnects");
+    let done = wait_for("the resumed post-copy to complete", T, || {
+        let s = dst.migration_status();
+        (s.phase == MigrationPhase::Completed).then_some(s)
+    });
+    assert_eq!(done.postcopy_report.unwrap().duplicates, 0);
+    assert!(
+        src.wait_exit(T).success(),
+        "the source lets go once every page is there"
+    );
+    let start = dst.info();
+    let info = dst.wait_info("passes after recovery", T, |i| i.passes >= start.passes + 2);
+    assert_eq!(
+        info.verify_errors, 0,
+        "pages lost: {:?}",
+        info.verify_error_pages
+    );
+}
+
+#[test]
+fn resume_with_nothing_to_resume_is_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let vm = Ferry::boot(VmSpec::default());
+    for body in [
+        serde_json::json!({"listen": "unix:/tmp/nowhere.sock"}),
+        serde_json::json!({"destination": "unix:/tmp/nowhere.sock"}),
+    ] {
+        let err = vm.api().put("vm.migrate-resume", Some(&body)).unwrap_err();
+        assert!(
+            err.to_string().contains("no interrupted post-copy"),
+            "{err}"
+        );
+    }
+    let err = vm
+        .api()
+        .put("vm.migrate-resume", Some(&serde_json::json!({})))
+        .unwrap_err();
+    assert!(err.to_string().contains("exactly one"), "{err}");
+    assert_eq!(vm.info().state, "running");
 }

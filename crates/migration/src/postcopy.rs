@@ -11,7 +11,6 @@
 //! `prepaging`); each page leaves at most once.
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -214,12 +213,22 @@ impl<'a, 'o> SourcePhase<'a, 'o> {
 /// The destination's side of post-copy, armed before the guest resumes.
 pub struct Destination {
     ram: GuestRam,
-    /// Checksum of the pages already here at the switch, when a checksum was asked for.
-    base_checksum: Option<u64>,
+    /// Where page requests go; `None` while the connection is down (requests wait).
+    requests: Arc<Mutex<Option<Stream>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    progress: Mutex<Installed>,
+    resumed: Instant,
     uffd: Arc<Uffd>,
     pending: Arc<Bitmap>,
     present: Arc<AtomicBitmap>,
     faults: Arc<Mutex<FaultLog>>,
+}
+
+/// What has been installed so far (it outlives an interrupted connection).
+struct Installed {
+    pages: u64,
+    duplicates: u64,
+    checksum: Option<u64>,
 }
 
 #[derive(Default)]
@@ -257,7 +266,14 @@ impl Destination {
             .map_err(|e| Error::Vm(format!("userfaultfd register: {e}")))?;
         Ok(Self {
             ram,
-            base_checksum,
+            requests: Arc::new(Mutex::new(None)),
+            stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            progress: Mutex::new(Installed {
+                pages: 0,
+                duplicates: 0,
+                checksum: base_checksum,
+            }),
+            resumed: Instant::now(),
             uffd: Arc::new(uffd),
             present: Arc::new(AtomicBitmap::new(ram.pages())),
             pending: Arc::new(pending),
@@ -265,20 +281,46 @@ impl Destination {
         })
     }
 
-    /// Resolves faults until the returned flag is set: zero pages here, the rest requested on
-    /// `requests`.
-    pub fn spawn_fault_handler(
-        &self,
-        requests: Arc<Mutex<Stream>>,
-    ) -> Arc<std::sync::atomic::AtomicBool> {
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (uffd, ram, pending, present, faults, stop2) = (
+    /// Connects page requests to `stream` (a clone of the migration connection) and asks
+    /// again for every page still awaited (after a reconnection they may have been lost).
+    pub fn attach(&self, stream: Stream) {
+        let mut slot = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = Some(stream);
+        let waiting: Vec<u64> = {
+            let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+            log.waiting.keys().copied().collect()
+        };
+        if let Some(s) = slot.as_mut() {
+            for pfn in waiting {
+                let _ = protocol::write_control(s, &Control::PageRequest { pfn });
+            }
+        }
+    }
+
+    /// The connection is gone: requests wait for the next `attach`.
+    pub fn detach(&self) {
+        *self.requests.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// The pages that are here (a bitmap, in `Bitmap` word layout).
+    pub fn present_words(&self) -> Vec<u64> {
+        let mut b = Bitmap::new(self.ram.pages());
+        for pfn in self.pending.iter().filter(|&p| self.present.get(p)) {
+            b.set(pfn);
+        }
+        b.words().to_vec()
+    }
+
+    /// Resolves faults until post-copy ends: zero pages here, the rest requested.
+    pub fn spawn_fault_handler(&self) {
+        let (uffd, ram, pending, present, faults, stop, requests) = (
             self.uffd.clone(),
             self.ram,
             self.pending.clone(),
             self.present.clone(),
             self.faults.clone(),
-            stop.clone(),
+            self.stop.clone(),
+            self.requests.clone(),
         );
         std::thread::Builder::new()
             .name("postcopy-faults".into())
@@ -288,7 +330,7 @@ impl Destination {
                     events: libc::POLLIN,
                     revents: 0,
                 };
-                while !stop2.load(std::sync::atomic::Ordering::Acquire) {
+                while !stop.load(std::sync::atomic::Ordering::Acquire) {
                     // SAFETY: one valid pollfd; bounded wait so `stop` is seen.
                     if unsafe { libc::poll(&mut poll, 1, 50) } <= 0 {
                         continue;
@@ -317,48 +359,48 @@ impl Destination {
                             first
                         };
                         if first {
-                            let mut s = requests.lock().unwrap_or_else(|e| e.into_inner());
-                            let _ = protocol::write_control(&mut *s, &Control::PageRequest { pfn });
+                            let mut slot = requests.lock().unwrap_or_else(|e| e.into_inner());
+                            if let Some(s) = slot.as_mut() {
+                                let _ = protocol::write_control(s, &Control::PageRequest { pfn });
+                            }
                         }
                     }
                 }
             })
             .expect("spawn fault handler");
-        stop
     }
 
-    /// Installs pages from the stream until the source says it sent them all.
-    pub fn receive_pages(
-        &self,
-        stream: &mut impl Read,
-        resumed: Instant,
-    ) -> Result<PostcopyReport> {
+    /// Installs pages from the stream until the source says it sent them all; then ends
+    /// post-copy (the memory is ordinary again) and tells the source.
+    pub fn receive_pages(&self, stream: &mut Stream) -> Result<PostcopyReport> {
         let mut scratch = Vec::new();
-        let mut duplicates = 0;
-        let mut installed = 0u64;
-        let mut checksum = self.base_checksum;
         let want = self.pending.count();
         loop {
             match protocol::read_frame(stream)? {
                 Frame::Pages { header, len } => {
-                    for (pfn, data) in
-                        read_page_frame(stream, &self.ram, &header, len, &mut scratch)?
-                    {
+                    let pages = read_page_frame(stream, &self.ram, &header, len, &mut scratch)?;
+                    for (pfn, data) in pages {
+                        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
                         if !self.pending.get(pfn) || self.present.get(pfn) {
-                            duplicates += 1;
+                            p.duplicates += 1;
                             continue;
                         }
                         self.install(pfn, data)?;
-                        installed += 1;
-                        if let (Some(sum), Some(d)) = (checksum.as_mut(), data) {
+                        p.pages += 1;
+                        if let (Some(sum), Some(d)) = (p.checksum.as_mut(), data) {
                             *sum = sum.wrapping_add(page_digest(pfn, d));
                         }
                     }
                 }
-                Frame::Control(Control::PostcopyDone { pages_sent }) => {
-                    if installed + duplicates != pages_sent || installed != want {
+                Frame::Control(Control::PostcopyDone { .. }) => {
+                    let installed = self
+                        .progress
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .pages;
+                    if installed != want {
                         return Err(Error::Protocol(format!(
-                            "post-copy ended with {installed} of {want} pages installed ({pages_sent} sent)"
+                            "post-copy ended with {installed} of {want} pages installed"
                         )));
                     }
                     break;
@@ -371,22 +413,33 @@ impl Destination {
                 }
             }
         }
-        let resume_ms = resumed.elapsed().as_secs_f64() * 1e3;
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.detach(); // no request may interleave with the last word
+        let _ = self
+            .uffd
+            .unregister(self.ram.base() as *mut libc::c_void, self.ram.len());
+        let report = self.report();
+        protocol::write_control(stream, &Control::PostcopyComplete(report.clone()))?;
+        Ok(report)
+    }
+
+    fn report(&self) -> PostcopyReport {
+        let p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
         let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
         let mut lat = log.latencies_ms.clone();
         lat.sort_by(f64::total_cmp);
         let pct = |q: f64| (!lat.is_empty()).then(|| lat[((lat.len() - 1) as f64 * q) as usize]);
-        Ok(PostcopyReport {
+        PostcopyReport {
             network_faults: log.network,
             zero_faults: log.zero,
-            pages_before_access: installed.saturating_sub(log.network),
-            duplicates,
+            pages_before_access: p.pages.saturating_sub(log.network),
+            duplicates: p.duplicates,
             fault_latency_p50_ms: pct(0.5),
             fault_latency_p99_ms: pct(0.99),
             fault_latency_max_ms: lat.last().copied(),
-            resume_ms,
-            memory_checksum: checksum,
-        })
+            resume_ms: self.resumed.elapsed().as_secs_f64() * 1e3,
+            memory_checksum: p.checksum,
+        }
     }
 
     fn install(&self, pfn: u64, data: Option<&[u8]>) -> Result<()> {
@@ -415,11 +468,34 @@ impl Destination {
         }
         Ok(())
     }
+}
 
-    /// Post-copy is over: the memory is ordinary memory again.
-    pub fn disarm(&self) {
-        let _ = self
-            .uffd
-            .unregister(self.ram.base() as *mut libc::c_void, self.ram.len());
+/// Carries on an interrupted post-copy on the destination: waits for the source on
+/// `listener`, tells it which pages are here, and receives the rest.
+pub fn resume_destination(
+    dest: &Destination,
+    listener: crate::transport::Listener,
+) -> Result<PostcopyReport> {
+    let mut stream = listener.accept()?;
+    protocol::read_stream_header(&mut stream)?;
+    match protocol::read_control(&mut stream)? {
+        Control::ResumePostcopy => {}
+        other => {
+            return Err(Error::Protocol(format!(
+                "expected ResumePostcopy on the new connection, got {other:?}"
+            )));
+        }
     }
+    protocol::write_control(
+        &mut stream,
+        &Control::ResumeFrom {
+            words: dest.present_words(),
+        },
+    )?;
+    dest.attach(stream.try_clone()?);
+    let result = dest.receive_pages(&mut stream);
+    if result.is_err() {
+        dest.detach();
+    }
+    result
 }

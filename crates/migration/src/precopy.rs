@@ -108,12 +108,27 @@ const STATUS_EVERY_PAGES: u64 = 4096;
 /// Window for the guest's progress rate before the migration.
 const RATE_WINDOW_NS: u64 = 2_000_000_000;
 
-/// What others may ask of a running migration.
+/// What others may ask of a running migration, and what an interrupted one leaves behind.
 #[derive(Debug, Default)]
 pub struct Signals {
     pub cancel: AtomicBool,
     /// Switch a running pre-copy to post-copy at the next round boundary.
     pub start_postcopy: AtomicBool,
+    /// The pages a post-copy that lost its connection still owed the destination.
+    pub postcopy_leftover: std::sync::Mutex<Option<Bitmap>>,
+}
+
+impl Signals {
+    fn leftover(&self) -> std::sync::MutexGuard<'_, Option<Bitmap>> {
+        self.postcopy_leftover
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether there is an interrupted post-copy to resume.
+    pub fn can_resume(&self) -> bool {
+        self.leftover().is_some()
+    }
 }
 
 /// Migrates `vm` to `endpoint`. `Ok` means the destination runs the VM now.
@@ -440,6 +455,8 @@ impl<'a> Sender<'a> {
     /// The VM runs on the destination; its pages follow, requested ones first.
     fn post_copy(&mut self, pending: Bitmap) -> Result<()> {
         let began = Instant::now();
+        // Should the connection drop, these pages are what a resume must still deliver.
+        *self.signals.leftover() = Some(pending.clone());
         let events = postcopy::spawn_reader(self.stream.try_clone()?);
         let status = self.status;
         let before = self.pages.counters;
@@ -459,6 +476,7 @@ impl<'a> Sender<'a> {
         })?;
         let mut guest_report = phase.other.pop();
         self.finished = Some(Instant::now());
+        *self.signals.leftover() = None;
         let after = self.pages.counters;
         {
             let mut s = lock(self.status);
@@ -715,4 +733,80 @@ pub fn now_ns() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0)
+}
+
+/// Carries on a post-copy whose connection dropped after the switch: connects to the
+/// destination's new listener, learns which pages it has, and sends the rest.
+pub fn resume_postcopy(
+    vm: &dyn Migratable,
+    endpoint: &Endpoint,
+    params: &MigrationParams,
+    status: &SharedStatus,
+    signals: &Signals,
+) -> Result<()> {
+    let pending = signals
+        .leftover()
+        .take()
+        .ok_or_else(|| Error::Param("there is no interrupted post-copy to resume".into()))?;
+    let result = resume_with(vm, endpoint, params, status, &pending);
+    match &result {
+        Ok(()) => {}
+        Err(e) => {
+            *signals.leftover() = Some(pending);
+            let mut s = lock(status);
+            s.phase = MigrationPhase::Unconfirmed;
+            s.error = Some(format!("resuming post-copy failed: {e}"));
+        }
+    }
+    result
+}
+
+fn resume_with(
+    vm: &dyn Migratable,
+    endpoint: &Endpoint,
+    params: &MigrationParams,
+    status: &SharedStatus,
+    pending: &Bitmap,
+) -> Result<()> {
+    let ram = vm.ram();
+    let mut stream = endpoint.connect()?;
+    protocol::write_stream_header(&mut stream)?;
+    protocol::write_control(&mut stream, &Control::ResumePostcopy)?;
+    let here = match protocol::read_control(&mut stream)? {
+        Control::ResumeFrom { words } => Bitmap::from_words(words, ram.pages()),
+        other => return Err(unexpected("ResumeFrom", &other)),
+    };
+    let mut todo = pending.clone();
+    for pfn in here.iter() {
+        todo.unset(pfn);
+    }
+    {
+        let mut s = lock(status);
+        s.phase = MigrationPhase::Switchover;
+        s.error = None;
+        s.pages_remaining = todo.count();
+    }
+    let events = postcopy::spawn_reader(stream.try_clone()?);
+    let mut limiter = RateLimiter::new(params.max_bandwidth_mbps);
+    let mut sender = PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES));
+    sender.checked = true;
+    let out = postcopy::Outbound {
+        stream: &mut stream,
+        ram: &ram,
+        limiter: &mut limiter,
+        sender: &mut sender,
+    };
+    let mut phase = postcopy::SourcePhase::new(out, &events, todo, params.prepaging);
+    let (counters, report) = phase.run(|_, left| lock(status).pages_remaining = left)?;
+    let mut s = lock(status);
+    s.pages_pushed += counters.pushed;
+    s.pages_requested += counters.requested;
+    s.pages_full += sender.counters.full;
+    s.pages_zero += sender.counters.zero;
+    s.bytes_on_wire += sender.counters.bytes;
+    s.memory_checksum_destination = report.memory_checksum;
+    s.postcopy_report = Some(report);
+    s.phase = MigrationPhase::Completed;
+    s.note = Some("post-copy resumed over a new connection".into());
+    Ok(())
 }

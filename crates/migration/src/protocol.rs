@@ -112,6 +112,10 @@ pub enum Control {
     PostcopyDone { pages_sent: u64 },
     /// Destination → source: every page is in place; the source may let go.
     PostcopyComplete(PostcopyReport),
+    /// Source → destination, first on a new connection: carry on an interrupted post-copy.
+    ResumePostcopy,
+    /// Destination → source: the pages already here (a bitmap); send the rest.
+    ResumeFrom { words: Vec<u64> },
 }
 
 /// What the destination saw during post-copy.

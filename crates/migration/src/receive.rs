@@ -3,7 +3,7 @@
 //! On any failure the VM is never resumed and the source is told why.
 
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::bitmap::Bitmap;
@@ -28,6 +28,9 @@ pub struct Received<V> {
     pub vm: Arc<V>,
     pub stream: Stream,
     pub resumed_at_ns: u64,
+    /// A post-copy whose connection broke after the switch, to carry on with
+    /// `postcopy::resume_destination`.
+    pub interrupted: Option<Arc<postcopy::Destination>>,
 }
 
 /// An incoming VM's source, bound or opened but not yet read.
@@ -79,10 +82,11 @@ pub fn receive_migration<V: Migratable + 'static>(
     }
     let result = receive(&mut stream, build, on_resumed, status, started);
     match result {
-        Ok((vm, resumed_at_ns)) => Ok(Received {
+        Ok((vm, resumed_at_ns, interrupted)) => Ok(Received {
             vm,
             stream,
             resumed_at_ns,
+            interrupted,
         }),
         Err(e) => {
             if stream.has_peer() && !matches!(e, Error::Peer(_)) {
@@ -109,7 +113,7 @@ fn receive<V: Migratable + 'static>(
     on_resumed: impl FnOnce(&Arc<V>),
     status: &SharedStatus,
     started: Instant,
-) -> Result<(Arc<V>, u64)> {
+) -> Result<(Arc<V>, u64, Option<Arc<postcopy::Destination>>)> {
     protocol::read_stream_header(stream)?;
     let (descriptor, mode) = match protocol::read_control(stream)? {
         Control::Hello { vm, mode, source } => {
@@ -253,7 +257,6 @@ fn receive<V: Migratable + 'static>(
         }
     }
     vm.resume()?;
-    let resumed = Instant::now();
     let resumed_at_ns = now_ns();
     if mode != StreamMode::Snapshot {
         // The VM runs here now; a failure to tell the source changes nothing for it.
@@ -262,31 +265,27 @@ fn receive<V: Migratable + 'static>(
     on_resumed(&vm);
     if let Some(dest) = postcopy {
         lock(status).postcopy = true;
-        let requests = Arc::new(Mutex::new(stream.try_clone()?));
-        let stop = dest.spawn_fault_handler(requests.clone());
-        match dest.receive_pages(stream, resumed) {
+        dest.attach(stream.try_clone()?);
+        dest.spawn_fault_handler();
+        match dest.receive_pages(stream) {
             Ok(report) => {
-                stop.store(true, std::sync::atomic::Ordering::Release);
-                dest.disarm();
-                {
-                    let mut s = lock(status);
-                    s.memory_checksum_destination = report.memory_checksum;
-                    s.postcopy_report = Some(report.clone());
-                }
-                let mut w = requests.lock().unwrap_or_else(|e| e.into_inner());
-                protocol::write_control(&mut *w, &Control::PostcopyComplete(report))?;
+                let mut s = lock(status);
+                s.memory_checksum_destination = report.memory_checksum;
+                s.postcopy_report = Some(report);
             }
             Err(e) => {
                 // The VM lives here now, with part of its memory still on the source. It runs
                 // on; the fault handler stays armed, so a vCPU that touches a missing page
                 // waits for it instead of seeing zeros. Never exit: this is the newest state.
+                dest.detach();
                 let mut s = lock(status);
                 s.phase = MigrationPhase::Failed;
                 s.error = Some(format!(
                     "post-copy interrupted after the switch: {e}; the VM runs on the pages it \
-                     has, and vCPUs that touch a page still on the source wait for it"
+                     has, and vCPUs that touch a page still on the source wait for it \
+                     (PUT vm.migrate-resume carries on)"
                 ));
-                return Ok((vm, resumed_at_ns));
+                return Ok((vm, resumed_at_ns, Some(Arc::new(dest))));
             }
         }
     }
@@ -295,7 +294,7 @@ fn receive<V: Migratable + 'static>(
     s.downtime_ms = (paused_at_ns != 0 && mode != StreamMode::Snapshot)
         .then(|| resumed_at_ns.saturating_sub(paused_at_ns) as f64 / 1e6);
     s.total_ms = started.elapsed().as_secs_f64() * 1e3;
-    Ok((vm, resumed_at_ns))
+    Ok((vm, resumed_at_ns, None))
 }
 
 /// Tells the source what the guest lived through, once it has run here for a moment.
