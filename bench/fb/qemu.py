@@ -98,7 +98,10 @@ class QemuPeer:
         postcopy = scenario["mode"] == "postcopy"
         src_clock, dst_clock = SerialClock(), SerialClock()
         src = self._start("src", scenario, src_clock, link.ns_src)
-        wait_until("guest serial progress", 60, lambda: len(src_clock.lines()) > 3)
+        # Steady state: a writer has populated its whole working set once (same rule as ferry).
+        busy = " idle" not in f" {scenario['cmdline']}"
+        wait_until("guest serial progress", 120,
+                   lambda: passes(src_clock) >= 1 if busy else len(src_clock.lines()) > 3)
         if scenario.get("warmup_s"):
             time.sleep(scenario["warmup_s"])
         port = free_port()
@@ -169,6 +172,17 @@ def _try(f):
         return True
     except BenchError:
         return False
+
+
+def passes(clock):
+    """The guest's completed passes, from its latest serial progress line."""
+    lines = clock.lines()
+    if not lines:
+        return 0
+    for word in lines[-1][1].split():
+        if word.startswith("passes="):
+            return int(word.split("=", 1)[1])
+    return 0
 
 
 def parse_mib(size):

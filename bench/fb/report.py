@@ -5,7 +5,7 @@ import os
 from .util import summarize
 
 METRICS = ["total_ms", "downtime_ms", "guest_downtime_ms", "serial_downtime_ms", "bytes", "rounds",
-           "network_faults", "network_fault_share", "resume_ms", "pages_transferred",
+           "network_faults", "network_fault_share", "zero_faults", "resume_ms", "pages_transferred",
            "fault_latency_p50_ms", "fault_latency_p99_ms"]
 
 
@@ -79,15 +79,15 @@ def markdown(results):
     pc = [r for r in results["scenarios"] if r["runs"] and r["runs"][0].get("postcopy")]
     if pc:
         lines += ["", "## Post-copy", "",
-                  "| link | scenario | peer | network faults | share of pages sent | fault latency p50 / p99 ms "
-                  "| resume ms | pages transferred |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| link | scenario | peer | network faults | share of pages sent | zero-page faults "
+                  "| fault latency p50 / p99 ms | resume ms | pages transferred |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in pc:
             s = r["summary"]
             share = median(s, "network_fault_share")
             share = f"{share * 100:.1f} %" if share is not None else "-"
             lines.append(f"| {r['link']} | {r['scenario']} | {r['peer']} | {fmt(s, 'network_faults', digits=0)} | "
-                         f"{share} | {fmt(s, 'fault_latency_p50_ms', digits=2)} / {fmt(s, 'fault_latency_p99_ms', digits=2)} | "
+                         f"{share} | {fmt(s, 'zero_faults', digits=0)} | {fmt(s, 'fault_latency_p50_ms', digits=2)} / {fmt(s, 'fault_latency_p99_ms', digits=2)} | "
                          f"{fmt(s, 'resume_ms')} | {fmt(s, 'pages_transferred', digits=0)} |")
     if results.get("ratios"):
         lines += ["", "## ferry / QEMU (medians; < 1 means ferry is better)", "",
