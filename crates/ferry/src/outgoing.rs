@@ -145,7 +145,7 @@ pub fn params_from_request(
 }
 
 impl Controller {
-    pub fn send_migration(self: &Controller, req: &MigrationRequest) -> Result<Value, ApiError> {
+    pub fn send_migration(&self, req: &MigrationRequest) -> Result<Value, ApiError> {
         let (endpoint, params) = params_from_request(req)?;
         let vm = self.require_live()?.clone();
         self.outgoing.claim()?;

@@ -20,7 +20,8 @@ pub mod vm;
 pub mod zero;
 
 pub use error::{Error, Result};
-pub use precopy::{MigrationParams, Mode, Signals, resume_postcopy, send_migration};
+pub use postcopy::resume_postcopy;
+pub use precopy::{MigrationParams, Mode, Signals, send_migration};
 pub use receive::{Incoming, receive_migration};
 pub use stats::{MigrationPhase, MigrationStatus, RoundStats, SharedStatus};
 pub use transport::Endpoint;

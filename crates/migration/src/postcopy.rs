@@ -21,11 +21,15 @@ use crate::PAGE_SIZE;
 use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::error::{Error, Result};
 use crate::pages::{PageSender, memory_checksum_of, page_digest, populated_pages, read_page_frame};
+use crate::precopy::{DEFAULT_BATCH_PAGES, MigrationParams, Signals, unexpected};
 use crate::prepaging::{Planner, Strategy};
 use crate::protocol::{self, Control, Frame, PostcopyReport};
 use crate::ratelimit::RateLimiter;
+use crate::stats::{MigrationPhase, SharedStatus, lock};
+use crate::transport::Endpoint;
 use crate::transport::Stream;
 use crate::vm::GuestRam;
+use crate::vm::Migratable;
 
 /// Pages pushed between two looks at the request queue.
 const PUSH_BATCH: usize = 16;
@@ -498,4 +502,83 @@ pub fn resume_destination(
         dest.detach();
     }
     result
+}
+
+// ------------------------------------------------------------------------------------------
+// Recovery (source side; the destination's is `resume_destination` above)
+
+/// Carries on a post-copy whose connection dropped after the switch: connects to the
+/// destination's new listener, learns which pages it has, and sends the rest.
+pub fn resume_postcopy(
+    vm: &dyn Migratable,
+    endpoint: &Endpoint,
+    params: &MigrationParams,
+    status: &SharedStatus,
+    signals: &Signals,
+) -> Result<()> {
+    let pending = signals
+        .leftover()
+        .take()
+        .ok_or_else(|| Error::Param("there is no interrupted post-copy to resume".into()))?;
+    let result = resume_with(vm, endpoint, params, status, &pending);
+    match &result {
+        Ok(()) => {}
+        Err(e) => {
+            *signals.leftover() = Some(pending);
+            let mut s = lock(status);
+            s.phase = MigrationPhase::Unconfirmed;
+            s.error = Some(format!("resuming post-copy failed: {e}"));
+        }
+    }
+    result
+}
+
+fn resume_with(
+    vm: &dyn Migratable,
+    endpoint: &Endpoint,
+    params: &MigrationParams,
+    status: &SharedStatus,
+    pending: &Bitmap,
+) -> Result<()> {
+    let ram = vm.ram();
+    let mut stream = endpoint.connect()?;
+    protocol::write_stream_header(&mut stream)?;
+    protocol::write_control(&mut stream, &Control::ResumePostcopy)?;
+    let here = match protocol::read_control(&mut stream)? {
+        Control::ResumeFrom { words } => Bitmap::from_words(words, ram.pages()),
+        other => return Err(unexpected("ResumeFrom", &other)),
+    };
+    let mut todo = pending.clone();
+    for pfn in here.iter() {
+        todo.unset(pfn);
+    }
+    {
+        let mut s = lock(status);
+        s.phase = MigrationPhase::Switchover;
+        s.error = None;
+        s.pages_remaining = todo.count();
+    }
+    let events = spawn_reader(stream.try_clone()?);
+    let mut limiter = RateLimiter::new(params.max_bandwidth_mbps);
+    let mut sender = PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES));
+    sender.checked = true;
+    let out = Outbound {
+        stream: &mut stream,
+        ram: &ram,
+        limiter: &mut limiter,
+        sender: &mut sender,
+    };
+    let mut phase = SourcePhase::new(out, &events, todo, params.prepaging);
+    let (counters, report) = phase.run(|_, left| lock(status).pages_remaining = left)?;
+    let mut s = lock(status);
+    s.pages_pushed += counters.pushed;
+    s.pages_requested += counters.requested;
+    s.pages_full += sender.counters.full;
+    s.pages_zero += sender.counters.zero;
+    s.bytes_on_wire += sender.counters.bytes;
+    s.memory_checksum_destination = report.memory_checksum;
+    s.postcopy_report = Some(report);
+    s.phase = MigrationPhase::Completed;
+    s.note = Some("post-copy resumed over a new connection".into());
+    Ok(())
 }

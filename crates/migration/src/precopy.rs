@@ -98,7 +98,7 @@ impl MigrationParams {
     }
 }
 
-const DEFAULT_BATCH_PAGES: usize = 256;
+pub(crate) const DEFAULT_BATCH_PAGES: usize = 256;
 /// Rounds without progress before pre-copy gives up iterating (see `policy`).
 const MAX_STALLED_ROUNDS: u32 = 3;
 /// How long the source waits for the destination's guest report after completion.
@@ -119,7 +119,7 @@ pub struct Signals {
 }
 
 impl Signals {
-    fn leftover(&self) -> std::sync::MutexGuard<'_, Option<Bitmap>> {
+    pub(crate) fn leftover(&self) -> std::sync::MutexGuard<'_, Option<Bitmap>> {
         self.postcopy_leftover
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -718,7 +718,7 @@ impl<'a> Sender<'a> {
     }
 }
 
-fn unexpected(wanted: &str, got: &Control) -> Error {
+pub(crate) fn unexpected(wanted: &str, got: &Control) -> Error {
     Error::Protocol(format!(
         "expected {wanted} from the destination, got {got:?}"
     ))
@@ -733,80 +733,4 @@ pub fn now_ns() -> u64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0)
-}
-
-/// Carries on a post-copy whose connection dropped after the switch: connects to the
-/// destination's new listener, learns which pages it has, and sends the rest.
-pub fn resume_postcopy(
-    vm: &dyn Migratable,
-    endpoint: &Endpoint,
-    params: &MigrationParams,
-    status: &SharedStatus,
-    signals: &Signals,
-) -> Result<()> {
-    let pending = signals
-        .leftover()
-        .take()
-        .ok_or_else(|| Error::Param("there is no interrupted post-copy to resume".into()))?;
-    let result = resume_with(vm, endpoint, params, status, &pending);
-    match &result {
-        Ok(()) => {}
-        Err(e) => {
-            *signals.leftover() = Some(pending);
-            let mut s = lock(status);
-            s.phase = MigrationPhase::Unconfirmed;
-            s.error = Some(format!("resuming post-copy failed: {e}"));
-        }
-    }
-    result
-}
-
-fn resume_with(
-    vm: &dyn Migratable,
-    endpoint: &Endpoint,
-    params: &MigrationParams,
-    status: &SharedStatus,
-    pending: &Bitmap,
-) -> Result<()> {
-    let ram = vm.ram();
-    let mut stream = endpoint.connect()?;
-    protocol::write_stream_header(&mut stream)?;
-    protocol::write_control(&mut stream, &Control::ResumePostcopy)?;
-    let here = match protocol::read_control(&mut stream)? {
-        Control::ResumeFrom { words } => Bitmap::from_words(words, ram.pages()),
-        other => return Err(unexpected("ResumeFrom", &other)),
-    };
-    let mut todo = pending.clone();
-    for pfn in here.iter() {
-        todo.unset(pfn);
-    }
-    {
-        let mut s = lock(status);
-        s.phase = MigrationPhase::Switchover;
-        s.error = None;
-        s.pages_remaining = todo.count();
-    }
-    let events = postcopy::spawn_reader(stream.try_clone()?);
-    let mut limiter = RateLimiter::new(params.max_bandwidth_mbps);
-    let mut sender = PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES));
-    sender.checked = true;
-    let out = postcopy::Outbound {
-        stream: &mut stream,
-        ram: &ram,
-        limiter: &mut limiter,
-        sender: &mut sender,
-    };
-    let mut phase = postcopy::SourcePhase::new(out, &events, todo, params.prepaging);
-    let (counters, report) = phase.run(|_, left| lock(status).pages_remaining = left)?;
-    let mut s = lock(status);
-    s.pages_pushed += counters.pushed;
-    s.pages_requested += counters.requested;
-    s.pages_full += sender.counters.full;
-    s.pages_zero += sender.counters.zero;
-    s.bytes_on_wire += sender.counters.bytes;
-    s.memory_checksum_destination = report.memory_checksum;
-    s.postcopy_report = Some(report);
-    s.phase = MigrationPhase::Completed;
-    s.note = Some("post-copy resumed over a new connection".into());
-    Ok(())
 }
