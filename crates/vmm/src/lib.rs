@@ -5,6 +5,7 @@
 
 pub mod boot;
 pub mod devices;
+pub mod dirty_log;
 pub mod error;
 pub mod layout;
 pub mod memory;

@@ -66,6 +66,8 @@ pub struct Vm {
     vcpus: VcpuSet,
     bus: Arc<PortBus>,
     msrs: Vec<u32>,
+    /// KVM leaves the dirty log set until we clear what we read (see `dirty_log`).
+    manual_dirty_protect: bool,
     config: VmConfig,
     state: Mutex<VmState>,
     events: Mutex<Receiver<VmEvent>>,
@@ -81,6 +83,7 @@ struct Parts {
     vcpu_fds: Vec<VcpuFd>,
     bus: Arc<PortBus>,
     msrs: Vec<u32>,
+    manual_dirty_protect: bool,
 }
 
 impl Vm {
@@ -126,6 +129,7 @@ impl Vm {
             vcpus,
             bus: parts.bus,
             msrs: parts.msrs,
+            manual_dirty_protect: parts.manual_dirty_protect,
             config,
             state: Mutex::new(if paused {
                 VmState::Paused
@@ -237,9 +241,20 @@ impl Vm {
 
     /// Returns and resets the pages the guest dirtied since the last call (one bit per page).
     pub fn take_dirty_log(&self) -> Result<Vec<u64>> {
-        self.fd
+        let mut bitmap = self
+            .fd
             .get_dirty_log(MEMORY_SLOT, self.config.memory as usize)
-            .map_err(kvm("KVM_GET_DIRTY_LOG"))
+            .map_err(kvm("KVM_GET_DIRTY_LOG"))?;
+        if self.manual_dirty_protect {
+            crate::dirty_log::clear(
+                &self.fd,
+                MEMORY_SLOT,
+                self.config.memory / 4096,
+                &mut bitmap,
+            )
+            .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
+        }
+        Ok(bitmap)
     }
 
     /// Saves every vCPU; the VM must be paused.
@@ -371,6 +386,8 @@ impl Parts {
             vcpu_fds.push(vcpu);
         }
         let msrs = state::migratable_msrs(&kvm_sys, &vcpu_fds[0])?;
+        let manual_dirty_protect = crate::dirty_log::enable_manual_protect(&fd);
+        tracing::debug!(manual_dirty_protect, "KVM dirty log protection");
         Ok(Self {
             kvm: kvm_sys,
             fd,
@@ -378,6 +395,7 @@ impl Parts {
             vcpu_fds,
             bus,
             msrs,
+            manual_dirty_protect,
         })
     }
 }
