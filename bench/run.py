@@ -49,9 +49,12 @@ PROFILES = {
     "quick": {
         "links": ["loopback", "1gbit"], "peers": ["ferry", "qemu"], "repeats": 3,
         "boot": ["1G", "16G"], "dirty": True,
-        "scenarios": [scenario("idle 1G", "1G", "idle"), scenario("idle 8G", "8G", "idle"),
-                      scenario("write seq 256M / 1G", "1G", "write ws=256M seq"),
-                      scenario("write seq 256M / 1G post-copy", "1G", "write ws=256M seq", mode="postcopy")],
+        # A migration that cannot converge is given up after 30 s here (120 s in full).
+        "scenarios": [scenario("idle 1G", "1G", "idle", timeout_s=30),
+                      scenario("idle 8G", "8G", "idle", timeout_s=30),
+                      scenario("write seq 256M / 1G", "1G", "write ws=256M seq", timeout_s=30),
+                      scenario("write seq 256M / 1G post-copy", "1G", "write ws=256M seq",
+                               mode="postcopy", timeout_s=30)],
     },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
@@ -169,6 +172,10 @@ def main():
         signal.signal(sig, lambda num, _frame: sys.exit(128 + num))
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", choices=sorted(PROFILES), default="quick")
+    p.add_argument("--quick", dest="profile", action="store_const", const="quick",
+                   help="the quick profile (about 10 minutes); the default")
+    p.add_argument("--full", dest="profile", action="store_const", const="full",
+                   help="every scenario on every link (hours)")
     p.add_argument("--links", help="comma list: loopback,1gbit,10gbit")
     p.add_argument("--peers", help="comma list: ferry,qemu,qemu-best")
     p.add_argument("--repeats", type=int)
