@@ -50,6 +50,8 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
             cancel_sent = true;
         }
         match client.get("vm.migration") {
+            // A cut-short answer (the source exiting mid-reply): ask again.
+            Ok(v) if v.is_null() => {}
             Ok(v) => last = serde_json::from_value(v).context("vm.migration body")?,
             // The source exits soon after a successful migration; what we have is final.
             Err(_) if last.phase == MigrationPhase::Completed => break,

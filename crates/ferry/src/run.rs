@@ -20,6 +20,8 @@ static TERMINATE: AtomicBool = AtomicBool::new(false);
 
 /// After migrating away, the source waits this long for someone to read the final report.
 const REPORT_LINGER: Duration = Duration::from_secs(10);
+/// How long the source stays after the final report was read, so the answer gets out.
+const ANSWER_GRACE: Duration = Duration::from_millis(300);
 /// The destination measures the guest's work rate over this window after resuming.
 const AFTER_WINDOW: Duration = Duration::from_secs(1);
 
@@ -137,6 +139,7 @@ fn supervise(controller: &Controller) -> i32 {
         Err(_) => return 1,
     };
     let mut migrated_at: Option<Instant> = None;
+    let mut report_read_at: Option<Instant> = None;
     let code = loop {
         if let Some(event) = vm.next_event(Duration::from_millis(20))
             && let Some(code) = on_event(controller, event)
