@@ -151,11 +151,18 @@ fn supervise(controller: &Controller) -> i32 {
         }
         if controller.phase() == Phase::Migrated {
             let since = *migrated_at.get_or_insert_with(Instant::now);
-            let read = controller
+            // Once a client has read the final report, give its answer time to leave.
+            if controller
                 .outgoing
                 .final_status_read
-                .load(Ordering::Acquire);
-            if read || since.elapsed() > REPORT_LINGER {
+                .load(Ordering::Acquire)
+            {
+                let read_at = *report_read_at.get_or_insert_with(Instant::now);
+                if read_at.elapsed() > ANSWER_GRACE {
+                    break 0;
+                }
+            }
+            if since.elapsed() > REPORT_LINGER {
                 break 0;
             }
         }
