@@ -18,8 +18,11 @@ guest: deps
 build: deps guest
 	$(CARGO) build --release --workspace
 
+# Unit and end-to-end tests (doc-tests: none); the last line sums up every runner.
 test: build
-	$(CARGO) test --release --workspace -- --test-threads=2
+	set -o pipefail; $(CARGO) test --release --workspace --lib --bins --tests -- --test-threads=2 2>&1 \
+		| tee target/test.log
+	@awk '/^test result:/ {p += $$4; f += $$6} END {printf "tests: %d passed, %d failed\n", p, f}' target/test.log
 
 lint:
 	$(CARGO) fmt --all -- --check
