@@ -244,8 +244,8 @@ struct FaultLog {
 }
 
 impl Destination {
-    /// Drops stale copies of pending pages (those in `received`) and registers guest memory for missing-page
-    /// faults. The vCPUs must still be parked.
+    /// Drops stale copies of pending pages (those in `received`) and registers guest memory
+    /// for missing-page faults. The vCPUs must still be parked.
     pub fn arm(ram: GuestRam, pending: Bitmap, received: &Bitmap, checksum: bool) -> Result<Self> {
         for pfn in pending.iter().filter(|&p| received.get(p)) {
             // A page received in an earlier round and dirtied since is stale: make it missing.
