@@ -28,7 +28,7 @@ if ! command -v cargo >/dev/null; then
     if [ -x "$HOME/.cargo/bin/cargo" ]; then
         echo "ferry: cargo is in ~/.cargo/bin; add it to PATH" >&2
     else
-        echo "ferry: a Rust toolchain (cargo, Rust >= 1.80) is required: install it with rustup" >&2
+        echo "ferry: a Rust toolchain (cargo, Rust >= 1.88) is required: install it with rustup" >&2
     fi
     exit 1
 fi
