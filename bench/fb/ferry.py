@@ -114,6 +114,7 @@ class FerryPeer:
             "fault_latency_max_ms": pc.get("fault_latency_max_ms"),
             "resume_ms": pc.get("resume_ms"),
             "duplicates": pc.get("duplicates"),
+            "timeline_10ms": pc.get("timeline_10ms"),
             "pages_transferred": report["pages_full"] + report["pages_zero"],
         }
 

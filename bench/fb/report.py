@@ -143,6 +143,27 @@ def plots(results, outdir):
         plt.close(fig)
         written.append(path)
 
+    # Post-copy: faults against pages pushed and requested, over time.
+    timed = [r for r in results["scenarios"]
+             if r["runs"] and r["runs"][0].get("timeline_10ms")][:8]
+    if timed:
+        fig, axes = plt.subplots(len(timed), 1, figsize=(10, 2.4 * len(timed)), squeeze=False)
+        for (ax,), r in zip(axes, timed):
+            tl = r["runs"][0]["timeline_10ms"]
+            t = [i * 10 for i in range(len(tl))]
+            ax.plot(t, [b[1] for b in tl], label="pages pushed", color="#3b7dd8")
+            ax.plot(t, [b[2] for b in tl], label="pages requested", color="#2a9d4b")
+            ax.plot(t, [b[0] for b in tl], label="network faults", color="#d83b3b")
+            ax.set_title(f"{r['scenario']} / {r['link']}", fontsize=9)
+            ax.set_ylabel("per 10 ms")
+        axes[-1][0].set_xlabel("ms since the switch")
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(outdir, "postcopy_timeline.svg")
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+
     # ferry vs QEMU bars.
     keys = sorted({(r["scenario"], r["link"]) for r in results["scenarios"]})
     peers = sorted({r["peer"] for r in results["scenarios"]})

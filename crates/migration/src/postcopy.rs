@@ -241,6 +241,27 @@ struct FaultLog {
     latencies_ms: Vec<f64>,
     network: u64,
     zero: u64,
+    timeline: Timeline,
+}
+
+/// Faults and arrivals per 10 ms since the switch, for the faults-vs-pushes plot.
+#[derive(Default)]
+struct Timeline(Vec<[u32; 3]>);
+
+impl Timeline {
+    const NETWORK_FAULT: usize = 0;
+    const PUSHED: usize = 1;
+    const REQUESTED: usize = 2;
+    /// Ten minutes; later events count in the last bucket.
+    const MAX_BUCKETS: usize = 60_000;
+
+    fn add(&mut self, since: Instant, what: usize) {
+        let bucket = ((since.elapsed().as_millis() / 10) as usize).min(Self::MAX_BUCKETS - 1);
+        if self.0.len() <= bucket {
+            self.0.resize(bucket + 1, [0; 3]);
+        }
+        self.0[bucket][what] += 1;
+    }
 }
 
 impl Destination {
@@ -317,6 +338,7 @@ impl Destination {
 
     /// Resolves faults until post-copy ends: zero pages here, the rest requested.
     pub fn spawn_fault_handler(&self) {
+        let resumed = self.resumed;
         let (uffd, ram, pending, present, faults, stop, requests) = (
             self.uffd.clone(),
             self.ram,
@@ -359,6 +381,7 @@ impl Destination {
                             if first {
                                 log.waiting.insert(pfn, Instant::now());
                                 log.network += 1;
+                                log.timeline.add(resumed, Timeline::NETWORK_FAULT);
                             }
                             first
                         };
@@ -443,6 +466,7 @@ impl Destination {
             fault_latency_max_ms: lat.last().copied(),
             resume_ms: self.resumed.elapsed().as_secs_f64() * 1e3,
             memory_checksum: p.checksum,
+            timeline_10ms: log.timeline.0.clone(),
         }
     }
 
@@ -467,9 +491,14 @@ impl Destination {
         }
         self.present.set(pfn);
         let mut log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(t) = log.waiting.remove(&pfn) {
-            log.latencies_ms.push(t.elapsed().as_secs_f64() * 1e3);
-        }
+        let how = match log.waiting.remove(&pfn) {
+            Some(t) => {
+                log.latencies_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                Timeline::REQUESTED
+            }
+            None => Timeline::PUSHED,
+        };
+        log.timeline.add(self.resumed, how);
         Ok(())
     }
 }

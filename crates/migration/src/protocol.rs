@@ -136,6 +136,8 @@ pub struct PostcopyReport {
     pub resume_ms: f64,
     /// `memory_checksum` of guest memory as it was at the switch (what arrived), when asked.
     pub memory_checksum: Option<u64>,
+    /// Per 10 ms since the switch: [network faults, pages pushed in, pages requested in].
+    pub timeline_10ms: Vec<[u32; 3]>,
 }
 
 pub fn write_stream_header(w: &mut impl Write) -> Result<()> {
