@@ -123,7 +123,7 @@ def run(args):
                 results["dirty_logging"] = ferry.dirty_logging_cost()
                 procs.stop_all()
             for link_name in links:
-                with Link(link_name, tag) as link:
+                with Link(link_name, tag, delay_ms=args.delay_ms) as link:
                     if link_name != "loopback":
                         results["links"][link_name] = link.goodput_bytes_per_s()
                     for sc in profile["scenarios"]:
@@ -181,6 +181,8 @@ def main():
     p.add_argument("--links", help="comma list: loopback,1gbit,10gbit")
     p.add_argument("--peers", help="comma list: ferry,qemu,qemu-best")
     p.add_argument("--repeats", type=int)
+    p.add_argument("--delay-ms", type=int, default=0,
+                   help="add this much netem latency each way on veth links (a WAN-like case)")
     p.add_argument("--out", help="results directory (default bench/results/<timestamp>)")
     p.add_argument("--fail-scenario", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--work-prefix", default="ferry-bench-", help=argparse.SUPPRESS)

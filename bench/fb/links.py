@@ -29,6 +29,8 @@ class Link:
 
     def __enter__(self):
         if self.name == "loopback":
+            if self.delay_ms:
+                raise RuntimeError("--delay-ms needs a veth link (1gbit or 10gbit), not loopback")
             return self
         rate = {"1gbit": "1gbit", "10gbit": "10gbit"}[self.name]
         burst = {"1gbit": "256kb", "10gbit": "2mb"}[self.name]
