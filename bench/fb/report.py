@@ -107,7 +107,8 @@ def plots(results, outdir):
 
     written = []
     # Per-round bars for ferry pre-copy: pages and duration.
-    precopy = [r for r in results["scenarios"] if r["peer"] == "ferry" and r["runs"] and r["runs"][0]["round_table"]]
+    precopy = [r for r in results["scenarios"] if r["peer"] == "ferry" and r["runs"]
+               and r["runs"][0]["round_table"] and not r["runs"][0].get("postcopy")]
     if precopy:
         fig, axes = plt.subplots(len(precopy), 2, figsize=(10, 2.6 * len(precopy)), squeeze=False)
         for row, r in zip(axes, precopy):
@@ -117,6 +118,9 @@ def plots(results, outdir):
             row[0].set_title(f"{r['scenario']} / {r['link']}: pages per round", fontsize=9)
             row[1].bar(rounds, [t["duration_ms"] for t in table], color="#d8843b")
             row[1].set_title("round duration (ms)", fontsize=9)
+            for ax in row:
+                ax.set_xticks(rounds)
+                ax.set_xlabel("round", fontsize=8)
         fig.tight_layout()
         path = os.path.join(outdir, "precopy_rounds.svg")
         fig.savefig(path)
