@@ -140,6 +140,18 @@ impl Controller {
         }
     }
 
+    /// Pause and resume belong to a running migration while it runs (it pauses for the
+    /// switch; a resume then would run the guest while its state is being sent).
+    fn require_idle(&self) -> Result<&Arc<Vm>, ApiError> {
+        let vm = self.require_live()?;
+        if self.outgoing.running() {
+            return Err(ApiError::conflict(
+                "a migration is running: cancel it first (vm.cancel-migration)",
+            ));
+        }
+        Ok(vm)
+    }
+
     fn corrupt_page(&self, page: u64) -> Result<(), ApiError> {
         let vm = self.require_live()?;
         let info = vm.info();
@@ -163,11 +175,11 @@ impl Handler for Controller {
         match request {
             ApiRequest::VmInfo => Ok(serde_json::to_value(self.info()).unwrap_or_default()),
             ApiRequest::Pause => {
-                self.require_live()?.pause().map_err(internal)?;
+                self.require_idle()?.pause().map_err(internal)?;
                 Ok(Value::Null)
             }
             ApiRequest::Resume => {
-                let vm = self.require_live()?;
+                let vm = self.require_idle()?;
                 if migration::stats::lock(&self.outgoing.status).phase
                     == migration::MigrationPhase::Unconfirmed
                 {
