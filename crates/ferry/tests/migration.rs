@@ -331,6 +331,8 @@ fn bad_migration_requests_are_refused_clearly() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("already running"), "{err}");
+    let err = src.api().put("vm.resume", None).unwrap_err();
+    assert!(err.to_string().contains("a migration is running"), "{err}");
     src.put("vm.cancel-migration");
     src.wait_migration_end();
     assert_source_keeps_running(&src);
