@@ -49,7 +49,10 @@ pub fn render(s: &MigrationStatus) -> String {
         ("total time", format!("{:.2} ms", s.total_ms)),
         ("memory pages", s.memory_pages.to_string()),
         ("pages sent full", s.pages_full.to_string()),
-        ("pages sent as zero markers", s.pages_zero.to_string()),
+        (
+            "pages sent as zero markers",
+            format!("{} (zero check: {})", s.pages_zero, s.zero_page_check),
+        ),
         (
             "pages skipped (never populated)",
             s.pages_skipped_unpopulated.to_string(),

@@ -149,6 +149,7 @@ pub fn send_migration(
         s.mode = format!("{:?}", params.mode).to_lowercase();
         s.peer = endpoint.to_string();
         s.memory_pages = vm.ram().pages();
+        s.zero_page_check = crate::zero::implementation().into();
     }
     let stream = match endpoint.connect() {
         Ok(s) => s,

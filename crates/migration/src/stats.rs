@@ -56,6 +56,8 @@ pub struct MigrationStatus {
     pub note: Option<String>,
     // totals
     pub memory_pages: u64,
+    /// Which zero-page check this host runs: avx512, avx2 or scalar.
+    pub zero_page_check: String,
     pub pages_full: u64,
     pub pages_zero: u64,
     pub pages_skipped_unpopulated: u64,

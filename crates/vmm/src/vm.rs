@@ -60,7 +60,6 @@ pub struct VmInfo {
 }
 
 pub struct Vm {
-    kvm: Kvm,
     fd: VmFd,
     memory: GuestMemory,
     vcpus: VcpuSet,
@@ -77,7 +76,6 @@ pub struct Vm {
 
 /// KVM objects made, vCPUs not yet started.
 struct Parts {
-    kvm: Kvm,
     fd: VmFd,
     memory: GuestMemory,
     vcpu_fds: Vec<VcpuFd>,
@@ -123,7 +121,6 @@ impl Vm {
         let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
         let pages = config.memory / 4096;
         Ok(Self {
-            kvm: parts.kvm,
             fd: parts.fd,
             memory: parts.memory,
             vcpus,
@@ -324,13 +321,6 @@ impl Vm {
     pub fn shutdown(&self) {
         self.vcpus.stop();
     }
-
-    pub fn kvm(&self) -> &Kvm {
-        &self.kvm
-    }
-    pub fn vm_fd(&self) -> &VmFd {
-        &self.fd
-    }
 }
 
 impl Parts {
@@ -389,7 +379,6 @@ impl Parts {
         let manual_dirty_protect = crate::dirty_log::enable_manual_protect(&fd);
         tracing::debug!(manual_dirty_protect, "KVM dirty log protection");
         Ok(Self {
-            kvm: kvm_sys,
             fd,
             memory,
             vcpu_fds,
