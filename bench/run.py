@@ -177,7 +177,7 @@ def main():
     p.add_argument("--quick", dest="profile", action="store_const", const="quick",
                    help="the quick profile (about 10 minutes); the default")
     p.add_argument("--full", dest="profile", action="store_const", const="full",
-                   help="every scenario on every link (hours)")
+                   help="every scenario on every link (about 45 minutes here)")
     p.add_argument("--links", help="comma list: loopback,1gbit,10gbit")
     p.add_argument("--peers", help="comma list: ferry,qemu,qemu-best")
     p.add_argument("--repeats", type=int)
