@@ -99,6 +99,8 @@ impl MigrationParams {
 }
 
 pub(crate) const DEFAULT_BATCH_PAGES: usize = 256;
+/// The longest the source waits for its send queue to empty before pausing the guest.
+const SWITCH_DRAIN_LIMIT: Duration = Duration::from_secs(2);
 /// Rounds without progress before pre-copy gives up iterating (see `policy`).
 const MAX_STALLED_ROUNDS: u32 = 3;
 /// How long the source waits for the destination's guest report after completion.
@@ -395,6 +397,9 @@ impl<'a> Sender<'a> {
         self.check_continue()?;
         lock(self.status).phase = MigrationPhase::Switchover;
         if !self.paused {
+            // Let the earlier rounds leave the send queue first: the last pages and the state
+            // must not wait behind them while the guest is paused.
+            self.stream.drain(SWITCH_DRAIN_LIMIT);
             self.pause()?;
         }
         lock(self.status).guest_pages_per_s_during =
