@@ -139,6 +139,7 @@ fn run_slice(ram: &GuestRam, start: u64, pages: usize) -> IoSlice<'_> {
 pub struct PageReceiver {
     descs: Vec<u8>,
     full: Vec<u64>,
+    zeros: Vec<u64>,
     /// Pages this receiver has written: a zero marker for any other page needs no write.
     written: Bitmap,
     pub pages: u64,
@@ -149,6 +150,7 @@ impl PageReceiver {
         Self {
             descs: Vec::new(),
             full: Vec::new(),
+            zeros: Vec::new(),
             written: Bitmap::new(ram.pages()),
             pages: 0,
         }
@@ -171,15 +173,15 @@ impl PageReceiver {
         crc.update(header);
         let count = read_descriptors(r, ram, len, &mut self.descs, &mut crc)?;
         self.full.clear();
-        let mut zeros = Vec::new();
+        self.zeros.clear();
         for (pfn, enc) in descriptors(&self.descs) {
             match enc {
                 PageEncoding::Full => self.full.push(pfn),
-                PageEncoding::Zero => zeros.push(pfn),
+                PageEncoding::Zero => self.zeros.push(pfn),
             }
         }
         self.read_full_pages(r, ram)?;
-        for &pfn in &zeros {
+        for &pfn in &self.zeros {
             if self.written.get(pfn) {
                 ram.page_mut(pfn).fill(0);
             }
@@ -278,6 +280,13 @@ fn descriptors(descs: &[u8]) -> impl Iterator<Item = (u64, PageEncoding)> + '_ {
     })
 }
 
+/// Buffers `read_page_frame` reuses from frame to frame.
+#[derive(Default)]
+pub struct FrameBuffers {
+    descs: Vec<u8>,
+    data: Vec<u8>,
+}
+
 /// Each page of a frame with its data (`None`: a zero page), borrowed from the read buffer.
 pub type FramePages<'s> = Vec<(u64, Option<&'s [u8]>)>;
 
@@ -288,21 +297,21 @@ pub fn read_page_frame<'s>(
     ram: &GuestRam,
     header: &[u8; FRAME_HEADER_LEN],
     len: u32,
-    scratch: &'s mut Vec<u8>,
+    scratch: &'s mut FrameBuffers,
 ) -> Result<FramePages<'s>> {
     let mut crc = crc32fast::Hasher::new();
     crc.update(header);
-    let mut descs = Vec::new();
-    read_descriptors(r, ram, len, &mut descs, &mut crc)?;
+    let FrameBuffers { descs, data } = scratch;
+    read_descriptors(r, ram, len, descs, &mut crc)?;
     let data_len = len as usize - PREFIX_LEN - descs.len();
-    scratch.resize(data_len, 0);
-    protocol::read_exact(r, scratch, "page data")?;
+    data.resize(data_len, 0);
+    protocol::read_exact(r, data, "page data")?;
     if header[1] & PAGE_DATA_UNCHECKED == 0 {
-        crc.update(scratch);
+        crc.update(data);
     }
     protocol::check_trailer(r, crc.finalize(), "page frame")?;
-    let mut data = scratch.chunks_exact(PAGE_SIZE);
-    Ok(descriptors(&descs)
+    let mut data = data.chunks_exact(PAGE_SIZE);
+    Ok(descriptors(descs)
         .map(|(pfn, enc)| match enc {
             PageEncoding::Full => (pfn, data.next()),
             PageEncoding::Zero => (pfn, None),

@@ -20,7 +20,9 @@ use userfaultfd::{Event, Uffd, UffdBuilder};
 use crate::PAGE_SIZE;
 use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::error::{Error, Result};
-use crate::pages::{PageSender, memory_checksum_of, page_digest, populated_pages, read_page_frame};
+use crate::pages::{
+    FrameBuffers, PageSender, memory_checksum_of, page_digest, populated_pages, read_page_frame,
+};
 use crate::precopy::{DEFAULT_BATCH_PAGES, MigrationParams, Signals, unexpected};
 use crate::prepaging::{Planner, Strategy};
 use crate::protocol::{self, Control, Frame, PostcopyReport};
@@ -400,7 +402,7 @@ impl Destination {
     /// Installs pages from the stream until the source says it sent them all; then ends
     /// post-copy (the memory is ordinary again) and tells the source.
     pub fn receive_pages(&self, stream: &mut Stream) -> Result<PostcopyReport> {
-        let mut scratch = Vec::new();
+        let mut scratch = FrameBuffers::default();
         let want = self.pending.count();
         loop {
             match protocol::read_frame(stream)? {
