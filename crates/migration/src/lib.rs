@@ -6,6 +6,7 @@
 
 pub mod bitmap;
 pub mod error;
+pub mod memory;
 pub mod pages;
 pub mod policy;
 pub mod postcopy;
@@ -20,12 +21,13 @@ pub mod vm;
 pub mod zero;
 
 pub use error::{Error, Result};
+pub use memory::{GuestRam, RamRange};
 pub use postcopy::resume_postcopy;
 pub use precopy::{MigrationParams, Mode, Signals, send_migration};
 pub use receive::{Incoming, receive_migration};
 pub use stats::{MigrationPhase, MigrationStatus, RoundStats, SharedStatus};
 pub use transport::Endpoint;
-pub use vm::{GuestRam, Migratable, VmDescriptor};
+pub use vm::{Migratable, VmDescriptor};
 
 pub const PAGE_SIZE: usize = 4096;
 pub const PAGE_SHIFT: u32 = 12;

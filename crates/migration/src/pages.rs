@@ -9,9 +9,9 @@ use std::os::unix::fs::FileExt;
 use crate::PAGE_SIZE;
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
+use crate::memory::GuestRam;
 use crate::protocol::{self, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding};
 use crate::ratelimit::RateLimiter;
-use crate::vm::GuestRam;
 use crate::zero::is_zero_page;
 
 /// Payload prefix of a page frame: page count u32, reserved u32.
@@ -55,7 +55,7 @@ impl PageSender {
         pfn: u64,
         limiter: &mut RateLimiter,
     ) -> Result<()> {
-        let enc = if is_zero_page(ram.page(pfn)) {
+        let enc = if is_zero_page(ram.page(pfn)?) {
             PageEncoding::Zero
         } else {
             PageEncoding::Full
@@ -76,6 +76,9 @@ impl PageSender {
         if self.pfns.is_empty() {
             return Ok(());
         }
+        // The wire wants each frame's pages in ascending order (a page named twice is refused).
+        self.pfns.sort_unstable_by_key(|&(pfn, _)| pfn);
+        self.pfns.dedup_by_key(|&mut (pfn, _)| pfn);
         let full = self
             .pfns
             .iter()
@@ -99,22 +102,25 @@ impl PageSender {
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(full + 2);
         slices.push(IoSlice::new(&self.head));
         // Adjacent pages are adjacent in the host mapping too: one slice per run.
-        let mut run: Option<(u64, usize)> = None;
+        let mut run: Option<(u64, u64)> = None;
         for &(pfn, _) in self.pfns.iter().filter(|(_, e)| *e == PageEncoding::Full) {
             if self.checked {
-                crc.update(ram.page(pfn));
+                crc.update(ram.page(pfn)?);
             }
             run = match run {
-                Some((start, n)) if start + n as u64 == pfn => Some((start, n + 1)),
+                // Adjacent pages of one region are adjacent in the host mapping too.
+                Some((start, n)) if start + n == pfn && ram.pages_to_region_end(start) > n => {
+                    Some((start, n + 1))
+                }
                 Some((start, n)) => {
-                    slices.push(run_slice(ram, start, n));
+                    slices.push(IoSlice::new(ram.pages_slice(start, n)?));
                     Some((pfn, 1))
                 }
                 None => Some((pfn, 1)),
             };
         }
         if let Some((start, n)) = run {
-            slices.push(run_slice(ram, start, n));
+            slices.push(IoSlice::new(ram.pages_slice(start, n)?));
         }
         let trailer = crc.finalize().to_le_bytes();
         slices.push(IoSlice::new(&trailer));
@@ -128,11 +134,6 @@ impl PageSender {
         self.pfns.clear();
         Ok(())
     }
-}
-
-fn run_slice(ram: &GuestRam, start: u64, pages: usize) -> IoSlice<'_> {
-    // SAFETY: `start..start+pages` are pages of the mapping (checked by the caller's pfns).
-    IoSlice::new(unsafe { std::slice::from_raw_parts(ram.page_ptr(start), pages * PAGE_SIZE) })
 }
 
 /// Reads page frames into guest memory.
@@ -151,7 +152,7 @@ impl PageReceiver {
             descs: Vec::new(),
             full: Vec::new(),
             zeros: Vec::new(),
-            written: Bitmap::new(ram.pages()),
+            written: Bitmap::new(ram.gfn_end()),
             pages: 0,
         }
     }
@@ -183,12 +184,12 @@ impl PageReceiver {
         self.read_full_pages(r, ram)?;
         for &pfn in &self.zeros {
             if self.written.get(pfn) {
-                ram.page_mut(pfn).fill(0);
+                ram.zero_page(pfn)?;
             }
         }
         if header[1] & PAGE_DATA_UNCHECKED == 0 {
             for &pfn in &self.full {
-                crc.update(ram.page(pfn));
+                crc.update(ram.page(pfn)?);
             }
         }
         protocol::check_trailer(r, crc.finalize(), "page frame")?;
@@ -204,13 +205,18 @@ impl PageReceiver {
         let mut i = 0;
         while i < self.full.len() {
             let start = self.full[i];
+            let room = ram.pages_to_region_end(start);
             let mut n = 1;
-            while i + n < self.full.len() && self.full[i + n] == start + n as u64 {
+            while i + n < self.full.len()
+                && self.full[i + n] == start + n as u64
+                && (n as u64) < room
+            {
                 n += 1;
             }
-            // SAFETY: pages were bounds-checked above; the destination's vCPUs are parked.
+            // SAFETY: the destination's vCPUs are parked, and the parser refused frames that
+            // name a page twice, so these slices never overlap.
             slices.push(IoSliceMut::new(unsafe {
-                std::slice::from_raw_parts_mut(ram.page_ptr(start), n * PAGE_SIZE)
+                ram.pages_slice_mut(start, n as u64)?
             }));
             i += n;
         }
@@ -250,14 +256,21 @@ fn read_descriptors(
     crc.update(&prefix);
     crc.update(descs);
     let mut full = 0;
+    let mut previous: Option<u64> = None;
     for chunk in descs.chunks_exact(8) {
         let (pfn, enc) = protocol::split_descriptor(u64::from_le_bytes(chunk.try_into().unwrap()))?;
-        if pfn >= ram.pages() {
+        if !ram.contains(pfn) {
             return Err(Error::Protocol(format!(
-                "page {pfn:#x} lies outside guest memory ({} pages)",
-                ram.pages()
+                "page {pfn:#x} lies outside guest RAM"
             )));
         }
+        // Ascending order makes a page named twice (two writers of one page) impossible.
+        if previous.is_some_and(|p| pfn <= p) {
+            return Err(Error::Protocol(format!(
+                "page frame names page {pfn:#x} out of order or twice"
+            )));
+        }
+        previous = Some(pfn);
         full += usize::from(enc == PageEncoding::Full);
     }
     let expected = PREFIX_LEN + 8 * count as usize + PAGE_SIZE * full;
@@ -327,20 +340,22 @@ const PAGEMAP_CHUNK: usize = 64 * 1024;
 /// neither, and is skipped without being read (reading it would populate it).
 pub fn populated_pages(ram: &GuestRam) -> Result<Bitmap> {
     let pagemap = File::open("/proc/self/pagemap")?;
-    let mut out = Bitmap::new(ram.pages());
-    let first = ram.base() as u64 / PAGE_SIZE as u64;
+    let mut out = Bitmap::new(ram.gfn_end());
     let mut entries = vec![0u8; PAGEMAP_CHUNK * 8];
-    let mut pfn = 0u64;
-    while pfn < ram.pages() {
-        let n = (ram.pages() - pfn).min(PAGEMAP_CHUNK as u64) as usize;
-        let buf = &mut entries[..n * 8];
-        pagemap.read_exact_at(buf, (first + pfn) * 8)?;
-        for (i, e) in buf.chunks_exact(8).enumerate() {
-            if u64::from_le_bytes(e.try_into().unwrap()) & (PM_PRESENT | PM_SWAPPED) != 0 {
-                out.set(pfn + i as u64);
+    for (range, host) in ram.host_regions() {
+        let first_host_page = host as u64 / PAGE_SIZE as u64;
+        let mut done = 0u64;
+        while done < range.pages() {
+            let n = (range.pages() - done).min(PAGEMAP_CHUNK as u64) as usize;
+            let buf = &mut entries[..n * 8];
+            pagemap.read_exact_at(buf, (first_host_page + done) * 8)?;
+            for (i, e) in buf.chunks_exact(8).enumerate() {
+                if u64::from_le_bytes(e.try_into().unwrap()) & (PM_PRESENT | PM_SWAPPED) != 0 {
+                    out.set(range.first_gfn() + done + i as u64);
+                }
             }
+            done += n as u64;
         }
-        pfn += n as u64;
     }
     Ok(out)
 }
@@ -365,7 +380,7 @@ pub fn memory_checksum(ram: &GuestRam) -> Result<u64> {
 
 /// `memory_checksum` over the pages of `set` only.
 pub fn memory_checksum_of(ram: &GuestRam, set: &Bitmap) -> Result<u64> {
-    Ok(set.iter().fold(0u64, |sum, pfn| {
-        sum.wrapping_add(page_digest(pfn, ram.page(pfn)))
-    }))
+    set.iter().try_fold(0u64, |sum, pfn| {
+        Ok(sum.wrapping_add(page_digest(pfn, ram.page(pfn)?)))
+    })
 }

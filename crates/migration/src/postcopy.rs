@@ -20,6 +20,7 @@ use userfaultfd::{Event, Uffd, UffdBuilder};
 use crate::PAGE_SIZE;
 use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::error::{Error, Result};
+use crate::memory::GuestRam;
 use crate::pages::{
     FrameBuffers, PageSender, memory_checksum_of, page_digest, populated_pages, read_page_frame,
 };
@@ -30,7 +31,6 @@ use crate::ratelimit::RateLimiter;
 use crate::stats::{MigrationPhase, SharedStatus, lock};
 use crate::transport::Endpoint;
 use crate::transport::Stream;
-use crate::vm::GuestRam;
 use crate::vm::Migratable;
 
 /// Pages pushed between two looks at the request queue.
@@ -272,9 +272,9 @@ impl Destination {
     pub fn arm(ram: GuestRam, pending: Bitmap, received: &Bitmap, checksum: bool) -> Result<Self> {
         for pfn in pending.iter().filter(|&p| received.get(p)) {
             // A page received in an earlier round and dirtied since is stale: make it missing.
+            let p = ram.host_ptr(pfn, 1)? as *mut libc::c_void;
             // SAFETY: a page of our own mapping, while no vCPU runs.
             unsafe {
-                let p = ram.page_ptr(pfn) as *mut libc::c_void;
                 libc::madvise(p, PAGE_SIZE, libc::MADV_DONTNEED);
                 libc::madvise(p, PAGE_SIZE, libc::MADV_REMOVE);
             }
@@ -289,8 +289,10 @@ impl Destination {
             None
         };
         let uffd = new_uffd()?;
-        uffd.register(ram.base() as *mut libc::c_void, ram.len())
-            .map_err(|e| Error::Vm(format!("userfaultfd register: {e}")))?;
+        for (range, host) in ram.host_regions() {
+            uffd.register(host as *mut libc::c_void, range.len as usize)
+                .map_err(|e| Error::Vm(format!("userfaultfd register: {e}")))?;
+        }
         Ok(Self {
             ram,
             requests: Arc::new(Mutex::new(None)),
@@ -302,7 +304,7 @@ impl Destination {
             }),
             resumed: Instant::now(),
             uffd: Arc::new(uffd),
-            present: Arc::new(AtomicBitmap::new(ram.pages())),
+            present: Arc::new(AtomicBitmap::new(pending.pages())),
             pending: Arc::new(pending),
             faults: Arc::new(Mutex::new(FaultLog::default())),
         })
@@ -331,7 +333,7 @@ impl Destination {
 
     /// The pages that are here (a bitmap, in `Bitmap` word layout).
     pub fn present_words(&self) -> Vec<u64> {
-        let mut b = Bitmap::new(self.ram.pages());
+        let mut b = Bitmap::new(self.ram.gfn_end());
         for pfn in self.pending.iter().filter(|&p| self.present.get(p)) {
             b.set(pfn);
         }
@@ -343,7 +345,7 @@ impl Destination {
         let resumed = self.resumed;
         let (uffd, ram, pending, present, faults, stop, requests) = (
             self.uffd.clone(),
-            self.ram,
+            self.ram.clone(),
             self.pending.clone(),
             self.present.clone(),
             self.faults.clone(),
@@ -366,8 +368,10 @@ impl Destination {
                     let Ok(Some(Event::Pagefault { addr, .. })) = uffd.read_event() else {
                         continue;
                     };
-                    let pfn = (addr as u64 - ram.base() as u64) / PAGE_SIZE as u64;
-                    let page = ram.page_ptr(pfn) as *mut libc::c_void;
+                    let Some(pfn) = ram.gfn_of_host(addr as u64) else {
+                        continue;
+                    };
+                    let page = (addr as u64 & !(PAGE_SIZE as u64 - 1)) as *mut libc::c_void;
                     if present.get(pfn) {
                         let _ = uffd.wake(page, PAGE_SIZE);
                     } else if !pending.get(pfn) {
@@ -444,9 +448,11 @@ impl Destination {
         }
         self.stop.store(true, std::sync::atomic::Ordering::Release);
         self.detach(); // no request may interleave with the last word
-        let _ = self
-            .uffd
-            .unregister(self.ram.base() as *mut libc::c_void, self.ram.len());
+        for (range, host) in self.ram.host_regions() {
+            let _ = self
+                .uffd
+                .unregister(host as *mut libc::c_void, range.len as usize);
+        }
         let report = self.report();
         protocol::write_control(stream, &Control::PostcopyComplete(report.clone()))?;
         Ok(report)
@@ -473,7 +479,7 @@ impl Destination {
     }
 
     fn install(&self, pfn: u64, data: Option<&[u8]>) -> Result<()> {
-        let page = self.ram.page_ptr(pfn) as *mut libc::c_void;
+        let page = self.ram.host_ptr(pfn, 1)? as *mut libc::c_void;
         // SAFETY: `page` is a page of the registered range; `data` is one page long.
         let done = unsafe {
             match data {
@@ -576,7 +582,7 @@ fn resume_with(
     protocol::write_stream_header(&mut stream)?;
     protocol::write_control(&mut stream, &Control::ResumePostcopy)?;
     let here = match protocol::read_control(&mut stream)? {
-        Control::ResumeFrom { words } => Bitmap::from_words(words, ram.pages()),
+        Control::ResumeFrom { words } => Bitmap::from_words(words, ram.gfn_end()),
         other => return Err(unexpected("ResumeFrom", &other)),
     };
     let mut todo = pending.clone();

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
+use crate::memory::GuestRam;
 use crate::pages::{PageSender, memory_checksum, populated_pages};
 use crate::policy::{self, Decision, Limits, Measured};
 use crate::postcopy;
@@ -19,7 +20,7 @@ use crate::protocol::{self, Control, StreamMode};
 use crate::ratelimit::RateLimiter;
 use crate::stats::{MigrationPhase, RoundStats, SharedStatus, lock};
 use crate::transport::{Endpoint, Stream};
-use crate::vm::{GuestRam, Migratable};
+use crate::vm::Migratable;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -234,6 +235,7 @@ impl<'a> Sender<'a> {
         started: Instant,
     ) -> Self {
         let ram = vm.ram();
+        let sent_once = Bitmap::new(ram.gfn_end());
         let limiter = RateLimiter::new(params.max_bandwidth_mbps);
         Self {
             vm,
@@ -245,7 +247,7 @@ impl<'a> Sender<'a> {
             status,
             signals,
             started,
-            sent_once: Bitmap::new(ram.pages()),
+            sent_once,
             peer_postcopy: false,
             send_time: Duration::ZERO,
             paused: false,
@@ -315,7 +317,7 @@ impl<'a> Sender<'a> {
                 let (pending, postcopy) = self.iterate()?;
                 self.switch_over(pending, postcopy, start_ns)
             }
-            _ => self.switch_over(Bitmap::new(self.ram.pages()), false, start_ns),
+            _ => self.switch_over(Bitmap::new(self.ram.gfn_end()), false, start_ns),
         }
     }
 

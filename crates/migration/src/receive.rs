@@ -128,11 +128,11 @@ fn receive<V: Migratable + 'static>(
     };
     let vm = build(&descriptor)?;
     let ram = vm.ram();
-    if ram.len() as u64 != descriptor.memory_bytes {
+    if ram.ranges() != descriptor.ranges {
         return Err(Error::Vm(format!(
-            "built {} bytes of memory for a {}-byte VM",
-            ram.len(),
-            descriptor.memory_bytes
+            "built RAM at {:x?} for a VM whose RAM lies at {:x?}",
+            ram.ranges(),
+            descriptor.ranges
         )));
     }
     {
@@ -181,13 +181,19 @@ fn receive<V: Migratable + 'static>(
             }
             Frame::Control(Control::DeviceState { state }) => devices = Some(state),
             Frame::Control(Control::PostcopyPending { pages: n, words }) => {
-                if n != ram.pages() {
+                if n != ram.gfn_end() || words.len() as u64 != n.div_ceil(64) {
                     return Err(Error::Protocol(format!(
-                        "post-copy page map of {n} pages for {} pages of memory",
-                        ram.pages()
+                        "post-copy page map of {n} pages for a guest whose pages end at {}",
+                        ram.gfn_end()
                     )));
                 }
-                pending = Some(Bitmap::from_words(words, n));
+                let map = Bitmap::from_words(words, n);
+                if let Some(bad) = map.iter().find(|&gfn| !ram.contains(gfn)) {
+                    return Err(Error::Protocol(format!(
+                        "post-copy page map names page {bad:#x}, outside guest RAM"
+                    )));
+                }
+                pending = Some(map);
             }
             Frame::Control(Control::StateEnd {
                 paused_at_ns,
@@ -219,7 +225,7 @@ fn receive<V: Migratable + 'static>(
     vm.load_state(&vcpus, &devices)?;
     let postcopy = match pending {
         Some(p) => Some(postcopy::Destination::arm(
-            ram,
+            ram.clone(),
             p,
             pages.written(),
             source_checksum.is_some(),

@@ -68,11 +68,11 @@ impl FakeVm {
 
     /// The guest's write: a whole page stamped with (page, generation), logged as dirty.
     fn write_page(&self, pfn: u64, generation: u64) {
-        let ram = self.ram();
-        let page = ram.page_mut(pfn);
+        let mut page = [0u8; 4096];
         for (i, chunk) in page.chunks_exact_mut(8).enumerate() {
             chunk.copy_from_slice(&(pfn << 40 | generation << 12 | i as u64).to_le_bytes());
         }
+        self.ram().write_page(pfn, &page).unwrap();
         if self.logging.load(Ordering::Acquire) {
             self.dirty.lock().unwrap().set(pfn);
         }
@@ -113,12 +113,17 @@ impl Migratable for FakeVm {
     fn descriptor(&self) -> VmDescriptor {
         VmDescriptor {
             memory_bytes: PAGES * 4096,
+            ranges: self.ram().ranges(),
             vcpus: 2,
             memory_backend: "anonymous".into(),
         }
     }
     fn ram(&self) -> GuestRam {
-        unsafe { GuestRam::new(self.mem.0, self.mem.1) }
+        let range = migration::RamRange {
+            gpa: 0,
+            len: self.mem.1 as u64,
+        };
+        unsafe { GuestRam::new(&[(range, self.mem.0)]) }.unwrap()
     }
     fn start_dirty_log(&self) -> migration::Result<()> {
         self.dirty.lock().unwrap().clear();
@@ -251,7 +256,7 @@ fn zero_pages_travel_as_markers() {
         src.write_page(pfn, 0);
     }
     for pfn in 32..64 {
-        src.ram().page_mut(pfn).fill(0); // populated, but zero
+        src.ram().zero_page(pfn).unwrap(); // populated, but zero
     }
     let run = migrate(
         &src,

@@ -33,6 +33,10 @@ impl VmConfig {
     pub fn descriptor(&self) -> VmDescriptor {
         VmDescriptor {
             memory_bytes: self.memory,
+            ranges: vec![migration::RamRange {
+                gpa: 0,
+                len: self.memory,
+            }],
             vcpus: self.vcpus as u32,
             memory_backend: match self.backend {
                 MemoryBackend::Anonymous => "anonymous",
@@ -60,8 +64,13 @@ impl Migratable for Vm {
     }
 
     fn ram(&self) -> GuestRam {
+        let range = migration::RamRange {
+            gpa: 0,
+            len: self.config().memory,
+        };
         // SAFETY: the mapping lives as long as the VM.
-        unsafe { GuestRam::new(self.host_address(), self.config().memory as usize) }
+        unsafe { GuestRam::new(&[(range, self.host_address())]) }
+            .expect("the VM's memory is one valid region")
     }
 
     fn start_dirty_log(&self) -> migration::Result<()> {

@@ -1,0 +1,251 @@
+//! Guest RAM as the engine sees it: a few regions of guest-physical memory (RAM below the
+//! 32-bit MMIO hole, RAM above 4 GiB), each a host mapping. Pages are named by their
+//! guest-physical frame number (`gfn`, the address >> 12); every page bitmap spans
+//! `0..gfn_end()`, and bits inside a hole are never set.
+//!
+//! Every accessor is bounds-checked in release builds: a page outside RAM is an error, never a
+//! stray pointer.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::{PAGE_SHIFT, PAGE_SIZE};
+
+/// One contiguous piece of guest RAM (page-aligned).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RamRange {
+    pub gpa: u64,
+    pub len: u64,
+}
+
+impl RamRange {
+    pub fn first_gfn(&self) -> u64 {
+        self.gpa >> PAGE_SHIFT
+    }
+
+    pub fn end_gfn(&self) -> u64 {
+        (self.gpa + self.len) >> PAGE_SHIFT
+    }
+
+    pub fn pages(&self) -> u64 {
+        self.len >> PAGE_SHIFT
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Region {
+    range: RamRange,
+    host: *mut u8,
+}
+
+/// Guest memory: its regions and where each is mapped here.
+///
+/// On a running source the guest writes pages while the engine reads them: reads are plain
+/// loads and may see a torn page, which is harmless because such a page is dirty and is sent
+/// again. The destination writes pages only while its vCPUs are parked (or, in post-copy,
+/// through `UFFDIO_COPY`, which the kernel makes atomic).
+#[derive(Clone, Debug)]
+pub struct GuestRam {
+    regions: std::sync::Arc<[Region]>,
+}
+
+// SAFETY: the mappings outlive every user (the VM owns them for the process lifetime), and
+// concurrent access follows the contract in the type's documentation.
+unsafe impl Send for GuestRam {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for GuestRam {}
+
+impl GuestRam {
+    /// # Safety
+    /// Each `(range, host)` must be a host mapping of `range.len` bytes that stays valid for
+    /// as long as this value (or a clone) is used.
+    pub unsafe fn new(regions: &[(RamRange, *mut u8)]) -> Result<Self> {
+        let mut end = 0u64;
+        for (r, host) in regions {
+            let aligned = |v: u64| v.is_multiple_of(PAGE_SIZE as u64);
+            if !aligned(r.gpa) || !aligned(r.len) || r.len == 0 || host.is_null() {
+                return Err(Error::Vm(format!("bad RAM region {r:?}")));
+            }
+            if r.gpa < end {
+                return Err(Error::Vm(format!(
+                    "RAM regions overlap or are out of order at {:#x}",
+                    r.gpa
+                )));
+            }
+            end = r.gpa + r.len;
+        }
+        let regions: Vec<Region> = regions
+            .iter()
+            .map(|&(range, host)| Region { range, host })
+            .collect();
+        Ok(Self {
+            regions: regions.into(),
+        })
+    }
+
+    pub fn ranges(&self) -> Vec<RamRange> {
+        self.regions.iter().map(|r| r.range).collect()
+    }
+
+    /// RAM pages (holes not counted).
+    pub fn pages(&self) -> u64 {
+        self.regions.iter().map(|r| r.range.pages()).sum()
+    }
+
+    /// RAM bytes.
+    pub fn len(&self) -> u64 {
+        self.regions.iter().map(|r| r.range.len).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.regions.is_empty()
+    }
+
+    /// One past the highest guest page number: the length of every page bitmap.
+    pub fn gfn_end(&self) -> u64 {
+        self.regions.last().map_or(0, |r| r.range.end_gfn())
+    }
+
+    fn region(&self, gfn: u64) -> Option<&Region> {
+        self.regions
+            .iter()
+            .find(|r| gfn >= r.range.first_gfn() && gfn < r.range.end_gfn())
+    }
+
+    pub fn contains(&self, gfn: u64) -> bool {
+        self.region(gfn).is_some()
+    }
+
+    /// The host address of `pages` pages from `gfn`, all in one region.
+    pub fn host_ptr(&self, gfn: u64, pages: u64) -> Result<*mut u8> {
+        let r = self.region(gfn).ok_or_else(|| outside(gfn))?;
+        if gfn + pages > r.range.end_gfn() {
+            return Err(outside(gfn + pages - 1));
+        }
+        let offset = ((gfn - r.range.first_gfn()) as usize) << PAGE_SHIFT;
+        // SAFETY: `offset` lies inside the region's mapping (checked above).
+        Ok(unsafe { r.host.add(offset) })
+    }
+
+    /// Pages from `gfn` to the end of its region (how far a run of pages may extend).
+    pub fn pages_to_region_end(&self, gfn: u64) -> u64 {
+        self.region(gfn).map_or(0, |r| r.range.end_gfn() - gfn)
+    }
+
+    /// A view of page `gfn` for reading. On a running source it may change under us (see the
+    /// type's note); the caller treats it as a possibly torn snapshot.
+    pub fn page(&self, gfn: u64) -> Result<&[u8]> {
+        let p = self.host_ptr(gfn, 1)?;
+        // SAFETY: one page inside a live mapping (checked by `host_ptr`).
+        Ok(unsafe { std::slice::from_raw_parts(p, PAGE_SIZE) })
+    }
+
+    /// `pages` pages from `gfn` as one byte slice, for vectored sends.
+    pub fn pages_slice(&self, gfn: u64, pages: u64) -> Result<&[u8]> {
+        let p = self.host_ptr(gfn, pages)?;
+        // SAFETY: the run lies inside one live mapping (checked by `host_ptr`).
+        Ok(unsafe { std::slice::from_raw_parts(p, pages as usize * PAGE_SIZE) })
+    }
+
+    /// Copies `data` (one page) into page `gfn`. Only while the VM's vCPUs are parked.
+    pub fn write_page(&self, gfn: u64, data: &[u8]) -> Result<()> {
+        if data.len() != PAGE_SIZE {
+            return Err(Error::Vm(format!("a page write of {} bytes", data.len())));
+        }
+        let p = self.host_ptr(gfn, 1)?;
+        // SAFETY: `p` is one page of a live mapping; `data` is a distinct buffer of one page.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), p, PAGE_SIZE) };
+        Ok(())
+    }
+
+    /// Fills page `gfn` with zeros. Only while the VM's vCPUs are parked.
+    pub fn zero_page(&self, gfn: u64) -> Result<()> {
+        let p = self.host_ptr(gfn, 1)?;
+        // SAFETY: `p` is one page of a live mapping.
+        unsafe { std::ptr::write_bytes(p, 0, PAGE_SIZE) };
+        Ok(())
+    }
+
+    /// `pages` pages from `gfn` as a mutable slice, for reading from the wire straight into
+    /// place.
+    ///
+    /// # Safety
+    /// No other reference to these pages may be alive while the slice is used: the VM's
+    /// vCPUs are parked, and the caller never hands out two slices over one page (page
+    /// frames that name a page twice are refused by the parser).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn pages_slice_mut(&self, gfn: u64, pages: u64) -> Result<&mut [u8]> {
+        let p = self.host_ptr(gfn, pages)?;
+        // SAFETY: in bounds (checked); exclusivity is the caller's contract above.
+        Ok(unsafe { std::slice::from_raw_parts_mut(p, pages as usize * PAGE_SIZE) })
+    }
+
+    /// The region holding host address `addr`, as a page number (post-copy faults name host
+    /// addresses).
+    pub fn gfn_of_host(&self, addr: u64) -> Option<u64> {
+        self.regions.iter().find_map(|r| {
+            let base = r.host as u64;
+            (addr >= base && addr < base + r.range.len)
+                .then(|| r.range.first_gfn() + ((addr - base) >> PAGE_SHIFT))
+        })
+    }
+
+    /// Each region's host mapping and length (for pagemap scans and userfaultfd).
+    pub fn host_regions(&self) -> impl Iterator<Item = (RamRange, *mut u8)> + '_ {
+        self.regions.iter().map(|r| (r.range, r.host))
+    }
+}
+
+fn outside(gfn: u64) -> Error {
+    Error::Protocol(format!("page {gfn:#x} lies outside guest RAM"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pages_are_found_by_guest_physical_number_and_holes_refused() {
+        let mut low = vec![0u8; 4 * PAGE_SIZE];
+        let mut high = vec![0u8; 2 * PAGE_SIZE];
+        let ranges = [
+            (
+                RamRange {
+                    gpa: 0,
+                    len: 4 * PAGE_SIZE as u64,
+                },
+                low.as_mut_ptr(),
+            ),
+            (
+                RamRange {
+                    gpa: 8 * PAGE_SIZE as u64,
+                    len: 2 * PAGE_SIZE as u64,
+                },
+                high.as_mut_ptr(),
+            ),
+        ];
+        // SAFETY: the vectors outlive `ram`.
+        let ram = unsafe { GuestRam::new(&ranges) }.unwrap();
+        assert_eq!(ram.pages(), 6);
+        assert_eq!(ram.gfn_end(), 10);
+        assert!(ram.contains(3) && !ram.contains(4) && ram.contains(9));
+        assert!(ram.page(5).is_err());
+        assert!(ram.host_ptr(3, 2).is_err(), "a run may not cross a hole");
+        ram.write_page(8, &[7u8; PAGE_SIZE]).unwrap();
+        assert_eq!(ram.page(8).unwrap()[0], 7);
+        assert_eq!(ram.gfn_of_host(high.as_ptr() as u64 + 4096), Some(9));
+        assert!(ram.page(10).is_err());
+    }
+
+    #[test]
+    fn overlapping_regions_are_refused() {
+        let mut a = vec![0u8; 2 * PAGE_SIZE];
+        let r = RamRange {
+            gpa: 0,
+            len: 2 * PAGE_SIZE as u64,
+        };
+        // SAFETY: never dereferenced (refused).
+        let e = unsafe { GuestRam::new(&[(r, a.as_mut_ptr()), (r, a.as_mut_ptr())]) };
+        assert!(e.is_err());
+    }
+}
