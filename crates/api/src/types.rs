@@ -67,7 +67,7 @@ pub struct DirtyLoggingRequest {
 pub struct MigrationRequest {
     /// tcp:HOST:PORT or unix:PATH
     pub destination: String,
-    /// precopy (default) or warm
+    /// precopy (default), warm, postcopy or hybrid
     pub mode: Option<String>,
     pub max_downtime_ms: Option<i64>,
     pub max_bandwidth_mbps: Option<i64>,
@@ -97,4 +97,113 @@ pub struct SnapshotRequest {
     pub file: String,
 }
 
-pub use migration::{MigrationPhase, MigrationStatus, RoundStats};
+/// Where a migration is, as `GET /api/v1/vm.migration` names it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MigrationPhase {
+    #[default]
+    None,
+    Setup,
+    Active,
+    Switchover,
+    /// The VM runs on the destination while pages still move.
+    PostcopyActive,
+    /// The destination runs the VM.
+    Completed,
+    /// Failed before the destination took over: the VM stays here, as it was.
+    Failed,
+    Cancelled,
+    /// `Go` was sent but never confirmed: the VM may run there; this copy stays paused.
+    Unconfirmed,
+    /// Post-copy lost its connection after the switch; `vm.migrate-resume` carries on.
+    PostcopyPaused,
+}
+
+impl MigrationPhase {
+    pub fn is_running(self) -> bool {
+        matches!(
+            self,
+            Self::Setup | Self::Active | Self::Switchover | Self::PostcopyActive
+        )
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoundStats {
+    pub round: u32,
+    pub pages: u64,
+    pub zero_pages: u64,
+    pub bytes: u64,
+    pub duration_ms: f64,
+    /// Pages the guest dirtied per second while this round was sent.
+    pub dirty_pages_per_s: f64,
+}
+
+/// What the destination saw during post-copy.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PostcopyReport {
+    pub network_faults: u64,
+    pub zero_faults: u64,
+    pub pages_before_access: u64,
+    pub duplicates: u64,
+    pub fault_latency_p50_ms: Option<f64>,
+    pub fault_latency_p99_ms: Option<f64>,
+    pub fault_latency_max_ms: Option<f64>,
+    pub resume_ms: f64,
+    pub memory_checksum: Option<u64>,
+    /// Per 10 ms since the switch: [network faults, pages pushed in, pages requested in].
+    pub timeline_10ms: Vec<[u32; 3]>,
+}
+
+/// Body of `GET /api/v1/vm.migration`: live progress and, once it ended, the final figures.
+/// Durations name the clock they were measured on.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MigrationStatus {
+    pub phase: MigrationPhase,
+    /// source or destination
+    pub role: String,
+    pub mode: String,
+    pub peer: String,
+    // live progress
+    pub round: u32,
+    pub pages_remaining: u64,
+    pub dirty_pages_per_s: f64,
+    pub throughput_mbps: f64,
+    pub expected_downtime_ms: f64,
+    pub converged: Option<bool>,
+    pub note: Option<String>,
+    // totals
+    pub memory_pages: u64,
+    /// Which zero-page check this host runs: avx512, avx2 or scalar.
+    pub zero_page_check: String,
+    pub pages_full: u64,
+    pub pages_zero: u64,
+    pub pages_skipped_unpopulated: u64,
+    pub pages_resent: u64,
+    pub bytes_on_wire: u64,
+    pub rounds: Vec<RoundStats>,
+    // times
+    pub setup_ms: f64,
+    /// The source's clock: its pause → the destination's "resumed" heard back.
+    pub downtime_ms: Option<f64>,
+    /// The destination's clock: all state received → guest resumed.
+    pub destination_downtime_ms: Option<f64>,
+    /// The largest heartbeat gap across the switch, as the guest lived it.
+    pub guest_observed_downtime_ms: Option<f64>,
+    pub total_ms: f64,
+    pub average_throughput_mbps: f64,
+    // application degradation: guest pages touched per second
+    pub guest_pages_per_s_before: Option<f64>,
+    pub guest_pages_per_s_during: Option<f64>,
+    pub guest_pages_per_s_after: Option<f64>,
+    // post-copy
+    pub destination_supports_postcopy: Option<bool>,
+    pub postcopy: bool,
+    pub pages_pushed: u64,
+    pub pages_requested: u64,
+    pub postcopy_report: Option<PostcopyReport>,
+    // verification aid
+    pub memory_checksum_source: Option<u64>,
+    pub memory_checksum_destination: Option<u64>,
+    pub error: Option<String>,
+}

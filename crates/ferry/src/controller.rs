@@ -8,7 +8,7 @@ use serde_json::Value;
 use vmm::devices::heartbeat::now_ns;
 use vmm::{Vm, VmState};
 
-use crate::outgoing::Outgoing;
+use crate::migrations::{Migrations, api_error};
 
 /// Where the VM is in its life, beyond running/paused.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -27,7 +27,7 @@ pub struct Controller {
     vm: OnceLock<Arc<Vm>>,
     phase: Mutex<Phase>,
     shutdown: AtomicBool,
-    pub outgoing: Outgoing,
+    pub migrations: Migrations,
 }
 
 impl Controller {
@@ -37,7 +37,7 @@ impl Controller {
             vm: OnceLock::new(),
             phase: Mutex::new(phase),
             shutdown: AtomicBool::new(false),
-            outgoing: Outgoing::default(),
+            migrations: Migrations::default(),
         })
     }
 
@@ -85,7 +85,7 @@ impl Controller {
         let i = vm.info();
         let state = match &phase {
             Phase::Incoming => "incoming",
-            Phase::Live if self.outgoing.running() => "migrating",
+            Phase::Live if self.migrations.running() => "migrating",
             Phase::Live if i.state == VmState::Running => "running",
             Phase::Live => "paused",
             Phase::Migrated => "migrated",
@@ -144,7 +144,7 @@ impl Controller {
     /// switch; a resume then would run the guest while its state is being sent).
     fn require_idle(&self) -> Result<&Arc<Vm>, ApiError> {
         let vm = self.require_live()?;
-        if self.outgoing.running() {
+        if self.migrations.running() {
             return Err(ApiError::conflict(
                 "a migration is running: cancel it first (vm.cancel-migration)",
             ));
@@ -180,13 +180,17 @@ impl Handler for Controller {
             }
             ApiRequest::Resume => {
                 let vm = self.require_idle()?;
-                if migration::stats::lock(&self.outgoing.status).phase
-                    == migration::MigrationPhase::Unconfirmed
+                let phase = self.migrations.phase();
+                if matches!(
+                    phase,
+                    migration::Phase::Unconfirmed | migration::Phase::PostcopyPaused
+                ) && self.migrations.board.read().role == migration::Role::Source
                 {
-                    return Err(ApiError::conflict(
-                        "the destination may already run this VM (the migration's outcome is \
-                         unconfirmed); resuming here could make two copies",
-                    ));
+                    return Err(ApiError::conflict(format!(
+                        "the destination may already run this VM (the migration is {}); \
+                         resuming here could make two copies",
+                        phase.name()
+                    )));
                 }
                 vm.resume();
                 Ok(Value::Null)
@@ -202,7 +206,7 @@ impl Handler for Controller {
             }
             ApiRequest::DirtyLogging(req) => {
                 let vm = self.require_live()?;
-                if self.outgoing.running() {
+                if self.migrations.running() {
                     return Err(ApiError::conflict("a migration owns dirty logging now"));
                 }
                 crate::dirty_bench::set(vm, req.enabled, req.harvest_ms.unwrap_or(100))
@@ -210,9 +214,18 @@ impl Handler for Controller {
                 Ok(Value::Null)
             }
             ApiRequest::SendMigration(req) => self.send_migration(&req),
-            ApiRequest::MigrationStatus => Ok(self.outgoing.status_json()),
-            ApiRequest::CancelMigration => self.outgoing.cancel(),
-            ApiRequest::StartPostcopy => self.outgoing.start_postcopy(),
+            ApiRequest::MigrationStatus => Ok(self.migrations.status_json()),
+            ApiRequest::CancelMigration => {
+                self.migrations.outgoing.cancel().map_err(api_error)?;
+                Ok(Value::Null)
+            }
+            ApiRequest::StartPostcopy => {
+                self.migrations
+                    .outgoing
+                    .start_postcopy()
+                    .map_err(api_error)?;
+                Ok(Value::Null)
+            }
             ApiRequest::MigrateResume(req) => self.migrate_resume(&req),
             ApiRequest::Snapshot(req) => self.snapshot(&req),
         }

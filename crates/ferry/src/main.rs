@@ -4,7 +4,7 @@ mod cli;
 mod controller;
 mod dirty_bench;
 mod migrate;
-mod outgoing;
+mod migrations;
 mod report;
 mod run;
 mod status;

@@ -8,8 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use api::ApiServer;
-use migration::Incoming;
-use migration::receive::{Received, receive_migration, send_guest_report};
+use migration::destination::Source;
 use vmm::devices::GuestEvent;
 use vmm::{Vm, VmConfig, VmEvent};
 
@@ -18,12 +17,16 @@ use crate::controller::{Controller, Phase};
 
 static TERMINATE: AtomicBool = AtomicBool::new(false);
 
+/// Where an incoming VM comes from.
+enum Incoming {
+    Listen(migration::Endpoint),
+    Snapshot(std::path::PathBuf),
+}
+
 /// After migrating away, the source waits this long for someone to read the final report.
 const REPORT_LINGER: Duration = Duration::from_secs(10);
 /// How long the source stays after the final report was read, so the answer gets out.
 const ANSWER_GRACE: Duration = Duration::from_millis(300);
-/// The destination measures the guest's work rate over this window after resuming.
-const AFTER_WINDOW: Duration = Duration::from_secs(1);
 
 pub fn run(args: RunArgs) -> Result<i32> {
     if let Some(socket) = &args.api_socket {
@@ -62,66 +65,34 @@ fn run_boot(args: &RunArgs) -> Result<i32> {
 
 fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
     // Listen before the API answers, so that "API up" means "ready for the migration".
-    let pending = incoming.prepare()?;
+    let source = match incoming {
+        Incoming::Listen(endpoint) => Source::listen(endpoint)?,
+        Incoming::Snapshot(path) => Source::snapshot(path)?,
+    };
     let controller = Controller::new(Phase::Incoming);
     let _server = start_api(&controller, args.api_socket.as_deref())?;
-    let stream = pending.accept()?;
     let serial = open_serial(&args.serial)?;
-    let status = controller.outgoing.status.clone();
-    let received = receive_migration(
-        stream,
+    let received = controller.migrations.incoming.receive(
+        source,
         |descriptor| {
             let config = VmConfig::from_descriptor(descriptor)?;
             Vm::for_restore(config, serial)
                 .map(Arc::new)
-                .map_err(|e| migration::Error::Vm(format!("cannot build the VM: {e}")))
+                .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))
         },
         // The VM runs from here on (in post-copy, while its pages still arrive).
         |vm| {
             controller.set_vm(vm.clone());
             controller.set_phase(Phase::Live);
         },
-        &status,
     );
-    let Received {
-        vm,
-        mut stream,
-        resumed_at_ns,
-        interrupted,
-    } = match received {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("ferry: error: incoming migration failed: {e}");
-            return Ok(1);
-        }
-    };
-    if let Some(e) = migration::stats::lock(&status).error.clone() {
+    if let Err(e) = received {
+        eprintln!("ferry: error: incoming migration failed: {e}");
+        return Ok(1);
+    }
+    if let Some(e) = controller.migrations.board.read().error {
         eprintln!("ferry: warning: {e}");
     }
-    *controller
-        .outgoing
-        .interrupted
-        .lock()
-        .unwrap_or_else(|e| e.into_inner()) = interrupted;
-    let report_status = status.clone();
-    std::thread::spawn(move || {
-        // Let the guest run a moment, then tell the source what it lived through.
-        std::thread::sleep(AFTER_WINDOW);
-        let (observed, rate) = {
-            let hb = vm.heartbeat();
-            let end = resumed_at_ns + AFTER_WINDOW.as_nanos() as u64;
-            (
-                hb.observed_downtime_ns(),
-                hb.pages_per_second(resumed_at_ns, end),
-            )
-        };
-        {
-            let mut s = migration::stats::lock(&report_status);
-            s.guest_observed_downtime_ms = observed.map(|n| n as f64 / 1e6);
-            s.guest_pages_per_s_after = rate;
-        }
-        send_guest_report(&mut stream, observed, rate);
-    });
     Ok(supervise(&controller))
 }
 
@@ -153,7 +124,7 @@ fn supervise(controller: &Controller) -> i32 {
             let since = *migrated_at.get_or_insert_with(Instant::now);
             // Once a client has read the final report, give its answer time to leave.
             if controller
-                .outgoing
+                .migrations
                 .final_status_read
                 .load(Ordering::Acquire)
             {

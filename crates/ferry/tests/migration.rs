@@ -225,13 +225,13 @@ fn foreign_streams_are_refused() {
     let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     let mut header = b"FERRYMIG".to_vec();
-    header.extend_from_slice(&2u32.to_le_bytes());
+    header.extend_from_slice(&99u32.to_le_bytes());
     header.extend_from_slice(&[0; 4]);
     s.write_all(&header).unwrap();
     assert!(!dst.wait_exit(T).success());
     assert!(
         dst.stderr_text()
-            .contains("stream version 2 is not supported"),
+            .contains("stream version 99 is not supported (this ferry speaks version 2)"),
         "{}",
         dst.stderr_text()
     );

@@ -194,7 +194,7 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
     let (mut dst, proxy) = destination_behind(common::proxy::Fault::CutAfter(4 << 20));
     let (report, ok, _) = migrate(&src, &proxy.url, &["--mode", "postcopy"]);
     assert!(!ok);
-    assert_eq!(report.phase, MigrationPhase::Unconfirmed, "{report:?}");
+    assert_eq!(report.phase, MigrationPhase::PostcopyPaused, "{report:?}");
     drop(proxy);
 
     // The destination holds the newest state: it must live on, and say what happened.

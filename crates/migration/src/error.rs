@@ -1,21 +1,111 @@
+//! The engine's errors. Each keeps its cause (`source()`), so a reader of the log sees the
+//! whole chain; the API edge chooses an HTTP status from `kind()`.
+
+type Cause = Box<dyn std::error::Error + Send + Sync>;
+
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{0}")]
-    Transport(String),
+    /// The connection or file failed (refused, reset, timed out, closed).
+    #[error("{context}: {source}")]
+    Transport {
+        context: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The stream is not what the protocol allows (corrupt, truncated, foreign, out of order).
     #[error("migration stream: {0}")]
     Protocol(String),
+    /// The peer gave up and said why.
     #[error("the peer reported: {0}")]
     Peer(String),
-    #[error("VM: {0}")]
-    Vm(String),
+    /// The VM could not do what the migration asked of it.
+    #[error("VM: {context}")]
+    Vm {
+        context: String,
+        #[source]
+        source: Option<Cause>,
+    },
     #[error("migration cancelled")]
     Cancelled,
     #[error("migration timed out after {0} s")]
     Timeout(u64),
+    /// A parameter the user gave is wrong.
     #[error("bad migration parameter: {0}")]
     Param(String),
-    #[error("I/O: {0}")]
-    Io(#[from] std::io::Error),
+    /// The request does not fit what the VM or the migration is doing now.
+    #[error("{0}")]
+    State(String),
+}
+
+/// What kind of failure an error is, for the API edge to answer with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The user's input is wrong.
+    BadInput,
+    /// Not allowed in the current state.
+    Conflict,
+    /// The peer or the link failed.
+    Peer,
+    /// This side failed.
+    Internal,
+}
+
+impl Error {
+    pub fn transport(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Transport {
+            context: context.into(),
+            source,
+        }
+    }
+
+    pub fn vm(context: impl Into<String>) -> Self {
+        Error::Vm {
+            context: context.into(),
+            source: None,
+        }
+    }
+
+    pub fn vm_caused(context: impl Into<String>, source: impl Into<Cause>) -> Self {
+        Error::Vm {
+            context: context.into(),
+            source: Some(source.into()),
+        }
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Param(_) => ErrorKind::BadInput,
+            Error::State(_) => ErrorKind::Conflict,
+            Error::Transport { .. } | Error::Protocol(_) | Error::Peer(_) | Error::Timeout(_) => {
+                ErrorKind::Peer
+            }
+            Error::Vm { .. } | Error::Cancelled => ErrorKind::Internal,
+        }
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::transport("I/O", e)
+    }
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    #[test]
+    fn causes_are_kept() {
+        let e = Error::transport(
+            "cannot connect to tcp:h:1",
+            std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+        );
+        assert!(e.source().is_some());
+        assert_eq!(e.kind(), ErrorKind::Peer);
+        let e = Error::vm_caused("pause", std::io::Error::other("vCPU 1 stuck"));
+        assert_eq!(e.source().unwrap().to_string(), "vCPU 1 stuck");
+    }
+}

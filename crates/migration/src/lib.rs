@@ -1,33 +1,33 @@
-//! ferry's migration engine: wire protocol, transports, pre-copy (live, warm, cold), the
-//! receiver, policy and statistics.
+//! ferry's migration engine, by side: `source` (rounds, switch-over, post-copy serving,
+//! recovery), `destination` (receive state machine, post-copy faults, recovery), and `wire`
+//! (framing, messages, page frames, bitmaps, zero check, transports), which both sides use
+//! and which uses neither. Beside them the pure parts: `policy`, `prepaging`, `ratelimit`;
+//! and what both sides share: guest `memory`, `scan`, `params`, `status`, the `vm` trait.
 //!
 //! It knows nothing of KVM: it drives a VM through the `Migratable` trait, which the KVM VM
-//! implements and unit tests implement with plain memory.
+//! implements and tests implement with plain memory.
 
-pub mod bitmap;
+pub mod destination;
 pub mod error;
 pub mod memory;
-pub mod pages;
+pub mod params;
 pub mod policy;
-pub mod postcopy;
-pub mod precopy;
 pub mod prepaging;
-pub mod protocol;
 pub mod ratelimit;
-pub mod receive;
-pub mod stats;
-pub mod transport;
+pub mod scan;
+pub mod source;
+pub mod status;
 pub mod vm;
-pub mod zero;
+pub mod wire;
 
-pub use error::{Error, Result};
+pub use destination::Incoming;
+pub use error::{Error, ErrorKind, Result};
 pub use memory::{GuestRam, RamRange};
-pub use postcopy::resume_postcopy;
-pub use precopy::{MigrationParams, Mode, Signals, send_migration};
-pub use receive::{Incoming, receive_migration};
-pub use stats::{MigrationPhase, MigrationStatus, RoundStats, SharedStatus};
-pub use transport::Endpoint;
-pub use vm::{Migratable, VmDescriptor};
+pub use params::{MigrationParams, Mode, Strategy};
+pub use source::Outgoing;
+pub use status::{Phase, Role, Status, StatusBoard};
+pub use vm::{GuestReport, Migratable, VmDescriptor};
+pub use wire::transport::Endpoint;
 
 pub const PAGE_SIZE: usize = 4096;
 pub const PAGE_SHIFT: u32 = 12;

@@ -64,10 +64,10 @@ impl GuestRam {
         for (r, host) in regions {
             let aligned = |v: u64| v.is_multiple_of(PAGE_SIZE as u64);
             if !aligned(r.gpa) || !aligned(r.len) || r.len == 0 || host.is_null() {
-                return Err(Error::Vm(format!("bad RAM region {r:?}")));
+                return Err(Error::vm(format!("bad RAM region {r:?}")));
             }
             if r.gpa < end {
-                return Err(Error::Vm(format!(
+                return Err(Error::vm(format!(
                     "RAM regions overlap or are out of order at {:#x}",
                     r.gpa
                 )));
@@ -150,7 +150,7 @@ impl GuestRam {
     /// Copies `data` (one page) into page `gfn`. Only while the VM's vCPUs are parked.
     pub fn write_page(&self, gfn: u64, data: &[u8]) -> Result<()> {
         if data.len() != PAGE_SIZE {
-            return Err(Error::Vm(format!("a page write of {} bytes", data.len())));
+            return Err(Error::vm(format!("a page write of {} bytes", data.len())));
         }
         let p = self.host_ptr(gfn, 1)?;
         // SAFETY: `p` is one page of a live mapping; `data` is a distinct buffer of one page.

@@ -1,13 +1,11 @@
-//! What the engine needs from a VM, and guest RAM as the engine sees it.
+//! What the engine needs from a VM.
 
-use serde::{Deserialize, Serialize};
-
-use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::memory::{GuestRam, RamRange};
+use crate::wire::bitmap::Bitmap;
 
 /// The shape a destination must build before any page arrives.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VmDescriptor {
     pub memory_bytes: u64,
     /// Where RAM lies in guest-physical memory; the destination builds the same.
@@ -15,6 +13,17 @@ pub struct VmDescriptor {
     pub vcpus: u32,
     /// "anonymous" or "memfd".
     pub memory_backend: String,
+    /// Whether the VM ran on the source: a VM its user paused arrives paused.
+    pub running: bool,
+}
+
+/// What the guest lived through across a migration, as the destination's VMM saw it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GuestReport {
+    /// The largest heartbeat gap across the switch.
+    pub observed_downtime_ns: Option<u64>,
+    /// The guest's work rate over the first moment after it resumed.
+    pub pages_per_s_after: Option<f64>,
 }
 
 /// The operations a migration performs on a VM. Every method is required: there is no
@@ -22,9 +31,12 @@ pub struct VmDescriptor {
 pub trait Migratable: Send + Sync {
     fn descriptor(&self) -> VmDescriptor;
     fn ram(&self) -> GuestRam;
+    /// Whether the vCPUs run now (not paused by the user or by a migration).
+    fn is_running(&self) -> bool;
     /// Starts tracking guest writes; the first `take_dirty` reports writes since this call.
     fn start_dirty_log(&self) -> Result<()>;
-    /// Pages written since the last call (by the guest or by the VMM), and resets the set.
+    /// Pages written since the last call (by the guest or by the VMM), and resets the set:
+    /// a bitmap over guest page numbers, `ram().gfn_end()` long.
     fn take_dirty(&self) -> Result<Bitmap>;
     fn stop_dirty_log(&self) -> Result<()>;
     /// Parks every vCPU with complete state.
@@ -39,4 +51,6 @@ pub trait Migratable: Send + Sync {
     /// The guest's own work rate (e.g. pages touched per second) between two host times in
     /// ns since the epoch, when the guest reports progress; for application degradation.
     fn guest_progress_rate(&self, from_ns: u64, to_ns: u64) -> Option<f64>;
+    /// On a destination, a moment after resuming: what the guest saw of the migration.
+    fn guest_report(&self, resumed_at_ns: u64, window_ns: u64) -> GuestReport;
 }

@@ -6,27 +6,36 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use migration::bitmap::Bitmap;
-use migration::precopy::save_snapshot;
-use migration::receive::{Incoming, receive_migration};
-use migration::stats::lock;
+use migration::destination::Source;
+use migration::wire::bitmap::Bitmap;
 use migration::{
-    Endpoint, GuestRam, Migratable, MigrationParams, MigrationPhase, Mode, SharedStatus, Signals,
-    VmDescriptor, send_migration,
+    Endpoint, GuestRam, GuestReport, Incoming, Migratable, MigrationParams, Mode, Outgoing, Phase,
+    RamRange, Status, StatusBoard, VmDescriptor,
 };
 
-const PAGES: u64 = 4096; // 16 MiB
+/// Guest RAM: pages [0, LOW) and [HIGH, HIGH + LOW), with a hole between them (the shape of
+/// a real machine's RAM below and above its MMIO hole).
+const LOW: u64 = 2048;
+const HIGH: u64 = 3072;
+/// RAM pages in all.
+const PAGES: u64 = 2 * LOW;
+/// One past the last page number.
+const GFN_END: u64 = HIGH + LOW;
 
 struct Mapping(*mut u8, usize);
+// SAFETY: a private anonymous mapping owned by this value; threads share it as guest RAM.
 unsafe impl Send for Mapping {}
+// SAFETY: as for `Send`.
 unsafe impl Sync for Mapping {}
 impl Drop for Mapping {
     fn drop(&mut self) {
+        // SAFETY: the mapping this value owns, unmapped once.
         unsafe { libc::munmap(self.0 as *mut _, self.1) };
     }
 }
 
 fn map(len: usize) -> Mapping {
+    // SAFETY: a fresh anonymous mapping; nothing else is touched.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -46,7 +55,8 @@ type LoadedState = (Vec<Vec<u8>>, Vec<u8>);
 
 /// A VM whose "guest" is a thread writing pages in a scripted order.
 struct FakeVm {
-    mem: Mapping,
+    low: Mapping,
+    high: Mapping,
     dirty: Mutex<Bitmap>,
     logging: AtomicBool,
     paused: AtomicBool,
@@ -57,8 +67,9 @@ struct FakeVm {
 impl FakeVm {
     fn new() -> Arc<Self> {
         Arc::new(Self {
-            mem: map(PAGES as usize * 4096),
-            dirty: Mutex::new(Bitmap::new(PAGES)),
+            low: map(LOW as usize * 4096),
+            high: map(LOW as usize * 4096),
+            dirty: Mutex::new(Bitmap::new(GFN_END)),
             logging: AtomicBool::new(false),
             paused: AtomicBool::new(true),
             writes: AtomicU64::new(0),
@@ -79,11 +90,18 @@ impl FakeVm {
         self.writes.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn memory(&self) -> &[u8] {
-        unsafe { std::slice::from_raw_parts(self.mem.0, self.mem.1) }
+    /// Both RAM regions, low then high.
+    fn memory(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(PAGES as usize * 4096);
+        for m in [&self.low, &self.high] {
+            // SAFETY: the whole mapping, alive as long as `self`.
+            v.extend_from_slice(unsafe { std::slice::from_raw_parts(m.0, m.1) });
+        }
+        v
     }
 
-    /// Runs a writer over pages `[lo, hi)` (a stride walk) while the VM is not paused.
+    /// Runs a writer over RAM pages `[lo, hi)` (a stride walk; page numbers inside the hole
+    /// land above it) while the VM is not paused.
     fn start_guest(self: &Arc<Self>, lo: u64, hi: u64, stop: Arc<AtomicBool>) -> JoinHandle<()> {
         self.paused.store(false, Ordering::Release);
         let vm = self.clone();
@@ -95,7 +113,7 @@ impl FakeVm {
                     std::thread::sleep(Duration::from_micros(200));
                     continue;
                 }
-                let pfn = lo + (i * 7919) % (hi - lo);
+                let pfn = ram_page(lo + (i * 7919) % (hi - lo));
                 vm.write_page(pfn, generation);
                 i += 1;
                 if i.is_multiple_of(hi - lo) {
@@ -116,14 +134,23 @@ impl Migratable for FakeVm {
             ranges: self.ram().ranges(),
             vcpus: 2,
             memory_backend: "anonymous".into(),
+            running: self.is_running(),
         }
     }
     fn ram(&self) -> GuestRam {
-        let range = migration::RamRange {
+        let low = RamRange {
             gpa: 0,
-            len: self.mem.1 as u64,
+            len: LOW * 4096,
         };
-        unsafe { GuestRam::new(&[(range, self.mem.0)]) }.unwrap()
+        let high = RamRange {
+            gpa: HIGH * 4096,
+            len: LOW * 4096,
+        };
+        // SAFETY: both mappings live as long as the VM, which outlives every migration.
+        unsafe { GuestRam::new(&[(low, self.low.0), (high, self.high.0)]) }.unwrap()
+    }
+    fn is_running(&self) -> bool {
+        !self.paused.load(Ordering::Acquire)
     }
     fn start_dirty_log(&self) -> migration::Result<()> {
         self.dirty.lock().unwrap().clear();
@@ -132,7 +159,7 @@ impl Migratable for FakeVm {
     }
     fn take_dirty(&self) -> migration::Result<Bitmap> {
         let mut d = self.dirty.lock().unwrap();
-        Ok(std::mem::replace(&mut *d, Bitmap::new(PAGES)))
+        Ok(std::mem::replace(&mut *d, Bitmap::new(GFN_END)))
     }
     fn stop_dirty_log(&self) -> migration::Result<()> {
         self.logging.store(false, Ordering::Release);
@@ -162,62 +189,95 @@ impl Migratable for FakeVm {
     fn guest_progress_rate(&self, _: u64, _: u64) -> Option<f64> {
         None
     }
+    fn guest_report(&self, _: u64, _: u64) -> GuestReport {
+        GuestReport::default()
+    }
+}
+
+/// The page number of RAM page `i` (counting RAM only, across the hole).
+fn ram_page(i: u64) -> u64 {
+    if i < LOW { i } else { HIGH + (i - LOW) }
 }
 
 struct Run {
-    source_status: SharedStatus,
+    source_status: Status,
     result: migration::Result<()>,
     dest: Option<Arc<FakeVm>>,
     dest_error: Option<String>,
+    dest_status: Status,
 }
 
-/// Migrates `src` to a fresh fake destination over a Unix socket.
-fn migrate(src: &Arc<FakeVm>, params: MigrationParams, refuse: Option<&'static str>) -> Run {
+/// Migrates `src` to a fresh fake destination over a Unix socket. `during` runs on the
+/// destination VM the moment it resumes (a guest touching its memory).
+fn migrate_with(
+    src: &Arc<FakeVm>,
+    params: MigrationParams,
+    refuse: Option<&'static str>,
+    during: fn(Arc<FakeVm>),
+) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
         .parse()
         .unwrap();
-    let pending = Incoming::Listen(endpoint.clone()).prepare().unwrap();
+    let source = Source::listen(&endpoint).unwrap();
+    let dest_board = StatusBoard::default();
+    let board = dest_board.clone();
     let dest_thread = std::thread::spawn(move || {
-        let stream = pending.accept()?;
-        let status = SharedStatus::default();
-        receive_migration(
-            stream,
+        let incoming = Incoming::new(board);
+        incoming.receive(
+            source,
             |_| match refuse {
-                Some(why) => Err(migration::Error::Vm(why.into())),
+                Some(why) => Err(migration::Error::vm(why)),
                 None => Ok(FakeVm::new()),
             },
-            |_| {},
-            &status,
+            |vm| {
+                let vm = vm.clone();
+                std::thread::spawn(move || during(vm));
+            },
         )
-        .map(|r| r.vm)
     });
-    let status = SharedStatus::default();
-    let result = send_migration(
-        src.as_ref(),
-        &endpoint,
-        &params,
-        &status,
-        &Signals::default(),
+    let board = StatusBoard::default();
+    let outgoing = Outgoing::new(board.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = outgoing.send(
+        src.clone(),
+        endpoint,
+        params,
+        Box::new(move |r| {
+            let _ = tx.send(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        }),
     );
+    let result = match started {
+        Err(e) => Err(e),
+        Ok(()) => rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the migration ends")
+            .map_err(migration::Error::Peer),
+    };
     let dest = dest_thread.join().unwrap();
     Run {
-        source_status: status,
+        source_status: board.read(),
         result,
         dest_error: dest.as_ref().err().map(|e| e.to_string()),
         dest: dest.ok(),
+        dest_status: dest_board.read(),
     }
+}
+
+fn migrate(src: &Arc<FakeVm>, params: MigrationParams, refuse: Option<&'static str>) -> Run {
+    migrate_with(src, params, refuse, |_| {})
 }
 
 #[test]
 fn precopy_moves_memory_exactly_while_the_guest_writes() {
     let src = FakeVm::new();
-    // Some pages hold data before the migration; most are never touched.
-    for pfn in 0..1024 {
-        src.write_page(pfn, 0);
+    // Some pages hold data before the migration (on both sides of the hole); most are never
+    // touched.
+    for i in (0..PAGES).step_by(4) {
+        src.write_page(ram_page(i), 0);
     }
     let stop = Arc::new(AtomicBool::new(false));
-    let guest = src.start_guest(0, 512, stop.clone());
+    let guest = src.start_guest(LOW - 256, LOW + 256, stop.clone());
     let run = migrate(
         &src,
         MigrationParams {
@@ -239,14 +299,79 @@ fn precopy_moves_memory_exactly_while_the_guest_writes() {
         src.memory() == dest.memory(),
         "destination memory equals the source's at the switch"
     );
-    let s = lock(&run.source_status).clone();
-    assert_eq!(s.phase, MigrationPhase::Completed);
-    assert_eq!(s.pages_skipped_unpopulated, PAGES - 1024);
-    assert!(s.rounds.len() >= 2, "{:?}", s.rounds);
-    assert!(s.pages_resent > 0);
+    assert!(dest.is_running(), "a running VM arrives running");
+    let s = run.source_status;
+    assert_eq!(s.phase, Phase::Completed);
+    assert!(s.progress.pages.skipped_unpopulated >= PAGES - PAGES / 4 - 512);
+    assert!(s.progress.rounds.len() >= 2, "{:?}", s.progress.rounds);
+    assert!(s.progress.pages.resent > 0);
+    assert!(s.report.downtime_ms.is_some() && s.report.destination_downtime_ms.is_some());
+    assert_eq!(run.dest_status.phase, Phase::Completed);
     let state = dest.state.lock().unwrap().clone().unwrap();
     assert_eq!(state.0, vec![b"cpu0".to_vec(), b"cpu1".to_vec()]);
     assert_eq!(state.1, b"devices".to_vec());
+}
+
+/// Post-copy and hybrid through the engine alone: the destination VM's "guest" reads pages
+/// the moment it resumes (faults that must be served by request), the rest is pushed.
+#[test]
+fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
+    for mode in [Mode::Postcopy, Mode::Hybrid] {
+        let src = FakeVm::new();
+        for i in 0..PAGES {
+            src.write_page(ram_page(i), 3);
+        }
+        for i in (0..PAGES).step_by(7) {
+            src.ram().zero_page(ram_page(i)).unwrap();
+        }
+        // Hybrid post-copies what the guest dirtied after its one round.
+        let stop = Arc::new(AtomicBool::new(false));
+        let guest = src.start_guest(LOW - 512, LOW + 512, stop.clone());
+        let run = migrate_with(
+            &src,
+            MigrationParams {
+                mode,
+                ..Default::default()
+            },
+            None,
+            |vm| {
+                // Touch pages far apart, on both sides of the hole: each faults.
+                let ram = vm.ram();
+                for i in (0..PAGES).rev().step_by(97) {
+                    let page = ram.page(ram_page(i)).unwrap();
+                    std::hint::black_box(page[0]);
+                }
+            },
+        );
+        stop.store(true, Ordering::Release);
+        guest.join().unwrap();
+        run.result.expect("migration");
+        let dest = run.dest.expect("destination VM");
+        assert!(
+            src.memory() == dest.memory(),
+            "{mode:?}: every page arrived"
+        );
+        let s = run.source_status;
+        assert!(s.postcopy, "{mode:?}");
+        assert_eq!(s.phase, Phase::Completed);
+        let r = s.report.postcopy_report.expect("post-copy report");
+        assert_eq!(r.duplicates, 0, "{mode:?}: each page crossed once");
+        let moved = s.progress.pages.pushed + s.progress.pages.requested;
+        match mode {
+            Mode::Postcopy => {
+                assert_eq!(moved, PAGES, "every page after the switch");
+                assert!(
+                    r.network_faults > 0,
+                    "the guest's reads were served by request"
+                );
+            }
+            _ => assert!(
+                moved > 0 && moved <= 1024,
+                "only the dirtied pages: {moved}"
+            ),
+        }
+        assert_eq!(run.dest_status.phase, Phase::Completed);
+    }
 }
 
 #[test]
@@ -267,8 +392,8 @@ fn zero_pages_travel_as_markers() {
         None,
     );
     run.result.expect("migration");
-    let s = lock(&run.source_status).clone();
-    assert_eq!((s.pages_full, s.pages_zero), (32, 32));
+    let p = run.source_status.progress.pages;
+    assert_eq!((p.full, p.zero), (32, 32));
     assert!(src.memory() == run.dest.unwrap().memory());
 }
 
@@ -290,45 +415,75 @@ fn a_destination_that_refuses_leaves_the_source_running() {
         !src.logging.load(Ordering::Acquire),
         "dirty logging is off again"
     );
-    assert_eq!(lock(&run.source_status).phase, MigrationPhase::Failed);
+    assert_eq!(run.source_status.phase, Phase::Failed);
+}
+
+/// A VM its user paused stays paused when a migration fails, and arrives paused when one
+/// succeeds.
+#[test]
+fn a_paused_vm_stays_paused() {
+    let src = FakeVm::new(); // FakeVm starts paused
+    src.write_page(5, 1);
+    let run = migrate(
+        &src,
+        MigrationParams {
+            mode: Mode::Warm,
+            ..Default::default()
+        },
+        Some("refused"),
+    );
+    assert!(run.result.is_err());
+    assert!(
+        src.paused.load(Ordering::Acquire),
+        "not resumed by the failure"
+    );
+    let run = migrate(
+        &src,
+        MigrationParams {
+            mode: Mode::Warm,
+            ..Default::default()
+        },
+        None,
+    );
+    run.result.expect("migration");
+    assert!(!run.dest.unwrap().is_running(), "arrives paused");
 }
 
 #[test]
 fn snapshot_file_restores_the_same_memory() {
     let src = FakeVm::new();
     for pfn in (0..PAGES).step_by(3) {
-        src.write_page(pfn, 9);
+        src.write_page(ram_page(pfn), 9);
     }
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("vm.ferry");
-    let status = SharedStatus::default();
-    save_snapshot(src.as_ref(), &file, &status).expect("snapshot");
-    let pending = Incoming::Snapshot(file.clone()).prepare().unwrap();
-    let restored = receive_migration(
-        pending.accept().unwrap(),
-        |_| Ok(FakeVm::new()),
-        |_| {},
-        &status,
-    )
-    .expect("restore")
-    .vm;
+    let path = dir.path().join("vm.ferry");
+    let outgoing = Outgoing::new(StatusBoard::default());
+    outgoing
+        .snapshot(
+            src.as_ref(),
+            std::fs::File::create(&path).unwrap(),
+            "vm.ferry",
+        )
+        .expect("snapshot");
+    let restore = |fresh: Arc<FakeVm>| {
+        Incoming::new(StatusBoard::default()).receive(
+            Source::snapshot(&path).unwrap(),
+            move |_| Ok(fresh),
+            |_| {},
+        )
+    };
+    let restored = restore(FakeVm::new()).expect("restore");
     assert!(src.memory() == restored.memory());
 
     // A truncated snapshot is refused, and nothing is resumed.
-    let bytes = std::fs::read(&file).unwrap();
-    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
-    let pending = Incoming::Snapshot(file).prepare().unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
     let fresh = FakeVm::new();
     let probe = fresh.clone();
-    let err = receive_migration(
-        pending.accept().unwrap(),
-        move |_| Ok(fresh),
-        |_| {},
-        &status,
-    )
-    .err()
-    .expect("truncated stream refused")
-    .to_string();
+    let err = restore(fresh)
+        .err()
+        .expect("truncated stream refused")
+        .to_string();
     assert!(err.contains("truncated"), "{err}");
     assert!(probe.paused.load(Ordering::Acquire), "never resumed");
 }

@@ -1,6 +1,6 @@
 //! The KVM VM as the migration engine sees it.
 
-use migration::bitmap::Bitmap;
+use migration::wire::bitmap::Bitmap;
 use migration::{GuestRam, Migratable, VmDescriptor};
 use serde::{Serialize, de::DeserializeOwned};
 
@@ -10,12 +10,13 @@ use crate::vm::{Vm, VmConfig};
 /// Version of the vCPU and device state encodings below; bump on any change to them.
 const STATE_VERSION: u32 = 1;
 
-fn vm_err(e: impl std::fmt::Display) -> migration::Error {
-    migration::Error::Vm(e.to_string())
+fn vm_err(e: crate::error::Error) -> migration::Error {
+    migration::Error::vm_caused("the KVM VM", e)
 }
 
 fn encode<T: Serialize>(value: &T) -> migration::Result<Vec<u8>> {
-    bincode::serialize(&(STATE_VERSION, value)).map_err(vm_err)
+    bincode::serialize(&(STATE_VERSION, value))
+        .map_err(|e| migration::Error::vm_caused("encoding VM state", e))
 }
 
 fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> migration::Result<T> {
@@ -38,6 +39,7 @@ impl VmConfig {
                 len: self.memory,
             }],
             vcpus: self.vcpus as u32,
+            running: true,
             memory_backend: match self.backend {
                 MemoryBackend::Anonymous => "anonymous",
                 MemoryBackend::Memfd => "memfd",
@@ -60,7 +62,22 @@ impl VmConfig {
 
 impl Migratable for Vm {
     fn descriptor(&self) -> VmDescriptor {
-        self.config().descriptor()
+        VmDescriptor {
+            running: self.is_running(),
+            ..self.config().descriptor()
+        }
+    }
+
+    fn is_running(&self) -> bool {
+        self.state() == crate::vm::VmState::Running
+    }
+
+    fn guest_report(&self, resumed_at_ns: u64, window_ns: u64) -> migration::GuestReport {
+        let hb = self.heartbeat();
+        migration::GuestReport {
+            observed_downtime_ns: hb.observed_downtime_ns(),
+            pages_per_s_after: hb.pages_per_second(resumed_at_ns, resumed_at_ns + window_ns),
+        }
     }
 
     fn ram(&self) -> GuestRam {

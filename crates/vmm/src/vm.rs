@@ -9,7 +9,7 @@ use kvm_bindings::{
     KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use migration::bitmap::Bitmap;
+use migration::wire::bitmap::Bitmap;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 

@@ -1,5 +1,5 @@
-//! The wire format (documented in docs/protocol.md). Everything that crosses the wire is
-//! encoded and checked here.
+//! Framing (documented in docs/protocol.md): the stream header, frames with their CRC, and
+//! page descriptors. What a control frame carries is `message`.
 //!
 //! Stream: a 16-byte header (`FERRYMIG`, version u32 LE, reserved u32), then frames.
 //! Frame: kind u8 | flags u8 | reserved u16 | length u32 | payload | crc32 u32 (LE).
@@ -9,13 +9,12 @@
 
 use std::io::{IoSlice, Read, Write};
 
-use serde::{Deserialize, Serialize};
-
 use crate::error::{Error, Result};
-use crate::vm::VmDescriptor;
+use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
-pub const VERSION: u32 = 1;
+/// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
+pub const VERSION: u32 = 2;
 pub const STREAM_HEADER_LEN: usize = 16;
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -57,89 +56,6 @@ pub fn split_descriptor(d: u64) -> Result<(u64, PageEncoding)> {
     Ok((d >> 8, PageEncoding::from_u8(d as u8)?))
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum StreamMode {
-    /// Live pre-copy: the source runs until switch-over.
-    Precopy,
-    /// Warm: paused first, everything sent, resumed on the destination.
-    Warm,
-    /// Cold: a snapshot file; no peer answers.
-    Snapshot,
-}
-
-/// Every frame that is not a page frame.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum Control {
-    /// Source → destination, first: what to build.
-    Hello {
-        vm: VmDescriptor,
-        mode: StreamMode,
-        source: String,
-    },
-    /// Destination → source: the VM is built, send pages; whether it can take post-copy.
-    Ready { postcopy: bool },
-    /// Source → destination: round `round` is complete.
-    RoundEnd { round: u32, pages: u64 },
-    /// Source → destination: one vCPU's state.
-    VcpuState { index: u32, state: Vec<u8> },
-    /// Source → destination: the rest of the VM's state.
-    DeviceState { state: Vec<u8> },
-    /// Source → destination: nothing more follows; the source paused at `paused_at_ns`.
-    StateEnd {
-        paused_at_ns: u64,
-        pages_sent: u64,
-        memory_checksum: Option<u64>,
-    },
-    /// Destination → source: everything loaded; waiting for `Go`.
-    Loaded { memory_checksum: Option<u64> },
-    /// Source → destination: the source gives the VM up; resume it.
-    Go,
-    /// Destination → source: the VM runs here now.
-    Resumed { resumed_at_ns: u64 },
-    /// Destination → source, after the guest's first heartbeats on the destination.
-    GuestReport {
-        observed_downtime_ns: Option<u64>,
-        pages_per_s_after: Option<f64>,
-    },
-    /// Either side: the migration failed, with why.
-    Abort { reason: String },
-    /// Source → destination, before the state: the switch is to post-copy, and these pages
-    /// (a page bitmap) will come after the guest resumes; all others are final.
-    PostcopyPending { pages: u64, words: Vec<u64> },
-    /// Destination → source during post-copy: the guest needs this page now.
-    PageRequest { pfn: u64 },
-    /// Source → destination: every pending page has been sent.
-    PostcopyDone { pages_sent: u64 },
-    /// Destination → source: every page is in place; the source may let go.
-    PostcopyComplete(PostcopyReport),
-    /// Source → destination, first on a new connection: carry on an interrupted post-copy.
-    ResumePostcopy,
-    /// Destination → source: the pages already here (a bitmap); send the rest.
-    ResumeFrom { words: Vec<u64> },
-}
-
-/// What the destination saw during post-copy.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-pub struct PostcopyReport {
-    /// Faults that had to wait for a page from the source.
-    pub network_faults: u64,
-    /// Faults resolved here with a zero page (the page held nothing on the source).
-    pub zero_faults: u64,
-    /// Pages that arrived before the guest touched them (pushed, never faulted).
-    pub pages_before_access: u64,
-    /// Pages that arrived when they were already here: must stay 0.
-    pub duplicates: u64,
-    pub fault_latency_p50_ms: Option<f64>,
-    pub fault_latency_p99_ms: Option<f64>,
-    pub fault_latency_max_ms: Option<f64>,
-    /// Guest resume to the last page in place.
-    pub resume_ms: f64,
-    /// `memory_checksum` of guest memory as it was at the switch (what arrived), when asked.
-    pub memory_checksum: Option<u64>,
-    /// Per 10 ms since the switch: [network faults, pages pushed in, pages requested in].
-    pub timeline_10ms: Vec<[u32; 3]>,
-}
-
 pub fn write_stream_header(w: &mut impl Write) -> Result<()> {
     let mut h = [0u8; STREAM_HEADER_LEN];
     h[..8].copy_from_slice(MAGIC);
@@ -173,9 +89,8 @@ pub fn frame_header(kind: u8, flags: u8, len: u32) -> [u8; FRAME_HEADER_LEN] {
     h
 }
 
-pub fn write_control(w: &mut impl Write, msg: &Control) -> Result<()> {
-    let payload = bincode::serialize(msg)
-        .map_err(|e| Error::Protocol(format!("cannot encode {msg:?}: {e}")))?;
+pub fn write_message(w: &mut impl Write, msg: &Message) -> Result<()> {
+    let payload = msg.encode();
     let header = frame_header(KIND_CONTROL, 0, payload.len() as u32);
     let mut crc = crc32fast::Hasher::new();
     crc.update(&header);
@@ -189,14 +104,14 @@ pub fn write_control(w: &mut impl Write, msg: &Control) -> Result<()> {
             IoSlice::new(&trailer),
         ],
     )?;
-    w.flush()?;
-    Ok(())
+    w.flush()
+        .map_err(|e| Error::transport("sending a control frame", e))
 }
 
 /// A frame as read: either a decoded control message or the start of a page frame, whose
 /// body the caller reads straight into guest memory.
 pub enum Frame {
-    Control(Control),
+    Message(Message),
     Pages {
         header: [u8; FRAME_HEADER_LEN],
         len: u32,
@@ -220,9 +135,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame> {
             crc.update(&header);
             crc.update(&payload);
             check_trailer(r, crc.finalize(), "control frame")?;
-            let msg = bincode::deserialize(&payload)
-                .map_err(|e| Error::Protocol(format!("undecodable control frame: {e}")))?;
-            Ok(Frame::Control(msg))
+            Ok(Frame::Message(Message::decode(&payload)?))
         }
         KIND_PAGES => Ok(Frame::Pages { header, len }),
         other => Err(Error::Protocol(format!("unknown frame kind {other}"))),
@@ -243,10 +156,10 @@ pub fn check_trailer(r: &mut impl Read, computed: u32, what: &str) -> Result<()>
 }
 
 /// Expects a control frame; anything else, or an `Abort`, is an error.
-pub fn read_control(r: &mut impl Read) -> Result<Control> {
+pub fn read_message(r: &mut impl Read) -> Result<Message> {
     match read_frame(r)? {
-        Frame::Control(Control::Abort { reason }) => Err(Error::Peer(reason)),
-        Frame::Control(c) => Ok(c),
+        Frame::Message(Message::Abort { reason }) => Err(Error::Peer(reason)),
+        Frame::Message(m) => Ok(m),
         Frame::Pages { .. } => Err(Error::Protocol(
             "page frame where a control frame was expected".into(),
         )),
@@ -259,7 +172,7 @@ pub fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &str) -> Result<()> {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
             Error::Protocol(format!("stream truncated in {what}"))
         } else {
-            Error::Transport(format!("reading {what}: {e}"))
+            Error::transport(format!("reading {what}"), e)
         }
     })
 }
@@ -269,10 +182,15 @@ pub fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> R
     IoSlice::advance_slices(&mut bufs, 0);
     while !bufs.is_empty() {
         match w.write_vectored(bufs) {
-            Ok(0) => return Err(Error::Transport("connection closed while sending".into())),
+            Ok(0) => {
+                return Err(Error::transport(
+                    "sending",
+                    std::io::ErrorKind::WriteZero.into(),
+                ));
+            }
             Ok(n) => IoSlice::advance_slices(&mut bufs, n),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(Error::Transport(format!("sending: {e}"))),
+            Err(e) => return Err(Error::transport("sending", e)),
         }
     }
     Ok(())
@@ -282,24 +200,31 @@ pub fn write_all_vectored(w: &mut impl Write, mut bufs: &mut [IoSlice<'_>]) -> R
 mod tests {
     use super::*;
 
-    fn roundtrip(msg: Control) -> Control {
+    fn roundtrip(msg: Message) -> Message {
         let mut buf = Vec::new();
-        write_control(&mut buf, &msg).unwrap();
-        read_control(&mut buf.as_slice()).unwrap()
+        write_message(&mut buf, &msg).unwrap();
+        read_message(&mut buf.as_slice()).unwrap()
     }
 
     #[test]
     fn control_frames_roundtrip() {
-        let m = Control::RoundEnd {
+        let m = Message::RoundEnd {
             round: 3,
             pages: 77,
         };
         assert_eq!(roundtrip(m.clone()), m);
-        let m = Control::VcpuState {
+        let m = Message::VcpuState {
             index: 1,
             state: vec![1, 2, 3],
         };
         assert_eq!(roundtrip(m.clone()), m);
+    }
+
+    #[test]
+    fn golden_stream_header() {
+        let mut h = Vec::new();
+        write_stream_header(&mut h).unwrap();
+        assert_eq!(h, b"FERRYMIG\x02\0\0\0\0\0\0\0");
     }
 
     #[test]
@@ -311,24 +236,28 @@ mod tests {
         other[8] = 9;
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
+        assert!(
+            e.to_string().contains("version 2"),
+            "names both versions: {e}"
+        );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();
         assert!(e.to_string().contains("bad magic"), "{e}");
 
         let mut f = Vec::new();
-        write_control(&mut f, &Control::Go).unwrap();
+        write_message(&mut f, &Message::Go).unwrap();
         let mut corrupt = f.clone();
         corrupt[FRAME_HEADER_LEN] ^= 1;
-        let e = read_control(&mut corrupt.as_slice()).err().unwrap();
+        let e = read_message(&mut corrupt.as_slice()).err().unwrap();
         assert!(e.to_string().contains("checksum mismatch"), "{e}");
-        let e = read_control(&mut &f[..f.len() - 2]).err().unwrap();
+        let e = read_message(&mut &f[..f.len() - 2]).err().unwrap();
         assert!(e.to_string().contains("truncated"), "{e}");
         let mut huge = f.clone();
         huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
-        let e = read_control(&mut huge.as_slice()).err().unwrap();
+        let e = read_message(&mut huge.as_slice()).err().unwrap();
         assert!(e.to_string().contains("larger than"), "{e}");
         let mut kind = f;
         kind[0] = 77;
-        let e = read_control(&mut kind.as_slice()).err().unwrap();
+        let e = read_message(&mut kind.as_slice()).err().unwrap();
         assert!(e.to_string().contains("unknown frame kind 77"), "{e}");
     }
 

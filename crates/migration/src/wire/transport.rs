@@ -65,7 +65,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Endpoint {
     pub fn connect(&self) -> Result<Stream> {
-        let fail = |e: std::io::Error| Error::Transport(format!("cannot connect to {self}: {e}"));
+        let fail = |e: std::io::Error| Error::transport(format!("cannot connect to {self}"), e);
         let stream = match self {
             Endpoint::Tcp(addr) => {
                 let mut last = None;
@@ -94,7 +94,7 @@ impl Endpoint {
 
     /// Binds, then waits for exactly one incoming migration.
     pub fn listen(&self) -> Result<Listener> {
-        let fail = |e: std::io::Error| Error::Transport(format!("cannot listen on {self}: {e}"));
+        let fail = |e: std::io::Error| Error::transport(format!("cannot listen on {self}"), e);
         Ok(match self {
             Endpoint::Tcp(addr) => Listener::Tcp(TcpListener::bind(addr).map_err(fail)?),
             Endpoint::Unix(path) => {

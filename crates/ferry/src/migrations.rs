@@ -1,0 +1,267 @@
+//! The API edge of the migration engine: requests become engine parameters, engine status
+//! and errors become the API's own types and HTTP codes. The engine runs the migrations.
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use api::{ApiError, MigrateResumeRequest, MigrationRequest, SnapshotRequest};
+use migration::status::Role;
+use migration::{Endpoint, ErrorKind, Incoming, MigrationParams, Outgoing, Phase, StatusBoard};
+use migration::{Migratable, Strategy};
+use serde_json::Value;
+
+use crate::controller::{Controller, Phase as VmPhase};
+
+/// A VM's migrations, both ways, and one status for them.
+pub struct Migrations {
+    pub board: StatusBoard,
+    pub outgoing: Arc<Outgoing>,
+    pub incoming: Arc<Incoming>,
+    /// Set once a client has read a final status, so the source may exit.
+    pub final_status_read: AtomicBool,
+}
+
+impl Default for Migrations {
+    fn default() -> Self {
+        let board = StatusBoard::default();
+        Self {
+            outgoing: Outgoing::new(board.clone()),
+            incoming: Incoming::new(board.clone()),
+            board,
+            final_status_read: AtomicBool::new(false),
+        }
+    }
+}
+
+/// The HTTP answer for an engine error, chosen by its kind.
+pub fn api_error(e: migration::Error) -> ApiError {
+    let status = match e.kind() {
+        ErrorKind::BadInput => 400,
+        ErrorKind::Conflict => 409,
+        ErrorKind::Peer => 502,
+        ErrorKind::Internal => 500,
+    };
+    ApiError::new(status, e.to_string())
+}
+
+impl Migrations {
+    pub fn running(&self) -> bool {
+        self.outgoing.running()
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.board.phase()
+    }
+
+    pub fn status_json(&self) -> Value {
+        let s = self.board.read();
+        if !s.phase.is_running() && s.phase != Phase::None {
+            self.final_status_read.store(true, Ordering::Release);
+        }
+        serde_json::to_value(to_api(&s)).unwrap_or_default()
+    }
+}
+
+/// The engine's status in the API's terms.
+pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
+    use api::MigrationPhase as P;
+    let (p, r) = (&s.progress, &s.report);
+    api::MigrationStatus {
+        phase: match s.phase {
+            Phase::None => P::None,
+            Phase::Setup => P::Setup,
+            Phase::Active => P::Active,
+            Phase::Switchover => P::Switchover,
+            Phase::Postcopy => P::PostcopyActive,
+            Phase::Completed => P::Completed,
+            Phase::Failed => P::Failed,
+            Phase::Cancelled => P::Cancelled,
+            Phase::Unconfirmed => P::Unconfirmed,
+            Phase::PostcopyPaused => P::PostcopyPaused,
+        },
+        role: match s.role {
+            Role::Source => "source",
+            Role::Destination => "destination",
+        }
+        .into(),
+        mode: s.mode.clone(),
+        peer: s.peer.clone(),
+        round: p.round,
+        pages_remaining: p.pages_remaining,
+        dirty_pages_per_s: p.dirty_pages_per_s,
+        throughput_mbps: p.throughput_mbps,
+        expected_downtime_ms: p.expected_downtime_ms,
+        converged: r.converged,
+        note: s.note.clone(),
+        memory_pages: s.memory_pages,
+        zero_page_check: s.zero_page_check.clone(),
+        pages_full: p.pages.full,
+        pages_zero: p.pages.zero,
+        pages_skipped_unpopulated: p.pages.skipped_unpopulated,
+        pages_resent: p.pages.resent,
+        bytes_on_wire: p.bytes_on_wire,
+        rounds: p
+            .rounds
+            .iter()
+            .map(|x| api::RoundStats {
+                round: x.round,
+                pages: x.pages,
+                zero_pages: x.zero_pages,
+                bytes: x.bytes,
+                duration_ms: x.duration_ms,
+                dirty_pages_per_s: x.dirty_pages_per_s,
+            })
+            .collect(),
+        setup_ms: r.setup_ms,
+        downtime_ms: r.downtime_ms,
+        destination_downtime_ms: r.destination_downtime_ms,
+        guest_observed_downtime_ms: r.guest_observed_downtime_ms,
+        total_ms: r.total_ms,
+        average_throughput_mbps: r.average_throughput_mbps,
+        guest_pages_per_s_before: r.guest_pages_per_s_before,
+        guest_pages_per_s_during: r.guest_pages_per_s_during,
+        guest_pages_per_s_after: r.guest_pages_per_s_after,
+        destination_supports_postcopy: s.destination_supports_postcopy,
+        postcopy: s.postcopy,
+        pages_pushed: p.pages.pushed,
+        pages_requested: p.pages.requested,
+        postcopy_report: r.postcopy_report.as_ref().map(|c| api::PostcopyReport {
+            network_faults: c.network_faults,
+            zero_faults: c.zero_faults,
+            pages_before_access: c.pages_before_access,
+            duplicates: c.duplicates,
+            fault_latency_p50_ms: c.fault_latency_p50_ms,
+            fault_latency_p99_ms: c.fault_latency_p99_ms,
+            fault_latency_max_ms: c.fault_latency_max_ms,
+            resume_ms: c.resume_ms,
+            memory_checksum: c.memory_checksum,
+            timeline_10ms: c.timeline_10ms.clone(),
+        }),
+        memory_checksum_source: r.memory_checksum_source,
+        memory_checksum_destination: r.memory_checksum_destination,
+        error: s.error.clone(),
+    }
+}
+
+/// Turns the API body into engine parameters, naming any bad field.
+pub fn params_from_request(
+    req: &MigrationRequest,
+) -> Result<(Endpoint, MigrationParams), ApiError> {
+    let endpoint: Endpoint = req.destination.parse().map_err(api_error)?;
+    let positive = |name: &str, v: Option<i64>| -> Result<Option<u64>, ApiError> {
+        match v {
+            Some(n) if n <= 0 => Err(ApiError::bad_request(format!(
+                "{name} must be positive, not {n}"
+            ))),
+            other => Ok(other.map(|n| n as u64)),
+        }
+    };
+    let defaults = MigrationParams::default();
+    let params = MigrationParams {
+        mode: match &req.mode {
+            Some(m) => m.parse().map_err(api_error)?,
+            None => defaults.mode,
+        },
+        max_downtime_ms: positive("max_downtime_ms", req.max_downtime_ms)?
+            .unwrap_or(defaults.max_downtime_ms),
+        max_bandwidth_mbps: positive("max_bandwidth_mbps", req.max_bandwidth_mbps)?,
+        max_rounds: positive("max_rounds", req.max_rounds)?
+            .map(|n| n.min(u64::from(u32::MAX)) as u32)
+            .unwrap_or(defaults.max_rounds),
+        timeout_s: positive("timeout_s", req.timeout_s)?.unwrap_or(defaults.timeout_s),
+        checksum: req.checksum.unwrap_or(false),
+        auto_postcopy: req.auto_postcopy.unwrap_or(false),
+        prepaging: match req.prepaging.as_deref() {
+            None | Some("bubble") => Strategy::Bubble,
+            Some("linear") => Strategy::Linear,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "unknown prepaging '{other}' (use bubble or linear)"
+                )));
+            }
+        },
+    };
+    Ok((endpoint, params))
+}
+
+impl Controller {
+    /// When a background migration ends well, the VM lives elsewhere now.
+    fn on_moved(&self) -> migration::source::OnDone {
+        let this = self.self_ref();
+        Box::new(move |result| {
+            if result.is_ok() {
+                this.set_phase(VmPhase::Migrated);
+            }
+        })
+    }
+
+    pub fn send_migration(&self, req: &MigrationRequest) -> Result<Value, ApiError> {
+        let (endpoint, params) = params_from_request(req)?;
+        let vm: Arc<dyn Migratable> = self.require_live()?.clone();
+        let m = &self.migrations;
+        m.final_status_read.store(false, Ordering::Release);
+        m.outgoing
+            .send(vm, endpoint, params, self.on_moved())
+            .map_err(api_error)?;
+        Ok(m.status_json())
+    }
+
+    /// `vm.migrate-resume`: carries on a post-copy whose connection broke, on either side.
+    pub fn migrate_resume(&self, req: &MigrateResumeRequest) -> Result<Value, ApiError> {
+        let m = &self.migrations;
+        match (&req.listen, &req.destination) {
+            (Some(listen), None) => {
+                let endpoint: Endpoint = listen.parse().map_err(api_error)?;
+                m.incoming.resume(&endpoint).map_err(api_error)?;
+            }
+            (None, Some(destination)) => {
+                let endpoint: Endpoint = destination.parse().map_err(api_error)?;
+                let vm: Arc<dyn Migratable> = self.vm()?.clone();
+                m.final_status_read.store(false, Ordering::Release);
+                m.outgoing
+                    .resume_postcopy(vm, endpoint, self.on_moved())
+                    .map_err(api_error)?;
+            }
+            _ => {
+                return Err(ApiError::bad_request(
+                    "vm.migrate-resume needs exactly one of listen (destination) or destination (source)",
+                ));
+            }
+        }
+        Ok(Value::Null)
+    }
+
+    /// Writes the VM to a new file (never an existing one), readable by its owner only; on
+    /// failure removes only the file it created.
+    pub fn snapshot(&self, req: &SnapshotRequest) -> Result<Value, ApiError> {
+        let vm = self.require_live()?.clone();
+        let path = Path::new(&req.file);
+        let file = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(|e| {
+                let status = if e.kind() == std::io::ErrorKind::AlreadyExists {
+                    409
+                } else {
+                    400
+                };
+                ApiError::new(status, format!("cannot create {}: {e}", path.display()))
+            })?;
+        let result = self
+            .migrations
+            .outgoing
+            .snapshot(vm.as_ref(), file, &req.file);
+        match result {
+            Ok(_) => Ok(self.migrations.status_json()),
+            Err(e) => {
+                let _ = std::fs::remove_file(path);
+                Err(api_error(e))
+            }
+        }
+    }
+}

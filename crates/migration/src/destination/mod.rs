@@ -1,0 +1,137 @@
+//! The destination side: a VM arriving. `Incoming` is what the VMM holds while (and after) a
+//! VM arrives: it runs the receive, and keeps an interrupted post-copy for a resume.
+//!
+//! Files in the order data flows: `receive` (handshake, pages, state, Go) → `postcopy`
+//! (faults and pages after the switch) → `recovery` (carrying on over a new connection).
+//! `machine` is the conversation's rules.
+
+pub mod machine;
+pub mod postcopy;
+mod receive;
+mod recovery;
+
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{Error, Result};
+use crate::status::{Phase, Role, Status, StatusBoard};
+use crate::vm::{Migratable, VmDescriptor};
+use crate::wire::transport::{Endpoint, Listener, Stream};
+pub use receive::Expect;
+use receive::{Arrived, Receiver};
+
+/// Where an incoming VM comes from, opened before anyone may send it.
+pub enum Source {
+    Listening(Listener),
+    Snapshot(Stream),
+}
+
+impl Source {
+    /// Binds the migration listener, so that a source can connect from now on.
+    pub fn listen(endpoint: &Endpoint) -> Result<Self> {
+        Ok(Source::Listening(endpoint.listen()?))
+    }
+
+    pub fn snapshot(path: &Path) -> Result<Self> {
+        std::fs::File::open(path)
+            .map(|f| Source::Snapshot(Stream::File(f)))
+            .map_err(|e| Error::transport(format!("cannot open snapshot {}", path.display()), e))
+    }
+}
+
+/// A VM's arrival, and what is left of it when post-copy was cut.
+pub struct Incoming {
+    board: StatusBoard,
+    interrupted: Mutex<Option<Arc<postcopy::Postcopy>>>,
+}
+
+impl Incoming {
+    pub fn new(board: StatusBoard) -> Arc<Self> {
+        Arc::new(Self {
+            board,
+            interrupted: Mutex::new(None),
+        })
+    }
+
+    /// Receives one VM. `build` makes a paused, empty VM of the given shape; `on_resumed`
+    /// gets it the moment it runs (in post-copy, before its memory has all arrived). Returns
+    /// the VM once it runs here; a post-copy cut after the switch is not an error (the VM
+    /// runs; the status says `postcopy-paused`, and `resume` carries on).
+    pub fn receive<V: Migratable + 'static>(
+        &self,
+        source: Source,
+        build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+        on_resumed: impl FnOnce(&Arc<V>),
+    ) -> Result<Arc<V>> {
+        let (stream, expect, peer) = match source {
+            Source::Listening(l) => {
+                let s = l.accept()?;
+                (s, Expect::Live, "incoming migration".to_string())
+            }
+            Source::Snapshot(s) => (s, Expect::Snapshot, "snapshot".into()),
+        };
+        let mut receiver = Receiver {
+            board: &self.board,
+            status: Status::new(Role::Destination, "", peer),
+            expect,
+        };
+        match receiver.receive(stream, build, on_resumed)? {
+            Arrived::Complete(vm) => Ok(vm),
+            Arrived::Interrupted(vm, dest, e) => {
+                *self.interrupted.lock().unwrap_or_else(|e| e.into_inner()) = Some(dest);
+                let mut s = receiver.status;
+                s.phase = Phase::PostcopyPaused;
+                s.error = Some(format!(
+                    "post-copy interrupted after the switch: {e}; the VM runs on the pages it \
+                     has, and vCPUs that touch a page still on the source wait for it \
+                     (PUT vm.migrate-resume carries on)"
+                ));
+                self.board.publish(&s);
+                Ok(vm)
+            }
+        }
+    }
+
+    /// Carries on an interrupted post-copy: waits for the source on `endpoint` in the
+    /// background.
+    pub fn resume(self: &Arc<Self>, endpoint: &Endpoint) -> Result<()> {
+        let dest = self
+            .interrupted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| {
+                Error::State("there is no interrupted post-copy to resume here".into())
+            })?;
+        let listener = match endpoint.listen() {
+            Ok(l) => l,
+            Err(e) => {
+                *self.interrupted.lock().unwrap_or_else(|e| e.into_inner()) = Some(dest);
+                return Err(e);
+            }
+        };
+        let this = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("postcopy-resume".into())
+            .spawn(move || {
+                let result = recovery::resume(&dest, listener);
+                let mut s = this.board.read();
+                match result {
+                    Ok(report) => {
+                        s.phase = Phase::Completed;
+                        s.error = None;
+                        s.report.memory_checksum_destination = report.memory_checksum;
+                        s.report.postcopy_report = Some(report);
+                    }
+                    Err(e) => {
+                        s.error = Some(format!("resuming post-copy failed: {e}"));
+                        *this.interrupted.lock().unwrap_or_else(|e| e.into_inner()) = Some(dest);
+                    }
+                }
+                this.board.publish(&s);
+            });
+        spawned
+            .map(|_| ())
+            .map_err(|e| Error::vm_caused("cannot start the resume", e))
+    }
+}

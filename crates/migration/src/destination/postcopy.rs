@@ -1,0 +1,340 @@
+//! Post-copy on the destination: guest memory is registered with userfaultfd (missing pages)
+//! before the vCPUs resume. A fault on a page the source never populated is resolved here with
+//! a zero page; any other missing page is requested from the source on the connection's
+//! return direction, which bulk pushes (going the other way) cannot delay. Pages that arrive —
+//! requested or pushed — are installed with `UFFDIO_COPY`, which also wakes whoever waits for
+//! them. A VMM thread touching a missing page (device emulation) faults the same way and
+//! waits: nothing is overwritten or lost.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use userfaultfd::{Event, Uffd, UffdBuilder};
+
+use super::machine::{DestinationState, Incoming};
+use crate::PAGE_SIZE;
+use crate::error::{Error, Result};
+use crate::memory::GuestRam;
+use crate::scan::{memory_checksum_of, page_digest, populated_pages};
+use crate::wire::bitmap::{AtomicBitmap, Bitmap};
+use crate::wire::pages::{FrameBuffers, read_page_frame};
+use crate::wire::transport::Stream;
+use crate::wire::{self, Frame, Message, PostcopyReport};
+
+/// Whether this host can serve post-copy (userfaultfd with kernel-mode faults, as KVM needs).
+pub fn supported() -> bool {
+    new_uffd().is_ok()
+}
+
+fn new_uffd() -> Result<Uffd> {
+    UffdBuilder::new()
+        .close_on_exec(true)
+        .non_blocking(false)
+        .user_mode_only(false)
+        .create()
+        .map_err(|e| Error::vm_caused("userfaultfd (post-copy needs root)", e))
+}
+
+/// The destination's side of post-copy, armed before the guest resumes.
+pub struct Postcopy {
+    ram: GuestRam,
+    /// Where page requests go; `None` while the connection is down (requests wait).
+    requests: Arc<Mutex<Option<Stream>>>,
+    stop: Arc<AtomicBool>,
+    progress: Mutex<Installed>,
+    resumed: Instant,
+    uffd: Arc<Uffd>,
+    pending: Arc<Bitmap>,
+    present: Arc<AtomicBitmap>,
+    faults: Arc<Mutex<FaultLog>>,
+}
+
+/// What has been installed so far (it outlives an interrupted connection).
+struct Installed {
+    pages: u64,
+    duplicates: u64,
+    checksum: Option<u64>,
+}
+
+#[derive(Default)]
+struct FaultLog {
+    waiting: HashMap<u64, Instant>,
+    latencies_ms: Vec<f64>,
+    network: u64,
+    zero: u64,
+    timeline: Timeline,
+}
+
+/// Faults and arrivals per 10 ms since the switch, for the faults-vs-pushes plot.
+#[derive(Default)]
+struct Timeline(Vec<[u32; 3]>);
+
+impl Timeline {
+    const NETWORK_FAULT: usize = 0;
+    const PUSHED: usize = 1;
+    const REQUESTED: usize = 2;
+    /// Ten minutes; later events count in the last bucket.
+    const MAX_BUCKETS: usize = 60_000;
+
+    fn add(&mut self, since: Instant, what: usize) {
+        let bucket = ((since.elapsed().as_millis() / 10) as usize).min(Self::MAX_BUCKETS - 1);
+        if self.0.len() <= bucket {
+            self.0.resize(bucket + 1, [0; 3]);
+        }
+        self.0[bucket][what] += 1;
+    }
+}
+
+impl Postcopy {
+    /// Drops stale copies of pending pages (those in `received`) and registers guest memory
+    /// for missing-page faults. The vCPUs must still be parked.
+    pub fn arm(ram: GuestRam, pending: Bitmap, received: &Bitmap, checksum: bool) -> Result<Self> {
+        for pfn in pending.iter().filter(|&p| received.get(p)) {
+            // A page received in an earlier round and dirtied since is stale: make it missing.
+            let p = ram.host_ptr(pfn, 1)? as *mut libc::c_void;
+            // SAFETY: a page of our own mapping, while no vCPU runs.
+            unsafe {
+                libc::madvise(p, PAGE_SIZE, libc::MADV_DONTNEED);
+                libc::madvise(p, PAGE_SIZE, libc::MADV_REMOVE);
+            }
+        }
+        let base_checksum = if checksum {
+            let mut here = populated_pages(&ram)?;
+            for pfn in pending.iter() {
+                here.unset(pfn);
+            }
+            Some(memory_checksum_of(&ram, &here)?)
+        } else {
+            None
+        };
+        let uffd = new_uffd()?;
+        for (range, host) in ram.host_regions() {
+            uffd.register(host as *mut libc::c_void, range.len as usize)
+                .map_err(|e| Error::vm_caused("userfaultfd register", e))?;
+        }
+        Ok(Self {
+            ram,
+            requests: Arc::new(Mutex::new(None)),
+            stop: Arc::new(AtomicBool::new(false)),
+            progress: Mutex::new(Installed {
+                pages: 0,
+                duplicates: 0,
+                checksum: base_checksum,
+            }),
+            resumed: Instant::now(),
+            uffd: Arc::new(uffd),
+            present: Arc::new(AtomicBitmap::new(pending.pages())),
+            pending: Arc::new(pending),
+            faults: Arc::new(Mutex::new(FaultLog::default())),
+        })
+    }
+
+    /// Connects page requests to `stream` (a clone of the migration connection) and asks
+    /// again for every page still awaited (after a reconnection they may have been lost).
+    pub fn attach(&self, stream: Stream) {
+        let mut slot = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        *slot = Some(stream);
+        let waiting: Vec<u64> = {
+            let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+            log.waiting.keys().copied().collect()
+        };
+        if let Some(s) = slot.as_mut() {
+            for pfn in waiting {
+                let _ = wire::write_message(s, &Message::PageRequest { gfn: pfn });
+            }
+        }
+    }
+
+    /// The connection is gone: requests wait for the next `attach`.
+    pub fn detach(&self) {
+        *self.requests.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// The pages that are here (a bitmap, in `Bitmap` word layout).
+    pub fn present_words(&self) -> Vec<u64> {
+        let mut b = Bitmap::new(self.ram.gfn_end());
+        for pfn in self.pending.iter().filter(|&p| self.present.get(p)) {
+            b.set(pfn);
+        }
+        b.words().to_vec()
+    }
+
+    /// Resolves faults until post-copy ends: zero pages here, the rest requested.
+    pub fn spawn_fault_handler(&self) -> Result<()> {
+        let resumed = self.resumed;
+        let (uffd, ram, pending, present, faults, stop, requests) = (
+            self.uffd.clone(),
+            self.ram.clone(),
+            self.pending.clone(),
+            self.present.clone(),
+            self.faults.clone(),
+            self.stop.clone(),
+            self.requests.clone(),
+        );
+        std::thread::Builder::new()
+            .name("postcopy-faults".into())
+            .spawn(move || {
+                let mut poll = libc::pollfd {
+                    fd: std::os::fd::AsRawFd::as_raw_fd(uffd.as_ref()),
+                    events: libc::POLLIN,
+                    revents: 0,
+                };
+                while !stop.load(Ordering::Acquire) {
+                    // SAFETY: one valid pollfd; bounded wait so `stop` is seen.
+                    if unsafe { libc::poll(&mut poll, 1, 50) } <= 0 {
+                        continue;
+                    }
+                    let Ok(Some(Event::Pagefault { addr, .. })) = uffd.read_event() else {
+                        continue;
+                    };
+                    let Some(pfn) = ram.gfn_of_host(addr as u64) else {
+                        continue;
+                    };
+                    let page = (addr as u64 & !(PAGE_SIZE as u64 - 1)) as *mut libc::c_void;
+                    if present.get(pfn) {
+                        let _ = uffd.wake(page, PAGE_SIZE);
+                    } else if !pending.get(pfn) {
+                        // SAFETY: a page of the registered range.
+                        let _ = unsafe { uffd.zeropage(page, PAGE_SIZE, true) };
+                        if !present.set(pfn) {
+                            faults.lock().unwrap_or_else(|e| e.into_inner()).zero += 1;
+                        }
+                    } else {
+                        let first = {
+                            let mut log = faults.lock().unwrap_or_else(|e| e.into_inner());
+                            let first = !log.waiting.contains_key(&pfn);
+                            if first {
+                                log.waiting.insert(pfn, Instant::now());
+                                log.network += 1;
+                                log.timeline.add(resumed, Timeline::NETWORK_FAULT);
+                            }
+                            first
+                        };
+                        if first {
+                            let mut slot = requests.lock().unwrap_or_else(|e| e.into_inner());
+                            if let Some(s) = slot.as_mut() {
+                                let _ = wire::write_message(s, &Message::PageRequest { gfn: pfn });
+                            }
+                        }
+                    }
+                }
+            })
+            .map(|_| ())
+            .map_err(|e| Error::vm_caused("cannot start the post-copy fault handler", e))
+    }
+
+    /// Installs pages from the stream until the source says it sent them all; then ends
+    /// post-copy (the memory is ordinary again) and tells the source.
+    pub fn receive_pages(&self, stream: &mut Stream) -> Result<PostcopyReport> {
+        let mut scratch = FrameBuffers::default();
+        let want = self.pending.count();
+        let mut state = DestinationState::Postcopy;
+        while state != DestinationState::Done {
+            match wire::read_frame(stream)? {
+                Frame::Pages { header, len } => {
+                    state = state.next(Incoming::Pages, true)?;
+                    let pages = read_page_frame(stream, &self.ram, &header, len, &mut scratch)?;
+                    for (gfn, data) in pages {
+                        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+                        if !self.pending.get(gfn) || self.present.get(gfn) {
+                            p.duplicates += 1;
+                            continue;
+                        }
+                        self.install(gfn, data)?;
+                        p.pages += 1;
+                        if let (Some(sum), Some(d)) = (p.checksum.as_mut(), data) {
+                            *sum = sum.wrapping_add(page_digest(gfn, d));
+                        }
+                    }
+                }
+                Frame::Message(m) => {
+                    state = state.next(Incoming::Message(&m), true)?;
+                    let installed = self
+                        .progress
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .pages;
+                    if installed != want {
+                        return Err(Error::Protocol(format!(
+                            "post-copy ended with {installed} of {want} pages installed"
+                        )));
+                    }
+                }
+            }
+        }
+        self.stop.store(true, Ordering::Release);
+        for (range, host) in self.ram.host_regions() {
+            let _ = self
+                .uffd
+                .unregister(host as *mut libc::c_void, range.len as usize);
+        }
+        let report = self.report();
+        // Through the shared writer: a request or the guest report never interleaves with it.
+        // The connection stays attached for the guest report that may still follow.
+        self.reply(&Message::PostcopyComplete(report.clone()))?;
+        Ok(report)
+    }
+
+    /// Writes `msg` to the source on the attached connection (post-copy's one writer).
+    pub fn reply(&self, msg: &Message) -> Result<()> {
+        let mut slot = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        match slot.as_mut() {
+            Some(s) => wire::write_message(s, msg),
+            None => Err(Error::Protocol("no connection to the source".into())),
+        }
+    }
+
+    fn report(&self) -> PostcopyReport {
+        let p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let mut lat = log.latencies_ms.clone();
+        lat.sort_by(f64::total_cmp);
+        let pct = |q: f64| (!lat.is_empty()).then(|| lat[((lat.len() - 1) as f64 * q) as usize]);
+        PostcopyReport {
+            network_faults: log.network,
+            zero_faults: log.zero,
+            pages_before_access: p.pages.saturating_sub(log.network),
+            duplicates: p.duplicates,
+            fault_latency_p50_ms: pct(0.5),
+            fault_latency_p99_ms: pct(0.99),
+            fault_latency_max_ms: lat.last().copied(),
+            resume_ms: self.resumed.elapsed().as_secs_f64() * 1e3,
+            memory_checksum: p.checksum,
+            timeline_10ms: log.timeline.0.clone(),
+        }
+    }
+
+    fn install(&self, pfn: u64, data: Option<&[u8]>) -> Result<()> {
+        let page = self.ram.host_ptr(pfn, 1)? as *mut libc::c_void;
+        // SAFETY: `page` is a page of the registered range; `data` is one page long.
+        let done = unsafe {
+            match data {
+                Some(d) => self
+                    .uffd
+                    .copy(d.as_ptr() as *const _, page, PAGE_SIZE, true),
+                None => self.uffd.zeropage(page, PAGE_SIZE, true),
+            }
+        };
+        match done {
+            Ok(_) => {}
+            // Already mapped (a racing zero-page resolution cannot happen for pending pages,
+            // but the kernel says so when it does): the page is there.
+            Err(userfaultfd::Error::CopyFailed(e)) | Err(userfaultfd::Error::ZeropageFailed(e))
+                if e as i32 == libc::EEXIST => {}
+            Err(e) => return Err(Error::vm_caused(format!("installing page {pfn:#x}"), e)),
+        }
+        self.present.set(pfn);
+        let mut log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let how = match log.waiting.remove(&pfn) {
+            Some(t) => {
+                log.latencies_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                Timeline::REQUESTED
+            }
+            None => Timeline::PUSHED,
+        };
+        log.timeline.add(self.resumed, how);
+        Ok(())
+    }
+}

@@ -1,0 +1,345 @@
+//! Receiving one VM: build what the stream describes, fill its memory, load its state, and
+//! resume it only when everything arrived intact and the source said `Go`. On any failure
+//! the VM is never resumed and the source is told why.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::machine::{DestinationState, Incoming};
+use super::postcopy::{self, Postcopy};
+use crate::error::{Error, Result};
+use crate::scan::memory_checksum;
+use crate::status::{Phase, RoundStats, Status, StatusBoard, ms, now_ns};
+use crate::vm::{Migratable, VmDescriptor};
+use crate::wire::bitmap::Bitmap;
+use crate::wire::pages::PageReceiver;
+use crate::wire::transport::Stream;
+use crate::wire::{self, Frame, Message, StreamMode};
+
+/// The destination measures the guest's work rate over this window after resuming, then
+/// reports what the guest saw to the source.
+const AFTER_WINDOW: Duration = Duration::from_secs(1);
+
+/// What kind of stream the caller is prepared to take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// A live migration from a source that answers (pre-copy, warm, post-copy, hybrid).
+    Live,
+    /// A snapshot file.
+    Snapshot,
+}
+
+/// How a receive ended while the VM runs here.
+pub(crate) enum Arrived<V> {
+    /// Every page is here.
+    Complete(Arc<V>),
+    /// Post-copy lost its connection after the switch: the VM runs on the pages it has.
+    Interrupted(Arc<V>, Arc<Postcopy>, Error),
+}
+
+pub(crate) struct Receiver<'a> {
+    pub board: &'a StatusBoard,
+    pub status: Status,
+    pub expect: Expect,
+}
+
+impl Receiver<'_> {
+    fn publish(&self) {
+        self.board.publish(&self.status);
+    }
+
+    pub fn receive<V: Migratable + 'static>(
+        &mut self,
+        mut stream: Stream,
+        build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+        on_resumed: impl FnOnce(&Arc<V>),
+    ) -> Result<Arrived<V>> {
+        let started = Instant::now();
+        let result = self.conversation(&mut stream, build, on_resumed, started);
+        if let Err(e) = &result {
+            if stream.has_peer() && !matches!(e, Error::Peer(_)) {
+                let _ = stream.set_timeouts(Some(Duration::from_millis(200)));
+                let _ = wire::write_message(
+                    &mut stream,
+                    &Message::Abort {
+                        reason: format!("destination: {e}"),
+                    },
+                );
+            }
+            stream.shutdown();
+            self.status.phase = Phase::Failed;
+            self.status.error = Some(e.to_string());
+            self.publish();
+        }
+        result
+    }
+
+    fn conversation<V: Migratable + 'static>(
+        &mut self,
+        stream: &mut Stream,
+        build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+        on_resumed: impl FnOnce(&Arc<V>),
+        started: Instant,
+    ) -> Result<Arrived<V>> {
+        wire::read_stream_header(stream)?;
+        let mut state = DestinationState::AwaitHello;
+        let hello = wire::read_message(stream)?;
+        state = state.next(Incoming::Message(&hello), false)?;
+        let Message::Hello {
+            vm: descriptor,
+            mode,
+            source,
+        } = hello
+        else {
+            return Err(Error::Protocol(format!(
+                "stream starts with {} instead of Hello",
+                hello.name()
+            )));
+        };
+        let live = mode != StreamMode::Snapshot;
+        match (self.expect, live) {
+            (Expect::Live, false) => {
+                return Err(Error::Protocol(
+                    "a snapshot stream on a migration listener (use ferry run --restore)".into(),
+                ));
+            }
+            (Expect::Snapshot, true) => {
+                return Err(Error::Protocol("this file is not a ferry snapshot".into()));
+            }
+            _ => {}
+        }
+        tracing::info!("incoming {mode:?} migration from {source}: {descriptor:?}");
+        let vm = build(&descriptor)?;
+        let ram = vm.ram();
+        if ram.ranges() != descriptor.ranges {
+            return Err(Error::vm(format!(
+                "built RAM at {:x?} for a VM whose RAM lies at {:x?}",
+                ram.ranges(),
+                descriptor.ranges
+            )));
+        }
+        self.status.mode = format!("{mode:?}").to_lowercase();
+        self.status.memory_pages = ram.pages();
+        self.status.phase = Phase::Active;
+        self.status.report.setup_ms = ms(started.elapsed());
+        self.publish();
+        if live {
+            wire::write_message(
+                stream,
+                &Message::Ready {
+                    postcopy: postcopy::supported(),
+                },
+            )?;
+        }
+
+        let mut pages = PageReceiver::new(&ram);
+        let mut vcpus: Vec<Option<Vec<u8>>> = vec![None; descriptor.vcpus as usize];
+        let mut devices = None;
+        let mut pending: Option<Bitmap> = None;
+        let mut round_started = Instant::now();
+        let source_checksum = loop {
+            let frame = wire::read_frame(stream)?;
+            let msg = match frame {
+                Frame::Pages { header, len } => {
+                    state = state.next(Incoming::Pages, false)?;
+                    pages.receive(stream, &ram, &header, len)?;
+                    continue;
+                }
+                Frame::Message(m) => m,
+            };
+            state = state.next(Incoming::Message(&msg), pending.is_some())?;
+            match msg {
+                Message::RoundEnd { round, pages: n } => {
+                    let p = &mut self.status.progress;
+                    p.round = round;
+                    p.pages.full = pages.pages;
+                    p.rounds.push(RoundStats {
+                        round,
+                        pages: n,
+                        duration_ms: ms(round_started.elapsed()),
+                        ..Default::default()
+                    });
+                    self.publish();
+                    round_started = Instant::now();
+                }
+                Message::VcpuState { index, state } => {
+                    let slot = vcpus.get_mut(index as usize).ok_or_else(|| {
+                        Error::Protocol(format!(
+                            "state for vCPU {index} of a {}-vCPU VM",
+                            descriptor.vcpus
+                        ))
+                    })?;
+                    *slot = Some(state);
+                }
+                Message::DeviceState { state } => devices = Some(state),
+                Message::PostcopyPending { pages: n, words } => {
+                    pending = Some(postcopy_map(&ram, n, words)?);
+                }
+                Message::StateEnd {
+                    pages_sent,
+                    memory_checksum,
+                } => {
+                    if pages_sent != pages.pages {
+                        return Err(Error::Protocol(format!(
+                            "the source sent {pages_sent} pages but {} arrived",
+                            pages.pages
+                        )));
+                    }
+                    break memory_checksum;
+                }
+                _ => unreachable!("the state machine admits no other message here"),
+            }
+        };
+        let state_received = Instant::now();
+        let vcpus: Vec<Vec<u8>> = vcpus
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| s.ok_or_else(|| Error::Protocol(format!("no state for vCPU {i}"))))
+            .collect::<Result<_>>()?;
+        let devices = devices.ok_or_else(|| Error::Protocol("no device state".into()))?;
+        vm.load_state(&vcpus, &devices)?;
+        let postcopy = match pending {
+            Some(p) => Some(Postcopy::arm(
+                ram.clone(),
+                p,
+                pages.written(),
+                source_checksum.is_some(),
+            )?),
+            None => None,
+        };
+        // In post-copy the pages are not all here yet: the checksum is taken as they arrive.
+        let checksum = match (source_checksum, &postcopy) {
+            (Some(_), None) => Some(memory_checksum(&ram)?),
+            _ => None,
+        };
+        self.status.progress.pages.full = pages.pages;
+        self.status.report.memory_checksum_source = source_checksum;
+        self.status.report.memory_checksum_destination = checksum;
+        self.status.phase = Phase::Switchover;
+        self.publish();
+        if postcopy.is_none() && source_checksum.is_some() && checksum != source_checksum {
+            return Err(Error::Protocol(format!(
+                "guest memory differs from the source's (checksum {checksum:#x?} here, \
+                 {source_checksum:#x?} there)"
+            )));
+        }
+        if live {
+            wire::write_message(
+                stream,
+                &Message::Loaded {
+                    memory_checksum: checksum,
+                },
+            )?;
+            let go = wire::read_message(stream)?;
+            state = state.next(Incoming::Message(&go), postcopy.is_some())?;
+        }
+        // A VM its user had paused on the source arrives paused.
+        if descriptor.running {
+            vm.resume()?;
+        }
+        let resumed_at_ns = now_ns();
+        let state_to_resume = state_received.elapsed();
+        self.status.report.destination_downtime_ms = Some(ms(state_to_resume));
+        if live {
+            // The VM is here now; a failure to tell the source changes nothing for it.
+            let _ = wire::write_message(
+                stream,
+                &Message::Resumed {
+                    state_to_resume_ns: state_to_resume.as_nanos() as u64,
+                },
+            );
+        }
+        on_resumed(&vm);
+        let Some(dest) = postcopy else {
+            self.complete(started);
+            if live {
+                spawn_guest_report(
+                    vm.clone(),
+                    resumed_at_ns,
+                    Reply::Stream(stream.try_clone()?),
+                );
+            }
+            return Ok(Arrived::Complete(vm));
+        };
+        debug_assert_eq!(state, DestinationState::Postcopy);
+        let dest = Arc::new(dest);
+        self.status.postcopy = true;
+        self.status.phase = Phase::Postcopy;
+        self.publish();
+        dest.attach(stream.try_clone()?);
+        dest.spawn_fault_handler()?;
+        spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Postcopy(dest.clone()));
+        match dest.receive_pages(stream) {
+            Ok(report) => {
+                self.status.report.memory_checksum_destination = report.memory_checksum;
+                self.status.report.postcopy_report = Some(report);
+                self.complete(started);
+                Ok(Arrived::Complete(vm))
+            }
+            // The VM lives here now, with part of its memory still on the source. It runs
+            // on; the fault handler stays armed, so a vCPU that touches a missing page waits
+            // for it instead of seeing zeros. Never exit: this is the newest state.
+            Err(e) => {
+                dest.detach();
+                Ok(Arrived::Interrupted(vm, dest, e))
+            }
+        }
+    }
+
+    fn complete(&mut self, started: Instant) {
+        self.status.phase = Phase::Completed;
+        self.status.report.total_ms = ms(started.elapsed());
+        self.publish();
+    }
+}
+
+/// Checks a post-copy page map against this VM's RAM: the right length, and no page outside
+/// RAM (post-copy could never complete).
+fn postcopy_map(ram: &crate::memory::GuestRam, n: u64, words: Vec<u64>) -> Result<Bitmap> {
+    if n != ram.gfn_end() || words.len() as u64 != n.div_ceil(64) {
+        return Err(Error::Protocol(format!(
+            "post-copy page map of {n} pages for a guest whose pages end at {}",
+            ram.gfn_end()
+        )));
+    }
+    let map = Bitmap::from_words(words, n);
+    if let Some(bad) = map.iter().find(|&gfn| !ram.contains(gfn)) {
+        return Err(Error::Protocol(format!(
+            "post-copy page map names page {bad:#x}, outside guest RAM"
+        )));
+    }
+    Ok(map)
+}
+
+/// Where the destination's last word to the source goes.
+enum Reply {
+    Stream(Stream),
+    /// Post-copy's shared writer, so the report never interleaves with a page request.
+    Postcopy(Arc<Postcopy>),
+}
+
+/// Lets the guest run a moment, then tells the source what it lived through.
+fn spawn_guest_report<V: Migratable + 'static>(vm: Arc<V>, resumed_at_ns: u64, reply: Reply) {
+    let spawned = std::thread::Builder::new()
+        .name("guest-report".into())
+        .spawn(move || {
+            std::thread::sleep(AFTER_WINDOW);
+            let r = vm.guest_report(resumed_at_ns, AFTER_WINDOW.as_nanos() as u64);
+            let msg = Message::GuestReport {
+                observed_downtime_ns: r.observed_downtime_ns,
+                pages_per_s_after: r.pages_per_s_after,
+            };
+            match reply {
+                Reply::Stream(mut s) => {
+                    let _ = wire::write_message(&mut s, &msg);
+                    s.shutdown();
+                }
+                Reply::Postcopy(dest) => {
+                    let _ = dest.reply(&msg);
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("no guest report for the source: {e}");
+    }
+}

@@ -1,0 +1,96 @@
+//! What the user asks of a migration, checked once.
+
+use crate::error::{Error, Result};
+pub use crate::prepaging::Strategy;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// Live: rounds while the guest runs, then a short stop-and-copy.
+    Precopy,
+    /// Pause, send everything, resume on the destination.
+    Warm,
+    /// Resume on the destination at once with the vCPU state; pages follow on demand and by
+    /// push (Hines & Gopalan).
+    Postcopy,
+    /// One live pre-copy round, then post-copy for what was dirtied since.
+    Hybrid,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Precopy => "precopy",
+            Mode::Warm => "warm",
+            Mode::Postcopy => "postcopy",
+            Mode::Hybrid => "hybrid",
+        }
+    }
+
+    /// Whether the switch hands over by post-copy.
+    pub fn wants_postcopy(self) -> bool {
+        matches!(self, Mode::Postcopy | Mode::Hybrid)
+    }
+}
+
+impl std::str::FromStr for Mode {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        [Mode::Precopy, Mode::Warm, Mode::Postcopy, Mode::Hybrid]
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                Error::Param(format!(
+                    "unknown mode '{s}' (use precopy, warm, postcopy or hybrid)"
+                ))
+            })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct MigrationParams {
+    pub mode: Mode,
+    pub max_downtime_ms: u64,
+    pub max_bandwidth_mbps: Option<u64>,
+    pub max_rounds: u32,
+    pub timeout_s: u64,
+    /// Both ends checksum guest memory at the switch (costs downtime; for tests).
+    pub checksum: bool,
+    /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
+    pub auto_postcopy: bool,
+    /// Post-copy push order: bubble (pre-paging around faults) or linear (push only).
+    pub prepaging: Strategy,
+}
+
+impl Default for MigrationParams {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Precopy,
+            max_downtime_ms: 300,
+            max_bandwidth_mbps: None,
+            max_rounds: 30,
+            timeout_s: 600,
+            checksum: false,
+            auto_postcopy: false,
+            prepaging: Strategy::Bubble,
+        }
+    }
+}
+
+impl MigrationParams {
+    pub fn validate(&self) -> Result<()> {
+        let positive = |name: &str, v: u64| {
+            if v == 0 {
+                Err(Error::Param(format!("{name} must be positive")))
+            } else {
+                Ok(())
+            }
+        };
+        positive("max_downtime_ms", self.max_downtime_ms)?;
+        positive("max_rounds", u64::from(self.max_rounds))?;
+        positive("timeout_s", self.timeout_s)?;
+        if let Some(b) = self.max_bandwidth_mbps {
+            positive("max_bandwidth_mbps", b)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,181 @@
+//! The source's side of the conversation as a state machine: which message from the
+//! destination is allowed in which state, and where each step leads. The session drives it;
+//! tests drive it alone.
+
+use crate::error::{Error, Result};
+use crate::wire::Message;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SourceState {
+    /// Hello sent; the destination builds the VM.
+    AwaitReady,
+    /// Live rounds (or, warm/snapshot, the one full pass).
+    Rounds,
+    /// Paused; last pages and the state are on their way.
+    Switchover,
+    /// State sent; the destination loads it.
+    AwaitLoaded,
+    /// The destination holds everything: `Go` may be sent.
+    Loaded,
+    /// `Go` sent: from here the VM may run on the destination. Whether pages follow.
+    AwaitResumed {
+        postcopy: bool,
+    },
+    /// The VM runs there; pages follow (requests first).
+    Postcopy,
+    /// The VM runs there; waiting a moment for what the guest saw.
+    AwaitGuestReport,
+    Done,
+}
+
+/// What happened: the source sent something, or heard something.
+#[derive(Debug)]
+pub enum Event<'a> {
+    Ready,
+    StartRounds,
+    Paused,
+    StateSent,
+    GoSent { postcopy: bool },
+    Heard(&'a Message),
+}
+
+impl SourceState {
+    pub fn next(self, event: Event<'_>) -> Result<Self> {
+        use SourceState::*;
+        let next = match (self, &event) {
+            (_, Event::Heard(Message::Abort { reason })) => {
+                return Err(Error::Peer(reason.clone()));
+            }
+            (AwaitReady, Event::Heard(Message::Ready { .. })) => Rounds,
+            (AwaitReady, Event::StartRounds) => Rounds, // a snapshot file answers nothing
+            (Rounds, Event::Paused) => Switchover,
+            (Switchover, Event::StateSent) => AwaitLoaded,
+            (AwaitLoaded, Event::Heard(Message::Loaded { .. })) => Loaded,
+            (Loaded, Event::GoSent { postcopy }) => AwaitResumed {
+                postcopy: *postcopy,
+            },
+            (AwaitResumed { postcopy: true }, Event::Heard(Message::Resumed { .. })) => Postcopy,
+            (AwaitResumed { postcopy: false }, Event::Heard(Message::Resumed { .. })) => {
+                AwaitGuestReport
+            }
+            (Postcopy, Event::Heard(Message::PageRequest { .. })) => Postcopy,
+            (Postcopy, Event::Heard(Message::GuestReport { .. })) => Postcopy,
+            (Postcopy, Event::Heard(Message::PostcopyComplete(_))) => AwaitGuestReport,
+            (AwaitGuestReport, Event::Heard(Message::GuestReport { .. })) => Done,
+            (state, Event::Heard(m)) => {
+                return Err(Error::Protocol(format!(
+                    "the destination sent {} while the source was in {state:?}",
+                    m.name()
+                )));
+            }
+            (state, e) => {
+                return Err(Error::State(format!(
+                    "source step {e:?} is not allowed in {state:?}"
+                )));
+            }
+        };
+        Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SourceState::*;
+    use super::*;
+    use crate::wire::PostcopyReport;
+
+    fn run(steps: Vec<Event<'_>>) -> Result<SourceState> {
+        steps.into_iter().try_fold(AwaitReady, |s, e| s.next(e))
+    }
+
+    #[test]
+    fn precopy_conversation() {
+        let ready = Message::Ready { postcopy: true };
+        let loaded = Message::Loaded {
+            memory_checksum: None,
+        };
+        let resumed = Message::Resumed {
+            state_to_resume_ns: 1,
+        };
+        let report = Message::GuestReport {
+            observed_downtime_ns: None,
+            pages_per_s_after: None,
+        };
+        let s = run(vec![
+            Event::Heard(&ready),
+            Event::Paused,
+            Event::StateSent,
+            Event::Heard(&loaded),
+            Event::GoSent { postcopy: false },
+            Event::Heard(&resumed),
+        ])
+        .unwrap();
+        // Pre-copy has nothing to push: the guest report ends it.
+        assert_eq!(s, AwaitGuestReport);
+        assert_eq!(s.next(Event::Heard(&report)).unwrap(), Done);
+        let req = Message::PageRequest { gfn: 1 };
+        assert!(
+            s.next(Event::Heard(&req)).is_err(),
+            "no requests in pre-copy"
+        );
+    }
+
+    #[test]
+    fn postcopy_conversation_serves_requests_until_complete() {
+        let ready = Message::Ready { postcopy: true };
+        let loaded = Message::Loaded {
+            memory_checksum: None,
+        };
+        let resumed = Message::Resumed {
+            state_to_resume_ns: 1,
+        };
+        let req = Message::PageRequest { gfn: 5 };
+        let done = Message::PostcopyComplete(PostcopyReport::default());
+        let report = Message::GuestReport {
+            observed_downtime_ns: Some(1),
+            pages_per_s_after: None,
+        };
+        let s = run(vec![
+            Event::Heard(&ready),
+            Event::Paused,
+            Event::StateSent,
+            Event::Heard(&loaded),
+            Event::GoSent { postcopy: true },
+            Event::Heard(&resumed),
+            Event::Heard(&req),
+            Event::Heard(&req),
+            Event::Heard(&done),
+            Event::Heard(&report),
+        ])
+        .unwrap();
+        assert_eq!(s, Done);
+    }
+
+    #[test]
+    fn out_of_order_answers_are_refused() {
+        let loaded = Message::Loaded {
+            memory_checksum: None,
+        };
+        let e = run(vec![Event::Heard(&loaded)]).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("sent Loaded while the source was in AwaitReady")
+        );
+        // Go before the destination loaded the state: never.
+        let ready = Message::Ready { postcopy: false };
+        let e = run(vec![
+            Event::Heard(&ready),
+            Event::GoSent { postcopy: false },
+        ])
+        .unwrap_err();
+        assert!(matches!(e, Error::State(_)), "{e}");
+        let req = Message::PageRequest { gfn: 1 };
+        let e = run(vec![Event::Heard(&ready), Event::Heard(&req)]).unwrap_err();
+        assert!(e.to_string().contains("PageRequest"), "{e}");
+        let abort = Message::Abort {
+            reason: "disk full".into(),
+        };
+        let e = run(vec![Event::Heard(&abort)]).unwrap_err();
+        assert!(matches!(e, Error::Peer(r) if r == "disk full"));
+    }
+}

@@ -1,0 +1,279 @@
+//! The source side: a VM's outgoing migrations, one at a time. `Outgoing` is what the VMM
+//! holds; it starts migrations and snapshots on their own thread, answers cancel and
+//! start-postcopy, and keeps what an interrupted post-copy still owes for a resume.
+//!
+//! Files in the order data flows: `session` (handshake, outcome) → `rounds` (pre-copy) →
+//! `switchover` (pause, state, Go) → `postcopy` (serving pages after the switch) →
+//! `recovery` (carrying on over a new connection). `machine` is the conversation's rules.
+
+pub mod machine;
+mod postcopy;
+pub mod recovery;
+mod rounds;
+mod session;
+mod switchover;
+
+use std::fs::File;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::params::{MigrationParams, Mode};
+use crate::status::{Phase, Role, Status, StatusBoard};
+use crate::vm::Migratable;
+use crate::wire::StreamMode;
+use crate::wire::transport::{Endpoint, Stream};
+use recovery::Leftover;
+use session::Session;
+
+/// What others may ask of a running migration.
+#[derive(Debug, Default)]
+pub struct Controls {
+    pub cancel: AtomicBool,
+    /// Switch a running pre-copy to post-copy at the next round boundary.
+    pub start_postcopy: AtomicBool,
+}
+
+/// How long `send` waits to learn whether the destination answered.
+const SETUP_WAIT: Duration = Duration::from_secs(15);
+
+/// A VM's outgoing migrations.
+pub struct Outgoing {
+    board: StatusBoard,
+    controls: Controls,
+    busy: Mutex<bool>,
+    leftover: Mutex<Option<Leftover>>,
+}
+
+/// Called once when a background migration ends: `Ok` means the VM runs elsewhere now.
+pub type OnDone = Box<dyn FnOnce(&Result<()>) + Send>;
+
+impl Outgoing {
+    pub fn new(board: StatusBoard) -> Arc<Self> {
+        Arc::new(Self {
+            board,
+            controls: Controls::default(),
+            busy: Mutex::new(false),
+            leftover: Mutex::new(None),
+        })
+    }
+
+    pub fn running(&self) -> bool {
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Claims the single migration slot; refused while one runs or where the VM may already
+    /// run elsewhere (it must never run twice).
+    fn claim(&self) -> Result<()> {
+        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        if *busy {
+            return Err(Error::State("a migration is already running".into()));
+        }
+        let s = self.board.read();
+        match (s.role, s.phase) {
+            (_, Phase::Unconfirmed | Phase::PostcopyPaused | Phase::Postcopy) => {
+                return Err(Error::State(format!(
+                    "the VM's last migration is {}: it may run on {} already",
+                    s.phase.name(),
+                    s.peer
+                )));
+            }
+            (Role::Source, Phase::Completed) => {
+                return Err(Error::State(format!("the VM has moved to {}", s.peer)));
+            }
+            _ => {}
+        }
+        *busy = true;
+        self.controls.cancel.store(false, Ordering::Release);
+        self.controls.start_postcopy.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    fn release(&self) {
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner()) = false;
+    }
+
+    /// Starts migrating `vm` to `endpoint` in the background, and returns once the
+    /// destination answered (a dead address is an error here). `on_done` hears the end.
+    pub fn send(
+        self: &Arc<Self>,
+        vm: Arc<dyn Migratable>,
+        endpoint: Endpoint,
+        params: MigrationParams,
+        on_done: OnDone,
+    ) -> Result<()> {
+        params.validate()?;
+        self.claim()?;
+        let status = Status::new(Role::Source, params.mode.name(), endpoint.to_string());
+        self.board.publish(&status);
+        let this = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("migration".into())
+            .spawn(move || {
+                let result = this.migrate(vm.as_ref(), &endpoint, &params, status);
+                if let Err(e) = &result {
+                    tracing::warn!("migration failed: {e}");
+                }
+                this.release();
+                on_done(&result);
+            });
+        if let Err(e) = spawned {
+            self.release();
+            return Err(Error::vm_caused("cannot start the migration", e));
+        }
+        let deadline = Instant::now() + SETUP_WAIT;
+        while Instant::now() < deadline {
+            let s = self.board.read();
+            match s.phase {
+                Phase::Setup => std::thread::sleep(Duration::from_millis(5)),
+                Phase::Failed => {
+                    return Err(Error::Peer(s.error.unwrap_or_default()));
+                }
+                _ => break,
+            }
+        }
+        Ok(())
+    }
+
+    fn migrate(
+        &self,
+        vm: &dyn Migratable,
+        endpoint: &Endpoint,
+        params: &MigrationParams,
+        mut status: Status,
+    ) -> Result<()> {
+        let stream = match endpoint.connect() {
+            Ok(s) => s,
+            Err(e) => {
+                status.phase = Phase::Failed;
+                status.error = Some(e.to_string());
+                self.board.publish(&status);
+                return Err(e);
+            }
+        };
+        let mode = match params.mode {
+            Mode::Warm => StreamMode::Warm,
+            Mode::Precopy | Mode::Postcopy | Mode::Hybrid => StreamMode::Precopy,
+        };
+        let mut session = Session::new(
+            vm,
+            stream,
+            params,
+            &self.controls,
+            &self.leftover,
+            &self.board,
+            status,
+        );
+        let result = session.run(mode);
+        session.finish(result)
+    }
+
+    /// Writes `vm` to `file` (a snapshot) and leaves the VM paused: its new home is the file.
+    /// `name` is how the status names the file.
+    pub fn snapshot(&self, vm: &dyn Migratable, file: File, name: &str) -> Result<Status> {
+        self.claim()?;
+        let params = MigrationParams::default();
+        let status = Status::new(Role::Source, "snapshot", name.to_string());
+        self.board.publish(&status);
+        let mut session = Session::new(
+            vm,
+            Stream::File(file),
+            &params,
+            &self.controls,
+            &self.leftover,
+            &self.board,
+            status,
+        );
+        let result = session.run(StreamMode::Snapshot);
+        let result = session.finish(result);
+        self.release();
+        result.map(|()| self.board.read())
+    }
+
+    pub fn cancel(&self) -> Result<()> {
+        if !self.running() {
+            return Err(Error::State("no migration is running".into()));
+        }
+        self.controls.cancel.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Like QEMU's migrate-start-postcopy: the running pre-copy hands over by post-copy at
+    /// its next round.
+    pub fn start_postcopy(&self) -> Result<()> {
+        if !self.running() {
+            return Err(Error::State("no migration is running".into()));
+        }
+        let s = self.board.read();
+        if s.destination_supports_postcopy == Some(false) {
+            return Err(Error::State(
+                "the destination does not support post-copy (no userfaultfd there)".into(),
+            ));
+        }
+        if s.phase != Phase::Active || s.postcopy {
+            return Err(Error::State(format!(
+                "the migration is {}, not in its live rounds",
+                s.phase.name()
+            )));
+        }
+        self.controls.start_postcopy.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether a post-copy lost its connection and can be resumed.
+    pub fn can_resume(&self) -> bool {
+        self.leftover
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Carries on an interrupted post-copy over a new connection to `endpoint`.
+    pub fn resume_postcopy(
+        self: &Arc<Self>,
+        vm: Arc<dyn Migratable>,
+        endpoint: Endpoint,
+        on_done: OnDone,
+    ) -> Result<()> {
+        let left = self
+            .leftover
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| {
+                Error::State("there is no interrupted post-copy to resume here".into())
+            })?;
+        {
+            let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+            if *busy {
+                return Err(Error::State("a migration is already running".into()));
+            }
+            *busy = true;
+        }
+        let this = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("postcopy-resume".into())
+            .spawn(move || {
+                let status = this.board.read();
+                let result = recovery::resume(vm.as_ref(), &endpoint, &left, &this.board, status)
+                    .map(|_| ());
+                match &result {
+                    Ok(()) => *this.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None,
+                    Err(e) => {
+                        let mut s = this.board.read();
+                        s.phase = Phase::PostcopyPaused;
+                        s.error = Some(format!("resuming post-copy failed: {e}"));
+                        this.board.publish(&s);
+                    }
+                }
+                this.release();
+                on_done(&result);
+            });
+        if let Err(e) = spawned {
+            self.release();
+            return Err(Error::vm_caused("cannot start the resume", e));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,223 @@
+//! Serving post-copy: the VM runs on the destination; its pages follow. Requests are served
+//! first, everything else is pushed in the planner's order (see `prepaging`); each page leaves
+//! at most once. A reader thread hears the destination while the session pushes.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::time::{Duration, Instant};
+
+use super::machine::Event;
+use super::recovery::Leftover;
+use super::session::Session;
+use super::switchover::GUEST_REPORT_WAIT;
+use crate::error::{Error, Result};
+use crate::memory::GuestRam;
+use crate::prepaging::{Planner, Strategy};
+use crate::ratelimit::RateLimiter;
+use crate::status::{RoundStats, ms};
+use crate::wire::bitmap::Bitmap;
+use crate::wire::pages::PageSender;
+use crate::wire::transport::Stream;
+use crate::wire::{self, Message, PostcopyReport};
+
+/// Pages pushed between two looks at the request queue.
+const PUSH_BATCH: usize = 16;
+/// How long the source waits for the destination's final word once everything is sent.
+const COMPLETE_WAIT: Duration = Duration::from_secs(60);
+
+/// Reads the destination's messages on their own thread, so requests are seen while the
+/// sender is busy pushing. Ends at the first error (which it passes on).
+pub(crate) fn spawn_reader(mut stream: Stream) -> Result<Receiver<Result<Message>>> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::Builder::new()
+        .name("postcopy-requests".into())
+        .spawn(move || {
+            loop {
+                let msg = wire::read_message(&mut stream);
+                let failed = msg.is_err();
+                if tx.send(msg).is_err() || failed {
+                    return;
+                }
+            }
+        })
+        .map_err(|e| Error::vm_caused("cannot start the post-copy reader", e))?;
+    Ok(rx)
+}
+
+/// Counters of one post-copy serving.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Served {
+    pub pushed: u64,
+    pub requested: u64,
+}
+
+/// Sends every page of `pending` on `stream`, requests first, and returns once the
+/// destination confirmed it has them all. `heard` sees every other message (the guest
+/// report); `progress` sees the counters and the pages left after each batch.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn serve(
+    stream: &mut Stream,
+    ram: &GuestRam,
+    limiter: &mut RateLimiter,
+    sender: &mut PageSender,
+    events: &Receiver<Result<Message>>,
+    pending: Bitmap,
+    strategy: Strategy,
+    mut heard: impl FnMut(&Message) -> Result<()>,
+    mut progress: impl FnMut(Served, u64),
+) -> Result<(Served, PostcopyReport)> {
+    let mut planner = Planner::new(pending, strategy);
+    let mut served = Served::default();
+    let mut handle = |msg: Message,
+                      planner: &mut Planner,
+                      served: &mut Served,
+                      stream: &mut Stream,
+                      sender: &mut PageSender,
+                      limiter: &mut RateLimiter|
+     -> Result<Option<PostcopyReport>> {
+        heard(&msg)?;
+        match msg {
+            Message::PageRequest { gfn } => {
+                if !ram.contains(gfn) {
+                    return Err(Error::Protocol(format!(
+                        "the destination asked for page {gfn:#x}, outside guest RAM"
+                    )));
+                }
+                planner.recenter(gfn);
+                if planner.take(gfn) {
+                    sender.push(stream, ram, gfn, limiter)?;
+                    sender.flush(stream, ram, limiter)?;
+                    served.requested += 1;
+                }
+                Ok(None)
+            }
+            Message::PostcopyComplete(r) => Ok(Some(r)),
+            _ => Ok(None),
+        }
+    };
+    while planner.remaining() > 0 {
+        while let Ok(msg) = events.try_recv() {
+            if let Some(r) = handle(msg?, &mut planner, &mut served, stream, sender, limiter)? {
+                return Err(Error::Protocol(format!(
+                    "the destination reported completion with pages missing ({r:?})"
+                )));
+            }
+        }
+        for _ in 0..PUSH_BATCH {
+            let Some(gfn) = planner.next_page() else {
+                break;
+            };
+            sender.push(stream, ram, gfn, limiter)?;
+            served.pushed += 1;
+        }
+        sender.flush(stream, ram, limiter)?;
+        progress(served, planner.remaining());
+    }
+    wire::write_message(
+        stream,
+        &Message::PostcopyDone {
+            pages_sent: served.pushed + served.requested,
+        },
+    )?;
+    let deadline = Instant::now() + COMPLETE_WAIT;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match events.recv_timeout(left) {
+            Ok(msg) => {
+                if let Some(r) = handle(msg?, &mut planner, &mut served, stream, sender, limiter)? {
+                    return Ok((served, r));
+                }
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                return Err(Error::Protocol(
+                    "the destination never confirmed that every page arrived".into(),
+                ));
+            }
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(Error::Protocol("the destination went away".into()));
+            }
+        }
+    }
+}
+
+impl Session<'_> {
+    /// The VM runs on the destination; its pages follow, requested ones first.
+    pub(super) fn post_copy(&mut self, pending: Bitmap) -> Result<()> {
+        let began = Instant::now();
+        let events = spawn_reader(self.stream.try_clone()?)?;
+        let before = self.pages.counters;
+        let mut state = self.state;
+        let mut guest_report = None;
+        let board = self.board;
+        let board_status = &mut self.status;
+        let (served, report) = serve(
+            &mut self.stream,
+            &self.ram,
+            &mut self.limiter,
+            &mut self.pages,
+            &events,
+            pending,
+            self.params.prepaging,
+            |msg| {
+                state = state.next(Event::Heard(msg))?;
+                if let Message::GuestReport {
+                    observed_downtime_ns,
+                    pages_per_s_after,
+                } = msg
+                {
+                    guest_report = Some((*observed_downtime_ns, *pages_per_s_after));
+                }
+                Ok(())
+            },
+            |s, left| {
+                board_status.progress.pages.pushed = s.pushed;
+                board_status.progress.pages.requested = s.requested;
+                board_status.progress.pages_remaining = left;
+                board.publish(board_status);
+            },
+        )?;
+        self.state = state;
+        self.finished = Some(Instant::now());
+        *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let after = self.pages.counters;
+        let p = &mut self.status.progress;
+        p.pages.pushed = served.pushed;
+        p.pages.requested = served.requested;
+        let round = p.rounds.len() as u32;
+        p.rounds.push(RoundStats {
+            round,
+            pages: served.pushed + served.requested,
+            zero_pages: after.zero - before.zero,
+            bytes: after.bytes - before.bytes,
+            duration_ms: ms(began.elapsed()),
+            dirty_pages_per_s: 0.0,
+        });
+        self.status.report.memory_checksum_destination = report.memory_checksum;
+        self.status.report.postcopy_report = Some(report);
+        // The destination reports what the guest saw a moment after it resumed.
+        if guest_report.is_none() {
+            let deadline = Instant::now() + GUEST_REPORT_WAIT;
+            while guest_report.is_none() {
+                let left = deadline.saturating_duration_since(Instant::now());
+                match events.recv_timeout(left) {
+                    Ok(Ok(Message::GuestReport {
+                        observed_downtime_ns,
+                        pages_per_s_after,
+                    })) => guest_report = Some((observed_downtime_ns, pages_per_s_after)),
+                    Ok(Ok(_)) => {}
+                    _ => break,
+                }
+            }
+        }
+        if let Some((observed, rate)) = guest_report {
+            self.note_guest_report(observed, rate);
+        }
+        Ok(())
+    }
+
+    pub(super) fn keep_leftover(&self, pending: Bitmap) {
+        *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = Some(Leftover {
+            pending,
+            params: self.params.clone(),
+        });
+    }
+}

@@ -1,0 +1,105 @@
+//! Carrying on a post-copy whose connection dropped after the switch (the destination's half
+//! is `destination::recovery`): connect to the destination's new listener, learn which pages
+//! it has, send the rest.
+
+use crate::error::{Error, Result};
+use crate::params::MigrationParams;
+use crate::ratelimit::RateLimiter;
+use crate::status::{Phase, Status, StatusBoard};
+use crate::vm::Migratable;
+use crate::wire::bitmap::Bitmap;
+use crate::wire::pages::PageSender;
+use crate::wire::transport::Endpoint;
+use crate::wire::{self, Message};
+
+use super::postcopy::{serve, spawn_reader};
+use super::session::DEFAULT_BATCH_PAGES;
+
+/// What an interrupted post-copy still owes the destination.
+#[derive(Clone, Debug)]
+pub struct Leftover {
+    pub pending: Bitmap,
+    pub params: MigrationParams,
+}
+
+/// Sends the pages of `left` the destination at `endpoint` does not have yet. `status` is
+/// the interrupted migration's, carried on.
+pub(crate) fn resume(
+    vm: &dyn Migratable,
+    endpoint: &Endpoint,
+    left: &Leftover,
+    board: &StatusBoard,
+    mut status: Status,
+) -> Result<Status> {
+    let ram = vm.ram();
+    let mut stream = endpoint.connect()?;
+    wire::write_stream_header(&mut stream)?;
+    wire::write_message(&mut stream, &Message::ResumePostcopy)?;
+    let here = match wire::read_message(&mut stream)? {
+        Message::ResumeFrom { words } => {
+            if words.len() as u64 != ram.gfn_end().div_ceil(64) {
+                return Err(Error::Protocol(format!(
+                    "the destination's page map has {} words for {} pages",
+                    words.len(),
+                    ram.gfn_end()
+                )));
+            }
+            Bitmap::from_words(words, ram.gfn_end())
+        }
+        other => {
+            return Err(Error::Protocol(format!(
+                "expected ResumeFrom from the destination, got {}",
+                other.name()
+            )));
+        }
+    };
+    let mut todo = left.pending.clone();
+    for gfn in here.iter() {
+        todo.unset(gfn);
+    }
+    status.phase = Phase::Postcopy;
+    status.error = None;
+    status.progress.pages_remaining = todo.count();
+    board.publish(&status);
+    let events = spawn_reader(stream.try_clone()?)?;
+    let mut limiter = RateLimiter::new(left.params.max_bandwidth_mbps);
+    let mut sender = PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES));
+    sender.checked = true; // the source guest is paused for good
+    let base = status.progress.pages;
+    let (served, report) = serve(
+        &mut stream,
+        &ram,
+        &mut limiter,
+        &mut sender,
+        &events,
+        todo,
+        left.params.prepaging,
+        |msg| match msg {
+            Message::PageRequest { .. }
+            | Message::PostcopyComplete(_)
+            | Message::GuestReport { .. } => Ok(()),
+            other => Err(Error::Protocol(format!(
+                "the destination sent {} during a resumed post-copy",
+                other.name()
+            ))),
+        },
+        |s, left| {
+            status.progress.pages.pushed = base.pushed + s.pushed;
+            status.progress.pages.requested = base.requested + s.requested;
+            status.progress.pages_remaining = left;
+            board.publish(&status);
+        },
+    )?;
+    let p = &mut status.progress;
+    p.pages.pushed = base.pushed + served.pushed;
+    p.pages.requested = base.requested + served.requested;
+    p.pages.full += sender.counters.full;
+    p.pages.zero += sender.counters.zero;
+    p.bytes_on_wire += sender.counters.bytes;
+    status.report.memory_checksum_destination = report.memory_checksum;
+    status.report.postcopy_report = Some(report);
+    status.phase = Phase::Completed;
+    status.note = Some("post-copy resumed over a new connection".into());
+    board.publish(&status);
+    Ok(status)
+}

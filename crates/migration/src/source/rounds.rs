@@ -1,0 +1,179 @@
+//! Pre-copy rounds: round 0 sends every page that holds data; later rounds send what the
+//! dirty log says changed, until the policy (or the user) says switch over.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::session::Session;
+use crate::error::Result;
+use crate::params::Mode;
+use crate::policy::{self, Decision, Limits, Measured};
+use crate::scan::populated_pages;
+use crate::status::{RoundStats, ms};
+use crate::wire::bitmap::Bitmap;
+use crate::wire::{Message, StreamMode};
+
+/// Rounds without progress before pre-copy gives up iterating (see `policy`).
+const MAX_STALLED_ROUNDS: u32 = 3;
+/// Live status is refreshed every this many pages inside a round.
+const STATUS_EVERY_PAGES: u64 = 4096;
+
+impl Session<'_> {
+    /// Sends memory by the mode's rules, then switches over.
+    pub(super) fn transfer(&mut self, mode: StreamMode, start_ns: u64) -> Result<()> {
+        // Log first, then look: a page the guest first touches while we scan is still caught.
+        if mode == StreamMode::Precopy {
+            self.vm.start_dirty_log()?;
+            self.dirty_logging = true;
+        } else {
+            self.pause()?;
+        }
+        let populated = populated_pages(&self.ram)?;
+        self.status.progress.pages.skipped_unpopulated = self.ram.pages() - populated.count();
+        if self.params.mode == Mode::Postcopy {
+            // Nothing moves before the switch: every page that holds data follows it.
+            return self.switch_over(populated, true, start_ns);
+        }
+        self.send_round(0, &populated)?;
+        match (mode, self.params.mode) {
+            (StreamMode::Precopy, Mode::Hybrid) => {
+                let dirty = self.vm.take_dirty()?;
+                self.switch_over(dirty, true, start_ns)
+            }
+            (StreamMode::Precopy, _) => {
+                let (pending, postcopy) = self.iterate()?;
+                self.switch_over(pending, postcopy, start_ns)
+            }
+            _ => self.switch_over(Bitmap::new(self.ram.gfn_end()), false, start_ns),
+        }
+    }
+
+    /// Live rounds until the policy (or the user) says switch; returns the dirty set not yet
+    /// sent, and whether to hand it over by post-copy.
+    fn iterate(&mut self) -> Result<(Bitmap, bool)> {
+        let limits = Limits {
+            max_downtime_ms: self.params.max_downtime_ms as f64,
+            max_rounds: self.params.max_rounds,
+            max_stalled_rounds: MAX_STALLED_ROUNDS,
+        };
+        let mut round = 1;
+        let (mut previous, mut stalled) = (u64::MAX, 0);
+        loop {
+            self.check_continue()?;
+            let dirty = self.vm.take_dirty()?;
+            let count = dirty.count();
+            stalled = if policy::shrank(previous, count) {
+                0
+            } else {
+                stalled + 1
+            };
+            previous = count;
+            let measured = self.measure(round, count, stalled);
+            if self.controls.start_postcopy.load(Ordering::Acquire) && self.peer_postcopy {
+                self.status.note = Some("switched to post-copy on request".into());
+                return Ok((dirty, true));
+            }
+            match policy::decide(&measured, &limits) {
+                Decision::Iterate => self.send_round(round, &dirty)?,
+                Decision::SwitchOver { converged, why } => {
+                    let postcopy = !converged && self.params.auto_postcopy;
+                    self.status.report.converged = Some(converged);
+                    self.status.note = Some(if postcopy {
+                        format!("{why}; switching to post-copy instead")
+                    } else {
+                        why
+                    });
+                    return Ok((dirty, postcopy));
+                }
+            }
+            round += 1;
+        }
+    }
+
+    fn measure(&mut self, rounds_done: u32, pages_remaining: u64, stalled_rounds: u32) -> Measured {
+        let p = &mut self.status.progress;
+        let bytes: u64 = p.rounds.iter().map(|r| r.bytes).sum();
+        let bandwidth = bytes as f64 / self.send_time.as_secs_f64().max(1e-6);
+        // What the guest dirtied while the last round was on its way.
+        let dirty_rate = match p.rounds.last_mut() {
+            Some(last) => {
+                last.dirty_pages_per_s =
+                    pages_remaining as f64 / (last.duration_ms / 1e3).max(1e-6);
+                last.dirty_pages_per_s
+            }
+            None => 0.0,
+        };
+        p.dirty_pages_per_s = dirty_rate;
+        p.pages_remaining = pages_remaining;
+        p.expected_downtime_ms = policy::expected_downtime_ms(pages_remaining, bandwidth);
+        let m = Measured {
+            rounds_done,
+            pages_remaining,
+            bandwidth_bytes_per_s: bandwidth,
+            dirty_pages_per_s: dirty_rate,
+            stalled_rounds,
+        };
+        if policy::outpaced(&m) && self.status.note.is_none() {
+            self.status.note =
+                Some("the guest dirties memory faster than the link sends it".into());
+        }
+        self.publish();
+        m
+    }
+
+    /// Sends the pages of `set` as round `round`.
+    pub(super) fn send_round(&mut self, round: u32, set: &Bitmap) -> Result<()> {
+        let began = Instant::now();
+        let before = self.pages.counters;
+        let total = set.count();
+        for (i, gfn) in set.iter().enumerate() {
+            if self.sent_once.get(gfn) {
+                self.status.progress.pages.resent += 1;
+            } else {
+                self.sent_once.set(gfn);
+            }
+            self.pages
+                .push(&mut self.stream, &self.ram, gfn, &mut self.limiter)?;
+            if (i as u64 + 1).is_multiple_of(STATUS_EVERY_PAGES) {
+                self.check_continue()?;
+                self.status.progress.pages_remaining = total - i as u64 - 1;
+                self.count_sent(began, before.bytes);
+                self.publish();
+            }
+        }
+        self.pages
+            .flush(&mut self.stream, &self.ram, &mut self.limiter)?;
+        let elapsed = began.elapsed();
+        self.send_time += elapsed;
+        self.send(&Message::RoundEnd {
+            round,
+            pages: total,
+        })?;
+        self.count_sent(began, before.bytes);
+        let after = self.pages.counters;
+        let p = &mut self.status.progress;
+        p.round = round;
+        // Its dirty rate is known once the next dirty set is taken (see `measure`).
+        p.rounds.push(RoundStats {
+            round,
+            pages: total,
+            zero_pages: after.zero - before.zero,
+            bytes: after.bytes - before.bytes,
+            duration_ms: ms(elapsed),
+            dirty_pages_per_s: 0.0,
+        });
+        self.publish();
+        Ok(())
+    }
+
+    /// Copies the page sender's counters into the status, with the throughput since `began`.
+    pub(super) fn count_sent(&mut self, began: Instant, bytes_before: u64) {
+        let c = self.pages.counters;
+        let p = &mut self.status.progress;
+        p.pages.full = c.full;
+        p.pages.zero = c.zero;
+        p.bytes_on_wire = c.bytes;
+        p.throughput_mbps =
+            (c.bytes - bytes_before) as f64 * 8.0 / began.elapsed().as_secs_f64().max(1e-9) / 1e6;
+    }
+}

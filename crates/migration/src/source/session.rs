@@ -1,0 +1,251 @@
+//! One outgoing migration from start to end: the handshake, then `rounds`, `switchover` and
+//! (after the switch) `postcopy`. The session owns its status and publishes snapshots of it.
+//!
+//! Until the destination confirms it runs the VM, any failure — the peer dies, the link drops,
+//! a bad answer, a timeout, a cancel — leaves the source as it was: dirty logging off, the
+//! vCPUs running again if they ran before.
+
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use super::Controls;
+use super::machine::{Event, SourceState};
+use super::recovery::Leftover;
+use crate::error::{Error, Result};
+use crate::memory::GuestRam;
+use crate::params::MigrationParams;
+use crate::ratelimit::RateLimiter;
+use crate::status::{Phase, Status, StatusBoard, ms, now_ns};
+use crate::vm::Migratable;
+use crate::wire::bitmap::Bitmap;
+use crate::wire::pages::PageSender;
+use crate::wire::transport::Stream;
+use crate::wire::{self, Frame, Message, StreamMode};
+
+pub(crate) const DEFAULT_BATCH_PAGES: usize = 256;
+/// Window for the guest's progress rate before the migration.
+const RATE_WINDOW_NS: u64 = 2_000_000_000;
+
+pub(crate) struct Session<'a> {
+    pub vm: &'a dyn Migratable,
+    pub ram: GuestRam,
+    pub stream: Stream,
+    pub pages: PageSender,
+    pub limiter: RateLimiter,
+    pub params: &'a MigrationParams,
+    pub controls: &'a Controls,
+    pub leftover: &'a Mutex<Option<Leftover>>,
+    pub board: &'a StatusBoard,
+    pub status: Status,
+    pub state: SourceState,
+    pub started: Instant,
+    pub sent_once: Bitmap,
+    /// The destination said it can take post-copy.
+    pub peer_postcopy: bool,
+    /// Time spent sending pages, for the bandwidth estimate.
+    pub send_time: Duration,
+    /// Whether the VM ran when the migration began (a failure leaves it as it was).
+    was_running: bool,
+    /// Whether this session paused the VM (and so must resume it on failure).
+    pub paused_at: Option<(Instant, u64)>,
+    pub dirty_logging: bool,
+    /// When the last page was in place (post-copy ends after the guest resumed).
+    pub finished: Option<Instant>,
+}
+
+impl<'a> Session<'a> {
+    pub fn new(
+        vm: &'a dyn Migratable,
+        stream: Stream,
+        params: &'a MigrationParams,
+        controls: &'a Controls,
+        leftover: &'a Mutex<Option<Leftover>>,
+        board: &'a StatusBoard,
+        status: Status,
+    ) -> Self {
+        let ram = vm.ram();
+        let limiter = RateLimiter::new(params.max_bandwidth_mbps);
+        Self {
+            vm,
+            sent_once: Bitmap::new(ram.gfn_end()),
+            ram,
+            stream,
+            pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES)),
+            limiter,
+            params,
+            controls,
+            leftover,
+            board,
+            status,
+            state: SourceState::AwaitReady,
+            started: Instant::now(),
+            peer_postcopy: false,
+            send_time: Duration::ZERO,
+            was_running: vm.is_running(),
+            paused_at: None,
+            dirty_logging: false,
+            finished: None,
+        }
+    }
+
+    pub fn publish(&self) {
+        self.board.publish(&self.status);
+    }
+
+    /// Moves the conversation on; an event the state does not allow is an error.
+    pub fn step(&mut self, event: Event<'_>) -> Result<()> {
+        self.state = self.state.next(event)?;
+        Ok(())
+    }
+
+    /// Reads the destination's next message and checks it against the conversation.
+    pub fn hear(&mut self) -> Result<Message> {
+        let msg = match wire::read_frame(&mut self.stream)? {
+            Frame::Message(m) => m,
+            Frame::Pages { .. } => {
+                return Err(Error::Protocol("the destination sent a page frame".into()));
+            }
+        };
+        self.step(Event::Heard(&msg))?;
+        Ok(msg)
+    }
+
+    pub fn send(&mut self, msg: &Message) -> Result<()> {
+        wire::write_message(&mut self.stream, msg)
+    }
+
+    /// The whole migration; `Ok` means the destination runs the VM.
+    pub fn run(&mut self, mode: StreamMode) -> Result<()> {
+        let start_ns = now_ns();
+        self.status.report.guest_pages_per_s_before = self
+            .vm
+            .guest_progress_rate(start_ns.saturating_sub(RATE_WINDOW_NS), start_ns);
+        self.status.memory_pages = self.ram.pages();
+        wire::write_stream_header(&mut self.stream)?;
+        self.send(&Message::Hello {
+            vm: self.vm.descriptor(),
+            mode,
+            source: format!("ferry {}", env!("CARGO_PKG_VERSION")),
+        })?;
+        if self.stream.has_peer() {
+            if let Message::Ready { postcopy } = self.hear()? {
+                self.peer_postcopy = postcopy;
+                self.status.destination_supports_postcopy = Some(postcopy);
+            }
+            if self.params.mode.wants_postcopy() && !self.peer_postcopy {
+                return Err(Error::Param(
+                    "the destination cannot take post-copy (no userfaultfd there)".into(),
+                ));
+            }
+        } else {
+            self.step(Event::StartRounds)?;
+        }
+        self.status.report.setup_ms = ms(self.started.elapsed());
+        self.status.phase = Phase::Active;
+        self.publish();
+        self.transfer(mode, start_ns)
+    }
+
+    pub fn pause(&mut self) -> Result<()> {
+        if self.paused_at.is_none() {
+            self.vm.pause()?;
+            self.paused_at = Some((Instant::now(), now_ns()));
+        }
+        Ok(())
+    }
+
+    pub fn check_continue(&self) -> Result<()> {
+        if self.controls.cancel.load(Ordering::Acquire) {
+            return Err(Error::Cancelled);
+        }
+        if self.started.elapsed() > Duration::from_secs(self.params.timeout_s) {
+            return Err(Error::Timeout(self.params.timeout_s));
+        }
+        Ok(())
+    }
+
+    /// Settles the outcome: on failure before `Go`, the source is left as it was.
+    pub fn finish(mut self, result: Result<()>) -> Result<()> {
+        let error = match result {
+            Ok(()) => {
+                if self.dirty_logging {
+                    let _ = self.vm.stop_dirty_log();
+                }
+                self.publish();
+                return Ok(());
+            }
+            Err(e) => self.explain(e),
+        };
+        let went = matches!(
+            self.state,
+            SourceState::AwaitResumed { .. }
+                | SourceState::Postcopy
+                | SourceState::AwaitGuestReport
+                | SourceState::Done
+        );
+        if !went {
+            // Nothing ran on the destination: there is nothing a resume could carry on.
+            *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+        if went {
+            // The VM may run on the destination now: neither resume here nor give it up.
+            self.status.phase = if self.leftover_pending() {
+                Phase::PostcopyPaused
+            } else {
+                Phase::Unconfirmed
+            };
+            self.status.error = Some(error.to_string());
+            self.publish();
+            return Err(error);
+        }
+        if self.stream.has_peer() {
+            let _ = self.stream.set_timeouts(Some(Duration::from_millis(200)));
+            let _ = self.send(&Message::Abort {
+                reason: error.to_string(),
+            });
+            self.stream.shutdown();
+        }
+        if self.dirty_logging {
+            let _ = self.vm.stop_dirty_log();
+        }
+        let mut error = error;
+        if self.paused_at.is_some()
+            && self.was_running
+            && let Err(e) = self.vm.resume()
+        {
+            error = Error::vm_caused(format!("{error}; and resuming the source failed"), e);
+        }
+        self.status.phase = if matches!(error, Error::Cancelled) {
+            Phase::Cancelled
+        } else {
+            Phase::Failed
+        };
+        self.status.error = Some(error.to_string());
+        self.publish();
+        Err(error)
+    }
+
+    fn leftover_pending(&self) -> bool {
+        self.leftover
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// A send that failed because the peer gave up: fetch the peer's reason if it sent one.
+    fn explain(&mut self, e: Error) -> Error {
+        if !matches!(e, Error::Transport { .. }) || !self.stream.has_peer() {
+            return e;
+        }
+        let _ = self.stream.set_timeouts(Some(Duration::from_millis(500)));
+        for _ in 0..64 {
+            match wire::read_frame(&mut self.stream) {
+                Ok(Frame::Message(Message::Abort { reason })) => return Error::Peer(reason),
+                Ok(Frame::Message(_)) => continue,
+                _ => return e,
+            }
+        }
+        e
+    }
+}

@@ -1,0 +1,152 @@
+//! The switch: pause, send what is left (or, for post-copy, which pages will follow) and the
+//! VM state, wait for the destination to load it, say `Go`, hear it resumed.
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use super::machine::{Event, SourceState};
+use super::session::Session;
+use crate::error::Result;
+use crate::scan::memory_checksum;
+use crate::status::{Phase, ms};
+use crate::wire::Message;
+use crate::wire::bitmap::Bitmap;
+use crate::wire::transport::Stream;
+
+/// The longest the source waits for its send queue to empty before pausing the guest.
+const SWITCH_DRAIN_LIMIT: Duration = Duration::from_secs(2);
+/// How long the source waits for the destination's guest report after it resumed.
+pub(super) const GUEST_REPORT_WAIT: Duration = Duration::from_secs(4);
+/// How long a paused source waits for each answer of the switch (Loaded, Resumed): a silent
+/// destination cannot keep the VM frozen for longer.
+const SWITCH_ANSWER_WAIT: Duration = Duration::from_secs(30);
+
+impl Session<'_> {
+    pub(super) fn switch_over(
+        &mut self,
+        mut pending: Bitmap,
+        postcopy: bool,
+        start_ns: u64,
+    ) -> Result<()> {
+        self.check_continue()?;
+        self.status.phase = Phase::Switchover;
+        self.publish();
+        if self.paused_at.is_none() {
+            // Let the earlier rounds leave the send queue first: the last pages and the state
+            // must not wait behind them while the guest is paused.
+            self.stream.drain(SWITCH_DRAIN_LIMIT);
+        }
+        self.pause()?;
+        self.step(Event::Paused)?;
+        let (paused_at, paused_at_ns) = self.paused_at.expect("paused above");
+        self.status.report.guest_pages_per_s_during =
+            self.vm.guest_progress_rate(start_ns, paused_at_ns);
+        if self.dirty_logging {
+            pending.merge(&self.vm.take_dirty()?);
+        }
+        self.pages.checked = true; // the guest is still: page data can be checksummed
+        let round = self.status.progress.rounds.len() as u32;
+        if postcopy {
+            self.status.postcopy = true;
+            self.send(&Message::PostcopyPending {
+                pages: pending.pages(),
+                words: pending.words().to_vec(),
+            })?;
+        } else if pending.count() > 0 || round == 0 {
+            self.send_round(round, &pending)?;
+        }
+        let checksum = if self.params.checksum {
+            Some(memory_checksum(&self.ram)?)
+        } else {
+            None
+        };
+        self.status.report.memory_checksum_source = checksum;
+        self.send_state(checksum)?;
+        if !self.stream.has_peer() {
+            self.stream.flush()?;
+            if let Stream::File(f) = &self.stream {
+                f.sync_all()?;
+            }
+            self.complete(None);
+            return Ok(());
+        }
+        self.stream.set_timeouts(Some(SWITCH_ANSWER_WAIT))?;
+        if let Message::Loaded { memory_checksum } = self.hear()? {
+            self.status.report.memory_checksum_destination = memory_checksum;
+        }
+        self.check_continue()?;
+        if postcopy {
+            // Should the connection drop from here on, these pages are what a resume owes.
+            self.keep_leftover(pending.clone());
+        }
+        self.send(&Message::Go)?;
+        self.step(Event::GoSent { postcopy })?;
+        let Message::Resumed { state_to_resume_ns } = self.hear()? else {
+            unreachable!("the state machine admits only Resumed here")
+        };
+        self.status.report.downtime_ms = Some(ms(paused_at.elapsed()));
+        self.status.report.destination_downtime_ms = Some(state_to_resume_ns as f64 / 1e6);
+        let resumed_at = Instant::now();
+        if postcopy {
+            self.status.phase = Phase::Postcopy;
+            self.publish();
+            self.post_copy(pending)?;
+        } else {
+            self.await_guest_report();
+        }
+        self.complete(Some(resumed_at));
+        Ok(())
+    }
+
+    fn send_state(&mut self, checksum: Option<u64>) -> Result<()> {
+        for (index, state) in self.vm.save_vcpus()?.into_iter().enumerate() {
+            self.send(&Message::VcpuState {
+                index: index as u32,
+                state,
+            })?;
+        }
+        let devices = self.vm.save_devices()?;
+        self.send(&Message::DeviceState { state: devices })?;
+        let c = self.pages.counters;
+        self.send(&Message::StateEnd {
+            pages_sent: c.full + c.zero,
+            memory_checksum: checksum,
+        })?;
+        self.step(Event::StateSent)
+    }
+
+    /// The destination reports what the guest saw once it has run a moment; bounded wait.
+    fn await_guest_report(&mut self) {
+        let _ = self.stream.set_timeouts(Some(GUEST_REPORT_WAIT));
+        if let Ok(Message::GuestReport {
+            observed_downtime_ns,
+            pages_per_s_after,
+        }) = self.hear()
+        {
+            self.note_guest_report(observed_downtime_ns, pages_per_s_after);
+        }
+    }
+
+    pub(super) fn note_guest_report(&mut self, observed_ns: Option<u64>, rate: Option<f64>) {
+        self.status.report.guest_observed_downtime_ms = observed_ns.map(|n| n as f64 / 1e6);
+        self.status.report.guest_pages_per_s_after = rate;
+    }
+
+    /// The destination runs the VM: the final figures. Post-copy ends when the last page is in
+    /// place; the others when the guest resumed.
+    fn complete(&mut self, resumed_at: Option<Instant>) {
+        self.state = SourceState::Done;
+        let end = self.finished.or(resumed_at).unwrap_or_else(Instant::now);
+        let total = end.duration_since(self.started);
+        let c = self.pages.counters;
+        let p = &mut self.status.progress;
+        p.pages_remaining = 0;
+        p.pages.full = c.full;
+        p.pages.zero = c.zero;
+        p.bytes_on_wire = c.bytes;
+        let r = &mut self.status.report;
+        r.total_ms = ms(total);
+        r.average_throughput_mbps = c.bytes as f64 * 8.0 / total.as_secs_f64().max(1e-9) / 1e6;
+        self.status.phase = Phase::Completed;
+    }
+}

@@ -1,0 +1,188 @@
+//! What a migration shows while it runs (`Progress`) and when it ends (`Report`). The task
+//! that runs a migration owns its `Status` and publishes a copy on a `StatusBoard`, which
+//! readers (the API) only read. Every duration is measured on one host's clock; the report
+//! says whose.
+
+use std::sync::{Arc, Mutex};
+
+use crate::wire::PostcopyReport;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Phase {
+    #[default]
+    None,
+    Setup,
+    Active,
+    Switchover,
+    /// The VM runs on the destination; pages still move (both sides say so).
+    Postcopy,
+    /// The destination runs the VM.
+    Completed,
+    /// Failed before the destination took over: the source VM runs on (or stays paused if
+    /// its user had paused it).
+    Failed,
+    Cancelled,
+    /// `Go` was sent but the destination never confirmed: the VM may run there. The source
+    /// stays paused, neither resumed (two copies) nor destroyed (none); an operator decides.
+    Unconfirmed,
+    /// Post-copy lost its connection after the switch; `vm.migrate-resume` carries on.
+    PostcopyPaused,
+}
+
+impl Phase {
+    pub fn is_running(self) -> bool {
+        matches!(
+            self,
+            Self::Setup | Self::Active | Self::Switchover | Self::Postcopy
+        )
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::None => "none",
+            Phase::Setup => "setup",
+            Phase::Active => "active",
+            Phase::Switchover => "switchover",
+            Phase::Postcopy => "postcopy-active",
+            Phase::Completed => "completed",
+            Phase::Failed => "failed",
+            Phase::Cancelled => "cancelled",
+            Phase::Unconfirmed => "unconfirmed",
+            Phase::PostcopyPaused => "postcopy-paused",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Role {
+    #[default]
+    Source,
+    Destination,
+}
+
+/// Pages by what happened to them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PageCounts {
+    /// Sent with their 4 KiB of data.
+    pub full: u64,
+    /// Sent as a zero marker.
+    pub zero: u64,
+    /// Never populated on the source: skipped without being read.
+    pub skipped_unpopulated: u64,
+    /// Sent again after an earlier round had sent them.
+    pub resent: u64,
+    /// Post-copy: pushed by the source / requested by the destination's faults.
+    pub pushed: u64,
+    pub requested: u64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoundStats {
+    pub round: u32,
+    pub pages: u64,
+    pub zero_pages: u64,
+    pub bytes: u64,
+    pub duration_ms: f64,
+    /// Pages the guest dirtied per second while this round was sent.
+    pub dirty_pages_per_s: f64,
+}
+
+/// Live figures.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Progress {
+    pub round: u32,
+    pub pages_remaining: u64,
+    pub dirty_pages_per_s: f64,
+    pub throughput_mbps: f64,
+    pub expected_downtime_ms: f64,
+    pub pages: PageCounts,
+    pub bytes_on_wire: u64,
+    pub rounds: Vec<RoundStats>,
+}
+
+/// What a finished migration measured (also a failed one, as far as it got).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Report {
+    pub converged: Option<bool>,
+    pub setup_ms: f64,
+    /// Source's clock: pause → the destination's "resumed" heard back.
+    pub downtime_ms: Option<f64>,
+    /// Destination's clock: all state received → guest resumed.
+    pub destination_downtime_ms: Option<f64>,
+    /// The largest heartbeat gap across the switch, as the guest lived it.
+    pub guest_observed_downtime_ms: Option<f64>,
+    pub total_ms: f64,
+    pub average_throughput_mbps: f64,
+    // application degradation: guest pages touched per second
+    pub guest_pages_per_s_before: Option<f64>,
+    pub guest_pages_per_s_during: Option<f64>,
+    pub guest_pages_per_s_after: Option<f64>,
+    pub postcopy_report: Option<PostcopyReport>,
+    // verification aid
+    pub memory_checksum_source: Option<u64>,
+    pub memory_checksum_destination: Option<u64>,
+}
+
+/// Everything a reader sees of one migration.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Status {
+    pub phase: Phase,
+    pub role: Role,
+    pub mode: String,
+    pub peer: String,
+    pub memory_pages: u64,
+    /// Which zero-page check this host runs: avx512, avx2 or scalar.
+    pub zero_page_check: String,
+    /// What the destination said when it answered: can it take post-copy?
+    pub destination_supports_postcopy: Option<bool>,
+    /// Whether the switch-over handed over by post-copy.
+    pub postcopy: bool,
+    pub progress: Progress,
+    pub report: Report,
+    /// Why the policy switched as it did, or what happened worth knowing.
+    pub note: Option<String>,
+    pub error: Option<String>,
+}
+
+impl Status {
+    pub fn new(role: Role, mode: &str, peer: String) -> Self {
+        Self {
+            phase: Phase::Setup,
+            role,
+            mode: mode.into(),
+            peer,
+            zero_page_check: crate::wire::zero::implementation().into(),
+            ..Default::default()
+        }
+    }
+}
+
+/// Where the migration task publishes its status and readers read it. Only the task that
+/// runs a migration writes, and only whole snapshots.
+#[derive(Clone, Debug, Default)]
+pub struct StatusBoard(Arc<Mutex<Status>>);
+
+impl StatusBoard {
+    pub fn publish(&self, s: &Status) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = s.clone();
+    }
+
+    pub fn read(&self) -> Status {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).phase
+    }
+}
+
+pub(crate) fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+pub fn now_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,567 @@
+//! Control messages and their encoding. Every message has an explicit numeric tag, and every
+//! field is written by hand in a fixed order (little-endian), so the bytes on the wire change
+//! only when this file does — and then the golden-bytes tests below fail and the stream
+//! version must move (see docs/protocol.md, "Changelog").
+
+use crate::error::{Error, Result};
+use crate::memory::RamRange;
+use crate::vm::VmDescriptor;
+
+/// What kind of stream a source opens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamMode {
+    /// Live pre-copy: the source runs until switch-over (post-copy and hybrid start so too).
+    Precopy,
+    /// Warm: paused first, everything sent, resumed on the destination.
+    Warm,
+    /// Cold: a snapshot file; no peer answers.
+    Snapshot,
+}
+
+impl StreamMode {
+    fn tag(self) -> u8 {
+        match self {
+            StreamMode::Precopy => 1,
+            StreamMode::Warm => 2,
+            StreamMode::Snapshot => 3,
+        }
+    }
+
+    fn from_tag(t: u8) -> Result<Self> {
+        Ok(match t {
+            1 => StreamMode::Precopy,
+            2 => StreamMode::Warm,
+            3 => StreamMode::Snapshot,
+            other => return Err(Error::Protocol(format!("unknown stream mode {other}"))),
+        })
+    }
+}
+
+/// What the destination saw during post-copy.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PostcopyReport {
+    /// Faults that had to wait for a page from the source.
+    pub network_faults: u64,
+    /// Faults resolved here with a zero page (the page held nothing on the source).
+    pub zero_faults: u64,
+    /// Pages that arrived before the guest touched them (pushed, never faulted).
+    pub pages_before_access: u64,
+    /// Pages that arrived when they were already here: must stay 0.
+    pub duplicates: u64,
+    pub fault_latency_p50_ms: Option<f64>,
+    pub fault_latency_p99_ms: Option<f64>,
+    pub fault_latency_max_ms: Option<f64>,
+    /// Guest resume to the last page in place (the destination's clock).
+    pub resume_ms: f64,
+    /// `memory_checksum` of guest memory as it was at the switch (what arrived), when asked.
+    pub memory_checksum: Option<u64>,
+    /// Per 10 ms since the switch: [network faults, pages pushed in, pages requested in].
+    pub timeline_10ms: Vec<[u32; 3]>,
+}
+
+/// Every frame that is not a page frame. The comment on each names who sends it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Message {
+    /// Source → destination, first: what to build.
+    Hello {
+        vm: VmDescriptor,
+        mode: StreamMode,
+        source: String,
+    },
+    /// Destination → source: the VM is built, send pages; whether it can take post-copy.
+    Ready { postcopy: bool },
+    /// Source → destination: round `round` is complete.
+    RoundEnd { round: u32, pages: u64 },
+    /// Source → destination: one vCPU's state (versioned by the VMM).
+    VcpuState { index: u32, state: Vec<u8> },
+    /// Source → destination: the rest of the VM's state (versioned by the VMM).
+    DeviceState { state: Vec<u8> },
+    /// Source → destination: nothing more before the switch.
+    StateEnd {
+        pages_sent: u64,
+        memory_checksum: Option<u64>,
+    },
+    /// Destination → source: everything loaded; waiting for `Go`.
+    Loaded { memory_checksum: Option<u64> },
+    /// Source → destination: the source gives the VM up; resume it.
+    Go,
+    /// Destination → source: the VM runs here now (or stays paused, if it was paused on the
+    /// source); `state_to_resume_ns` is the destination's own downtime share, on its clock.
+    Resumed { state_to_resume_ns: u64 },
+    /// Destination → source, after the guest's first heartbeats on the destination.
+    GuestReport {
+        observed_downtime_ns: Option<u64>,
+        pages_per_s_after: Option<f64>,
+    },
+    /// Either side: the migration failed, with why.
+    Abort { reason: String },
+    /// Source → destination, before the state: the switch is to post-copy, and these pages
+    /// (a bitmap over guest page numbers) come after the guest resumes; all others are final.
+    PostcopyPending { pages: u64, words: Vec<u64> },
+    /// Destination → source during post-copy: the guest needs this page now.
+    PageRequest { gfn: u64 },
+    /// Source → destination: every pending page has been sent.
+    PostcopyDone { pages_sent: u64 },
+    /// Destination → source: every page is in place; the source may let go.
+    PostcopyComplete(PostcopyReport),
+    /// Source → destination, first on a new connection: carry on an interrupted post-copy.
+    ResumePostcopy,
+    /// Destination → source: the pages already here (a bitmap); send the rest.
+    ResumeFrom { words: Vec<u64> },
+}
+
+impl Message {
+    /// The message's tag on the wire. Never reuse or renumber one.
+    pub fn tag(&self) -> u16 {
+        match self {
+            Message::Hello { .. } => 1,
+            Message::Ready { .. } => 2,
+            Message::RoundEnd { .. } => 3,
+            Message::VcpuState { .. } => 4,
+            Message::DeviceState { .. } => 5,
+            Message::StateEnd { .. } => 6,
+            Message::Loaded { .. } => 7,
+            Message::Go => 8,
+            Message::Resumed { .. } => 9,
+            Message::GuestReport { .. } => 10,
+            Message::Abort { .. } => 11,
+            Message::PostcopyPending { .. } => 12,
+            Message::PageRequest { .. } => 13,
+            Message::PostcopyDone { .. } => 14,
+            Message::PostcopyComplete(_) => 15,
+            Message::ResumePostcopy => 16,
+            Message::ResumeFrom { .. } => 17,
+        }
+    }
+
+    /// A short name for errors ("expected Loaded, got Go").
+    pub fn name(&self) -> &'static str {
+        match self {
+            Message::Hello { .. } => "Hello",
+            Message::Ready { .. } => "Ready",
+            Message::RoundEnd { .. } => "RoundEnd",
+            Message::VcpuState { .. } => "VcpuState",
+            Message::DeviceState { .. } => "DeviceState",
+            Message::StateEnd { .. } => "StateEnd",
+            Message::Loaded { .. } => "Loaded",
+            Message::Go => "Go",
+            Message::Resumed { .. } => "Resumed",
+            Message::GuestReport { .. } => "GuestReport",
+            Message::Abort { .. } => "Abort",
+            Message::PostcopyPending { .. } => "PostcopyPending",
+            Message::PageRequest { .. } => "PageRequest",
+            Message::PostcopyDone { .. } => "PostcopyDone",
+            Message::PostcopyComplete(_) => "PostcopyComplete",
+            Message::ResumePostcopy => "ResumePostcopy",
+            Message::ResumeFrom { .. } => "ResumeFrom",
+        }
+    }
+
+    /// Tag (u16) followed by the fields.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut e = Encoder(Vec::with_capacity(64));
+        e.u16(self.tag());
+        match self {
+            Message::Hello { vm, mode, source } => {
+                e.u64(vm.memory_bytes);
+                e.u32(vm.ranges.len() as u32);
+                for r in &vm.ranges {
+                    e.u64(r.gpa);
+                    e.u64(r.len);
+                }
+                e.u32(vm.vcpus);
+                e.str(&vm.memory_backend);
+                e.bool(vm.running);
+                e.u8(mode.tag());
+                e.str(source);
+            }
+            Message::Ready { postcopy } => e.bool(*postcopy),
+            Message::RoundEnd { round, pages } => {
+                e.u32(*round);
+                e.u64(*pages);
+            }
+            Message::VcpuState { index, state } => {
+                e.u32(*index);
+                e.bytes(state);
+            }
+            Message::DeviceState { state } => e.bytes(state),
+            Message::StateEnd {
+                pages_sent,
+                memory_checksum,
+            } => {
+                e.u64(*pages_sent);
+                e.opt_u64(*memory_checksum);
+            }
+            Message::Loaded { memory_checksum } => e.opt_u64(*memory_checksum),
+            Message::Go | Message::ResumePostcopy => {}
+            Message::Resumed { state_to_resume_ns } => e.u64(*state_to_resume_ns),
+            Message::GuestReport {
+                observed_downtime_ns,
+                pages_per_s_after,
+            } => {
+                e.opt_u64(*observed_downtime_ns);
+                e.opt_f64(*pages_per_s_after);
+            }
+            Message::Abort { reason } => e.str(reason),
+            Message::PostcopyPending { pages, words } => {
+                e.u64(*pages);
+                e.words(words);
+            }
+            Message::PageRequest { gfn } => e.u64(*gfn),
+            Message::PostcopyDone { pages_sent } => e.u64(*pages_sent),
+            Message::PostcopyComplete(r) => {
+                e.u64(r.network_faults);
+                e.u64(r.zero_faults);
+                e.u64(r.pages_before_access);
+                e.u64(r.duplicates);
+                e.opt_f64(r.fault_latency_p50_ms);
+                e.opt_f64(r.fault_latency_p99_ms);
+                e.opt_f64(r.fault_latency_max_ms);
+                e.f64(r.resume_ms);
+                e.opt_u64(r.memory_checksum);
+                e.u32(r.timeline_10ms.len() as u32);
+                for b in &r.timeline_10ms {
+                    b.iter().for_each(|&v| e.u32(v));
+                }
+            }
+            Message::ResumeFrom { words } => e.words(words),
+        }
+        e.0
+    }
+
+    pub fn decode(payload: &[u8]) -> Result<Self> {
+        let mut d = Decoder { buf: payload };
+        let tag = d.u16()?;
+        let msg = match tag {
+            1 => {
+                let memory_bytes = d.u64()?;
+                let n = d.count(16)?;
+                let mut ranges = Vec::with_capacity(n);
+                for _ in 0..n {
+                    ranges.push(RamRange {
+                        gpa: d.u64()?,
+                        len: d.u64()?,
+                    });
+                }
+                let vm = VmDescriptor {
+                    memory_bytes,
+                    ranges,
+                    vcpus: d.u32()?,
+                    memory_backend: d.string()?,
+                    running: d.bool()?,
+                };
+                Message::Hello {
+                    vm,
+                    mode: StreamMode::from_tag(d.u8()?)?,
+                    source: d.string()?,
+                }
+            }
+            2 => Message::Ready {
+                postcopy: d.bool()?,
+            },
+            3 => Message::RoundEnd {
+                round: d.u32()?,
+                pages: d.u64()?,
+            },
+            4 => Message::VcpuState {
+                index: d.u32()?,
+                state: d.bytes()?,
+            },
+            5 => Message::DeviceState { state: d.bytes()? },
+            6 => Message::StateEnd {
+                pages_sent: d.u64()?,
+                memory_checksum: d.opt_u64()?,
+            },
+            7 => Message::Loaded {
+                memory_checksum: d.opt_u64()?,
+            },
+            8 => Message::Go,
+            9 => Message::Resumed {
+                state_to_resume_ns: d.u64()?,
+            },
+            10 => Message::GuestReport {
+                observed_downtime_ns: d.opt_u64()?,
+                pages_per_s_after: d.opt_f64()?,
+            },
+            11 => Message::Abort {
+                reason: d.string()?,
+            },
+            12 => Message::PostcopyPending {
+                pages: d.u64()?,
+                words: d.words()?,
+            },
+            13 => Message::PageRequest { gfn: d.u64()? },
+            14 => Message::PostcopyDone {
+                pages_sent: d.u64()?,
+            },
+            15 => {
+                let mut r = PostcopyReport {
+                    network_faults: d.u64()?,
+                    zero_faults: d.u64()?,
+                    pages_before_access: d.u64()?,
+                    duplicates: d.u64()?,
+                    fault_latency_p50_ms: d.opt_f64()?,
+                    fault_latency_p99_ms: d.opt_f64()?,
+                    fault_latency_max_ms: d.opt_f64()?,
+                    resume_ms: d.f64()?,
+                    memory_checksum: d.opt_u64()?,
+                    timeline_10ms: Vec::new(),
+                };
+                let n = d.count(12)?;
+                r.timeline_10ms.reserve(n);
+                for _ in 0..n {
+                    r.timeline_10ms.push([d.u32()?, d.u32()?, d.u32()?]);
+                }
+                Message::PostcopyComplete(r)
+            }
+            16 => Message::ResumePostcopy,
+            17 => Message::ResumeFrom { words: d.words()? },
+            other => return Err(Error::Protocol(format!("unknown message tag {other}"))),
+        };
+        if !d.buf.is_empty() {
+            return Err(Error::Protocol(format!(
+                "{} bytes left over after a {} message",
+                d.buf.len(),
+                msg.name()
+            )));
+        }
+        Ok(msg)
+    }
+}
+
+struct Encoder(Vec<u8>);
+
+impl Encoder {
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn bool(&mut self, v: bool) {
+        self.u8(u8::from(v));
+    }
+    fn u16(&mut self, v: u16) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn f64(&mut self, v: f64) {
+        self.u64(v.to_bits());
+    }
+    fn opt_u64(&mut self, v: Option<u64>) {
+        self.bool(v.is_some());
+        if let Some(v) = v {
+            self.u64(v);
+        }
+    }
+    fn opt_f64(&mut self, v: Option<f64>) {
+        self.opt_u64(v.map(f64::to_bits));
+    }
+    fn bytes(&mut self, v: &[u8]) {
+        self.u32(v.len() as u32);
+        self.0.extend_from_slice(v);
+    }
+    fn str(&mut self, v: &str) {
+        self.bytes(v.as_bytes());
+    }
+    fn words(&mut self, v: &[u64]) {
+        self.u32(v.len() as u32);
+        v.iter().for_each(|&w| self.u64(w));
+    }
+}
+
+struct Decoder<'a> {
+    buf: &'a [u8],
+}
+
+impl<'a> Decoder<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.buf.len() < n {
+            return Err(Error::Protocol("control message cut short".into()));
+        }
+        let (head, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    fn bool(&mut self) -> Result<bool> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            other => Err(Error::Protocol(format!("{other} is not a boolean"))),
+        }
+    }
+    fn u16(&mut self) -> Result<u16> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().unwrap()))
+    }
+    fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    fn f64(&mut self) -> Result<f64> {
+        Ok(f64::from_bits(self.u64()?))
+    }
+    fn opt_u64(&mut self) -> Result<Option<u64>> {
+        Ok(if self.bool()? {
+            Some(self.u64()?)
+        } else {
+            None
+        })
+    }
+    fn opt_f64(&mut self) -> Result<Option<f64>> {
+        Ok(self.opt_u64()?.map(f64::from_bits))
+    }
+    /// A length prefix for items of `item_len` bytes, checked against what is left, so a
+    /// hostile count cannot make us allocate more than the frame holds.
+    fn count(&mut self, item_len: usize) -> Result<usize> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(item_len) > self.buf.len() {
+            return Err(Error::Protocol(format!(
+                "a list of {n} items does not fit the message"
+            )));
+        }
+        Ok(n)
+    }
+    fn bytes(&mut self) -> Result<Vec<u8>> {
+        let n = self.count(1)?;
+        Ok(self.take(n)?.to_vec())
+    }
+    fn string(&mut self) -> Result<String> {
+        String::from_utf8(self.bytes()?)
+            .map_err(|_| Error::Protocol("a string that is not UTF-8".into()))
+    }
+    fn words(&mut self) -> Result<Vec<u64>> {
+        let n = self.count(8)?;
+        (0..n).map(|_| self.u64()).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(b: &[u8]) -> String {
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    /// One example of every message with its exact bytes. If this fails, the wire changed:
+    /// bump `frame::VERSION` and write the change in docs/protocol.md before updating it.
+    fn golden() -> Vec<(Message, &'static str)> {
+        vec![
+            (
+                Message::Hello {
+                    vm: VmDescriptor {
+                        memory_bytes: 0x1000,
+                        ranges: vec![RamRange {
+                            gpa: 0,
+                            len: 0x1000,
+                        }],
+                        vcpus: 2,
+                        memory_backend: "memfd".into(),
+                        running: true,
+                    },
+                    mode: StreamMode::Precopy,
+                    source: "f".into(),
+                },
+                "0100001000000000000001000000000000000000000000100000000000000200000005000000\
+                 6d656d666401010100000066",
+            ),
+            (Message::Ready { postcopy: true }, "020001"),
+            (
+                Message::RoundEnd { round: 3, pages: 5 },
+                "0300030000000500000000000000",
+            ),
+            (
+                Message::VcpuState {
+                    index: 1,
+                    state: vec![0xab],
+                },
+                "04000100000001000000ab",
+            ),
+            (Message::DeviceState { state: vec![] }, "050000000000"),
+            (
+                Message::StateEnd {
+                    pages_sent: 7,
+                    memory_checksum: Some(9),
+                },
+                "06000700000000000000010900000000000000",
+            ),
+            (
+                Message::Loaded {
+                    memory_checksum: None,
+                },
+                "070000",
+            ),
+            (Message::Go, "0800"),
+            (
+                Message::Resumed {
+                    state_to_resume_ns: 1,
+                },
+                "09000100000000000000",
+            ),
+            (
+                Message::GuestReport {
+                    observed_downtime_ns: Some(2),
+                    pages_per_s_after: None,
+                },
+                "0a0001020000000000000000",
+            ),
+            (Message::Abort { reason: "x".into() }, "0b000100000078"),
+            (
+                Message::PostcopyPending {
+                    pages: 64,
+                    words: vec![1],
+                },
+                "0c004000000000000000010000000100000000000000",
+            ),
+            (Message::PageRequest { gfn: 0x10 }, "0d001000000000000000"),
+            (
+                Message::PostcopyDone { pages_sent: 3 },
+                "0e000300000000000000",
+            ),
+            (
+                Message::PostcopyComplete(PostcopyReport {
+                    network_faults: 1,
+                    timeline_10ms: vec![[1, 2, 3]],
+                    ..Default::default()
+                }),
+                "0f00 0100000000000000 000000000000000000000000000000000000000000000000 000000 \
+                 0000000000000000 00 01000000 010000000200000003000000",
+            ),
+            (Message::ResumePostcopy, "1000"),
+            (Message::ResumeFrom { words: vec![] }, "110000000000"),
+        ]
+    }
+
+    #[test]
+    fn every_message_has_fixed_bytes() {
+        let all = golden();
+        assert_eq!(all.len(), 17, "a golden example per message");
+        for (msg, bytes) in all {
+            let want: String = bytes.split_whitespace().collect();
+            assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());
+            assert_eq!(Message::decode(&msg.encode()).unwrap(), msg);
+        }
+    }
+
+    #[test]
+    fn hostile_payloads_are_refused_with_a_reason() {
+        let e = Message::decode(&[0x63, 0]).unwrap_err();
+        assert!(e.to_string().contains("unknown message tag 99"), "{e}");
+        let e = Message::decode(&[8, 0, 1]).unwrap_err();
+        assert!(e.to_string().contains("left over after a Go"), "{e}");
+        // A bitmap claiming four billion words in a few bytes.
+        let e = Message::decode(&[0x11, 0, 0xff, 0xff, 0xff, 0xff]).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+        let e = Message::decode(&[2, 0, 7]).unwrap_err();
+        assert!(e.to_string().contains("not a boolean"), "{e}");
+        let e = Message::decode(&[3, 0, 1]).unwrap_err();
+        assert!(e.to_string().contains("cut short"), "{e}");
+    }
+}

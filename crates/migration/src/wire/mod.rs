@@ -1,0 +1,14 @@
+//! Everything that crosses the wire: framing and messages, page frames, page bitmaps, the zero
+//! check, and the transports. Both sides use this module; neither side uses the other.
+
+pub mod bitmap;
+pub mod frame;
+pub mod message;
+pub mod pages;
+pub mod transport;
+pub mod zero;
+
+pub use frame::{
+    Frame, read_frame, read_message, read_stream_header, write_message, write_stream_header,
+};
+pub use message::{Message, PostcopyReport, StreamMode};
