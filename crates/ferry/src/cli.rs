@@ -34,6 +34,21 @@ pub enum Command {
     StartPostcopy(ApiArgs),
     /// Write the paused VM to a file (cold migration); `ferry run --restore FILE` brings it back.
     Snapshot(SnapshotArgs),
+    /// Carry on a post-copy whose connection broke: on the destination `--listen URL`, then on
+    /// the source `--to URL`.
+    MigrateResume(MigrateResumeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct MigrateResumeArgs {
+    #[arg(long)]
+    pub api_socket: PathBuf,
+    /// Destination side: where to wait for the source (tcp:HOST:PORT or unix:PATH).
+    #[arg(long, conflicts_with = "to", required_unless_present = "to")]
+    pub listen: Option<String>,
+    /// Source side: the destination's new address.
+    #[arg(long)]
+    pub to: Option<String>,
 }
 
 #[derive(Args, Debug)]

@@ -29,6 +29,7 @@ fn main() {
         cli::Command::Migrate(a) => migrate::migrate(&a),
         cli::Command::StartPostcopy(a) => status::simple_put(&a, "vm.migrate-start-postcopy"),
         cli::Command::Snapshot(a) => migrate::snapshot(&a),
+        cli::Command::MigrateResume(a) => status::migrate_resume(&a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -222,12 +222,15 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
             Some(&serde_json::json!({"listen": url})),
         )
         .expect("destination listens again");
-    src.api()
-        .put(
-            "vm.migrate-resume",
-            Some(&serde_json::json!({"destination": url})),
-        )
-        .expect("source reconnects");
+    // The source side through the CLI.
+    let out = ferry_output(&[
+        "migrate-resume",
+        "--api-socket",
+        src.socket.to_str().unwrap(),
+        "--to",
+        &url,
+    ]);
+    assert!(out.status.success(), "source reconnects: {out:?}");
     let done = wait_for("the resumed post-copy to complete", T, || {
         let s = dst.migration_status();
         (s.phase == MigrationPhase::Completed).then_some(s)

@@ -487,3 +487,73 @@ fn snapshot_file_restores_the_same_memory() {
     assert!(err.contains("truncated"), "{err}");
     assert!(probe.paused.load(Ordering::Acquire), "never resumed");
 }
+
+/// A destination that takes `Go` and vanishes before saying it resumed: the source cannot know
+/// whether the VM runs there. It stays paused and refuses anything that could start a second
+/// copy (another migration, a snapshot).
+#[test]
+fn after_go_without_an_answer_the_vm_never_runs_twice() {
+    use migration::wire::{self, Frame, Message};
+    let src = FakeVm::new();
+    src.paused.store(false, Ordering::Release);
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
+        .parse()
+        .unwrap();
+    let listener = endpoint.listen().unwrap();
+    let fake = std::thread::spawn(move || {
+        let mut s = listener.accept().unwrap();
+        wire::read_stream_header(&mut s).unwrap();
+        wire::read_message(&mut s).unwrap(); // Hello
+        wire::write_message(&mut s, &Message::Ready { postcopy: false }).unwrap();
+        loop {
+            match wire::read_frame(&mut s).unwrap() {
+                Frame::Message(Message::StateEnd { .. }) => break,
+                Frame::Message(_) => {}
+                Frame::Pages { .. } => panic!("an untouched VM has no pages"),
+            }
+        }
+        wire::write_message(
+            &mut s,
+            &Message::Loaded {
+                memory_checksum: None,
+            },
+        )
+        .unwrap();
+        assert_eq!(wire::read_message(&mut s).unwrap(), Message::Go);
+        // ...and gone, without Resumed.
+    });
+    let board = StatusBoard::default();
+    let outgoing = Outgoing::new(board.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    outgoing
+        .send(
+            src.clone(),
+            endpoint.clone(),
+            MigrationParams {
+                mode: Mode::Warm,
+                ..Default::default()
+            },
+            Box::new(move |r| tx.send(r.is_ok()).unwrap()),
+        )
+        .unwrap();
+    assert!(!rx.recv_timeout(Duration::from_secs(60)).unwrap());
+    fake.join().unwrap();
+    assert_eq!(board.phase(), Phase::Unconfirmed);
+    assert!(src.paused.load(Ordering::Acquire), "neither resumed here");
+    let again = outgoing.send(
+        src.clone(),
+        endpoint,
+        MigrationParams::default(),
+        Box::new(|_| {}),
+    );
+    let e = again.unwrap_err();
+    assert!(e.to_string().contains("unconfirmed"), "{e}");
+    let file = std::fs::File::create(dir.path().join("s")).unwrap();
+    assert!(outgoing.snapshot(src.as_ref(), file, "s").is_err());
+    assert_eq!(
+        board.phase(),
+        Phase::Unconfirmed,
+        "the refusals changed nothing"
+    );
+}
