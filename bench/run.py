@@ -87,7 +87,7 @@ def machine():
         "kvm_intel" if os.path.exists("/sys/module/kvm_intel") else
         "kvm_amd" if os.path.exists("/sys/module/kvm_amd") else "?")
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "kvm": kvm,
-            "guest_execution": "KVM instruction emulator on PVM (see DESIGN.md section 4)"
+            "guest_execution": "KVM instruction emulator on PVM (see docs/platform.md)"
             if "PVM" in kvm else "native"}
 
 

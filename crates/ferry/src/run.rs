@@ -74,6 +74,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
     let serial = open_serial(&args.serial)?;
     let received = controller.migrations.incoming.receive(
         source,
+        &|| TERMINATE.load(Ordering::Acquire),
         |descriptor| {
             let config = VmConfig::from_descriptor(descriptor)?;
             Vm::for_restore(config, serial)
@@ -86,9 +87,16 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
             controller.set_phase(Phase::Live);
         },
     );
-    if let Err(e) = received {
-        eprintln!("ferry: error: incoming migration failed: {e}");
-        return Ok(1);
+    match received {
+        Ok(Some(_)) => {}
+        Ok(None) => {
+            eprintln!("ferry: stopped while waiting for an incoming migration");
+            return Ok(0);
+        }
+        Err(e) => {
+            eprintln!("ferry: error: incoming migration failed: {e}");
+            return Ok(1);
+        }
     }
     if let Some(e) = controller.migrations.board.read().error {
         eprintln!("ferry: warning: {e}");

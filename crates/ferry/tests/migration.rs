@@ -201,11 +201,14 @@ fn corrupt_frame_is_refused_and_the_source_runs_on() {
         return;
     }
     let src = Ferry::writer("write ws=16M seq verify");
-    let (mut dst, proxy) = destination_behind(common::proxy::Fault::FlipAt(40));
+    // Byte 200 lies in the first page frame's descriptors (a corrupt Hello would only make
+    // the destination turn that connection away and wait for another).
+    let (mut dst, proxy) = destination_behind(common::proxy::Fault::FlipAt(200));
     let (_, ok, error) = migrate(&src, &proxy.url, &[]);
     assert!(!ok);
+    // A corrupt descriptor is caught by its bounds check before the frame's CRC is read.
     assert!(
-        error.contains("checksum mismatch"),
+        error.contains("checksum mismatch") || error.contains("outside guest RAM"),
         "the reason travels back: {error}"
     );
     assert!(!dst.wait_exit(T).success());
@@ -220,7 +223,8 @@ fn foreign_streams_are_refused() {
         return;
     }
     use std::io::Write;
-    // A stream of another version, sent to a destination.
+    // A stream of another version, sent to a destination: the sender is told why (naming
+    // both versions), and the destination keeps waiting for a real source.
     let port = free_port();
     let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
@@ -228,13 +232,23 @@ fn foreign_streams_are_refused() {
     header.extend_from_slice(&99u32.to_le_bytes());
     header.extend_from_slice(&[0; 4]);
     s.write_all(&header).unwrap();
-    assert!(!dst.wait_exit(T).success());
+    let mut answer = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut s, &mut answer);
     assert!(
-        dst.stderr_text()
+        String::from_utf8_lossy(&answer)
             .contains("stream version 99 is not supported (this ferry speaks version 2)"),
-        "{}",
-        dst.stderr_text()
+        "{answer:?}"
     );
+    assert!(
+        dst.is_running(),
+        "one foreign peer cannot end the destination"
+    );
+    let src = Ferry::boot(VmSpec::default());
+    let (report, ok, error) = migrate(&src, &format!("tcp:127.0.0.1:{port}"), &[]);
+    assert!(ok, "the real source still gets through: {error}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(dst.is_running());
+    drop(src);
 
     // A source whose "destination" answers something that is not ferry.
     let src = Ferry::boot(VmSpec::default());
@@ -394,4 +408,29 @@ impl MigrationWait for Ferry {
             (!s.phase.is_running()).then_some(s)
         })
     }
+}
+
+#[test]
+fn a_waiting_destination_stops_on_sigterm() {
+    if !kvm_available() {
+        return;
+    }
+    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{}", free_port()));
+    let pid = dst.child.as_ref().unwrap().id() as i32;
+    // SAFETY: signals a child process this test owns.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    assert!(dst.wait_exit(T).success(), "{}", dst.stderr_text());
+    assert!(dst.stderr_text().contains("stopped while waiting"));
+}
+
+#[test]
+fn an_incoming_unix_path_that_is_a_file_is_left_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("precious");
+    std::fs::write(&path, b"keep me").unwrap();
+    let out = ferry_output(&["run", "--incoming", &format!("unix:{}", path.display())]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("not a socket"), "{err}");
+    assert_eq!(std::fs::read(&path).unwrap(), b"keep me");
 }

@@ -226,6 +226,7 @@ fn migrate_with(
         let incoming = Incoming::new(board);
         incoming.receive(
             source,
+            &|| false,
             |_| match refuse {
                 Some(why) => Err(migration::Error::vm(why)),
                 None => Ok(FakeVm::new()),
@@ -259,7 +260,7 @@ fn migrate_with(
         source_status: board.read(),
         result,
         dest_error: dest.as_ref().err().map(|e| e.to_string()),
-        dest: dest.ok(),
+        dest: dest.ok().flatten(),
         dest_status: dest_board.read(),
     }
 }
@@ -468,11 +469,12 @@ fn snapshot_file_restores_the_same_memory() {
     let restore = |fresh: Arc<FakeVm>| {
         Incoming::new(StatusBoard::default()).receive(
             Source::snapshot(&path).unwrap(),
+            &|| false,
             move |_| Ok(fresh),
             |_| {},
         )
     };
-    let restored = restore(FakeVm::new()).expect("restore");
+    let restored = restore(FakeVm::new()).expect("restore").expect("a VM");
     assert!(src.memory() == restored.memory());
 
     // A truncated snapshot is refused, and nothing is resumed.
@@ -556,4 +558,104 @@ fn after_go_without_an_answer_the_vm_never_runs_twice() {
         Phase::Unconfirmed,
         "the refusals changed nothing"
     );
+}
+
+/// Snapshot page data is covered by the frame checksum: a flipped byte inside a page is
+/// refused on restore, and nothing is resumed.
+#[test]
+fn a_flipped_byte_in_snapshot_page_data_is_refused() {
+    let src = FakeVm::new();
+    src.write_page(10, 7);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("vm.ferry");
+    Outgoing::new(StatusBoard::default())
+        .snapshot(
+            src.as_ref(),
+            std::fs::File::create(&path).unwrap(),
+            "vm.ferry",
+        )
+        .expect("snapshot");
+    let mut bytes = std::fs::read(&path).unwrap();
+    // Word 5 of page 10 as `write_page` stamped it.
+    let word = (10u64 << 40 | 7 << 12 | 5).to_le_bytes();
+    let at = bytes
+        .windows(8)
+        .position(|w| w == word)
+        .expect("the page is in the file");
+    bytes[at] ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let fresh = FakeVm::new();
+    let probe = fresh.clone();
+    let err = Incoming::new(StatusBoard::default())
+        .receive(
+            Source::snapshot(&path).unwrap(),
+            &|| false,
+            move |_| Ok(fresh),
+            |_| {},
+        )
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(err.contains("checksum mismatch"), "{err}");
+    assert!(probe.paused.load(Ordering::Acquire), "never resumed");
+}
+
+/// Connections that do not open a live migration — garbage, a peer that connects and says
+/// nothing, a snapshot replayed over the network — are turned away, and the real source still
+/// gets through.
+#[test]
+fn a_listener_turns_away_strangers_and_snapshots() {
+    use std::io::Write;
+    let src = FakeVm::new();
+    src.write_page(1, 1);
+    let dir = tempfile::tempdir().unwrap();
+    let snapshot = dir.path().join("vm.ferry");
+    Outgoing::new(StatusBoard::default())
+        .snapshot(src.as_ref(), std::fs::File::create(&snapshot).unwrap(), "s")
+        .unwrap();
+    let sock = dir.path().join("m.sock");
+    let endpoint: Endpoint = format!("unix:{}", sock.display()).parse().unwrap();
+    let source = Source::listen(&endpoint).unwrap();
+    let dest = std::thread::spawn(move || {
+        Incoming::new(StatusBoard::default()).receive(
+            source,
+            &|| false,
+            |_| Ok(FakeVm::new()),
+            |_| {},
+        )
+    });
+    let mut garbage = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    drop(std::os::unix::net::UnixStream::connect(&sock).unwrap()); // says nothing, leaves
+    let mut replay = std::os::unix::net::UnixStream::connect(&sock).unwrap();
+    replay
+        .write_all(&std::fs::read(&snapshot).unwrap())
+        .unwrap();
+    let mut answer = Vec::new();
+    use std::io::Read;
+    let _ = replay.read_to_end(&mut answer);
+    assert!(
+        String::from_utf8_lossy(&answer).contains("snapshot stream on a migration listener"),
+        "the replayed snapshot is told why"
+    );
+    let board = StatusBoard::default();
+    let (tx, rx) = std::sync::mpsc::channel();
+    Outgoing::new(board)
+        .send(
+            src.clone(),
+            endpoint,
+            MigrationParams {
+                mode: Mode::Warm,
+                ..Default::default()
+            },
+            Box::new(move |r| tx.send(r.is_ok()).unwrap()),
+        )
+        .unwrap();
+    assert!(rx.recv_timeout(Duration::from_secs(60)).unwrap());
+    let vm = dest
+        .join()
+        .unwrap()
+        .unwrap()
+        .expect("the real migration arrived");
+    assert!(vm.memory() == src.memory());
 }

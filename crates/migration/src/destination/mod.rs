@@ -12,11 +12,50 @@ mod recovery;
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::{Migratable, VmDescriptor};
 use crate::wire::transport::{Endpoint, Listener, Stream};
+use crate::wire::{self, Message, StreamMode};
+
+/// How long a new connection has to open a migration before it is dropped.
+const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+/// Connections skipped before the listener gives up (someone is probing it).
+const MAX_STRAY_CONNECTIONS: u32 = 1000;
+
+/// Accepts connections until one opens a live migration: the stream header and a `Hello`
+/// that is not a snapshot. Others are told why and closed.
+fn first_live_stream(
+    listener: &Listener,
+    stop: &dyn Fn() -> bool,
+) -> Result<Option<(Stream, Result<Message>)>> {
+    for _ in 0..MAX_STRAY_CONNECTIONS {
+        let Some(mut s) = listener.accept_until(stop)? else {
+            return Ok(None);
+        };
+        s.set_timeouts(Some(HANDSHAKE_WAIT))?;
+        let hello = wire::read_stream_header(&mut s).and_then(|()| wire::read_message(&mut s));
+        let why = match &hello {
+            Ok(Message::Hello { mode, .. }) if *mode != StreamMode::Snapshot => {
+                return Ok(Some((s, hello)));
+            }
+            Ok(Message::Hello { .. }) => {
+                "a snapshot stream on a migration listener (use ferry run --restore)".to_string()
+            }
+            Ok(other) => format!("a connection opened with {} instead of Hello", other.name()),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!("ignored an incoming connection: {why}");
+        let _ = s.set_timeouts(Some(Duration::from_millis(200)));
+        let _ = wire::write_message(&mut s, &Message::Abort { reason: why });
+        s.shutdown();
+    }
+    Err(Error::Protocol(format!(
+        "gave up after {MAX_STRAY_CONNECTIONS} connections that were not a ferry migration"
+    )))
+}
 pub use receive::Expect;
 use receive::{Arrived, Receiver};
 
@@ -57,26 +96,38 @@ impl Incoming {
     /// gets it the moment it runs (in post-copy, before its memory has all arrived). Returns
     /// the VM once it runs here; a post-copy cut after the switch is not an error (the VM
     /// runs; the status says `postcopy-paused`, and `resume` carries on).
+    ///
+    /// A listener skips connections that do not open a live ferry migration within
+    /// `HANDSHAKE_WAIT` (an idle or foreign peer, a snapshot replayed over the network), telling
+    /// such a peer why, and keeps waiting; it stops waiting (`Ok(None)`) once `stop` says so.
     pub fn receive<V: Migratable + 'static>(
         &self,
         source: Source,
+        stop: &dyn Fn() -> bool,
         build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
-    ) -> Result<Arc<V>> {
-        let (stream, expect, peer) = match source {
+    ) -> Result<Option<Arc<V>>> {
+        let (stream, hello, expect, peer) = match source {
             Source::Listening(l) => {
-                let s = l.accept()?;
-                (s, Expect::Live, "incoming migration".to_string())
+                let Some((s, hello)) = first_live_stream(&l, stop)? else {
+                    return Ok(None);
+                };
+                drop(l); // one migration: later connections are refused
+                (s, hello, Expect::Live, "incoming migration".to_string())
             }
-            Source::Snapshot(s) => (s, Expect::Snapshot, "snapshot".into()),
+            Source::Snapshot(mut s) => {
+                let hello =
+                    wire::read_stream_header(&mut s).and_then(|()| wire::read_message(&mut s));
+                (s, hello, Expect::Snapshot, "snapshot".into())
+            }
         };
         let mut receiver = Receiver {
             board: &self.board,
             status: Status::new(Role::Destination, "", peer),
             expect,
         };
-        match receiver.receive(stream, build, on_resumed)? {
-            Arrived::Complete(vm) => Ok(vm),
+        match receiver.receive(stream, hello, build, on_resumed)? {
+            Arrived::Complete(vm) => Ok(Some(vm)),
             Arrived::Interrupted(vm, dest, e) => {
                 *self.interrupted.lock().unwrap_or_else(|e| e.into_inner()) = Some(dest);
                 let mut s = receiver.status;
@@ -87,7 +138,7 @@ impl Incoming {
                      (PUT vm.migrate-resume carries on)"
                 ));
                 self.board.publish(&s);
-                Ok(vm)
+                Ok(Some(vm))
             }
         }
     }

@@ -51,11 +51,13 @@ impl Receiver<'_> {
     pub fn receive<V: Migratable + 'static>(
         &mut self,
         mut stream: Stream,
+        hello: Result<Message>,
         build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
     ) -> Result<Arrived<V>> {
         let started = Instant::now();
-        let result = self.conversation(&mut stream, build, on_resumed, started);
+        let result =
+            hello.and_then(|h| self.conversation(&mut stream, h, build, on_resumed, started));
         if let Err(e) = &result {
             if stream.has_peer() && !matches!(e, Error::Peer(_)) {
                 let _ = stream.set_timeouts(Some(Duration::from_millis(200)));
@@ -77,13 +79,14 @@ impl Receiver<'_> {
     fn conversation<V: Migratable + 'static>(
         &mut self,
         stream: &mut Stream,
+        hello: Message,
         build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
         started: Instant,
     ) -> Result<Arrived<V>> {
-        wire::read_stream_header(stream)?;
+        // The stream header and the first message were read by whoever accepted the stream.
         let mut state = DestinationState::AwaitHello;
-        let hello = wire::read_message(stream)?;
+        stream.set_timeouts(Some(crate::wire::transport::IO_TIMEOUT))?;
         state = state.next(Incoming::Message(&hello), false)?;
         let Message::Hello {
             vm: descriptor,

@@ -58,7 +58,7 @@ pub enum Stream {
     File(File),
 }
 
-const IO_TIMEOUT: Duration = Duration::from_secs(30);
+pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// A send queue this short empties in well under a millisecond on the links we target.
 const DRAINED_BYTES: usize = 64 * 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -98,9 +98,7 @@ impl Endpoint {
         Ok(match self {
             Endpoint::Tcp(addr) => Listener::Tcp(TcpListener::bind(addr).map_err(fail)?),
             Endpoint::Unix(path) => {
-                if path.exists() && UnixStream::connect(path).is_err() {
-                    let _ = std::fs::remove_file(path);
-                }
+                remove_stale_socket(path).map_err(fail)?;
                 Listener::Unix(UnixListener::bind(path).map_err(fail)?, path.clone())
             }
         })
@@ -112,7 +110,52 @@ pub enum Listener {
     Unix(UnixListener, PathBuf),
 }
 
+/// Removes `path` if it is a socket nobody answers on (left by a process that died); refuses
+/// anything else that is there, and never deletes a file that is not a socket.
+pub fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+        Ok(m) if !m.file_type().is_socket() => Err(std::io::Error::new(
+            std::io::ErrorKind::AlreadyExists,
+            "the path exists and is not a socket (left untouched)",
+        )),
+        Ok(_) if UnixStream::connect(path).is_ok() => Err(std::io::Error::new(
+            std::io::ErrorKind::AddrInUse,
+            "another process listens there",
+        )),
+        Ok(_) => std::fs::remove_file(path),
+    }
+}
+
+impl std::os::fd::AsRawFd for Listener {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        match self {
+            Listener::Tcp(l) => l.as_raw_fd(),
+            Listener::Unix(l, _) => l.as_raw_fd(),
+        }
+    }
+}
+
 impl Listener {
+    /// Waits for a connection, looking at `stop` every 100 ms; `None` once it says stop.
+    pub fn accept_until(&self, stop: &dyn Fn() -> bool) -> Result<Option<Stream>> {
+        use std::os::fd::AsRawFd;
+        let mut poll = libc::pollfd {
+            fd: self.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        while !stop() {
+            // SAFETY: one valid pollfd for the duration of the call.
+            if unsafe { libc::poll(&mut poll, 1, 100) } > 0 {
+                return self.accept().map(Some);
+            }
+        }
+        Ok(None)
+    }
+
     pub fn accept(&self) -> Result<Stream> {
         let stream = match self {
             Listener::Tcp(l) => {
