@@ -19,13 +19,19 @@ print("  %-12s state=%-9s heartbeat=%-7d pages=%-9d passes=%-4d verify_errors=%d
 
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 
+echo "== TLS: a private CA and a certificate for each host (ferry certs)"
+"$FERRY" certs --out "$work/tls" --name source.local --name 127.0.0.1 >/dev/null
+src_tls=(--tls-cert "$work/tls/source.local.pem" --tls-key "$work/tls/source.local.key" --tls-ca "$work/tls/ca.pem")
+dst_tls=(--tls-cert "$work/tls/127.0.0.1.pem" --tls-key "$work/tls/127.0.0.1.key" --tls-ca "$work/tls/ca.pem")
+
 echo "== source: a 1 GiB guest, 2 vCPUs, writing and verifying a 256 MiB working set"
 "$FERRY" run --guest "$GUEST" --memory 1G --vcpus 2 --cmdline "write ws=256M seq verify" \
-    --api-socket "$work/src.sock" --serial "$work/src.serial" &
+    --api-socket "$work/src.sock" --serial "$work/src.serial" "${src_tls[@]}" &
 pids+=($!); src_pid=$!
 wait_socket "$work/src.sock"
-echo "== destination: waiting on tcp:127.0.0.1:$port"
-"$FERRY" run --incoming "tcp:127.0.0.1:$port" --api-socket "$work/dst.sock" --serial "$work/dst.serial" &
+echo "== destination: waiting on tcp:127.0.0.1:$port (TLS 1.3, both certificates checked)"
+"$FERRY" run --incoming "tcp:127.0.0.1:$port" --api-socket "$work/dst.sock" --serial "$work/dst.serial" \
+    "${dst_tls[@]}" &
 pids+=($!)
 wait_socket "$work/dst.sock"
 for _ in 1 2; do sleep 1; status "$work/src.sock" source; done

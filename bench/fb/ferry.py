@@ -33,7 +33,8 @@ class FerryPeer:
         serial_path = serial or os.path.join(self.work, "src.serial")
         err = os.path.join(self.work, "src.err")
         p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
-                              "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path],
+                              "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path,
+                              "--plain-tcp"],
                              netns=netns, stderr=open(err, "ab"))
 
         def up():
@@ -65,7 +66,7 @@ class FerryPeer:
         port = free_port()
         dst = os.path.join(self.work, f"dst-{time.time_ns()}.sock")
         self.procs.start([FERRY, "run", "--incoming", f"tcp:{link.dst_host}:{port}",
-                          "--api-socket", dst, "--serial", dst_serial], netns=link.ns_dst,
+                          "--api-socket", dst, "--serial", dst_serial, "--plain-tcp"], netns=link.ns_dst,
                          stderr=open(os.path.join(self.work, "dst.err"), "ab"))
         wait_until("the ferry destination API", 30, lambda: os.path.exists(dst))
         argv = [FERRY, "migrate", "--api-socket", src, "--to", f"tcp:{link.dst_host}:{port}",

@@ -37,6 +37,8 @@ pub enum Command {
     /// Carry on a post-copy whose connection broke: on the destination `--listen URL`, then on
     /// the source `--to URL`.
     MigrateResume(MigrateResumeArgs),
+    /// Make a CA and a certificate for each named host, for TLS migrations (--tls-*).
+    Certs(CertsArgs),
 }
 
 #[derive(Args, Debug)]
@@ -130,4 +132,28 @@ pub struct RunArgs {
     /// Bring back a VM from a snapshot file instead of booting.
     #[arg(long, conflicts_with_all = ["guest", "cmdline"])]
     pub restore: Option<PathBuf>,
+    /// This host's certificate (PEM) for TLS migrations; with --tls-key and --tls-ca, every
+    /// TCP migration to or from this VM is TLS 1.3 with both hosts' certificates checked.
+    #[arg(long, requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, requires_all = ["tls_cert", "tls_ca"])]
+    pub tls_key: Option<PathBuf>,
+    /// The CA (PEM) whose certificates the other host must present.
+    #[arg(long, requires_all = ["tls_cert", "tls_key"])]
+    pub tls_ca: Option<PathBuf>,
+    /// Allow TCP migrations without TLS: anyone on the path reads the guest's memory, and
+    /// anyone who reaches the port can send a VM. For trusted, isolated networks only.
+    #[arg(long, conflicts_with = "tls_cert")]
+    pub plain_tcp: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CertsArgs {
+    /// Where to write ca.pem, ca.key and NAME.pem/NAME.key for each --name.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// A host name or IP address to issue a certificate for (repeat for each host).
+    #[arg(long = "name", required = true)]
+    pub names: Vec<String>,
 }

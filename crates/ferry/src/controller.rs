@@ -8,7 +8,7 @@ use serde_json::Value;
 use vmm::devices::heartbeat::now_ns;
 use vmm::{Vm, VmState};
 
-use crate::migrations::{Migrations, api_error};
+use crate::migrations::{Migrations, Security, api_error};
 
 /// Where the VM is in its life, beyond running/paused.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,18 +31,18 @@ pub struct Controller {
 }
 
 impl Controller {
-    pub fn new(phase: Phase) -> Arc<Self> {
+    pub fn new(phase: Phase, security: Security) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             me: me.clone(),
             vm: OnceLock::new(),
             phase: Mutex::new(phase),
             shutdown: AtomicBool::new(false),
-            migrations: Migrations::default(),
+            migrations: Migrations::new(security),
         })
     }
 
-    pub fn with_vm(vm: Arc<Vm>) -> Arc<Self> {
-        let c = Self::new(Phase::Live);
+    pub fn with_vm(vm: Arc<Vm>, security: Security) -> Arc<Self> {
+        let c = Self::new(Phase::Live, security);
         c.set_vm(vm);
         c
     }

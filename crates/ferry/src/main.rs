@@ -1,5 +1,6 @@
 //! The `ferry` command: run a VM, drive and watch it through its API.
 
+mod certs;
 mod cli;
 mod controller;
 mod dirty_bench;
@@ -30,6 +31,7 @@ fn main() {
         cli::Command::StartPostcopy(a) => status::simple_put(&a, "vm.migrate-start-postcopy"),
         cli::Command::Snapshot(a) => migrate::snapshot(&a),
         cli::Command::MigrateResume(a) => status::migrate_resume(&a),
+        cli::Command::Certs(a) => certs::certs(&a),
     };
     match result {
         Ok(code) => std::process::exit(code),

@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use api::{ApiError, MigrateResumeRequest, MigrationRequest, SnapshotRequest};
 use migration::status::Role;
+use migration::wire::tls::Tls;
 use migration::{Endpoint, ErrorKind, Incoming, MigrationParams, Outgoing, Phase, StatusBoard};
 use migration::{Migratable, Strategy};
 use serde_json::Value;
@@ -22,16 +23,40 @@ pub struct Migrations {
     pub incoming: Arc<Incoming>,
     /// Set once a client has read a final status, so the source may exit.
     pub final_status_read: AtomicBool,
+    security: Security,
 }
 
-impl Default for Migrations {
-    fn default() -> Self {
+/// How this VM's TCP migrations are protected.
+#[derive(Clone, Debug, Default)]
+pub struct Security {
+    pub tls: Option<Tls>,
+    /// The user asked for TCP without TLS (`--plain-tcp`).
+    pub plain_tcp: bool,
+}
+
+impl Security {
+    /// TCP needs TLS unless plain TCP was asked for; a Unix socket stays on this host.
+    pub fn check(&self, endpoint: &Endpoint) -> Result<(), String> {
+        if matches!(endpoint, Endpoint::Tcp(_)) && self.tls.is_none() && !self.plain_tcp {
+            return Err(format!(
+                "{endpoint}: a TCP migration needs TLS (start ferry run with --tls-cert, \
+                 --tls-key and --tls-ca; `ferry certs` makes them) or, on a trusted network \
+                 only, --plain-tcp"
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Migrations {
+    pub fn new(security: Security) -> Self {
         let board = StatusBoard::default();
         Self {
-            outgoing: Outgoing::new(board.clone()),
-            incoming: Incoming::new(board.clone()),
+            outgoing: Outgoing::new(board.clone(), security.tls.clone()),
+            incoming: Incoming::new(board.clone(), security.tls.clone()),
             board,
             final_status_read: AtomicBool::new(false),
+            security,
         }
     }
 }
@@ -200,8 +225,9 @@ impl Controller {
 
     pub fn send_migration(&self, req: &MigrationRequest) -> Result<Value, ApiError> {
         let (endpoint, params) = params_from_request(req)?;
-        let vm: Arc<dyn Migratable> = self.require_live()?.clone();
         let m = &self.migrations;
+        m.security.check(&endpoint).map_err(ApiError::bad_request)?;
+        let vm: Arc<dyn Migratable> = self.require_live()?.clone();
         m.final_status_read.store(false, Ordering::Release);
         m.outgoing
             .send(vm, endpoint, params, self.on_moved())
@@ -215,10 +241,12 @@ impl Controller {
         match (&req.listen, &req.destination) {
             (Some(listen), None) => {
                 let endpoint: Endpoint = listen.parse().map_err(api_error)?;
+                m.security.check(&endpoint).map_err(ApiError::bad_request)?;
                 m.incoming.resume(&endpoint).map_err(api_error)?;
             }
             (None, Some(destination)) => {
                 let endpoint: Endpoint = destination.parse().map_err(api_error)?;
+                m.security.check(&endpoint).map_err(ApiError::bad_request)?;
                 let vm: Arc<dyn Migratable> = self.vm()?.clone();
                 m.final_status_read.store(false, Ordering::Release);
                 m.outgoing

@@ -39,9 +39,13 @@ pub fn render(s: &MigrationStatus) -> String {
     if let Some(n) = &s.note {
         let _ = writeln!(o, "  note: {n}");
     }
-    let rows: [(&str, String); 16] = [
+    let rows: [(&str, String); 17] = [
         ("setup", format!("{:.2} ms", s.setup_ms)),
-        ("downtime (VMM)", opt_ms(s.downtime_ms)),
+        ("downtime (source's clock)", opt_ms(s.downtime_ms)),
+        (
+            "downtime (destination's clock)",
+            opt_ms(s.destination_downtime_ms),
+        ),
         (
             "downtime (guest-observed)",
             opt_ms(s.guest_observed_downtime_ms),

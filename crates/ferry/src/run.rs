@@ -9,11 +9,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use api::ApiServer;
 use migration::destination::Source;
+use migration::wire::tls::{Tls, TlsFiles};
 use vmm::devices::GuestEvent;
 use vmm::{Vm, VmConfig, VmEvent};
 
 use crate::cli::RunArgs;
 use crate::controller::{Controller, Phase};
+use crate::migrations::Security;
 
 static TERMINATE: AtomicBool = AtomicBool::new(false);
 
@@ -33,6 +35,7 @@ pub fn run(args: RunArgs) -> Result<i32> {
         ApiServer::ensure_available(socket)?;
     }
     install_termination_handler();
+    let security = security(&args)?;
     let incoming = match (&args.incoming, &args.restore) {
         (Some(url), None) => Some(Incoming::Listen(url.parse()?)),
         (None, Some(file)) => Some(Incoming::Snapshot(file.clone())),
@@ -40,12 +43,34 @@ pub fn run(args: RunArgs) -> Result<i32> {
         (Some(_), Some(_)) => bail!("--incoming and --restore exclude each other"),
     };
     match incoming {
-        Some(incoming) => run_incoming(&args, &incoming),
-        None => run_boot(&args),
+        Some(incoming) => run_incoming(&args, &incoming, security),
+        None => run_boot(&args, security),
     }
 }
 
-fn run_boot(args: &RunArgs) -> Result<i32> {
+/// TLS from the --tls-* files, or plain TCP if asked for (said loudly).
+fn security(args: &RunArgs) -> Result<Security> {
+    let tls = match (&args.tls_cert, &args.tls_key, &args.tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => Some(Tls::load(&TlsFiles {
+            cert: cert.clone(),
+            key: key.clone(),
+            ca: ca.clone(),
+        })?),
+        _ => None,
+    };
+    if args.plain_tcp {
+        eprintln!(
+            "ferry: WARNING: --plain-tcp: TCP migrations of this VM are not encrypted or \
+             authenticated; anyone on the path can read the guest's memory"
+        );
+    }
+    Ok(Security {
+        tls,
+        plain_tcp: args.plain_tcp,
+    })
+}
+
+fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
     let Some(guest) = args.guest.as_deref() else {
         bail!("--guest PATH is required (or --incoming URL / --restore FILE)");
     };
@@ -58,18 +83,21 @@ fn run_boot(args: &RunArgs) -> Result<i32> {
     };
     let serial = open_serial(&args.serial)?;
     let vm = Vm::boot(config, guest, &cmdline, serial).context("cannot start the VM")?;
-    let controller = Controller::with_vm(Arc::new(vm));
+    let controller = Controller::with_vm(Arc::new(vm), security);
     let _server = start_api(&controller, args.api_socket.as_deref())?;
     Ok(supervise(&controller))
 }
 
-fn run_incoming(args: &RunArgs, incoming: &Incoming) -> Result<i32> {
+fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Result<i32> {
     // Listen before the API answers, so that "API up" means "ready for the migration".
     let source = match incoming {
-        Incoming::Listen(endpoint) => Source::listen(endpoint)?,
+        Incoming::Listen(endpoint) => {
+            security.check(endpoint).map_err(anyhow::Error::msg)?;
+            Source::listen(endpoint, security.tls.as_ref())?
+        }
         Incoming::Snapshot(path) => Source::snapshot(path)?,
     };
-    let controller = Controller::new(Phase::Incoming);
+    let controller = Controller::new(Phase::Incoming, security);
     let _server = start_api(&controller, args.api_socket.as_deref())?;
     let serial = open_serial(&args.serial)?;
     let received = controller.migrations.incoming.receive(

@@ -219,11 +219,11 @@ fn migrate_with(
     let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
         .parse()
         .unwrap();
-    let source = Source::listen(&endpoint).unwrap();
+    let source = Source::listen(&endpoint, None).unwrap();
     let dest_board = StatusBoard::default();
     let board = dest_board.clone();
     let dest_thread = std::thread::spawn(move || {
-        let incoming = Incoming::new(board);
+        let incoming = Incoming::new(board, None);
         incoming.receive(
             source,
             &|| false,
@@ -238,7 +238,7 @@ fn migrate_with(
         )
     });
     let board = StatusBoard::default();
-    let outgoing = Outgoing::new(board.clone());
+    let outgoing = Outgoing::new(board.clone(), None);
     let (tx, rx) = std::sync::mpsc::channel();
     let started = outgoing.send(
         src.clone(),
@@ -458,7 +458,7 @@ fn snapshot_file_restores_the_same_memory() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("vm.ferry");
-    let outgoing = Outgoing::new(StatusBoard::default());
+    let outgoing = Outgoing::new(StatusBoard::default(), None);
     outgoing
         .snapshot(
             src.as_ref(),
@@ -467,7 +467,7 @@ fn snapshot_file_restores_the_same_memory() {
         )
         .expect("snapshot");
     let restore = |fresh: Arc<FakeVm>| {
-        Incoming::new(StatusBoard::default()).receive(
+        Incoming::new(StatusBoard::default(), None).receive(
             Source::snapshot(&path).unwrap(),
             &|| false,
             move |_| Ok(fresh),
@@ -502,7 +502,7 @@ fn after_go_without_an_answer_the_vm_never_runs_twice() {
     let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
         .parse()
         .unwrap();
-    let listener = endpoint.listen().unwrap();
+    let listener = endpoint.listen(None).unwrap();
     let fake = std::thread::spawn(move || {
         let mut s = listener.accept().unwrap();
         wire::read_stream_header(&mut s).unwrap();
@@ -526,7 +526,7 @@ fn after_go_without_an_answer_the_vm_never_runs_twice() {
         // ...and gone, without Resumed.
     });
     let board = StatusBoard::default();
-    let outgoing = Outgoing::new(board.clone());
+    let outgoing = Outgoing::new(board.clone(), None);
     let (tx, rx) = std::sync::mpsc::channel();
     outgoing
         .send(
@@ -568,7 +568,7 @@ fn a_flipped_byte_in_snapshot_page_data_is_refused() {
     src.write_page(10, 7);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("vm.ferry");
-    Outgoing::new(StatusBoard::default())
+    Outgoing::new(StatusBoard::default(), None)
         .snapshot(
             src.as_ref(),
             std::fs::File::create(&path).unwrap(),
@@ -586,7 +586,7 @@ fn a_flipped_byte_in_snapshot_page_data_is_refused() {
     std::fs::write(&path, &bytes).unwrap();
     let fresh = FakeVm::new();
     let probe = fresh.clone();
-    let err = Incoming::new(StatusBoard::default())
+    let err = Incoming::new(StatusBoard::default(), None)
         .receive(
             Source::snapshot(&path).unwrap(),
             &|| false,
@@ -610,14 +610,14 @@ fn a_listener_turns_away_strangers_and_snapshots() {
     src.write_page(1, 1);
     let dir = tempfile::tempdir().unwrap();
     let snapshot = dir.path().join("vm.ferry");
-    Outgoing::new(StatusBoard::default())
+    Outgoing::new(StatusBoard::default(), None)
         .snapshot(src.as_ref(), std::fs::File::create(&snapshot).unwrap(), "s")
         .unwrap();
     let sock = dir.path().join("m.sock");
     let endpoint: Endpoint = format!("unix:{}", sock.display()).parse().unwrap();
-    let source = Source::listen(&endpoint).unwrap();
+    let source = Source::listen(&endpoint, None).unwrap();
     let dest = std::thread::spawn(move || {
-        Incoming::new(StatusBoard::default()).receive(
+        Incoming::new(StatusBoard::default(), None).receive(
             source,
             &|| false,
             |_| Ok(FakeVm::new()),
@@ -640,7 +640,7 @@ fn a_listener_turns_away_strangers_and_snapshots() {
     );
     let board = StatusBoard::default();
     let (tx, rx) = std::sync::mpsc::channel();
-    Outgoing::new(board)
+    Outgoing::new(board, None)
         .send(
             src.clone(),
             endpoint,
@@ -657,5 +657,100 @@ fn a_listener_turns_away_strangers_and_snapshots() {
         .unwrap()
         .unwrap()
         .expect("the real migration arrived");
+    assert!(vm.memory() == src.memory());
+}
+
+/// A CA and a certificate it signed for `name` (a host name or an IP address), as PEM files
+/// in `dir`.
+fn credentials(
+    dir: &std::path::Path,
+    ca: &rcgen::CertifiedKey,
+    name: &str,
+) -> migration::wire::tls::TlsFiles {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
+    let cert = params.signed_by(&key, &ca.cert, &ca.key_pair).unwrap();
+    let files = migration::wire::tls::TlsFiles {
+        cert: dir.join(format!("{name}.pem")),
+        key: dir.join(format!("{name}.key")),
+        ca: dir.join(format!("{name}-ca.pem")),
+    };
+    std::fs::write(&files.cert, cert.pem()).unwrap();
+    std::fs::write(&files.key, key.serialize_pem()).unwrap();
+    std::fs::write(&files.ca, ca.cert.pem()).unwrap();
+    files
+}
+
+fn new_ca() -> rcgen::CertifiedKey {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let cert = params.self_signed(&key).unwrap();
+    rcgen::CertifiedKey {
+        cert,
+        key_pair: key,
+    }
+}
+
+/// Over TCP with TLS: a source holding a certificate of the destination's CA migrates (the
+/// memory arrives exactly); a source with a certificate of another CA, and a source without
+/// TLS, are turned away, and the destination keeps waiting for the real one.
+#[test]
+fn tls_admits_only_a_source_of_the_same_ca() {
+    use migration::wire::tls::Tls;
+    let dir = tempfile::tempdir().unwrap();
+    let ca = new_ca();
+    let dest_tls = Tls::load(&credentials(dir.path(), &ca, "127.0.0.1")).unwrap();
+    let src_tls = Tls::load(&credentials(dir.path(), &ca, "source.example")).unwrap();
+    // A stranger who trusts our CA (so it accepts the destination) but whose own certificate
+    // another CA signed: only the destination's check can stop it.
+    let mut stranger_files = credentials(dir.path(), &new_ca(), "localhost");
+    stranger_files.ca = credentials(dir.path(), &ca, "127.0.0.1").ca;
+    let stranger = Tls::load(&stranger_files).unwrap();
+
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint: Endpoint = format!("tcp:127.0.0.1:{port}").parse().unwrap();
+    let source = Source::listen(&endpoint, Some(&dest_tls)).unwrap();
+    let dest = std::thread::spawn(move || {
+        Incoming::new(StatusBoard::default(), Some(dest_tls)).receive(
+            source,
+            &|| false,
+            |_| Ok(FakeVm::new()),
+            |_| {},
+        )
+    });
+    let src = FakeVm::new();
+    for i in (0..PAGES).step_by(5) {
+        src.write_page(ram_page(i), 4);
+    }
+    let attempt = |tls: Option<Tls>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let started = Outgoing::new(StatusBoard::default(), tls).send(
+            src.clone(),
+            endpoint.clone(),
+            MigrationParams {
+                mode: Mode::Warm,
+                ..Default::default()
+            },
+            Box::new(move |r| {
+                let _ = tx.send(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+            }),
+        );
+        match started {
+            Err(e) => Err(e.to_string()),
+            Ok(()) => rx.recv_timeout(Duration::from_secs(60)).unwrap(),
+        }
+    };
+    assert!(
+        attempt(Some(stranger)).is_err(),
+        "a certificate of another CA"
+    );
+    assert!(attempt(None).is_err(), "no TLS at all");
+    attempt(Some(src_tls)).expect("the real source");
+    let vm = dest.join().unwrap().unwrap().expect("arrived");
     assert!(vm.memory() == src.memory());
 }

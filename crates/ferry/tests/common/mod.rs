@@ -108,6 +108,12 @@ impl Ferry {
             .arg("--serial")
             .arg(&serial)
             .args(extra)
+            // TCP tests run without TLS unless they bring certificates (tls.rs does).
+            .args(if extra.contains(&"--tls-cert") {
+                &[][..]
+            } else {
+                &["--plain-tcp"][..]
+            })
             .stdin(Stdio::null())
             .stderr(stderr)
             .spawn()

@@ -17,6 +17,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::{Migratable, VmDescriptor};
+use crate::wire::tls::Tls;
 use crate::wire::transport::{Endpoint, Listener, Stream};
 use crate::wire::{self, Message, StreamMode};
 
@@ -32,8 +33,14 @@ fn first_live_stream(
     stop: &dyn Fn() -> bool,
 ) -> Result<Option<(Stream, Result<Message>)>> {
     for _ in 0..MAX_STRAY_CONNECTIONS {
-        let Some(mut s) = listener.accept_until(stop)? else {
-            return Ok(None);
+        let mut s = match listener.accept_until(stop) {
+            Ok(Some(s)) => s,
+            Ok(None) => return Ok(None),
+            // A peer that failed the TLS handshake (no certificate of our CA, or silent).
+            Err(e) => {
+                tracing::warn!("refused an incoming connection: {e}");
+                continue;
+            }
         };
         s.set_timeouts(Some(HANDSHAKE_WAIT))?;
         let hello = wire::read_stream_header(&mut s).and_then(|()| wire::read_message(&mut s));
@@ -50,7 +57,7 @@ fn first_live_stream(
         tracing::warn!("ignored an incoming connection: {why}");
         let _ = s.set_timeouts(Some(Duration::from_millis(200)));
         let _ = wire::write_message(&mut s, &Message::Abort { reason: why });
-        s.shutdown();
+        s.close_after_last_word(Duration::from_millis(300));
     }
     Err(Error::Protocol(format!(
         "gave up after {MAX_STRAY_CONNECTIONS} connections that were not a ferry migration"
@@ -66,9 +73,10 @@ pub enum Source {
 }
 
 impl Source {
-    /// Binds the migration listener, so that a source can connect from now on.
-    pub fn listen(endpoint: &Endpoint) -> Result<Self> {
-        Ok(Source::Listening(endpoint.listen()?))
+    /// Binds the migration listener, so that a source can connect from now on; with `tls`,
+    /// only a source holding a certificate of our CA gets through.
+    pub fn listen(endpoint: &Endpoint, tls: Option<&Tls>) -> Result<Self> {
+        Ok(Source::Listening(endpoint.listen(tls)?))
     }
 
     pub fn snapshot(path: &Path) -> Result<Self> {
@@ -81,13 +89,15 @@ impl Source {
 /// A VM's arrival, and what is left of it when post-copy was cut.
 pub struct Incoming {
     board: StatusBoard,
+    tls: Option<Tls>,
     interrupted: Mutex<Option<Arc<postcopy::Postcopy>>>,
 }
 
 impl Incoming {
-    pub fn new(board: StatusBoard) -> Arc<Self> {
+    pub fn new(board: StatusBoard, tls: Option<Tls>) -> Arc<Self> {
         Arc::new(Self {
             board,
+            tls,
             interrupted: Mutex::new(None),
         })
     }
@@ -154,7 +164,7 @@ impl Incoming {
             .ok_or_else(|| {
                 Error::State("there is no interrupted post-copy to resume here".into())
             })?;
-        let listener = match endpoint.listen() {
+        let listener = match endpoint.listen(self.tls.as_ref()) {
             Ok(l) => l,
             Err(e) => {
                 *self.interrupted.lock().unwrap_or_else(|e| e.into_inner()) = Some(dest);

@@ -20,6 +20,9 @@ use crate::wire::{self, Frame, Message, StreamMode};
 /// reports what the guest saw to the source.
 const AFTER_WINDOW: Duration = Duration::from_secs(1);
 
+/// How long a failing destination keeps reading so that its `Abort` reaches the source.
+const LAST_WORD_WAIT: Duration = Duration::from_secs(1);
+
 /// What kind of stream the caller is prepared to take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Expect {
@@ -68,7 +71,7 @@ impl Receiver<'_> {
                     },
                 );
             }
-            stream.shutdown();
+            stream.close_after_last_word(LAST_WORD_WAIT);
             self.status.phase = Phase::Failed;
             self.status.error = Some(e.to_string());
             self.publish();

@@ -23,6 +23,7 @@ use crate::params::{MigrationParams, Mode};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::Migratable;
 use crate::wire::StreamMode;
+use crate::wire::tls::Tls;
 use crate::wire::transport::{Endpoint, Stream};
 use recovery::Leftover;
 use session::Session;
@@ -41,6 +42,8 @@ const SETUP_WAIT: Duration = Duration::from_secs(15);
 /// A VM's outgoing migrations.
 pub struct Outgoing {
     board: StatusBoard,
+    /// This host's TLS identity: every TCP migration is TLS when it is set.
+    tls: Option<Tls>,
     controls: Controls,
     busy: Mutex<bool>,
     leftover: Mutex<Option<Leftover>>,
@@ -50,9 +53,10 @@ pub struct Outgoing {
 pub type OnDone = Box<dyn FnOnce(&Result<()>) + Send>;
 
 impl Outgoing {
-    pub fn new(board: StatusBoard) -> Arc<Self> {
+    pub fn new(board: StatusBoard, tls: Option<Tls>) -> Arc<Self> {
         Arc::new(Self {
             board,
+            tls,
             controls: Controls::default(),
             busy: Mutex::new(false),
             leftover: Mutex::new(None),
@@ -143,7 +147,7 @@ impl Outgoing {
         params: &MigrationParams,
         mut status: Status,
     ) -> Result<()> {
-        let stream = match endpoint.connect() {
+        let stream = match endpoint.connect(self.tls.as_ref()) {
             Ok(s) => s,
             Err(e) => {
                 status.phase = Phase::Failed;
@@ -256,8 +260,15 @@ impl Outgoing {
             .name("postcopy-resume".into())
             .spawn(move || {
                 let status = this.board.read();
-                let result = recovery::resume(vm.as_ref(), &endpoint, &left, &this.board, status)
-                    .map(|_| ());
+                let result = recovery::resume(
+                    vm.as_ref(),
+                    &endpoint,
+                    this.tls.as_ref(),
+                    &left,
+                    &this.board,
+                    status,
+                )
+                .map(|_| ());
                 match &result {
                     Ok(()) => *this.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None,
                     Err(e) => {

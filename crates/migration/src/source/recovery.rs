@@ -9,6 +9,7 @@ use crate::status::{Phase, Status, StatusBoard};
 use crate::vm::Migratable;
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
+use crate::wire::tls::Tls;
 use crate::wire::transport::Endpoint;
 use crate::wire::{self, Message};
 
@@ -27,12 +28,13 @@ pub struct Leftover {
 pub(crate) fn resume(
     vm: &dyn Migratable,
     endpoint: &Endpoint,
+    tls: Option<&Tls>,
     left: &Leftover,
     board: &StatusBoard,
     mut status: Status,
 ) -> Result<Status> {
     let ram = vm.ram();
-    let mut stream = endpoint.connect()?;
+    let mut stream = endpoint.connect(tls)?;
     wire::write_stream_header(&mut stream)?;
     wire::write_message(&mut stream, &Message::ResumePostcopy)?;
     let here = match wire::read_message(&mut stream)? {

@@ -199,13 +199,6 @@ impl<'a> Session<'a> {
             self.publish();
             return Err(error);
         }
-        if self.stream.has_peer() {
-            let _ = self.stream.set_timeouts(Some(Duration::from_millis(200)));
-            let _ = self.send(&Message::Abort {
-                reason: error.to_string(),
-            });
-            self.stream.shutdown();
-        }
         if self.dirty_logging {
             let _ = self.vm.stop_dirty_log();
         }
@@ -215,6 +208,16 @@ impl<'a> Session<'a> {
             && let Err(e) = self.vm.resume()
         {
             error = Error::vm_caused(format!("{error}; and resuming the source failed"), e);
+        }
+        // The guest runs again first; then the destination hears why (it never resumes
+        // without `Go`, so the order cannot make two copies).
+        if self.stream.has_peer() {
+            let _ = self.stream.set_timeouts(Some(Duration::from_millis(200)));
+            let _ = self.send(&Message::Abort {
+                reason: error.to_string(),
+            });
+            self.stream
+                .close_after_last_word(Duration::from_millis(300));
         }
         self.status.phase = if matches!(error, Error::Cancelled) {
             Phase::Cancelled

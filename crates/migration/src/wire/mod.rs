@@ -5,6 +5,7 @@ pub mod bitmap;
 pub mod frame;
 pub mod message;
 pub mod pages;
+pub mod tls;
 pub mod transport;
 pub mod zero;
 

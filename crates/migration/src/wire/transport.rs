@@ -9,6 +9,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::wire::tls::Tls;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -55,6 +56,8 @@ impl std::fmt::Display for Endpoint {
 pub enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
+    /// TLS: plaintext on the local socket, ciphertext on the TCP socket (see `tls`).
+    Tls(UnixStream, std::sync::Arc<TcpStream>),
     File(File),
 }
 
@@ -64,7 +67,9 @@ const DRAINED_BYTES: usize = 64 * 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Endpoint {
-    pub fn connect(&self) -> Result<Stream> {
+    /// Connects; over TCP with `tls`, the connection is TLS and the destination's certificate
+    /// must name the host of this address.
+    pub fn connect(&self, tls: Option<&Tls>) -> Result<Stream> {
         let fail = |e: std::io::Error| Error::transport(format!("cannot connect to {self}"), e);
         let stream = match self {
             Endpoint::Tcp(addr) => {
@@ -84,7 +89,13 @@ impl Endpoint {
                     fail(last.unwrap_or_else(|| std::io::Error::other("no address")))
                 })?;
                 s.set_nodelay(true)?;
-                Stream::Tcp(s)
+                match tls {
+                    Some(tls) => {
+                        let secured = tls.connect(s, self.host())?;
+                        Stream::Tls(secured.app, secured.wire)
+                    }
+                    None => Stream::Tcp(s),
+                }
             }
             Endpoint::Unix(path) => Stream::Unix(UnixStream::connect(path).map_err(fail)?),
         };
@@ -92,11 +103,25 @@ impl Endpoint {
         Ok(stream)
     }
 
-    /// Binds, then waits for exactly one incoming migration.
-    pub fn listen(&self) -> Result<Listener> {
+    /// The host part of a TCP address (what the peer's certificate must name).
+    pub fn host(&self) -> &str {
+        match self {
+            Endpoint::Tcp(a) => {
+                let host = a.rsplit_once(':').map_or(a.as_str(), |(h, _)| h);
+                host.trim_start_matches('[').trim_end_matches(']')
+            }
+            Endpoint::Unix(_) => "localhost",
+        }
+    }
+
+    /// Binds a listener; over TCP with `tls`, every connection must open TLS with a
+    /// certificate of our CA.
+    pub fn listen(&self, tls: Option<&Tls>) -> Result<Listener> {
         let fail = |e: std::io::Error| Error::transport(format!("cannot listen on {self}"), e);
         Ok(match self {
-            Endpoint::Tcp(addr) => Listener::Tcp(TcpListener::bind(addr).map_err(fail)?),
+            Endpoint::Tcp(addr) => {
+                Listener::Tcp(TcpListener::bind(addr).map_err(fail)?, tls.cloned())
+            }
             Endpoint::Unix(path) => {
                 remove_stale_socket(path).map_err(fail)?;
                 Listener::Unix(UnixListener::bind(path).map_err(fail)?, path.clone())
@@ -106,7 +131,7 @@ impl Endpoint {
 }
 
 pub enum Listener {
-    Tcp(TcpListener),
+    Tcp(TcpListener, Option<Tls>),
     Unix(UnixListener, PathBuf),
 }
 
@@ -132,7 +157,7 @@ pub fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
 impl std::os::fd::AsRawFd for Listener {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         match self {
-            Listener::Tcp(l) => l.as_raw_fd(),
+            Listener::Tcp(l, _) => l.as_raw_fd(),
             Listener::Unix(l, _) => l.as_raw_fd(),
         }
     }
@@ -158,10 +183,16 @@ impl Listener {
 
     pub fn accept(&self) -> Result<Stream> {
         let stream = match self {
-            Listener::Tcp(l) => {
+            Listener::Tcp(l, tls) => {
                 let (s, _) = l.accept()?;
                 s.set_nodelay(true)?;
-                Stream::Tcp(s)
+                match tls {
+                    Some(tls) => {
+                        let secured = tls.accept(s)?;
+                        Stream::Tls(secured.app, secured.wire)
+                    }
+                    None => Stream::Tcp(s),
+                }
             }
             Listener::Unix(l, _) => Stream::Unix(l.accept()?.0),
         };
@@ -185,7 +216,7 @@ impl Stream {
                 s.set_read_timeout(t)?;
                 s.set_write_timeout(t)?;
             }
-            Stream::Unix(s) => {
+            Stream::Unix(s) | Stream::Tls(s, _) => {
                 s.set_read_timeout(t)?;
                 s.set_write_timeout(t)?;
             }
@@ -199,6 +230,7 @@ impl Stream {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tls(s, wire) => Stream::Tls(s.try_clone()?, wire.clone()),
             Stream::File(f) => Stream::File(f.try_clone()?),
         })
     }
@@ -206,17 +238,21 @@ impl Stream {
     /// Bytes written but not yet sent by the kernel (socket send queue); 0 for files.
     fn unsent(&self) -> usize {
         use std::os::fd::AsRawFd;
-        let fd = match self {
-            Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Unix(s) => s.as_raw_fd(),
-            Stream::File(_) => return 0,
+        let queued = |fd: std::os::fd::RawFd| {
+            let mut n: libc::c_int = 0;
+            // SAFETY: TIOCOUTQ writes one int for a socket we own.
+            if unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) } < 0 {
+                return 0;
+            }
+            n.max(0) as usize
         };
-        let mut queued: libc::c_int = 0;
-        // SAFETY: TIOCOUTQ writes one int for a socket we own.
-        if unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued) } < 0 {
-            return 0;
+        match self {
+            Stream::Tcp(s) => queued(s.as_raw_fd()),
+            Stream::Unix(s) => queued(s.as_raw_fd()),
+            // What the pump has not taken yet, and what the network has not.
+            Stream::Tls(s, wire) => queued(s.as_raw_fd()) + queued(wire.as_raw_fd()),
+            Stream::File(_) => 0,
         }
-        queued.max(0) as usize
     }
 
     /// Waits (up to `limit`) until what was written has left this host's send queue, so that
@@ -233,13 +269,44 @@ impl Stream {
         !matches!(self, Stream::File(_))
     }
 
+    /// Ends a conversation that failed, so that the last word sent (an `Abort` with the
+    /// reason) reaches the peer: closing a socket with unread input would reset the connection
+    /// and could discard it. Stops sending, then reads and drops what still comes, for at most
+    /// `limit`.
+    pub fn close_after_last_word(&mut self, limit: Duration) {
+        if !self.has_peer() {
+            return;
+        }
+        let half = match self {
+            Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Write),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.shutdown(std::net::Shutdown::Write),
+            Stream::File(_) => Ok(()),
+        };
+        if half.is_err() || self.set_timeouts(Some(Duration::from_millis(50))).is_err() {
+            return;
+        }
+        let deadline = std::time::Instant::now() + limit;
+        let mut sink = [0u8; 64 * 1024];
+        while std::time::Instant::now() < deadline {
+            match self.read(&mut sink) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        || e.kind() == std::io::ErrorKind::TimedOut => {}
+                Err(_) => break,
+            }
+        }
+        self.shutdown();
+    }
+
     /// Closes the sending direction, so the peer sees the end of the stream.
     pub fn shutdown(&self) {
         match self {
             Stream::Tcp(s) => {
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
-            Stream::Unix(s) => {
+            Stream::Unix(s) | Stream::Tls(s, _) => {
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
             Stream::File(_) => {}
@@ -251,14 +318,14 @@ impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) => s.read(buf),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.read(buf),
             Stream::File(s) => s.read(buf),
         }
     }
     fn read_vectored(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.read_vectored(bufs),
-            Stream::Unix(s) => s.read_vectored(bufs),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.read_vectored(bufs),
             Stream::File(s) => s.read_vectored(bufs),
         }
     }
@@ -268,21 +335,21 @@ impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) => s.write(buf),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.write(buf),
             Stream::File(s) => s.write(buf),
         }
     }
     fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
-            Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.write_vectored(bufs),
             Stream::File(s) => s.write_vectored(bufs),
         }
     }
     fn flush(&mut self) -> std::io::Result<()> {
         match self {
             Stream::Tcp(s) => s.flush(),
-            Stream::Unix(s) => s.flush(),
+            Stream::Unix(s) | Stream::Tls(s, _) => s.flush(),
             Stream::File(s) => s.flush(),
         }
     }
