@@ -15,7 +15,7 @@
 
 #define HB_MAGIC 0x46455259u /* "FERY" */
 
-/* One per vCPU, 64 bytes, in guest memory; the VMM reads it on every heartbeat. */
+/* One per vCPU, 80 bytes, in guest memory; the VMM reads it on every heartbeat. */
 struct hb_block {
     unsigned long long seq;        /* heartbeats sent by this vCPU */
     unsigned long long pages;      /* pages touched (read or written) */
@@ -25,7 +25,11 @@ struct hb_block {
     unsigned long long share_pages;/* pages in this vCPU's share */
     unsigned int cpu;
     unsigned int magic;
-    unsigned long long ws_base;    /* guest-physical address of the whole working set */
+    unsigned long long ws_base;    /* guest-physical address of working-set page 0 */
+    /* The working set continues past the MMIO hole: pages from ws_split_page on lie at
+     * ws_base_high (0: it fits below the hole). */
+    unsigned long long ws_split_page;
+    unsigned long long ws_base_high;
 };
 
 #endif

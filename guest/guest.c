@@ -7,7 +7,8 @@
  *   seq | random                 page order (default seq)
  *   verify                       stamp every page, check every stamp
  *   rate=N                       at most N pages/s in total
- *   vcpus=N                      vCPUs sharing the work (the VMM starts them)
+ *   vcpus=N                      vCPUs sharing the work (started here with INIT/SIPI; at
+ *                                most as many as the ACPI MADT lists)
  *   passes=N                     stop after N passes (0 = forever)
  *   hb_us=N                      heartbeat period in microseconds (default 1000)
  *   serial_ms=N                  serial progress line period (default 1000)
@@ -48,6 +49,22 @@ struct config {
 };
 
 extern char __image_end[];
+extern char ap_trampoline[], ap_trampoline_end[];
+extern u64 boot_pdpt[], boot_pd[];
+
+#define MAPPED_GIB 128                  /* boot_pd's size in boot.S */
+#define TRAMPOLINE_ADDR 0x9000ull       /* where APs start (SIPI vector 0x09) */
+#define LAPIC 0xfee00000ull
+#define MAX_SEGMENTS 8
+#define E820_RAM 1
+
+/* RAM the workload may use: the memory map's RAM above the image, in address order. */
+struct segment {
+    u64 base, pages;
+};
+static struct segment segments[MAX_SEGMENTS];
+static u64 nsegments;
+static volatile u32 aps_up;             /* APs that reached secondary_main */
 
 static struct config cfg;
 static struct hb_block blocks[MAX_CPUS] __attribute__((aligned(64)));
@@ -87,6 +104,14 @@ static void put_str(const char *s)
 {
     while (*s)
         put_char(*s++);
+}
+static void put_hex(u64 v)
+{
+    char buf[19] = "0x";
+    for (int i = 0; i < 16; i++)
+        buf[2 + i] = "0123456789abcdef"[(v >> (60 - 4 * i)) & 15];
+    buf[18] = 0;
+    put_str(buf);
 }
 static void put_u64(u64 v)
 {
@@ -202,30 +227,82 @@ static void parse_cmdline(const char *s)
 
 /* ---- memory layout ---- */
 
-/* The RAM region that holds the image; the workload lives in it above the image. */
-static u64 ram_end_after_image(const struct hvm_start_info *si)
+/*
+ * Reads the memory map (printing it), maps RAM above 4 GiB (boot.S mapped the first 4 GiB),
+ * and collects the RAM above the image into `segments`.
+ */
+static void read_memory_map(const struct hvm_start_info *si, u64 from)
 {
     const struct hvm_memmap_entry *map = (const void *)si->memmap_paddr;
-    u64 image_end = (u64)__image_end;
-    for (u32 i = 0; si->memmap_paddr && i < si->memmap_entries; i++)
-        if (map[i].type == 1 && map[i].addr <= image_end && image_end < map[i].addr + map[i].size)
-            return map[i].addr + map[i].size;
-    fatal("no RAM region after the guest image in the memory map", "");
-    return 0;
+    u64 top = 0;
+    if (!si->memmap_paddr || !si->memmap_entries)
+        fatal("no memory map in start_info", "");
+    for (u32 i = 0; i < si->memmap_entries; i++) {
+        u64 start = map[i].addr, end = map[i].addr + map[i].size;
+        put_str("ferry-guest: e820 ");
+        put_hex(start);
+        put_str("-");
+        put_hex(end - 1);
+        put_str(map[i].type == E820_RAM ? " ram\n" : " reserved\n");
+        if (map[i].type != E820_RAM || end <= from)
+            continue;
+        if (nsegments == MAX_SEGMENTS)
+            fatal("too many RAM ranges in the memory map", "");
+        if (start < from)
+            start = from;
+        segments[nsegments].base = start;
+        segments[nsegments].pages = (end - start) / PAGE_SIZE;
+        nsegments++;
+        if (end > top)
+            top = end;
+    }
+    u64 gib = (top + (1ull << 30) - 1) >> 30;
+    if (gib > MAPPED_GIB)
+        fatal("RAM reaches beyond what the page tables can map", "");
+    for (u64 g = 4; g < gib; g++) {
+        boot_pdpt[g] = (u64)&boot_pd[g * 512] | 0x3;
+        for (u64 i = 0; i < 512; i++)
+            boot_pd[g * 512 + i] = ((g << 30) + (i << 21)) | 0x83;
+    }
+    u64 cr3;
+    __asm__ volatile("mov %%cr3, %0; mov %0, %%cr3" : "=r"(cr3)::"memory");
 }
 
-static void plan_layout(u64 ram_end)
+/* Takes `bytes` from the front of the first segment (2 MiB-aligned). */
+static u64 carve(u64 bytes)
 {
     const u64 align = 2ull << 20;
-    u64 cursor = ((u64)__image_end + align - 1) & ~(align - 1);
+    u64 base = segments[0].base;
+    u64 len = (bytes + align - 1) & ~(align - 1);
+    if (nsegments == 0 || len / PAGE_SIZE > segments[0].pages)
+        fatal("guest memory too small for the verify table", "");
+    segments[0].base += len;
+    segments[0].pages -= len / PAGE_SIZE;
+    return base;
+}
+
+static void plan_layout(void)
+{
     ws_pages = cfg.mode == MODE_IDLE ? 0 : cfg.ws_bytes / PAGE_SIZE;
-    if (cfg.verify) {
-        expected_gen = (u32 *)cursor;
-        cursor += (ws_pages * sizeof(u32) + align - 1) & ~(align - 1);
+    if (cfg.verify)
+        expected_gen = (u32 *)carve(ws_pages * sizeof(u32));
+    u64 room = 0;
+    for (u64 i = 0; i < nsegments; i++)
+        room += segments[i].pages;
+    if (ws_pages > room)
+        fatal("working set does not fit in guest RAM", "");
+    ws_base = segments[0].base;
+}
+
+/* The guest-physical address of working-set page `page`: the segments, one after another. */
+static u64 page_addr(u64 page)
+{
+    for (u64 i = 0; i < nsegments; i++) {
+        if (page < segments[i].pages)
+            return segments[i].base + page * PAGE_SIZE;
+        page -= segments[i].pages;
     }
-    ws_base = cursor;
-    if (ws_base + ws_pages * PAGE_SIZE > ram_end)
-        fatal("working set does not fit in guest memory", "");
+    return 0;
 }
 
 /* ---- TSC calibration against PIT channel 2 (works in ferry and QEMU) ---- */
@@ -306,7 +383,10 @@ static void throttle(struct worker *w)
 static inline u64 stamp(u64 page, u32 gen) { return (page << 32) | gen; }
 static inline volatile u64 *page_word(u64 page)
 {
-    return (volatile u64 *)(ws_base + page * PAGE_SIZE);
+    /* Fast path: most pages lie in the first segment. */
+    if (page < segments[0].pages)
+        return (volatile u64 *)(segments[0].base + page * PAGE_SIZE);
+    return (volatile u64 *)page_addr(page);
 }
 
 static void report_mismatch(struct worker *w, u64 page)
@@ -375,7 +455,9 @@ static void run_worker(u64 cpu)
     w.rate = cfg.rate / cfg.vcpus;
 
     w.hb->cpu = (u32)cpu;
-    w.hb->share_base = ws_base + w.first * PAGE_SIZE;
+    w.hb->share_base = page_addr(w.first);
+    w.hb->ws_split_page = segments[0].pages;
+    w.hb->ws_base_high = nsegments > 1 ? segments[1].base : 0;
     w.hb->share_pages = w.count;
     w.hb->ws_base = ws_base;
     w.hb->magic = HB_MAGIC;
@@ -406,16 +488,106 @@ static const char *mode_name(void)
     return cfg.mode == MODE_IDLE ? "idle" : cfg.mode == MODE_WRITE ? "write" : "read";
 }
 
+/* ---- processors: the ACPI MADT, and INIT/SIPI through the local APIC ---- */
+
+static int sum_ok(const u8 *p, u64 len)
+{
+    u8 sum = 0;
+    for (u64 i = 0; i < len; i++)
+        sum = (u8)(sum + p[i]);
+    return sum == 0;
+}
+
+static const u8 *find_rsdp(const struct hvm_start_info *si)
+{
+    if (si->rsdp_paddr)
+        return (const u8 *)si->rsdp_paddr;
+    for (u64 a = 0xe0000; a < 0x100000; a += 16) {
+        const u8 *p = (const u8 *)a;
+        if (p[0] == 'R' && p[1] == 'S' && p[2] == 'D' && p[3] == ' ' && p[4] == 'P' &&
+            p[5] == 'T' && p[6] == 'R' && p[7] == ' ' && sum_ok(p, 20))
+            return p;
+    }
+    return 0;
+}
+
+static u32 rd32(const u8 *p) { return p[0] | p[1] << 8 | p[2] << 16 | (u32)p[3] << 24; }
+static u64 rd64(const u8 *p) { return rd32(p) | (u64)rd32(p + 4) << 32; }
+
+/* Enabled processors the MADT lists (0 when there are no ACPI tables). */
+static u64 madt_cpus(const struct hvm_start_info *si)
+{
+    const u8 *rsdp = find_rsdp(si);
+    if (!rsdp)
+        return 0;
+    int xsdt = rsdp[15] >= 2;
+    const u8 *sdt = (const u8 *)(xsdt ? rd64(rsdp + 24) : rd32(rsdp + 16));
+    u64 entries = (rd32(sdt + 4) - 36) / (xsdt ? 8 : 4);
+    for (u64 i = 0; i < entries; i++) {
+        const u8 *t = (const u8 *)(xsdt ? rd64(sdt + 36 + 8 * i) : rd32(sdt + 36 + 4 * i));
+        if (t[0] != 'A' || t[1] != 'P' || t[2] != 'I' || t[3] != 'C')
+            continue;
+        u64 cpus = 0, len = rd32(t + 4);
+        for (u64 at = 44; at + 2 <= len && t[at + 1]; at += t[at + 1])
+            if (t[at] == 0 && (rd32(t + at + 4) & 1))
+                cpus++;
+        return cpus;
+    }
+    return 0;
+}
+
+static void lapic_write(u64 reg, u32 v) { *(volatile u32 *)(LAPIC + reg) = v; }
+static u32 lapic_read(u64 reg) { return *(volatile u32 *)(LAPIC + reg); }
+
+static void delay_us(u64 us)
+{
+    u64 end = rdtsc() + tsc_khz * us / 1000;
+    while (rdtsc() < end)
+        cpu_relax();
+}
+
+/* INIT, then two SIPIs, to every other processor (the MultiProcessor Specification's way). */
+static void start_aps(void)
+{
+    u64 n = (u64)(ap_trampoline_end - ap_trampoline);
+    for (u64 i = 0; i < n; i++)
+        ((volatile u8 *)TRAMPOLINE_ADDR)[i] = ap_trampoline[i];
+    lapic_write(0xf0, 0x1ff);                       /* software-enable, spurious vector 0xff */
+    lapic_write(0x310, 0);
+    lapic_write(0x300, 0x000c4500);                 /* INIT, all excluding self */
+    delay_us(10000);
+    for (int i = 0; i < 2; i++) {
+        lapic_write(0x300, 0x000c4600 | (u32)(TRAMPOLINE_ADDR >> 12)); /* SIPI */
+        delay_us(200);
+    }
+    u64 deadline = rdtsc() + tsc_khz * 5000;        /* 5 s: emulated real mode is slow */
+    while (__atomic_load_n(&aps_up, __ATOMIC_ACQUIRE) < cfg.vcpus - 1) {
+        if (rdtsc() > deadline)
+            fatal("secondary vCPUs did not start after INIT/SIPI", "");
+        cpu_relax();
+    }
+    (void)lapic_read(0x20);
+}
+
 void guest_main(const struct hvm_start_info *si)
 {
     put_str("ferry-guest: booted\n");
     parse_cmdline(si->cmdline_paddr ? (const char *)si->cmdline_paddr : "");
-    plan_layout(ram_end_after_image(si));
+    read_memory_map(si, (u64)__image_end);
+    plan_layout();
     tsc_khz = calibrate_tsc_khz();
     if (!tsc_khz) {
         put_str("ferry-guest: PIT calibration failed, assuming a 2 GHz TSC\n");
         tsc_khz = 2000000;
     }
+    u64 cpus = madt_cpus(si);
+    put_str("ferry-guest: madt cpus=");
+    put_u64(cpus);
+    put_str("\n");
+    if (cpus && cfg.vcpus > cpus)
+        fatal("vcpus= is larger than the processors the MADT lists", "");
+    if (cfg.vcpus > 1)
+        start_aps();
     put_str("ferry-guest: mode=");
     put_str(mode_name());
     put_str(" ws_pages=");
@@ -434,6 +606,7 @@ void guest_main(const struct hvm_start_info *si)
 
 void secondary_main(u64 cpu)
 {
+    __atomic_fetch_add(&aps_up, 1, __ATOMIC_ACQ_REL);
     while (!__atomic_load_n(&go, __ATOMIC_ACQUIRE))
         cpu_relax();
     if (cpu < cfg.vcpus)

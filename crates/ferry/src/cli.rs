@@ -106,9 +106,17 @@ pub struct ApiArgs {
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
-    /// The guest ELF (PVH), e.g. guest/build/guest.elf.
-    #[arg(long)]
+    /// The guest: an ELF with a PVH entry note (e.g. guest/build/guest.elf, or any PVH
+    /// kernel), entered in 32-bit protected mode with %ebx = hvm_start_info.
+    #[arg(long, conflicts_with = "kernel")]
     pub guest: Option<PathBuf>,
+    /// A Linux kernel (bzImage or vmlinux), booted by the Linux boot protocol (zero page
+    /// with the E820 map; --cmdline is the kernel's command line).
+    #[arg(long)]
+    pub kernel: Option<PathBuf>,
+    /// An initrd for --kernel.
+    #[arg(long, requires = "kernel")]
+    pub initrd: Option<PathBuf>,
     /// Guest memory: 512M, 4G, ...
     #[arg(long, default_value = "1G")]
     pub memory: MemorySize,
@@ -127,10 +135,10 @@ pub struct RunArgs {
     #[arg(long)]
     pub api_socket: Option<PathBuf>,
     /// Wait for one incoming migration (tcp:HOST:PORT or unix:PATH) instead of booting.
-    #[arg(long, conflicts_with_all = ["guest", "cmdline", "restore"])]
+    #[arg(long, conflicts_with_all = ["guest", "kernel", "cmdline", "restore"])]
     pub incoming: Option<String>,
     /// Bring back a VM from a snapshot file instead of booting.
-    #[arg(long, conflicts_with_all = ["guest", "cmdline"])]
+    #[arg(long, conflicts_with_all = ["guest", "kernel", "cmdline"])]
     pub restore: Option<PathBuf>,
     /// This host's certificate (PEM) for TLS migrations; with --tls-key and --tls-ca, every
     /// TCP migration to or from this VM is TLS 1.3 with both hosts' certificates checked.

@@ -161,7 +161,12 @@ impl Controller {
                 "page {page} is not in the guest's working set ({ws_pages} pages)"
             )));
         }
-        let gpa = info.total.ws_base + page * 4096;
+        let t = &info.total;
+        let gpa = if t.ws_base_high != 0 && page >= t.ws_split_page {
+            t.ws_base_high + (page - t.ws_split_page) * 4096
+        } else {
+            t.ws_base + page * 4096
+        };
         let mut byte = [0u8];
         let fail = |e: vmm::Error| ApiError::internal(format!("guest memory: {e}"));
         vm.read_guest(gpa, &mut byte).map_err(fail)?;

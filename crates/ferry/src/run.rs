@@ -11,7 +11,7 @@ use api::ApiServer;
 use migration::destination::Source;
 use migration::wire::tls::{Tls, TlsFiles};
 use vmm::devices::GuestEvent;
-use vmm::{Vm, VmConfig, VmEvent};
+use vmm::{BootImage, Vm, VmConfig, VmEvent};
 
 use crate::cli::RunArgs;
 use crate::controller::{Controller, Phase};
@@ -71,18 +71,34 @@ fn security(args: &RunArgs) -> Result<Security> {
 }
 
 fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
-    let Some(guest) = args.guest.as_deref() else {
-        bail!("--guest PATH is required (or --incoming URL / --restore FILE)");
+    let (image, cmdline) = match (&args.guest, &args.kernel) {
+        (Some(guest), None) => {
+            check_file("guest", guest)?;
+            let cmdline = cmdline_with_vcpus(&args.cmdline, args.vcpus)?;
+            (BootImage::Pvh(guest.clone()), cmdline)
+        }
+        (None, Some(kernel)) => {
+            check_file("kernel", kernel)?;
+            if let Some(initrd) = &args.initrd {
+                check_file("initrd", initrd)?;
+            }
+            let image = BootImage::Linux {
+                kernel: kernel.clone(),
+                initrd: args.initrd.clone(),
+            };
+            (image, args.cmdline.clone())
+        }
+        _ => {
+            bail!("--guest PATH or --kernel PATH is required (or --incoming URL / --restore FILE)")
+        }
     };
-    check_guest_file(guest)?;
-    let cmdline = cmdline_with_vcpus(&args.cmdline, args.vcpus)?;
     let config = VmConfig {
         memory: args.memory.0,
         vcpus: args.vcpus,
         backend: args.memory_backend,
     };
     let serial = open_serial(&args.serial)?;
-    let vm = Vm::boot(config, guest, &cmdline, serial).context("cannot start the VM")?;
+    let vm = Vm::boot(config, &image, &cmdline, serial).context("cannot start the VM")?;
     let controller = Controller::with_vm(Arc::new(vm), security);
     let _server = start_api(&controller, args.api_socket.as_deref())?;
     Ok(supervise(&controller))
@@ -199,10 +215,11 @@ fn on_event(controller: &Controller, event: VmEvent) -> Option<i32> {
     }
 }
 
-fn check_guest_file(path: &Path) -> Result<()> {
-    let meta = std::fs::metadata(path).with_context(|| format!("guest file {}", path.display()))?;
+fn check_file(what: &str, path: &Path) -> Result<()> {
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("{what} file {}", path.display()))?;
     if !meta.is_file() {
-        bail!("guest file {} is not a regular file", path.display());
+        bail!("{what} file {} is not a regular file", path.display());
     }
     Ok(())
 }

@@ -39,7 +39,42 @@ fn guest_that_is_not_an_elf() {
             "--serial",
             "/dev/null",
         ],
-        "not a loadable 64-bit ELF",
+        "not a loadable ELF",
+    );
+}
+
+#[test]
+fn an_elf_without_a_pvh_note_or_a_kernel_that_is_no_kernel() {
+    if !kvm_available() {
+        return;
+    }
+    // The workload guest with its PVH note removed.
+    let dir = tempfile::tempdir().unwrap();
+    let bare = dir.path().join("bare.elf");
+    let strip = std::process::Command::new("objcopy")
+        .args(["--remove-section", ".note"])
+        .arg(guest())
+        .arg(&bare)
+        .status()
+        .expect("objcopy (binutils) runs");
+    assert!(strip.success());
+    run_fails(
+        &["run", "--guest", bare.to_str().unwrap(), "--serial", "/dev/null"],
+        "no PVH entry note (XEN_ELFNOTE_PHYS32_ENTRY)",
+    );
+    let path = dir.path().join("bzImage");
+    std::fs::write(&path, vec![0x4du8; 16384]).unwrap();
+    run_fails(
+        &["run", "--kernel", path.to_str().unwrap(), "--serial", "/dev/null"],
+        "neither a bzImage nor an ELF kernel",
+    );
+    run_fails(
+        &["run", "--kernel", "/nonexistent/vmlinuz"],
+        "kernel file /nonexistent/vmlinuz",
+    );
+    run_fails(
+        &["run", "--kernel", "/bin/sh", "--guest", "/bin/sh"],
+        "cannot be used with",
     );
 }
 

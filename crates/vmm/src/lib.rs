@@ -1,8 +1,9 @@
-//! A VM on KVM: guest memory, vCPUs, PVH boot, devices, and the VM state that migration moves.
+//! A VM on KVM: guest memory and its memory map, vCPUs, PVH and Linux boot, ACPI, devices, and the VM state that migration moves.
 //!
 //! The crate knows KVM and nothing about migration streams; `migration` drives it through the
 //! traits the VM implements.
 
+pub mod acpi;
 pub mod boot;
 pub mod devices;
 pub mod dirty_log;
@@ -16,4 +17,4 @@ pub mod vm;
 
 pub use error::{Error, Result};
 pub use memory::{MemoryBackend, MemorySize};
-pub use vm::{Vm, VmConfig, VmEvent, VmInfo, VmState};
+pub use vm::{BootImage, Vm, VmConfig, VmEvent, VmInfo, VmState};

@@ -1,5 +1,6 @@
-//! Guest memory: one region from guest-physical 0, mapped lazily so that untouched memory
-//! costs nothing (and migration can skip it without reading it).
+//! Guest memory: one mapping per RAM range of the memory map (see `layout`), each mapped
+//! lazily so that untouched memory costs nothing (and migration can skip it without reading
+//! it).
 
 use std::fmt;
 use std::str::FromStr;
@@ -7,7 +8,7 @@ use std::str::FromStr;
 use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 use crate::error::{Error, Result};
-use crate::layout::MAX_MEMORY;
+use crate::layout::{MAX_MEMORY, ram_ranges};
 
 pub type GuestMemory = GuestMemoryMmap<()>;
 
@@ -98,18 +99,23 @@ pub fn create_guest_memory(size: u64, backend: MemoryBackend) -> Result<GuestMem
             "memory size must be a multiple of 4 KiB".into(),
         ));
     }
-    let len = size as usize;
-    let region = match backend {
-        MemoryBackend::Anonymous => MmapRegion::new(len),
-        MemoryBackend::Memfd => {
-            let file = memfd(size)?;
-            MmapRegion::from_file(vm_memory::FileOffset::new(file, 0), len)
-        }
-    }
-    .map_err(|e| Error::Memory(format!("cannot map {}: {e}", MemorySize(size))))?;
-    let region = GuestRegionMmap::new(region, GuestAddress(0))
-        .ok_or_else(|| Error::Memory("region does not fit the guest address space".into()))?;
-    GuestMemoryMmap::from_regions(vec![region]).map_err(|e| Error::Memory(e.to_string()))
+    let regions = ram_ranges(size)
+        .into_iter()
+        .map(|r| {
+            let len = r.len as usize;
+            let mapping = match backend {
+                MemoryBackend::Anonymous => MmapRegion::new(len),
+                MemoryBackend::Memfd => {
+                    let file = memfd(r.len)?;
+                    MmapRegion::from_file(vm_memory::FileOffset::new(file, 0), len)
+                }
+            }
+            .map_err(|e| Error::Memory(format!("cannot map {}: {e}", MemorySize(r.len))))?;
+            GuestRegionMmap::new(mapping, GuestAddress(r.gpa))
+                .ok_or_else(|| Error::Memory("region does not fit the guest address space".into()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))
 }
 
 fn memfd(size: u64) -> Result<std::fs::File> {

@@ -8,7 +8,7 @@ use crate::memory::MemoryBackend;
 use crate::vm::{Vm, VmConfig};
 
 /// Version of the vCPU and device state encodings below; bump on any change to them.
-const STATE_VERSION: u32 = 1;
+const STATE_VERSION: u32 = 2;
 
 fn vm_err(e: crate::error::Error) -> migration::Error {
     migration::Error::vm_caused("the KVM VM", e)
@@ -34,10 +34,7 @@ impl VmConfig {
     pub fn descriptor(&self) -> VmDescriptor {
         VmDescriptor {
             memory_bytes: self.memory,
-            ranges: vec![migration::RamRange {
-                gpa: 0,
-                len: self.memory,
-            }],
+            ranges: crate::layout::ram_ranges(self.memory),
             vcpus: self.vcpus as u32,
             running: true,
             memory_backend: match self.backend {
@@ -49,6 +46,14 @@ impl VmConfig {
     }
 
     pub fn from_descriptor(d: &VmDescriptor) -> migration::Result<Self> {
+        let ours = crate::layout::ram_ranges(d.memory_bytes);
+        if d.ranges != ours {
+            return Err(migration::Error::Protocol(format!(
+                "the source's RAM lies at {:x?}; this ferry's memory map for {} bytes puts it at \
+                 {ours:x?}",
+                d.ranges, d.memory_bytes
+            )));
+        }
         Ok(Self {
             memory: d.memory_bytes,
             vcpus: d.vcpus as usize,
@@ -81,13 +86,9 @@ impl Migratable for Vm {
     }
 
     fn ram(&self) -> GuestRam {
-        let range = migration::RamRange {
-            gpa: 0,
-            len: self.config().memory,
-        };
-        // SAFETY: the mapping lives as long as the VM.
-        unsafe { GuestRam::new(&[(range, self.host_address())]) }
-            .expect("the VM's memory is one valid region")
+        // SAFETY: the mappings live as long as the VM.
+        unsafe { GuestRam::new(&self.ram_regions()) }
+            .expect("the VM's regions come from its memory map")
     }
 
     fn start_dirty_log(&self) -> migration::Result<()> {
@@ -97,8 +98,7 @@ impl Migratable for Vm {
     }
 
     fn take_dirty(&self) -> migration::Result<Bitmap> {
-        let pages = self.config().memory / 4096;
-        let mut dirty = Bitmap::from_words(self.take_dirty_log().map_err(vm_err)?, pages);
+        let mut dirty = self.take_dirty_log().map_err(vm_err)?;
         dirty.merge(&self.take_vmm_writes());
         Ok(dirty)
     }

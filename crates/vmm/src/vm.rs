@@ -1,16 +1,15 @@
 //! One VM: KVM objects, guest memory, vCPU threads and devices, and what can be done to it.
 
-use std::path::Path;
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 
 use kvm_bindings::{
-    CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES, KVM_MP_STATE_RUNNABLE,
-    KVM_PIT_SPEAKER_DUMMY, kvm_pit_config, kvm_userspace_memory_region,
+    CpuId, KVM_MAX_CPUID_ENTRIES, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY, kvm_pit_config,
+    kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use migration::wire::bitmap::Bitmap;
-use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::boot;
@@ -20,9 +19,20 @@ use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory};
 use crate::state::{self, DeviceState, VcpuState};
 use crate::vcpu::VcpuSet;
 
-const MEMORY_SLOT: u32 = 0;
 const TSS_ADDRESS: usize = 0xfffb_d000;
 pub const MAX_VCPUS: usize = 16;
+
+/// What to boot.
+#[derive(Clone, Debug)]
+pub enum BootImage {
+    /// An ELF with a PVH entry note (ferry's workload guest, or any PVH kernel).
+    Pvh(std::path::PathBuf),
+    /// A Linux bzImage or vmlinux, with an optional initrd.
+    Linux {
+        kernel: std::path::PathBuf,
+        initrd: Option<std::path::PathBuf>,
+    },
+}
 
 #[derive(Clone, Debug)]
 pub struct VmConfig {
@@ -85,29 +95,45 @@ struct Parts {
 }
 
 impl Vm {
-    /// Boots the guest ELF with its command line; vCPUs run when this returns.
+    /// Boots `image` with its command line; the boot vCPU runs when this returns, and the
+    /// others wait for the guest to start them (INIT/SIPI).
     pub fn boot(
         config: VmConfig,
-        guest: &Path,
+        image: &BootImage,
         cmdline: &str,
         serial: serial::Output,
     ) -> Result<Self> {
         let parts = Parts::create(&config, serial)?;
-        let info = boot::load_guest(&parts.memory, guest, cmdline)?;
-        for (i, vcpu) in parts.vcpu_fds.iter().enumerate() {
-            let sregs = vcpu.get_sregs().map_err(kvm("KVM_GET_SREGS"))?;
-            vcpu.set_sregs(&boot::long_mode_sregs(sregs))
-                .map_err(kvm("KVM_SET_SREGS"))?;
-            vcpu.set_regs(&boot::entry_regs(&info, i))
-                .map_err(kvm("KVM_SET_REGS"))?;
+        let entry = match image {
+            BootImage::Pvh(path) => {
+                boot::load_pvh(&parts.memory, config.memory, path, cmdline, config.vcpus)?
+            }
+            BootImage::Linux { kernel, initrd } => boot::load_linux(
+                &parts.memory,
+                config.memory,
+                kernel,
+                initrd.as_deref(),
+                cmdline,
+                config.vcpus,
+            )?,
+        };
+        let bsp = &parts.vcpu_fds[0];
+        let sregs = bsp.get_sregs().map_err(kvm("KVM_GET_SREGS"))?;
+        bsp.set_sregs(&boot::entry_sregs(entry, sregs))
+            .map_err(kvm("KVM_SET_SREGS"))?;
+        bsp.set_regs(&boot::entry_regs(entry))
+            .map_err(kvm("KVM_SET_REGS"))?;
+        for vcpu in &parts.vcpu_fds {
             set_fpu_defaults(vcpu)?;
-            // Secondary vCPUs start at the entry too, not in wait-for-SIPI.
-            vcpu.set_mp_state(kvm_bindings::kvm_mp_state {
-                mp_state: KVM_MP_STATE_RUNNABLE,
-            })
-            .map_err(kvm("KVM_SET_MP_STATE"))?;
         }
         Self::start(config, parts, false)
+    }
+
+    /// The boot structures ferry wrote for a guest, read back (tests and tools).
+    pub fn read_boot_bytes(&self, gpa: u64, len: usize) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; len];
+        self.read_guest(gpa, &mut v)?;
+        Ok(v)
     }
 
     /// An empty VM, vCPUs parked, waiting for memory and state (a migration or a snapshot).
@@ -119,7 +145,9 @@ impl Vm {
     fn start(config: VmConfig, parts: Parts, paused: bool) -> Result<Self> {
         let (tx, rx): (Sender<VmEvent>, _) = channel();
         let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
-        let pages = config.memory / 4096;
+        let gfn_end = crate::layout::ram_ranges(config.memory)
+            .last()
+            .map_or(0, |r| r.end_gfn());
         Ok(Self {
             fd: parts.fd,
             memory: parts.memory,
@@ -134,7 +162,7 @@ impl Vm {
                 VmState::Running
             }),
             events: Mutex::new(rx),
-            vmm_writes: Mutex::new(Bitmap::new(pages)),
+            vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
         })
     }
 
@@ -190,12 +218,10 @@ impl Vm {
         }
     }
 
-    /// The host address of guest memory (one region from guest-physical 0).
-    pub fn host_address(&self) -> *mut u8 {
-        self.memory
-            .find_region(GuestAddress(0))
-            .and_then(|r| r.get_host_address(vm_memory::MemoryRegionAddress(0)).ok())
-            .unwrap_or(std::ptr::null_mut())
+    /// Each RAM range of the memory map with its host mapping, in guest-physical order; the
+    /// index is the range's KVM memory slot.
+    pub fn ram_regions(&self) -> Vec<(migration::RamRange, *mut u8)> {
+        regions_of(&self.memory)
     }
 
     /// Writes guest memory as a device would, recording the pages as dirty.
@@ -225,33 +251,39 @@ impl Vm {
 
     /// Turns KVM dirty logging on or off for all guest memory.
     pub fn set_dirty_logging(&self, on: bool) -> Result<()> {
-        let region = kvm_userspace_memory_region {
-            slot: MEMORY_SLOT,
-            flags: if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 },
-            guest_phys_addr: 0,
-            memory_size: self.config.memory,
-            userspace_addr: self.host_address() as u64,
-        };
-        // SAFETY: the region is our own live mapping of exactly this size.
-        unsafe { self.fd.set_user_memory_region(region) }.map_err(kvm("KVM_SET_USER_MEMORY_REGION"))
+        for (slot, (range, host)) in self.ram_regions().into_iter().enumerate() {
+            let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
+            // SAFETY: the region is our own live mapping of exactly this size.
+            unsafe {
+                self.fd
+                    .set_user_memory_region(slot_region(slot, range, host, flags))
+            }
+            .map_err(kvm("KVM_SET_USER_MEMORY_REGION"))?;
+        }
+        Ok(())
     }
 
-    /// Returns and resets the pages the guest dirtied since the last call (one bit per page).
-    pub fn take_dirty_log(&self) -> Result<Vec<u64>> {
-        let mut bitmap = self
-            .fd
-            .get_dirty_log(MEMORY_SLOT, self.config.memory as usize)
-            .map_err(kvm("KVM_GET_DIRTY_LOG"))?;
-        if self.manual_dirty_protect {
-            crate::dirty_log::clear(
-                &self.fd,
-                MEMORY_SLOT,
-                self.config.memory / 4096,
-                &mut bitmap,
-            )
-            .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
+    /// Returns and resets the pages the guest dirtied since the last call: one bit per guest
+    /// page number, every slot's log in its place.
+    pub fn take_dirty_log(&self) -> Result<Bitmap> {
+        let regions = self.ram_regions();
+        let end = regions.last().map_or(0, |(r, _)| r.end_gfn());
+        let mut dirty = Bitmap::new(end);
+        for (slot, (range, _)) in regions.into_iter().enumerate() {
+            let mut bitmap = self
+                .fd
+                .get_dirty_log(slot as u32, range.len as usize)
+                .map_err(kvm("KVM_GET_DIRTY_LOG"))?;
+            if self.manual_dirty_protect {
+                crate::dirty_log::clear(&self.fd, slot as u32, range.pages(), &mut bitmap)
+                    .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
+            }
+            dirty.merge_at(
+                range.first_gfn(),
+                &Bitmap::from_words(bitmap, range.pages()),
+            );
         }
-        Ok(bitmap)
+        Ok(dirty)
     }
 
     /// Saves every vCPU; the VM must be paused.
@@ -334,19 +366,11 @@ impl Parts {
         let kvm_sys = Kvm::new().map_err(Error::Kvm)?;
         let fd = kvm_sys.create_vm().map_err(kvm("KVM_CREATE_VM"))?;
         let memory = create_guest_memory(config.memory, config.backend)?;
-        let host = memory
-            .find_region(GuestAddress(0))
-            .and_then(|r| r.get_host_address(vm_memory::MemoryRegionAddress(0)).ok())
-            .ok_or_else(|| Error::Memory("no region at 0".into()))?;
-        let region = kvm_userspace_memory_region {
-            slot: MEMORY_SLOT,
-            flags: 0,
-            guest_phys_addr: 0,
-            memory_size: config.memory,
-            userspace_addr: host as u64,
-        };
-        // SAFETY: the mapping lives as long as the VM (both are owned by `Vm`).
-        unsafe { fd.set_user_memory_region(region) }.map_err(kvm("KVM_SET_USER_MEMORY_REGION"))?;
+        for (slot, (range, host)) in regions_of(&memory).into_iter().enumerate() {
+            // SAFETY: the mapping lives as long as the VM (both are owned by `Vm`).
+            unsafe { fd.set_user_memory_region(slot_region(slot, range, host, 0)) }
+                .map_err(kvm("KVM_SET_USER_MEMORY_REGION"))?;
+        }
         if let Err(e) = fd.set_tss_address(TSS_ADDRESS) {
             tracing::debug!("KVM_SET_TSS_ADDR: {e} (not needed on every KVM)");
         }
@@ -386,6 +410,38 @@ impl Parts {
             msrs,
             manual_dirty_protect,
         })
+    }
+}
+
+/// Each region of `memory` as a RAM range and its host address.
+fn regions_of(memory: &GuestMemory) -> Vec<(migration::RamRange, *mut u8)> {
+    memory
+        .iter()
+        .map(|r| {
+            let range = migration::RamRange {
+                gpa: r.start_addr().raw_value(),
+                len: r.len(),
+            };
+            let host = r
+                .get_host_address(vm_memory::MemoryRegionAddress(0))
+                .unwrap_or(std::ptr::null_mut());
+            (range, host)
+        })
+        .collect()
+}
+
+fn slot_region(
+    slot: usize,
+    range: migration::RamRange,
+    host: *mut u8,
+    flags: u32,
+) -> kvm_userspace_memory_region {
+    kvm_userspace_memory_region {
+        slot: slot as u32,
+        flags,
+        guest_phys_addr: range.gpa,
+        memory_size: range.len,
+        userspace_addr: host as u64,
     }
 }
 

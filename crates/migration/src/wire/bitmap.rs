@@ -52,6 +52,21 @@ impl Bitmap {
         }
     }
 
+    /// Sets the bits of `other` here, shifted up by `offset` pages (a memory slot's log into
+    /// the guest's page numbering).
+    pub fn merge_at(&mut self, offset: u64, other: &Bitmap) {
+        if offset.is_multiple_of(64) {
+            let first = (offset / 64) as usize;
+            for (a, b) in self.words[first..].iter_mut().zip(&other.words) {
+                *a |= *b;
+            }
+        } else {
+            for pfn in other.iter() {
+                self.set(offset + pfn);
+            }
+        }
+    }
+
     pub fn count(&self) -> u64 {
         self.words.iter().map(|w| u64::from(w.count_ones())).sum()
     }

@@ -21,7 +21,7 @@ pub const PORT_VERIFY_ERROR: u16 = 0x5a8;
 pub const PORT_DONE: u16 = 0x5ac;
 pub const PORT_FATAL_MSG: u16 = 0x5b0;
 const HB_MAGIC: u32 = 0x4645_5259;
-const BLOCK_SIZE: usize = 64;
+const BLOCK_SIZE: usize = 80;
 /// Verify-error pages kept for display; the count goes on past it.
 const ERROR_PAGES_KEPT: usize = 64;
 /// Progress samples kept for rate history (one per `SAMPLE_EVERY_NS`).
@@ -45,6 +45,9 @@ pub struct Progress {
     pub share_base: u64,
     pub share_pages: u64,
     pub ws_base: u64,
+    /// Working-set pages from this one on lie at `ws_base_high` (past the MMIO hole).
+    pub ws_split_page: u64,
+    pub ws_base_high: u64,
     /// Guest-physical address of the block, once registered.
     pub block: Option<u64>,
     /// Host wall-clock time (ns since the epoch) of the last heartbeat.
@@ -200,6 +203,8 @@ impl HeartbeatDevice {
         p.share_base = word(4);
         p.share_pages = word(5);
         p.ws_base = word(7);
+        p.ws_split_page = word(8);
+        p.ws_base_high = word(9);
     }
 
     fn finished(&self) -> Option<GuestEvent> {
@@ -235,6 +240,8 @@ impl HeartbeatDevice {
         if let Some(first) = self.state.vcpus.first() {
             t.seq = first.seq;
             t.ws_base = first.ws_base;
+            t.ws_split_page = first.ws_split_page;
+            t.ws_base_high = first.ws_base_high;
         }
         t
     }
