@@ -59,13 +59,25 @@ fn an_elf_without_a_pvh_note_or_a_kernel_that_is_no_kernel() {
         .expect("objcopy (binutils) runs");
     assert!(strip.success());
     run_fails(
-        &["run", "--guest", bare.to_str().unwrap(), "--serial", "/dev/null"],
+        &[
+            "run",
+            "--guest",
+            bare.to_str().unwrap(),
+            "--serial",
+            "/dev/null",
+        ],
         "no PVH entry note (XEN_ELFNOTE_PHYS32_ENTRY)",
     );
     let path = dir.path().join("bzImage");
     std::fs::write(&path, vec![0x4du8; 16384]).unwrap();
     run_fails(
-        &["run", "--kernel", path.to_str().unwrap(), "--serial", "/dev/null"],
+        &[
+            "run",
+            "--kernel",
+            path.to_str().unwrap(),
+            "--serial",
+            "/dev/null",
+        ],
         "neither a bzImage nor an ELF kernel",
     );
     run_fails(

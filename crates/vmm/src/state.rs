@@ -3,9 +3,10 @@
 //! the live KVM objects they are taken from (Firecracker's `Persist` split).
 
 use kvm_bindings::{
-    KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE, Msrs, kvm_clock_data,
-    kvm_debugregs, kvm_irqchip, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_pit_state2,
-    kvm_regs, kvm_sregs, kvm_vcpu_events, kvm_xcrs, kvm_xsave,
+    CpuId, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_MAX_CPUID_ENTRIES, Msrs, kvm_clock_data, kvm_cpuid_entry2, kvm_debugregs, kvm_irqchip,
+    kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_pit_state2, kvm_regs, kvm_sregs,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::{Deserialize, Serialize};
@@ -25,6 +26,52 @@ pub struct VcpuState {
     pub events: kvm_vcpu_events,
     pub mp_state: kvm_mp_state,
     pub debugregs: kvm_debugregs,
+    /// The CPU model the guest sees; a destination must offer every feature in it.
+    pub cpuid: Vec<kvm_cpuid_entry2>,
+    /// The guest's TSC frequency (kHz), set on the destination where KVM can scale the TSC.
+    pub tsc_khz: Option<u32>,
+}
+
+/// IA32_TSC_DEADLINE: KVM keeps a write only while the LAPIC timer is in TSC-deadline mode,
+/// so it is restored after the LAPIC.
+const MSR_TSC_DEADLINE: u32 = 0x6e0;
+
+/// The CPUID leaves that carry feature flags: (leaf, sub-leaf or None for any).
+const FEATURE_LEAVES: [u32; 7] = [0x1, 0x6, 0x7, 0xd, 0x8000_0001, 0x8000_0007, 0x8000_0008];
+
+/// Refuses a CPU model this host cannot provide, naming the first feature it lacks.
+pub fn check_cpuid(wanted: &[kvm_cpuid_entry2], supported: &CpuId) -> Result<()> {
+    for w in wanted
+        .iter()
+        .filter(|e| FEATURE_LEAVES.contains(&e.function))
+    {
+        let here = supported
+            .as_slice()
+            .iter()
+            .find(|s| s.function == w.function && s.index == w.index);
+        let regs =
+            |e: Option<&kvm_cpuid_entry2>| e.map_or([0; 4], |e| [e.eax, e.ebx, e.ecx, e.edx]);
+        let (want, have) = (regs(Some(w)), regs(here));
+        // Leaf 1 EBX holds the APIC ID and counts, and leaf 0xd's EAX/EBX sizes: not flags.
+        let checked: &[usize] = match w.function {
+            0x1 => &[2, 3],
+            0xd => &[],
+            _ => &[0, 1, 2, 3],
+        };
+        for &r in checked {
+            let missing = want[r] & !have[r];
+            if missing != 0 {
+                return Err(Error::State(format!(
+                    "this host cannot provide the guest's CPU model: CPUID leaf {:#x}.{} {} \
+                     bits {missing:#x} are not supported here",
+                    w.function,
+                    w.index,
+                    ["EAX", "EBX", "ECX", "EDX"][r]
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -95,33 +142,58 @@ pub fn save_vcpu(vcpu: &VcpuFd, msr_indices: &[u32]) -> Result<VcpuState> {
         events: vcpu.get_vcpu_events().map_err(kvm("KVM_GET_VCPU_EVENTS"))?,
         mp_state: vcpu.get_mp_state().map_err(kvm("KVM_GET_MP_STATE"))?,
         debugregs: vcpu.get_debug_regs().map_err(kvm("KVM_GET_DEBUGREGS"))?,
+        cpuid: vcpu
+            .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm("KVM_GET_CPUID2"))?
+            .as_slice()
+            .to_vec(),
+        tsc_khz: vcpu.get_tsc_khz().ok(),
     })
 }
 
-/// Loads a vCPU in the order KVM needs: special registers (modes) before MSRs and the LAPIC,
-/// events and MP state last.
-pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState) -> Result<()> {
+/// Loads a vCPU in the order KVM needs: the CPU model first (before the vCPU ever ran), then
+/// special registers (modes) before MSRs and the LAPIC, the TSC deadline after the LAPIC, events
+/// and MP state last.
+pub fn restore_vcpu(vcpu: &VcpuFd, state: &VcpuState, supported: &CpuId) -> Result<()> {
+    check_cpuid(&state.cpuid, supported)?;
+    let cpuid =
+        CpuId::from_entries(&state.cpuid).map_err(|e| Error::State(format!("CPUID: {e:?}")))?;
+    vcpu.set_cpuid2(&cpuid).map_err(kvm("KVM_SET_CPUID2"))?;
+    if let Some(khz) = state.tsc_khz
+        && vcpu.get_tsc_khz().ok() != Some(khz)
+        && let Err(e) = vcpu.set_tsc_khz(khz)
+    {
+        tracing::warn!("the guest's TSC ran at {khz} kHz; this host cannot scale to it: {e}");
+    }
     vcpu.set_sregs(&state.sregs).map_err(kvm("KVM_SET_SREGS"))?;
     vcpu.set_regs(&state.regs).map_err(kvm("KVM_SET_REGS"))?;
     vcpu.set_xcrs(&state.xcrs).map_err(kvm("KVM_SET_XCRS"))?;
     // SAFETY: the XSAVE area was produced by KVM_GET_XSAVE of the same size.
     unsafe { vcpu.set_xsave(&state.xsave) }.map_err(kvm("KVM_SET_XSAVE"))?;
-    let msrs = Msrs::from_entries(&state.msrs).map_err(|e| Error::State(format!("MSRs: {e:?}")))?;
-    let written = vcpu.set_msrs(&msrs).map_err(kvm("KVM_SET_MSRS"))?;
-    if written != state.msrs.len() {
-        return Err(Error::State(format!(
-            "this host refused MSR {:#x} ({written} of {} written)",
-            state.msrs[written].index,
-            state.msrs.len()
-        )));
-    }
+    let (deadline, others): (Vec<kvm_msr_entry>, Vec<kvm_msr_entry>) =
+        state.msrs.iter().partition(|m| m.index == MSR_TSC_DEADLINE);
+    set_msrs(vcpu, &others)?;
     vcpu.set_lapic(&state.lapic).map_err(kvm("KVM_SET_LAPIC"))?;
+    set_msrs(vcpu, &deadline)?;
     vcpu.set_debug_regs(&state.debugregs)
         .map_err(kvm("KVM_SET_DEBUGREGS"))?;
     vcpu.set_vcpu_events(&state.events)
         .map_err(kvm("KVM_SET_VCPU_EVENTS"))?;
     vcpu.set_mp_state(state.mp_state)
         .map_err(kvm("KVM_SET_MP_STATE"))
+}
+
+fn set_msrs(vcpu: &VcpuFd, entries: &[kvm_msr_entry]) -> Result<()> {
+    let msrs = Msrs::from_entries(entries).map_err(|e| Error::State(format!("MSRs: {e:?}")))?;
+    let written = vcpu.set_msrs(&msrs).map_err(kvm("KVM_SET_MSRS"))?;
+    if written != entries.len() {
+        return Err(Error::State(format!(
+            "this host refused MSR {:#x} ({written} of {} written)",
+            entries[written].index,
+            entries.len()
+        )));
+    }
+    Ok(())
 }
 
 fn get_chip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip> {

@@ -75,6 +75,9 @@ pub struct Vm {
     vcpus: VcpuSet,
     bus: Arc<PortBus>,
     msrs: Vec<u32>,
+    /// The CPU model this host's KVM gives a guest (read back from a vCPU: KVM completes what
+    /// was set); a migrated model is checked against it.
+    supported_cpuid: CpuId,
     /// KVM leaves the dirty log set until we clear what we read (see `dirty_log`).
     manual_dirty_protect: bool,
     config: VmConfig,
@@ -91,6 +94,7 @@ struct Parts {
     vcpu_fds: Vec<VcpuFd>,
     bus: Arc<PortBus>,
     msrs: Vec<u32>,
+    supported_cpuid: CpuId,
     manual_dirty_protect: bool,
 }
 
@@ -154,6 +158,7 @@ impl Vm {
             vcpus,
             bus: parts.bus,
             msrs: parts.msrs,
+            supported_cpuid: parts.supported_cpuid,
             manual_dirty_protect: parts.manual_dirty_protect,
             config,
             state: Mutex::new(if paused {
@@ -329,7 +334,7 @@ impl Vm {
             .set_clock(&state::clock_for_restore(devices.clock))
             .map_err(kvm("KVM_SET_CLOCK"))?;
         for (cpu, s) in vcpus.iter().enumerate() {
-            state::restore_vcpu(&self.vcpus.lock_fd(cpu), s)
+            state::restore_vcpu(&self.vcpus.lock_fd(cpu), s, &self.supported_cpuid)
                 .map_err(|e| Error::State(format!("vCPU {cpu}: {e}")))?;
         }
         self.bus
@@ -400,6 +405,9 @@ impl Parts {
             vcpu_fds.push(vcpu);
         }
         let msrs = state::migratable_msrs(&kvm_sys, &vcpu_fds[0])?;
+        let cpuid = vcpu_fds[0]
+            .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
+            .map_err(kvm("KVM_GET_CPUID2"))?;
         let manual_dirty_protect = crate::dirty_log::enable_manual_protect(&fd);
         tracing::debug!(manual_dirty_protect, "KVM dirty log protection");
         Ok(Self {
@@ -408,6 +416,7 @@ impl Parts {
             vcpu_fds,
             bus,
             msrs,
+            supported_cpuid: cpuid,
             manual_dirty_protect,
         })
     }
@@ -466,4 +475,80 @@ fn set_fpu_defaults(vcpu: &VcpuFd) -> Result<()> {
         ..Default::default()
     };
     vcpu.set_fpu(&fpu).map_err(kvm("KVM_SET_FPU"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvm_bindings::{Msrs, kvm_msr_entry};
+
+    const MSR_TSC_DEADLINE: u32 = 0x6e0;
+    const LVT_TIMER: usize = 0x320;
+    const TSC_DEADLINE_MODE: u32 = 2 << 17;
+
+    fn tsc_deadline(fd: &VcpuFd) -> u64 {
+        let mut msrs = Msrs::from_entries(&[kvm_msr_entry {
+            index: MSR_TSC_DEADLINE,
+            ..Default::default()
+        }])
+        .unwrap();
+        assert_eq!(fd.get_msrs(&mut msrs).unwrap(), 1);
+        msrs.as_slice()[0].data
+    }
+
+    /// What a real guest would miss after a move: an armed TSC-deadline timer (KVM drops the
+    /// MSR when it is written before the LAPIC is in deadline mode), the CPU model, the TSC
+    /// rate. Each is read back from a VM restored from the saved state.
+    #[test]
+    fn tsc_deadline_cpu_model_and_tsc_rate_survive_a_restore() {
+        if !std::path::Path::new("/dev/kvm").exists() {
+            eprintln!("*** no /dev/kvm: skipped ***");
+            return;
+        }
+        let config = VmConfig {
+            memory: 64 << 20,
+            vcpus: 1,
+            backend: MemoryBackend::Anonymous,
+        };
+        let src = Vm::for_restore(config.clone(), Box::new(std::io::sink())).unwrap();
+        let deadline = 1u64 << 50;
+        {
+            let fd = src.vcpus.lock_fd(0);
+            let mut lapic = fd.get_lapic().unwrap();
+            let lvt = TSC_DEADLINE_MODE | 0xec;
+            for (i, b) in lvt.to_le_bytes().iter().enumerate() {
+                lapic.regs[LVT_TIMER + i] = *b as _;
+            }
+            fd.set_lapic(&lapic).unwrap();
+            let msrs = Msrs::from_entries(&[kvm_msr_entry {
+                index: MSR_TSC_DEADLINE,
+                data: deadline,
+                ..Default::default()
+            }])
+            .unwrap();
+            assert_eq!(fd.set_msrs(&msrs).unwrap(), 1);
+            assert_eq!(tsc_deadline(&fd), deadline, "armed on the source");
+        }
+        let vcpus = src.save_vcpus_state().unwrap();
+        let devices = src.save_devices_state().unwrap();
+        assert!(vcpus[0].msrs.iter().any(|m| m.index == MSR_TSC_DEADLINE));
+        let dst = Vm::for_restore(config, Box::new(std::io::sink())).unwrap();
+        dst.restore(&vcpus, &devices).unwrap();
+        let fd = dst.vcpus.lock_fd(0);
+        assert_eq!(
+            tsc_deadline(&fd),
+            deadline,
+            "the deadline survives the restore"
+        );
+        let cpuid = fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).unwrap();
+        assert_eq!(cpuid.as_slice(), &vcpus[0].cpuid[..], "the same CPU model");
+        assert_eq!(fd.get_tsc_khz().ok(), vcpus[0].tsc_khz, "the same TSC rate");
+
+        // A model this host cannot offer is refused, naming what is missing.
+        let mut alien = vcpus[0].cpuid.clone();
+        let leaf1 = alien.iter_mut().find(|e| e.function == 1).unwrap();
+        leaf1.edx = u32::MAX; // every leaf-1 EDX bit, reserved ones too: no host offers them
+        let e = state::check_cpuid(&alien, &dst.supported_cpuid).unwrap_err();
+        assert!(e.to_string().contains("CPUID leaf 0x1"), "{e}");
+    }
 }
