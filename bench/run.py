@@ -48,7 +48,7 @@ PROFILES = {
     },
     "quick": {
         "links": ["loopback", "1gbit"], "peers": ["ferry", "qemu"], "repeats": 3,
-        "boot": ["1G", "16G"], "dirty": True,
+        "boot": ["1G", "16G", "64G"], "dirty": True,
         # A migration that cannot converge is given up after 30 s here (120 s in full).
         "scenarios": [scenario("idle 1G", "1G", "idle", timeout_s=30),
                       scenario("idle 8G", "8G", "idle", timeout_s=30),
@@ -62,7 +62,7 @@ PROFILES = {
     },
     "full": {
         "links": ["loopback", "1gbit", "10gbit"], "peers": ["ferry", "qemu", "qemu-best"], "repeats": 3,
-        "boot": ["1G", "16G"], "dirty": True,
+        "boot": ["1G", "16G", "64G"], "dirty": True,
         # A migration that cannot converge is given up after 60 s.
         "scenarios": [scenario("idle 1G", "1G", "idle", timeout_s=60),
                       scenario("idle 4G", "4G", "idle", timeout_s=60),
