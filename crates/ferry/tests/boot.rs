@@ -59,7 +59,13 @@ fn corrupted_page_is_detected_by_the_guest() {
         .expect("corrupt");
     let info = ferry.wait_info("the verify error", T, |i| i.verify_errors >= 1);
     assert_eq!(info.verify_error_pages, vec![7]);
-    assert!(ferry.serial_text().contains("verify error: page 7"));
+    // The guest tells the VMM first and prints second: wait for the line, don't race it.
+    wait_for("the verify error on the serial console", T, || {
+        ferry
+            .serial_text()
+            .contains("verify error: page 7")
+            .then_some(())
+    });
 }
 
 #[test]
