@@ -34,7 +34,7 @@ class FerryPeer:
         err = os.path.join(self.work, "src.err")
         p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
                               "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path,
-                              "--plain-tcp"],
+                              "--plain-tcp", "--enable-debug-api"],
                              netns=netns, stderr=open(err, "ab"))
 
         def up():
@@ -124,7 +124,7 @@ class FerryPeer:
         t0 = time.time()
         sock = os.path.join(self.work, f"boot-{time.time_ns()}.sock")
         p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--cmdline", "idle",
-                              "--api-socket", sock, "--serial", "/dev/null"])
+                              "--api-socket", sock, "--serial", "/dev/null"])  # boot time only
         wait_until("the API", 30, lambda: os.path.exists(sock), interval=0.001)
         first = wait_until("a heartbeat", 30, lambda: self.info(sock)["heartbeats"] > 0, interval=0.001)
         t_first = time.time() - t0

@@ -1,10 +1,20 @@
-//! The Unix-socket HTTP server. Each request runs on its own thread, so a long operation
-//! never blocks a status query.
+//! The Unix-socket HTTP server: a small HTTP/1.1 reader of its own, because the API is tiny
+//! (method, path, Content-Length, a JSON body) and the general-purpose server it replaced read
+//! whatever a client announced — a `Content-Length` of 100 GB aborted the process, and the VM
+//! with it. Here every limit is checked before anything is read or allocated: the header is at
+//! most 16 KiB, a body at most 1 MiB (a larger one is answered 413 unread), each connection
+//! has 10 s to send its request and carries one request. Each connection is served on its own
+//! thread, so a long operation (a migration's setup, a snapshot) never blocks a status query,
+//! but at most 64 at once: idle clients cannot pile up threads, and past the cap a connection
+//! gets 503 at once.
 
-use std::io::Read;
-use std::os::unix::net::UnixStream;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -53,39 +63,29 @@ pub struct ApiServer {
     path: PathBuf,
 }
 
-const MAX_BODY: u64 = 1 << 20;
+const MAX_BODY: usize = 1 << 20;
+const MAX_HEADER: usize = 16 << 10;
+/// How long a client has to send its request, and to take the answer.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Connections served at once; past this a new one is answered 503.
+const MAX_CONNECTIONS: usize = 64;
 
 impl ApiServer {
-    /// Fails if another process serves `path`; removes a stale socket file left behind.
+    /// Fails if another process serves `path` or a file that is not a socket is there; removes
+    /// a stale socket left behind by a process that died.
     pub fn ensure_available(path: &Path) -> std::io::Result<()> {
-        if path.exists() {
-            if UnixStream::connect(path).is_ok() {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::AddrInUse,
-                    format!("API socket {} is in use by another process", path.display()),
-                ));
-            }
-            std::fs::remove_file(path)?;
-        }
-        Ok(())
+        migration::wire::transport::remove_stale_socket(path).map_err(|e| {
+            std::io::Error::new(e.kind(), format!("API socket {}: {e}", path.display()))
+        })
     }
 
-    /// Binds the socket and serves requests on background threads.
+    /// Binds the socket (mode 0600 from the start) and serves requests on background threads.
     pub fn start(path: &Path, handler: Arc<dyn Handler>) -> std::io::Result<Self> {
         Self::ensure_available(path)?;
-        let server = tiny_http::Server::http_unix(path).map_err(|e| {
-            std::io::Error::other(format!("cannot listen on {}: {e}", path.display()))
-        })?;
+        let listener = bind_private(path)?;
         std::thread::Builder::new()
-            .name("api".into())
-            .spawn(move || {
-                for request in server.incoming_requests() {
-                    let handler = handler.clone();
-                    let _ = std::thread::Builder::new()
-                        .name("api-request".into())
-                        .spawn(move || serve(request, handler.as_ref()));
-                }
-            })?;
+            .name("api-accept".into())
+            .spawn(move || accept(&listener, handler))?;
         Ok(Self {
             path: path.to_path_buf(),
         })
@@ -98,33 +98,238 @@ impl Drop for ApiServer {
     }
 }
 
-fn serve(mut request: tiny_http::Request, handler: &dyn Handler) {
-    let mut body = Vec::new();
-    let read = request
-        .as_reader()
-        .take(MAX_BODY + 1)
-        .read_to_end(&mut body);
-    let method = request.method().as_str().to_uppercase();
-    let outcome = match read {
-        Err(e) => Err(ApiError::bad_request(format!("cannot read body: {e}"))),
-        Ok(_) if body.len() as u64 > MAX_BODY => {
-            Err(ApiError::new(413, "request body larger than 1 MiB"))
+/// Binds `path` so that no one else can connect even for a moment: the socket is made in a
+/// private directory beside it (0700), set to 0600, then moved into place.
+fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
+    let parent = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let private = parent.join(format!(".ferry-api-{}", std::process::id()));
+    std::fs::create_dir(&private)?;
+    let result = (|| {
+        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700))?;
+        let temp = private.join("api.sock");
+        let listener = UnixListener::bind(&temp)?;
+        std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o600))?;
+        std::fs::rename(&temp, path)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_dir_all(&private);
+    result.map_err(|e: std::io::Error| {
+        std::io::Error::new(
+            e.kind(),
+            format!("cannot listen on {}: {e}", path.display()),
+        )
+    })
+}
+
+fn accept(listener: &UnixListener, handler: Arc<dyn Handler>) {
+    let open = Arc::new(AtomicUsize::new(0));
+    for conn in listener.incoming() {
+        let Ok(mut conn) = conn else { continue };
+        if open.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            open.fetch_sub(1, Ordering::AcqRel);
+            let _ = conn.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = respond(
+                &mut conn,
+                &Err(ApiError::new(503, "the API is busy: try again")),
+            );
+            continue;
         }
-        Ok(_) => ApiRequest::parse(&method, request.url(), &body)
-            .and_then(|parsed| handler.handle(parsed)),
+        let (mine, handler) = (open.clone(), handler.clone());
+        let spawned = std::thread::Builder::new()
+            .name("api-request".into())
+            .spawn(move || {
+                serve(conn, handler.as_ref());
+                mine.fetch_sub(1, Ordering::AcqRel);
+            });
+        if spawned.is_err() {
+            open.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+fn serve(mut conn: UnixStream, handler: &dyn Handler) {
+    let _ = conn.set_read_timeout(Some(CLIENT_TIMEOUT));
+    let _ = conn.set_write_timeout(Some(CLIENT_TIMEOUT));
+    let outcome = read_request(&mut conn).and_then(|(method, path, body)| {
+        ApiRequest::parse(&method, &path, &body).and_then(|r| handler.handle(r))
+    });
+    let _ = respond(&mut conn, &outcome);
+}
+
+/// Reads one request: its method, path and body, within the limits above.
+fn read_request(conn: &mut UnixStream) -> Result<(String, String, Vec<u8>), ApiError> {
+    let mut reader = BufReader::new(conn.take(MAX_HEADER as u64));
+    let mut line = String::new();
+    let read_err = |e: std::io::Error| ApiError::bad_request(format!("reading the request: {e}"));
+    reader.read_line(&mut line).map_err(read_err)?;
+    let mut words = line.split_whitespace();
+    let (Some(method), Some(path), Some(version)) = (words.next(), words.next(), words.next())
+    else {
+        return Err(ApiError::bad_request("not an HTTP request line"));
     };
+    if !version.starts_with("HTTP/1.") {
+        return Err(ApiError::bad_request(format!(
+            "unsupported protocol {version}"
+        )));
+    }
+    let (method, path) = (method.to_ascii_uppercase(), path.to_string());
+    let mut length = 0usize;
+    loop {
+        let mut header = String::new();
+        if reader.read_line(&mut header).map_err(read_err)? == 0 {
+            return Err(ApiError::bad_request(
+                "the request header was cut short (16 KiB at most)",
+            ));
+        }
+        let header = header.trim_end();
+        if header.is_empty() {
+            break;
+        }
+        let Some((name, value)) = header.split_once(':') else {
+            return Err(ApiError::bad_request(format!(
+                "malformed header line '{header}'"
+            )));
+        };
+        let value = value.trim();
+        if name.eq_ignore_ascii_case("content-length") {
+            let n: u64 = value
+                .parse()
+                .map_err(|_| ApiError::bad_request(format!("bad Content-Length '{value}'")))?;
+            if n > MAX_BODY as u64 {
+                return Err(ApiError::new(
+                    413,
+                    format!("a body of {n} bytes is larger than the 1 MiB allowed"),
+                ));
+            }
+            length = n as usize;
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            return Err(ApiError::new(411, "send the body with a Content-Length"));
+        }
+    }
+    let mut body = vec![0u8; length];
+    let buffered = reader.buffer().len().min(length);
+    body[..buffered].copy_from_slice(&reader.buffer()[..buffered]);
+    reader.consume(buffered);
+    let conn = reader.into_inner().into_inner();
+    conn.read_exact(&mut body[buffered..])
+        .map_err(|e| ApiError::bad_request(format!("the body was cut short: {e}")))?;
+    Ok((method, path, body))
+}
+
+fn respond(conn: &mut UnixStream, outcome: &Result<Value, ApiError>) -> std::io::Result<()> {
     let (status, text) = match outcome {
         Ok(Value::Null) => (204, String::new()),
         Ok(value) => (200, value.to_string()),
         Err(e) => (
             e.status,
-            serde_json::to_string(&ErrorBody { error: e.message }).unwrap_or_default(),
+            serde_json::to_string(&ErrorBody {
+                error: e.message.clone(),
+            })
+            .unwrap_or_default(),
         ),
     };
-    let header = tiny_http::Header::from_bytes("Content-Type", "application/json")
-        .expect("static header is valid");
-    let response = tiny_http::Response::from_string(text)
-        .with_status_code(status)
-        .with_header(header);
-    let _ = request.respond(response);
+    let reason = match status {
+        200 => "OK",
+        204 => "No Content",
+        400 => "Bad Request",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        409 => "Conflict",
+        411 => "Length Required",
+        413 => "Payload Too Large",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        _ => "Error",
+    };
+    let head = format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        text.len()
+    );
+    conn.write_all(head.as_bytes())?;
+    conn.write_all(text.as_bytes())?;
+    conn.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    struct Echo;
+    impl Handler for Echo {
+        fn handle(&self, request: ApiRequest) -> Result<Value, ApiError> {
+            Ok(serde_json::json!({ "request": format!("{request:?}") }))
+        }
+    }
+
+    fn ask(path: &Path, raw: &[u8]) -> String {
+        let mut c = UnixStream::connect(path).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        c.write_all(raw).unwrap();
+        let mut out = String::new();
+        let _ = c.read_to_string(&mut out);
+        out
+    }
+
+    #[test]
+    fn limits_hold_and_the_server_lives_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let _server = ApiServer::start(&path, Arc::new(Echo)).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "only the owner may connect");
+
+        // A body announced as 100 GB is refused unread, and nothing is allocated for it.
+        let huge = ask(
+            &path,
+            b"PUT /api/v1/vm.pause HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n",
+        );
+        assert!(huge.starts_with("HTTP/1.1 413"), "{huge}");
+        let chunked = ask(
+            &path,
+            b"PUT /api/v1/vm.pause HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n",
+        );
+        assert!(chunked.starts_with("HTTP/1.1 411"), "{chunked}");
+        let junk = ask(&path, b"\x16\x03\x01 hello\r\n\r\n");
+        assert!(junk.starts_with("HTTP/1.1 400"), "{junk}");
+
+        // Idle clients hold a connection each, and a status query is still answered.
+        let idle: Vec<UnixStream> = (0..20)
+            .map(|_| UnixStream::connect(&path).unwrap())
+            .collect();
+        let ok = ask(&path, b"GET /api/v1/vm.info HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(
+            ok.starts_with("HTTP/1.1 200") && ok.contains("VmInfo"),
+            "{ok}"
+        );
+        drop(idle);
+
+        // A body that fits is read whole.
+        let body = br#"{"file": "/tmp/x"}"#;
+        let req = format!(
+            "PUT /api/v1/vm.snapshot HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        let mut raw = req.into_bytes();
+        raw.extend_from_slice(body);
+        let ok = ask(&path, &raw);
+        assert!(ok.contains("Snapshot"), "{ok}");
+    }
+
+    #[test]
+    fn a_file_at_the_socket_path_is_left_alone() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        std::fs::write(&path, b"precious").unwrap();
+        let e = ApiServer::start(&path, Arc::new(Echo))
+            .err()
+            .expect("refused");
+        assert!(e.to_string().contains("not a socket"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), b"precious");
+    }
 }

@@ -154,6 +154,14 @@ pub struct RunArgs {
     /// anyone who reaches the port can send a VM. For trusted, isolated networks only.
     #[arg(long, conflicts_with = "tls_cert")]
     pub plain_tcp: bool,
+    /// Serve the test and benchmark hooks (vm.debug-corrupt-page, vm.debug-dirty-logging);
+    /// without it they answer 403.
+    #[arg(long)]
+    pub enable_debug_api: bool,
+    /// Where vm.snapshot may write: snapshots are new files (never an existing one) of mode
+    /// 0600 in this directory; without it, snapshots are refused.
+    #[arg(long)]
+    pub snapshot_dir: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]

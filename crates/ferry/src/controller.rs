@@ -27,6 +27,10 @@ pub struct Controller {
     vm: OnceLock<Arc<Vm>>,
     phase: Mutex<Phase>,
     shutdown: AtomicBool,
+    /// Whether the test and benchmark hooks are served (`--enable-debug-api`).
+    debug_api: AtomicBool,
+    /// Where snapshots may be written (`--snapshot-dir`), canonical.
+    pub snapshot_dir: OnceLock<std::path::PathBuf>,
     pub migrations: Migrations,
 }
 
@@ -37,6 +41,8 @@ impl Controller {
             vm: OnceLock::new(),
             phase: Mutex::new(phase),
             shutdown: AtomicBool::new(false),
+            debug_api: AtomicBool::new(false),
+            snapshot_dir: OnceLock::new(),
             migrations: Migrations::new(security),
         })
     }
@@ -60,6 +66,22 @@ impl Controller {
         self.vm
             .get()
             .ok_or_else(|| ApiError::conflict("no VM yet: waiting for an incoming migration"))
+    }
+
+    pub fn enable_debug_api(&self) {
+        self.debug_api.store(true, Ordering::Release);
+    }
+
+    /// The debug hooks: only when enabled, and never while a migration runs (dirty logging
+    /// and guest memory belong to it then).
+    fn require_debug(&self) -> Result<&Arc<Vm>, ApiError> {
+        if !self.debug_api.load(Ordering::Acquire) {
+            return Err(ApiError::new(
+                403,
+                "debug endpoints are off: start ferry run with --enable-debug-api",
+            ));
+        }
+        self.require_idle()
     }
 
     pub fn shutdown_requested(&self) -> bool {
@@ -153,7 +175,7 @@ impl Controller {
     }
 
     fn corrupt_page(&self, page: u64) -> Result<(), ApiError> {
-        let vm = self.require_live()?;
+        let vm = self.require_debug()?;
         let info = vm.info();
         let ws_pages: u64 = info.progress.iter().map(|p| p.share_pages).sum();
         if info.total.ws_base == 0 || page >= ws_pages {
@@ -210,10 +232,7 @@ impl Handler for Controller {
                 Ok(Value::Null)
             }
             ApiRequest::DirtyLogging(req) => {
-                let vm = self.require_live()?;
-                if self.migrations.running() {
-                    return Err(ApiError::conflict("a migration owns dirty logging now"));
-                }
+                let vm = self.require_debug()?;
                 crate::dirty_bench::set(vm, req.enabled, req.harvest_ms.unwrap_or(100))
                     .map_err(ApiError::internal)?;
                 Ok(Value::Null)

@@ -9,6 +9,14 @@ use vmm::Vm;
 
 static HARVESTER: Mutex<Option<Arc<AtomicBool>>> = Mutex::new(None);
 
+/// Whether the hook's harvester runs now.
+pub fn active() -> bool {
+    HARVESTER
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .is_some()
+}
+
 /// Turns logging on (with a thread harvesting the log every `harvest_ms`) or off.
 pub fn set(vm: &Arc<Vm>, enabled: bool, harvest_ms: u64) -> Result<(), String> {
     let mut slot = HARVESTER.lock().unwrap_or_else(|e| e.into_inner());

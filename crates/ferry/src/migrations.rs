@@ -213,6 +213,33 @@ pub fn params_from_request(
 }
 
 impl Controller {
+    /// Where a snapshot named `file` may go: a plain name inside `--snapshot-dir`, or a path
+    /// whose directory is that one.
+    fn snapshot_path(&self, file: &str) -> Result<std::path::PathBuf, ApiError> {
+        let dir = self.snapshot_dir.get().ok_or_else(|| {
+            ApiError::conflict("snapshots are off: start ferry run with --snapshot-dir DIR")
+        })?;
+        let path = Path::new(file);
+        let name = path
+            .file_name()
+            .filter(|n| *n != ".." && *n != ".")
+            .ok_or_else(|| ApiError::bad_request(format!("'{file}' names no file")))?;
+        let parent = match path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p
+                .canonicalize()
+                .map_err(|e| ApiError::bad_request(format!("{}: {e}", p.display())))?,
+            _ => dir.clone(),
+        };
+        if &parent != dir {
+            return Err(ApiError::bad_request(format!(
+                "snapshots go in {} (--snapshot-dir), not {}",
+                dir.display(),
+                parent.display()
+            )));
+        }
+        Ok(dir.join(name))
+    }
+
     /// When a background migration ends well, the VM lives elsewhere now.
     fn on_moved(&self) -> migration::source::OnDone {
         let this = self.self_ref();
@@ -227,6 +254,12 @@ impl Controller {
         let (endpoint, params) = params_from_request(req)?;
         let m = &self.migrations;
         m.security.check(&endpoint).map_err(ApiError::bad_request)?;
+        if crate::dirty_bench::active() {
+            return Err(ApiError::conflict(
+                "the dirty-logging benchmark hook is on and would clear the migration's dirty \
+                 log: turn it off first (vm.debug-dirty-logging {\"enabled\": false})",
+            ));
+        }
         let vm: Arc<dyn Migratable> = self.require_live()?.clone();
         m.final_status_read.store(false, Ordering::Release);
         m.outgoing
@@ -266,7 +299,8 @@ impl Controller {
     /// failure removes only the file it created.
     pub fn snapshot(&self, req: &SnapshotRequest) -> Result<Value, ApiError> {
         let vm = self.require_live()?.clone();
-        let path = Path::new(&req.file);
+        let path = self.snapshot_path(&req.file)?;
+        let path = path.as_path();
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)

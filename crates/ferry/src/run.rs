@@ -100,6 +100,7 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
     let serial = open_serial(&args.serial)?;
     let vm = Vm::boot(config, &image, &cmdline, serial).context("cannot start the VM")?;
     let controller = Controller::with_vm(Arc::new(vm), security);
+    configure(&controller, args)?;
     let _server = start_api(&controller, args.api_socket.as_deref())?;
     Ok(supervise(&controller))
 }
@@ -114,6 +115,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
         Incoming::Snapshot(path) => Source::snapshot(path)?,
     };
     let controller = Controller::new(Phase::Incoming, security);
+    configure(&controller, args)?;
     let _server = start_api(&controller, args.api_socket.as_deref())?;
     let serial = open_serial(&args.serial)?;
     let received = controller.migrations.incoming.receive(
@@ -146,6 +148,23 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
         eprintln!("ferry: warning: {e}");
     }
     Ok(supervise(&controller))
+}
+
+/// The options every VM's API honours, booted or arrived.
+fn configure(controller: &Controller, args: &RunArgs) -> Result<()> {
+    if args.enable_debug_api {
+        controller.enable_debug_api();
+    }
+    if let Some(dir) = &args.snapshot_dir {
+        let dir = dir
+            .canonicalize()
+            .with_context(|| format!("--snapshot-dir {}", dir.display()))?;
+        if !dir.is_dir() {
+            bail!("--snapshot-dir {} is not a directory", dir.display());
+        }
+        let _ = controller.snapshot_dir.set(dir);
+    }
+    Ok(())
 }
 
 fn start_api(controller: &Arc<Controller>, socket: Option<&Path>) -> Result<Option<ApiServer>> {

@@ -168,7 +168,45 @@ fn malformed_api_requests() {
     assert!(err.to_string().contains("takes PUT"), "{err}");
     let err = api.call_raw("GET", "vm.nothing", "").unwrap_err();
     assert!(err.to_string().contains("no such endpoint"), "{err}");
+    // The test hooks are off unless asked for.
+    for (endpoint, body) in [
+        ("vm.debug-corrupt-page", r#"{"page": 1}"#),
+        ("vm.debug-dirty-logging", r#"{"enabled": true}"#),
+    ] {
+        let err = api.call_raw("PUT", endpoint, body).unwrap_err();
+        assert!(err.to_string().contains("--enable-debug-api"), "{err}");
+        assert!(err.to_string().contains("403"), "{err}");
+    }
     assert_eq!(ferry.info().state, "running");
+}
+
+/// A body announced far larger than it is (the request that once aborted the process) is
+/// refused unread, and the VM runs on.
+#[test]
+fn a_huge_content_length_is_refused_and_the_vm_runs_on() {
+    if !kvm_available() {
+        return;
+    }
+    use std::io::{Read, Write};
+    let ferry = Ferry::boot(VmSpec::default());
+    let before = ferry.wait_info("heartbeats", std::time::Duration::from_secs(20), |i| {
+        i.heartbeat_seq > 0
+    });
+    let mut c = std::os::unix::net::UnixStream::connect(&ferry.socket).unwrap();
+    c.write_all(b"PUT /api/v1/vm.send-migration HTTP/1.1\r\nContent-Length: 99999999999\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    let _ = c.read_to_string(&mut answer);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    ferry.wait_info(
+        "heartbeats after it",
+        std::time::Duration::from_secs(20),
+        |i| i.heartbeat_seq > before.heartbeat_seq + 10,
+    );
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&ferry.socket).unwrap().permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
 }
 
 #[test]

@@ -47,6 +47,7 @@ fn corrupted_page_is_detected_by_the_guest() {
     }
     let ferry = Ferry::boot(VmSpec {
         cmdline: "write ws=8M seq verify",
+        debug_api: true,
         ..Default::default()
     });
     ferry.wait_info("one pass", T, |i| i.passes >= 1);

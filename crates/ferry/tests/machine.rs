@@ -207,6 +207,7 @@ fn a_working_set_across_the_hole_survives_every_kind_of_move() {
         memory: "6G",
         vcpus: 2,
         cmdline: "write ws=4G seq verify serial_ms=5000",
+        ..Default::default()
     });
     let info = vm.info();
     // Both vCPUs' shares have been stamped once: every page of the working set carries a stamp.

@@ -153,6 +153,20 @@ fn snapshot_and_restore_continue_the_workload() {
     );
     let saved = src.info();
     assert_eq!(saved.state, "paused", "a snapshot leaves the source paused");
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&file).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600, "guest memory is the owner's only");
+    // Never over an existing file, never outside the snapshot directory.
+    for (to, why) in [
+        (file.to_str().unwrap(), "File exists"),
+        ("/etc/vm.ferry", "snapshots go in"),
+    ] {
+        let err = src
+            .api()
+            .put("vm.snapshot", Some(&serde_json::json!({ "file": to })))
+            .unwrap_err();
+        assert!(err.to_string().contains(why), "{err}");
+    }
 
     let restored = Ferry::start(&["--restore", file.to_str().unwrap()]);
     let info = passes_after(&restored, 2);

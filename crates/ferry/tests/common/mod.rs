@@ -82,6 +82,8 @@ pub struct VmSpec<'a> {
     pub memory: &'a str,
     pub vcpus: usize,
     pub cmdline: &'a str,
+    /// Serve the test hooks (`--enable-debug-api`).
+    pub debug_api: bool,
 }
 
 impl Default for VmSpec<'_> {
@@ -90,6 +92,7 @@ impl Default for VmSpec<'_> {
             memory: "1G",
             vcpus: 1,
             cmdline: "idle",
+            debug_api: false,
         }
     }
 }
@@ -108,6 +111,8 @@ impl Ferry {
             .arg("--serial")
             .arg(&serial)
             .args(extra)
+            .arg("--snapshot-dir")
+            .arg(dir.path())
             // TCP tests run without TLS unless they bring certificates (tls.rs does).
             .args(if extra.contains(&"--tls-cert") {
                 &[][..]
@@ -146,7 +151,7 @@ impl Ferry {
     pub fn boot(spec: VmSpec) -> Ferry {
         let guest = guest();
         let vcpus = spec.vcpus.to_string();
-        Ferry::start(&[
+        let mut args = vec![
             "--guest",
             guest.to_str().unwrap(),
             "--memory",
@@ -155,7 +160,11 @@ impl Ferry {
             &vcpus,
             "--cmdline",
             spec.cmdline,
-        ])
+        ];
+        if spec.debug_api {
+            args.push("--enable-debug-api");
+        }
+        Ferry::start(&args)
     }
 
     fn wait_api(&mut self) {

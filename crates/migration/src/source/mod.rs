@@ -83,7 +83,7 @@ impl Outgoing {
                     s.peer
                 )));
             }
-            (Role::Source, Phase::Completed) => {
+            (Role::Source, Phase::Completed) if s.mode != "snapshot" => {
                 return Err(Error::State(format!("the VM has moved to {}", s.peer)));
             }
             _ => {}

@@ -148,7 +148,7 @@ pub fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
         )),
         Ok(_) if UnixStream::connect(path).is_ok() => Err(std::io::Error::new(
             std::io::ErrorKind::AddrInUse,
-            "another process listens there",
+            "is in use by another process",
         )),
         Ok(_) => std::fs::remove_file(path),
     }
