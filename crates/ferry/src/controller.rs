@@ -8,6 +8,7 @@ use serde_json::Value;
 use vmm::devices::heartbeat::now_ns;
 use vmm::{Vm, VmState};
 
+use crate::lifecycle::{self, Lifecycle};
 use crate::migrations::{Migrations, Security, api_error};
 
 /// Where the VM is in its life, beyond running/paused.
@@ -196,9 +197,22 @@ impl Controller {
     }
 }
 
+impl Controller {
+    /// Where the VM is now, for the lifecycle rule every call goes through.
+    pub fn lifecycle(&self) -> Lifecycle {
+        let running = self
+            .vm
+            .get()
+            .is_some_and(|vm| vm.state() == VmState::Running);
+        let m = self.migrations.board.read();
+        Lifecycle::of(self.phase(), running, (m.phase, m.role))
+    }
+}
+
 impl Handler for Controller {
     fn handle(&self, request: ApiRequest) -> Result<Value, ApiError> {
         let internal = |e: vmm::Error| ApiError::internal(e.to_string());
+        lifecycle::allow(&request, self.lifecycle())?;
         match request {
             ApiRequest::VmInfo => Ok(serde_json::to_value(self.info()).unwrap_or_default()),
             ApiRequest::Pause => {
@@ -206,20 +220,7 @@ impl Handler for Controller {
                 Ok(Value::Null)
             }
             ApiRequest::Resume => {
-                let vm = self.require_idle()?;
-                let phase = self.migrations.phase();
-                if matches!(
-                    phase,
-                    migration::Phase::Unconfirmed | migration::Phase::PostcopyPaused
-                ) && self.migrations.board.read().role == migration::Role::Source
-                {
-                    return Err(ApiError::conflict(format!(
-                        "the destination may already run this VM (the migration is {}); \
-                         resuming here could make two copies",
-                        phase.name()
-                    )));
-                }
-                vm.resume();
+                self.require_idle()?.resume();
                 Ok(Value::Null)
             }
             ApiRequest::Shutdown => {

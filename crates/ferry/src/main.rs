@@ -4,6 +4,7 @@ mod certs;
 mod cli;
 mod controller;
 mod dirty_bench;
+mod lifecycle;
 mod migrate;
 mod migrations;
 mod report;

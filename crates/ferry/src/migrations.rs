@@ -77,10 +77,6 @@ impl Migrations {
         self.outgoing.running()
     }
 
-    pub fn phase(&self) -> Phase {
-        self.board.phase()
-    }
-
     pub fn status_json(&self) -> Value {
         let s = self.board.read();
         if !s.phase.is_running() && s.phase != Phase::None {

@@ -182,14 +182,28 @@ fn supervise(controller: &Controller) -> i32 {
     };
     let mut migrated_at: Option<Instant> = None;
     let mut report_read_at: Option<Instant> = None;
+    let mut said_wait = false;
     let code = loop {
         if let Some(event) = vm.next_event(Duration::from_millis(20))
             && let Some(code) = on_event(controller, event)
         {
             break code;
         }
-        if controller.shutdown_requested() || TERMINATE.load(Ordering::Acquire) {
+        if controller.shutdown_requested() {
             break 0;
+        }
+        // SIGTERM/SIGINT stop the VM, except mid post-copy, where its memory is on two hosts:
+        // then the stop waits for post-copy to end (kill -9 remains for an operator).
+        if TERMINATE.load(Ordering::Acquire) {
+            if !controller.lifecycle().mid_postcopy() {
+                break 0;
+            }
+            if !said_wait {
+                eprintln!(
+                    "ferry: stopping once post-copy completes (the VM's memory is on two hosts)"
+                );
+                said_wait = true;
+            }
         }
         if controller.phase() == Phase::Migrated {
             let since = *migrated_at.get_or_insert_with(Instant::now);

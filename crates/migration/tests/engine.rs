@@ -450,6 +450,32 @@ fn a_paused_vm_stays_paused() {
     assert!(!run.dest.unwrap().is_running(), "arrives paused");
 }
 
+/// Writes `src` to a new snapshot file at `path`.
+fn snapshot_to(src: &FakeVm, path: &std::path::Path) {
+    Outgoing::new(StatusBoard::default(), None)
+        .snapshot(src, std::fs::File::create(path).unwrap(), "vm.ferry")
+        .expect("snapshot");
+}
+
+/// Restores the snapshot at `path` into `into`.
+fn restore(path: &std::path::Path, into: Arc<FakeVm>) -> migration::Result<Option<Arc<FakeVm>>> {
+    Incoming::new(StatusBoard::default(), None).receive(
+        Source::snapshot(path).unwrap(),
+        &|| false,
+        move |_| Ok(into),
+        |_| {},
+    )
+}
+
+/// The snapshot at `path` is refused with an error saying `why`, and nothing is resumed.
+fn assert_restore_refused(path: &std::path::Path, why: &str) {
+    let fresh = FakeVm::new();
+    let probe = fresh.clone();
+    let err = restore(path, fresh).err().expect("refused").to_string();
+    assert!(err.contains(why), "{err}");
+    assert!(probe.paused.load(Ordering::Acquire), "never resumed");
+}
+
 #[test]
 fn snapshot_file_restores_the_same_memory() {
     let src = FakeVm::new();
@@ -458,36 +484,16 @@ fn snapshot_file_restores_the_same_memory() {
     }
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("vm.ferry");
-    let outgoing = Outgoing::new(StatusBoard::default(), None);
-    outgoing
-        .snapshot(
-            src.as_ref(),
-            std::fs::File::create(&path).unwrap(),
-            "vm.ferry",
-        )
-        .expect("snapshot");
-    let restore = |fresh: Arc<FakeVm>| {
-        Incoming::new(StatusBoard::default(), None).receive(
-            Source::snapshot(&path).unwrap(),
-            &|| false,
-            move |_| Ok(fresh),
-            |_| {},
-        )
-    };
-    let restored = restore(FakeVm::new()).expect("restore").expect("a VM");
+    snapshot_to(&src, &path);
+    let restored = restore(&path, FakeVm::new())
+        .expect("restore")
+        .expect("a VM");
     assert!(src.memory() == restored.memory());
 
     // A truncated snapshot is refused, and nothing is resumed.
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() / 2]).unwrap();
-    let fresh = FakeVm::new();
-    let probe = fresh.clone();
-    let err = restore(fresh)
-        .err()
-        .expect("truncated stream refused")
-        .to_string();
-    assert!(err.contains("truncated"), "{err}");
-    assert!(probe.paused.load(Ordering::Acquire), "never resumed");
+    assert_restore_refused(&path, "truncated");
 }
 
 /// A destination that takes `Go` and vanishes before saying it resumed: the source cannot know
@@ -568,13 +574,7 @@ fn a_flipped_byte_in_snapshot_page_data_is_refused() {
     src.write_page(10, 7);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("vm.ferry");
-    Outgoing::new(StatusBoard::default(), None)
-        .snapshot(
-            src.as_ref(),
-            std::fs::File::create(&path).unwrap(),
-            "vm.ferry",
-        )
-        .expect("snapshot");
+    snapshot_to(&src, &path);
     let mut bytes = std::fs::read(&path).unwrap();
     // Word 5 of page 10 as `write_page` stamped it.
     let word = (10u64 << 40 | 7 << 12 | 5).to_le_bytes();
@@ -584,20 +584,7 @@ fn a_flipped_byte_in_snapshot_page_data_is_refused() {
         .expect("the page is in the file");
     bytes[at] ^= 1;
     std::fs::write(&path, &bytes).unwrap();
-    let fresh = FakeVm::new();
-    let probe = fresh.clone();
-    let err = Incoming::new(StatusBoard::default(), None)
-        .receive(
-            Source::snapshot(&path).unwrap(),
-            &|| false,
-            move |_| Ok(fresh),
-            |_| {},
-        )
-        .err()
-        .expect("refused")
-        .to_string();
-    assert!(err.contains("checksum mismatch"), "{err}");
-    assert!(probe.paused.load(Ordering::Acquire), "never resumed");
+    assert_restore_refused(&path, "checksum mismatch");
 }
 
 /// Connections that do not open a live migration — garbage, a peer that connects and says
@@ -610,9 +597,7 @@ fn a_listener_turns_away_strangers_and_snapshots() {
     src.write_page(1, 1);
     let dir = tempfile::tempdir().unwrap();
     let snapshot = dir.path().join("vm.ferry");
-    Outgoing::new(StatusBoard::default(), None)
-        .snapshot(src.as_ref(), std::fs::File::create(&snapshot).unwrap(), "s")
-        .unwrap();
+    snapshot_to(&src, &snapshot);
     let sock = dir.path().join("m.sock");
     let endpoint: Endpoint = format!("unix:{}", sock.display()).parse().unwrap();
     let source = Source::listen(&endpoint, None).unwrap();

@@ -1,0 +1,211 @@
+//! One lifecycle per VM, and the rule every API call goes through: which call is allowed in
+//! which state (the table is in docs/api.md). A call refused here gets 409 naming the state.
+
+use api::{ApiError, ApiRequest};
+use migration::{Phase as Migration, Role};
+
+/// Where the VM is, as far as what may be done to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lifecycle {
+    /// Waiting for an incoming migration or a snapshot restore.
+    Incoming,
+    Running,
+    Paused,
+    /// An outgoing migration before the switch (setup, rounds, switch-over).
+    Migrating,
+    /// Post-copy after the switch: the VM runs on the destination, pages still move.
+    PostcopySource,
+    PostcopyDestination,
+    /// Post-copy whose connection broke after the switch (`vm.migrate-resume` carries on).
+    PostcopyPausedSource,
+    PostcopyPausedDestination,
+    /// `Go` was sent and never confirmed: the VM may run on the destination.
+    Unconfirmed,
+    /// The VM runs on the destination; this process is about to exit.
+    Migrated,
+    ShuttingDown,
+    Failed,
+}
+
+impl Lifecycle {
+    pub fn name(self) -> &'static str {
+        match self {
+            Lifecycle::Incoming => "incoming",
+            Lifecycle::Running => "running",
+            Lifecycle::Paused => "paused",
+            Lifecycle::Migrating => "migrating",
+            Lifecycle::PostcopySource => "postcopy-active (source)",
+            Lifecycle::PostcopyDestination => "postcopy-active (destination)",
+            Lifecycle::PostcopyPausedSource => "postcopy-paused (source)",
+            Lifecycle::PostcopyPausedDestination => "postcopy-paused (destination)",
+            Lifecycle::Unconfirmed => "unconfirmed",
+            Lifecycle::Migrated => "migrated",
+            Lifecycle::ShuttingDown => "shutting-down",
+            Lifecycle::Failed => "failed",
+        }
+    }
+
+    /// Whether the VM's memory is split between two hosts right now.
+    pub fn mid_postcopy(self) -> bool {
+        matches!(
+            self,
+            Lifecycle::PostcopySource
+                | Lifecycle::PostcopyDestination
+                | Lifecycle::PostcopyPausedSource
+                | Lifecycle::PostcopyPausedDestination
+        )
+    }
+
+    /// The state from the VM's own phase, whether its vCPUs run, and its migration's status.
+    pub fn of(vm: crate::controller::Phase, running: bool, migration: (Migration, Role)) -> Self {
+        use crate::controller::Phase as Vm;
+        match (vm, migration) {
+            (Vm::Incoming, _) => Lifecycle::Incoming,
+            (Vm::ShuttingDown, _) => Lifecycle::ShuttingDown,
+            (Vm::Failed(_), _) => Lifecycle::Failed,
+            (Vm::Migrated, _) => Lifecycle::Migrated,
+            (Vm::Live, (Migration::Postcopy, Role::Source)) => Lifecycle::PostcopySource,
+            (Vm::Live, (Migration::Postcopy, Role::Destination)) => Lifecycle::PostcopyDestination,
+            (Vm::Live, (Migration::PostcopyPaused, Role::Source)) => {
+                Lifecycle::PostcopyPausedSource
+            }
+            (Vm::Live, (Migration::PostcopyPaused, Role::Destination)) => {
+                Lifecycle::PostcopyPausedDestination
+            }
+            (Vm::Live, (Migration::Unconfirmed, Role::Source)) => Lifecycle::Unconfirmed,
+            (
+                Vm::Live,
+                (Migration::Setup | Migration::Active | Migration::Switchover, Role::Source),
+            ) => Lifecycle::Migrating,
+            (Vm::Live, _) if running => Lifecycle::Running,
+            (Vm::Live, _) => Lifecycle::Paused,
+        }
+    }
+}
+
+/// Whether `request` may be served in `state`; 409 naming the state (and why) when not.
+pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
+    use Lifecycle::*;
+    let ok = match request {
+        ApiRequest::VmInfo | ApiRequest::MigrationStatus => true,
+        ApiRequest::Pause => matches!(state, Running | Paused),
+        ApiRequest::Resume => matches!(state, Paused | Running),
+        // Shutting down mid post-copy would lose the VM: its memory is on two hosts.
+        ApiRequest::Shutdown => !state.mid_postcopy(),
+        ApiRequest::SendMigration(_) | ApiRequest::Snapshot(_) => matches!(state, Running | Paused),
+        ApiRequest::CancelMigration | ApiRequest::StartPostcopy => state == Migrating,
+        ApiRequest::MigrateResume(r) => match (r.listen.is_some(), r.destination.is_some()) {
+            (true, false) => state == PostcopyPausedDestination,
+            (false, true) => state == PostcopyPausedSource,
+            _ => true, // the handler names the malformed body
+        },
+        ApiRequest::CorruptPage(_) | ApiRequest::DirtyLogging(_) => {
+            matches!(state, Running | Paused)
+        }
+    };
+    if ok {
+        return Ok(());
+    }
+    if matches!(
+        request,
+        ApiRequest::CancelMigration | ApiRequest::StartPostcopy
+    ) {
+        return Err(ApiError::conflict(format!(
+            "no migration is running (the VM is {})",
+            state.name()
+        )));
+    }
+    let why = match state {
+        Unconfirmed | PostcopyPausedSource | PostcopySource => {
+            "; the VM may run on the destination, and this could make two copies or lose one"
+        }
+        PostcopyDestination | PostcopyPausedDestination => {
+            "; part of the VM's memory is still on the source"
+        }
+        Migrating
+            if matches!(
+                request,
+                ApiRequest::SendMigration(_) | ApiRequest::Snapshot(_)
+            ) =>
+        {
+            ": a migration is already running"
+        }
+        Migrating => ": a migration is running: cancel it first (vm.cancel-migration)",
+        _ => "",
+    };
+    Err(ApiError::conflict(format!(
+        "not allowed while the VM is {}{why}",
+        state.name()
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use api::{MigrateResumeRequest, MigrationRequest};
+
+    #[test]
+    fn nothing_that_could_make_two_copies_or_lose_one_is_allowed() {
+        let send = ApiRequest::SendMigration(MigrationRequest::default());
+        for state in [
+            Lifecycle::Unconfirmed,
+            Lifecycle::PostcopySource,
+            Lifecycle::PostcopyPausedSource,
+            Lifecycle::PostcopyDestination,
+            Lifecycle::PostcopyPausedDestination,
+        ] {
+            for call in [&ApiRequest::Resume, &send] {
+                let e = allow(call, state).unwrap_err();
+                assert_eq!(e.status, 409);
+                assert!(e.message.contains(state.name()), "{}", e.message);
+            }
+        }
+        for state in [
+            Lifecycle::PostcopySource,
+            Lifecycle::PostcopyPausedDestination,
+        ] {
+            assert!(allow(&ApiRequest::Shutdown, state).is_err());
+        }
+        // The operator's way out of `unconfirmed` is shutting this copy down.
+        assert!(allow(&ApiRequest::Shutdown, Lifecycle::Unconfirmed).is_ok());
+        let listen = ApiRequest::MigrateResume(MigrateResumeRequest {
+            listen: Some("unix:/x".into()),
+            destination: None,
+        });
+        assert!(allow(&listen, Lifecycle::PostcopyPausedDestination).is_ok());
+        assert!(allow(&listen, Lifecycle::PostcopyPausedSource).is_err());
+        assert!(allow(&ApiRequest::CancelMigration, Lifecycle::Running).is_err());
+        assert!(allow(&ApiRequest::CancelMigration, Lifecycle::Migrating).is_ok());
+        assert!(allow(&ApiRequest::Pause, Lifecycle::Migrating).is_err());
+    }
+
+    #[test]
+    fn the_state_comes_from_the_vm_and_its_migration() {
+        use crate::controller::Phase as Vm;
+        let of = |vm, running, m| Lifecycle::of(vm, running, m);
+        assert_eq!(
+            of(Vm::Live, true, (Migration::None, Role::Source)),
+            Lifecycle::Running
+        );
+        assert_eq!(
+            of(Vm::Live, false, (Migration::Failed, Role::Source)),
+            Lifecycle::Paused
+        );
+        assert_eq!(
+            of(Vm::Live, false, (Migration::Unconfirmed, Role::Source)),
+            Lifecycle::Unconfirmed
+        );
+        assert_eq!(
+            of(Vm::Live, true, (Migration::Postcopy, Role::Destination)),
+            Lifecycle::PostcopyDestination
+        );
+        assert_eq!(
+            of(Vm::Live, true, (Migration::Completed, Role::Destination)),
+            Lifecycle::Running
+        );
+        assert_eq!(
+            of(Vm::Migrated, false, (Migration::Completed, Role::Source)),
+            Lifecycle::Migrated
+        );
+    }
+}
