@@ -115,6 +115,12 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
             state.name()
         )));
     }
+    if matches!(request, ApiRequest::MigrateResume(_)) {
+        return Err(ApiError::conflict(format!(
+            "no interrupted post-copy to resume on this side (the VM is {})",
+            state.name()
+        )));
+    }
     let why = match state {
         Unconfirmed | PostcopyPausedSource | PostcopySource => {
             "; the VM may run on the destination, and this could make two copies or lose one"
