@@ -2,11 +2,13 @@
 //! of guest memory; ferry clears (and so re-protects) exactly the pages it read as dirty, so the
 //! cost of each round follows what is sent, not the size of the VM.
 //!
-//! Written by hand because kvm-ioctls 0.25 has no wrapper for `KVM_CLEAR_DIRTY_LOG`.
+//! Written by hand because kvm-ioctls 0.25 has no wrapper for `KVM_CLEAR_DIRTY_LOG`, and its
+//! `get_dirty_log` allocates a new bitmap on every call: at the switch that is a few hundred
+//! first-touch page faults inside the guest's downtime, so `get` reads into a reused buffer.
 
 use kvm_bindings::{
     KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, kvm_clear_dirty_log,
-    kvm_clear_dirty_log__bindgen_ty_1, kvm_enable_cap,
+    kvm_clear_dirty_log__bindgen_ty_1, kvm_dirty_log, kvm_dirty_log__bindgen_ty_1, kvm_enable_cap,
 };
 use kvm_ioctls::VmFd;
 use vmm_sys_util::ioctl::ioctl_with_ref;
@@ -14,6 +16,24 @@ use vmm_sys_util::ioctl_iowr_nr;
 
 const KVMIO: u32 = 0xAE;
 ioctl_iowr_nr!(KVM_CLEAR_DIRTY_LOG, KVMIO, 0xc0, kvm_clear_dirty_log);
+vmm_sys_util::ioctl_iow_nr!(KVM_GET_DIRTY_LOG, KVMIO, 0x42, kvm_dirty_log);
+
+/// Reads `slot`'s dirty log into `bitmap` (one bit per page of the slot, at least that long).
+pub fn get(vm: &VmFd, slot: u32, bitmap: &mut [u64]) -> std::io::Result<()> {
+    let log = kvm_dirty_log {
+        slot,
+        padding1: 0,
+        __bindgen_anon_1: kvm_dirty_log__bindgen_ty_1 {
+            dirty_bitmap: bitmap.as_mut_ptr() as *mut libc::c_void,
+        },
+    };
+    // SAFETY: `log` points at a buffer the caller sized for the slot, alive for the call.
+    let ret = unsafe { ioctl_with_ref(vm, KVM_GET_DIRTY_LOG(), &log) };
+    if ret < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
 
 /// Turns manual protection on; false where the kernel does not offer it (then reading the log
 /// clears it, as before).

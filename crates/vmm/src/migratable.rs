@@ -93,13 +93,13 @@ impl Migratable for Vm {
 
     fn start_dirty_log(&self) -> migration::Result<()> {
         self.set_dirty_logging(true).map_err(vm_err)?;
-        self.take_vmm_writes(); // only writes from now on count
+        self.drain_vmm_writes(None); // only writes from now on count
         Ok(())
     }
 
     fn take_dirty(&self) -> migration::Result<Bitmap> {
         let mut dirty = self.take_dirty_log().map_err(vm_err)?;
-        dirty.merge(&self.take_vmm_writes());
+        self.drain_vmm_writes(Some(&mut dirty));
         Ok(dirty)
     }
 

@@ -85,6 +85,8 @@ pub struct Vm {
     events: Mutex<Receiver<VmEvent>>,
     /// Pages the VMM itself wrote (device emulation): dirty for migration like guest writes.
     vmm_writes: Mutex<Bitmap>,
+    /// One buffer per RAM slot for reading its dirty log (reused: see `dirty_log`).
+    dirty_buffers: Mutex<Vec<Vec<u64>>>,
 }
 
 /// KVM objects made, vCPUs not yet started.
@@ -168,6 +170,7 @@ impl Vm {
             }),
             events: Mutex::new(rx),
             vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
+            dirty_buffers: Mutex::new(Vec::new()),
         })
     }
 
@@ -247,11 +250,13 @@ impl Vm {
             .map_err(|e| Error::Memory(e.to_string()))
     }
 
-    /// Returns and clears the pages the VMM wrote since the last call.
-    pub fn take_vmm_writes(&self) -> Bitmap {
-        let mut dirty = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
-        let fresh = Bitmap::new(dirty.pages());
-        std::mem::replace(&mut *dirty, fresh)
+    /// Adds the pages the VMM wrote since the last call to `into` (if given), and forgets them.
+    pub fn drain_vmm_writes(&self, into: Option<&mut Bitmap>) {
+        let mut written = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(into) = into {
+            into.merge(&written);
+        }
+        written.clear();
     }
 
     /// Turns KVM dirty logging on or off for all guest memory.
@@ -274,19 +279,18 @@ impl Vm {
         let regions = self.ram_regions();
         let end = regions.last().map_or(0, |(r, _)| r.end_gfn());
         let mut dirty = Bitmap::new(end);
-        for (slot, (range, _)) in regions.into_iter().enumerate() {
-            let mut bitmap = self
-                .fd
-                .get_dirty_log(slot as u32, range.len as usize)
-                .map_err(kvm("KVM_GET_DIRTY_LOG"))?;
+        let mut buffers = self.dirty_buffers.lock().unwrap_or_else(|e| e.into_inner());
+        buffers.resize_with(regions.len(), Vec::new);
+        for (slot, ((range, _), bitmap)) in regions.into_iter().zip(buffers.iter_mut()).enumerate()
+        {
+            bitmap.resize(range.pages().div_ceil(64) as usize, 0);
+            crate::dirty_log::get(&self.fd, slot as u32, bitmap)
+                .map_err(|e| Error::State(format!("KVM_GET_DIRTY_LOG: {e}")))?;
             if self.manual_dirty_protect {
-                crate::dirty_log::clear(&self.fd, slot as u32, range.pages(), &mut bitmap)
+                crate::dirty_log::clear(&self.fd, slot as u32, range.pages(), bitmap)
                     .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
             }
-            dirty.merge_at(
-                range.first_gfn(),
-                &Bitmap::from_words(bitmap, range.pages()),
-            );
+            dirty.merge_words_at(range.first_gfn(), bitmap);
         }
         Ok(dirty)
     }

@@ -55,14 +55,29 @@ impl Bitmap {
     /// Sets the bits of `other` here, shifted up by `offset` pages (a memory slot's log into
     /// the guest's page numbering).
     pub fn merge_at(&mut self, offset: u64, other: &Bitmap) {
+        self.merge_words_at(offset, &other.words);
+    }
+
+    /// `merge_at` for a bitmap given as its words (a slot's dirty log read into a reused
+    /// buffer); bits past this bitmap's end are ignored.
+    pub fn merge_words_at(&mut self, offset: u64, words: &[u64]) {
         if offset.is_multiple_of(64) {
-            let first = (offset / 64) as usize;
-            for (a, b) in self.words[first..].iter_mut().zip(&other.words) {
+            let first = ((offset / 64) as usize).min(self.words.len());
+            for (a, b) in self.words[first..].iter_mut().zip(words) {
                 *a |= *b;
             }
+            let tail = self.pages % 64;
+            if let (Some(last), true) = (self.words.last_mut(), tail != 0) {
+                *last &= (1u64 << tail) - 1;
+            }
         } else {
-            for pfn in other.iter() {
-                self.set(offset + pfn);
+            for (i, &w) in words.iter().enumerate() {
+                let mut w = w;
+                while w != 0 {
+                    let bit = u64::from(w.trailing_zeros());
+                    w &= w - 1;
+                    self.set(offset + i as u64 * 64 + bit);
+                }
             }
         }
     }
@@ -128,6 +143,25 @@ impl AtomicBitmap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_slot_log_lands_at_its_offset_aligned_or_not() {
+        let mut slot = Bitmap::new(100);
+        for pfn in [0, 63, 64, 99] {
+            slot.set(pfn);
+        }
+        for offset in [0, 64, 3, 70] {
+            let mut all = Bitmap::new(160);
+            all.merge_words_at(offset, slot.words());
+            let got: Vec<u64> = all.iter().collect();
+            let want: Vec<u64> = [0, 63, 64, 99]
+                .iter()
+                .map(|p| p + offset)
+                .filter(|&p| p < 160)
+                .collect();
+            assert_eq!(got, want, "offset {offset}");
+        }
+    }
 
     #[test]
     fn set_get_iterate_merge() {
