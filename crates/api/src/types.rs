@@ -79,6 +79,8 @@ pub struct MigrationRequest {
     pub auto_postcopy: Option<bool>,
     /// Post-copy push order: bubble (default; pre-paging around faults) or linear (push only).
     pub prepaging: Option<String>,
+    /// Connections the pages travel on, each with its own sender thread (1..=16, default 1).
+    pub connections: Option<i64>,
 }
 
 /// Body of `PUT /api/v1/vm.migrate-resume`: on the destination `listen` (where to wait for the

@@ -70,6 +70,9 @@ pub struct MigrateArgs {
     /// Post-copy push order: bubble (pre-paging around the last fault) or linear (push only).
     #[arg(long)]
     pub prepaging: Option<String>,
+    /// Connections the pages travel on, each with its own sender thread (1..=16).
+    #[arg(long, allow_negative_numbers = true)]
+    pub connections: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]
     pub max_downtime_ms: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]

@@ -34,6 +34,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         checksum: Some(args.checksum),
         auto_postcopy: Some(args.auto_postcopy),
         prepaging: args.prepaging.clone(),
+        connections: args.connections,
     };
     let _ = vmm_sys_util::signal::register_signal_handler(libc::SIGINT, on_interrupt);
     client

@@ -204,7 +204,11 @@ pub fn params_from_request(
                 )));
             }
         },
+        connections: positive("connections", req.connections)?
+            .map(|n| n.min(u64::from(u32::MAX)) as u32)
+            .unwrap_or(defaults.connections),
     };
+    params.validate().map_err(api_error)?;
     Ok((endpoint, params))
 }
 

@@ -59,6 +59,8 @@ pub struct MigrationParams {
     pub auto_postcopy: bool,
     /// Post-copy push order: bubble (pre-paging around faults) or linear (push only).
     pub prepaging: Strategy,
+    /// TCP (or Unix) connections the pages travel on, each with its own sender thread.
+    pub connections: u32,
 }
 
 impl Default for MigrationParams {
@@ -72,6 +74,7 @@ impl Default for MigrationParams {
             checksum: false,
             auto_postcopy: false,
             prepaging: Strategy::Bubble,
+            connections: 1,
         }
     }
 }
@@ -90,6 +93,13 @@ impl MigrationParams {
         positive("timeout_s", self.timeout_s)?;
         if let Some(b) = self.max_bandwidth_mbps {
             positive("max_bandwidth_mbps", b)?;
+        }
+        let most = crate::source::MAX_CONNECTIONS;
+        if !(1..=most).contains(&self.connections) {
+            return Err(Error::Param(format!(
+                "connections must be 1..={most} (got {})",
+                self.connections
+            )));
         }
         Ok(())
     }

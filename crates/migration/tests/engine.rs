@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use migration::destination::Source;
 use migration::wire::bitmap::Bitmap;
+use migration::wire::{Message, StreamMode};
 use migration::{
     Endpoint, GuestRam, GuestReport, Incoming, Migratable, MigrationParams, Mode, Outgoing, Phase,
     RamRange, Status, StatusBoard, VmDescriptor,
@@ -269,8 +270,16 @@ fn migrate(src: &Arc<FakeVm>, params: MigrationParams, refuse: Option<&'static s
     migrate_with(src, params, refuse, |_| {})
 }
 
+/// Over one connection and over several: pages travel on the connection of their 2 MiB
+/// chunk, so the guest's last write to a page is what arrives, whatever the interleaving.
 #[test]
 fn precopy_moves_memory_exactly_while_the_guest_writes() {
+    for connections in [1, 2, 4] {
+        precopy_over(connections);
+    }
+}
+
+fn precopy_over(connections: u32) {
     let src = FakeVm::new();
     // Some pages hold data before the migration (on both sides of the hole); most are never
     // touched.
@@ -284,6 +293,7 @@ fn precopy_moves_memory_exactly_while_the_guest_writes() {
         MigrationParams {
             max_downtime_ms: 1,
             max_rounds: 6,
+            connections,
             ..Default::default()
         },
         None,
@@ -298,7 +308,7 @@ fn precopy_moves_memory_exactly_while_the_guest_writes() {
     );
     assert!(
         src.memory() == dest.memory(),
-        "destination memory equals the source's at the switch"
+        "{connections} connections: destination memory equals the source's at the switch"
     );
     assert!(dest.is_running(), "a running VM arrives running");
     let s = run.source_status;
@@ -317,7 +327,12 @@ fn precopy_moves_memory_exactly_while_the_guest_writes() {
 /// the moment it resumes (faults that must be served by request), the rest is pushed.
 #[test]
 fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
-    for mode in [Mode::Postcopy, Mode::Hybrid] {
+    for (mode, connections) in [
+        (Mode::Postcopy, 1),
+        (Mode::Hybrid, 1),
+        (Mode::Postcopy, 3),
+        (Mode::Hybrid, 3),
+    ] {
         let src = FakeVm::new();
         for i in 0..PAGES {
             src.write_page(ram_page(i), 3);
@@ -332,6 +347,7 @@ fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
             &src,
             MigrationParams {
                 mode,
+                connections,
                 ..Default::default()
             },
             None,
@@ -719,6 +735,7 @@ fn tls_admits_only_a_source_of_the_same_ca() {
             endpoint.clone(),
             MigrationParams {
                 mode: Mode::Warm,
+                connections: 3, // every extra connection is TLS too
                 ..Default::default()
             },
             Box::new(move |r| {
@@ -738,4 +755,164 @@ fn tls_admits_only_a_source_of_the_same_ca() {
     attempt(Some(src_tls)).expect("the real source");
     let vm = dest.join().unwrap().unwrap().expect("arrived");
     assert!(vm.memory() == src.memory());
+}
+
+/// Starts a destination on a fresh Unix socket; returns its address and the receive's thread.
+fn listening_destination() -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    JoinHandle<migration::Result<Option<Arc<FakeVm>>>>,
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("m.sock");
+    let endpoint: Endpoint = format!("unix:{}", sock.display()).parse().unwrap();
+    let source = Source::listen(&endpoint, None).unwrap();
+    let dest = std::thread::spawn(move || {
+        Incoming::new(StatusBoard::default(), None).receive(
+            source,
+            &|| false,
+            |_| Ok(FakeVm::new()),
+            |_| {},
+        )
+    });
+    (dir, sock, dest)
+}
+
+fn open_stream(sock: &std::path::Path, first: &Message) -> std::os::unix::net::UnixStream {
+    let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    migration::wire::write_stream_header(&mut s).unwrap();
+    migration::wire::write_message(&mut s, first).unwrap();
+    s
+}
+
+#[test]
+fn only_the_migrations_own_connections_may_join_it() {
+    let (_dir, sock, dest) = listening_destination();
+    let vm = FakeVm::new();
+    let mut main = open_stream(
+        &sock,
+        &Message::Hello {
+            vm: vm.descriptor(),
+            mode: StreamMode::Precopy,
+            source: "a test".into(),
+            connections: 2,
+            session: 7,
+        },
+    );
+    assert!(matches!(
+        migration::wire::read_message(&mut main).unwrap(),
+        Message::Ready { .. }
+    ));
+    for (join, why) in [
+        (
+            Message::Join {
+                session: 8,
+                lane: 1,
+            },
+            "not a connection of the migration running here",
+        ),
+        (
+            Message::Join {
+                session: 7,
+                lane: 5,
+            },
+            "has 2 connections",
+        ),
+        (Message::Go, "opened with Go"),
+    ] {
+        let mut stranger = open_stream(&sock, &join);
+        match migration::wire::read_message(&mut stranger) {
+            Err(migration::Error::Peer(reason)) => assert!(reason.contains(why), "{reason}"),
+            other => panic!("a stranger must be told why, got {other:?}"),
+        }
+    }
+    // The real second connection joins; then the source gives up and the destination with it.
+    let _lane = open_stream(
+        &sock,
+        &Message::Join {
+            session: 7,
+            lane: 1,
+        },
+    );
+    migration::wire::write_message(
+        &mut main,
+        &Message::Abort {
+            reason: "the test is over".into(),
+        },
+    )
+    .unwrap();
+    let e = dest.join().unwrap().err().expect("no VM arrives");
+    assert!(e.to_string().contains("the test is over"), "{e}");
+}
+
+#[test]
+fn a_connection_that_dies_mid_round_fails_the_migration_and_the_source_runs_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("m.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    // A destination that takes the main connection, lets the second join, then drops it.
+    let fake = std::thread::spawn(move || {
+        let (mut main, _) = listener.accept().unwrap();
+        migration::wire::read_stream_header(&mut main).unwrap();
+        let Message::Hello { connections, .. } = migration::wire::read_message(&mut main).unwrap()
+        else {
+            panic!("Hello first")
+        };
+        assert_eq!(connections, 2);
+        migration::wire::write_message(&mut main, &Message::Ready { postcopy: false }).unwrap();
+        let (mut lane, _) = listener.accept().unwrap();
+        migration::wire::read_stream_header(&mut lane).unwrap();
+        let joined = migration::wire::read_message(&mut lane).unwrap();
+        assert!(matches!(joined, Message::Join { lane: 1, .. }));
+        drop(lane);
+        // The source tells the main connection why it gave up.
+        loop {
+            match migration::wire::read_frame(&mut main) {
+                Ok(migration::wire::Frame::Message(Message::Abort { reason })) => return reason,
+                Ok(migration::wire::Frame::Pages { len, .. }) => {
+                    // Skip the page data and its CRC trailer.
+                    let body = u64::from(len) + 4;
+                    std::io::copy(
+                        &mut std::io::Read::take(&mut main, body),
+                        &mut std::io::sink(),
+                    )
+                    .unwrap();
+                }
+                Ok(_) => continue,
+                Err(e) => return format!("no Abort: {e}"),
+            }
+        }
+    });
+    let src = FakeVm::new();
+    for i in 0..PAGES {
+        src.write_page(ram_page(i), 1);
+    }
+    src.paused.store(false, Ordering::Release);
+    let board = StatusBoard::default();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let started = Outgoing::new(board.clone(), None).send(
+        src.clone(),
+        format!("unix:{}", sock.display()).parse().unwrap(),
+        MigrationParams {
+            connections: 2,
+            ..Default::default()
+        },
+        Box::new(move |r| {
+            let _ = tx.send(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
+        }),
+    );
+    let result = match started {
+        Err(e) => Err(e.to_string()),
+        Ok(()) => rx.recv_timeout(Duration::from_secs(60)).unwrap(),
+    };
+    let e = result.expect_err("the migration fails");
+    let told = fake.join().unwrap();
+    assert!(!told.starts_with("no Abort"), "{told}");
+    assert!(
+        !src.paused.load(Ordering::Acquire),
+        "the source runs on: {e}"
+    );
+    assert!(!src.logging.load(Ordering::Acquire), "dirty logging is off");
+    assert_eq!(board.read().phase, Phase::Failed);
 }

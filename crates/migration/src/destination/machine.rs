@@ -83,6 +83,8 @@ mod tests {
             },
             mode: StreamMode::Precopy,
             source: "test".into(),
+            connections: 1,
+            session: 0,
         }
     }
 

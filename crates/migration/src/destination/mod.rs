@@ -5,6 +5,7 @@
 //! (faults and pages after the switch) → `recovery` (carrying on over a new connection).
 //! `machine` is the conversation's rules.
 
+mod lanes;
 pub mod machine;
 pub mod postcopy;
 mod receive;
@@ -117,24 +118,31 @@ impl Incoming {
         build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
     ) -> Result<Option<Arc<V>>> {
-        let (stream, hello, expect, peer) = match source {
+        let (stream, hello, expect, peer, listener) = match source {
             Source::Listening(l) => {
                 let Some((s, hello)) = first_live_stream(&l, stop)? else {
                     return Ok(None);
                 };
-                drop(l); // one migration: later connections are refused
-                (s, hello, Expect::Live, "incoming migration".to_string())
+                // Kept until the migration's extra connections joined; then closed.
+                (
+                    s,
+                    hello,
+                    Expect::Live,
+                    "incoming migration".to_string(),
+                    Some(l),
+                )
             }
             Source::Snapshot(mut s) => {
                 let hello =
                     wire::read_stream_header(&mut s).and_then(|()| wire::read_message(&mut s));
-                (s, hello, Expect::Snapshot, "snapshot".into())
+                (s, hello, Expect::Snapshot, "snapshot".into(), None)
             }
         };
         let mut receiver = Receiver {
             board: &self.board,
             status: Status::new(Role::Destination, "", peer),
             expect,
+            listener,
         };
         match receiver.receive(stream, hello, build, on_resumed)? {
             Arrived::Complete(vm) => Ok(Some(vm)),

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::lanes;
 use super::machine::{DestinationState, Incoming};
 use super::postcopy::{self, Postcopy};
 use crate::error::{Error, Result};
@@ -13,7 +14,7 @@ use crate::status::{Phase, RoundStats, Status, StatusBoard, ms, now_ns};
 use crate::vm::{Migratable, VmDescriptor};
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageReceiver;
-use crate::wire::transport::Stream;
+use crate::wire::transport::{Listener, Stream};
 use crate::wire::{self, Frame, Message, StreamMode};
 
 /// The destination measures the guest's work rate over this window after resuming, then
@@ -44,6 +45,8 @@ pub(crate) struct Receiver<'a> {
     pub board: &'a StatusBoard,
     pub status: Status,
     pub expect: Expect,
+    /// Where the migration arrived: its extra connections join here, then it closes.
+    pub listener: Option<Listener>,
 }
 
 impl Receiver<'_> {
@@ -95,6 +98,8 @@ impl Receiver<'_> {
             vm: descriptor,
             mode,
             source,
+            connections,
+            session,
         } = hello
         else {
             return Err(Error::Protocol(format!(
@@ -138,13 +143,28 @@ impl Receiver<'_> {
             )?;
         }
 
-        let mut pages = PageReceiver::new(&ram);
+        let listener = self.listener.take();
+        let mut lanes = match (connections, &listener) {
+            (0 | 1, _) => None,
+            (n, Some(l)) if live => Some(lanes::accept(l, session, n, &ram, stream)?),
+            (n, _) => {
+                return Err(Error::Protocol(format!(
+                    "a stream over {n} connections where only one can arrive"
+                )));
+            }
+        };
+        drop(listener); // one migration at a time: later connections are refused
+        let mut pages = PageReceiver::new(&ram).for_lane(0, connections.max(1));
         let mut vcpus: Vec<Option<Vec<u8>>> = vec![None; descriptor.vcpus as usize];
         let mut devices = None;
         let mut pending: Option<Bitmap> = None;
         let mut round_started = Instant::now();
         let source_checksum = loop {
-            let frame = wire::read_frame(stream)?;
+            let frame = match wire::read_frame(stream) {
+                Ok(f) => f,
+                // A lane that failed closed this stream: its failure is the reason.
+                Err(e) => return Err(lanes.as_ref().and_then(|l| l.failure()).unwrap_or(e)),
+            };
             let msg = match frame {
                 Frame::Pages { header, len } => {
                     state = state.next(Incoming::Pages, false)?;
@@ -185,6 +205,9 @@ impl Receiver<'_> {
                     pages_sent,
                     memory_checksum,
                 } => {
+                    if let Some(lanes) = lanes.take() {
+                        lanes.finish(&mut pages)?;
+                    }
                     if pages_sent != pages.pages {
                         return Err(Error::Protocol(format!(
                             "the source sent {pages_sent} pages but {} arrived",

@@ -6,6 +6,7 @@
 //! `switchover` (pause, state, Go) → `postcopy` (serving pages after the switch) →
 //! `recovery` (carrying on over a new connection). `machine` is the conversation's rules.
 
+mod lanes;
 pub mod machine;
 mod postcopy;
 pub mod recovery;
@@ -25,6 +26,7 @@ use crate::vm::Migratable;
 use crate::wire::StreamMode;
 use crate::wire::tls::Tls;
 use crate::wire::transport::{Endpoint, Stream};
+pub use lanes::MAX_CONNECTIONS;
 use recovery::Leftover;
 use session::Session;
 
@@ -169,6 +171,7 @@ impl Outgoing {
             &self.board,
             status,
         );
+        session.dial = Some(Box::new(|| endpoint.connect(self.tls.as_ref())));
         let result = session.run(mode);
         session.finish(result)
     }

@@ -4,6 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
+use super::lanes::RoundShare;
 use super::session::Session;
 use crate::error::Result;
 use crate::params::Mode;
@@ -11,6 +12,7 @@ use crate::policy::{self, Decision, Limits, Measured};
 use crate::scan::populated_pages;
 use crate::status::{RoundStats, ms};
 use crate::wire::bitmap::Bitmap;
+use crate::wire::pages::lane_of;
 use crate::wire::{Message, StreamMode};
 
 /// Rounds without progress before pre-copy gives up iterating (see `policy`).
@@ -27,8 +29,7 @@ impl Session<'_> {
             self.dirty_logging = true;
         } else {
             self.pause()?;
-            // The guest is still: every page's data is covered by the frame checksum.
-            self.pages.checked = true;
+            self.check_page_data(); // the guest is still
         }
         let populated = populated_pages(&self.ram)?;
         self.status.progress.pages.skipped_unpopulated = self.ram.pages() - populated.count();
@@ -123,28 +124,14 @@ impl Session<'_> {
         m
     }
 
-    /// Sends the pages of `set` as round `round`.
+    /// Sends the pages of `set` as round `round` (over every lane).
     pub(super) fn send_round(&mut self, round: u32, set: &Bitmap) -> Result<()> {
         let began = Instant::now();
-        let before = self.pages.counters;
+        let before = self.sent();
         let total = set.count();
-        for (i, gfn) in set.iter().enumerate() {
-            if self.sent_once.get(gfn) {
-                self.status.progress.pages.resent += 1;
-            } else {
-                self.sent_once.set(gfn);
-            }
-            self.pages
-                .push(&mut self.stream, &self.ram, gfn, &mut self.limiter)?;
-            if (i as u64 + 1).is_multiple_of(STATUS_EVERY_PAGES) {
-                self.check_continue()?;
-                self.status.progress.pages_remaining = total - i as u64 - 1;
-                self.count_sent(began, before.bytes);
-                self.publish();
-            }
-        }
-        self.pages
-            .flush(&mut self.stream, &self.ram, &mut self.limiter)?;
+        self.with_lanes(set, |this, share| {
+            this.send_main_share(share, began, before.bytes)
+        })?;
         let elapsed = began.elapsed();
         self.send_time += elapsed;
         self.send(&Message::RoundEnd {
@@ -152,7 +139,7 @@ impl Session<'_> {
             pages: total,
         })?;
         self.count_sent(began, before.bytes);
-        let after = self.pages.counters;
+        let after = self.sent();
         let p = &mut self.status.progress;
         p.round = round;
         // Its dirty rate is known once the next dirty set is taken (see `measure`).
@@ -168,9 +155,43 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// Lane 0's pages of a round, sent on the main connection, with the live status.
+    fn send_main_share(
+        &mut self,
+        share: &RoundShare<'_>,
+        began: Instant,
+        bytes_before: u64,
+    ) -> Result<()> {
+        let total = share.set.count();
+        for (i, gfn) in share.set.iter().enumerate() {
+            if self.sent_once.get(gfn) {
+                self.status.progress.pages.resent += 1;
+            } else {
+                self.sent_once.set(gfn);
+            }
+            if lane_of(gfn, share.lanes) == 0 {
+                self.pages
+                    .push(&mut self.stream, &self.ram, gfn, &mut self.limiter)?;
+            }
+            if (i as u64 + 1).is_multiple_of(STATUS_EVERY_PAGES) {
+                self.check_continue()?;
+                if share.stop.load(Ordering::Acquire) {
+                    break; // a lane failed: its error names the round's outcome
+                }
+                let c = self.pages.counters;
+                let done = c.full + c.zero + share.done.load(Ordering::Relaxed);
+                self.status.progress.pages_remaining = total.saturating_sub(done);
+                self.count_sent(began, bytes_before);
+                self.publish();
+            }
+        }
+        self.pages
+            .flush(&mut self.stream, &self.ram, &mut self.limiter)
+    }
+
     /// Copies the page sender's counters into the status, with the throughput since `began`.
     pub(super) fn count_sent(&mut self, began: Instant, bytes_before: u64) {
-        let c = self.pages.counters;
+        let c = self.sent();
         let p = &mut self.status.progress;
         p.pages.full = c.full;
         p.pages.zero = c.zero;

@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use super::Controls;
+use super::lanes::{self, Lane};
 use super::machine::{Event, SourceState};
 use super::recovery::Leftover;
 use crate::error::{Error, Result};
@@ -27,11 +28,18 @@ pub(crate) const DEFAULT_BATCH_PAGES: usize = 256;
 /// Window for the guest's progress rate before the migration.
 const RATE_WINDOW_NS: u64 = 2_000_000_000;
 
+/// Opens one more connection to the destination (for the extra lanes).
+pub(crate) type Dial<'a> = Box<dyn Fn() -> Result<Stream> + 'a>;
+
 pub(crate) struct Session<'a> {
     pub vm: &'a dyn Migratable,
     pub ram: GuestRam,
     pub stream: Stream,
+    /// Lane 0's pages, on the main connection.
     pub pages: PageSender,
+    /// Lanes 1.. (`connections > 1`), opened after `Ready`.
+    pub lanes: Vec<Lane>,
+    pub dial: Option<Dial<'a>>,
     pub limiter: RateLimiter,
     pub params: &'a MigrationParams,
     pub controls: &'a Controls,
@@ -65,13 +73,20 @@ impl<'a> Session<'a> {
         status: Status,
     ) -> Self {
         let ram = vm.ram();
-        let limiter = RateLimiter::new(params.max_bandwidth_mbps);
+        // Extra lanes take their share of the bandwidth limit (see `open_lanes`).
+        let limiter = RateLimiter::new(
+            params
+                .max_bandwidth_mbps
+                .map(|b| (b / u64::from(params.connections.max(1))).max(1)),
+        );
         Self {
             vm,
             sent_once: Bitmap::new(ram.gfn_end()),
             ram,
             stream,
             pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES)),
+            lanes: Vec::new(),
+            dial: None,
             limiter,
             params,
             controls,
@@ -123,10 +138,22 @@ impl<'a> Session<'a> {
             .guest_progress_rate(start_ns.saturating_sub(RATE_WINDOW_NS), start_ns);
         self.status.memory_pages = self.ram.pages();
         wire::write_stream_header(&mut self.stream)?;
+        let connections = if self.stream.has_peer() {
+            self.params.connections.max(1)
+        } else {
+            1
+        };
+        let session = if connections > 1 {
+            lanes::session_id()?
+        } else {
+            0
+        };
         self.send(&Message::Hello {
             vm: self.vm.descriptor(),
             mode,
             source: format!("ferry {}", env!("CARGO_PKG_VERSION")),
+            connections,
+            session,
         })?;
         if self.stream.has_peer() {
             if let Message::Ready { postcopy } = self.hear()? {
@@ -137,6 +164,9 @@ impl<'a> Session<'a> {
                 return Err(Error::Param(
                     "the destination cannot take post-copy (no userfaultfd there)".into(),
                 ));
+            }
+            if connections > 1 {
+                self.open_lanes(session)?;
             }
         } else {
             self.step(Event::StartRounds)?;

@@ -44,7 +44,7 @@ impl Session<'_> {
         if self.dirty_logging {
             pending.merge(&self.vm.take_dirty()?);
         }
-        self.pages.checked = true; // the guest is still: page data can be checksummed
+        self.check_page_data(); // the guest is still
         let round = self.status.progress.rounds.len() as u32;
         if postcopy {
             self.status.postcopy = true;
@@ -55,6 +55,7 @@ impl Session<'_> {
         } else if pending.count() > 0 || round == 0 {
             self.send_round(round, &pending)?;
         }
+        self.end_lanes()?;
         let checksum = if self.params.checksum {
             Some(memory_checksum(&self.ram)?)
         } else {
@@ -107,7 +108,7 @@ impl Session<'_> {
         }
         let devices = self.vm.save_devices()?;
         self.send(&Message::DeviceState { state: devices })?;
-        let c = self.pages.counters;
+        let c = self.sent();
         self.send(&Message::StateEnd {
             pages_sent: c.full + c.zero,
             memory_checksum: checksum,
@@ -138,7 +139,7 @@ impl Session<'_> {
         self.state = SourceState::Done;
         let end = self.finished.or(resumed_at).unwrap_or_else(Instant::now);
         let total = end.duration_since(self.started);
-        let c = self.pages.counters;
+        let c = self.sent();
         let p = &mut self.status.progress;
         p.pages_remaining = 0;
         p.pages.full = c.full;

@@ -67,6 +67,11 @@ pub enum Message {
         vm: VmDescriptor,
         mode: StreamMode,
         source: String,
+        /// Connections this migration's pages travel on (this one and `connections - 1`
+        /// that open with `Join`).
+        connections: u32,
+        /// Names this migration to its extra connections (random; 0 when there are none).
+        session: u64,
     },
     /// Destination → source: the VM is built, send pages; whether it can take post-copy.
     Ready { postcopy: bool },
@@ -108,6 +113,11 @@ pub enum Message {
     ResumePostcopy,
     /// Destination → source: the pages already here (a bitmap); send the rest.
     ResumeFrom { words: Vec<u64> },
+    /// Source → destination, first on an extra connection: it carries the pages of lane
+    /// `lane` of migration `session`.
+    Join { session: u64, lane: u32 },
+    /// Source → destination, last on an extra connection: it carried `pages` pages.
+    LaneEnd { pages: u64 },
 }
 
 impl Message {
@@ -131,6 +141,8 @@ impl Message {
             Message::PostcopyComplete(_) => 15,
             Message::ResumePostcopy => 16,
             Message::ResumeFrom { .. } => 17,
+            Message::Join { .. } => 18,
+            Message::LaneEnd { .. } => 19,
         }
     }
 
@@ -154,6 +166,8 @@ impl Message {
             Message::PostcopyComplete(_) => "PostcopyComplete",
             Message::ResumePostcopy => "ResumePostcopy",
             Message::ResumeFrom { .. } => "ResumeFrom",
+            Message::Join { .. } => "Join",
+            Message::LaneEnd { .. } => "LaneEnd",
         }
     }
 
@@ -162,7 +176,13 @@ impl Message {
         let mut e = Encoder(Vec::with_capacity(64));
         e.u16(self.tag());
         match self {
-            Message::Hello { vm, mode, source } => {
+            Message::Hello {
+                vm,
+                mode,
+                source,
+                connections,
+                session,
+            } => {
                 e.u64(vm.memory_bytes);
                 e.u32(vm.ranges.len() as u32);
                 for r in &vm.ranges {
@@ -174,6 +194,8 @@ impl Message {
                 e.bool(vm.running);
                 e.u8(mode.tag());
                 e.str(source);
+                e.u32(*connections);
+                e.u64(*session);
             }
             Message::Ready { postcopy } => e.bool(*postcopy),
             Message::RoundEnd { round, pages } => {
@@ -225,6 +247,11 @@ impl Message {
                 }
             }
             Message::ResumeFrom { words } => e.words(words),
+            Message::Join { session, lane } => {
+                e.u64(*session);
+                e.u32(*lane);
+            }
+            Message::LaneEnd { pages } => e.u64(*pages),
         }
         e.0
     }
@@ -254,6 +281,8 @@ impl Message {
                     vm,
                     mode: StreamMode::from_tag(d.u8()?)?,
                     source: d.string()?,
+                    connections: d.u32()?,
+                    session: d.u64()?,
                 }
             }
             2 => Message::Ready {
@@ -316,6 +345,11 @@ impl Message {
             }
             16 => Message::ResumePostcopy,
             17 => Message::ResumeFrom { words: d.words()? },
+            18 => Message::Join {
+                session: d.u64()?,
+                lane: d.u32()?,
+            },
+            19 => Message::LaneEnd { pages: d.u64()? },
             other => return Err(Error::Protocol(format!("unknown message tag {other}"))),
         };
         if !d.buf.is_empty() {
@@ -468,9 +502,11 @@ mod tests {
                     },
                     mode: StreamMode::Precopy,
                     source: "f".into(),
+                    connections: 2,
+                    session: 0x55,
                 },
                 "0100001000000000000001000000000000000000000000100000000000000200000005000000\
-                 6d656d666401010100000066",
+                 6d656d666401010100000066 02000000 5500000000000000",
             ),
             (Message::Ready { postcopy: true }, "020001"),
             (
@@ -536,13 +572,21 @@ mod tests {
             ),
             (Message::ResumePostcopy, "1000"),
             (Message::ResumeFrom { words: vec![] }, "110000000000"),
+            (
+                Message::Join {
+                    session: 0x55,
+                    lane: 1,
+                },
+                "1200 5500000000000000 01000000",
+            ),
+            (Message::LaneEnd { pages: 4 }, "1300 0400000000000000"),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 17, "a golden example per message");
+        assert_eq!(all.len(), 19, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());

@@ -15,6 +15,16 @@ use crate::wire::zero::is_zero_page;
 
 /// Payload prefix of a page frame: page count u32, reserved u32.
 const PREFIX_LEN: usize = 8;
+/// Most connections one migration may use.
+pub const MAX_CONNECTIONS: u32 = 16;
+/// Pages of one 2 MiB chunk travel on the same connection (see `lane_of`).
+const LANE_CHUNK_PAGES: u64 = 512;
+
+/// The connection (0..lanes) that carries page `pfn` when a migration uses `lanes` of them:
+/// always the same one, so a page's copies arrive in the order they were sent.
+pub fn lane_of(pfn: u64, lanes: u32) -> u32 {
+    ((pfn / LANE_CHUNK_PAGES) % u64::from(lanes.max(1))) as u32
+}
 
 /// What a sender has put on the wire so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -143,6 +153,8 @@ pub struct PageReceiver {
     /// Pages this receiver has written: a zero marker for any other page needs no write.
     written: Bitmap,
     pub pages: u64,
+    /// This receiver's connection and how many a migration has: it takes only its share.
+    lane: (u32, u32),
 }
 
 impl PageReceiver {
@@ -153,15 +165,29 @@ impl PageReceiver {
             zeros: Vec::new(),
             written: Bitmap::new(ram.gfn_end()),
             pages: 0,
+            lane: (0, 1),
         }
     }
 
-    /// Reads the body of a page frame whose header was `header`.
+    /// A receiver for connection `lane` of `lanes`: pages of another lane are refused (two
+    /// connections never write one page).
+    pub fn for_lane(mut self, lane: u32, lanes: u32) -> Self {
+        self.lane = (lane, lanes);
+        self
+    }
+
+    /// Takes in what another lane's receiver wrote.
+    pub fn absorb(&mut self, other: &PageReceiver) {
+        self.written.merge(&other.written);
+        self.pages += other.pages;
+    }
+
     /// Pages this receiver has written into guest memory.
     pub fn written(&self) -> &Bitmap {
         &self.written
     }
 
+    /// Reads the body of a page frame whose header was `header`.
     pub fn receive(
         &mut self,
         r: &mut impl Read,
@@ -175,6 +201,13 @@ impl PageReceiver {
         self.full.clear();
         self.zeros.clear();
         for (pfn, enc) in descriptors(&self.descs) {
+            let (lane, lanes) = self.lane;
+            if lane_of(pfn, lanes) != lane {
+                return Err(Error::Protocol(format!(
+                    "page {pfn:#x} arrived on connection {lane}, but belongs to connection {}",
+                    lane_of(pfn, lanes)
+                )));
+            }
             match enc {
                 PageEncoding::Full => self.full.push(pfn),
                 PageEncoding::Zero => self.zeros.push(pfn),

@@ -172,7 +172,10 @@ fn pump(mut conn: Connection, tcp: &TcpStream, mut app: UnixStream) -> std::io::
     // Plaintext received from the peer, not yet taken by the engine.
     let mut inbound: Vec<u8> = Vec::with_capacity(PUMP_BUFFER);
     let mut chunk = vec![0u8; 64 * 1024];
-    let (mut peer_done, mut app_done) = (false, false);
+    // The handshake may have read the peer's first records with its last flight: they are
+    // decrypted now, or they would wait for more bytes from the network that may never come.
+    let mut peer_done = take_plaintext(&mut conn, &mut inbound)?;
+    let mut app_done = false;
     loop {
         // Engine → TLS (only while the ciphertext queue is short).
         if !app_done && !conn.wants_write() {
@@ -198,18 +201,7 @@ fn pump(mut conn: Connection, tcp: &TcpStream, mut app: UnixStream) -> std::io::
         if !peer_done && inbound.len() < PUMP_BUFFER {
             match conn.read_tls(&mut net) {
                 Ok(0) => peer_done = true,
-                Ok(_) => {
-                    let state = conn
-                        .process_new_packets()
-                        .map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))?;
-                    let n = state.plaintext_bytes_to_read();
-                    let start = inbound.len();
-                    inbound.resize(start + n, 0);
-                    conn.reader().read_exact(&mut inbound[start..])?;
-                    if state.peer_has_closed() {
-                        peer_done = true;
-                    }
-                }
+                Ok(_) => peer_done = take_plaintext(&mut conn, &mut inbound)?,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
@@ -232,6 +224,18 @@ fn pump(mut conn: Connection, tcp: &TcpStream, mut app: UnixStream) -> std::io::
         }
         wait(&conn, net, &app, &inbound, peer_done, app_done);
     }
+}
+
+/// Decrypts what the connection has received into `inbound`; whether the peer has closed.
+fn take_plaintext(conn: &mut Connection, inbound: &mut Vec<u8>) -> std::io::Result<bool> {
+    let state = conn
+        .process_new_packets()
+        .map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))?;
+    let n = state.plaintext_bytes_to_read();
+    let start = inbound.len();
+    inbound.resize(start + n, 0);
+    conn.reader().read_exact(&mut inbound[start..])?;
+    Ok(state.peer_has_closed())
 }
 
 /// Sleeps until one of the pump's sockets can move data it wants to move.

@@ -1,0 +1,199 @@
+//! The destination's extra connections of one migration (`connections > 1`): accepted on the
+//! migration's listener right after `Ready`, each opened with `Join` naming the migration's
+//! session, each read by its own thread straight into guest memory until `LaneEnd`. A stranger
+//! (wrong session, a lane taken twice, anything else) is told why and closed.
+
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+use crate::memory::GuestRam;
+use crate::wire::pages::{MAX_CONNECTIONS, PageReceiver};
+use crate::wire::transport::{IO_TIMEOUT, Listener, Stream};
+use crate::wire::{self, Frame, Message};
+
+/// How long the source has to open all its extra connections once `Ready` is sent.
+const JOIN_WAIT: Duration = Duration::from_secs(10);
+/// Strangers refused while waiting for the lanes, at most.
+const MAX_STRANGERS: u32 = 64;
+
+pub(super) struct LaneReceivers {
+    threads: Vec<JoinHandle<Option<PageReceiver>>>,
+    /// Handles on each lane's connection: closed when the receive ends, so no thread waits on.
+    streams: Vec<Stream>,
+    /// The first lane failure, kept before the main connection is closed because of it.
+    failed: Arc<Mutex<Option<Error>>>,
+}
+
+/// Accepts lanes `1..lanes` of `session` and starts reading each. A lane that fails closes
+/// `main` too, so the conversation ends at once with the failure.
+pub(super) fn accept(
+    listener: &Listener,
+    session: u64,
+    lanes: u32,
+    ram: &GuestRam,
+    main: &Stream,
+) -> Result<LaneReceivers> {
+    if lanes > MAX_CONNECTIONS {
+        return Err(Error::Protocol(format!(
+            "a migration over {lanes} connections (at most {MAX_CONNECTIONS})"
+        )));
+    }
+    let deadline = Instant::now() + JOIN_WAIT;
+    let mut joined = LaneReceivers {
+        threads: Vec::new(),
+        streams: Vec::new(),
+        failed: Arc::default(),
+    };
+    let mut taken = vec![false; lanes as usize];
+    taken[0] = true; // the main connection
+    let mut strangers = 0;
+    while joined.threads.len() + 1 < lanes as usize {
+        let stream = listener.accept_until(&|| Instant::now() >= deadline);
+        let mut stream = match stream {
+            Ok(Some(s)) => s,
+            Ok(None) => {
+                return Err(Error::Protocol(format!(
+                    "only {} of {lanes} connections joined within {} s",
+                    joined.threads.len() + 1,
+                    JOIN_WAIT.as_secs()
+                )));
+            }
+            Err(e) => {
+                tracing::warn!("refused a connection while lanes joined: {e}");
+                strangers += 1;
+                if strangers > MAX_STRANGERS {
+                    return Err(e);
+                }
+                continue;
+            }
+        };
+        let join =
+            wire::read_stream_header(&mut stream).and_then(|()| wire::read_message(&mut stream));
+        let why = match join {
+            Ok(Message::Join { session: s, lane }) if s == session => {
+                match taken.get_mut(lane as usize) {
+                    Some(t) if !*t => {
+                        *t = true;
+                        joined.start(stream, lane, lanes, ram, main)?;
+                        continue;
+                    }
+                    Some(_) => format!("connection {lane} of this migration has joined already"),
+                    None => format!("this migration has {lanes} connections, not {}", lane + 1),
+                }
+            }
+            Ok(Message::Join { .. }) => "not a connection of the migration running here".into(),
+            Ok(other) => format!(
+                "a migration is running here; a connection opened with {}",
+                other.name()
+            ),
+            Err(e) => e.to_string(),
+        };
+        tracing::warn!("refused a connection while lanes joined: {why}");
+        strangers += 1;
+        let _ = stream.set_timeouts(Some(Duration::from_millis(200)));
+        let _ = wire::write_message(
+            &mut stream,
+            &Message::Abort {
+                reason: why.clone(),
+            },
+        );
+        stream.close_after_last_word(Duration::from_millis(300));
+        if strangers > MAX_STRANGERS {
+            return Err(Error::Protocol(format!(
+                "gave up waiting for this migration's connections after {MAX_STRANGERS} \
+                 strangers (last: {why})"
+            )));
+        }
+    }
+    Ok(joined)
+}
+
+impl LaneReceivers {
+    fn start(
+        &mut self,
+        stream: Stream,
+        lane: u32,
+        lanes: u32,
+        ram: &GuestRam,
+        main: &Stream,
+    ) -> Result<()> {
+        // A lane may carry nothing for many rounds (its chunks stay clean): it waits without
+        // a timeout; the main connection's end closes it (see `Drop`).
+        stream.set_timeouts(None)?;
+        self.streams.push(stream.try_clone()?);
+        let (ram, main, failed) = (ram.clone(), main.try_clone()?, self.failed.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("lane-{lane}"))
+            .spawn(move || match receive_lane(stream, &ram, lane, lanes) {
+                Ok(pages) => Some(pages),
+                Err(e) => {
+                    failed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_or_insert(e);
+                    main.shutdown();
+                    None
+                }
+            })
+            .map_err(|e| Error::vm_caused("cannot start a lane's receiver", e))?;
+        self.threads.push(thread);
+        Ok(())
+    }
+
+    /// Waits (bounded) for every lane's `LaneEnd` and adds what each wrote to `main`.
+    pub fn finish(mut self, main: &mut PageReceiver) -> Result<()> {
+        for s in &self.streams {
+            s.set_timeouts(Some(IO_TIMEOUT))?;
+        }
+        for t in std::mem::take(&mut self.threads) {
+            match t.join() {
+                Ok(Some(lane)) => main.absorb(&lane),
+                Ok(None) => return Err(self.failure().unwrap_or_else(lane_failed)),
+                Err(_) => return Err(Error::State("a lane's receiver panicked".into())),
+            }
+        }
+        Ok(())
+    }
+
+    /// Why a lane failed, if one did (the reason the main connection was closed).
+    pub fn failure(&self) -> Option<Error> {
+        self.failed.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
+}
+
+fn lane_failed() -> Error {
+    Error::State("a connection of this migration failed".into())
+}
+
+impl Drop for LaneReceivers {
+    fn drop(&mut self) {
+        for s in &self.streams {
+            s.shutdown();
+        }
+    }
+}
+
+fn receive_lane(mut stream: Stream, ram: &GuestRam, lane: u32, lanes: u32) -> Result<PageReceiver> {
+    let mut pages = PageReceiver::new(ram).for_lane(lane, lanes);
+    loop {
+        match wire::read_frame(&mut stream)? {
+            Frame::Pages { header, len } => pages.receive(&mut stream, ram, &header, len)?,
+            Frame::Message(Message::LaneEnd { pages: n }) if n == pages.pages => return Ok(pages),
+            Frame::Message(Message::LaneEnd { pages: n }) => {
+                return Err(Error::Protocol(format!(
+                    "connection {lane}: the source sent {n} pages but {} arrived",
+                    pages.pages
+                )));
+            }
+            Frame::Message(Message::Abort { reason }) => return Err(Error::Peer(reason)),
+            Frame::Message(other) => {
+                return Err(Error::Protocol(format!(
+                    "connection {lane} carries pages only, not {}",
+                    other.name()
+                )));
+            }
+        }
+    }
+}

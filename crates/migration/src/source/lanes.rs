@@ -1,0 +1,195 @@
+//! Extra connections of one migration (`connections > 1`), each a "lane" with its own sender
+//! thread per round. Pages are shared out by 2 MiB chunk (`wire::pages::lane_of`), so a page
+//! always travels on the same connection: the newest copy of a page is always the last one to
+//! arrive, with no barrier between rounds. The main connection is lane 0 and also carries the
+//! conversation; after the switch every lane ends with `LaneEnd`, before the VM state.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use super::session::{DEFAULT_BATCH_PAGES, Session};
+use crate::error::{Error, Result};
+use crate::memory::GuestRam;
+use crate::ratelimit::RateLimiter;
+use crate::wire::bitmap::Bitmap;
+pub use crate::wire::pages::MAX_CONNECTIONS;
+use crate::wire::pages::{PageSender, SendCounters, lane_of};
+use crate::wire::transport::Stream;
+use crate::wire::{self, Message};
+
+/// A lane checks for a stop (cancel, or another lane failed) this often.
+const STOP_EVERY_PAGES: u64 = 1024;
+
+pub(crate) struct Lane {
+    stream: Stream,
+    pages: PageSender,
+    limiter: RateLimiter,
+}
+
+/// What every sender of one round shares.
+pub(super) struct RoundShare<'r> {
+    pub set: &'r Bitmap,
+    pub ram: &'r GuestRam,
+    pub lanes: u32,
+    /// Set by the user's cancel or by a lane that failed: the others stop early.
+    pub stop: &'r AtomicBool,
+    pub cancel: &'r AtomicBool,
+    /// Pages the extra lanes have sent this round (for the live status).
+    pub done: &'r AtomicU64,
+}
+
+impl Lane {
+    /// Sends this lane's share of the round's pages.
+    fn send_share(&mut self, lane: u32, share: &RoundShare<'_>) -> Result<()> {
+        let result = self.send_pages(lane, share);
+        if result.is_err() {
+            share.stop.store(true, Ordering::Release);
+        }
+        result
+    }
+
+    fn send_pages(&mut self, lane: u32, share: &RoundShare<'_>) -> Result<()> {
+        let mut sent = 0u64;
+        for gfn in share
+            .set
+            .iter()
+            .filter(|&g| lane_of(g, share.lanes) == lane)
+        {
+            self.pages
+                .push(&mut self.stream, share.ram, gfn, &mut self.limiter)?;
+            sent += 1;
+            if sent.is_multiple_of(STOP_EVERY_PAGES) {
+                share.done.fetch_add(STOP_EVERY_PAGES, Ordering::Relaxed);
+                if share.cancel.load(Ordering::Acquire) {
+                    return Err(Error::Cancelled);
+                }
+                if share.stop.load(Ordering::Acquire) {
+                    return Err(Error::State(
+                        "another connection of this migration failed".into(),
+                    ));
+                }
+            }
+        }
+        share
+            .done
+            .fetch_add(sent % STOP_EVERY_PAGES, Ordering::Relaxed);
+        self.pages
+            .flush(&mut self.stream, share.ram, &mut self.limiter)
+    }
+}
+
+impl Session<'_> {
+    /// Opens the extra connections and names this migration on each.
+    pub(super) fn open_lanes(&mut self, session: u64) -> Result<()> {
+        let Some(dial) = &self.dial else {
+            return Ok(());
+        };
+        let per_lane = self
+            .params
+            .max_bandwidth_mbps
+            .map(|b| (b / u64::from(self.params.connections)).max(1));
+        for lane in 1..self.params.connections {
+            let mut stream = dial()?;
+            wire::write_stream_header(&mut stream)?;
+            wire::write_message(&mut stream, &Message::Join { session, lane })?;
+            let limiter = RateLimiter::new(per_lane);
+            self.lanes.push(Lane {
+                stream,
+                pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES)),
+                limiter,
+            });
+        }
+        Ok(())
+    }
+
+    /// Runs one round's extra lanes on their own threads while `main` sends lane 0 here.
+    pub(super) fn with_lanes(
+        &mut self,
+        set: &Bitmap,
+        main: impl FnOnce(&mut Self, &RoundShare<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let mut lanes = std::mem::take(&mut self.lanes);
+        let ram = self.ram.clone();
+        let (stop, done) = (AtomicBool::new(false), AtomicU64::new(0));
+        let share = RoundShare {
+            set,
+            ram: &ram,
+            lanes: lanes.len() as u32 + 1,
+            stop: &stop,
+            cancel: &self.controls.cancel,
+            done: &done,
+        };
+        let result = std::thread::scope(|scope| {
+            let threads: Vec<_> = lanes
+                .iter_mut()
+                .enumerate()
+                .map(|(i, lane)| {
+                    let share = &share;
+                    scope.spawn(move || lane.send_share(i as u32 + 1, share))
+                })
+                .collect();
+            let mine = main(self, &share);
+            if mine.is_err() {
+                stop.store(true, Ordering::Release);
+            }
+            // The first real failure names the round's outcome (not a lane that stopped
+            // because of it).
+            let mut first = mine.err();
+            for t in threads {
+                let r = t
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::State("a sender thread panicked".into())));
+                if let Err(e) = r
+                    && first.as_ref().is_none_or(|f| matches!(f, Error::State(_)))
+                {
+                    first = Some(e);
+                }
+            }
+            first.map_or(Ok(()), Err)
+        });
+        self.lanes = lanes;
+        result
+    }
+
+    /// Page data from here on is read from a paused guest, so the frame checksum covers it.
+    pub(super) fn check_page_data(&mut self) {
+        self.pages.checked = true;
+        for lane in &mut self.lanes {
+            lane.pages.checked = true;
+        }
+    }
+
+    /// Ends every extra lane: nothing more travels on them.
+    pub(super) fn end_lanes(&mut self) -> Result<()> {
+        for lane in &mut self.lanes {
+            let c = lane.pages.counters;
+            wire::write_message(
+                &mut lane.stream,
+                &Message::LaneEnd {
+                    pages: c.full + c.zero,
+                },
+            )?;
+        }
+        Ok(())
+    }
+
+    /// What all lanes have put on the wire.
+    pub(super) fn sent(&self) -> SendCounters {
+        self.lanes
+            .iter()
+            .fold(self.pages.counters, |acc, lane| SendCounters {
+                full: acc.full + lane.pages.counters.full,
+                zero: acc.zero + lane.pages.counters.zero,
+                bytes: acc.bytes + lane.pages.counters.bytes,
+            })
+    }
+}
+
+/// A random name for a migration's extra connections to give (unguessable without TLS, so a
+/// stranger cannot attach a connection of their own).
+pub(super) fn session_id() -> Result<u64> {
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .map_err(|e| Error::vm_caused("cannot read /dev/urandom", e))?;
+    Ok(u64::from_le_bytes(b) | 1)
+}
