@@ -176,6 +176,8 @@ pub struct MigrationStatus {
     pub note: Option<String>,
     // totals
     pub memory_pages: u64,
+    /// Connections the pages travel on (the main one and the extra ones).
+    pub connections: u32,
     /// Which zero-page check this host runs: avx512, avx2 or scalar.
     pub zero_page_check: String,
     pub pages_full: u64,

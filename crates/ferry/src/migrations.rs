@@ -118,6 +118,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         converged: r.converged,
         note: s.note.clone(),
         memory_pages: s.memory_pages,
+        connections: s.connections,
         zero_page_check: s.zero_page_check.clone(),
         pages_full: p.pages.full,
         pages_zero: p.pages.zero,

@@ -87,6 +87,38 @@ fn write_workload_precopy_keeps_every_page() {
 }
 
 #[test]
+fn four_connections_over_tcp_keep_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    let mut src = Ferry::writer("write ws=256M random verify");
+    let url = format!("tcp:127.0.0.1:{}", free_port());
+    let dst = Ferry::incoming(&url);
+    let (report, ok, stderr) = migrate(&src, &url, &["--connections", "4", "--checksum"]);
+    assert!(ok, "migrate failed: {stderr}\n{report:?}");
+    assert_eq!(report.connections, 4, "{report:?}");
+    assert!(
+        report.pages_resent > 0,
+        "pages dirtied in one round travel again"
+    );
+    let (a, b) = (
+        report.memory_checksum_source,
+        report.memory_checksum_destination,
+    );
+    assert!(
+        a.is_some() && a == b,
+        "memory equal at the switch: {a:?} vs {b:?}"
+    );
+    assert!(src.wait_exit(T).success());
+    let info = passes_after(&dst, 2);
+    assert_eq!(
+        info.verify_errors, 0,
+        "pages lost: {:?}",
+        info.verify_error_pages
+    );
+}
+
+#[test]
 fn both_vcpus_progress_after_migration() {
     if !kvm_available() {
         return;
@@ -336,6 +368,14 @@ fn bad_migration_requests_are_refused_clearly() {
     fails(
         &["--to", &nobody, "--max-rounds", "0"],
         "max_rounds must be positive",
+    );
+    fails(
+        &["--to", &nobody, "--connections", "17"],
+        "connections must be 1..=16 (got 17)",
+    );
+    fails(
+        &["--to", &nobody, "--connections", "0"],
+        "connections must be positive",
     );
     fails(
         &["--to", &nobody, "--mode", "teleport"],

@@ -109,6 +109,19 @@ fn hybrid_sends_one_round_then_post_copies_the_rest() {
 }
 
 #[test]
+fn hybrid_over_three_connections() {
+    if !kvm_available() {
+        return;
+    }
+    let r = postcopy_keeps_every_page(
+        1,
+        "write ws=128M random verify",
+        &["--mode", "hybrid", "--connections", "3"],
+    );
+    assert_eq!(r.connections, 3, "{r:?}");
+}
+
+#[test]
 fn non_converging_precopy_switches_to_postcopy_by_itself() {
     if !kvm_available() {
         return;

@@ -131,6 +131,8 @@ pub struct Status {
     pub mode: String,
     pub peer: String,
     pub memory_pages: u64,
+    /// Connections the pages travel on (the main one and the extra ones).
+    pub connections: u32,
     /// Which zero-page check this host runs: avx512, avx2 or scalar.
     pub zero_page_check: String,
     /// What the destination said when it answered: can it take post-copy?

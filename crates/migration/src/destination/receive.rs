@@ -131,6 +131,7 @@ impl Receiver<'_> {
         }
         self.status.mode = format!("{mode:?}").to_lowercase();
         self.status.memory_pages = ram.pages();
+        self.status.connections = connections.max(1);
         self.status.phase = Phase::Active;
         self.status.report.setup_ms = ms(started.elapsed());
         self.publish();

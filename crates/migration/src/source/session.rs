@@ -143,6 +143,7 @@ impl<'a> Session<'a> {
         } else {
             1
         };
+        self.status.connections = connections;
         let session = if connections > 1 {
             lanes::session_id()?
         } else {
