@@ -13,11 +13,19 @@ const T: Duration = Duration::from_secs(60);
 /// Boots `cmdline`, migrates with `extra`, checks every promise of post-copy, and returns
 /// the report.
 fn postcopy_keeps_every_page(vcpus: usize, cmdline: &str, extra: &[&str]) -> MigrationStatus {
-    let mut src = Ferry::boot(VmSpec {
-        vcpus,
-        cmdline,
-        ..Default::default()
-    });
+    postcopy_keeps_every_page_of(
+        VmSpec {
+            vcpus,
+            cmdline,
+            ..Default::default()
+        },
+        extra,
+    )
+}
+
+fn postcopy_keeps_every_page_of(spec: VmSpec, extra: &[&str]) -> MigrationStatus {
+    let vcpus = spec.vcpus;
+    let mut src = Ferry::boot(spec);
     src.wait_info("a first pass", T, |i| i.passes >= vcpus as u64);
     let url = format!("unix:{}", src.scratch("mig.sock").display());
     let dst = Ferry::incoming(&url);
@@ -106,6 +114,24 @@ fn hybrid_sends_one_round_then_post_copies_the_rest() {
         "one pre-copy round, then post-copy: {:?}",
         r.rounds
     );
+}
+
+#[test]
+fn hybrid_on_memfd_memory_drops_stale_copies_from_the_file() {
+    if !kvm_available() {
+        return;
+    }
+    // Pages dirtied after hybrid's round must be punched out of the destination's memfd, or
+    // the guest would read their stale copies without a fault.
+    let r = postcopy_keeps_every_page_of(
+        VmSpec {
+            cmdline: "write ws=128M random verify",
+            memory_backend: "memfd",
+            ..Default::default()
+        },
+        &["--mode", "hybrid"],
+    );
+    assert!(r.pages_pushed + r.pages_requested > 0, "{r:?}");
 }
 
 #[test]

@@ -84,6 +84,8 @@ pub struct VmSpec<'a> {
     pub cmdline: &'a str,
     /// Serve the test hooks (`--enable-debug-api`).
     pub debug_api: bool,
+    /// `anonymous` or `memfd`.
+    pub memory_backend: &'a str,
 }
 
 impl Default for VmSpec<'_> {
@@ -93,6 +95,7 @@ impl Default for VmSpec<'_> {
             vcpus: 1,
             cmdline: "idle",
             debug_api: false,
+            memory_backend: "anonymous",
         }
     }
 }
@@ -160,6 +163,8 @@ impl Ferry {
             &vcpus,
             "--cmdline",
             spec.cmdline,
+            "--memory-backend",
+            spec.memory_backend,
         ];
         if spec.debug_api {
             args.push("--enable-debug-api");

@@ -58,6 +58,61 @@ struct Installed {
     checksum: Option<u64>,
 }
 
+/// Makes every pending page that arrived in an earlier round (and was dirtied since) missing
+/// again, so that the guest's first touch asks for the newer copy. This runs inside the
+/// downtime: runs of consecutive pending pages are dropped with one call each (a pending page
+/// that never arrived is absent already, so a run may include it), which makes the cost grow
+/// with the runs, not the pages.
+fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, received: &Bitmap) -> Result<()> {
+    // A shared mapping (memfd) keeps its pages in the file: they must be punched out of it.
+    // A private one answers EINVAL to that, once, and is zapped from then on.
+    let mut shared = None;
+    let mut drop_run = |first: u64, pages: u64| -> Result<()> {
+        let p = ram.host_ptr(first, pages)? as *mut libc::c_void;
+        let len = pages as usize * PAGE_SIZE;
+        // SAFETY: pages of our own mapping, while no vCPU runs.
+        let punch = |advice| unsafe { libc::madvise(p, len, advice) };
+        if shared.is_none() {
+            shared = Some(punch(libc::MADV_REMOVE) == 0);
+            if shared == Some(true) {
+                return Ok(());
+            }
+        }
+        let advice = if shared == Some(true) {
+            libc::MADV_REMOVE
+        } else {
+            libc::MADV_DONTNEED
+        };
+        if punch(advice) != 0 {
+            return Err(Error::vm_caused(
+                "cannot drop stale pages",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    };
+    let mut run: Option<(u64, u64, bool)> = None; // first page, pages, holds a stale copy
+    for pfn in pending.iter() {
+        let stale = received.get(pfn);
+        run = match run {
+            Some((first, n, any)) if first + n == pfn && ram.pages_to_region_end(first) > n => {
+                Some((first, n + 1, any || stale))
+            }
+            Some((first, n, any)) => {
+                if any {
+                    drop_run(first, n)?;
+                }
+                Some((pfn, 1, stale))
+            }
+            None => Some((pfn, 1, stale)),
+        };
+    }
+    if let Some((first, n, true)) = run {
+        drop_run(first, n)?;
+    }
+    Ok(())
+}
+
 #[derive(Default)]
 struct FaultLog {
     waiting: HashMap<u64, Instant>,
@@ -91,15 +146,7 @@ impl Postcopy {
     /// Drops stale copies of pending pages (those in `received`) and registers guest memory
     /// for missing-page faults. The vCPUs must still be parked.
     pub fn arm(ram: GuestRam, pending: Bitmap, received: &Bitmap, checksum: bool) -> Result<Self> {
-        for pfn in pending.iter().filter(|&p| received.get(p)) {
-            // A page received in an earlier round and dirtied since is stale: make it missing.
-            let p = ram.host_ptr(pfn, 1)? as *mut libc::c_void;
-            // SAFETY: a page of our own mapping, while no vCPU runs.
-            unsafe {
-                libc::madvise(p, PAGE_SIZE, libc::MADV_DONTNEED);
-                libc::madvise(p, PAGE_SIZE, libc::MADV_REMOVE);
-            }
-        }
+        drop_stale_copies(&ram, &pending, received)?;
         let base_checksum = if checksum {
             let mut here = populated_pages(&ram)?;
             for pfn in pending.iter() {
