@@ -203,6 +203,9 @@ pub struct MigrationStatus {
     // post-copy
     pub destination_supports_postcopy: Option<bool>,
     pub postcopy: bool,
+    /// Post-copy after rounds: copies the guest had dirtied since they were sent, dropped on
+    /// the destination before the pause (those dirtied later are dropped inside it).
+    pub stale_pages_dropped_before_pause: Option<u64>,
     pub pages_pushed: u64,
     pub pages_requested: u64,
     pub postcopy_report: Option<PostcopyReport>,

@@ -148,6 +148,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         guest_pages_per_s_after: r.guest_pages_per_s_after,
         destination_supports_postcopy: s.destination_supports_postcopy,
         postcopy: s.postcopy,
+        stale_pages_dropped_before_pause: r.stale_pages_dropped_before_pause,
         pages_pushed: p.pages.pushed,
         pages_requested: p.pages.requested,
         postcopy_report: r.postcopy_report.as_ref().map(|c| api::PostcopyReport {

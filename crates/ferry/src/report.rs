@@ -92,6 +92,12 @@ pub fn render(s: &MigrationStatus) -> String {
             "  post-copy: {} pages pushed, {} requested",
             s.pages_pushed, s.pages_requested
         );
+        if let Some(n) = s.stale_pages_dropped_before_pause {
+            let _ = writeln!(
+                o,
+                "  stale copies dropped on the destination before the pause: {n}"
+            );
+        }
         if let Some(r) = &s.postcopy_report {
             let _ = writeln!(
                 o,

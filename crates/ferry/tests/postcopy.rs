@@ -114,6 +114,10 @@ fn hybrid_sends_one_round_then_post_copies_the_rest() {
         "one pre-copy round, then post-copy: {:?}",
         r.rounds
     );
+    assert!(
+        r.stale_pages_dropped_before_pause.unwrap_or(0) > 0,
+        "the copies dirtied after the round were dropped before the pause: {r:?}"
+    );
 }
 
 #[test]

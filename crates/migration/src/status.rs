@@ -118,6 +118,9 @@ pub struct Report {
     pub guest_pages_per_s_during: Option<f64>,
     pub guest_pages_per_s_after: Option<f64>,
     pub postcopy_report: Option<PostcopyReport>,
+    /// Post-copy after rounds: copies the guest had dirtied, dropped on the destination
+    /// before the pause (the rest, dirtied after, are dropped inside it).
+    pub stale_pages_dropped_before_pause: Option<u64>,
     // verification aid
     pub memory_checksum_source: Option<u64>,
     pub memory_checksum_destination: Option<u64>,

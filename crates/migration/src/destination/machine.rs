@@ -10,6 +10,8 @@ pub enum DestinationState {
     AwaitHello,
     /// Pages and round ends; then the switch (`PostcopyPending` or the first state frame).
     Memory,
+    /// The stale copies are dropped: no more pages before the switch to post-copy.
+    StaleDropped,
     /// vCPU and device state, up to `StateEnd`.
     State,
     /// Loaded; waiting for the source's `Go`.
@@ -47,7 +49,8 @@ impl DestinationState {
             (AwaitHello, Message::Hello { .. }) => Memory,
             (AwaitHello, Message::ResumePostcopy) => Postcopy,
             (Memory, Message::RoundEnd { .. }) => Memory,
-            (Memory, Message::PostcopyPending { .. }) => State,
+            (Memory, Message::Stale { .. }) => StaleDropped,
+            (Memory | StaleDropped, Message::PostcopyPending { .. }) => State,
             (Memory | State, Message::VcpuState { .. } | Message::DeviceState { .. }) => State,
             (State, Message::StateEnd { .. }) => AwaitGo,
             (AwaitGo, Message::Go) if postcopy => Postcopy,
@@ -166,6 +169,43 @@ mod tests {
         )
         .unwrap();
         assert_eq!(s, Done);
+    }
+
+    #[test]
+    fn stale_copies_are_dropped_once_and_then_no_page_may_come() {
+        let (h, end) = (hello(), Message::RoundEnd { round: 0, pages: 1 });
+        let stale = Message::Stale {
+            pages: 1,
+            words: vec![1],
+        };
+        let pending = Message::PostcopyPending {
+            pages: 1,
+            words: vec![1],
+        };
+        let before = [
+            Incoming::Message(&h),
+            Incoming::Pages,
+            Incoming::Message(&end),
+            Incoming::Message(&stale),
+        ];
+        let s = walk(&before, false).unwrap();
+        assert_eq!(s, StaleDropped);
+        assert_eq!(s.next(Incoming::Message(&pending), false).unwrap(), State);
+        let e = s.next(Incoming::Pages, false).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("page frame while the destination was in StaleDropped")
+        );
+        let e = s.next(Incoming::Message(&stale), false).unwrap_err();
+        assert!(e.to_string().contains("unexpected Stale"), "{e}");
+        let vcpu = Message::VcpuState {
+            index: 0,
+            state: vec![],
+        };
+        assert!(
+            s.next(Incoming::Message(&vcpu), false).is_err(),
+            "after Stale the switch is to post-copy"
+        );
     }
 
     #[test]

@@ -59,11 +59,11 @@ struct Installed {
 }
 
 /// Makes every pending page that arrived in an earlier round (and was dirtied since) missing
-/// again, so that the guest's first touch asks for the newer copy. This runs inside the
-/// downtime: runs of consecutive pending pages are dropped with one call each (a pending page
+/// again, so that the guest's first touch asks for the newer copy. Most of them are dropped
+/// before the pause (`Stale`); the rest inside the downtime, so runs of consecutive pending pages are dropped with one call each (a pending page
 /// that never arrived is absent already, so a run may include it), which makes the cost grow
 /// with the runs, not the pages.
-fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, received: &Bitmap) -> Result<()> {
+pub(super) fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, received: &Bitmap) -> Result<()> {
     // A shared mapping (memfd) keeps its pages in the file: they must be punched out of it.
     // A private one answers EINVAL to that, once, and is zapped from then on.
     let mut shared = None;

@@ -199,6 +199,16 @@ impl Receiver<'_> {
                     *slot = Some(state);
                 }
                 Message::DeviceState { state } => devices = Some(state),
+                Message::Stale { pages: n, words } => {
+                    // Every copy must have landed before it is dropped.
+                    if let Some(lanes) = lanes.take() {
+                        lanes.finish(&mut pages)?;
+                    }
+                    let stale = postcopy_map(&ram, n, words)?;
+                    postcopy::drop_stale_copies(&ram, &stale, pages.written())?;
+                    pages.forget(&stale);
+                    wire::write_message(stream, &Message::StaleDropped)?;
+                }
                 Message::PostcopyPending { pages: n, words } => {
                     pending = Some(postcopy_map(&ram, n, words)?);
                 }

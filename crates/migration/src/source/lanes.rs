@@ -21,6 +21,8 @@ const STOP_EVERY_PAGES: u64 = 1024;
 
 pub(crate) struct Lane {
     stream: Stream,
+    /// `LaneEnd` sent: nothing more travels here.
+    ended: bool,
     pages: PageSender,
     limiter: RateLimiter,
 }
@@ -94,6 +96,7 @@ impl Session<'_> {
             let limiter = RateLimiter::new(per_lane);
             self.lanes.push(Lane {
                 stream,
+                ended: false,
                 pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES)),
                 limiter,
             });
@@ -158,9 +161,10 @@ impl Session<'_> {
         }
     }
 
-    /// Ends every extra lane: nothing more travels on them.
+    /// Ends every extra lane (once): nothing more travels on them.
     pub(super) fn end_lanes(&mut self) -> Result<()> {
-        for lane in &mut self.lanes {
+        for lane in self.lanes.iter_mut().filter(|l| !l.ended) {
+            lane.ended = true;
             let c = lane.pages.counters;
             wire::write_message(
                 &mut lane.stream,

@@ -11,6 +11,9 @@ pub enum SourceState {
     AwaitReady,
     /// Live rounds (or, warm/snapshot, the one full pass).
     Rounds,
+    /// Rounds over, the switch will be to post-copy: the destination drops the copies the
+    /// guest dirtied since, while the guest still runs here.
+    DroppingStale,
     /// Paused; last pages and the state are on their way.
     Switchover,
     /// State sent; the destination loads it.
@@ -33,6 +36,7 @@ pub enum SourceState {
 pub enum Event<'a> {
     Ready,
     StartRounds,
+    StaleSent,
     Paused,
     StateSent,
     GoSent { postcopy: bool },
@@ -48,6 +52,8 @@ impl SourceState {
             }
             (AwaitReady, Event::Heard(Message::Ready { .. })) => Rounds,
             (AwaitReady, Event::StartRounds) => Rounds, // a snapshot file answers nothing
+            (Rounds, Event::StaleSent) => DroppingStale,
+            (DroppingStale, Event::Heard(Message::StaleDropped)) => Rounds,
             (Rounds, Event::Paused) => Switchover,
             (Switchover, Event::StateSent) => AwaitLoaded,
             (AwaitLoaded, Event::Heard(Message::Loaded { .. })) => Loaded,
@@ -149,6 +155,25 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(s, Done);
+    }
+
+    #[test]
+    fn the_source_pauses_only_after_the_stale_copies_are_dropped() {
+        let ready = Message::Ready { postcopy: true };
+        let s = run(vec![Event::Heard(&ready), Event::StaleSent]).unwrap();
+        assert_eq!(s, DroppingStale);
+        assert!(s.next(Event::Paused).is_err(), "no pause before the answer");
+        let s = s.next(Event::Heard(&Message::StaleDropped)).unwrap();
+        assert_eq!(s.next(Event::Paused).unwrap(), Switchover);
+        let e = run(vec![
+            Event::Heard(&ready),
+            Event::Heard(&Message::StaleDropped),
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("sent StaleDropped while the source was in Rounds")
+        );
     }
 
     #[test]

@@ -29,6 +29,14 @@ impl Session<'_> {
         start_ns: u64,
     ) -> Result<()> {
         self.check_continue()?;
+        if postcopy
+            && self.paused_at.is_none()
+            && self.stream.has_peer()
+            && !self.status.progress.rounds.is_empty()
+            && pending.count() > 0
+        {
+            self.drop_stale_before_pause(&pending)?;
+        }
         self.status.phase = Phase::Switchover;
         self.publish();
         if self.paused_at.is_none() {
@@ -96,6 +104,21 @@ impl Session<'_> {
             self.await_guest_report();
         }
         self.complete(Some(resumed_at));
+        Ok(())
+    }
+
+    /// Before a switch to post-copy after rounds: the destination drops the copies the guest
+    /// dirtied since they were sent while the guest still runs here, so that the pause only
+    /// drops those it dirties from now on (hybrid's downtime no longer grows with them).
+    fn drop_stale_before_pause(&mut self, stale: &Bitmap) -> Result<()> {
+        self.end_lanes()?; // every copy must have landed before it is dropped
+        self.send(&Message::Stale {
+            pages: stale.pages(),
+            words: stale.words().to_vec(),
+        })?;
+        self.step(Event::StaleSent)?;
+        self.hear()?;
+        self.status.report.stale_pages_dropped_before_pause = Some(stale.count());
         Ok(())
     }
 

@@ -82,6 +82,13 @@ impl Bitmap {
         }
     }
 
+    /// Clears every bit of `other` here.
+    pub fn subtract(&mut self, other: &Bitmap) {
+        for (a, b) in self.words.iter_mut().zip(&other.words) {
+            *a &= !*b;
+        }
+    }
+
     pub fn count(&self) -> u64 {
         self.words.iter().map(|w| u64::from(w.count_ones())).sum()
     }

@@ -118,6 +118,11 @@ pub enum Message {
     Join { session: u64, lane: u32 },
     /// Source → destination, last on an extra connection: it carried `pages` pages.
     LaneEnd { pages: u64 },
+    /// Source → destination, while the guest still runs, before a switch to post-copy after
+    /// rounds: these pages (a bitmap) were dirtied since they were sent; make them missing.
+    Stale { pages: u64, words: Vec<u64> },
+    /// Destination → source: the stale pages are gone; the source may pause.
+    StaleDropped,
 }
 
 impl Message {
@@ -143,6 +148,8 @@ impl Message {
             Message::ResumeFrom { .. } => 17,
             Message::Join { .. } => 18,
             Message::LaneEnd { .. } => 19,
+            Message::Stale { .. } => 20,
+            Message::StaleDropped => 21,
         }
     }
 
@@ -168,6 +175,8 @@ impl Message {
             Message::ResumeFrom { .. } => "ResumeFrom",
             Message::Join { .. } => "Join",
             Message::LaneEnd { .. } => "LaneEnd",
+            Message::Stale { .. } => "Stale",
+            Message::StaleDropped => "StaleDropped",
         }
     }
 
@@ -215,7 +224,7 @@ impl Message {
                 e.opt_u64(*memory_checksum);
             }
             Message::Loaded { memory_checksum } => e.opt_u64(*memory_checksum),
-            Message::Go | Message::ResumePostcopy => {}
+            Message::Go | Message::ResumePostcopy | Message::StaleDropped => {}
             Message::Resumed { state_to_resume_ns } => e.u64(*state_to_resume_ns),
             Message::GuestReport {
                 observed_downtime_ns,
@@ -225,7 +234,7 @@ impl Message {
                 e.opt_f64(*pages_per_s_after);
             }
             Message::Abort { reason } => e.str(reason),
-            Message::PostcopyPending { pages, words } => {
+            Message::PostcopyPending { pages, words } | Message::Stale { pages, words } => {
                 e.u64(*pages);
                 e.words(words);
             }
@@ -350,6 +359,11 @@ impl Message {
                 lane: d.u32()?,
             },
             19 => Message::LaneEnd { pages: d.u64()? },
+            20 => Message::Stale {
+                pages: d.u64()?,
+                words: d.words()?,
+            },
+            21 => Message::StaleDropped,
             other => return Err(Error::Protocol(format!("unknown message tag {other}"))),
         };
         if !d.buf.is_empty() {
@@ -580,13 +594,21 @@ mod tests {
                 "1200 5500000000000000 01000000",
             ),
             (Message::LaneEnd { pages: 4 }, "1300 0400000000000000"),
+            (
+                Message::Stale {
+                    pages: 64,
+                    words: vec![1],
+                },
+                "1400 4000000000000000 01000000 0100000000000000",
+            ),
+            (Message::StaleDropped, "1500"),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 19, "a golden example per message");
+        assert_eq!(all.len(), 21, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());

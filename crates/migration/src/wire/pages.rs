@@ -182,6 +182,11 @@ impl PageReceiver {
         self.pages += other.pages;
     }
 
+    /// Forgets pages whose copies were dropped from guest memory.
+    pub fn forget(&mut self, dropped: &Bitmap) {
+        self.written.subtract(dropped);
+    }
+
     /// Pages this receiver has written into guest memory.
     pub fn written(&self) -> &Bitmap {
         &self.written
