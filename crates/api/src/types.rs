@@ -81,6 +81,8 @@ pub struct MigrationRequest {
     pub prepaging: Option<String>,
     /// Connections the pages travel on, each with its own sender thread (1..=16, default 1).
     pub connections: Option<i64>,
+    /// none (default), lz4, zstd or auto.
+    pub compression: Option<String>,
 }
 
 /// Body of `PUT /api/v1/vm.migrate-resume`: on the destination `listen` (where to wait for the
@@ -128,6 +130,19 @@ impl MigrationPhase {
             Self::Setup | Self::Active | Self::Switchover | Self::PostcopyActive
         )
     }
+}
+
+/// Page frames by the codec their data went with, and what compression saved.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CompressionStats {
+    /// What was asked for: none, lz4, zstd or auto.
+    pub asked: String,
+    pub frames_plain: u64,
+    pub frames_lz4: u64,
+    pub frames_zstd: u64,
+    /// Page data of the compressed frames, before and after compression.
+    pub bytes_in: u64,
+    pub bytes_out: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -185,6 +200,7 @@ pub struct MigrationStatus {
     pub pages_skipped_unpopulated: u64,
     pub pages_resent: u64,
     pub bytes_on_wire: u64,
+    pub compression: CompressionStats,
     pub rounds: Vec<RoundStats>,
     // times
     pub setup_ms: f64,

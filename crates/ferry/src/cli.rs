@@ -73,6 +73,10 @@ pub struct MigrateArgs {
     /// Connections the pages travel on, each with its own sender thread (1..=16).
     #[arg(long, allow_negative_numbers = true)]
     pub connections: Option<i64>,
+    /// Page data compressed per frame: none (default), lz4, zstd, or auto (each connection
+    /// picks what moves its pages soonest over this link, and changes its mind).
+    #[arg(long)]
+    pub compression: Option<String>,
     #[arg(long, allow_negative_numbers = true)]
     pub max_downtime_ms: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]

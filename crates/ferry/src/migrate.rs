@@ -35,6 +35,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         auto_postcopy: Some(args.auto_postcopy),
         prepaging: args.prepaging.clone(),
         connections: args.connections,
+        compression: args.compression.clone(),
     };
     let _ = vmm_sys_util::signal::register_signal_handler(libc::SIGINT, on_interrupt);
     client

@@ -125,6 +125,14 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         pages_skipped_unpopulated: p.pages.skipped_unpopulated,
         pages_resent: p.pages.resent,
         bytes_on_wire: p.bytes_on_wire,
+        compression: api::CompressionStats {
+            asked: p.compression.asked.clone(),
+            frames_plain: p.compression.frames_plain,
+            frames_lz4: p.compression.frames_lz4,
+            frames_zstd: p.compression.frames_zstd,
+            bytes_in: p.compression.bytes_in,
+            bytes_out: p.compression.bytes_out,
+        },
         rounds: p
             .rounds
             .iter()
@@ -209,6 +217,10 @@ pub fn params_from_request(
         connections: positive("connections", req.connections)?
             .map(|n| n.min(u64::from(u32::MAX)) as u32)
             .unwrap_or(defaults.connections),
+        compression: match req.compression.as_deref() {
+            None => defaults.compression,
+            Some(c) => c.parse().map_err(api_error)?,
+        },
     };
     params.validate().map_err(api_error)?;
     Ok((endpoint, params))

@@ -86,6 +86,14 @@ pub fn render(s: &MigrationStatus) -> String {
     for (k, v) in rows {
         let _ = writeln!(o, "  {k:<33} {v}");
     }
+    let c = &s.compression;
+    if c.frames_lz4 + c.frames_zstd > 0 || !matches!(c.asked.as_str(), "" | "none") {
+        let _ = writeln!(
+            o,
+            "  compression {}: frames plain {} | lz4 {} | zstd {}; page data {} -> {} bytes",
+            c.asked, c.frames_plain, c.frames_lz4, c.frames_zstd, c.bytes_in, c.bytes_out
+        );
+    }
     if s.postcopy {
         let _ = writeln!(
             o,

@@ -86,17 +86,16 @@ fn write_workload_precopy_keeps_every_page() {
     assert_eq!(info.per_vcpu[0].guest_errors, 0);
 }
 
-#[test]
-fn four_connections_over_tcp_keep_every_page() {
-    if !kvm_available() {
-        return;
-    }
+/// Pre-copy of a random writer over TCP with `extra`; checks every page arrived and the
+/// guest verified its memory on the destination; returns the report.
+fn tcp_precopy_keeps_every_page(extra: &[&str]) -> MigrationStatus {
     let mut src = Ferry::writer("write ws=256M random verify");
     let url = format!("tcp:127.0.0.1:{}", free_port());
     let dst = Ferry::incoming(&url);
-    let (report, ok, stderr) = migrate(&src, &url, &["--connections", "4", "--checksum"]);
+    let mut args = vec!["--checksum"];
+    args.extend_from_slice(extra);
+    let (report, ok, stderr) = migrate(&src, &url, &args);
     assert!(ok, "migrate failed: {stderr}\n{report:?}");
-    assert_eq!(report.connections, 4, "{report:?}");
     assert!(
         report.pages_resent > 0,
         "pages dirtied in one round travel again"
@@ -116,6 +115,36 @@ fn four_connections_over_tcp_keep_every_page() {
         "pages lost: {:?}",
         info.verify_error_pages
     );
+    report
+}
+
+#[test]
+fn four_connections_over_tcp_keep_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    let report = tcp_precopy_keeps_every_page(&["--connections", "4"]);
+    assert_eq!(report.connections, 4, "{report:?}");
+}
+
+#[test]
+fn compressed_pages_over_two_connections_keep_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    for codec in ["lz4", "zstd", "auto"] {
+        let r = tcp_precopy_keeps_every_page(&["--connections", "2", "--compression", codec]);
+        let c = &r.compression;
+        assert_eq!(c.asked, codec);
+        assert!(
+            c.frames_lz4 + c.frames_zstd > 0 && c.bytes_out < c.bytes_in,
+            "{codec}: {c:?}"
+        );
+        assert!(
+            r.bytes_on_wire < (r.pages_full * 4096),
+            "{codec}: fewer bytes than the pages hold"
+        );
+    }
 }
 
 #[test]
@@ -376,6 +405,10 @@ fn bad_migration_requests_are_refused_clearly() {
     fails(
         &["--to", &nobody, "--connections", "0"],
         "connections must be positive",
+    );
+    fails(
+        &["--to", &nobody, "--compression", "brotli"],
+        "unknown compression 'brotli' (use none, lz4, zstd or auto)",
     );
     fails(
         &["--to", &nobody, "--mode", "teleport"],

@@ -139,16 +139,24 @@ fn hybrid_on_memfd_memory_drops_stale_copies_from_the_file() {
 }
 
 #[test]
-fn hybrid_over_three_connections() {
+fn hybrid_over_three_compressed_connections() {
     if !kvm_available() {
         return;
     }
     let r = postcopy_keeps_every_page(
         1,
         "write ws=128M random verify",
-        &["--mode", "hybrid", "--connections", "3"],
+        &[
+            "--mode",
+            "hybrid",
+            "--connections",
+            "3",
+            "--compression",
+            "zstd",
+        ],
     );
     assert_eq!(r.connections, 3, "{r:?}");
+    assert!(r.compression.frames_zstd > 0, "{:?}", r.compression);
 }
 
 #[test]

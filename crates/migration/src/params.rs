@@ -2,6 +2,7 @@
 
 use crate::error::{Error, Result};
 pub use crate::prepaging::Strategy;
+pub use crate::wire::codec::Compression;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -61,6 +62,9 @@ pub struct MigrationParams {
     pub prepaging: Strategy,
     /// TCP (or Unix) connections the pages travel on, each with its own sender thread.
     pub connections: u32,
+    /// Page data compressed per frame: none, lz4, zstd, or auto (chosen by link and data, by
+    /// each connection's sender).
+    pub compression: Compression,
 }
 
 impl Default for MigrationParams {
@@ -75,6 +79,7 @@ impl Default for MigrationParams {
             auto_postcopy: false,
             prepaging: Strategy::Bubble,
             connections: 1,
+            compression: Compression::None,
         }
     }
 }

@@ -11,7 +11,7 @@ pub struct Measured {
     pub rounds_done: u32,
     /// Dirty pages waiting to be sent.
     pub pages_remaining: u64,
-    /// Goodput measured over everything sent so far.
+    /// How fast pages move, in full-page bytes per second (see `Session::measure`).
     pub bandwidth_bytes_per_s: f64,
     pub dirty_pages_per_s: f64,
     /// Consecutive recent rounds whose dirty set did not shrink by a tenth.

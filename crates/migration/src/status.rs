@@ -98,6 +98,20 @@ pub struct Progress {
     pub pages: PageCounts,
     pub bytes_on_wire: u64,
     pub rounds: Vec<RoundStats>,
+    /// Page frames by the codec their data went with, and what compression saved.
+    pub compression: CompressionCounts,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CompressionCounts {
+    /// What was asked for: none, lz4, zstd or auto.
+    pub asked: String,
+    pub frames_plain: u64,
+    pub frames_lz4: u64,
+    pub frames_zstd: u64,
+    /// Page data of the compressed frames, before and after.
+    pub bytes_in: u64,
+    pub bytes_out: u64,
 }
 
 /// What a finished migration measured (also a failed one, as far as it got).

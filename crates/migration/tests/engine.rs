@@ -10,8 +10,8 @@ use migration::destination::Source;
 use migration::wire::bitmap::Bitmap;
 use migration::wire::{Message, StreamMode};
 use migration::{
-    Endpoint, GuestRam, GuestReport, Incoming, Migratable, MigrationParams, Mode, Outgoing, Phase,
-    RamRange, Status, StatusBoard, VmDescriptor,
+    Compression, Endpoint, GuestRam, GuestReport, Incoming, Migratable, MigrationParams, Mode,
+    Outgoing, Phase, RamRange, Status, StatusBoard, VmDescriptor,
 };
 
 /// Guest RAM: pages [0, LOW) and [HIGH, HIGH + LOW), with a hole between them (the shape of
@@ -275,11 +275,26 @@ fn migrate(src: &Arc<FakeVm>, params: MigrationParams, refuse: Option<&'static s
 #[test]
 fn precopy_moves_memory_exactly_while_the_guest_writes() {
     for connections in [1, 2, 4] {
-        precopy_over(connections);
+        precopy_over(connections, Compression::None);
     }
 }
 
-fn precopy_over(connections: u32) {
+/// Every codec, and `auto`, over one connection and over two.
+#[test]
+fn compressed_precopy_moves_memory_exactly_while_the_guest_writes() {
+    for compression in ["lz4", "zstd", "auto"] {
+        for connections in [1, 2] {
+            let s = precopy_over(connections, compression.parse().unwrap());
+            let c = &s.progress.compression;
+            assert!(
+                c.frames_lz4 + c.frames_zstd > 0 && c.bytes_out < c.bytes_in,
+                "{compression}: {c:?}"
+            );
+        }
+    }
+}
+
+fn precopy_over(connections: u32, compression: Compression) -> Status {
     let src = FakeVm::new();
     // Some pages hold data before the migration (on both sides of the hole); most are never
     // touched.
@@ -294,6 +309,7 @@ fn precopy_over(connections: u32) {
             max_downtime_ms: 1,
             max_rounds: 6,
             connections,
+            compression,
             ..Default::default()
         },
         None,
@@ -321,17 +337,21 @@ fn precopy_over(connections: u32) {
     let state = dest.state.lock().unwrap().clone().unwrap();
     assert_eq!(state.0, vec![b"cpu0".to_vec(), b"cpu1".to_vec()]);
     assert_eq!(state.1, b"devices".to_vec());
+    s
 }
 
 /// Post-copy and hybrid through the engine alone: the destination VM's "guest" reads pages
 /// the moment it resumes (faults that must be served by request), the rest is pushed.
 #[test]
 fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
-    for (mode, connections) in [
-        (Mode::Postcopy, 1),
-        (Mode::Hybrid, 1),
-        (Mode::Postcopy, 3),
-        (Mode::Hybrid, 3),
+    for (mode, connections, compression) in [
+        (Mode::Postcopy, 1, "none"),
+        (Mode::Hybrid, 1, "none"),
+        (Mode::Postcopy, 3, "none"),
+        (Mode::Hybrid, 3, "none"),
+        (Mode::Postcopy, 1, "lz4"),
+        (Mode::Hybrid, 2, "zstd"),
+        (Mode::Hybrid, 2, "auto"),
     ] {
         let src = FakeVm::new();
         for i in 0..PAGES {
@@ -348,6 +368,7 @@ fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
             MigrationParams {
                 mode,
                 connections,
+                compression: compression.parse().unwrap(),
                 ..Default::default()
             },
             None,

@@ -10,7 +10,9 @@ use super::session::{DEFAULT_BATCH_PAGES, Session};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
+use crate::status::CompressionCounts;
 use crate::wire::bitmap::Bitmap;
+use crate::wire::codec::Codec;
 pub use crate::wire::pages::MAX_CONNECTIONS;
 use crate::wire::pages::{PageSender, SendCounters, lane_of};
 use crate::wire::transport::Stream;
@@ -97,7 +99,8 @@ impl Session<'_> {
             self.lanes.push(Lane {
                 stream,
                 ended: false,
-                pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES)),
+                pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
+                    .with_compression(self.params.compression),
                 limiter,
             });
         }
@@ -176,15 +179,29 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// Copies what all lanes have put on the wire into the status; returns it.
+    pub(super) fn publish_counters(&mut self) -> SendCounters {
+        let c = self.sent();
+        let p = &mut self.status.progress;
+        p.pages.full = c.full;
+        p.pages.zero = c.zero;
+        p.bytes_on_wire = c.bytes;
+        p.compression = CompressionCounts {
+            asked: self.params.compression.name().into(),
+            frames_plain: c.frames_by_codec[Codec::None as usize],
+            frames_lz4: c.frames_by_codec[Codec::Lz4 as usize],
+            frames_zstd: c.frames_by_codec[Codec::Zstd as usize],
+            bytes_in: c.packed_in,
+            bytes_out: c.packed_out,
+        };
+        c
+    }
+
     /// What all lanes have put on the wire.
     pub(super) fn sent(&self) -> SendCounters {
         self.lanes
             .iter()
-            .fold(self.pages.counters, |acc, lane| SendCounters {
-                full: acc.full + lane.pages.counters.full,
-                zero: acc.zero + lane.pages.counters.zero,
-                bytes: acc.bytes + lane.pages.counters.bytes,
-            })
+            .fold(self.pages.counters, |acc, lane| acc + lane.pages.counters)
     }
 }
 

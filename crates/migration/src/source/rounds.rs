@@ -8,7 +8,7 @@ use super::lanes::RoundShare;
 use super::session::Session;
 use crate::error::Result;
 use crate::params::Mode;
-use crate::policy::{self, Decision, Limits, Measured};
+use crate::policy::{self, Decision, FULL_PAGE_WIRE_BYTES, Limits, Measured};
 use crate::scan::populated_pages;
 use crate::status::{RoundStats, ms};
 use crate::wire::bitmap::Bitmap;
@@ -17,6 +17,8 @@ use crate::wire::{Message, StreamMode};
 
 /// Rounds without progress before pre-copy gives up iterating (see `policy`).
 const MAX_STALLED_ROUNDS: u32 = 3;
+/// A round of fewer pages is too short to time the link by.
+const RATE_MIN_PAGES: u64 = 1024;
 /// Live status is refreshed every this many pages inside a round.
 const STATUS_EVERY_PAGES: u64 = 4096;
 
@@ -95,8 +97,20 @@ impl Session<'_> {
 
     fn measure(&mut self, rounds_done: u32, pages_remaining: u64, stalled_rounds: u32) -> Measured {
         let p = &mut self.status.progress;
-        let bytes: u64 = p.rounds.iter().map(|r| r.bytes).sum();
-        let bandwidth = bytes as f64 / self.send_time.as_secs_f64().max(1e-6);
+        // How fast pages move, in full-page bytes: with zero markers and compression the wire
+        // carries less than that, and the pages still to send are counted as full ones. The
+        // last round's rate, when it was large enough to time: its pages were dirtied like
+        // those that remain (round 0 is mostly pages written once, or zero).
+        let rate = |pages: u64, secs: f64| pages as f64 * FULL_PAGE_WIRE_BYTES / secs.max(1e-6);
+        let bandwidth = match p.rounds.last() {
+            Some(last) if p.rounds.len() > 1 && last.pages >= RATE_MIN_PAGES => {
+                rate(last.pages, last.duration_ms / 1e3)
+            }
+            _ => rate(
+                p.rounds.iter().map(|r| r.pages).sum(),
+                self.send_time.as_secs_f64(),
+            ),
+        };
         // What the guest dirtied while the last round was on its way.
         let dirty_rate = match p.rounds.last_mut() {
             Some(last) => {
@@ -191,11 +205,8 @@ impl Session<'_> {
 
     /// Copies the page sender's counters into the status, with the throughput since `began`.
     pub(super) fn count_sent(&mut self, began: Instant, bytes_before: u64) {
-        let c = self.sent();
+        let c = self.publish_counters();
         let p = &mut self.status.progress;
-        p.pages.full = c.full;
-        p.pages.zero = c.zero;
-        p.bytes_on_wire = c.bytes;
         p.throughput_mbps =
             (c.bytes - bytes_before) as f64 * 8.0 / began.elapsed().as_secs_f64().max(1e-9) / 1e6;
     }

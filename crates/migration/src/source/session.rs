@@ -84,7 +84,8 @@ impl<'a> Session<'a> {
             sent_once: Bitmap::new(ram.gfn_end()),
             ram,
             stream,
-            pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES)),
+            pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
+                .with_compression(params.compression),
             lanes: Vec::new(),
             dial: None,
             limiter,

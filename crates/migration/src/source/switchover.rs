@@ -162,12 +162,8 @@ impl Session<'_> {
         self.state = SourceState::Done;
         let end = self.finished.or(resumed_at).unwrap_or_else(Instant::now);
         let total = end.duration_since(self.started);
-        let c = self.sent();
-        let p = &mut self.status.progress;
-        p.pages_remaining = 0;
-        p.pages.full = c.full;
-        p.pages.zero = c.zero;
-        p.bytes_on_wire = c.bytes;
+        let c = self.publish_counters();
+        self.status.progress.pages_remaining = 0;
         let r = &mut self.status.report;
         r.total_ms = ms(total);
         r.average_throughput_mbps = c.bytes as f64 * 8.0 / total.as_secs_f64().max(1e-9) / 1e6;

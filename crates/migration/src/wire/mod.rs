@@ -2,6 +2,7 @@
 //! check, and the transports. Both sides use this module; neither side uses the other.
 
 pub mod bitmap;
+pub mod codec;
 pub mod frame;
 pub mod message;
 pub mod pages;

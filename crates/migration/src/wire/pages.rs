@@ -2,12 +2,14 @@
 //! straight from guest memory; the receiver reads page data straight into guest memory.
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::time::{Duration, Instant};
 
 use crate::PAGE_SIZE;
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
 use crate::wire::bitmap::Bitmap;
+use crate::wire::codec::{BatchCost, Chooser, Codec, Compression, Contexts};
 use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
 };
@@ -32,6 +34,29 @@ pub struct SendCounters {
     pub full: u64,
     pub zero: u64,
     pub bytes: u64,
+    /// Frames by the codec their page data went with (none, lz4, zstd).
+    pub frames_by_codec: [u64; 3],
+    /// Page data of compressed frames, before and after compression.
+    pub packed_in: u64,
+    pub packed_out: u64,
+}
+
+impl std::ops::Add for SendCounters {
+    type Output = Self;
+    fn add(self, o: Self) -> Self {
+        let mut frames_by_codec = self.frames_by_codec;
+        for (a, b) in frames_by_codec.iter_mut().zip(o.frames_by_codec) {
+            *a += b;
+        }
+        Self {
+            full: self.full + o.full,
+            zero: self.zero + o.zero,
+            bytes: self.bytes + o.bytes,
+            frames_by_codec,
+            packed_in: self.packed_in + o.packed_in,
+            packed_out: self.packed_out + o.packed_out,
+        }
+    }
 }
 
 /// Collects pages into frames and sends each frame with one vectored write.
@@ -42,6 +67,12 @@ pub struct PageSender {
     /// Whether page data is covered by the frame checksum (only when the guest is paused).
     pub checked: bool,
     pub counters: SendCounters,
+    compression: Compression,
+    chooser: Chooser,
+    contexts: Contexts,
+    /// A compressed frame's pages, copied out of guest memory, and what they compressed to.
+    raw: Vec<u8>,
+    packed: Vec<u8>,
 }
 
 impl PageSender {
@@ -53,7 +84,18 @@ impl PageSender {
             batch,
             checked: false,
             counters: SendCounters::default(),
+            compression: Compression::None,
+            chooser: Chooser::default(),
+            contexts: Contexts::default(),
+            raw: Vec::new(),
+            packed: Vec::new(),
         }
+    }
+
+    /// Compresses page data as `compression` says (frames of full pages only).
+    pub fn with_compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
     }
 
     /// Queues page `pfn` (a zero page becomes a marker) and sends a frame when one is full.
@@ -93,26 +135,54 @@ impl PageSender {
             .iter()
             .filter(|(_, e)| *e == PageEncoding::Full)
             .count();
-        let len = PREFIX_LEN + 8 * self.pfns.len() + PAGE_SIZE * full;
-        let flags = if self.checked { 0 } else { PAGE_DATA_UNCHECKED };
-        self.head.clear();
-        self.head
-            .extend_from_slice(&protocol::frame_header(KIND_PAGES, flags, len as u32));
-        self.head
-            .extend_from_slice(&(self.pfns.len() as u32).to_le_bytes());
-        self.head.extend_from_slice(&[0; 4]);
-        for &(pfn, enc) in &self.pfns {
-            self.head
-                .extend_from_slice(&protocol::descriptor(pfn, enc).to_le_bytes());
+        let codec = match self.compression {
+            Compression::None => Codec::None,
+            Compression::Fixed(c) => c,
+            Compression::Auto => self.chooser.pick(),
+        };
+        let (frame_bytes, cost, used) = if codec != Codec::None && full > 0 {
+            self.send_packed(w, ram, limiter, codec)?
+        } else {
+            self.send_in_place(w, ram, limiter, full)?
+        };
+        if self.compression == Compression::Auto {
+            self.chooser.learn(cost);
         }
+        self.counters.full += full as u64;
+        self.counters.zero += (self.pfns.len() - full) as u64;
+        self.counters.bytes += frame_bytes;
+        self.counters.frames_by_codec[used as usize] += 1;
+        if used != Codec::None {
+            self.counters.packed_in += cost.raw_bytes as u64;
+            self.counters.packed_out += cost.packed_bytes as u64;
+        }
+        self.pfns.clear();
+        Ok(())
+    }
 
+    fn full_pages(&self) -> impl Iterator<Item = u64> + '_ {
+        self.pfns
+            .iter()
+            .filter(|(_, e)| *e == PageEncoding::Full)
+            .map(|&(pfn, _)| pfn)
+    }
+
+    /// The frame's pages go to the socket straight from guest memory.
+    fn send_in_place(
+        &mut self,
+        w: &mut impl Write,
+        ram: &GuestRam,
+        limiter: &mut RateLimiter,
+        full: usize,
+    ) -> Result<(u64, BatchCost, Codec)> {
+        let flags = if self.checked { 0 } else { PAGE_DATA_UNCHECKED };
+        let len = build_head(&mut self.head, &self.pfns, flags, PAGE_SIZE * full);
         let mut crc = crc32fast::Hasher::new();
         crc.update(&self.head);
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(full + 2);
         slices.push(IoSlice::new(&self.head));
-        // Adjacent pages are adjacent in the host mapping too: one slice per run.
         let mut run: Option<(u64, u64)> = None;
-        for &(pfn, _) in self.pfns.iter().filter(|(_, e)| *e == PageEncoding::Full) {
+        for pfn in self.full_pages() {
             if self.checked {
                 crc.update(ram.page(pfn)?);
             }
@@ -133,16 +203,94 @@ impl PageSender {
         }
         let trailer = crc.finalize().to_le_bytes();
         slices.push(IoSlice::new(&trailer));
-
         let frame_bytes = (FRAME_HEADER_LEN + len + 4) as u64;
+        let started = Instant::now();
         limiter.take(frame_bytes);
         protocol::write_all_vectored(w, &mut slices)?;
-        self.counters.full += full as u64;
-        self.counters.zero += (self.pfns.len() - full) as u64;
-        self.counters.bytes += frame_bytes;
-        self.pfns.clear();
-        Ok(())
+        let data = PAGE_SIZE * full;
+        Ok((
+            frame_bytes,
+            BatchCost {
+                codec: Codec::None,
+                raw_bytes: data,
+                packed_bytes: data,
+                compress_time: Duration::ZERO,
+                write_time: started.elapsed(),
+            },
+            Codec::None,
+        ))
     }
+
+    /// The frame's pages are copied out of guest memory and compressed; the checksum always
+    /// covers the compressed bytes (they are a consistent copy). Data that does not shrink
+    /// goes as it is, from the copy.
+    fn send_packed(
+        &mut self,
+        w: &mut impl Write,
+        ram: &GuestRam,
+        limiter: &mut RateLimiter,
+        codec: Codec,
+    ) -> Result<(u64, BatchCost, Codec)> {
+        let started = Instant::now();
+        let mut raw = std::mem::take(&mut self.raw);
+        raw.clear();
+        for pfn in self.full_pages() {
+            raw.extend_from_slice(ram.page(pfn)?);
+        }
+        codec.compress(&raw, &mut self.packed, &mut self.contexts)?;
+        let compress_time = started.elapsed();
+        let used = if self.packed.len() < raw.len() {
+            codec
+        } else {
+            Codec::None
+        };
+        let data: &[u8] = if used == codec { &self.packed } else { &raw };
+        let data_len = data.len();
+        let len = build_head(&mut self.head, &self.pfns, used.flag_bits(), data_len);
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&self.head);
+        crc.update(data);
+        let trailer = crc.finalize().to_le_bytes();
+        let mut slices = [
+            IoSlice::new(&self.head),
+            IoSlice::new(data),
+            IoSlice::new(&trailer),
+        ];
+        let frame_bytes = (FRAME_HEADER_LEN + len + 4) as u64;
+        let writing = Instant::now();
+        limiter.take(frame_bytes);
+        protocol::write_all_vectored(w, &mut slices)?;
+        // What was tried is what is learned: a codec that did not shrink the data shows a
+        // ratio of 1.
+        let cost = BatchCost {
+            codec,
+            raw_bytes: raw.len(),
+            packed_bytes: data_len,
+            compress_time,
+            write_time: writing.elapsed(),
+        };
+        self.raw = raw;
+        Ok((frame_bytes, cost, used))
+    }
+}
+
+/// Fills `head` with the frame header, prefix and descriptors of `pfns` for `data_len` bytes of
+/// page data; returns the frame's length field.
+fn build_head(
+    head: &mut Vec<u8>,
+    pfns: &[(u64, PageEncoding)],
+    flags: u8,
+    data_len: usize,
+) -> usize {
+    let len = PREFIX_LEN + 8 * pfns.len() + data_len;
+    head.clear();
+    head.extend_from_slice(&protocol::frame_header(KIND_PAGES, flags, len as u32));
+    head.extend_from_slice(&(pfns.len() as u32).to_le_bytes());
+    head.extend_from_slice(&[0; 4]);
+    for &(pfn, enc) in pfns {
+        head.extend_from_slice(&protocol::descriptor(pfn, enc).to_le_bytes());
+    }
+    len
 }
 
 /// Reads page frames into guest memory.
@@ -152,6 +300,9 @@ pub struct PageReceiver {
     zeros: Vec<u64>,
     /// Pages this receiver has written: a zero marker for any other page needs no write.
     written: Bitmap,
+    /// A compressed frame's data, and its pages unpacked.
+    packed: Vec<u8>,
+    unpacked: Vec<u8>,
     pub pages: u64,
     /// This receiver's connection and how many a migration has: it takes only its share.
     lane: (u32, u32),
@@ -164,6 +315,8 @@ impl PageReceiver {
             full: Vec::new(),
             zeros: Vec::new(),
             written: Bitmap::new(ram.gfn_end()),
+            packed: Vec::new(),
+            unpacked: Vec::new(),
             pages: 0,
             lane: (0, 1),
         }
@@ -202,7 +355,7 @@ impl PageReceiver {
     ) -> Result<()> {
         let mut crc = crc32fast::Hasher::new();
         crc.update(header);
-        let count = read_descriptors(r, ram, len, &mut self.descs, &mut crc)?;
+        let shape = read_descriptors(r, ram, header, len, &mut self.descs, &mut crc)?;
         self.full.clear();
         self.zeros.clear();
         for (pfn, enc) in descriptors(&self.descs) {
@@ -218,22 +371,32 @@ impl PageReceiver {
                 PageEncoding::Zero => self.zeros.push(pfn),
             }
         }
-        self.read_full_pages(r, ram)?;
+        if shape.codec == Codec::None {
+            self.read_full_pages(r, ram)?;
+            if header[1] & PAGE_DATA_UNCHECKED == 0 {
+                for &pfn in &self.full {
+                    crc.update(ram.page(pfn)?);
+                }
+            }
+            protocol::check_trailer(r, crc.finalize(), "page frame")?;
+        } else {
+            // Checked before it is unpacked: a decompressor never sees a corrupt frame.
+            read_packed(r, &shape, &mut self.packed, crc)?;
+            self.unpacked.resize(PAGE_SIZE * shape.full, 0);
+            shape.codec.decompress(&self.packed, &mut self.unpacked)?;
+            for (&pfn, data) in self.full.iter().zip(self.unpacked.chunks_exact(PAGE_SIZE)) {
+                ram.write_page(pfn, data)?;
+            }
+        }
         for &pfn in &self.zeros {
             if self.written.get(pfn) {
                 ram.zero_page(pfn)?;
             }
         }
-        if header[1] & PAGE_DATA_UNCHECKED == 0 {
-            for &pfn in &self.full {
-                crc.update(ram.page(pfn)?);
-            }
-        }
-        protocol::check_trailer(r, crc.finalize(), "page frame")?;
         for &pfn in &self.full {
             self.written.set(pfn);
         }
-        self.pages += u64::from(count);
+        self.pages += u64::from(shape.count);
         Ok(())
     }
 
@@ -270,15 +433,26 @@ impl PageReceiver {
     }
 }
 
-/// Reads a page frame's prefix and descriptors into `descs` (checking count, bounds and
-/// length against `len`), feeding them to `crc`; returns the page count.
+/// What a page frame's descriptors and flags say about the data that follows them.
+struct FrameShape {
+    count: u32,
+    full: usize,
+    codec: Codec,
+    /// Bytes of page data on the wire (compressed or not).
+    data_len: usize,
+}
+
+/// Reads a page frame's prefix and descriptors into `descs` (checking count, bounds, flags
+/// and length against `len`), feeding them to `crc`.
 fn read_descriptors(
     r: &mut impl Read,
     ram: &GuestRam,
+    header: &[u8; FRAME_HEADER_LEN],
     len: u32,
     descs: &mut Vec<u8>,
     crc: &mut crc32fast::Hasher,
-) -> Result<u32> {
+) -> Result<FrameShape> {
+    let codec = Codec::from_flags(header[1])?;
     let mut prefix = [0u8; PREFIX_LEN];
     protocol::read_exact(r, &mut prefix, "page frame")?;
     let count = u32::from_le_bytes(prefix[..4].try_into().unwrap());
@@ -310,13 +484,48 @@ fn read_descriptors(
         previous = Some(pfn);
         full += usize::from(enc == PageEncoding::Full);
     }
-    let expected = PREFIX_LEN + 8 * count as usize + PAGE_SIZE * full;
-    if expected != len as usize {
-        return Err(Error::Protocol(format!(
-            "page frame length {len} does not match its {count} descriptors ({expected})"
-        )));
-    }
-    Ok(count)
+    let plain = PREFIX_LEN + 8 * count as usize + PAGE_SIZE * full;
+    let data_len = (len as usize).checked_sub(PREFIX_LEN + 8 * count as usize);
+    let data_len = match (codec, data_len) {
+        (Codec::None, _) if plain == len as usize => PAGE_SIZE * full,
+        (Codec::None, _) => {
+            return Err(Error::Protocol(format!(
+                "page frame length {len} does not match its {count} descriptors ({plain})"
+            )));
+        }
+        (_, _) if header[1] & PAGE_DATA_UNCHECKED != 0 => {
+            return Err(Error::Protocol(
+                "compressed page data must be covered by the frame checksum".into(),
+            ));
+        }
+        // A compressed frame must shrink its pages (or it would have been sent plain).
+        (_, Some(n)) if n > 0 && n < PAGE_SIZE * full => n,
+        (_, _) => {
+            return Err(Error::Protocol(format!(
+                "{} page frame of length {len} for {full} full pages",
+                codec.name()
+            )));
+        }
+    };
+    Ok(FrameShape {
+        count,
+        full,
+        codec,
+        data_len,
+    })
+}
+
+/// Reads a compressed frame's data into `packed` and checks the frame's trailer over it.
+fn read_packed(
+    r: &mut impl Read,
+    shape: &FrameShape,
+    packed: &mut Vec<u8>,
+    mut crc: crc32fast::Hasher,
+) -> Result<()> {
+    packed.resize(shape.data_len, 0);
+    protocol::read_exact(r, packed, "compressed page data")?;
+    crc.update(packed);
+    protocol::check_trailer(r, crc.finalize(), "page frame")
 }
 
 /// The (page, encoding) pairs of descriptors already checked by `read_descriptors`.
@@ -335,6 +544,7 @@ fn descriptors(descs: &[u8]) -> impl Iterator<Item = (u64, PageEncoding)> + '_ {
 pub struct FrameBuffers {
     descs: Vec<u8>,
     data: Vec<u8>,
+    packed: Vec<u8>,
 }
 
 /// Each page of a frame with its data (`None`: a zero page), borrowed from the read buffer.
@@ -351,15 +561,23 @@ pub fn read_page_frame<'s>(
 ) -> Result<FramePages<'s>> {
     let mut crc = crc32fast::Hasher::new();
     crc.update(header);
-    let FrameBuffers { descs, data } = scratch;
-    read_descriptors(r, ram, len, descs, &mut crc)?;
-    let data_len = len as usize - PREFIX_LEN - descs.len();
-    data.resize(data_len, 0);
-    protocol::read_exact(r, data, "page data")?;
-    if header[1] & PAGE_DATA_UNCHECKED == 0 {
-        crc.update(data);
+    let FrameBuffers {
+        descs,
+        data,
+        packed,
+    } = scratch;
+    let shape = read_descriptors(r, ram, header, len, descs, &mut crc)?;
+    data.resize(PAGE_SIZE * shape.full, 0);
+    if shape.codec == Codec::None {
+        protocol::read_exact(r, data, "page data")?;
+        if header[1] & PAGE_DATA_UNCHECKED == 0 {
+            crc.update(data);
+        }
+        protocol::check_trailer(r, crc.finalize(), "page frame")?;
+    } else {
+        read_packed(r, &shape, packed, crc)?;
+        shape.codec.decompress(packed, data)?;
     }
-    protocol::check_trailer(r, crc.finalize(), "page frame")?;
     let mut data = data.chunks_exact(PAGE_SIZE);
     Ok(descriptors(descs)
         .map(|(pfn, enc)| match enc {
@@ -367,4 +585,153 @@ pub fn read_page_frame<'s>(
             PageEncoding::Zero => (pfn, None),
         })
         .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::RamRange;
+    use crate::wire::Frame;
+    use crate::wire::frame::read_frame;
+
+    const PAGES: u64 = 64;
+
+    fn ram(buf: &mut [u8]) -> GuestRam {
+        let r = RamRange {
+            gpa: 0,
+            len: buf.len() as u64,
+        };
+        // SAFETY: `buf` outlives every use of the returned view in these tests.
+        unsafe { GuestRam::new(&[(r, buf.as_mut_ptr())]) }.unwrap()
+    }
+
+    /// Page `pfn` as text (compresses) or as pseudo-random bytes (does not).
+    fn fill(ram: &GuestRam, pfn: u64, random: bool) {
+        let mut page = vec![0u8; PAGE_SIZE];
+        let mut x = pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        for (i, b) in page.iter_mut().enumerate() {
+            *b = if random {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            } else {
+                b"the guest wrote page "[i % 21]
+            };
+        }
+        ram.write_page(pfn, &page).unwrap();
+    }
+
+    /// Sends pages 0..PAGES (every 5th left zero) with `compression`; returns the stream.
+    fn send(src: &GuestRam, compression: Compression, checked: bool) -> (Vec<u8>, SendCounters) {
+        let mut sender = PageSender::new(16).with_compression(compression);
+        sender.checked = checked;
+        let mut limiter = RateLimiter::new(None);
+        let mut wire = Vec::new();
+        for pfn in 0..PAGES {
+            sender.push(&mut wire, src, pfn, &mut limiter).unwrap();
+        }
+        sender.flush(&mut wire, src, &mut limiter).unwrap();
+        (wire, sender.counters)
+    }
+
+    fn receive_all(wire: &[u8], dst: &GuestRam) -> Result<u64> {
+        let mut r = wire;
+        let mut receiver = PageReceiver::new(dst);
+        while !r.is_empty() {
+            let Frame::Pages { header, len } = read_frame(&mut r)? else {
+                panic!("only page frames here")
+            };
+            receiver.receive(&mut r, dst, &header, len)?;
+        }
+        Ok(receiver.pages)
+    }
+
+    fn source(random: impl Fn(u64) -> bool) -> (Vec<u8>, GuestRam) {
+        let mut buf = vec![0u8; (PAGES * PAGE_SIZE as u64) as usize];
+        let ram = ram(&mut buf);
+        for pfn in (0..PAGES).filter(|p| p % 5 != 0) {
+            fill(&ram, pfn, random(pfn));
+        }
+        (buf, ram)
+    }
+
+    #[test]
+    fn compressed_frames_arrive_exactly_and_incompressible_ones_go_plain() {
+        // Pages 0..32 text, 32..64 random: with batches of 16, two frames of each.
+        let (src_buf, src) = source(|pfn| pfn >= 32);
+        for compression in [
+            Compression::None,
+            Compression::Fixed(Codec::Lz4),
+            Compression::Fixed(Codec::Zstd),
+            Compression::Auto,
+        ] {
+            for checked in [false, true] {
+                let (wire, c) = send(&src, compression, checked);
+                let mut dst_buf = vec![0u8; src_buf.len()];
+                let dst = ram(&mut dst_buf);
+                assert_eq!(receive_all(&wire, &dst).unwrap(), PAGES);
+                assert!(dst_buf == src_buf, "{compression:?}: pages equal");
+                assert_eq!(c.frames_by_codec.iter().sum::<u64>(), 4);
+                if let Compression::Fixed(codec) = compression {
+                    assert_eq!(c.frames_by_codec[codec as usize], 2, "{c:?}");
+                    assert_eq!(c.frames_by_codec[0], 2, "random pages went plain: {c:?}");
+                    assert!(c.packed_out * 4 < c.packed_in, "{c:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_flipped_byte_in_compressed_data_is_refused_before_it_is_unpacked() {
+        let (src_buf, src) = source(|_| false);
+        let (mut wire, _) = send(&src, Compression::Fixed(Codec::Zstd), false);
+        // The last byte of the first frame's compressed data (just before its trailer).
+        let len = u32::from_le_bytes(wire[4..8].try_into().unwrap()) as usize;
+        wire[FRAME_HEADER_LEN + len - 1] ^= 0x40;
+        let mut dst_buf = vec![0u8; src_buf.len()];
+        let e = receive_all(&wire, &ram(&mut dst_buf)).unwrap_err();
+        assert!(e.to_string().contains("checksum"), "{e}");
+    }
+
+    #[test]
+    fn hostile_compressed_frames_are_refused_with_a_reason() {
+        let (src_buf, src) = source(|_| false);
+        let mut dst_buf = vec![0u8; src_buf.len()];
+        let dst = ram(&mut dst_buf);
+        let frame = |flags: u8, data: &[u8]| {
+            let pfns = [(1u64, PageEncoding::Full), (2, PageEncoding::Full)];
+            let mut head = Vec::new();
+            build_head(&mut head, &pfns, flags, data.len());
+            let mut crc = crc32fast::Hasher::new();
+            crc.update(&head);
+            crc.update(data);
+            let mut v = head;
+            v.extend_from_slice(data);
+            v.extend_from_slice(&crc.finalize().to_le_bytes());
+            v
+        };
+        let lz4 = Codec::Lz4.flag_bits();
+        let cases: [(Vec<u8>, &str); 4] = [
+            // Well-formed lz4 that unpacks to one page where the descriptors promise two.
+            (
+                frame(lz4, &lz4_flex::block::compress(&[7u8; PAGE_SIZE])),
+                "promise",
+            ),
+            (frame(lz4, &[0xff; 100]), "lz4 page data"),
+            (
+                frame(lz4 | PAGE_DATA_UNCHECKED, &[1; 100]),
+                "covered by the frame checksum",
+            ),
+            (frame(3 << 1, &[1; 100]), "unknown codec"),
+        ];
+        for (wire, why) in cases {
+            let e = receive_all(&wire, &dst).unwrap_err();
+            assert!(e.to_string().contains(why), "{why}: {e}");
+        }
+        // "Compressed" data as long as the pages themselves is refused too.
+        let e = receive_all(&frame(lz4, &vec![1; 2 * PAGE_SIZE]), &dst).unwrap_err();
+        assert!(e.to_string().contains("lz4 page frame of length"), "{e}");
+        let _ = src;
+    }
 }
