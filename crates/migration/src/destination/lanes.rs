@@ -3,6 +3,7 @@
 //! session, each read by its own thread straight into guest memory until `LaneEnd`. A stranger
 //! (wrong session, a lane taken twice, anything else) is told why and closed.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -24,6 +25,8 @@ pub(super) struct LaneReceivers {
     streams: Vec<Stream>,
     /// The first lane failure, kept before the main connection is closed because of it.
     failed: Arc<Mutex<Option<Error>>>,
+    /// Pages each extra lane (1..) has put in place so far.
+    progress: Vec<Arc<AtomicU64>>,
 }
 
 /// Accepts lanes `1..lanes` of `session` and starts reading each. A lane that fails closes
@@ -45,6 +48,7 @@ pub(super) fn accept(
         threads: Vec::new(),
         streams: Vec::new(),
         failed: Arc::default(),
+        progress: (1..lanes).map(|_| Arc::default()).collect(),
     };
     let mut taken = vec![false; lanes as usize];
     taken[0] = true; // the main connection
@@ -124,19 +128,22 @@ impl LaneReceivers {
         stream.set_timeouts(None)?;
         self.streams.push(stream.try_clone()?);
         let (ram, main, failed) = (ram.clone(), main.try_clone()?, self.failed.clone());
+        let progress = self.progress[lane as usize - 1].clone();
         let thread = std::thread::Builder::new()
             .name(format!("lane-{lane}"))
-            .spawn(move || match receive_lane(stream, &ram, lane, lanes) {
-                Ok(pages) => Some(pages),
-                Err(e) => {
-                    failed
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .get_or_insert(e);
-                    main.shutdown();
-                    None
-                }
-            })
+            .spawn(
+                move || match receive_lane(stream, &ram, lane, lanes, &progress) {
+                    Ok(pages) => Some(pages),
+                    Err(e) => {
+                        failed
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .get_or_insert(e);
+                        main.shutdown();
+                        None
+                    }
+                },
+            )
             .map_err(|e| Error::vm_caused("cannot start a lane's receiver", e))?;
         self.threads.push(thread);
         Ok(())
@@ -152,6 +159,35 @@ impl LaneReceivers {
                 Ok(Some(lane)) => main.absorb(&lane),
                 Ok(None) => return Err(self.failure().unwrap_or_else(lane_failed)),
                 Err(_) => return Err(Error::State("a lane's receiver panicked".into())),
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits (at most `IO_TIMEOUT`) until every extra lane has put in place as many pages as
+    /// the source says it sent on it.
+    pub fn wait_for(&self, sent: &[u64]) -> Result<()> {
+        if sent.len() != self.progress.len() {
+            return Err(Error::Protocol(format!(
+                "Sync names {} extra connections; this migration has {}",
+                sent.len(),
+                self.progress.len()
+            )));
+        }
+        let deadline = Instant::now() + IO_TIMEOUT;
+        for (lane, (done, &want)) in self.progress.iter().zip(sent).enumerate() {
+            while done.load(Ordering::Acquire) < want {
+                if let Some(e) = self.failure() {
+                    return Err(e);
+                }
+                if Instant::now() >= deadline {
+                    return Err(Error::Protocol(format!(
+                        "connection {} applied only {} of the {want} pages sent on it in time",
+                        lane + 1,
+                        done.load(Ordering::Acquire)
+                    )));
+                }
+                std::thread::sleep(Duration::from_micros(100));
             }
         }
         Ok(())
@@ -175,11 +211,20 @@ impl Drop for LaneReceivers {
     }
 }
 
-fn receive_lane(mut stream: Stream, ram: &GuestRam, lane: u32, lanes: u32) -> Result<PageReceiver> {
+fn receive_lane(
+    mut stream: Stream,
+    ram: &GuestRam,
+    lane: u32,
+    lanes: u32,
+    progress: &AtomicU64,
+) -> Result<PageReceiver> {
     let mut pages = PageReceiver::new(ram).for_lane(lane, lanes);
     loop {
         match wire::read_frame(&mut stream)? {
-            Frame::Pages { header, len } => pages.receive(&mut stream, ram, &header, len)?,
+            Frame::Pages { header, len } => {
+                pages.receive(&mut stream, ram, &header, len)?;
+                progress.store(pages.pages, Ordering::Release);
+            }
             Frame::Message(Message::LaneEnd { pages: n }) if n == pages.pages => return Ok(pages),
             Frame::Message(Message::LaneEnd { pages: n }) => {
                 return Err(Error::Protocol(format!(

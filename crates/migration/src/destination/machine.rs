@@ -48,7 +48,7 @@ impl DestinationState {
             (_, Message::Abort { reason }) => return Err(Error::Peer(reason.clone())),
             (AwaitHello, Message::Hello { .. }) => Memory,
             (AwaitHello, Message::ResumePostcopy) => Postcopy,
-            (Memory, Message::RoundEnd { .. }) => Memory,
+            (Memory, Message::RoundEnd { .. } | Message::Sync { .. }) => Memory,
             (Memory, Message::Stale { .. }) => StaleDropped,
             (Memory | StaleDropped, Message::PostcopyPending { .. }) => State,
             (Memory | State, Message::VcpuState { .. } | Message::DeviceState { .. }) => State,
@@ -190,6 +190,15 @@ mod tests {
         ];
         let s = walk(&before, false).unwrap();
         assert_eq!(s, StaleDropped);
+        let sync = Message::Sync { lane_pages: vec![] };
+        assert!(
+            s.next(Incoming::Message(&sync), false).is_err(),
+            "Sync belongs to pre-copy's rounds"
+        );
+        assert_eq!(
+            Memory.next(Incoming::Message(&sync), false).unwrap(),
+            Memory
+        );
         assert_eq!(s.next(Incoming::Message(&pending), false).unwrap(), State);
         let e = s.next(Incoming::Pages, false).unwrap_err();
         assert!(

@@ -199,6 +199,20 @@ impl Receiver<'_> {
                     *slot = Some(state);
                 }
                 Message::DeviceState { state } => devices = Some(state),
+                Message::Sync { lane_pages } => {
+                    // This connection's pages are in place (read in order); the lanes' too,
+                    // once their counts reach what the source sent.
+                    match &lanes {
+                        Some(l) => l.wait_for(&lane_pages)?,
+                        None if lane_pages.is_empty() => {}
+                        None => {
+                            return Err(Error::Protocol(
+                                "Sync names extra connections this migration does not have".into(),
+                            ));
+                        }
+                    }
+                    wire::write_message(stream, &Message::Synced)?;
+                }
                 Message::Stale { pages: n, words } => {
                     // Every copy must have landed before it is dropped.
                     if let Some(lanes) = lanes.take() {

@@ -197,6 +197,14 @@ impl Session<'_> {
         c
     }
 
+    /// Pages sent on each extra lane so far.
+    pub(super) fn lane_pages(&self) -> Vec<u64> {
+        self.lanes
+            .iter()
+            .map(|l| l.pages.counters.full + l.pages.counters.zero)
+            .collect()
+    }
+
     /// What all lanes have put on the wire.
     pub(super) fn sent(&self) -> SendCounters {
         self.lanes

@@ -14,6 +14,8 @@ pub enum SourceState {
     /// Rounds over, the switch will be to post-copy: the destination drops the copies the
     /// guest dirtied since, while the guest still runs here.
     DroppingStale,
+    /// Rounds over: waiting for the destination to apply everything before pausing.
+    Syncing,
     /// Paused; last pages and the state are on their way.
     Switchover,
     /// State sent; the destination loads it.
@@ -37,6 +39,7 @@ pub enum Event<'a> {
     Ready,
     StartRounds,
     StaleSent,
+    SyncSent,
     Paused,
     StateSent,
     GoSent { postcopy: bool },
@@ -54,6 +57,8 @@ impl SourceState {
             (AwaitReady, Event::StartRounds) => Rounds, // a snapshot file answers nothing
             (Rounds, Event::StaleSent) => DroppingStale,
             (DroppingStale, Event::Heard(Message::StaleDropped)) => Rounds,
+            (Rounds, Event::SyncSent) => Syncing,
+            (Syncing, Event::Heard(Message::Synced)) => Rounds,
             (Rounds, Event::Paused) => Switchover,
             (Switchover, Event::StateSent) => AwaitLoaded,
             (AwaitLoaded, Event::Heard(Message::Loaded { .. })) => Loaded,
@@ -164,6 +169,12 @@ mod tests {
         assert_eq!(s, DroppingStale);
         assert!(s.next(Event::Paused).is_err(), "no pause before the answer");
         let s = s.next(Event::Heard(&Message::StaleDropped)).unwrap();
+        assert_eq!(s.next(Event::Paused).unwrap(), Switchover);
+        // Pre-copy: the pause waits for Synced.
+        let s = run(vec![Event::Heard(&ready), Event::SyncSent]).unwrap();
+        assert_eq!(s, Syncing);
+        assert!(s.next(Event::Paused).is_err(), "no pause before the answer");
+        let s = s.next(Event::Heard(&Message::Synced)).unwrap();
         assert_eq!(s.next(Event::Paused).unwrap(), Switchover);
         let e = run(vec![
             Event::Heard(&ready),

@@ -36,6 +36,8 @@ impl Session<'_> {
             && pending.count() > 0
         {
             self.drop_stale_before_pause(&pending)?;
+        } else if self.paused_at.is_none() && self.stream.has_peer() {
+            self.sync_before_pause()?;
         }
         self.status.phase = Phase::Switchover;
         self.publish();
@@ -119,6 +121,17 @@ impl Session<'_> {
         self.step(Event::StaleSent)?;
         self.hear()?;
         self.status.report.stale_pages_dropped_before_pause = Some(stale.count());
+        Ok(())
+    }
+
+    /// Before a pre-copy pause: waits for the destination to apply what it has received (a
+    /// backlog of compressed frames can be many times its bytes in pages), so that the pause
+    /// holds only the last pages.
+    fn sync_before_pause(&mut self) -> Result<()> {
+        let lane_pages = self.lane_pages();
+        self.send(&Message::Sync { lane_pages })?;
+        self.step(Event::SyncSent)?;
+        self.hear()?;
         Ok(())
     }
 

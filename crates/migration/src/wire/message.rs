@@ -123,6 +123,12 @@ pub enum Message {
     Stale { pages: u64, words: Vec<u64> },
     /// Destination → source: the stale pages are gone; the source may pause.
     StaleDropped,
+    /// Source → destination, while the guest still runs, before a pre-copy pause: answer
+    /// once every page sent so far is in place (`lane_pages`: pages sent on each extra
+    /// connection), so that no backlog is left to apply while the guest is paused.
+    Sync { lane_pages: Vec<u64> },
+    /// Destination → source: everything before `Sync` is in place.
+    Synced,
 }
 
 impl Message {
@@ -150,6 +156,8 @@ impl Message {
             Message::LaneEnd { .. } => 19,
             Message::Stale { .. } => 20,
             Message::StaleDropped => 21,
+            Message::Sync { .. } => 22,
+            Message::Synced => 23,
         }
     }
 
@@ -177,6 +185,8 @@ impl Message {
             Message::LaneEnd { .. } => "LaneEnd",
             Message::Stale { .. } => "Stale",
             Message::StaleDropped => "StaleDropped",
+            Message::Sync { .. } => "Sync",
+            Message::Synced => "Synced",
         }
     }
 
@@ -224,7 +234,7 @@ impl Message {
                 e.opt_u64(*memory_checksum);
             }
             Message::Loaded { memory_checksum } => e.opt_u64(*memory_checksum),
-            Message::Go | Message::ResumePostcopy | Message::StaleDropped => {}
+            Message::Go | Message::ResumePostcopy | Message::StaleDropped | Message::Synced => {}
             Message::Resumed { state_to_resume_ns } => e.u64(*state_to_resume_ns),
             Message::GuestReport {
                 observed_downtime_ns,
@@ -255,7 +265,7 @@ impl Message {
                     b.iter().for_each(|&v| e.u32(v));
                 }
             }
-            Message::ResumeFrom { words } => e.words(words),
+            Message::ResumeFrom { words } | Message::Sync { lane_pages: words } => e.words(words),
             Message::Join { session, lane } => {
                 e.u64(*session);
                 e.u32(*lane);
@@ -364,6 +374,10 @@ impl Message {
                 words: d.words()?,
             },
             21 => Message::StaleDropped,
+            22 => Message::Sync {
+                lane_pages: d.words()?,
+            },
+            23 => Message::Synced,
             other => return Err(Error::Protocol(format!("unknown message tag {other}"))),
         };
         if !d.buf.is_empty() {
@@ -602,13 +616,20 @@ mod tests {
                 "1400 4000000000000000 01000000 0100000000000000",
             ),
             (Message::StaleDropped, "1500"),
+            (
+                Message::Sync {
+                    lane_pages: vec![3],
+                },
+                "1600 01000000 0300000000000000",
+            ),
+            (Message::Synced, "1700"),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 21, "a golden example per message");
+        assert_eq!(all.len(), 23, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());
