@@ -6,6 +6,7 @@
  *   ws=SIZE                      working set, e.g. 64M, 1G (default 64M)
  *   seq | random                 page order (default seq)
  *   verify                       stamp every page, check every stamp
+ *   fill=word|random|mixed       page content (default word), see "page content" below
  *   rate=N                       at most N pages/s in total
  *   vcpus=N                      vCPUs sharing the work (started here with INIT/SIPI; at
  *                                most as many as the ACPI MADT lists)
@@ -35,6 +36,7 @@ struct hvm_memmap_entry {
 };
 
 enum mode { MODE_IDLE, MODE_WRITE, MODE_READ };
+enum fill { FILL_WORD, FILL_RANDOM, FILL_MIXED };
 
 struct config {
     enum mode mode;
@@ -46,6 +48,7 @@ struct config {
     u64 passes;
     u64 hb_us;
     u64 serial_ms;
+    enum fill fill;
 };
 
 extern char __image_end[];
@@ -73,6 +76,10 @@ static u64 ws_base;             /* guest-physical address of page 0 of the worki
 static u64 ws_pages;
 static u64 tsc_khz;
 static volatile u64 go;         /* set by vCPU 0 once the layout is ready */
+static u64 *random_pool, *text_pool; /* fill=random|mixed: content copied into pages */
+
+#define POOL_SLICES 1024ull     /* pages within 4 MiB draw on distinct 4 KiB of a pool */
+#define POOL_BYTES (POOL_SLICES * PAGE_SIZE + PAGE_SIZE)
 
 /* ---- port I/O and time ---- */
 
@@ -202,12 +209,15 @@ static void parse_word(const char *w, u64 len)
     else if (word_is(w, len, "seq")) cfg.random = 0;
     else if (word_is(w, len, "random")) cfg.random = 1;
     else if (word_is(w, len, "verify")) cfg.verify = 1;
+    else if (word_is(w, len, "fill=word")) cfg.fill = FILL_WORD;
+    else if (word_is(w, len, "fill=random")) cfg.fill = FILL_RANDOM;
+    else if (word_is(w, len, "fill=mixed")) cfg.fill = FILL_MIXED;
     else fatal("unknown workload word ", word);
 }
 
 static void parse_cmdline(const char *s)
 {
-    cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000};
+    cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -282,7 +292,7 @@ static u64 carve(u64 bytes)
     u64 base = segments[0].base;
     u64 len = (bytes + align - 1) & ~(align - 1);
     if (nsegments == 0 || len / PAGE_SIZE > segments[0].pages)
-        fatal("guest memory too small for the verify table", "");
+        fatal("guest memory too small for the verify table and fill pools", "");
     segments[0].base += len;
     segments[0].pages -= len / PAGE_SIZE;
     return base;
@@ -304,6 +314,10 @@ static void plan_layout(void)
     ws_pages = cfg.mode == MODE_IDLE ? 0 : cfg.ws_bytes / PAGE_SIZE;
     if (cfg.verify)
         expected_gen = (u32 *)carve(ws_pages * sizeof(u32));
+    if (ws_pages && cfg.fill != FILL_WORD)
+        random_pool = (u64 *)carve(POOL_BYTES);
+    if (ws_pages && cfg.fill == FILL_MIXED)
+        text_pool = (u64 *)carve(POOL_BYTES);
     u64 room = 0;
     for (u64 i = 0; i < nsegments; i++)
         room += segments[i].pages;
@@ -398,6 +412,100 @@ static inline volatile u64 *page_word(u64 page)
     return (volatile u64 *)page_addr(page);
 }
 
+/*
+ * ---- page content ----
+ *
+ * fill=word leaves every page zero but for its stamp (8 bytes in 4096): any compressor
+ * squeezes it to a few bytes. fill=random and fill=mixed give a page real content the first
+ * time it is written (its stamp word still 0): one `rep movsq` of 4 KiB from a pool made at
+ * boot. Later writes change only the stamp, as with word, so the steady state costs the
+ * same. The copy is still ~0.5 ms a page here (KVM emulates each of its 512 moves; a C loop
+ * would be ~5x that): the first pass over 256 MiB takes tens of seconds.
+ *
+ * Pools: 4 MiB + 4 KiB each. Page p copies 4 KiB from offset (p % 1024) * 4096 plus a shift
+ * that changes every 1024 pages, so two pages closer than 1023 pages (4 MiB, a compressor's
+ * batch or window) never share a byte run, and no two pages of the working set are equal.
+ *   random: a 64-bit LCG's state; zstd, lz4 and xz cannot shrink it.
+ *   text:   words of 4 characters from a 64-entry table (6 bits of entropy per 4 bytes):
+ *           ASCII that zstd -3 shrinks ~3.4x, lz4 ~1.9x.
+ *
+ * fill=mixed, per page from a hash of its number: 3/8 zero, 4/8 text, 1/8 random. Zero pages
+ * are pages the writer never writes (free memory in a real guest is zero and stays so); a
+ * pass counts them as touched and verify checks that they still read zero. The zero share
+ * follows a real guest's memory in QEMU's zstd migration measurement (5 of 8 GiB in use,
+ * pgbench data: zstd ratio 6.7-6.9, Denis Plotnikov, qemu-devel 2019, "migration: add zstd
+ * compression"); QEMU's multi-thread compression notes report ~60% less data (ratio ~2.5) in a
+ * typical case. This mix lands in between: zstd -3 shrinks a 256 MiB working set 3.3x.
+ */
+enum kind { KIND_WORD, KIND_ZERO, KIND_TEXT, KIND_RANDOM };
+
+/* 64 tokens of 4 bytes; text is made of them. */
+static const char text_tokens[] =
+    "the and for was not but are his you all one had can her new now "
+    "old see two way who did get may use day man out any how its our "
+    "timepagedatafileuserfromwiththatthishavetheywillbeenwhenmoresome"
+    "whatintoonlythenoveralsobackworkyearwelllikejustof, it. to. on,\n";
+_Static_assert(sizeof(text_tokens) == 64 * 4 + 1, "64 tokens of 4 bytes");
+
+/*
+ * Pool words come from a 64-bit LCG's raw state: 3 instructions a word (~1 us each under
+ * emulation, so every instruction counts), and zstd, lz4 and xz cannot shrink its output
+ * (they look for repeated byte runs, and the state never repeats in a pool).
+ */
+#define LCG_MUL 6364136223846793005ull
+#define LCG_ADD 1442695040888963407ull
+
+/* Runs before the workload: seconds, once. */
+static void make_pools(void)
+{
+    if (!random_pool)
+        return;
+    static u64 pairs[4096]; /* every pair of tokens: a text word is one table load */
+    u64 t0 = rdtsc(), n = POOL_BYTES / 8, s = 0x2545f4914f6cdd1dull;
+#pragma GCC unroll 8
+    for (u64 i = 0; i < n; i++)
+        random_pool[i] = s = s * LCG_MUL + LCG_ADD;
+    if (text_pool) {
+        for (u64 i = 0; i < 4096; i++) {
+            u32 a, b;
+            __builtin_memcpy(&a, text_tokens + 4 * (i & 63), 4);
+            __builtin_memcpy(&b, text_tokens + 4 * (i >> 6), 4);
+            pairs[i] = a | (u64)b << 32;
+        }
+#pragma GCC unroll 8
+        for (u64 i = 0; i < n; i++) {
+            s = s * LCG_MUL + LCG_ADD;
+            text_pool[i] = pairs[s >> 52];
+        }
+    }
+    put_str("ferry-guest: fill pools ready in ");
+    put_u64((rdtsc() - t0) / tsc_khz);
+    put_str(" ms\n");
+}
+
+static inline enum kind page_kind(u64 page)
+{
+    if (cfg.fill == FILL_WORD)
+        return KIND_WORD;
+    if (cfg.fill == FILL_RANDOM)
+        return KIND_RANDOM;
+    static const u8 mix[8] = {KIND_ZERO, KIND_ZERO, KIND_ZERO, KIND_TEXT,
+                              KIND_TEXT, KIND_TEXT, KIND_TEXT, KIND_RANDOM};
+    return (enum kind)mix[(page * 0x9e3779b97f4a7c15ull) >> 61];
+}
+
+/* The page's content, once, before its first stamp. */
+static void lay_down(struct worker *w, u64 page, volatile u64 *word, enum kind kind)
+{
+    const u64 *pool = kind == KIND_TEXT ? text_pool : random_pool;
+    u64 shift = ((page / POOL_SLICES) * 8 * 61) % PAGE_SIZE;
+    const void *src = (const u8 *)pool + (page % POOL_SLICES) * PAGE_SIZE + shift;
+    void *dst = (void *)word;
+    u64 n = PAGE_SIZE / 8;
+    __asm__ volatile("rep movsq" : "+D"(dst), "+S"(src), "+c"(n)::"memory");
+    heartbeat_if_due(w); /* a copy takes as long as ~40 stamps: keep the beat steady */
+}
+
 static void report_mismatch(struct worker *w, u64 page)
 {
     w->hb->errors++;
@@ -412,15 +520,26 @@ static void report_mismatch(struct worker *w, u64 page)
 static void touch(struct worker *w, u64 page, int write)
 {
     volatile u64 *word = page_word(page);
+    enum kind kind = page_kind(page);
+    if (kind == KIND_ZERO) {
+        if (cfg.verify && *word)
+            report_mismatch(w, page);
+        w->hb->pages++;
+        return;
+    }
     if (cfg.verify) {
         u32 gen = expected_gen[page];
         if (gen && *word != stamp(page, gen))
             report_mismatch(w, page);
         if (write) {
+            if (kind != KIND_WORD && *word == 0)
+                lay_down(w, page, word, kind);
             *word = stamp(page, gen + 1);
             expected_gen[page] = gen + 1;
         }
     } else if (write) {
+        if (kind != KIND_WORD && *word == 0)
+            lay_down(w, page, word, kind);
         *word = stamp(page, (u32)w->hb->passes + 1);
     } else {
         (void)*word;
@@ -483,6 +602,12 @@ static void run_worker(u64 cpu)
             w.hb->passes++;
         } else {
             run_pass(&w, cfg.mode == MODE_WRITE);
+            if (pass == 0 && cpu == 0) {
+                /* With fill=random|mixed the first pass lays the content down: say how long. */
+                put_str("ferry-guest: first pass ms=");
+                put_u64((rdtsc() - w.start_tsc) / tsc_khz);
+                put_str("\n");
+            }
         }
     }
     w.hb->seq++;
@@ -589,6 +714,7 @@ void guest_main(const struct hvm_start_info *si)
         put_str("ferry-guest: PIT calibration failed, assuming a 2 GHz TSC\n");
         tsc_khz = 2000000;
     }
+    make_pools();
     u64 cpus = madt_cpus(si);
     put_str("ferry-guest: madt cpus=");
     put_u64(cpus);
@@ -604,6 +730,7 @@ void guest_main(const struct hvm_start_info *si)
     put_str(" order=");
     put_str(cfg.random ? "random" : "seq");
     put_str(cfg.verify ? " verify" : "");
+    put_str(cfg.fill == FILL_WORD ? " fill=word" : cfg.fill == FILL_RANDOM ? " fill=random" : " fill=mixed");
     put_str(" vcpus=");
     put_u64(cfg.vcpus);
     put_str(" tsc_khz=");

@@ -1,0 +1,102 @@
+//! The workload guest's page content (`fill=`): migrations keep every page of a random and a
+//! mixed writer, and the content really is as compressible as guest.c says.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+
+const T: Duration = Duration::from_secs(60);
+
+fn unix_url(f: &Ferry, name: &str) -> String {
+    format!("unix:{}", f.scratch(name).display())
+}
+
+/// Pre-copy over a unix socket; the destination then runs two more passes without a verify error.
+fn precopy_keeps_every_page(cmdline: &str) {
+    let mut src = Ferry::writer(cmdline);
+    let url = unix_url(&src, "mig.sock");
+    let dst = Ferry::incoming(&url);
+    let (report, ok, stderr) = migrate(&src, &url, &["--checksum"]);
+    assert!(ok, "migrate failed: {stderr}\n{report:?}");
+    let (a, b) = (
+        report.memory_checksum_source,
+        report.memory_checksum_destination,
+    );
+    assert!(
+        a.is_some() && a == b,
+        "memory equal at the switch: {a:?} vs {b:?}"
+    );
+    assert!(src.wait_exit(T).success());
+    let start = dst.info().passes;
+    let info = dst.wait_info("two more passes on the destination", T, |i| {
+        i.passes >= start + 2
+    });
+    assert_eq!(
+        info.verify_errors, 0,
+        "pages lost: {:?}",
+        info.verify_error_pages
+    );
+}
+
+#[test]
+fn random_fill_precopy_keeps_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    precopy_keeps_every_page("write ws=32M seq verify fill=random");
+}
+
+#[test]
+fn mixed_fill_precopy_keeps_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    precopy_keeps_every_page("write ws=32M random verify fill=mixed");
+}
+
+/// A snapshot of a writer's VM after its first pass, compressed page by page (zlib level 1
+/// through python3, a 32 KiB window): the snapshot's size over the compressed size.
+fn snapshot_ratio(fill: &str) -> f64 {
+    let src = Ferry::writer(&format!("write ws=32M seq fill={fill}"));
+    let file = src.scratch("vm.ferry");
+    let out = ferry_output(&[
+        "snapshot",
+        "--api-socket",
+        src.socket.to_str().unwrap(),
+        "--to",
+        file.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = Command::new("python3")
+        .arg("-c")
+        .arg("import sys, zlib; d = open(sys.argv[1], 'rb').read(); print(len(d) / len(zlib.compress(d, 1)))")
+        .arg(&file)
+        .output()
+        .expect("python3 (scripts/install-deps.sh installs it)");
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+#[test]
+fn fills_compress_as_documented() {
+    if !kvm_available() {
+        return;
+    }
+    let word = snapshot_ratio("word");
+    let random = snapshot_ratio("random");
+    let mixed = snapshot_ratio("mixed");
+    eprintln!("zlib -1 ratios of a snapshot: word {word:.1}, random {random:.2}, mixed {mixed:.2}");
+    assert!(word > 20.0, "word pages are a stamp in zeros: {word}");
+    assert!(random < 1.05, "random pages do not compress: {random}");
+    assert!(
+        (1.4..3.0).contains(&mixed),
+        "mixed: text (~2.5x for zlib) and random pages: {mixed}"
+    );
+}
