@@ -23,10 +23,25 @@ SERIAL = "serial_ms=10"
 
 
 def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5,
-             timeout_s=120, prepaging=None):
+             timeout_s=120, prepaging=None, extra=()):
+    """`extra`: more `ferry migrate` arguments (ferry rows only; such scenarios are ferry's)."""
     return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
             "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s,
-            "timeout_s": timeout_s, "prepaging": prepaging}
+            "timeout_s": timeout_s, "prepaging": prepaging, "extra": list(extra)}
+
+
+def throughput():
+    """Connections and compression on honest pages (`fill=mixed`: zero, text-like and random
+    pages, see the README's workload guest)."""
+    cmd = "write ws=128M seq fill=mixed"
+    rows = [scenario(f"mixed 128M / 1G {c}", "1G", cmd, extra=["--compression", c])
+            for c in ("none", "lz4", "zstd", "auto")]
+    rows += [scenario("mixed 128M / 1G 2 connections", "1G", cmd, extra=["--connections", "2"]),
+             scenario("mixed 128M / 1G 2 connections auto", "1G", cmd,
+                      extra=["--connections", "2", "--compression", "auto"]),
+             scenario("mixed 128M / 1G hybrid zstd", "1G", cmd, mode="hybrid",
+                      extra=["--compression", "zstd"])]
+    return rows
 
 
 def table2():
@@ -55,6 +70,10 @@ PROFILES = {
                       scenario("write seq 256M / 1G", "1G", "write ws=256M seq", timeout_s=30),
                       scenario("write seq 256M / 1G post-copy", "1G", "write ws=256M seq",
                                mode="postcopy", timeout_s=30)],
+    },
+    "throughput": {
+        "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
+        "scenarios": throughput(),
     },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,

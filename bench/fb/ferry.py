@@ -74,6 +74,7 @@ class FerryPeer:
                 "--timeout-s", str(scenario["timeout_s"]), "--json"]
         if scenario.get("prepaging"):
             argv += ["--prepaging", scenario["prepaging"]]
+        argv += scenario.get("extra", [])
         started = time.time()
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
@@ -83,6 +84,8 @@ class FerryPeer:
         dinfo = self.info(dst)
         api(dst, "PUT", "vm.shutdown")
         round0 = report["rounds"][0] if report["rounds"] else {}
+        compression = report.get("compression") or {}
+        compressed = compression.get("asked", "none") != "none"
         pc = report.get("postcopy_report") or {}
         sent_after = report.get("pages_pushed", 0) + report.get("pages_requested", 0)
         return {
@@ -92,7 +95,11 @@ class FerryPeer:
             "guest_downtime_ms": report["guest_observed_downtime_ms"],
             "serial_downtime_ms": observed_downtime_ms(src_clock, dst_clock, started),
             "bytes": report["bytes_on_wire"],
-            "must_move_bytes": round0.get("pages", 0) * 4096 - round0.get("zero_pages", 0) * 4096,
+            # The floor's bytes: round 0's pages that hold data (compressed: what it put on the wire).
+            "must_move_bytes": round0.get("bytes", 0) if compressed else
+            round0.get("pages", 0) * 4096 - round0.get("zero_pages", 0) * 4096,
+            "compression": compression,
+            "connections": report.get("connections"),
             "rounds": len(report["rounds"]),
             "round_table": report["rounds"],
             "pages_full": report["pages_full"],
