@@ -4,41 +4,17 @@
 mod common;
 
 use std::process::Command;
-use std::time::Duration;
 
 use common::*;
-
-const T: Duration = Duration::from_secs(60);
-
-fn unix_url(f: &Ferry, name: &str) -> String {
-    format!("unix:{}", f.scratch(name).display())
-}
 
 /// Pre-copy over a unix socket; the destination then runs two more passes without a verify error.
 fn precopy_keeps_every_page(cmdline: &str) {
     let mut src = Ferry::writer(cmdline);
-    let url = unix_url(&src, "mig.sock");
+    let url = format!("unix:{}", src.scratch("mig.sock").display());
     let dst = Ferry::incoming(&url);
     let (report, ok, stderr) = migrate(&src, &url, &["--checksum"]);
     assert!(ok, "migrate failed: {stderr}\n{report:?}");
-    let (a, b) = (
-        report.memory_checksum_source,
-        report.memory_checksum_destination,
-    );
-    assert!(
-        a.is_some() && a == b,
-        "memory equal at the switch: {a:?} vs {b:?}"
-    );
-    assert!(src.wait_exit(T).success());
-    let start = dst.info().passes;
-    let info = dst.wait_info("two more passes on the destination", T, |i| {
-        i.passes >= start + 2
-    });
-    assert_eq!(
-        info.verify_errors, 0,
-        "pages lost: {:?}",
-        info.verify_error_pages
-    );
+    assert_every_page_arrived(&mut src, &dst, &report, 2);
 }
 
 #[test]

@@ -67,22 +67,7 @@ fn write_workload_precopy_keeps_every_page() {
         report.rounds
     );
     assert!(report.pages_resent > 0, "dirty pages were sent again");
-    let (a, b) = (
-        report.memory_checksum_source,
-        report.memory_checksum_destination,
-    );
-    assert!(
-        a.is_some() && a == b,
-        "memory equal at the switch: {a:?} vs {b:?}"
-    );
-    assert!(src.wait_exit(T).success());
-
-    let info = passes_after(&dst, 2);
-    assert_eq!(
-        info.verify_errors, 0,
-        "pages lost: {:?}",
-        info.verify_error_pages
-    );
+    let info = assert_every_page_arrived(&mut src, &dst, &report, 2);
     assert_eq!(info.per_vcpu[0].guest_errors, 0);
 }
 
@@ -100,21 +85,7 @@ fn tcp_precopy_keeps_every_page(extra: &[&str]) -> MigrationStatus {
         report.pages_resent > 0,
         "pages dirtied in one round travel again"
     );
-    let (a, b) = (
-        report.memory_checksum_source,
-        report.memory_checksum_destination,
-    );
-    assert!(
-        a.is_some() && a == b,
-        "memory equal at the switch: {a:?} vs {b:?}"
-    );
-    assert!(src.wait_exit(T).success());
-    let info = passes_after(&dst, 2);
-    assert_eq!(
-        info.verify_errors, 0,
-        "pages lost: {:?}",
-        info.verify_error_pages
-    );
+    assert_every_page_arrived(&mut src, &dst, &report, 2);
     report
 }
 

@@ -40,25 +40,7 @@ fn postcopy_keeps_every_page_of(spec: VmSpec, extra: &[&str]) -> MigrationStatus
         pc.duplicates, 0,
         "each page crosses the wire at most once after the switch"
     );
-    let (a, b) = (
-        report.memory_checksum_source,
-        report.memory_checksum_destination,
-    );
-    assert!(
-        a.is_some() && a == b,
-        "destination memory is the source's at the switch"
-    );
-    assert!(src.wait_exit(T).success(), "the source lets go and exits 0");
-
-    let start = dst.info();
-    let info = dst.wait_info("two more passes on the destination", T, |i| {
-        i.passes >= start.passes + 2 * vcpus as u64
-    });
-    assert_eq!(
-        info.verify_errors, 0,
-        "pages lost: {:?}",
-        info.verify_error_pages
-    );
+    assert_every_page_arrived(&mut src, &dst, &report, 2 * vcpus as u64);
     report
 }
 

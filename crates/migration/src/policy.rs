@@ -53,6 +53,15 @@ pub fn outpaced(m: &Measured) -> bool {
     m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= m.bandwidth_bytes_per_s
 }
 
+/// Whether pre-copy cannot converge, judged from one round: the guest dirties pages faster
+/// than the link sends them and what is left does not fit the downtime budget, so every
+/// further round would resend as much as it sends. With `--auto-postcopy` the source then
+/// switches to post-copy at once instead of waiting for rounds to stall.
+pub fn cannot_converge(m: &Measured, limits: &Limits) -> bool {
+    outpaced(m)
+        && expected_downtime_ms(m.pages_remaining, m.bandwidth_bytes_per_s) > limits.max_downtime_ms
+}
+
 /// A final set this small (1 MiB) moves in well under a millisecond on any link worth
 /// migrating over: not worth another round.
 pub const SMALL_FINAL_PAGES: u64 = 256;
@@ -175,6 +184,20 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn a_guest_that_outpaces_the_link_cannot_converge() {
+        // 100 MB/s link; 30,000 dirty pages/s × 4 KiB ≈ 123 MB/s: outpaced, and 20,000 pages
+        // take ~820 ms against a 10 ms budget.
+        let mut x = m(1, 20_000, 30_000.0);
+        assert!(cannot_converge(&x, &LIMITS));
+        // Slower than the link: more rounds help.
+        x.dirty_pages_per_s = 10_000.0;
+        assert!(!cannot_converge(&x, &LIMITS));
+        // Outpaced but already within budget: the switch is what decide() says anyway.
+        let small = m(1, 100, 30_000.0);
+        assert!(!cannot_converge(&small, &LIMITS));
     }
 
     #[test]

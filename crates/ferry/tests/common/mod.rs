@@ -255,15 +255,35 @@ pub fn ferry_output(args: &[&str]) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn ferry");
+    // Read both pipes while it runs: a report larger than a pipe's 64 KiB (a post-copy
+    // timeline) would otherwise block it forever.
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut p) = pipe {
+                let _ = p.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
     let deadline = Instant::now() + Duration::from_secs(30);
-    while child.try_wait().ok().flatten().is_none() {
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("ferry's status") {
+            break status;
+        }
         if Instant::now() > deadline {
             let _ = child.kill();
             panic!("ferry {args:?} did not exit within 30 s");
         }
         std::thread::sleep(Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().expect("stdout reader"),
+        stderr: stderr.join().expect("stderr reader"),
     }
-    child.wait_with_output().expect("ferry output")
 }
 
 pub fn free_port() -> u16 {
@@ -276,6 +296,41 @@ pub fn free_port() -> u16 {
 
 /// `ferry migrate ... --json`: the final report (default when none was printed), whether the
 /// command succeeded, and every error message it gave (report error and stderr).
+/// After a migration run with `--checksum`: memory was equal at the switch, the source let go
+/// and exited 0, and the guest then ran `passes` more passes on the destination without one
+/// verify error. Returns the destination's vm.info.
+pub fn assert_every_page_arrived(
+    src: &mut Ferry,
+    dst: &Ferry,
+    report: &api::MigrationStatus,
+    passes: u64,
+) -> VmInfo {
+    let (a, b) = (
+        report.memory_checksum_source,
+        report.memory_checksum_destination,
+    );
+    assert!(
+        a.is_some() && a == b,
+        "memory equal at the switch: {a:?} vs {b:?}"
+    );
+    assert!(
+        src.wait_exit(Duration::from_secs(60)).success(),
+        "the source lets go and exits 0"
+    );
+    let start = dst.info().passes;
+    let info = dst.wait_info(
+        "more passes on the destination",
+        Duration::from_secs(60),
+        |i| i.passes >= start + passes,
+    );
+    assert_eq!(
+        info.verify_errors, 0,
+        "pages lost: {:?}",
+        info.verify_error_pages
+    );
+    info
+}
+
 pub fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (api::MigrationStatus, bool, String) {
     let socket = src.socket.to_str().unwrap().to_string();
     let mut args = vec!["migrate", "--api-socket", &socket, "--to", to, "--json"];

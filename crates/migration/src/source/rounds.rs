@@ -78,6 +78,19 @@ impl Session<'_> {
                 self.status.note = Some("switched to post-copy on request".into());
                 return Ok((dirty, true));
             }
+            if self.params.auto_postcopy
+                && self.peer_postcopy
+                && policy::cannot_converge(&measured, &limits)
+            {
+                self.status.report.converged = Some(false);
+                self.status.note = Some(format!(
+                    "pre-copy cannot converge after round {}: the guest dirties {:.0} pages/s, \
+                     more than the link sends; switching to post-copy",
+                    round - 1,
+                    measured.dirty_pages_per_s
+                ));
+                return Ok((dirty, true));
+            }
             match policy::decide(&measured, &limits) {
                 Decision::Iterate => self.send_round(round, &dirty)?,
                 Decision::SwitchOver { converged, why } => {

@@ -36,7 +36,10 @@ impl Session<'_> {
             && pending.count() > 0
         {
             self.drop_stale_before_pause(&pending)?;
-        } else if self.paused_at.is_none() && self.stream.has_peer() {
+        } else if self.paused_at.is_none()
+            && self.stream.has_peer()
+            && !self.status.progress.rounds.is_empty()
+        {
             self.sync_before_pause()?;
         }
         self.status.phase = Phase::Switchover;
