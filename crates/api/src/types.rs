@@ -77,6 +77,8 @@ pub struct MigrationRequest {
     pub checksum: Option<bool>,
     /// precopy only: switch to post-copy instead of stop-and-copy when it will not converge.
     pub auto_postcopy: Option<bool>,
+    /// precopy: slow the guest's vCPUs in steps while it outpaces the link.
+    pub auto_converge: Option<bool>,
     /// Post-copy push order: bubble (default; pre-paging around faults) or linear (push only).
     pub prepaging: Option<String>,
     /// Connections the pages travel on, each with its own sender thread (1..=16, default 1).
@@ -154,6 +156,8 @@ pub struct RoundStats {
     pub duration_ms: f64,
     /// Pages the guest dirtied per second while this round was sent.
     pub dirty_pages_per_s: f64,
+    /// Auto-converge: the share of time the guest's vCPUs slept during this round.
+    pub throttle_percent: u8,
 }
 
 /// What the destination saw during post-copy.
@@ -222,6 +226,8 @@ pub struct MigrationStatus {
     /// Post-copy after rounds: copies the guest had dirtied since they were sent, dropped on
     /// the destination before the pause (those dirtied later are dropped inside it).
     pub stale_pages_dropped_before_pause: Option<u64>,
+    /// Auto-converge: the largest share of time the guest's vCPUs were made to sleep.
+    pub throttle_percent_max: u8,
     pub pages_pushed: u64,
     pub pages_requested: u64,
     pub postcopy_report: Option<PostcopyReport>,

@@ -67,6 +67,10 @@ pub struct MigrateArgs {
     /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
     #[arg(long)]
     pub auto_postcopy: bool,
+    /// Slow the guest's vCPUs in steps (20 %, +10 % a round) while it dirties memory faster
+    /// than the link sends it, until pre-copy converges.
+    #[arg(long)]
+    pub auto_converge: bool,
     /// Post-copy push order: bubble (pre-paging around the last fault) or linear (push only).
     #[arg(long)]
     pub prepaging: Option<String>,

@@ -33,6 +33,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         timeout_s: args.timeout_s,
         checksum: Some(args.checksum),
         auto_postcopy: Some(args.auto_postcopy),
+        auto_converge: Some(args.auto_converge),
         prepaging: args.prepaging.clone(),
         connections: args.connections,
         compression: args.compression.clone(),

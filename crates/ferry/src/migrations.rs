@@ -143,6 +143,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
                 bytes: x.bytes,
                 duration_ms: x.duration_ms,
                 dirty_pages_per_s: x.dirty_pages_per_s,
+                throttle_percent: x.throttle_percent,
             })
             .collect(),
         setup_ms: r.setup_ms,
@@ -157,6 +158,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         destination_supports_postcopy: s.destination_supports_postcopy,
         postcopy: s.postcopy,
         stale_pages_dropped_before_pause: r.stale_pages_dropped_before_pause,
+        throttle_percent_max: r.throttle_percent_max,
         pages_pushed: p.pages.pushed,
         pages_requested: p.pages.requested,
         postcopy_report: r.postcopy_report.as_ref().map(|c| api::PostcopyReport {
@@ -205,6 +207,7 @@ pub fn params_from_request(
         timeout_s: positive("timeout_s", req.timeout_s)?.unwrap_or(defaults.timeout_s),
         checksum: req.checksum.unwrap_or(false),
         auto_postcopy: req.auto_postcopy.unwrap_or(false),
+        auto_converge: req.auto_converge.unwrap_or(false),
         prepaging: match req.prepaging.as_deref() {
             None | Some("bubble") => Strategy::Bubble,
             Some("linear") => Strategy::Linear,

@@ -122,17 +122,30 @@ pub fn render(s: &MigrationStatus) -> String {
             );
         }
     }
+    if s.throttle_percent_max > 0 {
+        let _ = writeln!(
+            o,
+            "  auto-converge: the guest's vCPUs slept up to {} % of the time (released at the end)",
+            s.throttle_percent_max
+        );
+    }
     if !s.rounds.is_empty() {
         let _ = writeln!(
             o,
-            "  {:>5} {:>10} {:>10} {:>12} {:>10} {:>14}",
-            "round", "pages", "zero", "bytes", "ms", "dirty pages/s"
+            "  {:>5} {:>10} {:>10} {:>12} {:>10} {:>14} {:>9}",
+            "round", "pages", "zero", "bytes", "ms", "dirty pages/s", "throttle"
         );
         for r in &s.rounds {
             let _ = writeln!(
                 o,
-                "  {:>5} {:>10} {:>10} {:>12} {:>10.2} {:>14.0}",
-                r.round, r.pages, r.zero_pages, r.bytes, r.duration_ms, r.dirty_pages_per_s
+                "  {:>5} {:>10} {:>10} {:>12} {:>10.2} {:>14.0} {:>8}%",
+                r.round,
+                r.pages,
+                r.zero_pages,
+                r.bytes,
+                r.duration_ms,
+                r.dirty_pages_per_s,
+                r.throttle_percent
             );
         }
     }

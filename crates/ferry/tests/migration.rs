@@ -119,6 +119,41 @@ fn compressed_pages_over_two_connections_keep_every_page() {
 }
 
 #[test]
+fn auto_converge_slows_the_guest_until_precopy_converges() {
+    if !kvm_available() {
+        return;
+    }
+    let mut src = Ferry::writer("write ws=16M seq verify");
+    let url = unix_url(&src, "mig.sock");
+    let dst = Ferry::incoming(&url);
+    // 200 Mbit/s cannot keep up with a guest rewriting 16 MiB several times a second.
+    let (report, ok, stderr) = migrate(
+        &src,
+        &url,
+        &[
+            "--checksum",
+            "--max-bandwidth-mbps",
+            "200",
+            "--max-downtime-ms",
+            "50",
+            "--auto-converge",
+        ],
+    );
+    assert!(ok, "migrate failed: {stderr}\n{report:?}");
+    assert_eq!(report.converged, Some(true), "{report:?}");
+    assert!(report.throttle_percent_max >= 20, "{report:?}");
+    let (before, during) = (
+        report.guest_pages_per_s_before.unwrap_or(0.0),
+        report.guest_pages_per_s_during.unwrap_or(f64::MAX),
+    );
+    assert!(
+        during < before,
+        "the guest ran slower while throttled: {before} -> {during}"
+    );
+    assert_every_page_arrived(&mut src, &dst, &report, 2);
+}
+
+#[test]
 fn both_vcpus_progress_after_migration() {
     if !kvm_available() {
         return;

@@ -58,6 +58,9 @@ pub struct MigrationParams {
     pub checksum: bool,
     /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
     pub auto_postcopy: bool,
+    /// When the guest dirties memory faster than the link sends it, slow its vCPUs in steps
+    /// (20 %, then +10 % a round, at most 99 %) until pre-copy converges.
+    pub auto_converge: bool,
     /// Post-copy push order: bubble (pre-paging around faults) or linear (push only).
     pub prepaging: Strategy,
     /// TCP (or Unix) connections the pages travel on, each with its own sender thread.
@@ -77,6 +80,7 @@ impl Default for MigrationParams {
             timeout_s: 600,
             checksum: false,
             auto_postcopy: false,
+            auto_converge: false,
             prepaging: Strategy::Bubble,
             connections: 1,
             compression: Compression::None,

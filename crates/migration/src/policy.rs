@@ -62,6 +62,15 @@ pub fn cannot_converge(m: &Measured, limits: &Limits) -> bool {
         && expected_downtime_ms(m.pages_remaining, m.bandwidth_bytes_per_s) > limits.max_downtime_ms
 }
 
+/// Auto-converge's trigger (QEMU's throttle-trigger-threshold): the guest dirtied at least
+/// half of what the link sent in the same time. Pre-copy only shrinks its dirty set when the
+/// link moves clearly more than the guest dirties; a slower guest is the way there.
+pub fn should_throttle(m: &Measured) -> bool {
+    m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= THROTTLE_TRIGGER * m.bandwidth_bytes_per_s
+}
+
+const THROTTLE_TRIGGER: f64 = 0.5;
+
 /// A final set this small (1 MiB) moves in well under a millisecond on any link worth
 /// migrating over: not worth another round.
 pub const SMALL_FINAL_PAGES: u64 = 256;
@@ -198,6 +207,13 @@ mod tests {
         // Outpaced but already within budget: the switch is what decide() says anyway.
         let small = m(1, 100, 30_000.0);
         assert!(!cannot_converge(&small, &LIMITS));
+    }
+
+    #[test]
+    fn throttling_starts_at_half_the_link() {
+        // 100 MB/s link: 12,000 dirty pages/s × 4 KiB ≈ 49 MB/s is below half; 13,000 above.
+        assert!(!should_throttle(&m(2, 5_000, 12_000.0)));
+        assert!(should_throttle(&m(2, 5_000, 13_000.0)));
     }
 
     #[test]

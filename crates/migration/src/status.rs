@@ -85,6 +85,8 @@ pub struct RoundStats {
     pub duration_ms: f64,
     /// Pages the guest dirtied per second while this round was sent.
     pub dirty_pages_per_s: f64,
+    /// Auto-converge: the share of time the guest's vCPUs slept during this round.
+    pub throttle_percent: u8,
 }
 
 /// Live figures.
@@ -135,6 +137,8 @@ pub struct Report {
     /// Post-copy after rounds: copies the guest had dirtied, dropped on the destination
     /// before the pause (the rest, dirtied after, are dropped inside it).
     pub stale_pages_dropped_before_pause: Option<u64>,
+    /// Auto-converge: the largest throttle it applied (0: never engaged).
+    pub throttle_percent_max: u8,
     // verification aid
     pub memory_checksum_source: Option<u64>,
     pub memory_checksum_destination: Option<u64>,

@@ -42,6 +42,8 @@ pub trait Migratable: Send + Sync {
     /// Parks every vCPU with complete state.
     fn pause(&self) -> Result<()>;
     fn resume(&self) -> Result<()>;
+    /// Auto-converge: every vCPU sleeps `percent` % of its time (0 releases; at most 99).
+    fn set_throttle(&self, percent: u8) -> Result<()>;
     /// Serialised state of each vCPU, in vCPU order; the VM must be paused.
     fn save_vcpus(&self) -> Result<Vec<Vec<u8>>>;
     /// Serialised state of everything besides memory and vCPUs.

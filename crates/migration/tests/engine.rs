@@ -63,6 +63,9 @@ struct FakeVm {
     paused: AtomicBool,
     writes: AtomicU64,
     state: Mutex<Option<LoadedState>>,
+    /// Auto-converge: percent of the time the guest sleeps, and the most it was ever asked.
+    throttle: AtomicU64,
+    throttle_max: AtomicU64,
 }
 
 impl FakeVm {
@@ -75,6 +78,8 @@ impl FakeVm {
             paused: AtomicBool::new(true),
             writes: AtomicU64::new(0),
             state: Mutex::new(None),
+            throttle: AtomicU64::new(0),
+            throttle_max: AtomicU64::new(0),
         })
     }
 
@@ -121,7 +126,9 @@ impl FakeVm {
                     generation += 1;
                 }
                 if i.is_multiple_of(64) {
-                    std::thread::sleep(Duration::from_micros(50));
+                    // Throttled, it sleeps longer: running (100 - p) % of the time.
+                    let p = vm.throttle.load(Ordering::Relaxed).min(99);
+                    std::thread::sleep(Duration::from_micros(50 * 100 / (100 - p)));
                 }
             }
         })
@@ -175,6 +182,12 @@ impl Migratable for FakeVm {
     }
     fn resume(&self) -> migration::Result<()> {
         self.paused.store(false, Ordering::Release);
+        Ok(())
+    }
+    fn set_throttle(&self, percent: u8) -> migration::Result<()> {
+        self.throttle.store(u64::from(percent), Ordering::Relaxed);
+        self.throttle_max
+            .fetch_max(u64::from(percent), Ordering::Relaxed);
         Ok(())
     }
     fn save_vcpus(&self) -> migration::Result<Vec<Vec<u8>>> {
@@ -338,6 +351,59 @@ fn precopy_over(connections: u32, compression: Compression) -> Status {
     assert_eq!(state.0, vec![b"cpu0".to_vec(), b"cpu1".to_vec()]);
     assert_eq!(state.1, b"devices".to_vec());
     s
+}
+
+/// A guest that rewrites its working set faster than a 40 Mbit/s link moves it: auto-converge
+/// throttles it harder round after round, and releases it when the migration ends, whether it
+/// completes or fails (here: runs out of time mid-rounds).
+#[test]
+fn auto_converge_throttles_in_steps_and_releases() {
+    for (max_rounds, timeout_s) in [(5, 600), (30, 3)] {
+        let src = FakeVm::new();
+        for i in (0..PAGES).step_by(4) {
+            src.write_page(ram_page(i), 0);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let guest = src.start_guest(LOW - 256, LOW + 256, stop.clone());
+        let run = migrate(
+            &src,
+            MigrationParams {
+                max_downtime_ms: 1,
+                max_rounds,
+                timeout_s,
+                max_bandwidth_mbps: Some(40),
+                auto_converge: true,
+                ..Default::default()
+            },
+            None,
+        );
+        stop.store(true, Ordering::Release);
+        guest.join().unwrap();
+        let most = src.throttle_max.load(Ordering::Relaxed);
+        assert!(most >= 20, "the guest was slowed down: {most}");
+        assert_eq!(src.throttle.load(Ordering::Relaxed), 0, "and released");
+        if timeout_s < 600 {
+            let e = run.result.expect_err("out of time");
+            assert!(e.to_string().contains("timed out"), "{e}");
+            assert!(!src.paused.load(Ordering::Acquire), "the source runs on");
+            continue;
+        }
+        run.result.expect("migration");
+        let s = run.source_status;
+        let steps: Vec<u8> = s
+            .progress
+            .rounds
+            .iter()
+            .map(|r| r.throttle_percent)
+            .collect();
+        assert_eq!(steps[0], 0, "round 0 runs free");
+        assert!(
+            steps.windows(2).all(|w| w[0] <= w[1]),
+            "in steps: {steps:?}"
+        );
+        assert_eq!(u64::from(s.report.throttle_percent_max), most);
+        assert!(src.memory() == run.dest.expect("destination").memory());
+    }
 }
 
 /// Post-copy and hybrid through the engine alone: the destination VM's "guest" reads pages

@@ -111,6 +111,10 @@ impl Migratable for Vm {
         Vm::pause(self).map_err(vm_err)
     }
 
+    fn set_throttle(&self, percent: u8) -> migration::Result<()> {
+        Vm::set_throttle(self, percent).map_err(vm_err)
+    }
+
     fn resume(&self) -> migration::Result<()> {
         Vm::resume(self);
         Ok(())

@@ -8,6 +8,7 @@
 //! and write vCPU state.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -39,9 +40,14 @@ struct ControlState {
 pub struct RunControl {
     state: Mutex<ControlState>,
     changed: Condvar,
+    /// Percent of every `THROTTLE_PERIOD` a vCPU sleeps (auto-converge); 0: not throttled.
+    throttle: AtomicU8,
 }
 
 const PARK_TIMEOUT: Duration = Duration::from_secs(10);
+/// A throttled vCPU runs `(100 - p)` % of each period and sleeps `p` % (QEMU's cpu-throttle
+/// uses the same 10 ms slice).
+const THROTTLE_PERIOD: Duration = Duration::from_millis(10);
 
 impl RunControl {
     fn new(start_paused: bool, vcpus: usize) -> Self {
@@ -52,7 +58,26 @@ impl RunControl {
                 alive: vcpus,
             }),
             changed: Condvar::new(),
+            throttle: AtomicU8::new(0),
         }
+    }
+
+    /// Between two exits: once a throttled vCPU has run its share of the period, it sleeps the
+    /// rest (woken early by a pause or stop, so throttling never lengthens a pause).
+    fn throttle(&self, period_start: &mut Instant) {
+        let percent = u32::from(self.throttle.load(Ordering::Relaxed));
+        if percent == 0 {
+            *period_start = Instant::now();
+            return;
+        }
+        if period_start.elapsed() < THROTTLE_PERIOD * (100 - percent) / 100 {
+            return;
+        }
+        let s = self.lock();
+        let _ = self
+            .changed
+            .wait_timeout_while(s, THROTTLE_PERIOD * percent / 100, |s| s.wish == Wish::Run);
+        *period_start = Instant::now();
     }
 
     fn lock(&self) -> MutexGuard<'_, ControlState> {
@@ -145,6 +170,9 @@ pub struct VcpuSet {
     pub fds: Vec<Arc<Mutex<VcpuFd>>>,
     control: Arc<RunControl>,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// While throttled: kicks every vCPU out of `KVM_RUN` once a period, so that a guest that
+    /// does not exit by itself is throttled too.
+    kicker: Mutex<Option<JoinHandle<()>>>,
 }
 
 struct VcpuContext {
@@ -190,6 +218,7 @@ impl VcpuSet {
             fds,
             control,
             threads: Mutex::new(threads),
+            kicker: Mutex::new(None),
         };
         if start_paused {
             set.control.wait_all_parked()?;
@@ -208,6 +237,49 @@ impl VcpuSet {
         }
     }
 
+    /// Makes every vCPU sleep `percent` % of its time (0: run freely; at most 99).
+    pub fn set_throttle(&self, percent: u8) -> Result<()> {
+        let percent = percent.min(99);
+        self.control.throttle.store(percent, Ordering::Relaxed);
+        let mut kicker = self.kicker.lock().unwrap_or_else(|e| e.into_inner());
+        if percent == 0 {
+            if let Some(k) = kicker.take() {
+                let _ = k.join(); // it sees the 0 within a period
+            }
+            return Ok(());
+        }
+        if kicker.is_some() {
+            return Ok(());
+        }
+        use std::os::unix::thread::JoinHandleExt;
+        let threads: Vec<libc::pthread_t> = self
+            .threads
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|t| t.as_pthread_t())
+            .collect();
+        let control = self.control.clone();
+        let thread = std::thread::Builder::new()
+            .name("vcpu-throttle".into())
+            .spawn(move || {
+                while control.throttle.load(Ordering::Relaxed) > 0 {
+                    std::thread::sleep(THROTTLE_PERIOD);
+                    for &t in &threads {
+                        // SAFETY: the vCPU threads outlive the kicker: `stop` clears the
+                        // throttle and joins this thread before it joins them.
+                        unsafe { libc::pthread_kill(t, kick_signal()) };
+                    }
+                }
+            })
+            .map_err(|e| Error::Vcpu {
+                cpu: 0,
+                reason: format!("cannot start the throttle thread: {e}"),
+            })?;
+        *kicker = Some(thread);
+        Ok(())
+    }
+
     /// Returns once every vCPU is parked with its state complete.
     pub fn pause(&self) -> Result<()> {
         self.control.set_wish(Wish::Pause);
@@ -221,6 +293,7 @@ impl VcpuSet {
 
     /// Stops and joins every vCPU thread.
     pub fn stop(&self) {
+        let _ = self.set_throttle(0);
         self.control.set_wish(Wish::Stop);
         self.kick_all();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
@@ -264,13 +337,14 @@ impl VcpuContext {
     fn run_until_park(&self) -> Step {
         let mut fd = self.fd.lock().unwrap_or_else(|e| e.into_inner());
         THIS_KVM_RUN.with(|r| r.set(fd.get_kvm_run() as *mut kvm_run));
+        let mut period_start = Instant::now();
         let step = loop {
             if self.control.wants_park() {
                 complete_pending_io(&mut fd);
                 break Step::Park;
             }
             match self.step(&mut fd) {
-                Step::Continue => {}
+                Step::Continue => self.control.throttle(&mut period_start),
                 other => break other,
             }
         };

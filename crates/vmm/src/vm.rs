@@ -184,6 +184,11 @@ impl Vm {
         *self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Auto-converge: every vCPU sleeps `percent` % of its time (0 releases).
+    pub fn set_throttle(&self, percent: u8) -> Result<()> {
+        self.vcpus.set_throttle(percent)
+    }
+
     /// Parks every vCPU with complete state. Pausing a paused VM is a no-op.
     pub fn pause(&self) -> Result<()> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());

@@ -189,7 +189,7 @@ impl Session<'_> {
             zero_pages: after.zero - before.zero,
             bytes: after.bytes - before.bytes,
             duration_ms: ms(began.elapsed()),
-            dirty_pages_per_s: 0.0,
+            ..Default::default()
         });
         self.status.report.memory_checksum_destination = report.memory_checksum;
         self.status.report.postcopy_report = Some(report);

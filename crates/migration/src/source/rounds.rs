@@ -17,6 +17,10 @@ use crate::wire::{Message, StreamMode};
 
 /// Rounds without progress before pre-copy gives up iterating (see `policy`).
 const MAX_STALLED_ROUNDS: u32 = 3;
+/// Auto-converge's throttle steps, in percent of each vCPU's time.
+const THROTTLE_FIRST: u8 = 20;
+const THROTTLE_STEP: u8 = 10;
+const THROTTLE_MOST: u8 = 99;
 /// A round of fewer pages is too short to time the link by.
 const RATE_MIN_PAGES: u64 = 1024;
 /// Live status is refreshed every this many pages inside a round.
@@ -92,7 +96,15 @@ impl Session<'_> {
                 return Ok((dirty, true));
             }
             match policy::decide(&measured, &limits) {
-                Decision::Iterate => self.send_round(round, &dirty)?,
+                Decision::Iterate => {
+                    if self.params.auto_converge
+                        && policy::should_throttle(&measured)
+                        && self.throttle_harder()?
+                    {
+                        stalled = 0; // a slower guest is a new game
+                    }
+                    self.send_round(round, &dirty)?
+                }
                 Decision::SwitchOver { converged, why } => {
                     let postcopy = !converged && self.params.auto_postcopy;
                     self.status.report.converged = Some(converged);
@@ -151,6 +163,27 @@ impl Session<'_> {
         m
     }
 
+    /// Auto-converge's step: 20 % at first, then 10 % more a round, at most 99 % (QEMU's
+    /// cpu-throttle defaults). Whether it slowed the guest further.
+    fn throttle_harder(&mut self) -> Result<bool> {
+        let next = match self.throttle {
+            0 => THROTTLE_FIRST,
+            t => (t + THROTTLE_STEP).min(THROTTLE_MOST),
+        };
+        if next == self.throttle {
+            return Ok(false);
+        }
+        self.vm.set_throttle(next)?;
+        self.throttle = next;
+        let r = &mut self.status.report;
+        r.throttle_percent_max = r.throttle_percent_max.max(next);
+        self.status.note = Some(format!(
+            "the guest dirties memory faster than the link sends it: its vCPUs now sleep \
+             {next} % of the time"
+        ));
+        Ok(true)
+    }
+
     /// Sends the pages of `set` as round `round` (over every lane).
     pub(super) fn send_round(&mut self, round: u32, set: &Bitmap) -> Result<()> {
         let began = Instant::now();
@@ -177,6 +210,7 @@ impl Session<'_> {
             bytes: after.bytes - before.bytes,
             duration_ms: ms(elapsed),
             dirty_pages_per_s: 0.0,
+            throttle_percent: self.throttle,
         });
         self.publish();
         Ok(())

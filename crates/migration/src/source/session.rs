@@ -58,6 +58,8 @@ pub(crate) struct Session<'a> {
     /// Whether this session paused the VM (and so must resume it on failure).
     pub paused_at: Option<(Instant, u64)>,
     pub dirty_logging: bool,
+    /// Auto-converge: the share of time the guest's vCPUs sleep now.
+    pub throttle: u8,
     /// When the last page was in place (post-copy ends after the guest resumed).
     pub finished: Option<Instant>,
 }
@@ -101,6 +103,7 @@ impl<'a> Session<'a> {
             was_running: vm.is_running(),
             paused_at: None,
             dirty_logging: false,
+            throttle: 0,
             finished: None,
         }
     }
@@ -199,6 +202,11 @@ impl<'a> Session<'a> {
 
     /// Settles the outcome: on failure before `Go`, the source is left as it was.
     pub fn finish(mut self, result: Result<()>) -> Result<()> {
+        if self.throttle > 0 {
+            // Whatever the outcome, the guest is not left slowed down.
+            let _ = self.vm.set_throttle(0);
+            self.throttle = 0;
+        }
         let error = match result {
             Ok(()) => {
                 if self.dirty_logging {
