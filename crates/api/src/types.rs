@@ -85,6 +85,8 @@ pub struct MigrationRequest {
     pub connections: Option<i64>,
     /// none (default), lz4, zstd or auto.
     pub compression: Option<String>,
+    /// Delta encoding of re-sent pages: MiB of last-sent copies kept (0, the default: off).
+    pub delta_cache_mb: Option<i64>,
 }
 
 /// Body of `PUT /api/v1/vm.migrate-resume`: on the destination `listen` (where to wait for the
@@ -145,6 +147,9 @@ pub struct CompressionStats {
     /// Page data of the compressed frames, before and after compression.
     pub bytes_in: u64,
     pub bytes_out: u64,
+    /// Pages re-sent as deltas of their last copy (`delta_cache_mb`), and the bytes saved.
+    pub delta_pages: u64,
+    pub delta_bytes_saved: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

@@ -81,6 +81,10 @@ pub struct MigrateArgs {
     /// picks what moves its pages soonest over this link, and changes its mind).
     #[arg(long)]
     pub compression: Option<String>,
+    /// Send re-sent pages as deltas of their last copy (XBZRLE-like), keeping this many MiB
+    /// of last-sent copies (0: off, the default).
+    #[arg(long, allow_negative_numbers = true)]
+    pub delta_cache_mb: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]
     pub max_downtime_ms: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]

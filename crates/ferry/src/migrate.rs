@@ -37,6 +37,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         prepaging: args.prepaging.clone(),
         connections: args.connections,
         compression: args.compression.clone(),
+        delta_cache_mb: args.delta_cache_mb,
     };
     let _ = vmm_sys_util::signal::register_signal_handler(libc::SIGINT, on_interrupt);
     client

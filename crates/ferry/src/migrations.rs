@@ -132,6 +132,8 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
             frames_zstd: p.compression.frames_zstd,
             bytes_in: p.compression.bytes_in,
             bytes_out: p.compression.bytes_out,
+            delta_pages: p.compression.delta_pages,
+            delta_bytes_saved: p.compression.delta_bytes_saved,
         },
         rounds: p
             .rounds
@@ -192,6 +194,8 @@ pub fn params_from_request(
             other => Ok(other.map(|n| n as u64)),
         }
     };
+    // A cache larger than most guests' memory would only hold host memory hostage.
+    const MAX_DELTA_CACHE_MB: i64 = 64 * 1024;
     let defaults = MigrationParams::default();
     let params = MigrationParams {
         mode: match &req.mode {
@@ -220,6 +224,14 @@ pub fn params_from_request(
         connections: positive("connections", req.connections)?
             .map(|n| n.min(u64::from(u32::MAX)) as u32)
             .unwrap_or(defaults.connections),
+        delta_cache_mb: match req.delta_cache_mb {
+            Some(n) if !(0..=MAX_DELTA_CACHE_MB).contains(&n) => {
+                return Err(ApiError::bad_request(format!(
+                    "delta_cache_mb must be 0..={MAX_DELTA_CACHE_MB}, not {n}"
+                )));
+            }
+            n => n.unwrap_or(0) as u64,
+        },
         compression: match req.compression.as_deref() {
             None => defaults.compression,
             Some(c) => c.parse().map_err(api_error)?,

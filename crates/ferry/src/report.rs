@@ -94,6 +94,13 @@ pub fn render(s: &MigrationStatus) -> String {
             c.asked, c.frames_plain, c.frames_lz4, c.frames_zstd, c.bytes_in, c.bytes_out
         );
     }
+    if c.delta_pages > 0 {
+        let _ = writeln!(
+            o,
+            "  delta encoding: {} pages re-sent as deltas, {} bytes saved",
+            c.delta_pages, c.delta_bytes_saved
+        );
+    }
     if s.postcopy {
         let _ = writeln!(
             o,

@@ -119,6 +119,33 @@ fn compressed_pages_over_two_connections_keep_every_page() {
 }
 
 #[test]
+fn resent_pages_go_as_deltas_and_every_page_arrives() {
+    if !kvm_available() {
+        return;
+    }
+    for extra in [
+        &["--delta-cache-mb", "512"][..],
+        &[
+            "--delta-cache-mb",
+            "512",
+            "--connections",
+            "2",
+            "--compression",
+            "lz4",
+        ],
+    ] {
+        let r = tcp_precopy_keeps_every_page(extra);
+        let c = &r.compression;
+        // The guest rewrites one word of a page: a re-sent page is a few bytes of delta.
+        assert!(c.delta_pages > 0, "{extra:?}: {c:?}");
+        assert!(
+            c.delta_bytes_saved > c.delta_pages * 4000,
+            "{extra:?}: {c:?}"
+        );
+    }
+}
+
+#[test]
 fn auto_converge_slows_the_guest_until_precopy_converges() {
     if !kvm_available() {
         return;
@@ -417,6 +444,10 @@ fn bad_migration_requests_are_refused_clearly() {
     fails(
         &["--to", &nobody, "--connections", "0"],
         "connections must be positive",
+    );
+    fails(
+        &["--to", &nobody, "--delta-cache-mb", "-1"],
+        "delta_cache_mb must be 0..=65536, not -1",
     );
     fails(
         &["--to", &nobody, "--compression", "brotli"],

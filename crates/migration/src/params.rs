@@ -68,6 +68,9 @@ pub struct MigrationParams {
     /// Page data compressed per frame: none, lz4, zstd, or auto (chosen by link and data, by
     /// each connection's sender).
     pub compression: Compression,
+    /// Delta encoding of re-sent pages: MiB of last-sent copies kept (shared out among the
+    /// connections); 0: off.
+    pub delta_cache_mb: u64,
 }
 
 impl Default for MigrationParams {
@@ -84,6 +87,7 @@ impl Default for MigrationParams {
             prepaging: Strategy::Bubble,
             connections: 1,
             compression: Compression::None,
+            delta_cache_mb: 0,
         }
     }
 }

@@ -114,6 +114,9 @@ pub struct CompressionCounts {
     /// Page data of the compressed frames, before and after.
     pub bytes_in: u64,
     pub bytes_out: u64,
+    /// Pages re-sent as deltas of their last copy, and the bytes that saved.
+    pub delta_pages: u64,
+    pub delta_bytes_saved: u64,
 }
 
 /// What a finished migration measured (also a failed one, as far as it got).

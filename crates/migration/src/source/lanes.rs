@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use super::session::{DEFAULT_BATCH_PAGES, Session};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
+use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::CompressionCounts;
 use crate::wire::bitmap::Bitmap;
@@ -100,7 +101,8 @@ impl Session<'_> {
                 stream,
                 ended: false,
                 pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
-                    .with_compression(self.params.compression),
+                    .with_compression(self.params.compression)
+                    .with_delta_cache(delta_cache_pages(self.params)),
                 limiter,
             });
         }
@@ -193,6 +195,8 @@ impl Session<'_> {
             frames_zstd: c.frames_by_codec[Codec::Zstd as usize],
             bytes_in: c.packed_in,
             bytes_out: c.packed_out,
+            delta_pages: c.delta_pages,
+            delta_bytes_saved: c.delta_saved,
         };
         c
     }
@@ -211,6 +215,12 @@ impl Session<'_> {
             .iter()
             .fold(self.pages.counters, |acc, lane| acc + lane.pages.counters)
     }
+}
+
+/// Each connection's share of the delta cache, in pages.
+pub(super) fn delta_cache_pages(params: &MigrationParams) -> usize {
+    let pages = params.delta_cache_mb * (1 << 20) / crate::PAGE_SIZE as u64;
+    (pages / u64::from(params.connections.max(1))) as usize
 }
 
 /// A random name for a migration's extra connections to give (unguessable without TLS, so a

@@ -87,7 +87,8 @@ impl<'a> Session<'a> {
             ram,
             stream,
             pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
-                .with_compression(params.compression),
+                .with_compression(params.compression)
+                .with_delta_cache(lanes::delta_cache_pages(params)),
             lanes: Vec::new(),
             dial: None,
             limiter,

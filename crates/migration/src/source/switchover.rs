@@ -60,6 +60,8 @@ impl Session<'_> {
         self.check_page_data(); // the guest is still
         let round = self.status.progress.rounds.len() as u32;
         if postcopy {
+            // Post-copy installs whole pages: no delta may follow.
+            self.pages.forget_deltas();
             self.status.postcopy = true;
             self.send(&Message::PostcopyPending {
                 pages: pending.pages(),

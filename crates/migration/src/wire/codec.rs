@@ -79,16 +79,16 @@ impl Codec {
         Ok(())
     }
 
-    /// Decompresses `input` into `out`, which must come out exactly full: anything else is a
-    /// corrupt or hostile frame.
-    pub fn decompress(self, input: &[u8], out: &mut [u8]) -> Result<()> {
+    /// Decompresses `input` into `out`; returns the length, which must be at least `least`
+    /// (and fits `out`): anything else is a corrupt or hostile frame.
+    pub fn decompress(self, input: &[u8], out: &mut [u8], least: usize) -> Result<usize> {
         let bad = |e: String| Error::Protocol(format!("{} page data: {e}", self.name()));
         let n = match self {
             Codec::None => {
-                if input.len() != out.len() {
+                if input.len() > out.len() {
                     return Err(bad("length mismatch".into()));
                 }
-                out.copy_from_slice(input);
+                out[..input.len()].copy_from_slice(input);
                 input.len()
             }
             Codec::Lz4 => {
@@ -98,13 +98,12 @@ impl Codec {
                 zstd::bulk::decompress_to_buffer(input, out).map_err(|e| bad(e.to_string()))?
             }
         };
-        if n != out.len() {
+        if n < least {
             return Err(bad(format!(
-                "{n} bytes where the descriptors promise {}",
-                out.len()
+                "{n} bytes where the descriptors promise at least {least}"
             )));
         }
-        Ok(())
+        Ok(n)
     }
 }
 
@@ -271,7 +270,8 @@ mod tests {
                 assert!(packed.len() * 3 < input.len(), "{c:?}: {}", packed.len());
             }
             let mut out = vec![0u8; input.len()];
-            c.decompress(&packed, &mut out).unwrap();
+            let n = c.decompress(&packed, &mut out, input.len()).unwrap();
+            assert_eq!(n, input.len());
             assert!(out == input, "{c:?}");
             assert_eq!(Codec::from_flags(c.flag_bits()).unwrap(), c);
         }
@@ -286,14 +286,18 @@ mod tests {
                 .unwrap();
             // Promise one page more than the data holds.
             let mut out = vec![0u8; input.len() + 4096];
-            let e = c.decompress(&packed, &mut out).unwrap_err();
+            let e = c
+                .decompress(&packed, &mut out, input.len() + 4096)
+                .unwrap_err();
             assert!(e.to_string().contains(c.name()), "{e}");
             // Garbage.
             let garbage = vec![0xffu8; 300];
             let mut out = vec![0u8; input.len()];
-            assert!(c.decompress(&garbage, &mut out).is_err(), "{c:?}");
+            assert!(c.decompress(&garbage, &mut out, 1).is_err(), "{c:?}");
             // Cut short.
-            assert!(c.decompress(&packed[..packed.len() / 2], &mut out).is_err());
+            let half = &packed[..packed.len() / 2];
+            let whole = out.len();
+            assert!(c.decompress(half, &mut out, whole).is_err());
         }
         assert!(Codec::from_flags(3 << 1).is_err());
     }

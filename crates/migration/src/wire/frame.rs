@@ -35,6 +35,9 @@ pub enum PageEncoding {
     Full = 0,
     /// The page is all zeros; no data.
     Zero = 1,
+    /// The page changed little since it was last sent on this connection: `len u16` and
+    /// that many bytes of delta (see `wire::delta`) follow in the frame's data.
+    Delta = 2,
 }
 
 impl PageEncoding {
@@ -42,6 +45,7 @@ impl PageEncoding {
         match v {
             0 => Ok(Self::Full),
             1 => Ok(Self::Zero),
+            2 => Ok(Self::Delta),
             other => Err(Error::Protocol(format!("unknown page encoding {other}"))),
         }
     }

@@ -3,6 +3,7 @@
 
 pub mod bitmap;
 pub mod codec;
+pub mod delta;
 pub mod frame;
 pub mod message;
 pub mod pages;

@@ -10,6 +10,7 @@ use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
 use crate::wire::bitmap::Bitmap;
 use crate::wire::codec::{BatchCost, Chooser, Codec, Compression, Contexts};
+use crate::wire::delta::{self, DeltaCache, MAX_DELTA};
 use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
 };
@@ -39,6 +40,9 @@ pub struct SendCounters {
     /// Page data of compressed frames, before and after compression.
     pub packed_in: u64,
     pub packed_out: u64,
+    /// Pages sent as deltas of their last copy, and the bytes that saved.
+    pub delta_pages: u64,
+    pub delta_saved: u64,
 }
 
 impl std::ops::Add for SendCounters {
@@ -55,6 +59,8 @@ impl std::ops::Add for SendCounters {
             frames_by_codec,
             packed_in: self.packed_in + o.packed_in,
             packed_out: self.packed_out + o.packed_out,
+            delta_pages: self.delta_pages + o.delta_pages,
+            delta_saved: self.delta_saved + o.delta_saved,
         }
     }
 }
@@ -73,6 +79,9 @@ pub struct PageSender {
     /// A compressed frame's pages, copied out of guest memory, and what they compressed to.
     raw: Vec<u8>,
     packed: Vec<u8>,
+    /// The copies sent last, for delta encoding (`None`: off).
+    delta: Option<DeltaCache>,
+    scratch: Vec<u8>,
 }
 
 impl PageSender {
@@ -89,7 +98,22 @@ impl PageSender {
             contexts: Contexts::default(),
             raw: Vec::new(),
             packed: Vec::new(),
+            delta: None,
+            scratch: Vec::new(),
         }
+    }
+
+    /// Sends re-sent pages as deltas of their last copy, keeping the last `pages` copies
+    /// (0: off).
+    pub fn with_delta_cache(mut self, pages: usize) -> Self {
+        self.delta = (pages > 0).then(|| DeltaCache::new(pages));
+        self
+    }
+
+    /// Forgets every copy: from here on the destination may no longer hold them (post-copy
+    /// drops the stale ones, and installs pages whole).
+    pub fn forget_deltas(&mut self) {
+        self.delta = None;
     }
 
     /// Compresses page data as `compression` says (frames of full pages only).
@@ -140,8 +164,15 @@ impl PageSender {
             Compression::Fixed(c) => c,
             Compression::Auto => self.chooser.pick(),
         };
-        let (frame_bytes, cost, used) = if codec != Codec::None && full > 0 {
-            self.send_packed(w, ram, limiter, codec)?
+        if let Some(cache) = self.delta.as_mut() {
+            // The destination zeroes these: no copy of them is there any more.
+            for &(pfn, _) in self.pfns.iter().filter(|(_, e)| *e == PageEncoding::Zero) {
+                cache.forget(pfn);
+            }
+        }
+        let buffered = codec != Codec::None || self.delta.is_some();
+        let (frame_bytes, cost, used) = if buffered && full > 0 {
+            self.send_buffered(w, ram, limiter, codec)?
         } else {
             self.send_in_place(w, ram, limiter, full)?
         };
@@ -221,10 +252,10 @@ impl PageSender {
         ))
     }
 
-    /// The frame's pages are copied out of guest memory and compressed; the checksum always
-    /// covers the compressed bytes (they are a consistent copy). Data that does not shrink
-    /// goes as it is, from the copy.
-    fn send_packed(
+    /// The frame's pages are copied out of guest memory once (a consistent copy, so the
+    /// checksum always covers the data); a page the delta cache holds goes as its delta when
+    /// that is short; then the data is compressed, or goes as it is when it does not shrink.
+    fn send_buffered(
         &mut self,
         w: &mut impl Write,
         ram: &GuestRam,
@@ -234,17 +265,52 @@ impl PageSender {
         let started = Instant::now();
         let mut raw = std::mem::take(&mut self.raw);
         raw.clear();
-        for pfn in self.full_pages() {
+        for i in 0..self.pfns.len() {
+            let (pfn, enc) = self.pfns[i];
+            let Some(cache) = self.delta.as_mut() else {
+                if enc == PageEncoding::Full {
+                    raw.extend_from_slice(ram.page(pfn)?);
+                }
+                continue;
+            };
+            if enc == PageEncoding::Zero {
+                continue;
+            }
+            let at = raw.len();
             raw.extend_from_slice(ram.page(pfn)?);
+            let page = &raw[at..at + PAGE_SIZE];
+            let mut delta = std::mem::take(&mut self.scratch);
+            delta.clear();
+            let encoded = cache
+                .get(pfn)
+                .and_then(|old| delta::encode(old, page, &mut delta));
+            cache.put(pfn, page);
+            if let Some(n) = encoded {
+                raw.truncate(at);
+                raw.extend_from_slice(&(n as u16).to_le_bytes());
+                raw.extend_from_slice(&delta);
+                self.pfns[i].1 = PageEncoding::Delta;
+                self.counters.delta_pages += 1;
+                self.counters.delta_saved += (PAGE_SIZE - 2 - n) as u64;
+            }
+            self.scratch = delta;
         }
-        codec.compress(&raw, &mut self.packed, &mut self.contexts)?;
-        let compress_time = started.elapsed();
-        let used = if self.packed.len() < raw.len() {
-            codec
-        } else {
+        let used = if codec == Codec::None {
             Codec::None
+        } else {
+            codec.compress(&raw, &mut self.packed, &mut self.contexts)?;
+            if self.packed.len() < raw.len() {
+                codec
+            } else {
+                Codec::None
+            }
         };
-        let data: &[u8] = if used == codec { &self.packed } else { &raw };
+        let compress_time = started.elapsed();
+        let data: &[u8] = if used == Codec::None {
+            &raw
+        } else {
+            &self.packed
+        };
         let data_len = data.len();
         let len = build_head(&mut self.head, &self.pfns, used.flag_bits(), data_len);
         let mut crc = crc32fast::Hasher::new();
@@ -296,7 +362,8 @@ fn build_head(
 /// Reads page frames into guest memory.
 pub struct PageReceiver {
     descs: Vec<u8>,
-    full: Vec<u64>,
+    /// The frame's pages that carry data (whole or as a delta), in order.
+    full: Vec<(u64, PageEncoding)>,
     zeros: Vec<u64>,
     /// Pages this receiver has written: a zero marker for any other page needs no write.
     written: Bitmap,
@@ -367,14 +434,14 @@ impl PageReceiver {
                 )));
             }
             match enc {
-                PageEncoding::Full => self.full.push(pfn),
                 PageEncoding::Zero => self.zeros.push(pfn),
+                _ => self.full.push((pfn, enc)),
             }
         }
-        if shape.codec == Codec::None {
+        if shape.codec == Codec::None && shape.deltas == 0 {
             self.read_full_pages(r, ram)?;
             if header[1] & PAGE_DATA_UNCHECKED == 0 {
-                for &pfn in &self.full {
+                for &(pfn, _) in &self.full {
                     crc.update(ram.page(pfn)?);
                 }
             }
@@ -382,18 +449,25 @@ impl PageReceiver {
         } else {
             // Checked before it is unpacked: a decompressor never sees a corrupt frame.
             read_packed(r, &shape, &mut self.packed, crc)?;
-            self.unpacked.resize(PAGE_SIZE * shape.full, 0);
-            shape.codec.decompress(&self.packed, &mut self.unpacked)?;
-            for (&pfn, data) in self.full.iter().zip(self.unpacked.chunks_exact(PAGE_SIZE)) {
-                ram.write_page(pfn, data)?;
-            }
+            let data: &[u8] = if shape.codec == Codec::None {
+                &self.packed
+            } else {
+                let bounds = shape.unpacked_len();
+                self.unpacked.resize(*bounds.end(), 0);
+                let n =
+                    shape
+                        .codec
+                        .decompress(&self.packed, &mut self.unpacked, *bounds.start())?;
+                &self.unpacked[..n]
+            };
+            place_pages(ram, &self.full, &self.written, data)?;
         }
         for &pfn in &self.zeros {
             if self.written.get(pfn) {
                 ram.zero_page(pfn)?;
             }
         }
-        for &pfn in &self.full {
+        for &(pfn, _) in &self.full {
             self.written.set(pfn);
         }
         self.pages += u64::from(shape.count);
@@ -404,11 +478,11 @@ impl PageReceiver {
         let mut slices: Vec<IoSliceMut<'_>> = Vec::with_capacity(self.full.len());
         let mut i = 0;
         while i < self.full.len() {
-            let start = self.full[i];
+            let start = self.full[i].0;
             let room = ram.pages_to_region_end(start);
             let mut n = 1;
             while i + n < self.full.len()
-                && self.full[i + n] == start + n as u64
+                && self.full[i + n].0 == start + n as u64
                 && (n as u64) < room
             {
                 n += 1;
@@ -437,9 +511,19 @@ impl PageReceiver {
 struct FrameShape {
     count: u32,
     full: usize,
+    deltas: usize,
     codec: Codec,
     /// Bytes of page data on the wire (compressed or not).
     data_len: usize,
+}
+
+impl FrameShape {
+    /// The bounds of the page data once unpacked: whole pages, and for each delta its
+    /// length and one run (4-byte header, at least one byte) up to `MAX_DELTA`.
+    fn unpacked_len(&self) -> std::ops::RangeInclusive<usize> {
+        let whole = PAGE_SIZE * self.full;
+        whole + 7 * self.deltas..=whole + (2 + MAX_DELTA) * self.deltas
+    }
 }
 
 /// Reads a page frame's prefix and descriptors into `descs` (checking count, bounds, flags
@@ -466,7 +550,7 @@ fn read_descriptors(
     protocol::read_exact(r, descs, "page descriptors")?;
     crc.update(&prefix);
     crc.update(descs);
-    let mut full = 0;
+    let (mut full, mut deltas) = (0, 0);
     let mut previous: Option<u64> = None;
     for chunk in descs.chunks_exact(8) {
         let (pfn, enc) = protocol::split_descriptor(u64::from_le_bytes(chunk.try_into().unwrap()))?;
@@ -483,36 +567,79 @@ fn read_descriptors(
         }
         previous = Some(pfn);
         full += usize::from(enc == PageEncoding::Full);
+        deltas += usize::from(enc == PageEncoding::Delta);
     }
-    let plain = PREFIX_LEN + 8 * count as usize + PAGE_SIZE * full;
+    let mut shape = FrameShape {
+        count,
+        full,
+        deltas,
+        codec,
+        data_len: 0,
+    };
     let data_len = (len as usize).checked_sub(PREFIX_LEN + 8 * count as usize);
-    let data_len = match (codec, data_len) {
-        (Codec::None, _) if plain == len as usize => PAGE_SIZE * full,
+    let unpacked = shape.unpacked_len();
+    if (codec != Codec::None || deltas > 0) && header[1] & PAGE_DATA_UNCHECKED != 0 {
+        return Err(Error::Protocol(
+            "compressed or delta page data must be covered by the frame checksum".into(),
+        ));
+    }
+    shape.data_len = match (codec, data_len) {
+        (Codec::None, Some(n)) if unpacked.contains(&n) => n,
         (Codec::None, _) => {
             return Err(Error::Protocol(format!(
-                "page frame length {len} does not match its {count} descriptors ({plain})"
+                "page frame length {len} does not match its {count} descriptors \
+                 ({} to {} bytes of page data)",
+                unpacked.start(),
+                unpacked.end()
             )));
         }
-        (_, _) if header[1] & PAGE_DATA_UNCHECKED != 0 => {
-            return Err(Error::Protocol(
-                "compressed page data must be covered by the frame checksum".into(),
-            ));
-        }
         // A compressed frame must shrink its pages (or it would have been sent plain).
-        (_, Some(n)) if n > 0 && n < PAGE_SIZE * full => n,
+        (_, Some(n)) if n > 0 && n < *unpacked.end() => n,
         (_, _) => {
             return Err(Error::Protocol(format!(
-                "{} page frame of length {len} for {full} full pages",
+                "{} page frame of length {len} for {full} full pages and {deltas} deltas",
                 codec.name()
             )));
         }
     };
-    Ok(FrameShape {
-        count,
-        full,
-        codec,
-        data_len,
-    })
+    Ok(shape)
+}
+
+/// Writes a buffered frame's pages into guest memory: whole pages, and deltas applied to the
+/// copy this connection sent before; every byte of `data` must be used.
+fn place_pages(
+    ram: &GuestRam,
+    pages: &[(u64, PageEncoding)],
+    written: &Bitmap,
+    data: &[u8],
+) -> Result<()> {
+    let short = || Error::Protocol("page frame: its data ends before its pages".into());
+    let mut at = 0;
+    for &(pfn, enc) in pages {
+        if enc == PageEncoding::Full {
+            ram.write_page(pfn, data.get(at..at + PAGE_SIZE).ok_or_else(short)?)?;
+            at += PAGE_SIZE;
+            continue;
+        }
+        if !written.get(pfn) {
+            return Err(Error::Protocol(format!(
+                "a delta for page {pfn:#x}, which this connection never sent whole"
+            )));
+        }
+        let n = data.get(at..at + 2).ok_or_else(short)?;
+        let n = u16::from_le_bytes([n[0], n[1]]) as usize;
+        let d = data.get(at + 2..at + 2 + n).ok_or_else(short)?;
+        // SAFETY: the destination's vCPUs are parked and this frame names the page once.
+        delta::apply(unsafe { ram.pages_slice_mut(pfn, 1)? }, d)?;
+        at += 2 + n;
+    }
+    if at != data.len() {
+        return Err(Error::Protocol(format!(
+            "page frame: {} bytes of data left over after its pages",
+            data.len() - at
+        )));
+    }
+    Ok(())
 }
 
 /// Reads a compressed frame's data into `packed` and checks the frame's trailer over it.
@@ -567,6 +694,12 @@ pub fn read_page_frame<'s>(
         packed,
     } = scratch;
     let shape = read_descriptors(r, ram, header, len, descs, &mut crc)?;
+    if shape.deltas > 0 {
+        // Post-copy installs whole pages into memory that has no copy to apply a delta to.
+        return Err(Error::Protocol(
+            "a page delta after the switch to post-copy".into(),
+        ));
+    }
     data.resize(PAGE_SIZE * shape.full, 0);
     if shape.codec == Codec::None {
         protocol::read_exact(r, data, "page data")?;
@@ -576,13 +709,15 @@ pub fn read_page_frame<'s>(
         protocol::check_trailer(r, crc.finalize(), "page frame")?;
     } else {
         read_packed(r, &shape, packed, crc)?;
-        shape.codec.decompress(packed, data)?;
+        shape
+            .codec
+            .decompress(packed, data, PAGE_SIZE * shape.full)?;
     }
     let mut data = data.chunks_exact(PAGE_SIZE);
     Ok(descriptors(descs)
         .map(|(pfn, enc)| match enc {
-            PageEncoding::Full => (pfn, data.next()),
             PageEncoding::Zero => (pfn, None),
+            _ => (pfn, data.next()),
         })
         .collect())
 }
@@ -680,6 +815,75 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn resent_pages_go_as_deltas_and_arrive_exactly() {
+        let (mut src_buf, src) = source(|pfn| pfn >= 32);
+        for compression in [Compression::None, Compression::Fixed(Codec::Lz4)] {
+            let mut sender = PageSender::new(16)
+                .with_compression(compression)
+                .with_delta_cache(PAGES as usize);
+            let mut limiter = RateLimiter::new(None);
+            let mut dst_buf = vec![0u8; src_buf.len()];
+            let dst = ram(&mut dst_buf);
+            let mut receiver = PageReceiver::new(&dst);
+            let mut round = |sender: &mut PageSender, src: &GuestRam| {
+                let mut wire = Vec::new();
+                for pfn in 0..PAGES {
+                    sender.push(&mut wire, src, pfn, &mut limiter).unwrap();
+                }
+                sender.flush(&mut wire, src, &mut limiter).unwrap();
+                let mut r = wire.as_slice();
+                while !r.is_empty() {
+                    let Frame::Pages { header, len } = read_frame(&mut r).unwrap() else {
+                        panic!("page frames only")
+                    };
+                    receiver.receive(&mut r, &dst, &header, len).unwrap();
+                }
+            };
+            round(&mut sender, &src);
+            assert_eq!(
+                sender.counters.delta_pages, 0,
+                "nothing cached before round 0"
+            );
+            // The guest stamps a word in every page (and zeroes one), then it all goes again.
+            for pfn in 0..PAGES {
+                let at = (pfn * PAGE_SIZE as u64) as usize + 8 * (pfn as usize % 512);
+                src_buf[at..at + 8].copy_from_slice(&(pfn + 1000).to_le_bytes());
+            }
+            let z = 7 * PAGE_SIZE;
+            src_buf[z..z + PAGE_SIZE].fill(0);
+            round(&mut sender, &src);
+            assert!(
+                dst_buf == src_buf,
+                "{compression:?}: pages equal after the deltas"
+            );
+            let c = sender.counters;
+            // Every page that held data both times, but the random ones whose whole page
+            // changed little too: all of them, except the one zeroed.
+            assert!(c.delta_pages >= 40, "{c:?}");
+            assert!(c.delta_saved > 40 * 4000, "{c:?}");
+        }
+    }
+
+    #[test]
+    fn a_delta_for_a_page_never_sent_whole_is_refused() {
+        let (src_buf, _src) = source(|_| false);
+        let mut dst_buf = vec![0u8; src_buf.len()];
+        let dst = ram(&mut dst_buf);
+        let pfns = [(3u64, PageEncoding::Delta)];
+        let data = [5u8, 0, 0, 0, 1, 0, 0xff];
+        let mut head = Vec::new();
+        build_head(&mut head, &pfns, 0, data.len());
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&head);
+        crc.update(&data);
+        let mut wire = head;
+        wire.extend_from_slice(&data);
+        wire.extend_from_slice(&crc.finalize().to_le_bytes());
+        let e = receive_all(&wire, &dst).unwrap_err();
+        assert!(e.to_string().contains("never sent whole"), "{e}");
     }
 
     #[test]
