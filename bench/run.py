@@ -40,7 +40,10 @@ def throughput():
              scenario("mixed 128M / 1G 2 connections auto", "1G", cmd,
                       extra=["--connections", "2", "--compression", "auto"]),
              scenario("mixed 128M / 1G hybrid zstd", "1G", cmd, mode="hybrid",
-                      extra=["--compression", "zstd"])]
+                      extra=["--compression", "zstd"]),
+             scenario("mixed 128M / 1G delta", "1G", cmd, extra=["--delta-cache-mb", "256"]),
+             scenario("mixed 128M / 1G delta lz4", "1G", cmd,
+                      extra=["--delta-cache-mb", "256", "--compression", "lz4"])]
     return rows
 
 

@@ -97,12 +97,14 @@ impl Session<'_> {
             wire::write_stream_header(&mut stream)?;
             wire::write_message(&mut stream, &Message::Join { session, lane })?;
             let limiter = RateLimiter::new(per_lane);
+            let probe = stream.try_clone().ok();
             self.lanes.push(Lane {
                 stream,
                 ended: false,
                 pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
                     .with_compression(self.params.compression)
-                    .with_delta_cache(delta_cache_pages(self.params)),
+                    .with_delta_cache(delta_cache_pages(self.params))
+                    .with_queue_probe(probe),
                 limiter,
             });
         }

@@ -81,6 +81,7 @@ impl<'a> Session<'a> {
                 .max_bandwidth_mbps
                 .map(|b| (b / u64::from(params.connections.max(1))).max(1)),
         );
+        let probe = stream.try_clone().ok();
         Self {
             vm,
             sent_once: Bitmap::new(ram.gfn_end()),
@@ -88,7 +89,8 @@ impl<'a> Session<'a> {
             stream,
             pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
                 .with_compression(params.compression)
-                .with_delta_cache(lanes::delta_cache_pages(params)),
+                .with_delta_cache(lanes::delta_cache_pages(params))
+                .with_queue_probe(probe),
             lanes: Vec::new(),
             dial: None,
             limiter,

@@ -169,8 +169,11 @@ pub struct Chooser {
     speed: [Option<f64>; 3],
     /// Per codec: packed ÷ raw (EWMA).
     ratio: [Option<f64>; 3],
-    /// Bytes per second the link took (EWMA of bytes written ÷ time the write held us).
+    /// Bytes per second the link took: EWMA of what the send queue drained while it stayed
+    /// busy (`learn_link`), or, without such samples, of bytes written ÷ time the write held
+    /// the sender (which a large socket buffer hides at first).
     link: Option<f64>,
+    drained_samples: bool,
     /// Batch number each codec was last measured at.
     last_used: [u64; 3],
     batches: u64,
@@ -230,8 +233,19 @@ impl Chooser {
             let t = b.compress_time.as_secs_f64().max(1e-7);
             self.speed[i] = ewma(self.speed[i], b.raw_bytes as f64 / t);
         }
-        let w = b.write_time.as_secs_f64().max(1e-7);
-        self.link = ewma(self.link, b.packed_bytes as f64 / w);
+        if !self.drained_samples {
+            let w = b.write_time.as_secs_f64().max(1e-7);
+            self.link = ewma(self.link, b.packed_bytes as f64 / w);
+        }
+    }
+
+    /// A measured drain rate of the link (bytes/s), taken while data waited in the send queue.
+    pub fn learn_link(&mut self, bytes_per_s: f64) {
+        if !self.drained_samples {
+            self.drained_samples = true;
+            self.link = None;
+        }
+        self.link = ewma(self.link, bytes_per_s);
     }
 }
 

@@ -14,8 +14,11 @@ use crate::wire::delta::{self, DeltaCache, MAX_DELTA};
 use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
 };
+use crate::wire::transport::Stream;
 use crate::wire::zero::is_zero_page;
 
+/// A send queue holding this much is busy: the link, not the sender, sets the pace.
+const BUSY_QUEUE: u64 = 256 * 1024;
 /// Payload prefix of a page frame: page count u32, reserved u32.
 const PREFIX_LEN: usize = 8;
 /// Most connections one migration may use.
@@ -82,6 +85,10 @@ pub struct PageSender {
     /// The copies sent last, for delta encoding (`None`: off).
     delta: Option<DeltaCache>,
     scratch: Vec<u8>,
+    /// For `auto`: a handle on the connection, to see how fast its send queue drains, and
+    /// the last look (when, bytes drained so far, bytes still queued).
+    queue: Option<Stream>,
+    last_look: Option<(Instant, u64, u64)>,
 }
 
 impl PageSender {
@@ -100,7 +107,37 @@ impl PageSender {
             packed: Vec::new(),
             delta: None,
             scratch: Vec::new(),
+            queue: None,
+            last_look: None,
         }
+    }
+
+    /// Lets `auto` (set before) time the link by how fast `stream`'s send queue drains.
+    pub fn with_queue_probe(mut self, stream: Option<Stream>) -> Self {
+        if self.compression == Compression::Auto {
+            self.queue = stream;
+        }
+        self
+    }
+
+    /// Feeds `auto` the link's drain rate over the interval since the last look, when the
+    /// send queue stayed busy through it (otherwise the link may have idled: no sample).
+    fn look_at_queue(&mut self) {
+        let Some(q) = &self.queue else { return };
+        let queued = q.unsent() as u64;
+        let now = Instant::now();
+        let drained = self.counters.bytes.saturating_sub(queued);
+        if let Some((then, drained_then, queued_then)) = self.last_look
+            && queued_then >= BUSY_QUEUE
+            && queued >= BUSY_QUEUE
+        {
+            let secs = now.duration_since(then).as_secs_f64();
+            if secs > 0.0 && drained > drained_then {
+                self.chooser
+                    .learn_link((drained - drained_then) as f64 / secs);
+            }
+        }
+        self.last_look = Some((now, drained, queued));
     }
 
     /// Sends re-sent pages as deltas of their last copy, keeping the last `pages` copies
@@ -183,6 +220,9 @@ impl PageSender {
         self.counters.zero += (self.pfns.len() - full) as u64;
         self.counters.bytes += frame_bytes;
         self.counters.frames_by_codec[used as usize] += 1;
+        if self.compression == Compression::Auto {
+            self.look_at_queue();
+        }
         if used != Codec::None {
             self.counters.packed_in += cost.raw_bytes as u64;
             self.counters.packed_out += cost.packed_bytes as u64;

@@ -236,7 +236,7 @@ impl Stream {
     }
 
     /// Bytes written but not yet sent by the kernel (socket send queue); 0 for files.
-    fn unsent(&self) -> usize {
+    pub fn unsent(&self) -> usize {
         use std::os::fd::AsRawFd;
         let queued = |fd: std::os::fd::RawFd| {
             let mut n: libc::c_int = 0;
