@@ -6,8 +6,10 @@ or not."""
 import argparse
 import datetime
 import os
+import hashlib
 import platform
 import signal
+import subprocess
 import sys
 import tempfile
 import traceback
@@ -17,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fb import qemu, report  # noqa: E402
 from fb.ferry import FerryPeer  # noqa: E402
 from fb.links import Link  # noqa: E402
-from fb.util import REPO, BenchError, Processes  # noqa: E402
+from fb.util import FERRY, REPO, BenchError, Processes  # noqa: E402
 
 SERIAL = "serial_ms=10"
 
@@ -113,6 +115,23 @@ def machine():
             if "PVM" in kvm else "native"}
 
 
+def build():
+    """What was measured: the commit (and whether the tree had changes), the binary's hash,
+    QEMU's version."""
+    def out(*argv):
+        try:
+            return subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    with open(FERRY, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    qemu_version = out(qemu.QEMU, "--version") if qemu.available() else None
+    return {"commit": out("git", "rev-parse", "HEAD"),
+            "tree_changed": bool(out("git", "status", "--porcelain", "--untracked-files=no")),
+            "ferry_sha256": digest,
+            "qemu": qemu_version.splitlines()[0] if qemu_version else None}
+
+
 def make_peer(name, procs, work):
     if name == "ferry":
         return FerryPeer(procs, work)
@@ -131,6 +150,7 @@ def run(args):
     outdir = args.out or os.path.join(REPO, "bench", "results", started)
     os.makedirs(outdir, exist_ok=True)
     results = {"started": started, "profile": args.profile, "repeats": repeats, "machine": machine(),
+               "build": build(),
                "links": {}, "boot": [], "dirty_logging": None, "scenarios": []}
     tag = str(os.getpid() % 100000)
 

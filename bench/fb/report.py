@@ -50,6 +50,10 @@ def markdown(results):
              f"Machine: {m['cpu']}, {m['cores']} cores, kernel {m['kernel']}, KVM: {m['kvm']}. "
              f"Profile `{results['profile']}`, {results['repeats']} runs per row; "
              "cells are median [min–max].", ""]
+    b = results.get("build")
+    if b:
+        lines += [f"Build: commit {b['commit']}{' (with uncommitted changes)' if b['tree_changed'] else ''}, "
+                  f"ferry sha256 {b['ferry_sha256'][:16]}…, QEMU: {b['qemu'] or 'not installed'}.", ""]
     if results.get("links"):
         lines += ["| link | TCP goodput (MB/s) |", "|---|---|"]
         lines += [f"| {k} | {v / 1e6:.0f} |" for k, v in results["links"].items()]

@@ -37,19 +37,7 @@ fn mixed_fill_precopy_keeps_every_page() {
 /// through python3, a 32 KiB window): the snapshot's size over the compressed size.
 fn snapshot_ratio(fill: &str) -> f64 {
     let src = Ferry::writer(&format!("write ws=32M seq fill={fill}"));
-    let file = src.scratch("vm.ferry");
-    let out = ferry_output(&[
-        "snapshot",
-        "--api-socket",
-        src.socket.to_str().unwrap(),
-        "--to",
-        file.to_str().unwrap(),
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (file, _) = src.snapshot("vm.ferry");
     let out = Command::new("python3")
         .arg("-c")
         .arg("import sys, zlib; d = open(sys.argv[1], 'rb').read(); print(len(d) / len(zlib.compress(d, 1)))")

@@ -231,20 +231,7 @@ fn snapshot_and_restore_continue_the_workload() {
         return;
     }
     let src = Ferry::writer("write ws=32M seq verify");
-    let file = src.scratch("vm.ferry");
-    let out = ferry_output(&[
-        "snapshot",
-        "--api-socket",
-        src.socket.to_str().unwrap(),
-        "--to",
-        file.to_str().unwrap(),
-        "--json",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let (file, _) = src.snapshot("vm.ferry");
     let saved = src.info();
     assert_eq!(saved.state, "paused", "a snapshot leaves the source paused");
     let mode =

@@ -307,28 +307,29 @@ fn compressed_precopy_moves_memory_exactly_while_the_guest_writes() {
     }
 }
 
-fn precopy_over(connections: u32, compression: Compression) -> Status {
+/// A source whose every 4th page holds data (on both sides of the hole; most are never
+/// touched) and whose guest writes 512 pages around the hole all along; migrated with `params`.
+fn migrate_while_writing(params: MigrationParams) -> (Arc<FakeVm>, Run) {
     let src = FakeVm::new();
-    // Some pages hold data before the migration (on both sides of the hole); most are never
-    // touched.
     for i in (0..PAGES).step_by(4) {
         src.write_page(ram_page(i), 0);
     }
     let stop = Arc::new(AtomicBool::new(false));
     let guest = src.start_guest(LOW - 256, LOW + 256, stop.clone());
-    let run = migrate(
-        &src,
-        MigrationParams {
-            max_downtime_ms: 1,
-            max_rounds: 6,
-            connections,
-            compression,
-            ..Default::default()
-        },
-        None,
-    );
+    let run = migrate(&src, params, None);
     stop.store(true, Ordering::Release);
     guest.join().unwrap();
+    (src, run)
+}
+
+fn precopy_over(connections: u32, compression: Compression) -> Status {
+    let (src, run) = migrate_while_writing(MigrationParams {
+        max_downtime_ms: 1,
+        max_rounds: 6,
+        connections,
+        compression,
+        ..Default::default()
+    });
     run.result.expect("migration");
     let dest = run.dest.expect("destination VM");
     assert!(
@@ -359,26 +360,14 @@ fn precopy_over(connections: u32, compression: Compression) -> Status {
 #[test]
 fn auto_converge_throttles_in_steps_and_releases() {
     for (max_rounds, timeout_s) in [(5, 600), (30, 3)] {
-        let src = FakeVm::new();
-        for i in (0..PAGES).step_by(4) {
-            src.write_page(ram_page(i), 0);
-        }
-        let stop = Arc::new(AtomicBool::new(false));
-        let guest = src.start_guest(LOW - 256, LOW + 256, stop.clone());
-        let run = migrate(
-            &src,
-            MigrationParams {
-                max_downtime_ms: 1,
-                max_rounds,
-                timeout_s,
-                max_bandwidth_mbps: Some(40),
-                auto_converge: true,
-                ..Default::default()
-            },
-            None,
-        );
-        stop.store(true, Ordering::Release);
-        guest.join().unwrap();
+        let (src, run) = migrate_while_writing(MigrationParams {
+            max_downtime_ms: 1,
+            max_rounds,
+            timeout_s,
+            max_bandwidth_mbps: Some(40),
+            auto_converge: true,
+            ..Default::default()
+        });
         let most = src.throttle_max.load(Ordering::Relaxed);
         assert!(most >= 20, "the guest was slowed down: {most}");
         assert_eq!(src.throttle.load(Ordering::Relaxed), 0, "and released");

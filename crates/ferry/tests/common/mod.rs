@@ -231,6 +231,26 @@ impl Ferry {
         self._dir.path().join(name)
     }
 
+    /// `ferry snapshot --json` of this VM into its scratch folder as `name`, which must
+    /// succeed; returns the file and the command's output.
+    pub fn snapshot(&self, name: &str) -> (PathBuf, Output) {
+        let file = self.scratch(name);
+        let out = ferry_output(&[
+            "snapshot",
+            "--api-socket",
+            self.socket.to_str().unwrap(),
+            "--to",
+            file.to_str().unwrap(),
+            "--json",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        (file, out)
+    }
+
     pub fn migration_status(&self) -> api::MigrationStatus {
         serde_json::from_value(self.api().get("vm.migration").expect("vm.migration"))
             .expect("vm.migration body")
