@@ -156,9 +156,6 @@ fn non_converging_precopy_switches_to_postcopy_by_itself() {
             "--auto-postcopy",
             "--max-downtime-ms",
             "5",
-            // Rounds before the switch may send deltas; post-copy after it never does.
-            "--delta-cache-mb",
-            "128",
         ],
     );
     assert_eq!(r.converged, Some(false));
