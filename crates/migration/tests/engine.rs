@@ -687,20 +687,9 @@ fn a_listener_turns_away_strangers_and_snapshots() {
     use std::io::Write;
     let src = FakeVm::new();
     src.write_page(1, 1);
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, sock, dest) = listening_destination();
     let snapshot = dir.path().join("vm.ferry");
     snapshot_to(&src, &snapshot);
-    let sock = dir.path().join("m.sock");
-    let endpoint: Endpoint = format!("unix:{}", sock.display()).parse().unwrap();
-    let source = Source::listen(&endpoint, None).unwrap();
-    let dest = std::thread::spawn(move || {
-        Incoming::new(StatusBoard::default(), None).receive(
-            source,
-            &|| false,
-            |_| Ok(FakeVm::new()),
-            |_| {},
-        )
-    });
     let mut garbage = std::os::unix::net::UnixStream::connect(&sock).unwrap();
     garbage.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
     drop(std::os::unix::net::UnixStream::connect(&sock).unwrap()); // says nothing, leaves
@@ -717,6 +706,7 @@ fn a_listener_turns_away_strangers_and_snapshots() {
     );
     let board = StatusBoard::default();
     let (tx, rx) = std::sync::mpsc::channel();
+    let endpoint: Endpoint = format!("unix:{}", sock.display()).parse().unwrap();
     Outgoing::new(board, None)
         .send(
             src.clone(),
