@@ -29,18 +29,17 @@ impl Session<'_> {
         start_ns: u64,
     ) -> Result<()> {
         self.check_continue()?;
-        if postcopy
-            && self.paused_at.is_none()
-            && self.stream.has_peer()
-            && !self.status.progress.rounds.is_empty()
-            && pending.count() > 0
-        {
-            self.drop_stale_before_pause(&pending)?;
-        } else if self.paused_at.is_none()
+        // After live rounds, the destination catches up before the pause (and, for post-copy,
+        // drops the copies dirtied since they were sent), so the pause holds only the rest.
+        if self.paused_at.is_none()
             && self.stream.has_peer()
             && !self.status.progress.rounds.is_empty()
         {
-            self.sync_before_pause()?;
+            if postcopy {
+                self.drop_stale_before_pause(&pending)?;
+            } else {
+                self.sync_before_pause()?;
+            }
         }
         self.status.phase = Phase::Switchover;
         self.publish();
