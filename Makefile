@@ -5,7 +5,7 @@ CARGO ?= cargo
 GUEST := guest/build/guest.elf
 FERRY := target/release/ferry
 
-.PHONY: all deps guest build test demo bench lint clean
+.PHONY: all deps guest build test demo bench lint fuzz clean
 
 all: build
 
@@ -19,14 +19,23 @@ build: deps guest
 	$(CARGO) build --release --workspace
 
 # Unit and end-to-end tests (doc-tests: none); the last line sums up every runner.
+# The fuzz harnesses replay their committed corpus (fuzz/corpus) as plain tests.
 test: build
 	set -o pipefail; $(CARGO) test --release --workspace --lib --bins --tests -- --test-threads=2 2>&1 \
 		| tee target/test.log
+	set -o pipefail; $(CARGO) test --release --manifest-path fuzz/Cargo.toml --target-dir target 2>&1 \
+		| tee -a target/test.log
 	@awk '/^test result:/ {p += $$4; f += $$6} END {printf "tests: %d passed, %d failed\n", p, f}' target/test.log
 
 lint: deps guest
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --release --workspace --all-targets -- -D warnings
+	$(CARGO) fmt --manifest-path fuzz/Cargo.toml -- --check
+	$(CARGO) clippy --release --manifest-path fuzz/Cargo.toml --target-dir target --all-targets -- -D warnings
+
+# Each fuzz target for FUZZ_SECONDS (default 600); needs the network once for nightly + cargo-fuzz.
+fuzz: deps
+	@scripts/fuzz.sh
 
 demo: build
 	@scripts/demo.sh

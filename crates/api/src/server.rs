@@ -153,14 +153,19 @@ fn accept(listener: &UnixListener, handler: Arc<dyn Handler>) {
 fn serve(mut conn: UnixStream, handler: &dyn Handler) {
     let _ = conn.set_read_timeout(Some(CLIENT_TIMEOUT));
     let _ = conn.set_write_timeout(Some(CLIENT_TIMEOUT));
-    let outcome = read_request(&mut conn).and_then(|(method, path, body)| {
-        ApiRequest::parse(&method, &path, &body).and_then(|r| handler.handle(r))
-    });
+    let outcome = parse_request(&mut conn).and_then(|r| handler.handle(r));
     let _ = respond(&mut conn, &outcome);
 }
 
+/// Reads and parses one request from a client (the whole of what a client can make the API
+/// do before a handler runs; fuzzed by `fuzz/fuzz_targets/api.rs`).
+pub fn parse_request(conn: &mut impl Read) -> Result<ApiRequest, ApiError> {
+    let (method, path, body) = read_request(conn)?;
+    ApiRequest::parse(&method, &path, &body)
+}
+
 /// Reads one request: its method, path and body, within the limits above.
-fn read_request(conn: &mut UnixStream) -> Result<(String, String, Vec<u8>), ApiError> {
+fn read_request(conn: &mut impl Read) -> Result<(String, String, Vec<u8>), ApiError> {
     let mut reader = BufReader::new(conn.take(MAX_HEADER as u64));
     let mut line = String::new();
     let read_err = |e: std::io::Error| ApiError::bad_request(format!("reading the request: {e}"));
@@ -213,8 +218,10 @@ fn read_request(conn: &mut UnixStream) -> Result<(String, String, Vec<u8>), ApiE
     let buffered = reader.buffer().len().min(length);
     body[..buffered].copy_from_slice(&reader.buffer()[..buffered]);
     reader.consume(buffered);
-    let conn = reader.into_inner().into_inner();
-    conn.read_exact(&mut body[buffered..])
+    reader
+        .into_inner()
+        .into_inner()
+        .read_exact(&mut body[buffered..])
         .map_err(|e| ApiError::bad_request(format!("the body was cut short: {e}")))?;
     Ok((method, path, body))
 }

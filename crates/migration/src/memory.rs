@@ -6,6 +6,8 @@
 //! Every accessor is bounds-checked in release builds: a page outside RAM is an error, never a
 //! stray pointer.
 
+use std::os::fd::RawFd;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -32,10 +34,15 @@ impl RamRange {
     }
 }
 
+/// Guest-physical addresses end here (52 bits: the most any x86-64 CPU can address).
+pub const MAX_GPA: u64 = 1 << 52;
+
 #[derive(Clone, Copy, Debug)]
 struct Region {
     range: RamRange,
     host: *mut u8,
+    /// The file the region maps (shared, from offset 0), when it maps one: a memfd.
+    file: Option<RawFd>,
 }
 
 /// Guest memory: its regions and where each is mapped here.
@@ -72,11 +79,47 @@ impl GuestRam {
                     r.gpa
                 )));
             }
-            end = r.gpa + r.len;
+            end = r
+                .gpa
+                .checked_add(r.len)
+                .filter(|&e| e <= MAX_GPA)
+                .ok_or_else(|| {
+                    Error::vm(format!("RAM region {r:?} ends past the address space"))
+                })?;
         }
         let regions: Vec<Region> = regions
             .iter()
-            .map(|&(range, host)| Region { range, host })
+            .map(|&(range, host)| Region {
+                range,
+                host,
+                file: None,
+            })
+            .collect();
+        Ok(Self {
+            regions: regions.into(),
+        })
+    }
+
+    /// Names the file each region maps shared from offset 0 (`None`: anonymous memory), in
+    /// region order. A page of such a file can hold data while this process has no mapping of
+    /// it (swapped out, or written through the file): `scan::populated_pages` asks the file.
+    ///
+    /// # Safety
+    /// Each fd must stay open, and be the file the region maps, for as long as this value (or
+    /// a clone) is used.
+    pub unsafe fn with_files(self, files: &[Option<RawFd>]) -> Result<Self> {
+        if files.len() != self.regions.len() {
+            return Err(Error::vm(format!(
+                "{} backing files for {} RAM regions",
+                files.len(),
+                self.regions.len()
+            )));
+        }
+        let regions: Vec<Region> = self
+            .regions
+            .iter()
+            .zip(files)
+            .map(|(r, &file)| Region { file, ..*r })
             .collect();
         Ok(Self {
             regions: regions.into(),
@@ -193,6 +236,11 @@ impl GuestRam {
     /// Each region's host mapping and length (for pagemap scans and userfaultfd).
     pub fn host_regions(&self) -> impl Iterator<Item = (RamRange, *mut u8)> + '_ {
         self.regions.iter().map(|r| (r.range, r.host))
+    }
+
+    /// Each region with the file it maps, if any (see `with_files`).
+    pub fn backed_regions(&self) -> impl Iterator<Item = (RamRange, *mut u8, Option<RawFd>)> + '_ {
+        self.regions.iter().map(|r| (r.range, r.host, r.file))
     }
 }
 

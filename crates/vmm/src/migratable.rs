@@ -86,8 +86,8 @@ impl Migratable for Vm {
     }
 
     fn ram(&self) -> GuestRam {
-        // SAFETY: the mappings live as long as the VM.
-        unsafe { GuestRam::new(&self.ram_regions()) }
+        // SAFETY: the mappings, and the memfds they map, live as long as the VM.
+        unsafe { GuestRam::new(&self.ram_regions()).and_then(|r| r.with_files(&self.ram_files())) }
             .expect("the VM's regions come from its memory map")
     }
 

@@ -237,6 +237,15 @@ impl Vm {
         regions_of(&self.memory)
     }
 
+    /// The file each RAM region maps (`None` for anonymous memory), in `ram_regions` order.
+    pub fn ram_files(&self) -> Vec<Option<std::os::fd::RawFd>> {
+        use std::os::fd::AsRawFd;
+        self.memory
+            .iter()
+            .map(|r| r.file_offset().map(|f| f.file().as_raw_fd()))
+            .collect()
+    }
+
     /// Writes guest memory as a device would, recording the pages as dirty.
     pub fn write_guest(&self, gpa: u64, data: &[u8]) -> Result<()> {
         self.memory

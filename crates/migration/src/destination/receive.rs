@@ -129,6 +129,15 @@ impl Receiver<'_> {
                 descriptor.ranges
             )));
         }
+        // The stream's vCPU count sizes what is kept for their state: only a count the VMM
+        // could build is trusted.
+        if vm.descriptor().vcpus != descriptor.vcpus {
+            return Err(Error::vm(format!(
+                "built {} vCPUs for a VM of {}",
+                vm.descriptor().vcpus,
+                descriptor.vcpus
+            )));
+        }
         self.status.mode = format!("{mode:?}").to_lowercase();
         self.status.memory_pages = ram.pages();
         self.status.connections = connections.max(1);

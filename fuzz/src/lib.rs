@@ -1,0 +1,207 @@
+//! What each fuzz target does with its input. It lives here, not in the targets, so that
+//! `cargo test` (on stable, without a fuzzer) replays the committed corpus through exactly the
+//! code the fuzzer runs.
+//!
+//! - `stream`: a migration stream as the destination's readers see it: the stream header,
+//!   then frames; control frames are decoded, page frames are read by both page readers
+//!   (pre-copy's `PageReceiver` into guest memory, post-copy's `read_page_frame` into a buffer)
+//!   and the two must agree.
+//! - `snapshot`: a whole restore (`Incoming::receive` of a snapshot file) into a VM of plain
+//!   memory: a refused file must never resume the VM.
+//! - `api`: one HTTP request on the API socket, up to the typed request a handler gets.
+//!
+//! Every frame of a stream carries a CRC, so a mutated input would almost always stop at the
+//! first checksum. The stream and snapshot targets therefore rewrite each frame's trailer to
+//! the right CRC before parsing (`with_valid_checksums`); the fuzzer then reaches what lies
+//! behind the checksum, which is what a hostile peer (who can compute a CRC) reaches too.
+
+mod plain_vm;
+
+use std::io::{Seek, Write};
+use std::os::fd::FromRawFd;
+use std::sync::{Arc, Mutex};
+
+use migration::destination::Source;
+use migration::wire::frame::{KIND_PAGES, PAGE_DATA_UNCHECKED, STREAM_HEADER_LEN};
+use migration::wire::pages::{FrameBuffers, PageReceiver, read_page_frame};
+use migration::wire::transport::Stream;
+use migration::wire::{self, Frame, Message};
+use migration::{Incoming, Migratable, PAGE_SIZE, StatusBoard};
+
+pub use plain_vm::PlainVm;
+
+/// Frames read from one input, at most (a corpus entry of many tiny frames stays fast).
+const MAX_FRAMES: usize = 4096;
+
+/// `data` with every frame's CRC trailer set to what the reader computes: over the 8 header
+/// bytes and the payload, or, for a page frame flagged `PAGE_DATA_UNCHECKED`, over the header,
+/// the count and the descriptors only. Bytes past the last whole frame are kept as they are.
+pub fn with_valid_checksums(data: &[u8]) -> Vec<u8> {
+    let mut out = data.to_vec();
+    let mut at = STREAM_HEADER_LEN;
+    while let Some(header) = out.get(at..at + 8) {
+        let len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
+        let end = at + 8 + len;
+        if end + 4 > out.len() {
+            break;
+        }
+        let mut covered = end;
+        if header[0] == KIND_PAGES && header[1] & PAGE_DATA_UNCHECKED != 0 && len >= 8 {
+            let count = u32::from_le_bytes(out[at + 8..at + 12].try_into().unwrap()) as usize;
+            covered = end.min(at + 16 + 8 * count);
+        }
+        let crc = crc32fast::hash(&out[at..covered]);
+        out[end..end + 4].copy_from_slice(&crc.to_le_bytes());
+        at = end + 4;
+    }
+    out
+}
+
+pub fn stream(data: &[u8]) {
+    let bytes = with_valid_checksums(data);
+    let vm = PlainVm::small();
+    let ram = vm.ram();
+    let mut r = &bytes[..];
+    if wire::read_stream_header(&mut r).is_err() {
+        return;
+    }
+    let mut receiver = PageReceiver::new(&ram);
+    let mut scratch = FrameBuffers::default();
+    for _ in 0..MAX_FRAMES {
+        match wire::read_frame(&mut r) {
+            Ok(Frame::Message(m)) => {
+                // What decodes re-encodes to itself (no field lost or invented on the way).
+                let once = m.encode();
+                let again = Message::decode(&once).expect("a decoded message decodes again");
+                assert_eq!(again.encode(), once, "{m:?} re-encodes differently");
+            }
+            Ok(Frame::Pages { header, len }) => {
+                // Post-copy's reader takes the same bytes (a slice reader is a cheap copy).
+                let mut copy = r;
+                let postcopy =
+                    read_page_frame(&mut copy, &ram, &header, len, &mut scratch).map(|pages| {
+                        pages
+                            .into_iter()
+                            .map(|(pfn, data)| (pfn, data.map(<[u8]>::to_vec)))
+                            .collect::<Vec<_>>()
+                    });
+                let precopy = receiver.receive(&mut r, &ram, &header, len);
+                match (precopy, postcopy) {
+                    (Ok(()), Ok(pages)) => {
+                        for (pfn, data) in pages {
+                            let want = data.unwrap_or_else(|| vec![0; PAGE_SIZE]);
+                            assert!(
+                                ram.page(pfn).unwrap() == want,
+                                "page {pfn:#x}: the two readers disagree"
+                            );
+                        }
+                    }
+                    // Post-copy refuses deltas, which pre-copy applies.
+                    (Ok(()), Err(e)) => {
+                        assert!(
+                            e.to_string().contains("delta"),
+                            "only post-copy refused: {e}"
+                        )
+                    }
+                    (Err(e), Ok(_)) => assert!(
+                        e.to_string().contains("delta"),
+                        "only pre-copy refused a frame without deltas: {e}"
+                    ),
+                    (Err(_), Err(_)) => return,
+                }
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+pub fn snapshot(data: &[u8]) {
+    let bytes = with_valid_checksums(data);
+    let built: Arc<Mutex<Option<Arc<PlainVm>>>> = Arc::default();
+    let keep = built.clone();
+    let result = Incoming::new(StatusBoard::default(), None).receive(
+        Source::Snapshot(Stream::File(memfd_with(&bytes))),
+        &|| false,
+        move |descriptor| {
+            let vm = Arc::new(PlainVm::build(descriptor)?);
+            *keep.lock().unwrap() = Some(vm.clone());
+            Ok(vm)
+        },
+        |_| {},
+    );
+    let vm = built.lock().unwrap().take();
+    match result {
+        Ok(Some(restored)) => assert!(vm.is_some_and(|vm| Arc::ptr_eq(&vm, &restored))),
+        Ok(None) => panic!("a snapshot restore ended without a VM and without an error"),
+        Err(_) => {
+            if let Some(vm) = vm {
+                assert!(!vm.ever_resumed(), "a refused snapshot resumed its VM");
+            }
+        }
+    }
+}
+
+pub fn api(data: &[u8]) {
+    if let Err(e) = api::server::parse_request(&mut &data[..]) {
+        assert!((400..600).contains(&e.status), "status {}", e.status);
+        assert!(!e.message.is_empty(), "an error that says nothing");
+    }
+}
+
+/// An anonymous in-memory file holding `bytes`, read from its start.
+fn memfd_with(bytes: &[u8]) -> std::fs::File {
+    // SAFETY: a plain syscall with a NUL-terminated name; the fd is checked before use.
+    let fd = unsafe { libc::memfd_create(c"fuzz-snapshot".as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: a fresh fd that nothing else owns.
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(bytes).unwrap();
+    file.rewind().unwrap();
+    file
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// Every committed corpus entry of `target` runs through its harness without a finding.
+    fn replay(target: &str, run: fn(&[u8])) {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("corpus")
+            .join(target);
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            run(&std::fs::read(&path).unwrap());
+            n += 1;
+        }
+        assert!(n >= 3, "{}: {n} corpus entries", dir.display());
+    }
+
+    #[test]
+    fn stream_corpus() {
+        replay("stream", super::stream);
+    }
+
+    #[test]
+    fn snapshot_corpus() {
+        replay("snapshot", super::snapshot);
+    }
+
+    #[test]
+    fn api_corpus() {
+        replay("api", super::api);
+    }
+
+    #[test]
+    fn checksums_are_repaired() {
+        let seed = std::fs::read(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/snapshot/plain.ferry"),
+        )
+        .unwrap();
+        let mut broken = seed.clone();
+        let last = broken.len() - 1;
+        broken[last] ^= 0xff;
+        assert_eq!(super::with_valid_checksums(&broken), seed);
+    }
+}

@@ -1,0 +1,172 @@
+//! A VM of plain memory and nothing else, for the harnesses: it holds RAM in the shape a
+//! stream asks for (within limits a real destination would also set) and remembers whether it
+//! was ever resumed.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use migration::wire::bitmap::Bitmap;
+use migration::{
+    Error, GuestRam, GuestReport, Migratable, PAGE_SIZE, RamRange, Result, VmDescriptor,
+};
+
+/// The most RAM a harness VM holds, and the highest address it may end at (a real VMM refuses
+/// a VM that does not fit its host; this keeps each run small and fast).
+const MAX_RAM: u64 = 32 << 20;
+const MAX_GPA_END: u64 = 64 << 30;
+/// As ferry's VMM (`vmm::vm::MAX_VCPUS`).
+const MAX_VCPUS: u32 = 16;
+
+/// One zeroed, page-aligned allocation.
+struct Block {
+    ptr: *mut u8,
+    layout: Layout,
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        // SAFETY: allocated with this layout in `PlainVm::with_ranges`, freed once.
+        unsafe { dealloc(self.ptr, self.layout) };
+    }
+}
+
+pub struct PlainVm {
+    ram: GuestRam,
+    vcpus: u32,
+    _blocks: Vec<Block>,
+    running: AtomicBool,
+    resumed: AtomicBool,
+}
+
+// SAFETY: the blocks are owned by the VM and only reached through `GuestRam`, which is
+// Send + Sync under the engine's access rules.
+unsafe impl Send for PlainVm {}
+// SAFETY: as for `Send`.
+unsafe impl Sync for PlainVm {}
+
+impl PlainVm {
+    /// RAM at pages [0, 16) and [24, 40): two regions with a hole between them.
+    pub fn small() -> Self {
+        let page = PAGE_SIZE as u64;
+        Self::with_ranges(
+            &[
+                RamRange {
+                    gpa: 0,
+                    len: 16 * page,
+                },
+                RamRange {
+                    gpa: 24 * page,
+                    len: 16 * page,
+                },
+            ],
+            1,
+        )
+        .expect("a valid shape")
+    }
+
+    /// The VM a stream's `Hello` describes, or the reason a destination refuses it.
+    pub fn build(d: &VmDescriptor) -> Result<Self> {
+        let total = d.ranges.iter().try_fold(0u64, |t, r| t.checked_add(r.len));
+        if d.ranges.is_empty() || total.is_none_or(|t| t > MAX_RAM) || total != Some(d.memory_bytes)
+        {
+            return Err(Error::vm(format!("refusing a VM of {:?}", d.ranges)));
+        }
+        if d.ranges
+            .iter()
+            .any(|r| r.gpa.checked_add(r.len).is_none_or(|end| end > MAX_GPA_END))
+        {
+            return Err(Error::vm("RAM beyond what this host maps"));
+        }
+        if d.vcpus == 0 || d.vcpus > MAX_VCPUS {
+            return Err(Error::vm(format!("{} vCPUs", d.vcpus)));
+        }
+        Self::with_ranges(&d.ranges, d.vcpus)
+    }
+
+    fn with_ranges(ranges: &[RamRange], vcpus: u32) -> Result<Self> {
+        let mut blocks = Vec::new();
+        let mut regions = Vec::new();
+        for r in ranges {
+            let layout = Layout::from_size_align(r.len.max(1) as usize, PAGE_SIZE)
+                .map_err(|e| Error::vm(e.to_string()))?;
+            // SAFETY: a non-zero size (`max(1)`) with a valid alignment.
+            let ptr = unsafe { alloc_zeroed(layout) };
+            if ptr.is_null() {
+                return Err(Error::vm("out of memory"));
+            }
+            blocks.push(Block { ptr, layout });
+            regions.push((*r, ptr));
+        }
+        // SAFETY: each block is `len` bytes long and lives as long as the VM that holds the
+        // `GuestRam`.
+        let ram = unsafe { GuestRam::new(&regions) }?;
+        Ok(Self {
+            ram,
+            vcpus,
+            _blocks: blocks,
+            running: AtomicBool::new(false),
+            resumed: AtomicBool::new(false),
+        })
+    }
+
+    pub fn ever_resumed(&self) -> bool {
+        self.resumed.load(Ordering::Acquire)
+    }
+}
+
+impl Migratable for PlainVm {
+    fn descriptor(&self) -> VmDescriptor {
+        VmDescriptor {
+            memory_bytes: self.ram.len(),
+            ranges: self.ram.ranges(),
+            vcpus: self.vcpus,
+            memory_backend: "anonymous".into(),
+            running: self.is_running(),
+        }
+    }
+    fn ram(&self) -> GuestRam {
+        self.ram.clone()
+    }
+    fn is_running(&self) -> bool {
+        self.running.load(Ordering::Acquire)
+    }
+    fn start_dirty_log(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Nothing writes a harness VM's memory while it runs: nothing is ever dirty.
+    fn take_dirty(&self) -> Result<Bitmap> {
+        Ok(Bitmap::new(self.ram.gfn_end()))
+    }
+    fn stop_dirty_log(&self) -> Result<()> {
+        Ok(())
+    }
+    fn pause(&self) -> Result<()> {
+        self.running.store(false, Ordering::Release);
+        Ok(())
+    }
+    fn resume(&self) -> Result<()> {
+        self.running.store(true, Ordering::Release);
+        self.resumed.store(true, Ordering::Release);
+        Ok(())
+    }
+    fn set_throttle(&self, _percent: u8) -> Result<()> {
+        Ok(())
+    }
+    fn save_vcpus(&self) -> Result<Vec<Vec<u8>>> {
+        Ok((0..self.vcpus)
+            .map(|i| format!("vcpu{i}").into_bytes())
+            .collect())
+    }
+    fn save_devices(&self) -> Result<Vec<u8>> {
+        Ok(b"devices".to_vec())
+    }
+    fn load_state(&self, _vcpus: &[Vec<u8>], _devices: &[u8]) -> Result<()> {
+        Ok(())
+    }
+    fn guest_progress_rate(&self, _: u64, _: u64) -> Option<f64> {
+        None
+    }
+    fn guest_report(&self, _: u64, _: u64) -> GuestReport {
+        GuestReport::default()
+    }
+}
