@@ -5,7 +5,7 @@ CARGO ?= cargo
 GUEST := guest/build/guest.elf
 FERRY := target/release/ferry
 
-.PHONY: all deps guest build test demo bench lint fuzz clean
+.PHONY: all deps guest build test demo bench faults lint fuzz clean
 
 all: build
 
@@ -40,8 +40,12 @@ fuzz: deps
 demo: build
 	@scripts/demo.sh
 
+# The benchmarks, then the full fault matrix; a failure of one does not skip the other.
 bench: build
-	@bench/run.sh
+	@status=0; bench/run.sh || status=$$?; scripts/faults.sh || status=1; exit $$status
+
+faults: build
+	@scripts/faults.sh
 
 clean:
 	$(CARGO) clean

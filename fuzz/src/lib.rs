@@ -35,7 +35,8 @@ const MAX_FRAMES: usize = 4096;
 
 /// `data` with every frame's CRC trailer set to what the reader computes: over the 8 header
 /// bytes and the payload, or, for a page frame flagged `PAGE_DATA_UNCHECKED`, over the header,
-/// the count and the descriptors only. Bytes past the last whole frame are kept as they are.
+/// the count, the descriptors and the page CRCs that follow them. Bytes past the last whole
+/// frame are kept as they are.
 pub fn with_valid_checksums(data: &[u8]) -> Vec<u8> {
     let mut out = data.to_vec();
     let mut at = STREAM_HEADER_LEN;
@@ -48,7 +49,10 @@ pub fn with_valid_checksums(data: &[u8]) -> Vec<u8> {
         let mut covered = end;
         if header[0] == KIND_PAGES && header[1] & PAGE_DATA_UNCHECKED != 0 && len >= 8 {
             let count = u32::from_le_bytes(out[at + 8..at + 12].try_into().unwrap()) as usize;
-            covered = end.min(at + 16 + 8 * count);
+            let descs = out[at + 16..end].chunks_exact(8).take(count);
+            // Full pages (encoding 0) carry a CRC each.
+            let full = descs.filter(|d| d[0] == 0).count();
+            covered = end.min(at + 16 + 8 * count + 4 * full);
         }
         let crc = crc32fast::hash(&out[at..covered]);
         out[end..end + 4].copy_from_slice(&crc.to_le_bytes());

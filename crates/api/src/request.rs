@@ -22,6 +22,8 @@ pub enum ApiRequest {
     MigrationStatus,
     CancelMigration,
     StartPostcopy,
+    /// Take the VM back after an unconfirmed switch (the operator knows the destination is down).
+    MigrateReclaim,
     MigrateResume(MigrateResumeRequest),
     Snapshot(SnapshotRequest),
 }
@@ -42,6 +44,7 @@ impl ApiRequest {
             "vm.migration" => ("GET", ApiRequest::MigrationStatus),
             "vm.cancel-migration" => ("PUT", ApiRequest::CancelMigration),
             "vm.migrate-start-postcopy" => ("PUT", ApiRequest::StartPostcopy),
+            "vm.migrate-reclaim" => ("PUT", ApiRequest::MigrateReclaim),
             "vm.migrate-resume" => ("PUT", ApiRequest::MigrateResume(json(endpoint, body)?)),
             "vm.snapshot" => ("PUT", ApiRequest::Snapshot(json(endpoint, body)?)),
             _ => return Err(ApiError::not_found(path)),

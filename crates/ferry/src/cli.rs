@@ -34,6 +34,11 @@ pub enum Command {
     StartPostcopy(ApiArgs),
     /// Write the paused VM to a file (cold migration); `ferry run --restore FILE` brings it back.
     Snapshot(SnapshotArgs),
+    /// Run the VM here again, from the moment it paused for the switch, after a switch whose
+    /// outcome the source cannot know (state `unconfirmed`, or `postcopy-paused` on the source).
+    /// Only once you know the destination does not run it (its host is down or fenced): ferry
+    /// cannot know, so it never does this by itself.
+    MigrateReclaim(ApiArgs),
     /// Carry on a post-copy whose connection broke: on the destination `--listen URL`, then on
     /// the source `--to URL`.
     MigrateResume(MigrateResumeArgs),

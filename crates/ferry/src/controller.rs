@@ -251,6 +251,18 @@ impl Handler for Controller {
                     .map_err(api_error)?;
                 Ok(Value::Null)
             }
+            ApiRequest::MigrateReclaim => {
+                let vm = self
+                    .vm
+                    .get()
+                    .ok_or_else(|| ApiError::conflict("no VM here"))?;
+                self.migrations
+                    .outgoing
+                    .reclaim(vm.as_ref())
+                    .map_err(api_error)?;
+                tracing::warn!("the operator took the VM back after an unconfirmed switch");
+                Ok(Value::Null)
+            }
             ApiRequest::MigrateResume(req) => self.migrate_resume(&req),
             ApiRequest::Snapshot(req) => self.snapshot(&req),
         }

@@ -94,6 +94,7 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
         ApiRequest::Shutdown => !state.mid_postcopy(),
         ApiRequest::SendMigration(_) | ApiRequest::Snapshot(_) => matches!(state, Running | Paused),
         ApiRequest::CancelMigration | ApiRequest::StartPostcopy => state == Migrating,
+        ApiRequest::MigrateReclaim => matches!(state, Unconfirmed | PostcopyPausedSource),
         ApiRequest::MigrateResume(r) => match (r.listen.is_some(), r.destination.is_some()) {
             (true, false) => state == PostcopyPausedDestination,
             (false, true) => state == PostcopyPausedSource,
@@ -112,6 +113,12 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
     ) {
         return Err(ApiError::conflict(format!(
             "no migration is running (the VM is {})",
+            state.name()
+        )));
+    }
+    if matches!(request, ApiRequest::MigrateReclaim) {
+        return Err(ApiError::conflict(format!(
+            "no switch to take back (the VM is {})",
             state.name()
         )));
     }
@@ -172,8 +179,21 @@ mod tests {
         ] {
             assert!(allow(&ApiRequest::Shutdown, state).is_err());
         }
-        // The operator's way out of `unconfirmed` is shutting this copy down.
+        // The operator's ways out of `unconfirmed`: shutting this copy down (the VM runs
+        // there), or taking it back (the destination is down); also after a broken post-copy,
+        // never while one runs.
         assert!(allow(&ApiRequest::Shutdown, Lifecycle::Unconfirmed).is_ok());
+        assert!(allow(&ApiRequest::MigrateReclaim, Lifecycle::Unconfirmed).is_ok());
+        assert!(allow(&ApiRequest::MigrateReclaim, Lifecycle::PostcopyPausedSource).is_ok());
+        for state in [
+            Lifecycle::Running,
+            Lifecycle::Migrating,
+            Lifecycle::PostcopySource,
+            Lifecycle::PostcopyPausedDestination,
+        ] {
+            let e = allow(&ApiRequest::MigrateReclaim, state).unwrap_err();
+            assert!(e.message.contains(state.name()), "{}", e.message);
+        }
         let listen = ApiRequest::MigrateResume(MigrateResumeRequest {
             listen: Some("unix:/x".into()),
             destination: None,

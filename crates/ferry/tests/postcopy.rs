@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use api::{MigrationPhase, MigrationStatus};
+use common::relay::{Action, Point};
 use common::*;
 
 const T: Duration = Duration::from_secs(60);
@@ -224,7 +225,7 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
         return;
     }
     let mut src = Ferry::writer("write ws=64M seq verify");
-    let (mut dst, proxy) = destination_behind(common::proxy::Fault::CutAfter(4 << 20));
+    let (mut dst, proxy) = destination_behind(Point::Postcopy(10), Action::Cut);
     let (report, ok, _) = migrate(&src, &proxy.url, &["--mode", "postcopy"]);
     assert!(!ok);
     assert_eq!(report.phase, MigrationPhase::PostcopyPaused, "{report:?}");
@@ -248,22 +249,7 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
     assert!(err.to_string().contains("two copies"), "{err}");
 
     // Carry on over a new connection, like QEMU's post-copy recovery.
-    let url = format!("unix:{}", dst.scratch("resume.sock").display());
-    dst.api()
-        .put(
-            "vm.migrate-resume",
-            Some(&serde_json::json!({"listen": url})),
-        )
-        .expect("destination listens again");
-    // The source side through the CLI.
-    let out = ferry_output(&[
-        "migrate-resume",
-        "--api-socket",
-        src.socket.to_str().unwrap(),
-        "--to",
-        &url,
-    ]);
-    assert!(out.status.success(), "source reconnects: {out:?}");
+    carry_on_postcopy(&src, &dst).expect("both sides carry on");
     let done = wait_for("the resumed post-copy to complete", T, || {
         let s = dst.migration_status();
         (s.phase == MigrationPhase::Completed).then_some(s)

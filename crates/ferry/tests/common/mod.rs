@@ -1,7 +1,7 @@
 //! Helpers for end-to-end tests that start real ferry processes.
 #![allow(dead_code)]
 
-pub mod proxy;
+pub mod relay;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -367,9 +367,32 @@ pub fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (api::MigrationStatus, 
 }
 
 /// A destination listening on TCP behind a relay that injects `fault`.
-pub fn destination_behind(fault: proxy::Fault) -> (Ferry, proxy::Proxy) {
+pub fn destination_behind(point: relay::Point, action: relay::Action) -> (Ferry, relay::Relay) {
     let port = free_port();
     let dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
-    let relay = proxy::Proxy::start(&format!("127.0.0.1:{port}"), fault);
+    let relay = relay::Relay::start(&format!("127.0.0.1:{port}"), point, action);
     (dst, relay)
+}
+
+/// Carries on a post-copy whose connection broke, as an operator would: the destination
+/// listens again (API), then the source connects to it (`ferry migrate-resume`, the CLI).
+pub fn carry_on_postcopy(src: &Ferry, dst: &Ferry) -> Result<(), String> {
+    let url = format!("unix:{}", dst.scratch("resume.sock").display());
+    dst.api()
+        .put(
+            "vm.migrate-resume",
+            Some(&serde_json::json!({ "listen": url })),
+        )
+        .map_err(|e| format!("the destination does not listen again: {e}"))?;
+    let out = ferry_output(&[
+        "migrate-resume",
+        "--api-socket",
+        src.socket.to_str().unwrap(),
+        "--to",
+        &url,
+    ]);
+    if !out.status.success() {
+        return Err(format!("the source does not reconnect: {out:?}"));
+    }
+    Ok(())
 }

@@ -248,6 +248,20 @@ impl Receiver<'_> {
                             pages.pages
                         )));
                     }
+                    // A page read while the guest ran that did not match its CRC, and that no
+                    // later copy replaced, was corrupted on the way (post-copy fetches the
+                    // pending ones anew).
+                    let mut corrupt = pages.suspect().clone();
+                    if let Some(p) = &pending {
+                        corrupt.subtract(p);
+                    }
+                    if let Some(first) = corrupt.iter().next() {
+                        return Err(Error::Protocol(format!(
+                            "{} pages arrived corrupt (the first: {first:#x}): their data does \
+                             not match the CRC they were sent with",
+                            corrupt.count()
+                        )));
+                    }
                     break memory_checksum;
                 }
                 _ => unreachable!("the state machine admits no other message here"),

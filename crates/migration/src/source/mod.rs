@@ -49,6 +49,8 @@ pub struct Outgoing {
     controls: Controls,
     busy: Mutex<bool>,
     leftover: Mutex<Option<Leftover>>,
+    /// Whether the VM ran before the migration that ended unconfirmed (for `reclaim`).
+    ran_before_unconfirmed: AtomicBool,
 }
 
 /// Called once when a background migration ends: `Ok` means the VM runs elsewhere now.
@@ -62,6 +64,7 @@ impl Outgoing {
             controls: Controls::default(),
             busy: Mutex::new(false),
             leftover: Mutex::new(None),
+            ran_before_unconfirmed: AtomicBool::new(false),
         })
     }
 
@@ -172,8 +175,53 @@ impl Outgoing {
             status,
         );
         session.dial = Some(Box::new(|| endpoint.connect(self.tls.as_ref())));
+        let was_running = vm.is_running();
         let result = session.run(mode);
-        session.finish(result)
+        let result = session.finish(result);
+        if matches!(
+            self.board.phase(),
+            Phase::Unconfirmed | Phase::PostcopyPaused
+        ) {
+            self.ran_before_unconfirmed
+                .store(was_running, Ordering::Release);
+        }
+        result
+    }
+
+    /// After a switch whose outcome this side cannot know (`unconfirmed`: `Go` sent, no answer
+    /// heard; or `postcopy-paused`: the post-copy connection broke): runs the VM here again,
+    /// from the moment it paused for the switch, running or paused as it was before. ferry
+    /// cannot know whether the destination runs it, which is why it waits; the operator can
+    /// (its host is down, or fenced) and says so with this call. Whatever the guest did on the
+    /// destination since the switch is lost; every page of that moment is still here (the
+    /// source frees nothing it sent).
+    pub fn reclaim(&self, vm: &dyn Migratable) -> Result<()> {
+        let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = self.board.read();
+        if *busy
+            || s.role != Role::Source
+            || !matches!(s.phase, Phase::Unconfirmed | Phase::PostcopyPaused)
+        {
+            return Err(Error::State(format!(
+                "there is no switch to take back here (the last migration is {})",
+                s.phase.name()
+            )));
+        }
+        // A post-copy taken back can no longer be resumed.
+        *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        let _ = vm.stop_dirty_log();
+        if self.ran_before_unconfirmed.load(Ordering::Acquire) {
+            vm.resume()?;
+        }
+        s.phase = Phase::Failed;
+        s.error = Some(format!(
+            "taken back by the operator after a {} switch ({})",
+            s.phase.name(),
+            s.error.unwrap_or_default()
+        ));
+        self.board.publish(&s);
+        drop(busy);
+        Ok(())
     }
 
     /// Writes `vm` to `file` (a snapshot) and leaves the VM paused: its new home is the file.

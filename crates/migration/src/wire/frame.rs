@@ -4,8 +4,9 @@
 //! Stream: a 16-byte header (`FERRYMIG`, version u32 LE, reserved u32), then frames.
 //! Frame: kind u8 | flags u8 | reserved u16 | length u32 | payload | crc32 u32 (LE).
 //! The CRC covers the 8 header bytes and the payload, except that a page frame sent from a
-//! running guest (flag `PAGE_DATA_UNCHECKED`) covers only its descriptors: the guest may change
-//! a page while it is on its way, and such a page is dirty and sent again.
+//! running guest (flag `PAGE_DATA_UNCHECKED`) covers only its descriptors and the CRC each page
+//! carries: the guest may change a page while it is on its way, and such a page is dirty and
+//! sent again; a page that matches its CRC on no copy was corrupted.
 
 use std::io::{IoSlice, Read, Write};
 
@@ -14,7 +15,7 @@ use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 pub const STREAM_HEADER_LEN: usize = 16;
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -228,7 +229,7 @@ mod tests {
     fn golden_stream_header() {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
-        assert_eq!(h, b"FERRYMIG\x03\0\0\0\0\0\0\0");
+        assert_eq!(h, b"FERRYMIG\x04\0\0\0\0\0\0\0");
     }
 
     #[test]
@@ -241,7 +242,7 @@ mod tests {
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
         assert!(
-            e.to_string().contains("version 3"),
+            e.to_string().contains("version 4"),
             "names both versions: {e}"
         );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();

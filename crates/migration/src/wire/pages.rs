@@ -21,6 +21,8 @@ use crate::wire::zero::is_zero_page;
 const BUSY_QUEUE: u64 = 256 * 1024;
 /// Payload prefix of a page frame: page count u32, reserved u32.
 const PREFIX_LEN: usize = 8;
+/// A page read while the guest runs travels with its CRC-32 (see `PAGE_DATA_UNCHECKED`).
+const DIGEST_LEN: usize = 4;
 /// Most connections one migration may use.
 pub const MAX_CONNECTIONS: u32 = 16;
 /// Pages of one 2 MiB chunk travel on the same connection (see `lane_of`).
@@ -247,7 +249,21 @@ impl PageSender {
         full: usize,
     ) -> Result<(u64, BatchCost, Codec)> {
         let flags = if self.checked { 0 } else { PAGE_DATA_UNCHECKED };
-        let len = build_head(&mut self.head, &self.pfns, flags, PAGE_SIZE * full);
+        let digests = if self.checked { 0 } else { DIGEST_LEN * full };
+        let len = build_head(
+            &mut self.head,
+            &self.pfns,
+            flags,
+            digests + PAGE_SIZE * full,
+        );
+        if !self.checked {
+            // Each page's CRC as read now: the guest may write it before it leaves, and then
+            // it is dirty and goes again; a mismatch that no later copy mends is corruption.
+            for pfn in self.pfns.iter().filter(|(_, e)| *e == PageEncoding::Full) {
+                let digest = crc32fast::hash(ram.page(pfn.0)?);
+                self.head.extend_from_slice(&digest.to_le_bytes());
+            }
+        }
         let mut crc = crc32fast::Hasher::new();
         crc.update(&self.head);
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(full + 2);
@@ -407,6 +423,11 @@ pub struct PageReceiver {
     zeros: Vec<u64>,
     /// Pages this receiver has written: a zero marker for any other page needs no write.
     written: Bitmap,
+    /// Pages whose last copy came unchecked and did not match its CRC: the guest changed it
+    /// on the way (a later copy mends it) or it was corrupted (nothing mends it).
+    suspect: Bitmap,
+    /// The CRCs an unchecked frame carries for its pages.
+    digests: Vec<u8>,
     /// A compressed frame's data, and its pages unpacked.
     packed: Vec<u8>,
     unpacked: Vec<u8>,
@@ -422,6 +443,8 @@ impl PageReceiver {
             full: Vec::new(),
             zeros: Vec::new(),
             written: Bitmap::new(ram.gfn_end()),
+            suspect: Bitmap::new(ram.gfn_end()),
+            digests: Vec::new(),
             packed: Vec::new(),
             unpacked: Vec::new(),
             pages: 0,
@@ -439,12 +462,20 @@ impl PageReceiver {
     /// Takes in what another lane's receiver wrote.
     pub fn absorb(&mut self, other: &PageReceiver) {
         self.written.merge(&other.written);
+        self.suspect.merge(&other.suspect);
         self.pages += other.pages;
     }
 
     /// Forgets pages whose copies were dropped from guest memory.
     pub fn forget(&mut self, dropped: &Bitmap) {
         self.written.subtract(dropped);
+        self.suspect.subtract(dropped);
+    }
+
+    /// Pages whose last copy arrived unchecked and did not match the CRC it came with. Any
+    /// left when the source has sent everything arrived corrupt.
+    pub fn suspect(&self) -> &Bitmap {
+        &self.suspect
     }
 
     /// Pages this receiver has written into guest memory.
@@ -462,7 +493,15 @@ impl PageReceiver {
     ) -> Result<()> {
         let mut crc = crc32fast::Hasher::new();
         crc.update(header);
-        let shape = read_descriptors(r, ram, header, len, &mut self.descs, &mut crc)?;
+        let shape = read_descriptors(
+            r,
+            ram,
+            header,
+            len,
+            &mut self.descs,
+            &mut self.digests,
+            &mut crc,
+        )?;
         self.full.clear();
         self.zeros.clear();
         for (pfn, enc) in descriptors(&self.descs) {
@@ -486,6 +525,16 @@ impl PageReceiver {
                 }
             }
             protocol::check_trailer(r, crc.finalize(), "page frame")?;
+            if header[1] & PAGE_DATA_UNCHECKED != 0 {
+                for (&(pfn, _), sent) in self.full.iter().zip(self.digests.chunks_exact(DIGEST_LEN))
+                {
+                    if crc32fast::hash(ram.page(pfn)?).to_le_bytes() == sent {
+                        self.suspect.unset(pfn);
+                    } else {
+                        self.suspect.set(pfn);
+                    }
+                }
+            }
         } else {
             // Checked before it is unpacked: a decompressor never sees a corrupt frame.
             read_packed(r, &shape, &mut self.packed, crc)?;
@@ -506,9 +555,13 @@ impl PageReceiver {
             if self.written.get(pfn) {
                 ram.zero_page(pfn)?;
             }
+            self.suspect.unset(pfn);
         }
         for &(pfn, _) in &self.full {
             self.written.set(pfn);
+            if header[1] & PAGE_DATA_UNCHECKED == 0 {
+                self.suspect.unset(pfn);
+            }
         }
         self.pages += u64::from(shape.count);
         Ok(())
@@ -567,13 +620,15 @@ impl FrameShape {
 }
 
 /// Reads a page frame's prefix and descriptors into `descs` (checking count, bounds, flags
-/// and length against `len`), feeding them to `crc`.
+/// and length against `len`), and an unchecked frame's page CRCs into `digests`, feeding them
+/// to `crc`.
 fn read_descriptors(
     r: &mut impl Read,
     ram: &GuestRam,
     header: &[u8; FRAME_HEADER_LEN],
     len: u32,
     descs: &mut Vec<u8>,
+    digests: &mut Vec<u8>,
     crc: &mut crc32fast::Hasher,
 ) -> Result<FrameShape> {
     let codec = Codec::from_flags(header[1])?;
@@ -616,9 +671,11 @@ fn read_descriptors(
         codec,
         data_len: 0,
     };
-    let data_len = (len as usize).checked_sub(PREFIX_LEN + 8 * count as usize);
+    let unchecked = header[1] & PAGE_DATA_UNCHECKED != 0;
+    let digests_len = if unchecked { DIGEST_LEN * full } else { 0 };
+    let data_len = (len as usize).checked_sub(PREFIX_LEN + 8 * count as usize + digests_len);
     let unpacked = shape.unpacked_len();
-    if (codec != Codec::None || deltas > 0) && header[1] & PAGE_DATA_UNCHECKED != 0 {
+    if (codec != Codec::None || deltas > 0) && unchecked {
         return Err(Error::Protocol(
             "compressed or delta page data must be covered by the frame checksum".into(),
         ));
@@ -642,6 +699,9 @@ fn read_descriptors(
             )));
         }
     };
+    digests.resize(digests_len, 0);
+    protocol::read_exact(r, digests, "page digests")?;
+    crc.update(digests);
     Ok(shape)
 }
 
@@ -710,6 +770,7 @@ fn descriptors(descs: &[u8]) -> impl Iterator<Item = (u64, PageEncoding)> + '_ {
 #[derive(Default)]
 pub struct FrameBuffers {
     descs: Vec<u8>,
+    digests: Vec<u8>,
     data: Vec<u8>,
     packed: Vec<u8>,
 }
@@ -730,10 +791,11 @@ pub fn read_page_frame<'s>(
     crc.update(header);
     let FrameBuffers {
         descs,
+        digests,
         data,
         packed,
     } = scratch;
-    let shape = read_descriptors(r, ram, header, len, descs, &mut crc)?;
+    let shape = read_descriptors(r, ram, header, len, descs, digests, &mut crc)?;
     if shape.deltas > 0 {
         // Post-copy installs whole pages into memory that has no copy to apply a delta to.
         return Err(Error::Protocol(
@@ -747,6 +809,17 @@ pub fn read_page_frame<'s>(
             crc.update(data);
         }
         protocol::check_trailer(r, crc.finalize(), "page frame")?;
+        // Installed pages are final: one that does not match its CRC is refused outright.
+        for (page, sent) in data
+            .chunks_exact(PAGE_SIZE)
+            .zip(digests.chunks_exact(DIGEST_LEN))
+        {
+            if crc32fast::hash(page).to_le_bytes() != sent {
+                return Err(Error::Protocol(
+                    "a page arrived corrupt (its data does not match its CRC)".into(),
+                ));
+            }
+        }
     } else {
         read_packed(r, &shape, packed, crc)?;
         shape
@@ -905,6 +978,56 @@ mod tests {
             assert!(c.delta_pages >= 40, "{c:?}");
             assert!(c.delta_saved > 40 * 4000, "{c:?}");
         }
+    }
+
+    /// A frame read while the guest ran is not covered by the frame checksum (the guest may
+    /// change a page on its way), but each page carries its CRC: a page whose data was
+    /// corrupted is suspect until a later copy replaces it, and post-copy refuses it outright.
+    #[test]
+    fn a_corrupted_page_of_an_unchecked_frame_is_caught_by_its_own_crc() {
+        let (src_buf, src) = source(|_| false);
+        let (mut wire, _) = send(&src, Compression::None, false);
+        // The last byte of the first frame's page data (pages 1..4 are full, 0 is zero).
+        let len = u32::from_le_bytes(wire[4..8].try_into().unwrap()) as usize;
+        wire[FRAME_HEADER_LEN + len - 1] ^= 0x40;
+        let mut dst_buf = vec![0u8; src_buf.len()];
+        let dst = ram(&mut dst_buf);
+        let mut r = wire.as_slice();
+        let mut receiver = PageReceiver::new(&dst);
+        while !r.is_empty() {
+            let Frame::Pages { header, len } = read_frame(&mut r).unwrap() else {
+                panic!("page frames only")
+            };
+            receiver.receive(&mut r, &dst, &header, len).unwrap();
+        }
+        let suspect: Vec<u64> = receiver.suspect().iter().collect();
+        assert_eq!(suspect.len(), 1, "{suspect:?}");
+        assert!(dst.page(suspect[0]).unwrap() != src.page(suspect[0]).unwrap());
+
+        // A later copy (the guest wrote the page; here: sent again) clears it.
+        let mut sender = PageSender::new(16);
+        let mut limiter = RateLimiter::new(None);
+        let mut again = Vec::new();
+        sender
+            .push(&mut again, &src, suspect[0], &mut limiter)
+            .unwrap();
+        sender.flush(&mut again, &src, &mut limiter).unwrap();
+        let mut r = again.as_slice();
+        let Frame::Pages { header, len } = read_frame(&mut r).unwrap() else {
+            panic!("a page frame")
+        };
+        receiver.receive(&mut r, &dst, &header, len).unwrap();
+        assert_eq!(receiver.suspect().count(), 0);
+        assert!(dst_buf == src_buf);
+
+        // Post-copy installs pages as final: it refuses the corrupt one.
+        let mut r = wire.as_slice();
+        let Frame::Pages { header, len } = read_frame(&mut r).unwrap() else {
+            panic!("a page frame")
+        };
+        let mut scratch = FrameBuffers::default();
+        let e = read_page_frame(&mut r, &src, &header, len, &mut scratch).unwrap_err();
+        assert!(e.to_string().contains("arrived corrupt"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,286 @@
+//! A loopback TCP relay that reads ferry's framing as it forwards, for the fault matrix: at a
+//! named point of the conversation (a message, the n-th page frame of a round, a share of the
+//! post-copy pages) it holds that frame and injects a fault before it goes on. The fault lands
+//! at the same point of the protocol every run, whatever the timing.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use migration::wire::Message;
+use migration::wire::frame::{FRAME_HEADER_LEN, KIND_CONTROL, STREAM_HEADER_LEN};
+
+/// Where in a migration the fault lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Point {
+    /// The source's `Hello`.
+    Setup,
+    /// The 4th page frame of round 0.
+    Round0,
+    /// The first page frame of round 2 (a writer's pre-copy keeps going for several rounds).
+    RoundK,
+    /// The first frame after the pre-pause catch-up (`Sync` or `Stale`), or, with no rounds
+    /// before it (post-copy), `PostcopyPending`: the source has paused, or is about to.
+    Pause,
+    /// The first vCPU state.
+    State,
+    /// `Go`: the source has given the VM up.
+    Go,
+    /// The post-copy page frame that brings the pages sent after `Go` to this percentage of
+    /// those pending.
+    Postcopy(u8),
+    /// The destination's last word: `Resumed` (pre-copy, warm) or `PostcopyComplete`.
+    Completion,
+}
+
+impl Point {
+    pub fn name(self) -> String {
+        match self {
+            Point::Setup => "setup".into(),
+            Point::Round0 => "round 0".into(),
+            Point::RoundK => "round k".into(),
+            Point::Pause => "pause".into(),
+            Point::State => "state".into(),
+            Point::Go => "go".into(),
+            Point::Postcopy(p) => format!("post-copy {p}%"),
+            Point::Completion => "completion".into(),
+        }
+    }
+}
+
+/// What the relay does at the point.
+#[derive(Clone, Copy, Debug)]
+pub enum Action {
+    /// Closes both directions; the frame is not forwarded.
+    Cut,
+    /// Forwards nothing in either direction for this long, then carries on.
+    Stall(Duration),
+    /// Flips one byte of the frame's payload.
+    Corrupt,
+    /// Tells the test (which kills a process or cancels), waits for its go-ahead, forwards.
+    Hold,
+}
+
+/// What the relay has seen so far, shared by both directions.
+#[derive(Default)]
+struct Conversation {
+    /// Rounds completed (`RoundEnd` seen) and page frames in the current one.
+    round: u32,
+    frames_in_round: u32,
+    caught_up: bool,
+    went: bool,
+    postcopy: bool,
+    pending: u64,
+    pushed: u64,
+    fired: bool,
+}
+
+impl Conversation {
+    /// Takes in one frame; returns whether it is the point.
+    fn at(&mut self, point: Point, to_destination: bool, frame: &[u8]) -> bool {
+        let payload = &frame[FRAME_HEADER_LEN..frame.len() - 4];
+        let message = (frame[0] == KIND_CONTROL)
+            .then(|| Message::decode(payload).ok())
+            .flatten();
+        let hit = match (to_destination, &message) {
+            (true, Some(Message::Hello { .. })) => point == Point::Setup,
+            (true, Some(Message::RoundEnd { round, .. })) => {
+                self.round = round + 1;
+                self.frames_in_round = 0;
+                false
+            }
+            (true, Some(Message::Sync { .. } | Message::Stale { .. })) => {
+                self.caught_up = true;
+                false
+            }
+            (true, Some(Message::PostcopyPending { words, .. })) => {
+                self.postcopy = true;
+                self.pending = words.iter().map(|w| u64::from(w.count_ones())).sum();
+                point == Point::Pause && !self.caught_up
+            }
+            (true, Some(Message::VcpuState { index: 0, .. })) => point == Point::State,
+            (true, Some(Message::Go)) => {
+                self.went = true;
+                point == Point::Go
+            }
+            (true, Some(_)) => false,
+            (true, None) => {
+                // A page frame: `count u32` opens its payload.
+                let count = u32::from_le_bytes(payload[..4].try_into().unwrap());
+                self.frames_in_round += 1;
+                if self.went {
+                    let before = self.pushed * 100;
+                    self.pushed += u64::from(count);
+                    match point {
+                        Point::Postcopy(p) => {
+                            let goal = u64::from(p) * self.pending.max(1);
+                            before < goal && self.pushed * 100 >= goal
+                        }
+                        _ => false,
+                    }
+                } else if self.caught_up {
+                    false
+                } else {
+                    (point == Point::Round0 && self.round == 0 && self.frames_in_round == 4)
+                        || (point == Point::RoundK && self.round == 2 && self.frames_in_round == 1)
+                }
+            }
+            (false, Some(Message::Resumed { .. })) => point == Point::Completion && !self.postcopy,
+            (false, Some(Message::PostcopyComplete(_))) => point == Point::Completion,
+            (false, _) => false,
+        };
+        // `Pause`: whatever the source sends first once it has caught up.
+        let hit = hit
+            || (point == Point::Pause
+                && to_destination
+                && self.caught_up
+                && !matches!(message, Some(Message::Sync { .. } | Message::Stale { .. })));
+        let fire = hit && !self.fired;
+        self.fired |= fire;
+        fire
+    }
+}
+
+struct Shared {
+    point: Point,
+    action: Action,
+    conversation: Mutex<Conversation>,
+    /// Told once when the point is reached; the relay then waits on `release` (for `Hold`).
+    reached: Mutex<Sender<()>>,
+    release: Mutex<Receiver<()>>,
+    cut: Mutex<Vec<TcpStream>>,
+}
+
+pub struct Relay {
+    pub url: String,
+    reached: Receiver<()>,
+    release: Sender<()>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Relay {
+    /// Relays one connection to `target` (host:port), with `action` at `point`.
+    pub fn start(target: &str, point: Point, action: Action) -> Relay {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind relay");
+        let url = format!("tcp:{}", listener.local_addr().unwrap());
+        let (reached_tx, reached) = channel();
+        let (release, release_rx) = channel();
+        let shared = Arc::new(Shared {
+            point,
+            action,
+            conversation: Mutex::default(),
+            reached: Mutex::new(reached_tx),
+            release: Mutex::new(release_rx),
+            cut: Mutex::default(),
+        });
+        let target = target.to_string();
+        let thread = std::thread::spawn(move || {
+            let Ok((src, _)) = listener.accept() else {
+                return;
+            };
+            let Ok(dst) = TcpStream::connect(&target) else {
+                return;
+            };
+            *shared.cut.lock().unwrap() = vec![src.try_clone().unwrap(), dst.try_clone().unwrap()];
+            let (src2, dst2) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
+            let back = {
+                let shared = shared.clone();
+                std::thread::spawn(move || pump(dst2, src2, false, &shared))
+            };
+            pump(src, dst, true, &shared);
+            let _ = back.join();
+        });
+        Relay {
+            url,
+            reached,
+            release,
+            thread: Some(thread),
+        }
+    }
+
+    /// Waits up to `limit` for the point; false if the migration never got there.
+    pub fn wait_reached(&self, limit: Duration) -> bool {
+        self.reached.recv_timeout(limit).is_ok()
+    }
+
+    /// Lets a held frame go on.
+    pub fn release(&self) {
+        let _ = self.release.send(());
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.release();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Forwards whole frames from `from` to `to`, injecting the fault at the point.
+fn pump(mut from: TcpStream, mut to: TcpStream, to_destination: bool, shared: &Shared) {
+    if to_destination {
+        let mut header = [0u8; STREAM_HEADER_LEN];
+        if from.read_exact(&mut header).is_err() || to.write_all(&header).is_err() {
+            return finish(&from, &to);
+        }
+    }
+    let mut frame = Vec::new();
+    loop {
+        frame.resize(FRAME_HEADER_LEN, 0);
+        if from.read_exact(&mut frame).is_err() {
+            break;
+        }
+        let len = u32::from_le_bytes(frame[4..8].try_into().unwrap()) as usize;
+        frame.resize(FRAME_HEADER_LEN + len + 4, 0);
+        if from.read_exact(&mut frame[FRAME_HEADER_LEN..]).is_err() {
+            break;
+        }
+        let fire = shared
+            .conversation
+            .lock()
+            .unwrap()
+            .at(shared.point, to_destination, &frame);
+        if fire {
+            let _ = shared.reached.lock().unwrap().send(());
+            match shared.action {
+                Action::Cut => {
+                    for s in shared.cut.lock().unwrap().iter() {
+                        let _ = s.shutdown(Shutdown::Both);
+                    }
+                    break;
+                }
+                Action::Stall(d) => {
+                    // Holding the lock stalls the other direction at its next frame too.
+                    let _guard = shared.conversation.lock().unwrap();
+                    std::thread::sleep(d);
+                }
+                Action::Corrupt => {
+                    let at = FRAME_HEADER_LEN + len / 2;
+                    frame[at] ^= 0xff;
+                }
+                Action::Hold => {
+                    let _ = shared
+                        .release
+                        .lock()
+                        .unwrap()
+                        .recv_timeout(Duration::from_secs(60));
+                }
+            }
+        }
+        if to.write_all(&frame).is_err() {
+            break;
+        }
+    }
+    finish(&from, &to);
+}
+
+fn finish(from: &TcpStream, to: &TcpStream) {
+    let _ = from.shutdown(Shutdown::Both);
+    let _ = to.shutdown(Shutdown::Both);
+}
