@@ -19,17 +19,18 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fb import qemu, report  # noqa: E402
 from fb.ferry import FerryPeer  # noqa: E402
 from fb.links import Link  # noqa: E402
-from fb.util import FERRY, REPO, BenchError, Processes  # noqa: E402
+from fb.util import FERRY, REPO, BenchError, DidNotConverge, Processes  # noqa: E402
 
 SERIAL = "serial_ms=10"
 
 
 def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5,
-             timeout_s=120, prepaging=None, extra=()):
-    """`extra`: more `ferry migrate` arguments (ferry rows only; such scenarios are ferry's)."""
+             timeout_s=120, prepaging=None, extra=(), tls=False):
+    """`extra`: more `ferry migrate` arguments (ferry rows only; such scenarios are ferry's).
+    `tls`: both ferry processes with certificates (TLS 1.3) instead of `--plain-tcp`."""
     return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
             "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s,
-            "timeout_s": timeout_s, "prepaging": prepaging, "extra": list(extra)}
+            "timeout_s": timeout_s, "prepaging": prepaging, "extra": list(extra), "tls": tls}
 
 
 def throughput():
@@ -46,6 +47,20 @@ def throughput():
              scenario("mixed 128M / 1G delta", "1G", cmd, extra=["--delta-cache-mb", "256"]),
              scenario("mixed 128M / 1G delta lz4", "1G", cmd,
                       extra=["--delta-cache-mb", "256", "--compression", "lz4"])]
+    return rows
+
+
+def tls_cost():
+    """What TLS costs: a paused guest's populated memory moved warm (the link and the
+    encryption set the pace, no guest competes), and a writer's pre-copy, each with TLS and
+    with plain TCP, on 1 and 2 connections."""
+    rows = []
+    for tls in (False, True):
+        label = "TLS" if tls else "plain"
+        rows += [scenario(f"warm 768M / 1G {label}", "1G", "write ws=768M seq", mode="warm", tls=tls),
+                 scenario(f"warm 768M / 1G 2 connections {label}", "1G", "write ws=768M seq",
+                          mode="warm", tls=tls, extra=["--connections", "2"]),
+                 scenario(f"write seq 256M / 1G {label}", "1G", "write ws=256M seq", tls=tls)]
     return rows
 
 
@@ -79,6 +94,10 @@ PROFILES = {
     "throughput": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
         "scenarios": throughput(),
+    },
+    "tls": {
+        "links": ["loopback"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
+        "scenarios": tls_cost(),
     },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
@@ -177,21 +196,25 @@ def run(args):
                             if peer_name == "qemu-best" and sc["mode"] == "postcopy":
                                 continue
                             peer = make_peer(peer_name, procs, work)
-                            rows, error = [], None
+                            rows, error, outcome = [], None, None
                             for i in range(repeats):
                                 try:
                                     rows.append(peer.migrate_once(sc, link))
+                                except DidNotConverge as e:
+                                    outcome = str(e)  # a result, not a failure of the run
                                 except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
                                     error = str(e).splitlines()[0][:300]
                                     traceback.print_exc(file=sys.stderr)
                                 finally:
                                     procs.stop_all()
+                                said = "FAILED: " + error if error else (outcome or "ok")
                                 print(f"  {link_name:8} {sc['name']:28} {peer_name:9} run {i + 1}/{repeats}"
-                                      f" {'ok' if not error else 'FAILED: ' + error}", file=sys.stderr)
+                                      f" {said}", file=sys.stderr)
                             must = [r["must_move_bytes"] for r in rows if r.get("must_move_bytes")]
                             goodput = results["links"].get(link_name)
                             entry = {"scenario": sc["name"], "link": link_name, "peer": peer_name,
-                                     "runs": rows, "summary": report.summarize_rows(rows), "error": error}
+                                     "runs": rows, "summary": report.summarize_rows(rows), "error": error,
+                                     "outcome": outcome}
                             if must and goodput:
                                 entry["floor_ms"] = sorted(must)[len(must) // 2] / goodput * 1e3
                             results["scenarios"].append(entry)

@@ -6,6 +6,7 @@ import subprocess
 import time
 
 from .serial import SerialClock, observed_downtime_ms
+from .links import ADDR_DST
 from .util import FERRY, GUEST, BenchError, free_port, wait_until
 
 
@@ -28,13 +29,24 @@ class FerryPeer:
         self.procs = procs
         self.work = workdir
 
-    def boot(self, memory, vcpus, cmdline, netns=None, serial=None):
+    def tls_args(self, host):
+        """`ferry run` arguments for TLS with a certificate for `host`: one `ferry certs` per
+        run makes a CA and a certificate for the source and for every destination address."""
+        tls = os.path.join(self.work, "tls")
+        if not os.path.exists(os.path.join(tls, "ca.pem")):
+            names = ["source.local", "127.0.0.1", ADDR_DST]
+            subprocess.run([FERRY, "certs", "--out", tls, *[a for n in names for a in ("--name", n)]],
+                           check=True, capture_output=True)
+        return ["--tls-cert", os.path.join(tls, f"{host}.pem"),
+                "--tls-key", os.path.join(tls, f"{host}.key"), "--tls-ca", os.path.join(tls, "ca.pem")]
+
+    def boot(self, memory, vcpus, cmdline, netns=None, serial=None, transport=("--plain-tcp",)):
         sock = os.path.join(self.work, f"src-{time.time_ns()}.sock")
         serial_path = serial or os.path.join(self.work, "src.serial")
         err = os.path.join(self.work, "src.err")
         p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
                               "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path,
-                              "--plain-tcp", "--enable-debug-api"],
+                              *transport, "--enable-debug-api"],
                              netns=netns, stderr=open(err, "ab"))
 
         def up():
@@ -55,8 +67,11 @@ class FerryPeer:
         dst_serial = os.path.join(self.work, f"d{time.time_ns()}.fifo")
         src_clock.follow_fifo(src_serial)
         dst_clock.follow_fifo(dst_serial)
+        # TLS (the default a user gets) or plain TCP (`--plain-tcp`, what the other rows use).
+        tls = scenario.get("tls")
         src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"],
-                        netns=link.ns_src, serial=src_serial)
+                        netns=link.ns_src, serial=src_serial,
+                        transport=self.tls_args("source.local") if tls else ("--plain-tcp",))
         # Steady state: a writer has populated its whole working set once (same rule for QEMU).
         busy = " idle" not in f" {scenario['cmdline']}"
         wait_until("guest progress", 120,
@@ -65,8 +80,9 @@ class FerryPeer:
             time.sleep(scenario["warmup_s"])
         port = free_port()
         dst = os.path.join(self.work, f"dst-{time.time_ns()}.sock")
+        transport = self.tls_args(link.dst_host) if tls else ["--plain-tcp"]
         self.procs.start([FERRY, "run", "--incoming", f"tcp:{link.dst_host}:{port}",
-                          "--api-socket", dst, "--serial", dst_serial, "--plain-tcp"], netns=link.ns_dst,
+                          "--api-socket", dst, "--serial", dst_serial, *transport], netns=link.ns_dst,
                          stderr=open(os.path.join(self.work, "dst.err"), "ab"))
         wait_until("the ferry destination API", 30, lambda: os.path.exists(dst))
         argv = [FERRY, "migrate", "--api-socket", src, "--to", f"tcp:{link.dst_host}:{port}",
@@ -100,6 +116,7 @@ class FerryPeer:
             round0.get("pages", 0) * 4096 - round0.get("zero_pages", 0) * 4096,
             "compression": compression,
             "connections": report.get("connections"),
+            "tls": bool(tls),
             "rounds": len(report["rounds"]),
             "round_table": report["rounds"],
             "pages_full": report["pages_full"],

@@ -10,7 +10,7 @@ import socket
 import time
 
 from .serial import SerialClock, observed_downtime_ms
-from .util import GUEST, BenchError, free_port, wait_until
+from .util import GUEST, BenchError, DidNotConverge, free_port, wait_until
 
 QEMU = "qemu-system-x86_64"
 
@@ -129,7 +129,7 @@ class QemuPeer:
             info = wait_until("the QEMU migration", scenario["timeout_s"], done, interval=0.02)
         except BenchError:
             src.cmd("migrate_cancel")
-            raise BenchError(f"QEMU did not complete within {scenario['timeout_s']} s (no convergence)")
+            raise DidNotConverge(f"did not converge in {scenario['timeout_s']} s")
         if info["status"] != "completed":
             raise BenchError(f"QEMU migration {info['status']}: {info.get('error-desc', '')}")
         time.sleep(0.5)

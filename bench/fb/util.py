@@ -15,6 +15,11 @@ class BenchError(Exception):
     """A scenario could not be measured; the message says why."""
 
 
+class DidNotConverge(BenchError):
+    """A migration that never finished within the scenario's time: an expected outcome for a
+    VMM whose pre-copy cannot keep up (reported as a row, not as a failure of the run)."""
+
+
 def wait_until(what, timeout, predicate, interval=0.02):
     deadline = time.time() + timeout
     while time.time() < deadline:
