@@ -82,7 +82,7 @@ PROFILES = {
         "scenarios": [scenario("idle 64M", "64M", "idle")],
     },
     "quick": {
-        "links": ["loopback", "1gbit"], "peers": ["ferry", "qemu"], "repeats": 3,
+        "links": ["loopback", "1gbit"], "peers": ["ferry", "qemu-default", "qemu-best"], "repeats": 3,
         "boot": ["1G", "16G", "64G"], "dirty": True,
         # A migration that cannot converge is given up after 30 s here (120 s in full).
         "scenarios": [scenario("idle 1G", "1G", "idle", timeout_s=30),
@@ -104,7 +104,7 @@ PROFILES = {
         "scenarios": table2(),
     },
     "full": {
-        "links": ["loopback", "1gbit", "10gbit"], "peers": ["ferry", "qemu", "qemu-best"], "repeats": 3,
+        "links": ["loopback", "1gbit", "10gbit"], "peers": ["ferry", "qemu-default", "qemu", "qemu-best"], "repeats": 3,
         "boot": ["1G", "16G", "64G"], "dirty": True,
         # A migration that cannot converge is given up after 60 s.
         "scenarios": [scenario("idle 1G", "1G", "idle", timeout_s=60),
@@ -154,7 +154,7 @@ def build():
 def make_peer(name, procs, work):
     if name == "ferry":
         return FerryPeer(procs, work)
-    return qemu.QemuPeer(procs, work, best=(name == "qemu-best"))
+    return qemu.QemuPeer(procs, work, variant=name)
 
 
 def run(args):
@@ -193,8 +193,6 @@ def run(args):
                         for peer_name in peers:
                             if peer_name.startswith("qemu") and sc["mode"] not in ("precopy", "postcopy"):
                                 continue  # QEMU has no warm or hybrid mode to compare with
-                            if peer_name == "qemu-best" and sc["mode"] == "postcopy":
-                                continue
                             peer = make_peer(peer_name, procs, work)
                             rows, error, outcome = [], None, None
                             for i in range(repeats):
@@ -244,7 +242,7 @@ def main():
     p.add_argument("--full", dest="profile", action="store_const", const="full",
                    help="every scenario on every link (about 45 minutes here)")
     p.add_argument("--links", help="comma list: loopback,1gbit,10gbit")
-    p.add_argument("--peers", help="comma list: ferry,qemu,qemu-best")
+    p.add_argument("--peers", help="comma list: ferry,qemu-default,qemu,qemu-best")
     p.add_argument("--repeats", type=int)
     p.add_argument("--delay-ms", type=int, default=0,
                    help="add this much netem latency each way on veth links (a WAN-like case)")

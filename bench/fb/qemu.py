@@ -1,8 +1,15 @@
 """Drives QEMU (Debian's qemu-system-x86_64, -enable-kvm, default CPU model) on the same guest
-and link, over QMP: pre-copy with the same downtime limit and bandwidth as ferry, and a
-'qemu-best' variant with multifd and auto-converge (QEMU's answer to a guest that dirties
-memory faster than the link sends it). Numbers come from query-migrate; guest-observed downtime
-from the same serial timestamps used for ferry."""
+and link, over QMP, configured three ways:
+
+- `qemu-default`: QEMU as it comes (no migration parameter set: downtime limit 300 ms,
+  bandwidth 128 MiB/s; QEMU 7.2's defaults);
+- `qemu`: ferry's limits (the scenario's downtime limit, no bandwidth cap), nothing else;
+- `qemu-best`: ferry's limits and everything QEMU 7.2 offers for speed: pre-copy with multifd
+  (one channel per core) compressing with zstd, xbzrle (delta encoding) and auto-converge;
+  post-copy with postcopy-preempt (page requests on a channel of their own).
+
+Numbers come from query-migrate; guest-observed downtime from the same serial timestamps used
+for ferry."""
 import json
 import os
 import shutil
@@ -59,12 +66,16 @@ class Qmp:
             pass
 
 
+VARIANTS = ("qemu-default", "qemu", "qemu-best")
+
+
 class QemuPeer:
-    def __init__(self, procs, workdir, best=False):
+    def __init__(self, procs, workdir, variant="qemu"):
+        assert variant in VARIANTS, variant
         self.procs = procs
         self.work = workdir
-        self.best = best
-        self.name = "qemu-best" if best else "qemu"
+        self.variant = variant
+        self.name = variant
 
     def _start(self, tag, scenario, clock, netns, incoming=None):
         qmp = os.path.join(self.work, f"{tag}-{time.time_ns()}.qmp")
@@ -83,13 +94,21 @@ class QemuPeer:
         return Qmp(qmp)
 
     def _configure(self, qmp, scenario):
-        caps = ([{"capability": "multifd", "state": True},
-                 {"capability": "auto-converge", "state": True}] if self.best else [])
-        if caps:
-            qmp.cmd("migrate-set-capabilities", capabilities=caps)
+        postcopy = scenario["mode"] == "postcopy"
+        caps = ["postcopy-ram"] if postcopy else []
+        if self.variant == "qemu-default":
+            if caps:
+                qmp.cmd("migrate-set-capabilities", capabilities=[{"capability": c, "state": True} for c in caps])
+            return  # every parameter as QEMU sets it
         params = {"downtime-limit": scenario["max_downtime_ms"], "max-bandwidth": 100 << 30}
-        if self.best:
-            params["multifd-channels"] = 2
+        if self.variant == "qemu-best":
+            if postcopy:
+                caps += ["postcopy-preempt"]
+            else:
+                caps += ["multifd", "xbzrle", "auto-converge"]
+                params.update({"multifd-channels": os.cpu_count() or 2, "multifd-compression": "zstd"})
+        if caps:
+            qmp.cmd("migrate-set-capabilities", capabilities=[{"capability": c, "state": True} for c in caps])
         qmp.cmd("migrate-set-parameters", **params)
 
     def migrate_once(self, scenario, link):
@@ -109,9 +128,6 @@ class QemuPeer:
                           incoming=f"tcp:{link.dst_host}:{port}")
         self._configure(src, scenario)
         self._configure(dst, scenario)
-        if postcopy:
-            for q in (src, dst):
-                q.cmd("migrate-set-capabilities", capabilities=[{"capability": "postcopy-ram", "state": True}])
         started = time.time()
         src.cmd("migrate", uri=f"tcp:{link.dst_host}:{port}")
         if postcopy:

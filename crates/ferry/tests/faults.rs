@@ -333,7 +333,8 @@ fn cases(full: bool) -> Vec<Case> {
     if full {
         return all.collect();
     }
-    // One case of each fault, spread over the modes and the points that matter most.
+    // One case of each fault (two of killing the destination: before the switch, and during
+    // post-copy, where the operator takes the VM back), spread over the modes and points.
     let short = [
         ("precopy", Point::RoundK, Fault::KillDestination),
         ("precopy", Point::Go, Fault::Cut),
@@ -341,6 +342,7 @@ fn cases(full: bool) -> Vec<Case> {
         ("hybrid", Point::Pause, Fault::Cancel),
         ("postcopy", Point::Postcopy(50), Fault::Cut),
         ("postcopy", Point::Postcopy(10), Fault::KillSource),
+        ("hybrid", Point::Postcopy(50), Fault::KillDestination),
         ("hybrid", Point::Postcopy(90), Fault::Stall),
     ];
     all.filter(|c| short.contains(&(c.mode, c.point, c.fault)))
