@@ -82,7 +82,7 @@ PROFILES = {
         "scenarios": [scenario("idle 64M", "64M", "idle")],
     },
     "quick": {
-        "links": ["loopback", "1gbit"], "peers": ["ferry", "qemu-default", "qemu-best"], "repeats": 3,
+        "links": ["loopback", "1gbit"], "peers": ["ferry", "ferry-best", "qemu-default", "qemu-best"], "repeats": 3,
         "boot": ["1G", "16G", "64G"], "dirty": True,
         # A migration that cannot converge is given up after 30 s here (120 s in full).
         "scenarios": [scenario("idle 1G", "1G", "idle", timeout_s=30),
@@ -104,7 +104,7 @@ PROFILES = {
         "scenarios": table2(),
     },
     "full": {
-        "links": ["loopback", "1gbit", "10gbit"], "peers": ["ferry", "qemu-default", "qemu", "qemu-best"], "repeats": 3,
+        "links": ["loopback", "1gbit", "10gbit"], "peers": ["ferry", "ferry-best", "qemu-default", "qemu", "qemu-best"], "repeats": 3,
         "boot": ["1G", "16G", "64G"], "dirty": True,
         # A migration that cannot converge is given up after 60 s.
         "scenarios": [scenario("idle 1G", "1G", "idle", timeout_s=60),
@@ -152,8 +152,8 @@ def build():
 
 
 def make_peer(name, procs, work):
-    if name == "ferry":
-        return FerryPeer(procs, work)
+    if name in ("ferry", "ferry-best"):
+        return FerryPeer(procs, work, best=(name == "ferry-best"))
     return qemu.QemuPeer(procs, work, variant=name)
 
 
@@ -242,7 +242,7 @@ def main():
     p.add_argument("--full", dest="profile", action="store_const", const="full",
                    help="every scenario on every link (about 45 minutes here)")
     p.add_argument("--links", help="comma list: loopback,1gbit,10gbit")
-    p.add_argument("--peers", help="comma list: ferry,qemu-default,qemu,qemu-best")
+    p.add_argument("--peers", help="comma list: ferry,ferry-best,qemu-default,qemu,qemu-best")
     p.add_argument("--repeats", type=int)
     p.add_argument("--delay-ms", type=int, default=0,
                    help="add this much netem latency each way on veth links (a WAN-like case)")
