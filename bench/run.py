@@ -194,20 +194,23 @@ def run(args):
                             if peer_name.startswith("qemu") and sc["mode"] not in ("precopy", "postcopy"):
                                 continue  # QEMU has no warm or hybrid mode to compare with
                             peer = make_peer(peer_name, procs, work)
-                            rows, error, outcome = [], None, None
+                            rows, error, stalled = [], None, []
                             for i in range(repeats):
+                                said = "ok"
                                 try:
                                     rows.append(peer.migrate_once(sc, link))
                                 except DidNotConverge as e:
-                                    outcome = str(e)  # a result, not a failure of the run
+                                    said = str(e)  # a result, not a failure of the run
+                                    stalled.append(said)
                                 except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
                                     error = str(e).splitlines()[0][:300]
+                                    said = "FAILED: " + error
                                     traceback.print_exc(file=sys.stderr)
                                 finally:
                                     procs.stop_all()
-                                said = "FAILED: " + error if error else (outcome or "ok")
                                 print(f"  {link_name:8} {sc['name']:28} {peer_name:9} run {i + 1}/{repeats}"
                                       f" {said}", file=sys.stderr)
+                            outcome = f"{stalled[0]} in {len(stalled)} of {repeats} runs" if stalled else None
                             must = [r["must_move_bytes"] for r in rows if r.get("must_move_bytes")]
                             goodput = results["links"].get(link_name)
                             entry = {"scenario": sc["name"], "link": link_name, "peer": peer_name,

@@ -81,7 +81,7 @@ def markdown(results):
         floor = f"{r['floor_ms']:.1f}" if r.get("floor_ms") is not None else "-"
         err = f" (failed: {r['error']})" if r.get("error") else ""
         if r.get("outcome"):
-            err += f" ({r['outcome']}{'' if r['runs'] else ' in every run'})"
+            err += f" ({r['outcome']})"
         lines.append(f"| {r['link']} | {r['scenario']} | {r['peer']}{err} | {fmt(s, 'total_ms')} | "
                      f"{fmt(s, 'downtime_ms', digits=2)} | {fmt(s, 'guest_downtime_ms', digits=2)} | "
                      f"{fmt(s, 'serial_downtime_ms')} | {fmt(s, 'bytes', 1e6)} | {fmt(s, 'rounds', digits=0)} | {floor} |")
