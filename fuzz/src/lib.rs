@@ -90,6 +90,8 @@ pub fn stream(data: &[u8]) {
                             .map(|(pfn, data)| (pfn, data.map(<[u8]>::to_vec)))
                             .collect::<Vec<_>>()
                     });
+                // `r` now starts at the frame's payload.
+                let frame_pages = full_pages_named(r, &ram);
                 let precopy = receiver.receive(&mut r, &ram, &header, len);
                 match (precopy, postcopy) {
                     (Ok(()), Ok(pages)) => {
@@ -99,15 +101,18 @@ pub fn stream(data: &[u8]) {
                                 ram.page(pfn).unwrap() == want,
                                 "page {pfn:#x}: the two readers disagree"
                             );
+                            // Every page matched its CRC (post-copy checked them): none suspect.
+                            assert!(!receiver.suspect().get(pfn), "page {pfn:#x} suspect");
                         }
                     }
                     // Post-copy refuses deltas, which pre-copy applies, and a page that does not
-                    // match its CRC, which pre-copy keeps as suspect (a later copy may mend it).
+                    // match its CRC, which pre-copy keeps as suspect (a later copy may mend it):
+                    // then one of this frame's pages is suspect.
                     (Ok(()), Err(e)) => {
                         let why = e.to_string();
+                        let flagged = frame_pages.iter().any(|&p| receiver.suspect().get(p));
                         assert!(
-                            why.contains("delta")
-                                || (why.contains("corrupt") && receiver.suspect().count() > 0),
+                            why.contains("delta") || (why.contains("corrupt") && flagged),
                             "only post-copy refused: {e}"
                         )
                     }
@@ -154,6 +159,23 @@ pub fn api(data: &[u8]) {
         assert!((400..600).contains(&e.status), "status {}", e.status);
         assert!(!e.message.is_empty(), "an error that says nothing");
     }
+}
+
+/// The pages a page frame's payload names as full (encoding 0), as far as they lie in RAM.
+fn full_pages_named(payload: &[u8], ram: &migration::GuestRam) -> Vec<u64> {
+    let Some(count) = payload.get(..4) else {
+        return Vec::new();
+    };
+    let count = u32::from_le_bytes(count.try_into().unwrap()) as usize;
+    payload
+        .get(8..)
+        .unwrap_or_default()
+        .chunks_exact(8)
+        .take(count)
+        .map(|d| u64::from_le_bytes(d.try_into().unwrap()))
+        .filter(|d| d & 0xff == 0 && ram.contains(d >> 8))
+        .map(|d| d >> 8)
+        .collect()
 }
 
 /// An anonymous in-memory file holding `bytes`, read from its start.

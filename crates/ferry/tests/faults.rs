@@ -102,6 +102,9 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
     use Outcome::*;
     let postcopy = matches!(mode, "postcopy" | "hybrid");
     match (point, fault) {
+        // The destination gives a new connection 10 s to open a migration: a 10 s stall of the
+        // `Hello` may end just after that, and the source runs on.
+        (Point::Setup, Fault::Stall) => &[Destination, Source],
         (_, Fault::Stall) => &[Destination],
         // Before the source gives the VM up, it stays there; killing it kills the VM.
         (Point::Setup | Point::Round0 | Point::RoundK | Point::Pause | Point::State, f) => {

@@ -237,12 +237,18 @@ impl Vm {
         regions_of(&self.memory)
     }
 
-    /// The file each RAM region maps (`None` for anonymous memory), in `ram_regions` order.
+    /// The file each RAM region maps from its start (`None` for anonymous memory, and for a
+    /// region that maps a file from elsewhere: the engine's file scan assumes offset 0), in
+    /// `ram_regions` order.
     pub fn ram_files(&self) -> Vec<Option<std::os::fd::RawFd>> {
         use std::os::fd::AsRawFd;
         self.memory
             .iter()
-            .map(|r| r.file_offset().map(|f| f.file().as_raw_fd()))
+            .map(|r| {
+                r.file_offset()
+                    .filter(|f| f.start() == 0)
+                    .map(|f| f.file().as_raw_fd())
+            })
             .collect()
     }
 

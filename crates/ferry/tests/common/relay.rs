@@ -153,12 +153,15 @@ struct Shared {
     reached: Mutex<Sender<()>>,
     release: Mutex<Receiver<()>>,
     cut: Mutex<Vec<TcpStream>>,
+    /// Set when the relay is dropped: stop waiting for a connection.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 pub struct Relay {
     pub url: String,
     reached: Receiver<()>,
     release: Sender<()>,
+    shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -176,10 +179,12 @@ impl Relay {
             reached: Mutex::new(reached_tx),
             release: Mutex::new(release_rx),
             cut: Mutex::default(),
+            closing: Default::default(),
         });
         let target = target.to_string();
+        let relay_shared = shared.clone();
         let thread = std::thread::spawn(move || {
-            let Ok((src, _)) = listener.accept() else {
+            let Some(src) = accept_until_closing(&listener, &shared) else {
                 return;
             };
             let Ok(dst) = TcpStream::connect(&target) else {
@@ -198,6 +203,7 @@ impl Relay {
             url,
             reached,
             release,
+            shared: relay_shared,
             thread: Some(thread),
         }
     }
@@ -214,12 +220,39 @@ impl Relay {
 }
 
 impl Drop for Relay {
+    /// Never waits on the peers: a connection still open is closed, one never made is no
+    /// longer waited for.
     fn drop(&mut self) {
         self.release();
+        self.shared
+            .closing
+            .store(true, std::sync::atomic::Ordering::Release);
+        for s in self.shared.cut.lock().unwrap().iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
+}
+
+/// The source's connection, or `None` once the relay is dropped (polled: a blocking accept
+/// could wait for ever for a source that never came).
+fn accept_until_closing(listener: &TcpListener, shared: &Shared) -> Option<TcpStream> {
+    listener.set_nonblocking(true).ok()?;
+    while !shared.closing.load(std::sync::atomic::Ordering::Acquire) {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).ok()?;
+                return Some(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(_) => return None,
+        }
+    }
+    None
 }
 
 /// Forwards whole frames from `from` to `to`, injecting the fault at the point.

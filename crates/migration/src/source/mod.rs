@@ -213,12 +213,12 @@ impl Outgoing {
         if self.ran_before_unconfirmed.load(Ordering::Acquire) {
             vm.resume()?;
         }
-        s.phase = Phase::Failed;
         s.error = Some(format!(
             "taken back by the operator after a {} switch ({})",
             s.phase.name(),
             s.error.unwrap_or_default()
         ));
+        s.phase = Phase::Failed;
         self.board.publish(&s);
         drop(busy);
         Ok(())
@@ -291,21 +291,24 @@ impl Outgoing {
         endpoint: Endpoint,
         on_done: OnDone,
     ) -> Result<()> {
-        let left = self
-            .leftover
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-            .ok_or_else(|| {
-                Error::State("there is no interrupted post-copy to resume here".into())
-            })?;
-        {
+        // The slot first, then what is left: `reclaim` takes the slot too, so a post-copy it
+        // took back (the VM runs here again) can never be carried on as well.
+        let left = {
             let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
             if *busy {
                 return Err(Error::State("a migration is already running".into()));
             }
+            let left = self
+                .leftover
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+                .ok_or_else(|| {
+                    Error::State("there is no interrupted post-copy to resume here".into())
+                })?;
             *busy = true;
-        }
+            left
+        };
         let this = self.clone();
         let spawned = std::thread::Builder::new()
             .name("postcopy-resume".into())
