@@ -4,6 +4,7 @@ set -euo pipefail
 
 need=()
 command -v gcc >/dev/null || need+=(gcc)
+command -v g++ >/dev/null || need+=(g++)  # libFuzzer (fuzz/, replayed by make test) is C++
 command -v make >/dev/null || need+=(make)
 command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
 command -v ip >/dev/null || need+=(iproute2)
