@@ -190,15 +190,18 @@ def run(args):
                     for sc in profile["scenarios"]:
                         if args.fail_scenario:
                             sc = dict(sc, memory="0")  # a scenario made to fail (cleanup test)
-                        for peer_name in peers:
-                            if peer_name.startswith("qemu") and sc["mode"] not in ("precopy", "postcopy"):
-                                continue  # QEMU has no warm or hybrid mode to compare with
-                            peer = make_peer(peer_name, procs, work)
-                            rows, error, stalled = [], None, []
-                            for i in range(repeats):
+                        # QEMU has no warm or hybrid mode to compare with.
+                        names = [p for p in peers
+                                 if not (p.startswith("qemu") and sc["mode"] not in ("precopy", "postcopy"))]
+                        kept = {p: ([], None, []) for p in names}  # rows, error, runs that stalled
+                        # Runs interleave (ferry, QEMU, ferry, ...): a machine that drifts during
+                        # a scenario drifts for every peer alike.
+                        for i in range(repeats):
+                            for peer_name in names:
+                                rows, error, stalled = kept[peer_name]
                                 said = "ok"
                                 try:
-                                    rows.append(peer.migrate_once(sc, link))
+                                    rows.append(make_peer(peer_name, procs, work).migrate_once(sc, link))
                                 except DidNotConverge as e:
                                     said = str(e)  # a result, not a failure of the run
                                     stalled.append(said)
@@ -208,8 +211,11 @@ def run(args):
                                     traceback.print_exc(file=sys.stderr)
                                 finally:
                                     procs.stop_all()
+                                kept[peer_name] = (rows, error, stalled)
                                 print(f"  {link_name:8} {sc['name']:28} {peer_name:9} run {i + 1}/{repeats}"
                                       f" {said}", file=sys.stderr)
+                        for peer_name in names:
+                            rows, error, stalled = kept[peer_name]
                             outcome = f"{stalled[0]} in {len(stalled)} of {repeats} runs" if stalled else None
                             must = [r["must_move_bytes"] for r in rows if r.get("must_move_bytes")]
                             goodput = results["links"].get(link_name)
