@@ -884,15 +884,30 @@ mod tests {
     }
 
     fn receive_all(wire: &[u8], dst: &GuestRam) -> Result<u64> {
-        let mut r = wire;
         let mut receiver = PageReceiver::new(dst);
-        while !r.is_empty() {
-            let Frame::Pages { header, len } = read_frame(&mut r)? else {
+        feed(&mut receiver, wire, dst)?;
+        Ok(receiver.pages)
+    }
+
+    /// Every page frame of `wire` through `receiver`.
+    fn feed(receiver: &mut PageReceiver, mut wire: &[u8], dst: &GuestRam) -> Result<()> {
+        while !wire.is_empty() {
+            let Frame::Pages { header, len } = read_frame(&mut wire)? else {
                 panic!("only page frames here")
             };
-            receiver.receive(&mut r, dst, &header, len)?;
+            receiver.receive(&mut wire, dst, &header, len)?;
         }
-        Ok(receiver.pages)
+        Ok(())
+    }
+
+    /// A page frame of `pfns` with `flags` around `data`, with the right trailer.
+    fn framed(pfns: &[(u64, PageEncoding)], flags: u8, data: &[u8]) -> Vec<u8> {
+        let mut wire = Vec::new();
+        build_head(&mut wire, pfns, flags, data.len());
+        wire.extend_from_slice(data);
+        let crc = crc32fast::hash(&wire);
+        wire.extend_from_slice(&crc.to_le_bytes());
+        wire
     }
 
     fn source(random: impl Fn(u64) -> bool) -> (Vec<u8>, GuestRam) {
@@ -947,13 +962,7 @@ mod tests {
                     sender.push(&mut wire, src, pfn, &mut limiter).unwrap();
                 }
                 sender.flush(&mut wire, src, &mut limiter).unwrap();
-                let mut r = wire.as_slice();
-                while !r.is_empty() {
-                    let Frame::Pages { header, len } = read_frame(&mut r).unwrap() else {
-                        panic!("page frames only")
-                    };
-                    receiver.receive(&mut r, &dst, &header, len).unwrap();
-                }
+                feed(&mut receiver, &wire, &dst).unwrap();
             };
             round(&mut sender, &src);
             assert_eq!(
@@ -992,14 +1001,8 @@ mod tests {
         wire[FRAME_HEADER_LEN + len - 1] ^= 0x40;
         let mut dst_buf = vec![0u8; src_buf.len()];
         let dst = ram(&mut dst_buf);
-        let mut r = wire.as_slice();
         let mut receiver = PageReceiver::new(&dst);
-        while !r.is_empty() {
-            let Frame::Pages { header, len } = read_frame(&mut r).unwrap() else {
-                panic!("page frames only")
-            };
-            receiver.receive(&mut r, &dst, &header, len).unwrap();
-        }
+        feed(&mut receiver, &wire, &dst).unwrap();
         let suspect: Vec<u64> = receiver.suspect().iter().collect();
         assert_eq!(suspect.len(), 1, "{suspect:?}");
         assert!(dst.page(suspect[0]).unwrap() != src.page(suspect[0]).unwrap());
@@ -1012,11 +1015,7 @@ mod tests {
             .push(&mut again, &src, suspect[0], &mut limiter)
             .unwrap();
         sender.flush(&mut again, &src, &mut limiter).unwrap();
-        let mut r = again.as_slice();
-        let Frame::Pages { header, len } = read_frame(&mut r).unwrap() else {
-            panic!("a page frame")
-        };
-        receiver.receive(&mut r, &dst, &header, len).unwrap();
+        feed(&mut receiver, &again, &dst).unwrap();
         assert_eq!(receiver.suspect().count(), 0);
         assert!(dst_buf == src_buf);
 
@@ -1035,16 +1034,7 @@ mod tests {
         let (src_buf, _src) = source(|_| false);
         let mut dst_buf = vec![0u8; src_buf.len()];
         let dst = ram(&mut dst_buf);
-        let pfns = [(3u64, PageEncoding::Delta)];
-        let data = [5u8, 0, 0, 0, 1, 0, 0xff];
-        let mut head = Vec::new();
-        build_head(&mut head, &pfns, 0, data.len());
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(&head);
-        crc.update(&data);
-        let mut wire = head;
-        wire.extend_from_slice(&data);
-        wire.extend_from_slice(&crc.finalize().to_le_bytes());
+        let wire = framed(&[(3, PageEncoding::Delta)], 0, &[5, 0, 0, 0, 1, 0, 0xff]);
         let e = receive_all(&wire, &dst).unwrap_err();
         assert!(e.to_string().contains("never sent whole"), "{e}");
     }
@@ -1067,16 +1057,11 @@ mod tests {
         let mut dst_buf = vec![0u8; src_buf.len()];
         let dst = ram(&mut dst_buf);
         let frame = |flags: u8, data: &[u8]| {
-            let pfns = [(1u64, PageEncoding::Full), (2, PageEncoding::Full)];
-            let mut head = Vec::new();
-            build_head(&mut head, &pfns, flags, data.len());
-            let mut crc = crc32fast::Hasher::new();
-            crc.update(&head);
-            crc.update(data);
-            let mut v = head;
-            v.extend_from_slice(data);
-            v.extend_from_slice(&crc.finalize().to_le_bytes());
-            v
+            framed(
+                &[(1, PageEncoding::Full), (2, PageEncoding::Full)],
+                flags,
+                data,
+            )
         };
         let lz4 = Codec::Lz4.flag_bits();
         let cases: [(Vec<u8>, &str); 4] = [
