@@ -99,6 +99,30 @@ fn main() {
         write("stream", &format!("{name}.ferry"), &out);
     }
 
+    // A post-copy checkpoint as the destination sends it back: its pages, then its state.
+    let mut out = Vec::new();
+    wire::write_stream_header(&mut out).unwrap();
+    wire::write_message(&mut out, &Message::Checkpoints { every_ms: 20 }).unwrap();
+    let mut sender = PageSender::new(64);
+    sender.checked = true;
+    let mut limiter = RateLimiter::new(None);
+    for &gfn in gfns.iter().take(3) {
+        sender.push(&mut out, &ram, gfn, &mut limiter).unwrap();
+    }
+    sender.flush(&mut out, &ram, &mut limiter).unwrap();
+    for msg in [
+        Message::Checkpoint {
+            seq: 1,
+            pages: 3,
+            vcpus: vec![vec![1; 64]],
+            devices: vec![2; 32],
+        },
+        Message::CheckpointTaken { seq: 1 },
+    ] {
+        wire::write_message(&mut out, &msg).unwrap();
+    }
+    write("stream", "checkpoint.ferry", &out);
+
     for (name, request) in [
         (
             "info",

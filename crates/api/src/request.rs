@@ -24,6 +24,9 @@ pub enum ApiRequest {
     StartPostcopy,
     /// Take the VM back after an unconfirmed switch (the operator knows the destination is down).
     MigrateReclaim,
+    /// Run the VM on the source from the newest post-copy checkpoint after the destination
+    /// died mid post-copy (the operator knows it did).
+    MigrateRollback,
     MigrateResume(MigrateResumeRequest),
     Snapshot(SnapshotRequest),
 }
@@ -45,6 +48,7 @@ impl ApiRequest {
             "vm.cancel-migration" => ("PUT", ApiRequest::CancelMigration),
             "vm.migrate-start-postcopy" => ("PUT", ApiRequest::StartPostcopy),
             "vm.migrate-reclaim" => ("PUT", ApiRequest::MigrateReclaim),
+            "vm.migrate-rollback" => ("PUT", ApiRequest::MigrateRollback),
             "vm.migrate-resume" => ("PUT", ApiRequest::MigrateResume(json(endpoint, body)?)),
             "vm.snapshot" => ("PUT", ApiRequest::Snapshot(json(endpoint, body)?)),
             _ => return Err(ApiError::not_found(path)),

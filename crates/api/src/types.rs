@@ -87,6 +87,9 @@ pub struct MigrationRequest {
     pub compression: Option<String>,
     /// Delta encoding of re-sent pages: MiB of last-sent copies kept (0, the default: off).
     pub delta_cache_mb: Option<i64>,
+    /// Post-copy checkpoints every this many ms (5..=60000; off when absent): the source can
+    /// then carry on from the newest one should the destination die (`vm.migrate-rollback`).
+    pub checkpoint_ms: Option<i64>,
 }
 
 /// Body of `PUT /api/v1/vm.migrate-resume`: on the destination `listen` (where to wait for the
@@ -165,6 +168,25 @@ pub struct RoundStats {
     pub throttle_percent: u8,
 }
 
+/// Post-copy checkpoints: the VM's newest state sent back from the destination to the source.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct CheckpointStats {
+    pub every_ms: u32,
+    /// Destination: taken and sent; source: applied.
+    pub count: u64,
+    pub last_seq: u64,
+    /// When the last one was taken (destination) or applied (source), in ms after the switch.
+    pub last_at_ms: f64,
+    /// Pages and bytes that went back, over all checkpoints.
+    pub pages: u64,
+    pub bytes: u64,
+    /// Destination: how long the guest was paused to take them, in all and at most.
+    pub pause_ms_total: f64,
+    pub pause_ms_max: f64,
+    /// Source: the checkpoint a rollback ran the VM on from.
+    pub rolled_back_to: Option<u64>,
+}
+
 /// What the destination saw during post-copy.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PostcopyReport {
@@ -236,6 +258,8 @@ pub struct MigrationStatus {
     pub pages_pushed: u64,
     pub pages_requested: u64,
     pub postcopy_report: Option<PostcopyReport>,
+    /// Post-copy checkpoints (`checkpoint_ms`), when asked for.
+    pub checkpoints: Option<CheckpointStats>,
     // verification aid
     pub memory_checksum_source: Option<u64>,
     pub memory_checksum_destination: Option<u64>,

@@ -39,6 +39,11 @@ pub enum Command {
     /// Only once you know the destination does not run it (its host is down or fenced): ferry
     /// cannot know, so it never does this by itself.
     MigrateReclaim(ApiArgs),
+    /// After the destination died mid post-copy (state `postcopy-paused` on the source): run
+    /// the VM here again from the newest checkpoint the destination sent back (`ferry migrate
+    /// --checkpoint-ms`), or from the switch if none came. Only once you know the destination
+    /// does not run it: ferry cannot know, so it never does this by itself.
+    MigrateRollback(ApiArgs),
     /// Carry on a post-copy whose connection broke: on the destination `--listen URL`, then on
     /// the source `--to URL`.
     MigrateResume(MigrateResumeArgs),
@@ -90,6 +95,11 @@ pub struct MigrateArgs {
     /// of last-sent copies (0: off, the default).
     #[arg(long, allow_negative_numbers = true)]
     pub delta_cache_mb: Option<i64>,
+    /// Post-copy checkpoints: every this many ms (5..=60000) the destination sends the VM's
+    /// newest state back, so that `ferry migrate-rollback` can carry on from it on the source
+    /// should the destination die. Off by default.
+    #[arg(long, allow_negative_numbers = true)]
+    pub checkpoint_ms: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]
     pub max_downtime_ms: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]

@@ -10,6 +10,7 @@ use vmm::{Vm, VmState};
 
 use crate::lifecycle::{self, Lifecycle};
 use crate::migrations::{Migrations, Security, api_error};
+use migration::source::Resumed;
 
 /// Where the VM is in its life, beyond running/paused.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -262,6 +263,24 @@ impl Handler for Controller {
                     .map_err(api_error)?;
                 tracing::warn!("the operator took the VM back after an unconfirmed switch");
                 Ok(Value::Null)
+            }
+            ApiRequest::MigrateRollback => {
+                let vm = self
+                    .vm
+                    .get()
+                    .ok_or_else(|| ApiError::conflict("no VM here"))?;
+                let from = self
+                    .migrations
+                    .outgoing
+                    .reclaim(vm.as_ref())
+                    .map_err(api_error)?;
+                tracing::warn!("the operator rolled the VM back after post-copy broke: {from:?}");
+                Ok(match from {
+                    Resumed::Checkpoint(seq) => {
+                        serde_json::json!({"resumed_from": "checkpoint", "checkpoint": seq})
+                    }
+                    Resumed::Switch => serde_json::json!({"resumed_from": "switch"}),
+                })
             }
             ApiRequest::MigrateResume(req) => self.migrate_resume(&req),
             ApiRequest::Snapshot(req) => self.snapshot(&req),

@@ -95,6 +95,7 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
         ApiRequest::SendMigration(_) | ApiRequest::Snapshot(_) => matches!(state, Running | Paused),
         ApiRequest::CancelMigration | ApiRequest::StartPostcopy => state == Migrating,
         ApiRequest::MigrateReclaim => matches!(state, Unconfirmed | PostcopyPausedSource),
+        ApiRequest::MigrateRollback => state == PostcopyPausedSource,
         ApiRequest::MigrateResume(r) => match (r.listen.is_some(), r.destination.is_some()) {
             (true, false) => state == PostcopyPausedDestination,
             (false, true) => state == PostcopyPausedSource,
@@ -116,7 +117,10 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
             state.name()
         )));
     }
-    if matches!(request, ApiRequest::MigrateReclaim) {
+    if matches!(
+        request,
+        ApiRequest::MigrateReclaim | ApiRequest::MigrateRollback
+    ) {
         return Err(ApiError::conflict(format!(
             "no switch to take back (the VM is {})",
             state.name()

@@ -31,6 +31,7 @@ fn main() {
         cli::Command::Migrate(a) => migrate::migrate(&a),
         cli::Command::StartPostcopy(a) => status::simple_put(&a, "vm.migrate-start-postcopy"),
         cli::Command::MigrateReclaim(a) => status::simple_put(&a, "vm.migrate-reclaim"),
+        cli::Command::MigrateRollback(a) => status::rollback(&a),
         cli::Command::Snapshot(a) => migrate::snapshot(&a),
         cli::Command::MigrateResume(a) => status::migrate_resume(&a),
         cli::Command::Certs(a) => certs::certs(&a),

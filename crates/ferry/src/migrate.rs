@@ -38,6 +38,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         connections: args.connections,
         compression: args.compression.clone(),
         delta_cache_mb: args.delta_cache_mb,
+        checkpoint_ms: args.checkpoint_ms,
     };
     let _ = vmm_sys_util::signal::register_signal_handler(libc::SIGINT, on_interrupt);
     client

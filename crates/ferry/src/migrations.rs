@@ -175,6 +175,17 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
             memory_checksum: c.memory_checksum,
             timeline_10ms: c.timeline_10ms.clone(),
         }),
+        checkpoints: s.checkpoints.as_ref().map(|c| api::CheckpointStats {
+            every_ms: c.every_ms,
+            count: c.count,
+            last_seq: c.last_seq,
+            last_at_ms: c.last_at_ms,
+            pages: c.pages,
+            bytes: c.bytes,
+            pause_ms_total: c.pause_ms_total,
+            pause_ms_max: c.pause_ms_max,
+            rolled_back_to: c.rolled_back_to,
+        }),
         memory_checksum_source: r.memory_checksum_source,
         memory_checksum_destination: r.memory_checksum_destination,
         error: s.error.clone(),
@@ -235,6 +246,14 @@ pub fn params_from_request(
         compression: match req.compression.as_deref() {
             None => defaults.compression,
             Some(c) => c.parse().map_err(api_error)?,
+        },
+        checkpoint_ms: match req.checkpoint_ms {
+            Some(n) if n < 0 || n > i64::from(u32::MAX) => {
+                return Err(ApiError::bad_request(format!(
+                    "checkpoint_ms must be a number of milliseconds, not {n}"
+                )));
+            }
+            n => n.map(|n| n as u32),
         },
     };
     params.validate().map_err(api_error)?;

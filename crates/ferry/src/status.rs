@@ -16,6 +16,16 @@ pub fn simple_put(args: &ApiArgs, endpoint: &str) -> Result<i32> {
     Ok(0)
 }
 
+/// `vm.migrate-rollback`, saying where the VM runs from.
+pub fn rollback(args: &ApiArgs) -> Result<i32> {
+    let from = ApiClient::new(&args.api_socket).put("vm.migrate-rollback", None)?;
+    match from.get("checkpoint").and_then(|c| c.as_u64()) {
+        Some(seq) => println!("the VM runs here again from post-copy checkpoint {seq}"),
+        None => println!("the VM runs here again from the switch (no checkpoint had come)"),
+    }
+    Ok(0)
+}
+
 pub fn migrate_resume(args: &MigrateResumeArgs) -> Result<i32> {
     let body = api::MigrateResumeRequest {
         listen: args.listen.clone(),

@@ -244,6 +244,74 @@ impl GuestRam {
     }
 }
 
+/// Private memory laid out like a VM's RAM, where copies of its pages wait (a post-copy
+/// checkpoint: taken on the destination while the guest is paused, staged on the source until
+/// it is whole). Reserved, not allocated: only the pages written take memory, and `release`
+/// gives them back.
+pub struct ShadowRam {
+    ram: GuestRam,
+    maps: Vec<(*mut u8, usize)>,
+}
+
+// SAFETY: the mappings are owned by this value and freed only when it drops.
+unsafe impl Send for ShadowRam {}
+// SAFETY: as for `Send`; writers follow `GuestRam`'s contract.
+unsafe impl Sync for ShadowRam {}
+
+impl ShadowRam {
+    pub fn like(ram: &GuestRam) -> Result<Self> {
+        // Holds the mappings made so far, so that an early return unmaps them.
+        let mut shadow = Self {
+            ram: ram.clone(),
+            maps: Vec::new(),
+        };
+        let mut regions = Vec::new();
+        for (range, _) in ram.host_regions() {
+            // SAFETY: a fresh anonymous mapping; nothing else refers to it.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    range.len as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                    -1,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                let e = std::io::Error::last_os_error();
+                return Err(Error::vm_caused("cannot reserve checkpoint memory", e));
+            }
+            shadow.maps.push((p as *mut u8, range.len as usize));
+            regions.push((range, p as *mut u8));
+        }
+        // SAFETY: each mapping is `range.len` long and lives as long as `shadow`.
+        shadow.ram = unsafe { GuestRam::new(&regions)? };
+        Ok(shadow)
+    }
+
+    pub fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
+    /// Gives every written page back to the kernel (they read as zeros again).
+    pub fn release(&self) {
+        for &(p, len) in &self.maps {
+            // SAFETY: our own private mapping; no reference into it outlives this call's caller.
+            unsafe { libc::madvise(p as *mut libc::c_void, len, libc::MADV_DONTNEED) };
+        }
+    }
+}
+
+impl Drop for ShadowRam {
+    fn drop(&mut self) {
+        for &(p, len) in &self.maps {
+            // SAFETY: mapped in `like`, unmapped once.
+            unsafe { libc::munmap(p as *mut libc::c_void, len) };
+        }
+    }
+}
+
 fn outside(gfn: u64) -> Error {
     Error::Protocol(format!("page {gfn:#x} lies outside guest RAM"))
 }

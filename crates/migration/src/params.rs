@@ -71,7 +71,15 @@ pub struct MigrationParams {
     /// Delta encoding of re-sent pages: MiB of last-sent copies kept (shared out among the
     /// connections); 0: off.
     pub delta_cache_mb: u64,
+    /// Post-copy checkpoints: every this many ms the destination sends the VM's newest state
+    /// back (pages it dirtied, vCPUs, devices), so that the source can carry on from it should
+    /// the destination die (`vm.migrate-rollback`); `None`: off.
+    pub checkpoint_ms: Option<u32>,
 }
+
+/// The range `checkpoint_ms` may take: below 5 ms the pauses would be most of the guest's
+/// time; above a minute a rollback would lose more than most guests can afford.
+pub const CHECKPOINT_MS: std::ops::RangeInclusive<u32> = 5..=60_000;
 
 impl Default for MigrationParams {
     fn default() -> Self {
@@ -88,6 +96,7 @@ impl Default for MigrationParams {
             connections: 1,
             compression: Compression::None,
             delta_cache_mb: 0,
+            checkpoint_ms: None,
         }
     }
 }
@@ -106,6 +115,22 @@ impl MigrationParams {
         positive("timeout_s", self.timeout_s)?;
         if let Some(b) = self.max_bandwidth_mbps {
             positive("max_bandwidth_mbps", b)?;
+        }
+        if let Some(ms) = self.checkpoint_ms {
+            if !CHECKPOINT_MS.contains(&ms) {
+                return Err(Error::Param(format!(
+                    "checkpoint_ms must be {}..={} (got {ms})",
+                    CHECKPOINT_MS.start(),
+                    CHECKPOINT_MS.end()
+                )));
+            }
+            if !(self.mode.wants_postcopy() || self.auto_postcopy) {
+                return Err(Error::Param(format!(
+                    "checkpoint_ms needs a mode that can end in post-copy (postcopy, hybrid, \
+                     or auto_postcopy), not {}",
+                    self.mode.name()
+                )));
+            }
         }
         let most = crate::source::MAX_CONNECTIONS;
         if !(1..=most).contains(&self.connections) {

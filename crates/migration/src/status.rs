@@ -168,6 +168,28 @@ pub struct Status {
     /// Why the policy switched as it did, or what happened worth knowing.
     pub note: Option<String>,
     pub error: Option<String>,
+    /// Post-copy checkpoints, when asked for (kept by the board: see `StatusBoard`).
+    pub checkpoints: Option<CheckpointStats>,
+}
+
+/// Post-copy checkpoints: the VM as it runs on the destination, sent back to the source at
+/// intervals, so that the source can carry on from the last one if the destination dies.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CheckpointStats {
+    pub every_ms: u32,
+    /// Destination: taken and sent; source: applied.
+    pub count: u64,
+    pub last_seq: u64,
+    /// When the last one was taken (destination) or applied (source), in ms after the switch.
+    pub last_at_ms: f64,
+    /// Pages and bytes that went back, over all checkpoints.
+    pub pages: u64,
+    pub bytes: u64,
+    /// Destination: how long the guest was paused to take them, in all and at most.
+    pub pause_ms_total: f64,
+    pub pause_ms_max: f64,
+    /// Source: the checkpoint a rollback ran the VM on from.
+    pub rolled_back_to: Option<u64>,
 }
 
 impl Status {
@@ -184,21 +206,40 @@ impl Status {
 }
 
 /// Where the migration task publishes its status and readers read it. Only the task that
-/// runs a migration writes, and only whole snapshots.
+/// runs a migration writes, and only whole snapshots; checkpoint figures, which threads of
+/// their own keep while post-copy runs, live beside it and join it when it is read.
 #[derive(Clone, Debug, Default)]
-pub struct StatusBoard(Arc<Mutex<Status>>);
+pub struct StatusBoard {
+    status: Arc<Mutex<Status>>,
+    checkpoints: Arc<Mutex<Option<CheckpointStats>>>,
+}
 
 impl StatusBoard {
     pub fn publish(&self, s: &Status) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = s.clone();
+        *self.status.lock().unwrap_or_else(|e| e.into_inner()) = s.clone();
     }
 
     pub fn read(&self) -> Status {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        let mut s = self
+            .status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        s.checkpoints = self
+            .checkpoints
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        s
+    }
+
+    /// Changes the checkpoint figures (`None`: no checkpoints in this migration).
+    pub fn checkpoints(&self, f: impl FnOnce(&mut Option<CheckpointStats>)) {
+        f(&mut self.checkpoints.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
     pub fn phase(&self) -> Phase {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).phase
+        self.status.lock().unwrap_or_else(|e| e.into_inner()).phase
     }
 }
 

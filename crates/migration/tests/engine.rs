@@ -66,6 +66,9 @@ struct FakeVm {
     /// Auto-converge: percent of the time the guest sleeps, and the most it was ever asked.
     throttle: AtomicU64,
     throttle_max: AtomicU64,
+    /// Every `save_vcpus` (the source's switch, each checkpoint on a destination): how many
+    /// so far, and the pages in memory at the last one (the oracle for checkpoints).
+    saved: Mutex<(u64, Vec<Option<Vec<u8>>>)>,
 }
 
 impl FakeVm {
@@ -80,6 +83,7 @@ impl FakeVm {
             state: Mutex::new(None),
             throttle: AtomicU64::new(0),
             throttle_max: AtomicU64::new(0),
+            saved: Mutex::new((0, Vec::new())),
         })
     }
 
@@ -104,6 +108,25 @@ impl FakeVm {
             v.extend_from_slice(unsafe { std::slice::from_raw_parts(m.0, m.1) });
         }
         v
+    }
+
+    /// Each RAM page, low then high, or `None` where it is not in memory (in post-copy: not
+    /// arrived yet; reading it would wait for it).
+    fn resident_pages(&self) -> Vec<Option<Vec<u8>>> {
+        let mut pages = Vec::with_capacity(PAGES as usize);
+        for m in [&self.low, &self.high] {
+            let mut resident = vec![0u8; m.1 / 4096];
+            // SAFETY: the whole mapping, alive as long as `self`; one byte per page.
+            let r = unsafe { libc::mincore(m.0 as *mut _, m.1, resident.as_mut_ptr()) };
+            assert_eq!(r, 0, "mincore");
+            for (i, &r) in resident.iter().enumerate() {
+                // SAFETY: a page of the mapping, read only when resident (never faults).
+                pages.push((r & 1 == 1).then(|| unsafe {
+                    std::slice::from_raw_parts(m.0.add(i * 4096), 4096).to_vec()
+                }));
+            }
+        }
+        pages
     }
 
     /// Runs a writer over RAM pages `[lo, hi)` (a stride walk; page numbers inside the hole
@@ -191,6 +214,8 @@ impl Migratable for FakeVm {
         Ok(())
     }
     fn save_vcpus(&self) -> migration::Result<Vec<Vec<u8>>> {
+        let mut saved = self.saved.lock().unwrap();
+        *saved = (saved.0 + 1, self.resident_pages());
         Ok(vec![b"cpu0".to_vec(), b"cpu1".to_vec()])
     }
     fn save_devices(&self) -> migration::Result<Vec<u8>> {
@@ -910,6 +935,72 @@ fn only_the_migrations_own_connections_may_join_it() {
     .unwrap();
     let e = dest.join().unwrap().err().expect("no VM arrives");
     assert!(e.to_string().contains("the test is over"), "{e}");
+}
+
+/// Post-copy checkpoints: the source's memory, with every checkpoint applied, is the
+/// destination's memory at the instant of the last one, page for page, while the guest wrote
+/// there throughout; and the source applied exactly what the destination took.
+#[test]
+fn checkpoints_bring_the_destinations_memory_back_to_the_source_exactly() {
+    for mode in [Mode::Postcopy, Mode::Hybrid] {
+        let src = FakeVm::new();
+        for i in 0..PAGES {
+            src.write_page(ram_page(i), 1);
+        }
+        // Hybrid post-copies what the guest dirtied after its one round.
+        let stop = Arc::new(AtomicBool::new(false));
+        let guest = src.start_guest(0, PAGES, stop.clone());
+        let run = migrate_with(
+            &src,
+            MigrationParams {
+                mode,
+                // Slow enough that post-copy lasts about a second: many checkpoints.
+                max_bandwidth_mbps: Some(100),
+                checkpoint_ms: Some(20),
+                ..Default::default()
+            },
+            None,
+            |vm| {
+                // The guest writes across both regions (faulting pages in as it goes) for
+                // longer than post-copy lasts.
+                vm.paused.store(false, Ordering::Release);
+                for i in 0..25_000u64 {
+                    while vm.paused.load(Ordering::Acquire) {
+                        std::thread::sleep(Duration::from_micros(200));
+                    }
+                    vm.write_page(ram_page((i * 7919) % PAGES), 2 + i / PAGES);
+                    if i.is_multiple_of(64) {
+                        std::thread::sleep(Duration::from_millis(3));
+                    }
+                }
+            },
+        );
+        stop.store(true, Ordering::Release);
+        guest.join().unwrap();
+        run.result.expect("migration");
+        let dest = run.dest.expect("destination VM");
+        let taken = dest.saved.lock().unwrap().0;
+        let back = run.source_status.checkpoints.expect("checkpoint figures");
+        let sent = run.dest_status.checkpoints.expect("checkpoint figures");
+        assert!(back.count >= 3, "{mode:?}: only {} checkpoints", back.count);
+        assert_eq!(
+            back.last_seq, taken,
+            "{mode:?}: every checkpoint taken was applied"
+        );
+        assert_eq!((sent.count, sent.last_seq), (back.count, back.last_seq));
+        assert!(back.pages > 0 && back.rolled_back_to.is_none());
+        // Where a page had not arrived yet, the source's copy from the switch stands.
+        let at_switch = src.saved.lock().unwrap().1.clone();
+        let at_last = dest.saved.lock().unwrap().1.clone();
+        let now = src.resident_pages();
+        for (i, page) in now.iter().enumerate() {
+            let want = at_last[i].as_ref().or(at_switch[i].as_ref());
+            assert!(
+                page.as_ref() == want,
+                "{mode:?}: RAM page {i} differs from the destination's at checkpoint {taken}"
+            );
+        }
+    }
 }
 
 #[test]

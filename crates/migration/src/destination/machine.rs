@@ -51,11 +51,13 @@ impl DestinationState {
             (Memory, Message::RoundEnd { .. } | Message::Sync { .. }) => Memory,
             (Memory, Message::Stale { .. }) => StaleDropped,
             (Memory | StaleDropped, Message::PostcopyPending { .. }) => State,
+            (State, Message::Checkpoints { .. }) if postcopy => State,
             (Memory | State, Message::VcpuState { .. } | Message::DeviceState { .. }) => State,
             (State, Message::StateEnd { .. }) => AwaitGo,
             (AwaitGo, Message::Go) if postcopy => Postcopy,
             (AwaitGo, Message::Go) => Done,
             (Postcopy, Message::PostcopyDone { .. }) => Done,
+            (Postcopy, Message::CheckpointTaken { .. }) => Postcopy,
             (state, m) => {
                 return Err(Error::Protocol(format!(
                     "unexpected {} while the destination was in {state:?}",

@@ -5,6 +5,7 @@
 //! (faults and pages after the switch) → `recovery` (carrying on over a new connection).
 //! `machine` is the conversation's rules.
 
+mod checkpoints;
 mod lanes;
 pub mod machine;
 pub mod postcopy;

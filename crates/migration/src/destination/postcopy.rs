@@ -9,15 +9,18 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use userfaultfd::{Event, Uffd, UffdBuilder};
 
+use super::checkpoints::Checkpointer;
 use super::machine::{DestinationState, Incoming};
 use crate::PAGE_SIZE;
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::scan::{memory_checksum_of, page_digest, populated_pages};
+use crate::status::StatusBoard;
+use crate::vm::Migratable;
 use crate::wire::bitmap::{AtomicBitmap, Bitmap};
 use crate::wire::pages::{FrameBuffers, read_page_frame};
 use crate::wire::transport::Stream;
@@ -49,6 +52,7 @@ pub struct Postcopy {
     pending: Arc<Bitmap>,
     present: Arc<AtomicBitmap>,
     faults: Arc<Mutex<FaultLog>>,
+    checkpointer: Mutex<Option<Checkpointer>>,
 }
 
 /// What has been installed so far (it outlives an interrupted connection).
@@ -175,7 +179,21 @@ impl Postcopy {
             present: Arc::new(AtomicBitmap::new(pending.pages())),
             pending: Arc::new(pending),
             faults: Arc::new(Mutex::new(FaultLog::default())),
+            checkpointer: Mutex::new(None),
         })
+    }
+
+    /// Sends the source a checkpoint of `vm` every `every` until post-copy ends (dirty logging
+    /// must run since before the guest resumed).
+    pub fn start_checkpoints(
+        &self,
+        vm: Arc<dyn Migratable>,
+        every: Duration,
+        board: StatusBoard,
+    ) -> Result<()> {
+        let c = Checkpointer::start(vm, self.requests.clone(), every, board)?;
+        *self.checkpointer.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+        Ok(())
     }
 
     /// Connects page requests to `stream` (a clone of the migration connection) and asks
@@ -298,6 +316,13 @@ impl Postcopy {
                 }
                 Frame::Message(m) => {
                     state = state.next(Incoming::Message(&m), true)?;
+                    if let Message::CheckpointTaken { seq } = m {
+                        let c = self.checkpointer.lock().unwrap_or_else(|e| e.into_inner());
+                        if let Some(c) = c.as_ref() {
+                            c.confirmed(seq);
+                        }
+                        continue;
+                    }
                     let installed = self
                         .progress
                         .lock()
@@ -310,6 +335,15 @@ impl Postcopy {
                     }
                 }
             }
+        }
+        // Every page is here: the source's copy is of no more use.
+        let checkpointer = self
+            .checkpointer
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(c) = checkpointer {
+            c.stop();
         }
         self.stop.store(true, Ordering::Release);
         for (range, host) in self.ram.host_regions() {

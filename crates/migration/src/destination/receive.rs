@@ -10,7 +10,7 @@ use super::machine::{DestinationState, Incoming};
 use super::postcopy::{self, Postcopy};
 use crate::error::{Error, Result};
 use crate::scan::memory_checksum;
-use crate::status::{Phase, RoundStats, Status, StatusBoard, ms, now_ns};
+use crate::status::{CheckpointStats, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
 use crate::vm::{Migratable, VmDescriptor};
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageReceiver;
@@ -168,6 +168,8 @@ impl Receiver<'_> {
         let mut vcpus: Vec<Option<Vec<u8>>> = vec![None; descriptor.vcpus as usize];
         let mut devices = None;
         let mut pending: Option<Bitmap> = None;
+        let mut checkpoint_every: Option<u32> = None;
+        self.board.checkpoints(|c| *c = None);
         let mut round_started = Instant::now();
         let source_checksum = loop {
             let frame = match wire::read_frame(stream) {
@@ -234,6 +236,15 @@ impl Receiver<'_> {
                 }
                 Message::PostcopyPending { pages: n, words } => {
                     pending = Some(postcopy_map(&ram, n, words)?);
+                }
+                Message::Checkpoints { every_ms } => {
+                    if !crate::params::CHECKPOINT_MS.contains(&every_ms) {
+                        return Err(Error::Protocol(format!(
+                            "checkpoints every {every_ms} ms asked for (this ferry takes {:?})",
+                            crate::params::CHECKPOINT_MS
+                        )));
+                    }
+                    checkpoint_every = Some(every_ms);
                 }
                 Message::StateEnd {
                     pages_sent,
@@ -310,6 +321,10 @@ impl Receiver<'_> {
             let go = wire::read_message(stream)?;
             state = state.next(Incoming::Message(&go), postcopy.is_some())?;
         }
+        // Checkpoints hold every page written here from the switch on.
+        if postcopy.is_some() && checkpoint_every.is_some() {
+            vm.start_dirty_log()?;
+        }
         // A VM its user had paused on the source arrives paused.
         if descriptor.running {
             vm.resume()?;
@@ -345,6 +360,20 @@ impl Receiver<'_> {
         self.publish();
         dest.attach(stream.try_clone()?);
         dest.spawn_fault_handler()?;
+        if let Some(every_ms) = checkpoint_every {
+            self.board.checkpoints(|c| {
+                *c = Some(CheckpointStats {
+                    every_ms,
+                    ..Default::default()
+                })
+            });
+            let any: Arc<dyn Migratable> = vm.clone();
+            dest.start_checkpoints(
+                any,
+                Duration::from_millis(u64::from(every_ms)),
+                self.board.clone(),
+            )?;
+        }
         spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Postcopy(dest.clone()));
         match dest.receive_pages(stream) {
             Ok(report) => {

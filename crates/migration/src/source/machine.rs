@@ -71,6 +71,7 @@ impl SourceState {
             }
             (Postcopy, Event::Heard(Message::PageRequest { .. })) => Postcopy,
             (Postcopy, Event::Heard(Message::GuestReport { .. })) => Postcopy,
+            (Postcopy, Event::Heard(Message::Checkpoint { .. })) => Postcopy,
             (Postcopy, Event::Heard(Message::PostcopyComplete(_))) => AwaitGuestReport,
             (AwaitGuestReport, Event::Heard(Message::GuestReport { .. })) => Done,
             (state, Event::Heard(m)) => {

@@ -6,6 +6,7 @@
 //! `switchover` (pause, state, Go) → `postcopy` (serving pages after the switch) →
 //! `recovery` (carrying on over a new connection). `machine` is the conversation's rules.
 
+mod checkpoints;
 mod lanes;
 pub mod machine;
 mod postcopy;
@@ -51,6 +52,15 @@ pub struct Outgoing {
     leftover: Mutex<Option<Leftover>>,
     /// Whether the VM ran before the migration that ended unconfirmed (for `reclaim`).
     ran_before_unconfirmed: AtomicBool,
+}
+
+/// Where a VM taken back on the source runs from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resumed {
+    /// The moment it paused for the switch.
+    Switch,
+    /// The post-copy checkpoint of this sequence number.
+    Checkpoint(u64),
 }
 
 /// Called once when a background migration ends: `Ok` means the VM runs elsewhere now.
@@ -115,6 +125,7 @@ impl Outgoing {
         params.validate()?;
         self.claim()?;
         let status = Status::new(Role::Source, params.mode.name(), endpoint.to_string());
+        self.board.checkpoints(|c| *c = None);
         self.board.publish(&status);
         let this = self.clone();
         let spawned = std::thread::Builder::new()
@@ -195,7 +206,10 @@ impl Outgoing {
     /// (its host is down, or fenced) and says so with this call. Whatever the guest did on the
     /// destination since the switch is lost; every page of that moment is still here (the
     /// source frees nothing it sent).
-    pub fn reclaim(&self, vm: &dyn Migratable) -> Result<()> {
+    ///
+    /// When the post-copy sent checkpoints back, the VM runs from the newest one applied
+    /// instead (a rollback): the guest loses only what it did after it. Returns which.
+    pub fn reclaim(&self, vm: &dyn Migratable) -> Result<Resumed> {
         let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
         let mut s = self.board.read();
         if *busy
@@ -207,21 +221,42 @@ impl Outgoing {
                 s.phase.name()
             )));
         }
+        let checkpoints = self
+            .leftover
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .and_then(|l| l.checkpoints.clone());
+        // From here on nothing more is applied to the memory the VM runs on.
+        let from = match checkpoints.and_then(|c| c.close()) {
+            Some(saved) => {
+                vm.load_state(&saved.vcpus, &saved.devices)?;
+                Resumed::Checkpoint(saved.seq)
+            }
+            None => Resumed::Switch,
+        };
         // A post-copy taken back can no longer be resumed.
         *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let _ = vm.stop_dirty_log();
         if self.ran_before_unconfirmed.load(Ordering::Acquire) {
             vm.resume()?;
         }
+        let at = match from {
+            Resumed::Switch => "from the switch".to_string(),
+            Resumed::Checkpoint(seq) => format!(
+                "from post-copy checkpoint {seq}, taken {:.0} ms after the switch",
+                s.checkpoints.as_ref().map_or(0.0, |c| c.last_at_ms)
+            ),
+        };
         s.error = Some(format!(
-            "taken back by the operator after a {} switch ({})",
+            "taken back by the operator after a {} switch, {at} ({})",
             s.phase.name(),
             s.error.unwrap_or_default()
         ));
         s.phase = Phase::Failed;
         self.board.publish(&s);
         drop(busy);
-        Ok(())
+        Ok(from)
     }
 
     /// Writes `vm` to `file` (a snapshot) and leaves the VM paused: its new home is the file.

@@ -2,9 +2,11 @@
 //! first, everything else is pushed in the planner's order (see `prepaging`); each page leaves
 //! at most once. A reader thread hears the destination while the session pushes.
 
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
+use super::checkpoints::Checkpoints;
 use super::machine::Event;
 use super::recovery::Leftover;
 use super::session::Session;
@@ -17,7 +19,7 @@ use crate::status::{RoundStats, ms};
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
 use crate::wire::transport::Stream;
-use crate::wire::{self, Message, PostcopyReport};
+use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Pages pushed between two looks at the request queue.
 const PUSH_BATCH: usize = 16;
@@ -25,14 +27,22 @@ const PUSH_BATCH: usize = 16;
 const COMPLETE_WAIT: Duration = Duration::from_secs(60);
 
 /// Reads the destination's messages on their own thread, so requests are seen while the
-/// sender is busy pushing. Ends at the first error (which it passes on).
-pub(crate) fn spawn_reader(mut stream: Stream) -> Result<Receiver<Result<Message>>> {
+/// sender is busy pushing. With `checkpoints`, it also takes in the checkpoints the
+/// destination sends back (their page frames, then `Checkpoint`, applied here before the
+/// message is passed on). Ends at the first error (which it passes on).
+pub(crate) fn spawn_reader(
+    mut stream: Stream,
+    checkpoints: Option<Arc<Checkpoints>>,
+) -> Result<Receiver<Result<Message>>> {
     let (tx, rx) = std::sync::mpsc::channel();
+    if let Some(c) = &checkpoints {
+        c.restart();
+    }
     std::thread::Builder::new()
         .name("postcopy-requests".into())
         .spawn(move || {
             loop {
-                let msg = wire::read_message(&mut stream);
+                let msg = read_from_destination(&mut stream, checkpoints.as_deref());
                 let failed = msg.is_err();
                 if tx.send(msg).is_err() || failed {
                     return;
@@ -41,6 +51,40 @@ pub(crate) fn spawn_reader(mut stream: Stream) -> Result<Receiver<Result<Message
         })
         .map_err(|e| Error::vm_caused("cannot start the post-copy reader", e))?;
     Ok(rx)
+}
+
+/// The destination's next message; the page frames of a checkpoint before it are staged.
+fn read_from_destination(
+    stream: &mut Stream,
+    checkpoints: Option<&Checkpoints>,
+) -> Result<Message> {
+    loop {
+        match (wire::read_frame(stream)?, checkpoints) {
+            (Frame::Pages { header, len }, Some(c)) => c.stage(stream, &header, len)?,
+            (Frame::Pages { .. }, None) => {
+                return Err(Error::Protocol(
+                    "the destination sent pages back, but no checkpoints were asked for".into(),
+                ));
+            }
+            (Frame::Message(m), c) => {
+                if let Message::Checkpoint {
+                    seq,
+                    pages,
+                    vcpus,
+                    devices,
+                } = &m
+                {
+                    let c = c.ok_or_else(|| {
+                        Error::Protocol(
+                            "the destination sent a checkpoint, but none were asked for".into(),
+                        )
+                    })?;
+                    c.apply(*seq, *pages, vcpus, devices)?;
+                }
+                return Ok(m);
+            }
+        }
+    }
 }
 
 /// Counters of one post-copy serving.
@@ -91,6 +135,11 @@ pub(crate) fn serve(
                 Ok(None)
             }
             Message::PostcopyComplete(r) => Ok(Some(r)),
+            // Applied by the reader: the destination may forget its pages.
+            Message::Checkpoint { seq, .. } => {
+                wire::write_message(stream, &Message::CheckpointTaken { seq })?;
+                Ok(None)
+            }
             _ => Ok(None),
         }
     };
@@ -143,7 +192,7 @@ impl Session<'_> {
     /// The VM runs on the destination; its pages follow, requested ones first.
     pub(super) fn post_copy(&mut self, pending: Bitmap) -> Result<()> {
         let began = Instant::now();
-        let events = spawn_reader(self.stream.try_clone()?)?;
+        let events = spawn_reader(self.stream.try_clone()?, self.checkpoints.clone())?;
         let before = self.pages.counters;
         let mut state = self.state;
         let mut guest_report = None;
@@ -218,6 +267,7 @@ impl Session<'_> {
         *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = Some(Leftover {
             pending,
             params: self.params.clone(),
+            checkpoints: self.checkpoints.clone(),
         });
     }
 }

@@ -2,6 +2,9 @@
 //! is `destination::recovery`): connect to the destination's new listener, learn which pages
 //! it has, send the rest.
 
+use std::sync::Arc;
+
+use super::checkpoints::Checkpoints;
 use crate::error::{Error, Result};
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
@@ -17,10 +20,12 @@ use super::postcopy::{serve, spawn_reader};
 use super::session::DEFAULT_BATCH_PAGES;
 
 /// What an interrupted post-copy still owes the destination.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Leftover {
     pub pending: Bitmap,
     pub params: MigrationParams,
+    /// What the destination sent back so far, when it sends checkpoints.
+    pub checkpoints: Option<Arc<Checkpoints>>,
 }
 
 /// Sends the pages of `left` the destination at `endpoint` does not have yet. `status` is
@@ -63,7 +68,7 @@ pub(crate) fn resume(
     status.error = None;
     status.progress.pages_remaining = todo.count();
     board.publish(&status);
-    let events = spawn_reader(stream.try_clone()?)?;
+    let events = spawn_reader(stream.try_clone()?, left.checkpoints.clone())?;
     let mut limiter = RateLimiter::new(left.params.max_bandwidth_mbps);
     let mut sender = PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES));
     sender.checked = true; // the source guest is paused for good
@@ -79,7 +84,8 @@ pub(crate) fn resume(
         |msg| match msg {
             Message::PageRequest { .. }
             | Message::PostcopyComplete(_)
-            | Message::GuestReport { .. } => Ok(()),
+            | Message::GuestReport { .. }
+            | Message::Checkpoint { .. } => Ok(()),
             other => Err(Error::Protocol(format!(
                 "the destination sent {} during a resumed post-copy",
                 other.name()

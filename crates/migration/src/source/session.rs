@@ -5,11 +5,12 @@
 //! a bad answer, a timeout, a cancel — leaves the source as it was: dirty logging off, the
 //! vCPUs running again if they ran before.
 
-use std::sync::Mutex;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::Controls;
+use super::checkpoints::Checkpoints;
 use super::lanes::{self, Lane};
 use super::machine::{Event, SourceState};
 use super::recovery::Leftover;
@@ -62,6 +63,8 @@ pub(crate) struct Session<'a> {
     pub throttle: u8,
     /// When the last page was in place (post-copy ends after the guest resumed).
     pub finished: Option<Instant>,
+    /// Post-copy checkpoints coming back from the destination, when asked for.
+    pub checkpoints: Option<Arc<Checkpoints>>,
 }
 
 impl<'a> Session<'a> {
@@ -108,6 +111,7 @@ impl<'a> Session<'a> {
             dirty_logging: false,
             throttle: 0,
             finished: None,
+            checkpoints: None,
         }
     }
 

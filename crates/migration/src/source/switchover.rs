@@ -2,8 +2,10 @@
 //! VM state, wait for the destination to load it, say `Go`, hear it resumed.
 
 use std::io::Write;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::checkpoints::Checkpoints;
 use super::machine::{Event, SourceState};
 use super::session::Session;
 use crate::error::Result;
@@ -66,6 +68,15 @@ impl Session<'_> {
                 pages: pending.pages(),
                 words: pending.words().to_vec(),
             })?;
+            if let Some(every_ms) = self.params.checkpoint_ms {
+                self.checkpoints = Some(Arc::new(Checkpoints::new(
+                    &self.ram,
+                    self.vm.descriptor().vcpus,
+                    every_ms,
+                    self.board,
+                )?));
+                self.send(&Message::Checkpoints { every_ms })?;
+            }
         } else if pending.count() > 0 || round == 0 {
             self.send_round(round, &pending)?;
         }

@@ -129,6 +129,21 @@ pub enum Message {
     Sync { lane_pages: Vec<u64> },
     /// Destination → source: everything before `Sync` is in place.
     Synced,
+    /// Source → destination, with `PostcopyPending`: while post-copy runs, send a consistent
+    /// checkpoint of the VM back every `every_ms` milliseconds (see `Checkpoint`).
+    Checkpoints { every_ms: u32 },
+    /// Destination → source during post-copy, after the page frames it names: the VM as it
+    /// was at one instant: these `pages` (every page dirtied here since the last checkpoint
+    /// the source confirmed) and the vCPU and device state. The source applies it whole or
+    /// not at all.
+    Checkpoint {
+        seq: u64,
+        pages: u64,
+        vcpus: Vec<Vec<u8>>,
+        devices: Vec<u8>,
+    },
+    /// Source → destination: checkpoint `seq` is applied; its pages need not come again.
+    CheckpointTaken { seq: u64 },
 }
 
 impl Message {
@@ -158,6 +173,9 @@ impl Message {
             Message::StaleDropped => 21,
             Message::Sync { .. } => 22,
             Message::Synced => 23,
+            Message::Checkpoints { .. } => 24,
+            Message::Checkpoint { .. } => 25,
+            Message::CheckpointTaken { .. } => 26,
         }
     }
 
@@ -187,6 +205,9 @@ impl Message {
             Message::StaleDropped => "StaleDropped",
             Message::Sync { .. } => "Sync",
             Message::Synced => "Synced",
+            Message::Checkpoints { .. } => "Checkpoints",
+            Message::Checkpoint { .. } => "Checkpoint",
+            Message::CheckpointTaken { .. } => "CheckpointTaken",
         }
     }
 
@@ -271,6 +292,20 @@ impl Message {
                 e.u32(*lane);
             }
             Message::LaneEnd { pages } => e.u64(*pages),
+            Message::Checkpoints { every_ms } => e.u32(*every_ms),
+            Message::Checkpoint {
+                seq,
+                pages,
+                vcpus,
+                devices,
+            } => {
+                e.u64(*seq);
+                e.u64(*pages);
+                e.u32(vcpus.len() as u32);
+                vcpus.iter().for_each(|v| e.bytes(v));
+                e.bytes(devices);
+            }
+            Message::CheckpointTaken { seq } => e.u64(*seq),
         }
         e.0
     }
@@ -378,6 +413,19 @@ impl Message {
                 lane_pages: d.words()?,
             },
             23 => Message::Synced,
+            24 => Message::Checkpoints { every_ms: d.u32()? },
+            25 => {
+                let (seq, pages) = (d.u64()?, d.u64()?);
+                let n = d.count(4)?;
+                let vcpus = (0..n).map(|_| d.bytes()).collect::<Result<_>>()?;
+                Message::Checkpoint {
+                    seq,
+                    pages,
+                    vcpus,
+                    devices: d.bytes()?,
+                }
+            }
+            26 => Message::CheckpointTaken { seq: d.u64()? },
             other => return Err(Error::Protocol(format!("unknown message tag {other}"))),
         };
         if !d.buf.is_empty() {
@@ -623,13 +671,24 @@ mod tests {
                 "1600 01000000 0300000000000000",
             ),
             (Message::Synced, "1700"),
+            (Message::Checkpoints { every_ms: 50 }, "1800 32000000"),
+            (
+                Message::Checkpoint {
+                    seq: 2,
+                    pages: 3,
+                    vcpus: vec![vec![0xab]],
+                    devices: vec![0xcd],
+                },
+                "1900 0200000000000000 0300000000000000 01000000 01000000ab 01000000cd",
+            ),
+            (Message::CheckpointTaken { seq: 2 }, "1a00 0200000000000000"),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 23, "a golden example per message");
+        assert_eq!(all.len(), 26, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());
