@@ -76,6 +76,18 @@ def table2():
     return rows
 
 
+def checkpoints():
+    """What post-copy checkpoints cost (`--checkpoint-ms`): the same writer post-copied and
+    hybrid-migrated without them and with one every 10, 50 and 200 ms."""
+    rows = []
+    for mode in ("postcopy", "hybrid"):
+        for ms in (None, 10, 50, 200):
+            label = f"checkpoints every {ms} ms" if ms else "no checkpoints"
+            rows.append(scenario(f"write seq 256M / 1G {mode} {label}", "1G", "write ws=256M seq",
+                                 mode=mode, extra=["--checkpoint-ms", str(ms)] if ms else []))
+    return rows
+
+
 PROFILES = {
     "tiny": {
         "links": ["loopback"], "peers": ["ferry"], "repeats": 1, "boot": [], "dirty": False,
@@ -98,6 +110,10 @@ PROFILES = {
     "tls": {
         "links": ["loopback"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
         "scenarios": tls_cost(),
+    },
+    "checkpoints": {
+        "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
+        "scenarios": checkpoints(),
     },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,

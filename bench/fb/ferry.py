@@ -105,7 +105,9 @@ class FerryPeer:
         report = json.loads(out.stdout)
         time.sleep(0.5)  # let the destination print a few lines
         dinfo = self.info(dst)
+        taken = (api(dst, "GET", "vm.migration") or {}).get("checkpoints") or {}
         api(dst, "PUT", "vm.shutdown")
+        applied = report.get("checkpoints") or {}
         round0 = report["rounds"][0] if report["rounds"] else {}
         compression = report.get("compression") or {}
         compressed = compression.get("asked", "none") != "none"
@@ -148,6 +150,13 @@ class FerryPeer:
             "duplicates": pc.get("duplicates"),
             "timeline_10ms": pc.get("timeline_10ms"),
             "pages_transferred": report["pages_full"] + report["pages_zero"],
+            # Post-copy checkpoints: applied on the source; the guest's pauses to take them.
+            "checkpoint_count": applied.get("count"),
+            "checkpoint_mb_back": applied["bytes"] / 1e6 if applied else None,
+            "checkpoint_pages_back": applied.get("pages"),
+            "checkpoint_pause_ms_mean": (taken["pause_ms_total"] / taken["count"])
+            if taken.get("count") else None,
+            "checkpoint_pause_ms_max": taken.get("pause_ms_max"),
         }
 
     def boot_metrics(self, memory):

@@ -6,7 +6,8 @@ from .util import summarize
 
 METRICS = ["total_ms", "downtime_ms", "guest_downtime_ms", "serial_downtime_ms", "bytes", "rounds",
            "network_faults", "network_fault_share", "zero_faults", "resume_ms", "pages_transferred",
-           "fault_latency_p50_ms", "fault_latency_p99_ms"]
+           "fault_latency_p50_ms", "fault_latency_p99_ms", "rate_after", "checkpoint_count",
+           "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max"]
 
 
 def summarize_rows(rows):
@@ -98,6 +99,20 @@ def markdown(results):
             lines.append(f"| {r['link']} | {r['scenario']} | {r['peer']} | {fmt(s, 'network_faults', digits=0)} | "
                          f"{share} | {fmt(s, 'zero_faults', digits=0)} | {fmt(s, 'fault_latency_p50_ms', digits=2)} / {fmt(s, 'fault_latency_p99_ms', digits=2)} | "
                          f"{fmt(s, 'resume_ms')} | {fmt(s, 'pages_transferred', digits=0)} |")
+    cp = [r for r in results["scenarios"] if r["runs"] and "checkpoint" in r["scenario"]]
+    if cp:
+        lines += ["", "## Post-copy checkpoints", "",
+                  "Guest rate: pages the guest touched per second over its first second on the "
+                  "destination (post-copy still running), as the destination measured it.", "",
+                  "| link | scenario | checkpoints | MB back | guest pause per checkpoint ms (mean / max) "
+                  "| guest rate after the switch (pages/s) | total ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in cp:
+            s = r["summary"]
+            lines.append(f"| {r['link']} | {r['scenario']} | {fmt(s, 'checkpoint_count', digits=0)} | "
+                         f"{fmt(s, 'checkpoint_mb_back')} | {fmt(s, 'checkpoint_pause_ms_mean', digits=2)} / "
+                         f"{fmt(s, 'checkpoint_pause_ms_max', digits=2)} | {fmt(s, 'rate_after', digits=0)} | "
+                         f"{fmt(s, 'total_ms')} |")
     if results.get("ratios"):
         lines += ["", "## ferry / QEMU (medians; < 1 means ferry is better)", "",
                   "| link | scenario | ferry | versus | total | downtime (VMM) | downtime (serial) | bytes |",
