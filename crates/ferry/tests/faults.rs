@@ -72,6 +72,9 @@ enum Outcome {
     /// runs it); the operator, knowing the destination is down, took it back
     /// (`vm.migrate-reclaim`), as of the switch.
     Reclaimed,
+    /// The destination died during a post-copy with checkpoints: the operator ran the VM on
+    /// the source from the newest one (`vm.migrate-rollback`).
+    RolledBack,
     /// As `Reclaimed`, but taking it back failed.
     Held,
     /// No usable copy is left: the fault killed the host that held the only one.
@@ -128,10 +131,11 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
         // A destination that refuses a corrupt `Go` says so: the source may run on.
         (Point::Go, Fault::Corrupt) => &[Source, Reclaimed],
         (Point::Go, Fault::Cancel) => &[Destination],
-        // Pages still on a dead source are gone; a dead destination's VM is taken back on the
-        // source as of the switch.
+        // Pages still on a dead source are gone; a dead destination's VM runs on the source
+        // from its last checkpoint (post-copy sends one back every 20 ms here), or from the
+        // switch if none had come yet.
         (Point::Postcopy(_), Fault::KillSource) => &[Lost],
-        (Point::Postcopy(_), Fault::KillDestination) => &[Reclaimed],
+        (Point::Postcopy(_), Fault::KillDestination) => &[RolledBack, Reclaimed],
         (Point::Postcopy(_), Fault::Cut | Fault::Corrupt) => &[Recovered],
         (Point::Postcopy(_), Fault::Cancel) => &[Destination],
         // The destination ran the VM, said so, and died: its last word was on its way, so the
@@ -239,6 +243,10 @@ fn run_case(c: &Case) -> Result {
             // Both sides checksum memory at the switch: a corrupt page cannot pass unseen.
             "--checksum",
         ]);
+        if mode != "precopy" && mode != "warm" {
+            // Post-copy sends the VM back every 20 ms: a dead destination costs less.
+            args.extend(["--checkpoint-ms", "20"]);
+        }
         ferry_output(&args)
     });
     let reached = relay.wait_reached(Duration::from_secs(60));
@@ -273,23 +281,29 @@ fn run_case(c: &Case) -> Result {
         (Holds::Runs, _) => Outcome::Source,
         (_, Holds::Runs) if recovered => Outcome::Recovered,
         (_, Holds::Runs) => Outcome::Destination,
-        // The destination is gone: as its operator, take the VM back.
-        (Holds::Paused(_), Holds::Nothing) => {
-            let out = ferry_output(&[
-                "migrate-reclaim",
-                "--api-socket",
-                src.socket.to_str().unwrap(),
-            ]);
-            if out.status.success() && holds(&mut src) == Holds::Runs {
-                Outcome::Reclaimed
+        // The destination is gone: as its operator, take the VM back (mid post-copy, from
+        // its last checkpoint).
+        (Holds::Paused(phase), Holds::Nothing) => {
+            let call = if phase == MigrationPhase::PostcopyPaused {
+                "migrate-rollback"
             } else {
-                Outcome::Held
+                "migrate-reclaim"
+            };
+            let out = ferry_output(&[call, "--api-socket", src.socket.to_str().unwrap()]);
+            let said = String::from_utf8_lossy(&out.stdout);
+            match (
+                out.status.success() && holds(&mut src) == Holds::Runs,
+                said.contains("from post-copy checkpoint"),
+            ) {
+                (true, true) => Outcome::RolledBack,
+                (true, false) => Outcome::Reclaimed,
+                (false, _) => Outcome::Held,
             }
         }
         _ => Outcome::Lost,
     };
     let runner = match outcome {
-        Outcome::Source | Outcome::Reclaimed => Some(&src),
+        Outcome::Source | Outcome::Reclaimed | Outcome::RolledBack => Some(&src),
         Outcome::Destination | Outcome::Recovered => Some(&dst),
         _ => None,
     };
@@ -404,12 +418,13 @@ fn fault_matrix() {
         table.push('\n');
     }
     table.push_str(&format!(
-        "\n{} faults injected: {} source, {} destination, {} recovered, {} reclaimed, {} held, {} lost, \
-         {} twice.\n",
+        "\n{} faults injected: {} source, {} destination, {} recovered, {} rolled back, {} reclaimed, \
+         {} held, {} lost, {} twice.\n",
         rows.len(),
         count(Outcome::Source),
         count(Outcome::Destination),
         count(Outcome::Recovered),
+        count(Outcome::RolledBack),
         count(Outcome::Reclaimed),
         count(Outcome::Held),
         count(Outcome::Lost),

@@ -1,9 +1,9 @@
 //! Post-copy checkpoints, the destination's half (the source's is `source::checkpoints`).
 //! While post-copy runs, the VM's newest state lives here only: should this host die, the
-//! source holds nothing newer than the switch. So every interval the guest is paused for a
-//! moment, the pages it dirtied are copied aside with the vCPU and device state of that
-//! instant, and the guest runs on while the copy goes back to the source, which applies it
-//! whole or not at all.
+//! source holds nothing newer than the switch. So every interval the pages the guest dirtied
+//! are copied aside while it runs, then it is paused for a moment: the pages it wrote during
+//! that copy are copied again with the vCPU and device state of that instant, and it runs on
+//! while the checkpoint goes back to the source, which applies it whole or not at all.
 //!
 //! A checkpoint carries every page dirtied since the last one the source confirmed
 //! (`CheckpointTaken`), not just since the last one sent: one lost with a broken connection is
@@ -167,18 +167,22 @@ impl Taker {
         Ok(())
     }
 
-    /// Pauses the guest just long enough to copy what changed and the state of that instant.
+    /// Copies what changed while the guest runs, then pauses it just long enough to copy
+    /// what it wrote meanwhile and the state of that instant (pre-copy's idea, in small).
     fn take(&mut self) -> Result<Taken> {
         let ran = self.vm.is_running();
+        let mut pages = self.harvest()?;
+        self.copy(&pages)?;
         if ran && let Err(e) = self.vm.pause() {
             self.vm.resume()?;
             return Err(e);
         }
-        let copied = self.copy_paused();
+        let paused = self.copy_paused();
         if ran {
             self.vm.resume()?;
         }
-        let (pages, vcpus, devices) = copied?;
+        let (written, vcpus, devices) = paused?;
+        pages.merge(&written);
         self.seq += 1;
         Ok(Taken {
             seq: self.seq,
@@ -188,26 +192,42 @@ impl Taker {
         })
     }
 
-    /// Harvests the dirty log into the next checkpoint's share (kept even if this one fails,
-    /// so the next one carries it), copies every page not yet confirmed aside, then takes the
-    /// state. The guest is paused.
-    #[allow(clippy::type_complexity)]
-    fn copy_paused(&mut self) -> Result<(Bitmap, Vec<Vec<u8>>, Vec<u8>)> {
-        let ram = self.vm.ram();
+    /// Adds the pages dirtied since the last harvest to the next checkpoint's share (kept if
+    /// this checkpoint fails, so the next one carries them); returns every page not yet
+    /// confirmed. A page written after this call is in the next harvest.
+    fn harvest(&mut self) -> Result<Bitmap> {
         let dirty = self.vm.take_dirty()?;
         let next = self.seq + 1;
         match self.unconfirmed.last_mut() {
             Some((seq, share)) if *seq == next => share.merge(&dirty),
             _ => self.unconfirmed.push((next, dirty)),
         }
-        let mut pages = Bitmap::new(ram.gfn_end());
+        let mut pages = Bitmap::new(self.vm.ram().gfn_end());
         for (_, share) in &self.unconfirmed {
             pages.merge(share);
         }
+        Ok(pages)
+    }
+
+    /// The guest is paused: the pages it wrote since the harvest (their live copies may be
+    /// torn) copied again, then the state.
+    #[allow(clippy::type_complexity)]
+    fn copy_paused(&mut self) -> Result<(Bitmap, Vec<Vec<u8>>, Vec<u8>)> {
+        let dirty = self.vm.take_dirty()?;
+        let next = self.seq + 1;
+        if let Some((_, share)) = self.unconfirmed.iter_mut().find(|(seq, _)| *seq == next) {
+            share.merge(&dirty);
+        }
+        self.copy(&dirty)?;
+        Ok((dirty, self.vm.save_vcpus()?, self.vm.save_devices()?))
+    }
+
+    fn copy(&self, pages: &Bitmap) -> Result<()> {
+        let ram = self.vm.ram();
         for gfn in pages.iter() {
             self.shadow.ram().write_page(gfn, ram.page(gfn)?)?;
         }
-        Ok((pages, self.vm.save_vcpus()?, self.vm.save_devices()?))
+        Ok(())
     }
 
     /// Sends the pages a frame at a time (a page request waits at most one frame), then the
