@@ -12,10 +12,11 @@
 #define PORT_VERIFY_ERROR  0x5a8 /* out32: working-set page index whose stamp was wrong */
 #define PORT_DONE          0x5ac /* out32: this vCPU finished its workload (0) or failed (1) */
 #define PORT_FATAL_MSG     0x5b0 /* out8: one byte of a fatal configuration error, '\n' ends it */
+#define PORT_BLK_ERROR     0x5b4 /* out32: disk sector whose stamp was wrong, or whose request failed */
 
 #define HB_MAGIC 0x46455259u /* "FERY" */
 
-/* One per vCPU, 80 bytes, in guest memory; the VMM reads it on every heartbeat. */
+/* One per vCPU, 104 bytes, in guest memory; the VMM reads it on every heartbeat. */
 struct hb_block {
     unsigned long long seq;        /* heartbeats sent by this vCPU */
     unsigned long long pages;      /* pages touched (read or written) */
@@ -30,6 +31,11 @@ struct hb_block {
      * ws_base_high (0: it fits below the hole). */
     unsigned long long ws_split_page;
     unsigned long long ws_base_high;
+    /* The blk workload (vCPU 0's block only; 0 elsewhere): requests completed, and sectors
+     * whose stamp was wrong or whose request failed. */
+    unsigned long long blk_writes;
+    unsigned long long blk_reads;
+    unsigned long long blk_errors;
 };
 
 #endif

@@ -13,6 +13,11 @@
  *   passes=N                     stop after N passes (0 = forever)
  *   hb_us=N                      heartbeat period in microseconds (default 1000)
  *   serial_ms=N                  serial progress line period (default 1000)
+ *   blk                          also drive a virtio-blk disk from vCPU 0 (see "the blk
+ *                                workload" below)
+ *   blk_sectors=N                512-byte sectors it cycles over (default 2048, at most the
+ *                                disk's capacity)
+ *   blk_rate=N                   at most N blk steps/s (default 2000, 0 = unlimited)
  */
 #include "abi.h"
 
@@ -49,6 +54,9 @@ struct config {
     u64 hb_us;
     u64 serial_ms;
     enum fill fill;
+    int blk;
+    u64 blk_sectors;
+    u64 blk_rate;
 };
 
 extern char __image_end[];
@@ -72,6 +80,7 @@ static volatile u32 aps_up;             /* APs that reached secondary_main */
 static struct config cfg;
 static struct hb_block blocks[MAX_CPUS] __attribute__((aligned(64)));
 static u32 *expected_gen;       /* verify: generation each page should carry */
+static u32 *expected_blk_gen;   /* blk: generation each disk sector should carry (0: zeros) */
 static u64 ws_base;             /* guest-physical address of page 0 of the working set */
 static u64 ws_pages;
 static u64 tsc_khz;
@@ -192,6 +201,7 @@ static void parse_word(const char *w, u64 len)
     struct { const char *key; u64 *dst; int suffix; } numbers[] = {
         {"ws=", &cfg.ws_bytes, 1}, {"rate=", &cfg.rate, 0}, {"vcpus=", &cfg.vcpus, 0},
         {"passes=", &cfg.passes, 0}, {"hb_us=", &cfg.hb_us, 0}, {"serial_ms=", &cfg.serial_ms, 0},
+        {"blk_sectors=", &cfg.blk_sectors, 0}, {"blk_rate=", &cfg.blk_rate, 0},
     };
     for (unsigned k = 0; k < sizeof(numbers) / sizeof(numbers[0]); k++) {
         u64 kl = 0;
@@ -212,12 +222,14 @@ static void parse_word(const char *w, u64 len)
     else if (word_is(w, len, "fill=word")) cfg.fill = FILL_WORD;
     else if (word_is(w, len, "fill=random")) cfg.fill = FILL_RANDOM;
     else if (word_is(w, len, "fill=mixed")) cfg.fill = FILL_MIXED;
+    else if (word_is(w, len, "blk")) cfg.blk = 1;
     else fatal("unknown workload word ", word);
 }
 
 static void parse_cmdline(const char *s)
 {
-    cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD};
+    cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD,
+                          0, 2048, 2000};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -292,7 +304,7 @@ static u64 carve(u64 bytes)
     u64 base = segments[0].base;
     u64 len = (bytes + align - 1) & ~(align - 1);
     if (nsegments == 0 || len / PAGE_SIZE > segments[0].pages)
-        fatal("guest memory too small for the verify table and fill pools", "");
+        fatal("guest memory too small for the verify tables and fill pools", "");
     segments[0].base += len;
     segments[0].pages -= len / PAGE_SIZE;
     return base;
@@ -312,6 +324,10 @@ static u64 page_addr(u64 page)
 static void plan_layout(void)
 {
     ws_pages = cfg.mode == MODE_IDLE ? 0 : cfg.ws_bytes / PAGE_SIZE;
+    /* Carved like expected_gen: fresh RAM reads zero, so every sector starts as "never
+     * written", and the table migrates with the rest of guest memory. */
+    if (cfg.blk)
+        expected_blk_gen = (u32 *)carve(cfg.blk_sectors * sizeof(u32));
     if (cfg.verify)
         expected_gen = (u32 *)carve(ws_pages * sizeof(u32));
     if (ws_pages && cfg.fill != FILL_WORD)
@@ -353,6 +369,8 @@ struct worker {
     u64 rng;
     u64 hb_ticks, serial_ticks, next_hb, next_serial;
     u64 start_tsc, rate;
+    int blk;          /* this vCPU drives the disk (vCPU 0 with blk) */
+    u64 blk_ticks, next_blk;
 };
 
 static void serial_progress(void)
@@ -371,6 +389,12 @@ static void serial_progress(void)
     put_u64(passes);
     put_str(" errors=");
     put_u64(errors);
+    if (cfg.blk) {
+        put_str(" blk_writes=");
+        put_u64(blocks[0].blk_writes);
+        put_str(" blk_errors=");
+        put_u64(blocks[0].blk_errors);
+    }
     put_str("\n");
 }
 
@@ -388,7 +412,313 @@ static void heartbeat_if_due(struct worker *w)
     }
 }
 
-/* Keeps the vCPU under its share of rate=N, heart still beating. */
+/*
+ * ---- the blk workload: a poll-mode virtio-blk driver (virtio 1.x, MMIO transport v2) ----
+ *
+ * vCPU 0, beside its memory workload, steps through sectors 0..blk_sectors-1 over and over:
+ * read the sector and check every 8-byte word against the stamps it was last written with
+ * (zeros if never: a fresh disk file is zeros), then write the next generation's stamps; every
+ * 64 writes a FLUSH when the device offers it. One request is in flight at a time, on queue
+ * 0, and its completion is polled: no interrupts. All driver state (rings and their indices,
+ * the last used index seen, the step counter, the expected generations) is guest memory, so a
+ * VM migrated mid-step carries on exactly where it was.
+ */
+#define VIRTIO_MMIO_BASE 0xc0000000ull  /* slot i at + i * VIRTIO_MMIO_SLOT_SIZE */
+#define VIRTIO_MMIO_SLOT_SIZE 0x1000ull
+#define VIRTIO_MMIO_SLOTS 8
+#define VIRTIO_MAGIC 0x74726976u         /* "virt" */
+#define VIRTIO_MMIO_VERSION 2            /* modern; 1 is the legacy layout */
+#define VIRTIO_ID_BLOCK 2
+
+/* MMIO registers (all 32-bit; a 64-bit address is low at reg, high at reg + 4). */
+#define VIRTIO_MAGIC_VALUE 0x000
+#define VIRTIO_VERSION 0x004
+#define VIRTIO_DEVICE_ID 0x008
+#define VIRTIO_DEVICE_FEATURES 0x010
+#define VIRTIO_DEVICE_FEATURES_SEL 0x014
+#define VIRTIO_DRIVER_FEATURES 0x020
+#define VIRTIO_DRIVER_FEATURES_SEL 0x024
+#define VIRTIO_QUEUE_SEL 0x030
+#define VIRTIO_QUEUE_NUM_MAX 0x034
+#define VIRTIO_QUEUE_NUM 0x038
+#define VIRTIO_QUEUE_READY 0x044
+#define VIRTIO_QUEUE_NOTIFY 0x050
+#define VIRTIO_STATUS 0x070
+#define VIRTIO_QUEUE_DESC 0x080
+#define VIRTIO_QUEUE_DRIVER 0x090        /* the avail ring */
+#define VIRTIO_QUEUE_DEVICE 0x0a0        /* the used ring */
+#define VIRTIO_CONFIG_GENERATION 0x0fc
+#define VIRTIO_BLK_CAPACITY 0x100        /* device config: u64, in 512-byte sectors */
+
+#define STATUS_ACKNOWLEDGE 1
+#define STATUS_DRIVER 2
+#define STATUS_DRIVER_OK 4
+#define STATUS_FEATURES_OK 8
+#define STATUS_NEEDS_RESET 0x40
+
+#define VIRTIO_BLK_F_FLUSH 9             /* in feature word 0 */
+#define VIRTIO_F_VERSION_1 32            /* bit 0 of feature word 1 */
+
+#define VIRTIO_BLK_T_IN 0
+#define VIRTIO_BLK_T_OUT 1
+#define VIRTIO_BLK_T_FLUSH 4
+#define VIRTIO_BLK_S_OK 0
+
+#define VIRTQ_DESC_F_NEXT 1
+#define VIRTQ_DESC_F_WRITE 2             /* device-writable */
+#define VIRTQ_AVAIL_F_NO_INTERRUPT 1
+
+#define BLK_QUEUE_MAX 16
+#define SECTOR_SIZE 512
+#define BLK_TIMEOUT_MS 2000
+#define BLK_FLUSH_EVERY 64               /* writes */
+
+struct virtq_desc {
+    u64 addr;
+    u32 len;
+    u16 flags, next;
+};
+struct virtq_avail {
+    u16 flags, idx, ring[BLK_QUEUE_MAX], used_event;
+};
+struct virtq_used_elem {
+    u32 id, len;
+};
+struct virtq_used {
+    u16 flags, idx;
+    struct virtq_used_elem ring[BLK_QUEUE_MAX];
+    u16 avail_event;
+};
+
+/* Each ring in a page of its own: past the 16-, 2- and 4-byte alignment the rings need. */
+static struct virtq_desc blk_desc[BLK_QUEUE_MAX] __attribute__((aligned(4096)));
+static struct virtq_avail blk_avail __attribute__((aligned(4096)));
+static volatile struct virtq_used blk_used __attribute__((aligned(4096)));
+/* The request in flight: header (type, reserved, sector), the sector's data, status byte. */
+static struct {
+    u32 type, reserved;
+    u64 sector;
+    u64 data[SECTOR_SIZE / 8];
+    u8 status;
+} blk_req __attribute__((aligned(4096)));
+
+static struct {
+    u64 base;         /* the device's registers */
+    u32 num;          /* queue 0's size */
+    int flush;        /* VIRTIO_BLK_F_FLUSH negotiated */
+    u16 last_used;    /* used->idx when the last request completed */
+    u64 steps;        /* step k works on sector k % blk_sectors */
+} blk;
+
+/* Orders ring and buffer accesses against the device's, and keeps the compiler from caching. */
+static inline void mb(void) { __asm__ volatile("mfence" ::: "memory"); }
+static inline u32 blk_read(u64 reg) { return *(volatile u32 *)(blk.base + reg); }
+static inline void blk_write(u64 reg, u32 v) { *(volatile u32 *)(blk.base + reg) = v; }
+static void blk_write64(u64 reg, u64 v)
+{
+    blk_write(reg, (u32)v);
+    blk_write(reg + 4, (u32)(v >> 32));
+}
+
+/* Every read of Status goes through here: a device that needs a reset has failed for good. */
+static u32 blk_status(void)
+{
+    u32 status = blk_read(VIRTIO_STATUS);
+    if (status & STATUS_NEEDS_RESET)
+        fatal("virtio-blk device set DEVICE_NEEDS_RESET", "");
+    return status;
+}
+static void blk_set_status(u32 bit) { blk_write(VIRTIO_STATUS, blk_status() | bit); }
+
+/* Points blk.base at the first slot that holds a modern block device. Empty slots read ~0. */
+static int blk_probe(void)
+{
+    for (u64 i = 0; i < VIRTIO_MMIO_SLOTS; i++) {
+        blk.base = VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SLOT_SIZE;
+        if (blk_read(VIRTIO_MAGIC_VALUE) == VIRTIO_MAGIC &&
+            blk_read(VIRTIO_VERSION) == VIRTIO_MMIO_VERSION &&
+            blk_read(VIRTIO_DEVICE_ID) == VIRTIO_ID_BLOCK)
+            return 1;
+    }
+    return 0;
+}
+
+/* Device initialisation (virtio 1.x, 3.1.1 and 4.2.3); fits blk_sectors to the disk. */
+static void blk_init(void)
+{
+    if (!blk_probe())
+        fatal("blk: no virtio-blk device in the MMIO slots at 0xc0000000", "");
+    blk_write(VIRTIO_STATUS, 0);
+    for (u32 i = 0; blk_status(); i++) /* the reset is done when Status reads 0 */
+        if (i == 1000000)
+            fatal("virtio-blk device did not reset", "");
+    blk_set_status(STATUS_ACKNOWLEDGE);
+    blk_set_status(STATUS_DRIVER);
+
+    blk_write(VIRTIO_DEVICE_FEATURES_SEL, 0);
+    u32 features0 = blk_read(VIRTIO_DEVICE_FEATURES);
+    blk_write(VIRTIO_DEVICE_FEATURES_SEL, 1);
+    u32 features1 = blk_read(VIRTIO_DEVICE_FEATURES);
+    if (!(features1 & 1u << (VIRTIO_F_VERSION_1 - 32)))
+        fatal("virtio-blk device does not offer VIRTIO_F_VERSION_1", "");
+    blk.flush = (features0 >> VIRTIO_BLK_F_FLUSH) & 1;
+    blk_write(VIRTIO_DRIVER_FEATURES_SEL, 0);
+    blk_write(VIRTIO_DRIVER_FEATURES, (u32)blk.flush << VIRTIO_BLK_F_FLUSH);
+    blk_write(VIRTIO_DRIVER_FEATURES_SEL, 1);
+    blk_write(VIRTIO_DRIVER_FEATURES, 1u << (VIRTIO_F_VERSION_1 - 32));
+    blk_set_status(STATUS_FEATURES_OK);
+    if (!(blk_status() & STATUS_FEATURES_OK))
+        fatal("virtio-blk device did not accept the features (FEATURES_OK clear)", "");
+
+    /* Two reads make the u64: a new generation afterwards means the config changed between. */
+    u64 capacity = 0;
+    for (u32 tries = 0;; tries++) {
+        u32 gen = blk_read(VIRTIO_CONFIG_GENERATION);
+        u64 low = blk_read(VIRTIO_BLK_CAPACITY);
+        u64 high = blk_read(VIRTIO_BLK_CAPACITY + 4);
+        capacity = high << 32 | low;
+        if (blk_read(VIRTIO_CONFIG_GENERATION) == gen)
+            break;
+        if (tries == 8)
+            fatal("virtio-blk config generation keeps changing", "");
+    }
+    if (capacity == 0)
+        fatal("virtio-blk disk has no sectors", "");
+    if (cfg.blk_sectors == 0)
+        cfg.blk_sectors = 1;
+    if (cfg.blk_sectors > capacity)
+        cfg.blk_sectors = capacity;
+
+    blk_write(VIRTIO_QUEUE_SEL, 0);
+    u32 max = blk_read(VIRTIO_QUEUE_NUM_MAX);
+    if (max == 0)
+        fatal("virtio-blk queue 0 is not available (QueueNumMax 0)", "");
+    /* A split queue's size is a power of 2 (its indices wrap at 65536), and a request takes 3. */
+    blk.num = BLK_QUEUE_MAX;
+    while (blk.num > max)
+        blk.num >>= 1;
+    if (blk.num < 3)
+        fatal("virtio-blk queue 0 is too small for a 3-descriptor request", "");
+    blk_write(VIRTIO_QUEUE_NUM, blk.num);
+    blk_avail.flags = VIRTQ_AVAIL_F_NO_INTERRUPT; /* this driver polls */
+    blk_write64(VIRTIO_QUEUE_DESC, (u64)blk_desc);
+    blk_write64(VIRTIO_QUEUE_DRIVER, (u64)&blk_avail);
+    blk_write64(VIRTIO_QUEUE_DEVICE, (u64)&blk_used);
+    mb();
+    blk_write(VIRTIO_QUEUE_READY, 1);
+    blk_set_status(STATUS_DRIVER_OK);
+
+    put_str("ferry-guest: virtio-blk at ");
+    put_hex(blk.base);
+    put_str(" capacity=");
+    put_u64(capacity);
+    put_str(" queue=");
+    put_u64(blk.num);
+    put_str(blk.flush ? " flush\n" : " no-flush\n");
+}
+
+/*
+ * One request, polled to completion (the beat goes on meanwhile): descriptor 0 the header,
+ * 1 the sector's data (left out of a FLUSH), 2 the status byte. Returns whether the device
+ * completed it with VIRTIO_BLK_S_OK.
+ */
+static int blk_request(struct worker *w, u32 type, u64 sector)
+{
+    blk_req.type = type;
+    blk_req.reserved = 0;
+    blk_req.sector = sector;
+    blk_req.status = 0xff; /* a device that never writes the status fails the request */
+    blk_desc[0] = (struct virtq_desc){(u64)&blk_req, 16, VIRTQ_DESC_F_NEXT,
+                                      type == VIRTIO_BLK_T_FLUSH ? 2 : 1};
+    blk_desc[1] = (struct virtq_desc){(u64)blk_req.data, SECTOR_SIZE,
+                                      VIRTQ_DESC_F_NEXT | (type == VIRTIO_BLK_T_IN ? VIRTQ_DESC_F_WRITE : 0), 2};
+    blk_desc[2] = (struct virtq_desc){(u64)&blk_req.status, 1, VIRTQ_DESC_F_WRITE, 0};
+    u16 idx = blk_avail.idx;
+    blk_avail.ring[idx % blk.num] = 0;
+    mb(); /* the chain before the index that offers it */
+    blk_avail.idx = (u16)(idx + 1);
+    mb(); /* the index before the notification */
+    blk_write(VIRTIO_QUEUE_NOTIFY, 0);
+
+    u64 deadline = rdtsc() + tsc_khz * BLK_TIMEOUT_MS;
+    while (blk_used.idx == blk.last_used) {
+        if (rdtsc() > deadline) {
+            blk_status(); /* a device that gave up says so there */
+            fatal("virtio-blk request did not complete within 2 s", "");
+        }
+        heartbeat_if_due(w);
+        cpu_relax();
+    }
+    mb(); /* the used entry, status and data only after the index */
+    u32 id = blk_used.ring[blk.last_used % blk.num].id;
+    blk.last_used++;
+    return id == 0 && *(volatile u8 *)&blk_req.status == VIRTIO_BLK_S_OK;
+}
+
+static inline u64 blk_stamp(u64 sector, u32 gen, u64 word)
+{
+    return sector << 32 | (u64)(gen & 0xffffff) << 8 | word;
+}
+
+static void report_blk_error(struct worker *w, u64 sector, const char *what)
+{
+    w->hb->blk_errors++;
+    outl(PORT_BLK_ERROR, (u32)sector);
+    if (w->hb->blk_errors <= 8) {
+        put_str("ferry-guest: blk ");
+        put_str(what);
+        put_str(": sector ");
+        put_u64(sector);
+        put_str("\n");
+    }
+}
+
+/* Whether the sector just read carries generation gen's stamps (all zeros for gen 0). */
+static int blk_sector_ok(u64 sector, u32 gen)
+{
+    for (u64 i = 0; i < SECTOR_SIZE / 8; i++)
+        if (blk_req.data[i] != (gen ? blk_stamp(sector, gen, i) : 0))
+            return 0;
+    return 1;
+}
+
+static void blk_step(struct worker *w)
+{
+    u64 s = blk.steps % cfg.blk_sectors;
+    u32 gen = expected_blk_gen[s];
+    if (!blk_request(w, VIRTIO_BLK_T_IN, s))
+        report_blk_error(w, s, "read failed");
+    else if (!blk_sector_ok(s, gen))
+        report_blk_error(w, s, "verify error");
+    w->hb->blk_reads++;
+
+    for (u64 i = 0; i < SECTOR_SIZE / 8; i++)
+        blk_req.data[i] = blk_stamp(s, gen + 1, i);
+    /* A failed write keeps the old expectation: the device said it did not write. */
+    if (blk_request(w, VIRTIO_BLK_T_OUT, s))
+        expected_blk_gen[s] = gen + 1;
+    else
+        report_blk_error(w, s, "write failed");
+    w->hb->blk_writes++;
+    blk.steps++;
+
+    if (blk.flush && blk.steps % BLK_FLUSH_EVERY == 0 && !blk_request(w, VIRTIO_BLK_T_FLUSH, 0))
+        report_blk_error(w, s, "flush failed");
+}
+
+/* vCPU 0's disk step, at most blk_rate a second. */
+static void blk_step_if_due(struct worker *w)
+{
+    if (!w->blk)
+        return;
+    u64 now = rdtsc();
+    if (now < w->next_blk)
+        return;
+    w->next_blk = now + w->blk_ticks;
+    blk_step(w);
+}
+
+/* Keeps the vCPU under its share of rate=N, heart still beating (and vCPU 0's disk busy). */
 static void throttle(struct worker *w)
 {
     if (!w->rate)
@@ -399,6 +729,7 @@ static void throttle(struct worker *w)
         if (w->hb->pages < allowed)
             return;
         heartbeat_if_due(w);
+        blk_step_if_due(w);
         cpu_relax();
     }
 }
@@ -563,6 +894,7 @@ static void run_pass(struct worker *w, int write)
         touch(w, next_page(w, i), write);
         if ((i & 15) == 15) {
             heartbeat_if_due(w);
+            blk_step_if_due(w);
             throttle(w);
         }
     }
@@ -581,6 +913,8 @@ static void run_worker(u64 cpu)
     w.serial_ticks = tsc_khz * cfg.serial_ms;
     w.start_tsc = rdtsc();
     w.rate = cfg.rate / cfg.vcpus;
+    w.blk = cfg.blk && cpu == 0;
+    w.blk_ticks = cfg.blk_rate ? tsc_khz * 1000 / cfg.blk_rate : 0;
 
     w.hb->cpu = (u32)cpu;
     w.hb->share_base = page_addr(w.first);
@@ -597,6 +931,7 @@ static void run_worker(u64 cpu)
         if (cfg.mode == MODE_IDLE) {
             for (u64 spin = 0; spin < 1000000; spin++) {
                 heartbeat_if_due(&w);
+                blk_step_if_due(&w);
                 cpu_relax();
             }
             w.hb->passes++;
@@ -708,6 +1043,8 @@ void guest_main(const struct hvm_start_info *si)
     put_str("ferry-guest: booted\n");
     parse_cmdline(si->cmdline_paddr ? (const char *)si->cmdline_paddr : "");
     read_memory_map(si, (u64)__image_end);
+    if (cfg.blk)
+        blk_init(); /* first: the disk's capacity bounds expected_blk_gen */
     plan_layout();
     tsc_khz = calibrate_tsc_khz();
     if (!tsc_khz) {
@@ -735,6 +1072,12 @@ void guest_main(const struct hvm_start_info *si)
     put_u64(cfg.vcpus);
     put_str(" tsc_khz=");
     put_u64(tsc_khz);
+    if (cfg.blk) {
+        put_str(" blk sectors=");
+        put_u64(cfg.blk_sectors);
+        put_str(" blk_rate=");
+        put_u64(cfg.blk_rate);
+    }
     put_str("\n");
     __atomic_store_n(&go, 1, __ATOMIC_RELEASE);
     run_worker(0);

@@ -163,6 +163,9 @@ impl Migratable for PlainVm {
     fn load_state(&self, _vcpus: &[Vec<u8>], _devices: &[u8]) -> Result<()> {
         Ok(())
     }
+    fn release_devices(&self) -> Result<()> {
+        Ok(()) // no devices
+    }
     fn guest_progress_rate(&self, _: u64, _: u64) -> Option<f64> {
         None
     }

@@ -13,6 +13,22 @@ pub struct VcpuProgress {
     pub share_pages: u64,
 }
 
+/// A virtio device as `vm.info` shows it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct DeviceInfo {
+    pub slot: usize,
+    /// Guest-physical address of its virtio-mmio registers.
+    pub address: u64,
+    /// "virtio-blk".
+    pub kind: String,
+    /// The backing file, for a disk.
+    pub path: Option<String>,
+    /// Requests served by kind, and I/O errors.
+    pub counters: std::collections::BTreeMap<String, u64>,
+    /// Why it stopped serving (the driver programmed it wrongly; it waits for a reset).
+    pub needs_reset: Option<String>,
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct VmInfo {
     /// running, paused, migrating, migrated, shutting-down, finished, failed
@@ -34,6 +50,14 @@ pub struct VmInfo {
     /// Heartbeat gap across the migration that built this VM (destination only).
     pub migration_observed_downtime_ms: Option<f64>,
     pub per_vcpu: Vec<VcpuProgress>,
+    /// The guest's disk workload (`blk`): sectors written, read back, and found wrong (or
+    /// whose request failed); the first wrong sectors.
+    pub blk_writes: u64,
+    pub blk_reads: u64,
+    pub blk_errors: u64,
+    pub blk_error_sectors: Vec<u64>,
+    /// virtio devices.
+    pub devices: Vec<DeviceInfo>,
     /// Why the VM failed, when `state` is failed.
     pub error: Option<String>,
 }

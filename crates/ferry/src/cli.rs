@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use vmm::{MemoryBackend, MemorySize};
+use vmm::{DiskConfig, MemoryBackend, MemorySize};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -158,6 +158,12 @@ pub struct RunArgs {
     /// The guest's command line (its workload), e.g. "write ws=256M seq verify".
     #[arg(long, default_value = "")]
     pub cmdline: String,
+    /// A virtio-blk disk on a file or block device: path=FILE[,readonly] (repeat for more, at
+    /// most 8). The file is locked while the VM runs: a second ferry cannot write it. A VM
+    /// arriving by migration opens the same path (shared storage) and takes the lock when it
+    /// first runs, after the source let go of it.
+    #[arg(long = "disk", value_name = "path=FILE[,readonly]")]
+    pub disks: Vec<DiskConfig>,
     /// Where the guest's serial console goes: a file path, or "stdout".
     #[arg(long, default_value = "stdout")]
     pub serial: String,

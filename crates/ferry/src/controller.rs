@@ -146,6 +146,29 @@ impl Controller {
                     share_pages: p.share_pages,
                 })
                 .collect(),
+            blk_writes: i.total.blk_writes,
+            blk_reads: i.total.blk_reads,
+            blk_errors: i.total.blk_errors,
+            blk_error_sectors: i.blk_error_sectors,
+            devices: vm
+                .device_info()
+                .into_iter()
+                .map(|d| api::DeviceInfo {
+                    slot: d.slot,
+                    address: d.address,
+                    kind: match d.kind {
+                        2 => "virtio-blk".into(),
+                        other => format!("virtio-{other}"),
+                    },
+                    path: d.path.map(|p| p.display().to_string()),
+                    counters: d
+                        .counters
+                        .into_iter()
+                        .map(|(k, v)| (k.to_string(), v))
+                        .collect(),
+                    needs_reset: d.broken,
+                })
+                .collect(),
             error: match phase {
                 Phase::Failed(e) => Some(e),
                 _ => None,
@@ -221,7 +244,7 @@ impl Handler for Controller {
                 Ok(Value::Null)
             }
             ApiRequest::Resume => {
-                self.require_idle()?.resume();
+                self.require_idle()?.resume().map_err(internal)?;
                 Ok(Value::Null)
             }
             ApiRequest::Shutdown => {

@@ -198,6 +198,23 @@ mod tests {
             let e = allow(&ApiRequest::MigrateReclaim, state).unwrap_err();
             assert!(e.message.contains(state.name()), "{}", e.message);
         }
+        // A rollback to a post-copy checkpoint: only where post-copy broke, on the source.
+        assert!(
+            allow(
+                &ApiRequest::MigrateRollback,
+                Lifecycle::PostcopyPausedSource
+            )
+            .is_ok()
+        );
+        for state in [
+            Lifecycle::Running,
+            Lifecycle::Unconfirmed,
+            Lifecycle::PostcopySource,
+            Lifecycle::PostcopyPausedDestination,
+        ] {
+            let e = allow(&ApiRequest::MigrateRollback, state).unwrap_err();
+            assert!(e.message.contains(state.name()), "{}", e.message);
+        }
         let listen = ApiRequest::MigrateResume(MigrateResumeRequest {
             listen: Some("unix:/x".into()),
             destination: None,

@@ -308,7 +308,20 @@ impl Controller {
                  log: turn it off first (vm.debug-dirty-logging {\"enabled\": false})",
             ));
         }
-        let vm: Arc<dyn Migratable> = self.require_live()?.clone();
+        let live = self.require_live()?;
+        // A disk is shared storage, not checkpointed: a guest rolled back to a checkpoint
+        // would find on its disk what it wrote after it.
+        if params.checkpoint_ms.is_some()
+            && let Some(d) = live.device_info().iter().find(|d| d.writable)
+        {
+            return Err(ApiError::bad_request(format!(
+                "checkpoint_ms with a writable disk ({}): a rollback would leave the disk ahead                  of the guest; give the disk readonly or migrate without checkpoints",
+                d.path
+                    .as_ref()
+                    .map_or_else(|| format!("slot {}", d.slot), |p| p.display().to_string())
+            )));
+        }
+        let vm: Arc<dyn Migratable> = live.clone();
         m.final_status_read.store(false, Ordering::Release);
         m.outgoing
             .send(vm, endpoint, params, self.on_moved())

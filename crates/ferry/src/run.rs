@@ -35,6 +35,18 @@ pub fn run(args: RunArgs) -> Result<i32> {
         ApiServer::ensure_available(socket)?;
     }
     install_termination_handler();
+    // A missing disk is said at once, not when a migration arrives.
+    for disk in &args.disks {
+        use std::os::unix::fs::FileTypeExt;
+        let meta = std::fs::metadata(&disk.path)
+            .with_context(|| format!("disk {}", disk.path.display()))?;
+        if !meta.is_file() && !meta.file_type().is_block_device() {
+            bail!(
+                "disk {} is neither a file nor a block device",
+                disk.path.display()
+            );
+        }
+    }
     let security = security(&args)?;
     let incoming = match (&args.incoming, &args.restore) {
         (Some(url), None) => Some(Incoming::Listen(url.parse()?)),
@@ -86,7 +98,12 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
                 kernel: kernel.clone(),
                 initrd: args.initrd.clone(),
             };
-            (image, args.cmdline.clone())
+            // Linux finds virtio-mmio devices on its command line.
+            let mut cmdline = args.cmdline.clone();
+            for slot in 0..args.disks.len() {
+                cmdline.push_str(&vmm::devices::virtio::linux_cmdline_word(slot));
+            }
+            (image, cmdline)
         }
         _ => {
             bail!("--guest PATH or --kernel PATH is required (or --incoming URL / --restore FILE)")
@@ -96,6 +113,7 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
         memory: args.memory.0,
         vcpus: args.vcpus,
         backend: args.memory_backend,
+        disks: args.disks.clone(),
     };
     let serial = open_serial(&args.serial)?;
     let vm = Vm::boot(config, &image, &cmdline, serial).context("cannot start the VM")?;
@@ -122,7 +140,10 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
         source,
         &|| TERMINATE.load(Ordering::Acquire),
         |descriptor| {
-            let config = VmConfig::from_descriptor(descriptor)?;
+            let config = VmConfig {
+                disks: args.disks.clone(),
+                ..VmConfig::from_descriptor(descriptor)?
+            };
             Vm::for_restore(config, serial)
                 .map(Arc::new)
                 .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))

@@ -41,14 +41,21 @@ pub trait Migratable: Send + Sync {
     fn stop_dirty_log(&self) -> Result<()>;
     /// Parks every vCPU with complete state.
     fn pause(&self) -> Result<()>;
+    /// Runs the vCPUs; takes the devices' backing stores (disks) first if they were let go,
+    /// and refuses while another process holds one.
     fn resume(&self) -> Result<()>;
+    /// The VM is paused and about to leave: every device's writes made durable and its
+    /// backing store let go, so that the destination can take it. `load_state` and `resume`
+    /// take them again.
+    fn release_devices(&self) -> Result<()>;
     /// Auto-converge: every vCPU sleeps `percent` % of its time (0 releases; at most 99).
     fn set_throttle(&self, percent: u8) -> Result<()>;
     /// Serialised state of each vCPU, in vCPU order; the VM must be paused.
     fn save_vcpus(&self) -> Result<Vec<Vec<u8>>>;
     /// Serialised state of everything besides memory and vCPUs.
     fn save_devices(&self) -> Result<Vec<u8>>;
-    /// Loads what `save_vcpus`/`save_devices` produced on the source.
+    /// Loads what `save_vcpus`/`save_devices` produced on the source, and takes the devices'
+    /// backing stores (refused while another process holds one).
     fn load_state(&self, vcpus: &[Vec<u8>], devices: &[u8]) -> Result<()>;
     /// The guest's own work rate (e.g. pages touched per second) between two host times in
     /// ns since the epoch, when the guest reports progress; for application degradation.

@@ -69,6 +69,8 @@ struct FakeVm {
     /// Every `save_vcpus` (the source's switch, each checkpoint on a destination): how many
     /// so far, and the pages in memory at the last one (the oracle for checkpoints).
     saved: Mutex<(u64, Vec<Option<Vec<u8>>>)>,
+    /// Its devices were let go for the switch (and not taken back by a resume).
+    released: AtomicBool,
 }
 
 impl FakeVm {
@@ -84,6 +86,7 @@ impl FakeVm {
             throttle: AtomicU64::new(0),
             throttle_max: AtomicU64::new(0),
             saved: Mutex::new((0, Vec::new())),
+            released: AtomicBool::new(false),
         })
     }
 
@@ -205,6 +208,15 @@ impl Migratable for FakeVm {
     }
     fn resume(&self) -> migration::Result<()> {
         self.paused.store(false, Ordering::Release);
+        self.released.store(false, Ordering::Release);
+        Ok(())
+    }
+    fn release_devices(&self) -> migration::Result<()> {
+        assert!(
+            self.paused.load(Ordering::Acquire),
+            "devices let go of a running VM"
+        );
+        self.released.store(true, Ordering::Release);
         Ok(())
     }
     fn set_throttle(&self, percent: u8) -> migration::Result<()> {
@@ -344,6 +356,12 @@ fn migrate_while_writing(params: MigrationParams) -> (Arc<FakeVm>, Run) {
     let run = migrate(&src, params, None);
     stop.store(true, Ordering::Release);
     guest.join().unwrap();
+    if run.result.is_ok() {
+        assert!(
+            src.released.load(Ordering::Acquire),
+            "the source let go of its devices at the switch, for the destination to take"
+        );
+    }
     (src, run)
 }
 

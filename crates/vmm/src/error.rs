@@ -20,6 +20,9 @@ pub enum Error {
     Vcpu { cpu: usize, reason: String },
     #[error("VM state: {0}")]
     State(String),
+    /// The VM's configuration cannot be built (a missing disk, a locked one, too many).
+    #[error("{0}")]
+    Config(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }

@@ -15,6 +15,7 @@ pub mod state;
 pub mod vcpu;
 pub mod vm;
 
+pub use devices::virtio::block::DiskConfig;
 pub use error::{Error, Result};
 pub use memory::{MemoryBackend, MemorySize};
 pub use vm::{BootImage, Vm, VmConfig, VmEvent, VmInfo, VmState};

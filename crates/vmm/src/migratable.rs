@@ -8,10 +8,12 @@ use crate::memory::MemoryBackend;
 use crate::vm::{Vm, VmConfig};
 
 /// Version of the vCPU and device state encodings below; bump on any change to them.
-const STATE_VERSION: u32 = 2;
+const STATE_VERSION: u32 = 3;
 
+/// The VM's own words travel to the peer and the API (`Display` only), so they are part of the
+/// message, not only its source.
 fn vm_err(e: crate::error::Error) -> migration::Error {
-    migration::Error::vm_caused("the KVM VM", e)
+    migration::Error::vm(format!("the KVM VM: {e}"))
 }
 
 fn encode<T: Serialize>(value: &T) -> migration::Result<Vec<u8>> {
@@ -55,6 +57,7 @@ impl VmConfig {
             )));
         }
         Ok(Self {
+            disks: Vec::new(),
             memory: d.memory_bytes,
             vcpus: d.vcpus as usize,
             backend: d
@@ -116,8 +119,11 @@ impl Migratable for Vm {
     }
 
     fn resume(&self) -> migration::Result<()> {
-        Vm::resume(self);
-        Ok(())
+        Vm::resume(self).map_err(vm_err)
+    }
+
+    fn release_devices(&self) -> migration::Result<()> {
+        Vm::release_devices(self).map_err(vm_err)
     }
 
     fn save_vcpus(&self) -> migration::Result<Vec<Vec<u8>>> {
@@ -138,7 +144,8 @@ impl Migratable for Vm {
             .map(|b| decode(b, "vCPU"))
             .collect::<migration::Result<Vec<_>>>()?;
         let devices = decode(devices, "device")?;
-        self.restore(&vcpus, &devices).map_err(vm_err)
+        self.restore(&vcpus, &devices).map_err(vm_err)?;
+        self.claim_devices().map_err(vm_err)
     }
 
     fn guest_progress_rate(&self, from_ns: u64, to_ns: u64) -> Option<f64> {

@@ -89,6 +89,19 @@ pub struct DeviceState {
     pub clock: kvm_clock_data,
     pub serial: SerialDeviceState,
     pub heartbeat: HeartbeatState,
+    /// virtio devices, slot by slot.
+    pub virtio: Vec<VirtioState>,
+}
+
+/// Version of `VirtioState`'s encoding, checked per device; bump on any change to it.
+pub const VIRTIO_STATE_VERSION: u32 = 1;
+
+/// One virtio device: the transport's registers and queues (a request is never in flight at
+/// a pause: see `devices::virtio`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VirtioState {
+    pub version: u32,
+    pub transport: crate::devices::virtio::mmio::TransportState,
 }
 
 /// The MSRs KVM lists that this host can both read and write back: probed once per VM,

@@ -18,7 +18,7 @@ use kvm_bindings::kvm_run;
 use kvm_ioctls::{VcpuExit, VcpuFd};
 use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
 
-use crate::devices::{GuestEvent, PortBus};
+use crate::devices::{DeviceBus, GuestEvent};
 use crate::error::{Error, Result};
 use crate::memory::GuestMemory;
 use crate::vm::VmEvent;
@@ -179,7 +179,7 @@ struct VcpuContext {
     cpu: usize,
     fd: Arc<Mutex<VcpuFd>>,
     memory: GuestMemory,
-    bus: Arc<PortBus>,
+    bus: Arc<DeviceBus>,
     control: Arc<RunControl>,
     events: Sender<VmEvent>,
 }
@@ -188,7 +188,7 @@ impl VcpuSet {
     pub fn start(
         fds: Vec<VcpuFd>,
         memory: &GuestMemory,
-        bus: &Arc<PortBus>,
+        bus: &Arc<DeviceBus>,
         events: &Sender<VmEvent>,
         start_paused: bool,
     ) -> Result<Self> {
@@ -368,8 +368,8 @@ impl VcpuContext {
                 }
             }
             VcpuExit::IoIn(port, data) => self.bus.port_in(port, data),
-            VcpuExit::MmioRead(_, data) => data.fill(0xff),
-            VcpuExit::MmioWrite(..) => {}
+            VcpuExit::MmioRead(addr, data) => self.bus.mmio_read(addr, data),
+            VcpuExit::MmioWrite(addr, data) => self.bus.mmio_write(addr, data, &self.memory),
             VcpuExit::Hlt => {
                 let _ = self
                     .events

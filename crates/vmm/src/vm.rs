@@ -13,10 +13,14 @@ use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryReg
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::boot;
-use crate::devices::{GuestEvent, HeartbeatDevice, PortBus, SerialDevice, serial};
+use crate::devices::virtio::block::{Block, DiskConfig};
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::{FIRST_GSI, MAX_SLOTS, SLOT_SIZE, WriteLog};
+use crate::devices::{DeviceBus, GuestEvent, HeartbeatDevice, SerialDevice, serial};
 use crate::error::{Error, Result, kvm};
+use crate::layout::DEVICE_WINDOW_START;
 use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory};
-use crate::state::{self, DeviceState, VcpuState};
+use crate::state::{self, DeviceState, VIRTIO_STATE_VERSION, VcpuState, VirtioState};
 use crate::vcpu::VcpuSet;
 
 const TSS_ADDRESS: usize = 0xfffb_d000;
@@ -39,6 +43,8 @@ pub struct VmConfig {
     pub memory: u64,
     pub vcpus: usize,
     pub backend: MemoryBackend,
+    /// virtio-blk disks, in slot order.
+    pub disks: Vec<DiskConfig>,
 }
 
 /// Something the VM tells its owner without being asked.
@@ -54,6 +60,22 @@ pub enum VmState {
     Paused,
 }
 
+/// A virtio device as status displays show it.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub slot: usize,
+    pub address: u64,
+    /// `VIRTIO_ID_*`.
+    pub kind: u32,
+    pub counters: Vec<(&'static str, u64)>,
+    /// The backing file, for a disk.
+    pub path: Option<std::path::PathBuf>,
+    /// Whether the guest can change what lies behind it.
+    pub writable: bool,
+    /// Why it stopped serving (it asked the driver for a reset), if it did.
+    pub broken: Option<String>,
+}
+
 /// A snapshot of what the VM is doing, for status displays.
 #[derive(Clone, Debug)]
 pub struct VmInfo {
@@ -65,6 +87,7 @@ pub struct VmInfo {
     pub total: crate::devices::Progress,
     pub verify_errors: u64,
     pub verify_error_pages: Vec<u64>,
+    pub blk_error_sectors: Vec<u64>,
     pub max_heartbeat_gap_ns: u64,
     pub observed_downtime_ns: Option<u64>,
 }
@@ -73,7 +96,7 @@ pub struct Vm {
     fd: VmFd,
     memory: GuestMemory,
     vcpus: VcpuSet,
-    bus: Arc<PortBus>,
+    bus: Arc<DeviceBus>,
     msrs: Vec<u32>,
     /// The CPU model this host's KVM gives a guest (read back from a vCPU: KVM completes what
     /// was set); a migrated model is checked against it.
@@ -83,8 +106,6 @@ pub struct Vm {
     config: VmConfig,
     state: Mutex<VmState>,
     events: Mutex<Receiver<VmEvent>>,
-    /// Pages the VMM itself wrote (device emulation): dirty for migration like guest writes.
-    vmm_writes: Mutex<Bitmap>,
     /// One buffer per RAM slot for reading its dirty log (reused: see `dirty_log`).
     dirty_buffers: Mutex<Vec<Vec<u64>>>,
 }
@@ -94,7 +115,7 @@ struct Parts {
     fd: VmFd,
     memory: GuestMemory,
     vcpu_fds: Vec<VcpuFd>,
-    bus: Arc<PortBus>,
+    bus: Arc<DeviceBus>,
     msrs: Vec<u32>,
     supported_cpuid: CpuId,
     manual_dirty_protect: bool,
@@ -109,7 +130,7 @@ impl Vm {
         cmdline: &str,
         serial: serial::Output,
     ) -> Result<Self> {
-        let parts = Parts::create(&config, serial)?;
+        let parts = Parts::create(&config, serial, true)?;
         let entry = match image {
             BootImage::Pvh(path) => {
                 boot::load_pvh(&parts.memory, config.memory, path, cmdline, config.vcpus)?
@@ -144,16 +165,13 @@ impl Vm {
 
     /// An empty VM, vCPUs parked, waiting for memory and state (a migration or a snapshot).
     pub fn for_restore(config: VmConfig, serial: serial::Output) -> Result<Self> {
-        let parts = Parts::create(&config, serial)?;
+        let parts = Parts::create(&config, serial, false)?;
         Self::start(config, parts, true)
     }
 
     fn start(config: VmConfig, parts: Parts, paused: bool) -> Result<Self> {
         let (tx, rx): (Sender<VmEvent>, _) = channel();
         let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
-        let gfn_end = crate::layout::ram_ranges(config.memory)
-            .last()
-            .map_or(0, |r| r.end_gfn());
         Ok(Self {
             fd: parts.fd,
             memory: parts.memory,
@@ -169,7 +187,6 @@ impl Vm {
                 VmState::Running
             }),
             events: Mutex::new(rx),
-            vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
             dirty_buffers: Mutex::new(Vec::new()),
         })
     }
@@ -199,10 +216,14 @@ impl Vm {
         Ok(())
     }
 
-    pub fn resume(&self) {
+    /// Runs the vCPUs, after taking the disks back if a migration let go of them (refused,
+    /// and the VM stays paused, while another process holds one).
+    pub fn resume(&self) -> Result<()> {
+        self.claim_devices()?;
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         self.vcpus.resume();
         *state = VmState::Running;
+        Ok(())
     }
 
     /// Waits for the next event from the guest or a vCPU, up to `timeout`.
@@ -226,6 +247,7 @@ impl Vm {
             total: hb.total(),
             verify_errors: hb.verify_errors(),
             verify_error_pages: hb.verify_error_pages().to_vec(),
+            blk_error_sectors: hb.blk_error_sectors().to_vec(),
             max_heartbeat_gap_ns: hb.max_gap_ns(),
             observed_downtime_ns: hb.observed_downtime_ns(),
         }
@@ -257,10 +279,12 @@ impl Vm {
         self.memory
             .write_slice(data, GuestAddress(gpa))
             .map_err(|e| Error::Memory(e.to_string()))?;
-        let mut dirty = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
-        for pfn in gpa / 4096..(gpa + data.len() as u64).div_ceil(4096) {
-            dirty.set(pfn);
-        }
+        let mut dirty = self
+            .bus
+            .vmm_writes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        dirty.wrote(gpa, data.len());
         Ok(())
     }
 
@@ -272,7 +296,11 @@ impl Vm {
 
     /// Adds the pages the VMM wrote since the last call to `into` (if given), and forgets them.
     pub fn drain_vmm_writes(&self, into: Option<&mut Bitmap>) {
-        let mut written = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut written = self
+            .bus
+            .vmm_writes
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
         if let Some(into) = into {
             into.merge(&written);
         }
@@ -337,6 +365,15 @@ impl Vm {
             clock: self.fd.get_clock().map_err(kvm("KVM_GET_CLOCK"))?,
             serial,
             heartbeat: self.heartbeat().save(),
+            virtio: self
+                .bus
+                .virtio
+                .iter()
+                .map(|d| VirtioState {
+                    version: VIRTIO_STATE_VERSION,
+                    transport: d.lock().unwrap_or_else(|e| e.into_inner()).save(),
+                })
+                .collect(),
         })
     }
 
@@ -368,7 +405,72 @@ impl Vm {
             .load(&devices.serial)
             .map_err(Error::State)?;
         *self.heartbeat() = HeartbeatDevice::restore(devices.heartbeat.clone(), true);
+        if devices.virtio.len() != self.bus.virtio.len() {
+            return Err(Error::State(format!(
+                "the VM arrived with {} virtio devices, this one was given {} (--disk)",
+                devices.virtio.len(),
+                self.bus.virtio.len()
+            )));
+        }
+        for (slot, (s, d)) in devices.virtio.iter().zip(&self.bus.virtio).enumerate() {
+            if s.version != VIRTIO_STATE_VERSION {
+                return Err(Error::State(format!(
+                    "virtio device {slot}: state version {}, this ferry reads {VIRTIO_STATE_VERSION}",
+                    s.version
+                )));
+            }
+            d.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .load(&s.transport)
+                .map_err(|e| Error::State(format!("virtio device {slot}: {e}")))?;
+        }
         Ok(())
+    }
+
+    /// Flushes every disk and lets go of it: the VM is about to run on another host.
+    pub fn release_devices(&self) -> Result<()> {
+        for d in &self.bus.virtio {
+            d.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .device_mut()
+                .release()
+                .map_err(|e| Error::State(format!("releasing a disk: {e}")))?;
+        }
+        Ok(())
+    }
+
+    /// Takes every disk (again) before the VM runs here; refused while another process holds
+    /// one.
+    pub fn claim_devices(&self) -> Result<()> {
+        for d in &self.bus.virtio {
+            d.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .device_mut()
+                .claim()
+                .map_err(|e| Error::State(e.to_string()))?;
+        }
+        Ok(())
+    }
+
+    /// Each virtio device's kind, counters and why it stopped serving, if it did.
+    pub fn device_info(&self) -> Vec<DeviceInfo> {
+        self.bus
+            .virtio
+            .iter()
+            .enumerate()
+            .map(|(slot, d)| {
+                let d = d.lock().unwrap_or_else(|e| e.into_inner());
+                DeviceInfo {
+                    slot,
+                    address: DEVICE_WINDOW_START + slot as u64 * SLOT_SIZE,
+                    kind: d.device().device_type(),
+                    counters: d.device().counters(),
+                    path: d.device().backing().map(std::path::Path::to_path_buf),
+                    writable: d.device().writable(),
+                    broken: d.broken().map(str::to_string),
+                }
+            })
+            .collect()
     }
 
     fn require_paused(&self, what: &str) -> Result<()> {
@@ -385,7 +487,9 @@ impl Vm {
 }
 
 impl Parts {
-    fn create(config: &VmConfig, serial_out: serial::Output) -> Result<Self> {
+    /// `claim_disks`: take the disks' locks now (a VM booting here; one arriving takes them
+    /// when it first runs).
+    fn create(config: &VmConfig, serial_out: serial::Output, claim_disks: bool) -> Result<Self> {
         if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
             return Err(Error::Vcpu {
                 cpu: 0,
@@ -413,9 +517,28 @@ impl Parts {
         let irq = EventFd::new(EFD_NONBLOCK)?;
         fd.register_irqfd(&irq, serial::IRQ)
             .map_err(kvm("KVM_IRQFD"))?;
-        let bus = Arc::new(PortBus {
+        if config.disks.len() > MAX_SLOTS {
+            return Err(Error::Config(format!(
+                "at most {MAX_SLOTS} disks, not {}",
+                config.disks.len()
+            )));
+        }
+        let mut virtio = Vec::new();
+        for (slot, disk) in config.disks.iter().enumerate() {
+            let block = Block::open(disk, claim_disks).map_err(Error::Config)?;
+            let irq = EventFd::new(EFD_NONBLOCK)?;
+            fd.register_irqfd(&irq, FIRST_GSI + slot as u32)
+                .map_err(kvm("KVM_IRQFD"))?;
+            virtio.push(Mutex::new(MmioTransport::new(Box::new(block), irq)));
+        }
+        let gfn_end = crate::layout::ram_ranges(config.memory)
+            .last()
+            .map_or(0, |r| r.end_gfn());
+        let bus = Arc::new(DeviceBus {
             serial: Mutex::new(SerialDevice::new(irq, serial_out)?),
             heartbeat: Mutex::new(HeartbeatDevice::new(config.vcpus)),
+            virtio,
+            vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
         });
 
         let cpuid = kvm_sys
@@ -533,6 +656,7 @@ mod tests {
             memory: 64 << 20,
             vcpus: 1,
             backend: MemoryBackend::Anonymous,
+            disks: Vec::new(),
         };
         let src = Vm::for_restore(config.clone(), Box::new(std::io::sink())).unwrap();
         let deadline = 1u64 << 50;

@@ -400,10 +400,23 @@ impl Postcopy {
         };
         match done {
             Ok(_) => {}
-            // Already mapped (a racing zero-page resolution cannot happen for pending pages,
-            // but the kernel says so when it does): the page is there.
+            // Already mapped: nothing here maps a pending page but this function, so the
+            // page must already hold this very content; anything else would be a page the
+            // guest sees wrong, and is an error.
             Err(userfaultfd::Error::CopyFailed(e)) | Err(userfaultfd::Error::ZeropageFailed(e))
-                if e as i32 == libc::EEXIST => {}
+                if e as i32 == libc::EEXIST =>
+            {
+                let here = self.ram.page(pfn)?;
+                let same = match data {
+                    Some(d) => here == d,
+                    None => crate::wire::zero::is_zero_page(here),
+                };
+                if !same {
+                    return Err(Error::vm(format!(
+                        "page {pfn:#x} was already in place with other content than the source's"
+                    )));
+                }
+            }
             Err(e) => return Err(Error::vm_caused(format!("installing page {pfn:#x}"), e)),
         }
         self.present.set(pfn);

@@ -162,6 +162,20 @@ impl Checkpoints {
         Ok(())
     }
 
+    /// A rollback that could not load the state (a disk still held by the destination): the
+    /// post-copy may still carry on, checkpoints with it.
+    pub fn reopen(&self) {
+        self.applied
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .closed = false;
+        self.board.checkpoints(|c| {
+            if let Some(c) = c {
+                c.rolled_back_to = None;
+            }
+        });
+    }
+
     /// The newest checkpoint, after which nothing is applied any more (the VM runs here
     /// again from it); `None` if none came, and the VM runs from the switch.
     pub fn close(&self) -> Option<Saved> {

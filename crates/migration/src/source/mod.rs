@@ -228,19 +228,27 @@ impl Outgoing {
             .as_ref()
             .and_then(|l| l.checkpoints.clone());
         // From here on nothing more is applied to the memory the VM runs on.
-        let from = match checkpoints.and_then(|c| c.close()) {
+        let from = match checkpoints.as_ref().and_then(|c| c.close()) {
             Some(saved) => {
-                vm.load_state(&saved.vcpus, &saved.devices)?;
+                if let Err(e) = vm.load_state(&saved.vcpus, &saved.devices) {
+                    checkpoints.iter().for_each(|c| c.reopen());
+                    return Err(e);
+                }
                 Resumed::Checkpoint(saved.seq)
             }
             None => Resumed::Switch,
         };
+        let _ = vm.stop_dirty_log();
+        // Refused while the destination still holds a disk: then it may still run the VM,
+        // and nothing changes here (a post-copy can still carry on).
+        if self.ran_before_unconfirmed.load(Ordering::Acquire)
+            && let Err(e) = vm.resume()
+        {
+            checkpoints.iter().for_each(|c| c.reopen());
+            return Err(e);
+        }
         // A post-copy taken back can no longer be resumed.
         *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
-        let _ = vm.stop_dirty_log();
-        if self.ran_before_unconfirmed.load(Ordering::Acquire) {
-            vm.resume()?;
-        }
         let at = match from {
             Resumed::Switch => "from the switch".to_string(),
             Resumed::Checkpoint(seq) => format!(

@@ -51,6 +51,9 @@ impl Session<'_> {
             self.stream.drain(SWITCH_DRAIN_LIMIT);
         }
         self.pause()?;
+        // Its disks are flushed and let go now, for the destination to take; a failure from
+        // here on takes them back before the VM runs here again (`resume`).
+        self.vm.release_devices()?;
         self.step(Event::Paused)?;
         let (paused_at, paused_at_ns) = self.paused_at.expect("paused above");
         self.status.report.guest_pages_per_s_during =

@@ -1,6 +1,6 @@
 //! The heartbeat device: the workload guest's progress, timestamped by the host.
 //!
-//! Ports and block layout mirror `guest/abi.h`. A vCPU registers a 64-byte block in guest
+//! Ports and block layout mirror `guest/abi.h`. A vCPU registers a block (`struct hb_block`) in guest
 //! memory; each heartbeat `out` makes ferry read the block and note the host time. Gaps between
 //! heartbeats are what the guest lost: across a migration, the gap between the last heartbeat
 //! on the source and the first on the destination is the guest-observed downtime.
@@ -14,14 +14,15 @@ use vm_memory::{Bytes, GuestAddress};
 
 use crate::memory::GuestMemory;
 
-pub const PORTS: RangeInclusive<u16> = 0x5a0..=0x5b3;
+pub const PORTS: RangeInclusive<u16> = 0x5a0..=0x5b7;
 pub const PORT_REGISTER: u16 = 0x5a0;
 pub const PORT_HEARTBEAT: u16 = 0x5a4;
 pub const PORT_VERIFY_ERROR: u16 = 0x5a8;
 pub const PORT_DONE: u16 = 0x5ac;
 pub const PORT_FATAL_MSG: u16 = 0x5b0;
+pub const PORT_BLK_ERROR: u16 = 0x5b4;
 const HB_MAGIC: u32 = 0x4645_5259;
-const BLOCK_SIZE: usize = 80;
+const BLOCK_SIZE: usize = 104;
 /// Verify-error pages kept for display; the count goes on past it.
 const ERROR_PAGES_KEPT: usize = 64;
 /// Progress samples kept for rate history (one per `SAMPLE_EVERY_NS`).
@@ -48,6 +49,11 @@ pub struct Progress {
     /// Working-set pages from this one on lie at `ws_base_high` (past the MMIO hole).
     pub ws_split_page: u64,
     pub ws_base_high: u64,
+    /// The disk workload (`blk`): sectors written and read back, and reads that did not
+    /// carry the stamp last written (or requests that failed).
+    pub blk_writes: u64,
+    pub blk_reads: u64,
+    pub blk_errors: u64,
     /// Guest-physical address of the block, once registered.
     pub block: Option<u64>,
     /// Host wall-clock time (ns since the epoch) of the last heartbeat.
@@ -70,6 +76,8 @@ pub struct HeartbeatState {
     pub verify_errors: u64,
     pub verify_error_pages: Vec<u64>,
     pub max_gap_ns: u64,
+    /// Disk sectors the guest found wrong (the first few).
+    pub blk_error_sectors: Vec<u64>,
 }
 
 pub struct HeartbeatDevice {
@@ -109,6 +117,10 @@ impl HeartbeatDevice {
         }
     }
 
+    pub fn blk_error_sectors(&self) -> &[u64] {
+        &self.state.blk_error_sectors
+    }
+
     pub fn save(&self) -> HeartbeatState {
         self.state.clone()
     }
@@ -146,6 +158,13 @@ impl HeartbeatDevice {
                     *d = Some(value);
                 }
                 self.finished()
+            }
+            PORT_BLK_ERROR => {
+                if self.state.blk_error_sectors.len() < ERROR_PAGES_KEPT {
+                    self.state.blk_error_sectors.push(u64::from(value));
+                }
+                tracing::warn!(cpu, sector = value, "guest reported a disk verify error");
+                None
             }
             PORT_FATAL_MSG => self.fatal_byte(data.first().copied().unwrap_or(b'\n')),
             _ => None,
@@ -205,6 +224,9 @@ impl HeartbeatDevice {
         p.ws_base = word(7);
         p.ws_split_page = word(8);
         p.ws_base_high = word(9);
+        p.blk_writes = word(10);
+        p.blk_reads = word(11);
+        p.blk_errors = word(12);
     }
 
     fn finished(&self) -> Option<GuestEvent> {
@@ -235,6 +257,9 @@ impl HeartbeatDevice {
             t.pages += p.pages;
             t.passes += p.passes;
             t.errors += p.errors;
+            t.blk_writes += p.blk_writes;
+            t.blk_reads += p.blk_reads;
+            t.blk_errors += p.blk_errors;
             t.last_heartbeat_ns = t.last_heartbeat_ns.max(p.last_heartbeat_ns);
         }
         if let Some(first) = self.state.vcpus.first() {

@@ -1,0 +1,172 @@
+//! A disk that survives the move: the guest's `blk` workload stamps sectors with their number
+//! and a generation and checks each one reads back what it last wrote, while the VM moves
+//! between processes that open the same file (shared storage, as two hosts would). No write
+//! may be lost or land twice, and only one process may ever write the disk.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use api::MigrationPhase;
+use common::*;
+
+const T: Duration = Duration::from_secs(60);
+/// The guest cycles over this many sectors: every one is read back each cycle.
+const SECTORS: u64 = 256;
+
+fn disk(dir: &Path) -> PathBuf {
+    let path = dir.join("disk.img");
+    std::fs::File::create(&path)
+        .and_then(|f| f.set_len(4 << 20))
+        .expect("disk file");
+    path
+}
+
+fn disk_arg(path: &Path) -> String {
+    format!("path={}", path.display())
+}
+
+/// A writer guest with the disk workload beside it, once it has been round its sectors.
+fn boot_with_disk(path: &Path) -> Ferry {
+    let guest = guest();
+    let arg = disk_arg(path);
+    let cmdline = format!("write ws=16M seq verify blk blk_sectors={SECTORS}");
+    let vm = Ferry::start(&[
+        "--guest",
+        guest.to_str().unwrap(),
+        "--memory",
+        "256M",
+        "--cmdline",
+        &cmdline,
+        "--disk",
+        &arg,
+    ]);
+    vm.wait_info("a first round of the disk", T, |i| i.blk_writes >= SECTORS);
+    vm
+}
+
+/// Every sector read back at least once more on `vm` since `from` writes, and none wrong.
+fn assert_disk_verified(vm: &Ferry, from: u64, what: &str) {
+    let info = vm.wait_info("every sector read back again", T, |i| {
+        i.blk_reads > from + SECTORS
+    });
+    assert_eq!(
+        info.blk_errors, 0,
+        "{what}: sectors read back wrong: {:?}",
+        info.blk_error_sectors
+    );
+    assert_eq!(info.verify_errors, 0, "{what}: memory verify errors");
+    let dev = &info.devices[0];
+    assert_eq!(dev.kind, "virtio-blk");
+    assert_eq!(dev.needs_reset, None, "{what}");
+}
+
+#[test]
+fn disk_writes_survive_precopy_then_postcopy() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = disk(dir.path());
+    let mut src = boot_with_disk(&path);
+
+    // Pre-copy to a second process that opens the same file.
+    let port = free_port();
+    let url = format!("tcp:127.0.0.1:{port}");
+    let mut mid = Ferry::start(&["--incoming", &url, "--disk", &disk_arg(&path)]);
+    let (report, ok, errors) = migrate(&src, &url, &["--checksum"]);
+    assert!(ok, "{errors}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(src.wait_exit(T).success(), "the source let go");
+    let arrived = mid.info().blk_writes;
+    assert_disk_verified(&mid, arrived, "after pre-copy");
+
+    // And on by post-copy to a third.
+    let port = free_port();
+    let url = format!("tcp:127.0.0.1:{port}");
+    let last = Ferry::start(&["--incoming", &url, "--disk", &disk_arg(&path)]);
+    let (report, ok, errors) = migrate(&mid, &url, &["--mode", "postcopy"]);
+    assert!(ok, "{errors}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(mid.wait_exit(T).success(), "the second host let go");
+    let arrived = last.info().blk_writes;
+    assert_disk_verified(&last, arrived, "after post-copy");
+}
+
+#[test]
+fn a_destination_without_the_disk_is_refused_and_the_source_keeps_writing() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = disk(dir.path());
+    let src = boot_with_disk(&path);
+    let port = free_port();
+    let url = format!("tcp:127.0.0.1:{port}");
+    let _dst = Ferry::incoming(&url); // no --disk
+    let (report, ok, errors) = migrate(&src, &url, &[]);
+    assert!(!ok, "a VM must not arrive without its disk");
+    assert_eq!(report.phase, MigrationPhase::Failed);
+    assert!(errors.contains("virtio devices"), "{errors}");
+    // The source took its disk back and goes on writing it.
+    assert_eq!(src.info().state, "running");
+    let now = src.info().blk_writes;
+    assert_disk_verified(&src, now, "after the refused migration");
+}
+
+#[test]
+fn a_second_writer_and_bad_disk_options_are_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = disk(dir.path());
+    let src = boot_with_disk(&path);
+    let guest = guest();
+    let guest = guest.to_str().unwrap();
+    let second = ferry_output(&[
+        "run",
+        "--guest",
+        guest,
+        "--disk",
+        &disk_arg(&path),
+        "--serial",
+        "/dev/null",
+    ]);
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success());
+    assert!(stderr.contains("in use by another process"), "{stderr}");
+
+    for (arg, expect) in [
+        ("file=/tmp/x.img", "use path=FILE"),
+        ("readonly", "names no path="),
+        ("path=/nonexistent/disk.img", "/nonexistent/disk.img"),
+    ] {
+        let out = ferry_output(&[
+            "run",
+            "--guest",
+            guest,
+            "--disk",
+            arg,
+            "--serial",
+            "/dev/null",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--disk {arg}");
+        assert!(stderr.contains(expect), "--disk {arg}: {stderr}");
+    }
+
+    // Post-copy checkpoints cannot roll a writable disk back: refused, and said why.
+    let err = src
+        .api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({
+                "destination": "tcp:127.0.0.1:1", "mode": "postcopy", "checkpoint_ms": 20
+            })),
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("writable disk"), "{err}");
+    assert_eq!(src.info().state, "running");
+}

@@ -1,0 +1,403 @@
+//! virtio-blk on a file or block device (`ferry run --disk path=FILE[,readonly]`): read,
+//! write, flush and get-id, served synchronously (see the module above).
+//!
+//! A disk is shared storage: the same file may be open on two hosts across a migration. An
+//! advisory lock (`flock`, as QEMU's image locking) keeps a second writer out: a VM that boots
+//! takes it at once; a VM that arrives takes it when it first runs, after the source, paused
+//! for the switch, has flushed and let go of it.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use virtio_bindings::virtio_blk::{
+    VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
+    VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
+    VIRTIO_BLK_T_OUT,
+};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::{Bytes, GuestAddress};
+
+use super::{DriverError, VirtioDevice, WriteLog};
+use crate::memory::GuestMemory;
+
+pub const SECTOR: u64 = 512;
+const QUEUE_SIZE: u16 = 256;
+/// Data moves between the file and guest memory in pieces of this size (a descriptor may
+/// name gigabytes; the VMM never allocates what a guest asks).
+const CHUNK: usize = 64 << 10;
+
+/// `--disk path=FILE[,readonly]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskConfig {
+    pub path: PathBuf,
+    pub readonly: bool,
+}
+
+impl std::str::FromStr for DiskConfig {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut path = None;
+        let mut readonly = false;
+        for part in s.split(',') {
+            match part.split_once('=') {
+                Some(("path", p)) if !p.is_empty() => path = Some(PathBuf::from(p)),
+                None if part == "readonly" => readonly = true,
+                _ => {
+                    return Err(format!(
+                        "'{part}' in --disk '{s}' (use path=FILE[,readonly])"
+                    ));
+                }
+            }
+        }
+        let path = path.ok_or_else(|| format!("--disk '{s}' names no path= (use path=FILE)"))?;
+        Ok(Self { path, readonly })
+    }
+}
+
+pub struct Block {
+    file: File,
+    path: PathBuf,
+    readonly: bool,
+    sectors: u64,
+    locked: bool,
+    reads: u64,
+    writes: u64,
+    flushes: u64,
+    errors: u64,
+}
+
+impl Block {
+    /// Opens the disk; `claim` takes its lock now (a VM booting here), otherwise it is taken
+    /// when the VM first runs here (`claim`).
+    pub fn open(config: &DiskConfig, claim: bool) -> Result<Self, String> {
+        let path = &config.path;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(!config.readonly)
+            .open(path)
+            .map_err(|e| format!("cannot open disk {}: {e}", path.display()))?;
+        let bytes = disk_size(&file).map_err(|e| format!("disk {}: {e}", path.display()))?;
+        if bytes < SECTOR {
+            return Err(format!(
+                "disk {} holds {bytes} bytes, less than one 512-byte sector",
+                path.display()
+            ));
+        }
+        let mut block = Self {
+            file,
+            path: path.clone(),
+            readonly: config.readonly,
+            sectors: bytes / SECTOR,
+            locked: false,
+            reads: 0,
+            writes: 0,
+            flushes: 0,
+            errors: 0,
+        };
+        if claim {
+            block.claim().map_err(|e| e.to_string())?;
+        }
+        Ok(block)
+    }
+
+    pub fn sectors(&self) -> u64 {
+        self.sectors
+    }
+
+    /// Serves one request; returns the bytes written into the driver's buffers.
+    fn serve(
+        &mut self,
+        descs: &[Descriptor],
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<u32, DriverError> {
+        let (Some(header), Some(status)) = (descs.first(), descs.last()) else {
+            return Err(DriverError("an empty request".into()));
+        };
+        if descs.len() < 2 || header.is_write_only() || header.len() < 16 {
+            return Err(DriverError(
+                "a request without a 16-byte readable header and a status byte".into(),
+            ));
+        }
+        if !status.is_write_only() || status.len() < 1 {
+            return Err(DriverError(
+                "a request whose last buffer is not a writable status byte".into(),
+            ));
+        }
+        let mut head = [0u8; 16];
+        memory
+            .read_slice(&mut head, header.addr())
+            .map_err(|_| outside(header))?;
+        let kind = u32::from_le_bytes(head[0..4].try_into().unwrap());
+        let sector = u64::from_le_bytes(head[8..16].try_into().unwrap());
+        let data = &descs[1..descs.len() - 1];
+        let (code, written) = match kind {
+            VIRTIO_BLK_T_IN => self.read(sector, data, memory, log)?,
+            VIRTIO_BLK_T_OUT => self.write(sector, data, memory)?,
+            VIRTIO_BLK_T_FLUSH => (self.flush_status(), 0),
+            VIRTIO_BLK_T_GET_ID => self.id(data, memory, log)?,
+            _ => (VIRTIO_BLK_S_UNSUPP, 0),
+        };
+        if code == VIRTIO_BLK_S_IOERR {
+            self.errors += 1;
+        }
+        memory
+            .write_slice(&[code as u8], status.addr())
+            .map_err(|_| outside(status))?;
+        log.wrote(status.addr().0, 1);
+        Ok(written + 1)
+    }
+
+    /// Where a transfer of `len` bytes from `sector` lies in the file, if inside the disk.
+    fn span(&self, sector: u64, len: u64) -> Option<u64> {
+        let start = sector.checked_mul(SECTOR)?;
+        (start.checked_add(len)? <= self.sectors * SECTOR).then_some(start)
+    }
+
+    fn read(
+        &mut self,
+        sector: u64,
+        data: &[Descriptor],
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<(u32, u32), DriverError> {
+        if data.iter().any(|d| !d.is_write_only()) {
+            return Err(DriverError(
+                "a read into a buffer the device may not write".into(),
+            ));
+        }
+        let total: u64 = data.iter().map(|d| u64::from(d.len())).sum();
+        let Some(mut offset) = self.span(sector, total) else {
+            return Ok((VIRTIO_BLK_S_IOERR, 0));
+        };
+        let mut buf = vec![0u8; CHUNK];
+        for d in data {
+            let mut done = 0u64;
+            while done < u64::from(d.len()) {
+                let n = (u64::from(d.len()) - done).min(CHUNK as u64) as usize;
+                if let Err(e) = self.file.read_exact_at(&mut buf[..n], offset) {
+                    tracing::warn!("disk {}: read at {offset}: {e}", self.path.display());
+                    return Ok((VIRTIO_BLK_S_IOERR, 0));
+                }
+                let at = d.addr().0 + done;
+                memory
+                    .write_slice(&buf[..n], GuestAddress(at))
+                    .map_err(|_| outside(d))?;
+                log.wrote(at, n);
+                done += n as u64;
+                offset += n as u64;
+            }
+        }
+        self.reads += 1;
+        Ok((VIRTIO_BLK_S_OK, total as u32))
+    }
+
+    fn write(
+        &mut self,
+        sector: u64,
+        data: &[Descriptor],
+        memory: &GuestMemory,
+    ) -> Result<(u32, u32), DriverError> {
+        if data.iter().any(|d| d.is_write_only()) {
+            return Err(DriverError(
+                "a write from a buffer the device may only write".into(),
+            ));
+        }
+        if self.readonly {
+            return Ok((VIRTIO_BLK_S_IOERR, 0));
+        }
+        let total: u64 = data.iter().map(|d| u64::from(d.len())).sum();
+        let Some(mut offset) = self.span(sector, total) else {
+            return Ok((VIRTIO_BLK_S_IOERR, 0));
+        };
+        let mut buf = vec![0u8; CHUNK];
+        for d in data {
+            let mut done = 0u64;
+            while done < u64::from(d.len()) {
+                let n = (u64::from(d.len()) - done).min(CHUNK as u64) as usize;
+                memory
+                    .read_slice(&mut buf[..n], GuestAddress(d.addr().0 + done))
+                    .map_err(|_| outside(d))?;
+                if let Err(e) = self.file.write_all_at(&buf[..n], offset) {
+                    tracing::warn!("disk {}: write at {offset}: {e}", self.path.display());
+                    return Ok((VIRTIO_BLK_S_IOERR, 0));
+                }
+                done += n as u64;
+                offset += n as u64;
+            }
+        }
+        self.writes += 1;
+        Ok((VIRTIO_BLK_S_OK, 0))
+    }
+
+    fn flush_status(&mut self) -> u32 {
+        self.flushes += 1;
+        match self.file.sync_data() {
+            Ok(()) => VIRTIO_BLK_S_OK,
+            Err(e) => {
+                tracing::warn!("disk {}: flush: {e}", self.path.display());
+                VIRTIO_BLK_S_IOERR
+            }
+        }
+    }
+
+    fn id(
+        &self,
+        data: &[Descriptor],
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<(u32, u32), DriverError> {
+        let Some(d) = data.first().filter(|d| d.is_write_only()) else {
+            return Err(DriverError(
+                "a get-id request without a writable buffer".into(),
+            ));
+        };
+        let mut id = [0u8; VIRTIO_BLK_ID_BYTES as usize];
+        let name = b"ferry-disk";
+        id[..name.len()].copy_from_slice(name);
+        let n = id.len().min(d.len() as usize);
+        memory
+            .write_slice(&id[..n], d.addr())
+            .map_err(|_| outside(d))?;
+        log.wrote(d.addr().0, n);
+        Ok((VIRTIO_BLK_S_OK, n as u32))
+    }
+}
+
+impl VirtioDevice for Block {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BLOCK
+    }
+
+    fn features(&self) -> u64 {
+        let ro = if self.readonly {
+            1 << VIRTIO_BLK_F_RO
+        } else {
+            0
+        };
+        (1 << VIRTIO_F_VERSION_1) | (1 << VIRTIO_BLK_F_FLUSH) | ro
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE]
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // virtio_blk_config: capacity (u64, in sectors) first; the rest is not offered.
+        let config = self.sectors.to_le_bytes();
+        for (i, b) in data.iter_mut().enumerate() {
+            *b = config.get(offset as usize + i).copied().unwrap_or(0);
+        }
+    }
+
+    fn process(
+        &mut self,
+        _index: usize,
+        queue: &mut Queue,
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError> {
+        let mut used = false;
+        let (ring, size) = (queue.used_ring(), queue.size());
+        while let Some(chain) = queue.pop_descriptor_chain(memory) {
+            let head = chain.head_index();
+            let descs: Vec<Descriptor> = chain.collect();
+            let written = self.serve(&descs, memory, log)?;
+            queue
+                .add_used(memory, head, written)
+                .map_err(|e| DriverError(format!("cannot fill the used ring: {e}")))?;
+            used = true;
+        }
+        if used {
+            // flags, idx, the ring and the avail event: all the device writes there.
+            log.wrote(ring, 6 + 8 * usize::from(size));
+        }
+        Ok(used)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.sync_data()
+    }
+
+    fn release(&mut self) -> std::io::Result<()> {
+        self.file.sync_data()?;
+        if self.locked {
+            lock(&self.file, libc::LOCK_UN)?;
+            self.locked = false;
+        }
+        Ok(())
+    }
+
+    fn claim(&mut self) -> std::io::Result<()> {
+        if self.locked {
+            return Ok(());
+        }
+        let mode = if self.readonly {
+            libc::LOCK_SH
+        } else {
+            libc::LOCK_EX
+        };
+        lock(&self.file, mode | libc::LOCK_NB).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!(
+                    "disk {} is in use by another process (it holds the disk's lock): a second \
+                     writer would corrupt it",
+                    self.path.display()
+                ),
+            )
+        })?;
+        self.locked = true;
+        Ok(())
+    }
+
+    fn backing(&self) -> Option<&Path> {
+        Some(&self.path)
+    }
+
+    fn writable(&self) -> bool {
+        !self.readonly
+    }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        vec![
+            ("reads", self.reads),
+            ("writes", self.writes),
+            ("flushes", self.flushes),
+            ("io_errors", self.errors),
+        ]
+    }
+}
+
+fn outside(d: &Descriptor) -> DriverError {
+    DriverError(format!(
+        "a buffer at {:#x} ({} bytes) lies outside guest RAM",
+        d.addr().0,
+        d.len()
+    ))
+}
+
+fn lock(file: &File, op: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: flock on a descriptor this value owns.
+    if unsafe { libc::flock(file.as_raw_fd(), op) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// A regular file's length, or a block device's size.
+fn disk_size(file: &File) -> std::io::Result<u64> {
+    use std::io::{Seek, SeekFrom};
+    let meta = file.metadata()?;
+    if meta.is_file() {
+        return Ok(meta.len());
+    }
+    let mut f = file;
+    f.seek(SeekFrom::End(0))
+}

@@ -1,0 +1,72 @@
+//! virtio devices on the virtio-mmio transport (virtio 1.x, modern only). The transport
+//! (`mmio`) owns the registers and the queues (rust-vmm's `virtio-queue`); a device
+//! (`block`) only says what it offers and serves the requests of a notified queue.
+//!
+//! Requests are served synchronously, on the vCPU thread that wrote `QueueNotify`: when a
+//! vCPU is parked, no request is half done, so a device's state at a pause is its registers,
+//! its queues' indices and its own few fields — nothing in flight to carry or re-issue.
+
+pub mod block;
+pub mod mmio;
+
+use virtio_queue::Queue;
+
+use crate::memory::GuestMemory;
+
+/// Where virtio-mmio devices sit: 4 KiB slots from the start of the 32-bit MMIO hole.
+pub const SLOT_SIZE: u64 = 0x1000;
+pub const MAX_SLOTS: usize = 8;
+/// IOAPIC pins for the slots' interrupts (16 and up: the legacy ISA pins stay free).
+pub const FIRST_GSI: u32 = 16;
+
+/// How Linux learns of the device in `slot` (its virtio-mmio command-line probe).
+pub fn linux_cmdline_word(slot: usize) -> String {
+    let base = crate::layout::DEVICE_WINDOW_START + slot as u64 * SLOT_SIZE;
+    format!(
+        " virtio_mmio.device=4K@{base:#x}:{}",
+        FIRST_GSI + slot as u32
+    )
+}
+
+/// Pages a device wrote into guest memory: dirty for migration like the guest's own writes.
+pub trait WriteLog {
+    fn wrote(&mut self, gpa: u64, len: usize);
+}
+
+/// Why a device gave up on its queue: the driver programmed it wrongly. The transport then
+/// sets `DEVICE_NEEDS_RESET` and serves nothing more until the driver resets it.
+#[derive(Debug)]
+pub struct DriverError(pub String);
+
+pub trait VirtioDevice: Send {
+    /// `VIRTIO_ID_*`.
+    fn device_type(&self) -> u32;
+    /// Every feature offered, `VIRTIO_F_VERSION_1` included.
+    fn features(&self) -> u64;
+    /// The largest size of each queue.
+    fn queue_max_sizes(&self) -> &[u16];
+    /// Reads device configuration space from `offset`.
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+    /// Serves what the driver made available on queue `index`; true when the used ring
+    /// changed (the driver may want an interrupt).
+    fn process(
+        &mut self,
+        index: usize,
+        queue: &mut Queue,
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError>;
+    /// Makes every write done so far durable (before the VM leaves this host).
+    fn flush(&mut self) -> std::io::Result<()>;
+    /// Stops using the backing store (the VM is switching to another host).
+    fn release(&mut self) -> std::io::Result<()>;
+    /// Takes the backing store (again) before the VM runs here; refused when another
+    /// process holds it.
+    fn claim(&mut self) -> std::io::Result<()>;
+    /// Counters for status displays: (name, value).
+    fn counters(&self) -> Vec<(&'static str, u64)>;
+    /// The file behind the device, if any.
+    fn backing(&self) -> Option<&std::path::Path>;
+    /// Whether the guest can change what lies behind the device (a writable disk).
+    fn writable(&self) -> bool;
+}
