@@ -16,7 +16,7 @@
 
 #define HB_MAGIC 0x46455259u /* "FERY" */
 
-/* One per vCPU, 104 bytes, in guest memory; the VMM reads it on every heartbeat. */
+/* One per vCPU, 128 bytes, in guest memory; the VMM reads it on every heartbeat. */
 struct hb_block {
     unsigned long long seq;        /* heartbeats sent by this vCPU */
     unsigned long long pages;      /* pages touched (read or written) */
@@ -36,6 +36,13 @@ struct hb_block {
     unsigned long long blk_writes;
     unsigned long long blk_reads;
     unsigned long long blk_errors;
+    /* The net=fwd workload (vCPU 0's block only; 0 elsewhere): frames the device delivered
+     * on the receiveq (well-formed or not), frames posted back on the transmitq, and frames
+     * not forwarded (shorter than an Ethernet header, longer than the buffer, or dropped for
+     * want of a free tx buffer): net_rx = net_tx + net_errors. */
+    unsigned long long net_rx;
+    unsigned long long net_tx;
+    unsigned long long net_errors;
 };
 
 #endif

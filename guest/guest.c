@@ -18,6 +18,8 @@
  *   blk_sectors=N                512-byte sectors it cycles over (default 2048, at most the
  *                                disk's capacity)
  *   blk_rate=N                   at most N blk steps/s (default 2000, 0 = unlimited)
+ *   net=fwd                      also forward every frame a virtio-net device receives back
+ *                                out, MACs swapped, from vCPU 0 (see "the net workload" below)
  */
 #include "abi.h"
 
@@ -57,6 +59,7 @@ struct config {
     int blk;
     u64 blk_sectors;
     u64 blk_rate;
+    int net;          /* net=fwd */
 };
 
 extern char __image_end[];
@@ -79,6 +82,7 @@ static volatile u32 aps_up;             /* APs that reached secondary_main */
 
 static struct config cfg;
 static struct hb_block blocks[MAX_CPUS] __attribute__((aligned(64)));
+_Static_assert(sizeof(struct hb_block) == 128, "abi.h gives the block's size");
 static u32 *expected_gen;       /* verify: generation each page should carry */
 static u32 *expected_blk_gen;   /* blk: generation each disk sector should carry (0: zeros) */
 static u64 ws_base;             /* guest-physical address of page 0 of the working set */
@@ -121,13 +125,16 @@ static void put_str(const char *s)
     while (*s)
         put_char(*s++);
 }
+/* The low `digits` hex digits of v, leading zeros included. */
+static void put_hex_digits(u64 v, int digits)
+{
+    while (digits--)
+        put_char("0123456789abcdef"[(v >> 4 * digits) & 15]);
+}
 static void put_hex(u64 v)
 {
-    char buf[19] = "0x";
-    for (int i = 0; i < 16; i++)
-        buf[2 + i] = "0123456789abcdef"[(v >> (60 - 4 * i)) & 15];
-    buf[18] = 0;
-    put_str(buf);
+    put_str("0x");
+    put_hex_digits(v, 16);
 }
 static void put_u64(u64 v)
 {
@@ -223,13 +230,15 @@ static void parse_word(const char *w, u64 len)
     else if (word_is(w, len, "fill=random")) cfg.fill = FILL_RANDOM;
     else if (word_is(w, len, "fill=mixed")) cfg.fill = FILL_MIXED;
     else if (word_is(w, len, "blk")) cfg.blk = 1;
+    else if (word_is(w, len, "net=fwd")) cfg.net = 1;
+    else if (len >= 4 && word_is(w, 4, "net=")) fatal("unknown net= mode ", word);
     else fatal("unknown workload word ", word);
 }
 
 static void parse_cmdline(const char *s)
 {
     cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD,
-                          0, 2048, 2000};
+                          0, 2048, 2000, 0};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -371,6 +380,8 @@ struct worker {
     u64 start_tsc, rate;
     int blk;          /* this vCPU drives the disk (vCPU 0 with blk) */
     u64 blk_ticks, next_blk;
+    int net;          /* this vCPU forwards frames (vCPU 0 with net=fwd) */
+    u64 net_check_ticks, next_net_check;
 };
 
 static void serial_progress(void)
@@ -395,6 +406,12 @@ static void serial_progress(void)
         put_str(" blk_errors=");
         put_u64(blocks[0].blk_errors);
     }
+    if (cfg.net) {
+        put_str(" net_rx=");
+        put_u64(blocks[0].net_rx);
+        put_str(" net_tx=");
+        put_u64(blocks[0].net_tx);
+    }
     put_str("\n");
 }
 
@@ -413,21 +430,21 @@ static void heartbeat_if_due(struct worker *w)
 }
 
 /*
- * ---- the blk workload: a poll-mode virtio-blk driver (virtio 1.x, MMIO transport v2) ----
+ * ---- virtio devices: poll-mode drivers (virtio 1.x, MMIO transport version 2) ----
  *
- * vCPU 0, beside its memory workload, steps through sectors 0..blk_sectors-1 over and over:
- * read the sector and check every 8-byte word against the stamps it was last written with
- * (zeros if never: a fresh disk file is zeros), then write the next generation's stamps; every
- * 64 writes a FLUSH when the device offers it. One request is in flight at a time, on queue
- * 0, and its completion is polled: no interrupts. All driver state (rings and their indices,
- * the last used index seen, the step counter, the expected generations) is guest memory, so a
- * VM migrated mid-step carries on exactly where it was.
+ * What the blk and net workloads share: finding a device in the MMIO slots, the
+ * initialisation sequence (virtio 1.x 3.1.1) up to FEATURES_OK, config space reads, and split
+ * virtqueues (2.7) set up, fed and reaped. The drivers poll: every avail ring says
+ * NO_INTERRUPT, and a completion is found by reading the used ring's index. All driver state
+ * (rings and their indices, the last used index consumed, each workload's own bookkeeping) is
+ * guest memory, so a VM migrated mid-step carries on exactly where it was.
  */
 #define VIRTIO_MMIO_BASE 0xc0000000ull  /* slot i at + i * VIRTIO_MMIO_SLOT_SIZE */
 #define VIRTIO_MMIO_SLOT_SIZE 0x1000ull
 #define VIRTIO_MMIO_SLOTS 8
 #define VIRTIO_MAGIC 0x74726976u         /* "virt" */
 #define VIRTIO_MMIO_VERSION 2            /* modern; 1 is the legacy layout */
+#define VIRTIO_ID_NET 1
 #define VIRTIO_ID_BLOCK 2
 
 /* MMIO registers (all 32-bit; a 64-bit address is low at reg, high at reg + 4). */
@@ -448,7 +465,7 @@ static void heartbeat_if_due(struct worker *w)
 #define VIRTIO_QUEUE_DRIVER 0x090        /* the avail ring */
 #define VIRTIO_QUEUE_DEVICE 0x0a0        /* the used ring */
 #define VIRTIO_CONFIG_GENERATION 0x0fc
-#define VIRTIO_BLK_CAPACITY 0x100        /* device config: u64, in 512-byte sectors */
+#define VIRTIO_CONFIG 0x100              /* device-specific config space */
 
 #define STATUS_ACKNOWLEDGE 1
 #define STATUS_DRIVER 2
@@ -456,22 +473,13 @@ static void heartbeat_if_due(struct worker *w)
 #define STATUS_FEATURES_OK 8
 #define STATUS_NEEDS_RESET 0x40
 
-#define VIRTIO_BLK_F_FLUSH 9             /* in feature word 0 */
 #define VIRTIO_F_VERSION_1 32            /* bit 0 of feature word 1 */
-
-#define VIRTIO_BLK_T_IN 0
-#define VIRTIO_BLK_T_OUT 1
-#define VIRTIO_BLK_T_FLUSH 4
-#define VIRTIO_BLK_S_OK 0
 
 #define VIRTQ_DESC_F_NEXT 1
 #define VIRTQ_DESC_F_WRITE 2             /* device-writable */
 #define VIRTQ_AVAIL_F_NO_INTERRUPT 1
 
-#define BLK_QUEUE_MAX 16
-#define SECTOR_SIZE 512
-#define BLK_TIMEOUT_MS 2000
-#define BLK_FLUSH_EVERY 64               /* writes */
+#define VIRTQ_MAX 16                     /* a queue's size: 16, halved until the device takes it */
 
 struct virtq_desc {
     u64 addr;
@@ -479,21 +487,207 @@ struct virtq_desc {
     u16 flags, next;
 };
 struct virtq_avail {
-    u16 flags, idx, ring[BLK_QUEUE_MAX], used_event;
+    u16 flags, idx, ring[VIRTQ_MAX], used_event;
 };
 struct virtq_used_elem {
     u32 id, len;
 };
 struct virtq_used {
     u16 flags, idx;
-    struct virtq_used_elem ring[BLK_QUEUE_MAX];
+    struct virtq_used_elem ring[VIRTQ_MAX];
     u16 avail_event;
 };
 
-/* Each ring in a page of its own: past the 16-, 2- and 4-byte alignment the rings need. */
-static struct virtq_desc blk_desc[BLK_QUEUE_MAX] __attribute__((aligned(4096)));
-static struct virtq_avail blk_avail __attribute__((aligned(4096)));
-static volatile struct virtq_used blk_used __attribute__((aligned(4096)));
+/* One split virtqueue: each ring in a page of its own (past the 16-, 2- and 4-byte alignment
+ * the rings need), then the driver's bookkeeping. */
+struct virtq {
+    struct virtq_desc desc[VIRTQ_MAX] __attribute__((aligned(4096)));
+    struct virtq_avail avail __attribute__((aligned(4096)));
+    volatile struct virtq_used used __attribute__((aligned(4096)));
+    u32 num;          /* the queue's size, a power of 2 (split-queue indices wrap at 65536) */
+    u16 last_used;    /* used.idx as far as the driver has consumed the used ring */
+};
+
+struct vdev {
+    u64 base;         /* the device's registers: one of the MMIO slots */
+    const char *name; /* "virtio-blk", "virtio-net": begins the device's error messages */
+};
+
+/* Orders ring and buffer accesses against the device's, and keeps the compiler from caching. */
+static inline void mb(void) { __asm__ volatile("mfence" ::: "memory"); }
+static inline u32 vdev_read(const struct vdev *d, u64 reg)
+{
+    return *(volatile u32 *)(d->base + reg);
+}
+static inline void vdev_write(const struct vdev *d, u64 reg, u32 v)
+{
+    *(volatile u32 *)(d->base + reg) = v;
+}
+static void vdev_write64(const struct vdev *d, u64 reg, u64 v)
+{
+    vdev_write(d, reg, (u32)v);
+    vdev_write(d, reg + 4, (u32)(v >> 32));
+}
+
+/* Every read of Status goes through here: a device that needs a reset has failed for good. */
+static u32 vdev_status(const struct vdev *d)
+{
+    u32 status = vdev_read(d, VIRTIO_STATUS);
+    if (status & STATUS_NEEDS_RESET)
+        fatal(d->name, " device set DEVICE_NEEDS_RESET");
+    return status;
+}
+static void vdev_set_status(const struct vdev *d, u32 bit)
+{
+    vdev_write(d, VIRTIO_STATUS, vdev_status(d) | bit);
+}
+
+/* Points d->base at the first slot that holds a modern device of this ID. Empty slots read ~0. */
+static int vdev_probe(struct vdev *d, u32 device_id)
+{
+    for (u64 i = 0; i < VIRTIO_MMIO_SLOTS; i++) {
+        d->base = VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SLOT_SIZE;
+        if (vdev_read(d, VIRTIO_MAGIC_VALUE) == VIRTIO_MAGIC &&
+            vdev_read(d, VIRTIO_VERSION) == VIRTIO_MMIO_VERSION &&
+            vdev_read(d, VIRTIO_DEVICE_ID) == device_id)
+            return 1;
+    }
+    return 0;
+}
+
+/*
+ * Finds the device (the fatal error `missing` if there is none), names it `name` for later
+ * error messages, and takes it through reset, ACKNOWLEDGE, DRIVER and feature negotiation to
+ * FEATURES_OK (virtio 1.x 3.1.1 steps 1-6). VIRTIO_F_VERSION_1 is required; of the feature
+ * bits in `wanted`, those the device offers are accepted, nothing else. Returns the
+ * negotiated features.
+ */
+static u64 vdev_start(struct vdev *d, const char *name, u32 device_id, u64 wanted,
+                      const char *missing)
+{
+    if (!vdev_probe(d, device_id))
+        fatal(missing, "");
+    d->name = name;
+    vdev_write(d, VIRTIO_STATUS, 0);
+    for (u32 i = 0; vdev_status(d); i++) /* the reset is done when Status reads 0 */
+        if (i == 1000000)
+            fatal(d->name, " device did not reset");
+    vdev_set_status(d, STATUS_ACKNOWLEDGE);
+    vdev_set_status(d, STATUS_DRIVER);
+
+    u64 offered = 0;
+    for (u32 word = 0; word < 2; word++) {
+        vdev_write(d, VIRTIO_DEVICE_FEATURES_SEL, word);
+        offered |= (u64)vdev_read(d, VIRTIO_DEVICE_FEATURES) << 32 * word;
+    }
+    if (!((offered >> VIRTIO_F_VERSION_1) & 1))
+        fatal(d->name, " device does not offer VIRTIO_F_VERSION_1");
+    u64 features = offered & (wanted | 1ull << VIRTIO_F_VERSION_1);
+    for (u32 word = 0; word < 2; word++) {
+        vdev_write(d, VIRTIO_DRIVER_FEATURES_SEL, word);
+        vdev_write(d, VIRTIO_DRIVER_FEATURES, (u32)(features >> 32 * word));
+    }
+    vdev_set_status(d, STATUS_FEATURES_OK);
+    if (!(vdev_status(d) & STATUS_FEATURES_OK))
+        fatal(d->name, " device did not accept the features (FEATURES_OK clear)");
+    return features;
+}
+
+/*
+ * Copies len bytes of config space from offset `reg` (VIRTIO_CONFIG + the field's offset) in
+ * accesses of `width` bytes (1 or 4). Several reads make the field: a new generation
+ * afterwards means the config changed between, and they are done again.
+ */
+static void vdev_read_config(const struct vdev *d, u64 reg, u8 *out, u32 len, u32 width)
+{
+    for (u32 tries = 0;; tries++) {
+        u32 gen = vdev_read(d, VIRTIO_CONFIG_GENERATION);
+        for (u32 i = 0; i < len; i += width) {
+            u32 v = width == 4 ? vdev_read(d, reg + i) : *(volatile u8 *)(d->base + reg + i);
+            for (u32 b = 0; b < width; b++)
+                out[i + b] = (u8)(v >> 8 * b);
+        }
+        if (vdev_read(d, VIRTIO_CONFIG_GENERATION) == gen)
+            return;
+        if (tries == 8)
+            fatal(d->name, " config generation keeps changing");
+    }
+}
+
+/*
+ * Sets up queue `index` of the device on q (virtio 1.x 4.2.3.2): VIRTQ_MAX entries halved
+ * until QueueNumMax allows them, no interrupts wanted, then QueueReady. `label` ("virtio-blk
+ * queue 0") names the queue in error messages.
+ */
+static void virtq_setup(const struct vdev *d, u32 index, struct virtq *q, const char *label)
+{
+    vdev_write(d, VIRTIO_QUEUE_SEL, index);
+    u32 max = vdev_read(d, VIRTIO_QUEUE_NUM_MAX);
+    if (max == 0)
+        fatal(label, " is not available (QueueNumMax 0)");
+    q->num = VIRTQ_MAX;
+    while (q->num > max)
+        q->num >>= 1;
+    vdev_write(d, VIRTIO_QUEUE_NUM, q->num);
+    q->avail.flags = VIRTQ_AVAIL_F_NO_INTERRUPT; /* this driver polls */
+    vdev_write64(d, VIRTIO_QUEUE_DESC, (u64)q->desc);
+    vdev_write64(d, VIRTIO_QUEUE_DRIVER, (u64)&q->avail);
+    vdev_write64(d, VIRTIO_QUEUE_DEVICE, (u64)&q->used);
+    mb();
+    vdev_write(d, VIRTIO_QUEUE_READY, 1);
+}
+
+/* Offers the descriptor chain starting at `head` in the avail ring (the device is not told). */
+static void virtq_post(struct virtq *q, u16 head)
+{
+    u16 idx = q->avail.idx;
+    q->avail.ring[idx % q->num] = head;
+    mb(); /* the chain and its ring entry before the index that offers it */
+    q->avail.idx = (u16)(idx + 1);
+}
+
+/* Tells the device that queue `index` has new buffers. */
+static void vdev_notify(const struct vdev *d, u32 index)
+{
+    mb(); /* the index before the notification */
+    vdev_write(d, VIRTIO_QUEUE_NOTIFY, index);
+}
+
+/* Takes the next entry the device put in the used ring into *e: 0 when there is none yet. */
+static int virtq_pop(struct virtq *q, struct virtq_used_elem *e)
+{
+    if (q->used.idx == q->last_used)
+        return 0;
+    mb(); /* the used entry, and what the device wrote in the buffers, only after the index */
+    e->id = q->used.ring[q->last_used % q->num].id;
+    e->len = q->used.ring[q->last_used % q->num].len;
+    q->last_used++;
+    return 1;
+}
+
+/*
+ * ---- the blk workload: a poll-mode virtio-blk driver ----
+ *
+ * vCPU 0, beside its memory workload, steps through sectors 0..blk_sectors-1 over and over:
+ * read the sector and check every 8-byte word against the stamps it was last written with
+ * (zeros if never: a fresh disk file is zeros), then write the next generation's stamps; every
+ * 64 writes a FLUSH when the device offers it. One request is in flight at a time, on queue
+ * 0, and its completion is polled. The step counter and the expected generations are guest
+ * memory too.
+ */
+#define VIRTIO_BLK_CAPACITY VIRTIO_CONFIG /* device config: u64, in 512-byte sectors */
+#define VIRTIO_BLK_F_FLUSH 9             /* in feature word 0 */
+
+#define VIRTIO_BLK_T_IN 0
+#define VIRTIO_BLK_T_OUT 1
+#define VIRTIO_BLK_T_FLUSH 4
+#define VIRTIO_BLK_S_OK 0
+
+#define SECTOR_SIZE 512
+#define BLK_TIMEOUT_MS 2000
+#define BLK_FLUSH_EVERY 64               /* writes */
+
+static struct virtq blk_q;
 /* The request in flight: header (type, reserved, sector), the sector's data, status byte. */
 static struct {
     u32 type, reserved;
@@ -503,85 +697,20 @@ static struct {
 } blk_req __attribute__((aligned(4096)));
 
 static struct {
-    u64 base;         /* the device's registers */
-    u32 num;          /* queue 0's size */
+    struct vdev dev;
     int flush;        /* VIRTIO_BLK_F_FLUSH negotiated */
-    u16 last_used;    /* used->idx when the last request completed */
     u64 steps;        /* step k works on sector k % blk_sectors */
 } blk;
 
-/* Orders ring and buffer accesses against the device's, and keeps the compiler from caching. */
-static inline void mb(void) { __asm__ volatile("mfence" ::: "memory"); }
-static inline u32 blk_read(u64 reg) { return *(volatile u32 *)(blk.base + reg); }
-static inline void blk_write(u64 reg, u32 v) { *(volatile u32 *)(blk.base + reg) = v; }
-static void blk_write64(u64 reg, u64 v)
-{
-    blk_write(reg, (u32)v);
-    blk_write(reg + 4, (u32)(v >> 32));
-}
-
-/* Every read of Status goes through here: a device that needs a reset has failed for good. */
-static u32 blk_status(void)
-{
-    u32 status = blk_read(VIRTIO_STATUS);
-    if (status & STATUS_NEEDS_RESET)
-        fatal("virtio-blk device set DEVICE_NEEDS_RESET", "");
-    return status;
-}
-static void blk_set_status(u32 bit) { blk_write(VIRTIO_STATUS, blk_status() | bit); }
-
-/* Points blk.base at the first slot that holds a modern block device. Empty slots read ~0. */
-static int blk_probe(void)
-{
-    for (u64 i = 0; i < VIRTIO_MMIO_SLOTS; i++) {
-        blk.base = VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SLOT_SIZE;
-        if (blk_read(VIRTIO_MAGIC_VALUE) == VIRTIO_MAGIC &&
-            blk_read(VIRTIO_VERSION) == VIRTIO_MMIO_VERSION &&
-            blk_read(VIRTIO_DEVICE_ID) == VIRTIO_ID_BLOCK)
-            return 1;
-    }
-    return 0;
-}
-
-/* Device initialisation (virtio 1.x, 3.1.1 and 4.2.3); fits blk_sectors to the disk. */
+/* Device initialisation; fits blk_sectors to the disk. */
 static void blk_init(void)
 {
-    if (!blk_probe())
-        fatal("blk: no virtio-blk device in the MMIO slots at 0xc0000000", "");
-    blk_write(VIRTIO_STATUS, 0);
-    for (u32 i = 0; blk_status(); i++) /* the reset is done when Status reads 0 */
-        if (i == 1000000)
-            fatal("virtio-blk device did not reset", "");
-    blk_set_status(STATUS_ACKNOWLEDGE);
-    blk_set_status(STATUS_DRIVER);
+    u64 features = vdev_start(&blk.dev, "virtio-blk", VIRTIO_ID_BLOCK, 1ull << VIRTIO_BLK_F_FLUSH,
+                              "blk: no virtio-blk device in the MMIO slots at 0xc0000000");
+    blk.flush = (int)((features >> VIRTIO_BLK_F_FLUSH) & 1);
 
-    blk_write(VIRTIO_DEVICE_FEATURES_SEL, 0);
-    u32 features0 = blk_read(VIRTIO_DEVICE_FEATURES);
-    blk_write(VIRTIO_DEVICE_FEATURES_SEL, 1);
-    u32 features1 = blk_read(VIRTIO_DEVICE_FEATURES);
-    if (!(features1 & 1u << (VIRTIO_F_VERSION_1 - 32)))
-        fatal("virtio-blk device does not offer VIRTIO_F_VERSION_1", "");
-    blk.flush = (features0 >> VIRTIO_BLK_F_FLUSH) & 1;
-    blk_write(VIRTIO_DRIVER_FEATURES_SEL, 0);
-    blk_write(VIRTIO_DRIVER_FEATURES, (u32)blk.flush << VIRTIO_BLK_F_FLUSH);
-    blk_write(VIRTIO_DRIVER_FEATURES_SEL, 1);
-    blk_write(VIRTIO_DRIVER_FEATURES, 1u << (VIRTIO_F_VERSION_1 - 32));
-    blk_set_status(STATUS_FEATURES_OK);
-    if (!(blk_status() & STATUS_FEATURES_OK))
-        fatal("virtio-blk device did not accept the features (FEATURES_OK clear)", "");
-
-    /* Two reads make the u64: a new generation afterwards means the config changed between. */
     u64 capacity = 0;
-    for (u32 tries = 0;; tries++) {
-        u32 gen = blk_read(VIRTIO_CONFIG_GENERATION);
-        u64 low = blk_read(VIRTIO_BLK_CAPACITY);
-        u64 high = blk_read(VIRTIO_BLK_CAPACITY + 4);
-        capacity = high << 32 | low;
-        if (blk_read(VIRTIO_CONFIG_GENERATION) == gen)
-            break;
-        if (tries == 8)
-            fatal("virtio-blk config generation keeps changing", "");
-    }
+    vdev_read_config(&blk.dev, VIRTIO_BLK_CAPACITY, (u8 *)&capacity, sizeof(capacity), 4);
     if (capacity == 0)
         fatal("virtio-blk disk has no sectors", "");
     if (cfg.blk_sectors == 0)
@@ -589,31 +718,17 @@ static void blk_init(void)
     if (cfg.blk_sectors > capacity)
         cfg.blk_sectors = capacity;
 
-    blk_write(VIRTIO_QUEUE_SEL, 0);
-    u32 max = blk_read(VIRTIO_QUEUE_NUM_MAX);
-    if (max == 0)
-        fatal("virtio-blk queue 0 is not available (QueueNumMax 0)", "");
-    /* A split queue's size is a power of 2 (its indices wrap at 65536), and a request takes 3. */
-    blk.num = BLK_QUEUE_MAX;
-    while (blk.num > max)
-        blk.num >>= 1;
-    if (blk.num < 3)
-        fatal("virtio-blk queue 0 is too small for a 3-descriptor request", "");
-    blk_write(VIRTIO_QUEUE_NUM, blk.num);
-    blk_avail.flags = VIRTQ_AVAIL_F_NO_INTERRUPT; /* this driver polls */
-    blk_write64(VIRTIO_QUEUE_DESC, (u64)blk_desc);
-    blk_write64(VIRTIO_QUEUE_DRIVER, (u64)&blk_avail);
-    blk_write64(VIRTIO_QUEUE_DEVICE, (u64)&blk_used);
-    mb();
-    blk_write(VIRTIO_QUEUE_READY, 1);
-    blk_set_status(STATUS_DRIVER_OK);
+    virtq_setup(&blk.dev, 0, &blk_q, "virtio-blk queue 0");
+    if (blk_q.num < 3) /* a request takes 3 descriptors */
+        fatal("virtio-blk queue 0", " is too small for a 3-descriptor request");
+    vdev_set_status(&blk.dev, STATUS_DRIVER_OK);
 
     put_str("ferry-guest: virtio-blk at ");
-    put_hex(blk.base);
+    put_hex(blk.dev.base);
     put_str(" capacity=");
     put_u64(capacity);
     put_str(" queue=");
-    put_u64(blk.num);
+    put_u64(blk_q.num);
     put_str(blk.flush ? " flush\n" : " no-flush\n");
 }
 
@@ -628,31 +743,25 @@ static int blk_request(struct worker *w, u32 type, u64 sector)
     blk_req.reserved = 0;
     blk_req.sector = sector;
     blk_req.status = 0xff; /* a device that never writes the status fails the request */
-    blk_desc[0] = (struct virtq_desc){(u64)&blk_req, 16, VIRTQ_DESC_F_NEXT,
-                                      type == VIRTIO_BLK_T_FLUSH ? 2 : 1};
-    blk_desc[1] = (struct virtq_desc){(u64)blk_req.data, SECTOR_SIZE,
-                                      VIRTQ_DESC_F_NEXT | (type == VIRTIO_BLK_T_IN ? VIRTQ_DESC_F_WRITE : 0), 2};
-    blk_desc[2] = (struct virtq_desc){(u64)&blk_req.status, 1, VIRTQ_DESC_F_WRITE, 0};
-    u16 idx = blk_avail.idx;
-    blk_avail.ring[idx % blk.num] = 0;
-    mb(); /* the chain before the index that offers it */
-    blk_avail.idx = (u16)(idx + 1);
-    mb(); /* the index before the notification */
-    blk_write(VIRTIO_QUEUE_NOTIFY, 0);
+    blk_q.desc[0] = (struct virtq_desc){(u64)&blk_req, 16, VIRTQ_DESC_F_NEXT,
+                                        type == VIRTIO_BLK_T_FLUSH ? 2 : 1};
+    blk_q.desc[1] = (struct virtq_desc){(u64)blk_req.data, SECTOR_SIZE,
+                                        VIRTQ_DESC_F_NEXT | (type == VIRTIO_BLK_T_IN ? VIRTQ_DESC_F_WRITE : 0), 2};
+    blk_q.desc[2] = (struct virtq_desc){(u64)&blk_req.status, 1, VIRTQ_DESC_F_WRITE, 0};
+    virtq_post(&blk_q, 0);
+    vdev_notify(&blk.dev, 0);
 
+    struct virtq_used_elem done;
     u64 deadline = rdtsc() + tsc_khz * BLK_TIMEOUT_MS;
-    while (blk_used.idx == blk.last_used) {
+    while (!virtq_pop(&blk_q, &done)) {
         if (rdtsc() > deadline) {
-            blk_status(); /* a device that gave up says so there */
+            vdev_status(&blk.dev); /* a device that gave up says so there */
             fatal("virtio-blk request did not complete within 2 s", "");
         }
         heartbeat_if_due(w);
         cpu_relax();
     }
-    mb(); /* the used entry, status and data only after the index */
-    u32 id = blk_used.ring[blk.last_used % blk.num].id;
-    blk.last_used++;
-    return id == 0 && *(volatile u8 *)&blk_req.status == VIRTIO_BLK_S_OK;
+    return done.id == 0 && *(volatile u8 *)&blk_req.status == VIRTIO_BLK_S_OK;
 }
 
 static inline u64 blk_stamp(u64 sector, u32 gen, u64 word)
@@ -718,7 +827,173 @@ static void blk_step_if_due(struct worker *w)
     blk_step(w);
 }
 
-/* Keeps the vCPU under its share of rate=N, heart still beating (and vCPU 0's disk busy). */
+/*
+ * ---- the net workload (net=fwd): a poll-mode virtio-net driver that forwards like l2fwd ----
+ *
+ * vCPU 0 sends every frame the device receives back out through it, destination and source
+ * MACs swapped. Queue 0 (receiveq): descriptor i is always rx buffer i, device-writable; all
+ * are posted at start-up and each is posted again once its frame has been copied out. Queue 1
+ * (transmitq): descriptor i is always tx buffer i, device-readable, and the driver's again once
+ * the device has returned it in the used ring; with none free the frame is dropped (counted in
+ * net_errors), never waited for. With VERSION_1 every buffer starts with a virtio_net_hdr_v1;
+ * a transmitted frame's is all zeros (no offloads are negotiated).
+ */
+#define VIRTIO_NET_F_MAC 5               /* in feature word 0 */
+#define VIRTIO_NET_MAC VIRTIO_CONFIG     /* device config: 6 bytes */
+#define NET_RXQ 0
+#define NET_TXQ 1
+#define ETH_ALEN 6
+#define ETH_HLEN 14                      /* destination MAC, source MAC, EtherType */
+#define ETH_FRAME_MAX 1514               /* without the FCS */
+#define NET_STATUS_CHECK_MS 100          /* how often an idle step looks for DEVICE_NEEDS_RESET */
+
+struct virtio_net_hdr_v1 {
+    u8 flags, gso_type;
+    u16 hdr_len, gso_size, csum_start, csum_offset, num_buffers;
+};
+/* A buffer as the device sees it: header, then the frame. */
+struct net_buf {
+    struct virtio_net_hdr_v1 hdr;
+    u8 frame[ETH_FRAME_MAX];
+};
+_Static_assert(sizeof(struct virtio_net_hdr_v1) == 12, "virtio_net_hdr_v1 is 12 bytes");
+_Static_assert(sizeof(struct net_buf) == 12 + 1514, "a net buffer is 1526 bytes");
+
+static struct virtq net_rxq, net_txq;
+static struct net_buf net_rx_buf[VIRTQ_MAX] __attribute__((aligned(4096)));
+static struct net_buf net_tx_buf[VIRTQ_MAX] __attribute__((aligned(4096)));
+static struct {
+    struct vdev dev;
+    u32 tx_free;      /* bit i: tx buffer (and descriptor) i is the driver's, not the device's */
+} net;
+
+/* Device initialisation: both queues, every rx buffer posted. */
+static void net_init(void)
+{
+    u64 features = vdev_start(&net.dev, "virtio-net", VIRTIO_ID_NET, 1ull << VIRTIO_NET_F_MAC,
+                              "net=fwd: no virtio-net device in the MMIO slots at 0xc0000000");
+    int has_mac = (int)((features >> VIRTIO_NET_F_MAC) & 1);
+    u8 mac[ETH_ALEN];
+    if (has_mac)
+        vdev_read_config(&net.dev, VIRTIO_NET_MAC, mac, ETH_ALEN, 1);
+
+    virtq_setup(&net.dev, NET_RXQ, &net_rxq, "virtio-net queue 0 (receiveq)");
+    virtq_setup(&net.dev, NET_TXQ, &net_txq, "virtio-net queue 1 (transmitq)");
+    for (u32 i = 0; i < net_rxq.num; i++) {
+        net_rxq.desc[i] = (struct virtq_desc){(u64)&net_rx_buf[i], (u32)sizeof(struct net_buf),
+                                              VIRTQ_DESC_F_WRITE, 0};
+        net_rxq.avail.ring[i] = (u16)i;
+    }
+    mb(); /* the descriptors and ring entries before the index that offers them */
+    net_rxq.avail.idx = (u16)net_rxq.num;
+    net.tx_free = (1u << net_txq.num) - 1;
+    vdev_set_status(&net.dev, STATUS_DRIVER_OK);
+    vdev_notify(&net.dev, NET_RXQ); /* not before DRIVER_OK (virtio 1.x 3.1.1) */
+
+    put_str("ferry-guest: virtio-net at ");
+    put_hex(net.dev.base);
+    if (has_mac) {
+        put_str(" mac=");
+        for (u32 i = 0; i < ETH_ALEN; i++) {
+            if (i)
+                put_char(':');
+            put_hex_digits(mac[i], 2);
+        }
+    }
+    put_str(" queue=");
+    put_u64(net_rxq.num);
+    if (net_txq.num != net_rxq.num) {
+        put_str(" tx_queue=");
+        put_u64(net_txq.num);
+    }
+    put_str("\n");
+}
+
+static void copy_bytes(void *dst, const void *src, u64 n)
+{
+    __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n)::"memory");
+}
+
+/* Takes back the tx buffers the device has finished with. */
+static void net_reap_tx(void)
+{
+    struct virtq_used_elem e;
+    while (virtq_pop(&net_txq, &e)) {
+        if (e.id >= net_txq.num || ((net.tx_free >> e.id) & 1))
+            fatal("virtio-net", " returned a transmit descriptor it did not hold");
+        net.tx_free |= 1u << e.id;
+    }
+}
+
+/* Sends the frame (len bytes) back, MACs swapped, from a free tx buffer: 0 if none is free. */
+static int net_forward(const u8 *frame, u32 len)
+{
+    if (!net.tx_free)
+        net_reap_tx();
+    if (!net.tx_free)
+        return 0;
+    u32 i = (u32)__builtin_ctz(net.tx_free);
+    net.tx_free &= ~(1u << i);
+    struct net_buf *b = &net_tx_buf[i];
+    b->hdr = (struct virtio_net_hdr_v1){0};
+    copy_bytes(b->frame, frame, len);
+    for (u32 k = 0; k < ETH_ALEN; k++) {
+        b->frame[k] = frame[ETH_ALEN + k];
+        b->frame[ETH_ALEN + k] = frame[k];
+    }
+    net_txq.desc[i] = (struct virtq_desc){(u64)b, (u32)sizeof(b->hdr) + len, 0, 0};
+    virtq_post(&net_txq, (u16)i);
+    vdev_notify(&net.dev, NET_TXQ);
+    return 1;
+}
+
+/* Forwards what arrived since the last step (at most a queue's worth), then re-posts it. */
+static void net_forward_arrivals(struct worker *w)
+{
+    net_reap_tx();
+    struct virtq_used_elem e;
+    u32 reposted = 0;
+    for (; reposted < net_rxq.num && virtq_pop(&net_rxq, &e); reposted++) {
+        if (e.id >= net_rxq.num)
+            fatal("virtio-net", " used a receive descriptor it was not given");
+        w->hb->net_rx++;
+        if (e.len < sizeof(struct virtio_net_hdr_v1) + ETH_HLEN || e.len > sizeof(struct net_buf))
+            w->hb->net_errors++; /* no Ethernet header, or longer than the buffer */
+        else if (net_forward(net_rx_buf[e.id].frame, e.len - (u32)sizeof(struct virtio_net_hdr_v1)))
+            w->hb->net_tx++;
+        else
+            w->hb->net_errors++; /* no tx buffer free: dropped */
+        virtq_post(&net_rxq, (u16)e.id);
+    }
+    if (reposted)
+        vdev_notify(&net.dev, NET_RXQ);
+}
+
+/*
+ * vCPU 0's network step. Without new frames it only reads the rx used index (and the TSC):
+ * Status, an MMIO exit, is read for DEVICE_NEEDS_RESET every NET_STATUS_CHECK_MS at most.
+ */
+static void net_step(struct worker *w)
+{
+    if (!w->net)
+        return;
+    if (net_rxq.used.idx != net_rxq.last_used)
+        net_forward_arrivals(w);
+    u64 now = rdtsc();
+    if (now >= w->next_net_check) {
+        w->next_net_check = now + w->net_check_ticks;
+        vdev_status(&net.dev);
+    }
+}
+
+/* vCPU 0's device work, wherever its heart beats: the disk step when due, the network's. */
+static void devices_step(struct worker *w)
+{
+    blk_step_if_due(w);
+    net_step(w);
+}
+
+/* Keeps the vCPU under its share of rate=N, heart still beating (and vCPU 0's devices busy). */
 static void throttle(struct worker *w)
 {
     if (!w->rate)
@@ -729,7 +1004,7 @@ static void throttle(struct worker *w)
         if (w->hb->pages < allowed)
             return;
         heartbeat_if_due(w);
-        blk_step_if_due(w);
+        devices_step(w);
         cpu_relax();
     }
 }
@@ -894,7 +1169,7 @@ static void run_pass(struct worker *w, int write)
         touch(w, next_page(w, i), write);
         if ((i & 15) == 15) {
             heartbeat_if_due(w);
-            blk_step_if_due(w);
+            devices_step(w);
             throttle(w);
         }
     }
@@ -915,6 +1190,8 @@ static void run_worker(u64 cpu)
     w.rate = cfg.rate / cfg.vcpus;
     w.blk = cfg.blk && cpu == 0;
     w.blk_ticks = cfg.blk_rate ? tsc_khz * 1000 / cfg.blk_rate : 0;
+    w.net = cfg.net && cpu == 0;
+    w.net_check_ticks = tsc_khz * NET_STATUS_CHECK_MS;
 
     w.hb->cpu = (u32)cpu;
     w.hb->share_base = page_addr(w.first);
@@ -931,7 +1208,7 @@ static void run_worker(u64 cpu)
         if (cfg.mode == MODE_IDLE) {
             for (u64 spin = 0; spin < 1000000; spin++) {
                 heartbeat_if_due(&w);
-                blk_step_if_due(&w);
+                devices_step(&w);
                 cpu_relax();
             }
             w.hb->passes++;
@@ -1045,6 +1322,8 @@ void guest_main(const struct hvm_start_info *si)
     read_memory_map(si, (u64)__image_end);
     if (cfg.blk)
         blk_init(); /* first: the disk's capacity bounds expected_blk_gen */
+    if (cfg.net)
+        net_init();
     plan_layout();
     tsc_khz = calibrate_tsc_khz();
     if (!tsc_khz) {
@@ -1078,6 +1357,8 @@ void guest_main(const struct hvm_start_info *si)
         put_str(" blk_rate=");
         put_u64(cfg.blk_rate);
     }
+    if (cfg.net)
+        put_str(" net=fwd");
     put_str("\n");
     __atomic_store_n(&go, 1, __ATOMIC_RELEASE);
     run_worker(0);

@@ -19,8 +19,10 @@ pub struct DeviceInfo {
     pub slot: usize,
     /// Guest-physical address of its virtio-mmio registers.
     pub address: u64,
-    /// "virtio-blk".
+    /// "virtio-blk" or "virtio-net".
     pub kind: String,
+    /// What it is attached to: a disk's file, a NIC's tap and MAC.
+    pub attached_to: String,
     /// The backing file, for a disk.
     pub path: Option<String>,
     /// Requests served by kind, and I/O errors.

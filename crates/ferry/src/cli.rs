@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
-use vmm::{DiskConfig, MemoryBackend, MemorySize};
+use vmm::{DiskConfig, MemoryBackend, MemorySize, NetConfig};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -164,6 +164,11 @@ pub struct RunArgs {
     /// first runs, after the source let go of it.
     #[arg(long = "disk", value_name = "path=FILE[,readonly]")]
     pub disks: Vec<DiskConfig>,
+    /// A virtio-net NIC on an existing tap device: tap=NAME[,mac=MAC] (repeat for more). A VM
+    /// arriving by migration is given its destination's tap; it keeps its MAC and announces
+    /// it there (RARP) so that the network learns where it went.
+    #[arg(long = "net", value_name = "tap=NAME[,mac=MAC]")]
+    pub nets: Vec<NetConfig>,
     /// Where the guest's serial console goes: a file path, or "stdout".
     #[arg(long, default_value = "stdout")]
     pub serial: String,

@@ -157,9 +157,11 @@ impl Controller {
                     slot: d.slot,
                     address: d.address,
                     kind: match d.kind {
+                        1 => "virtio-net".into(),
                         2 => "virtio-blk".into(),
                         other => format!("virtio-{other}"),
                     },
+                    attached_to: d.describe,
                     path: d.path.map(|p| p.display().to_string()),
                     counters: d
                         .counters

@@ -100,7 +100,7 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
             };
             // Linux finds virtio-mmio devices on its command line.
             let mut cmdline = args.cmdline.clone();
-            for slot in 0..args.disks.len() {
+            for slot in 0..args.disks.len() + args.nets.len() {
                 cmdline.push_str(&vmm::devices::virtio::linux_cmdline_word(slot));
             }
             (image, cmdline)
@@ -114,6 +114,7 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
         vcpus: args.vcpus,
         backend: args.memory_backend,
         disks: args.disks.clone(),
+        nets: args.nets.clone(),
     };
     let serial = open_serial(&args.serial)?;
     let vm = Vm::boot(config, &image, &cmdline, serial).context("cannot start the VM")?;
@@ -142,6 +143,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
         |descriptor| {
             let config = VmConfig {
                 disks: args.disks.clone(),
+                nets: args.nets.clone(),
                 ..VmConfig::from_descriptor(descriptor)?
             };
             Vm::for_restore(config, serial)

@@ -16,6 +16,7 @@ pub mod vcpu;
 pub mod vm;
 
 pub use devices::virtio::block::DiskConfig;
+pub use devices::virtio::net::NetConfig;
 pub use error::{Error, Result};
 pub use memory::{MemoryBackend, MemorySize};
 pub use vm::{BootImage, Vm, VmConfig, VmEvent, VmInfo, VmState};

@@ -58,6 +58,7 @@ impl VmConfig {
         }
         Ok(Self {
             disks: Vec::new(),
+            nets: Vec::new(),
             memory: d.memory_bytes,
             vcpus: d.vcpus as usize,
             backend: d

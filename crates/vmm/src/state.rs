@@ -102,6 +102,8 @@ pub const VIRTIO_STATE_VERSION: u32 = 1;
 pub struct VirtioState {
     pub version: u32,
     pub transport: crate::devices::virtio::mmio::TransportState,
+    /// The device's own fields (a NIC's MAC; nothing for a disk).
+    pub device: Vec<u8>,
 }
 
 /// The MSRs KVM lists that this host can both read and write back: probed once per VM,

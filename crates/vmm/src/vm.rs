@@ -13,8 +13,10 @@ use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryReg
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::boot;
+use crate::devices::virtio::VirtioDevice;
 use crate::devices::virtio::block::{Block, DiskConfig};
 use crate::devices::virtio::mmio::MmioTransport;
+use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::{FIRST_GSI, MAX_SLOTS, SLOT_SIZE, WriteLog};
 use crate::devices::{DeviceBus, GuestEvent, HeartbeatDevice, SerialDevice, serial};
 use crate::error::{Error, Result, kvm};
@@ -45,6 +47,8 @@ pub struct VmConfig {
     pub backend: MemoryBackend,
     /// virtio-blk disks, in slot order.
     pub disks: Vec<DiskConfig>,
+    /// virtio-net NICs, in the slots after the disks.
+    pub nets: Vec<NetConfig>,
 }
 
 /// Something the VM tells its owner without being asked.
@@ -67,6 +71,8 @@ pub struct DeviceInfo {
     pub address: u64,
     /// `VIRTIO_ID_*`.
     pub kind: u32,
+    /// What it is attached to.
+    pub describe: String,
     pub counters: Vec<(&'static str, u64)>,
     /// The backing file, for a disk.
     pub path: Option<std::path::PathBuf>,
@@ -171,7 +177,11 @@ impl Vm {
 
     fn start(config: VmConfig, parts: Parts, paused: bool) -> Result<Self> {
         let (tx, rx): (Sender<VmEvent>, _) = channel();
+        if paused {
+            parts.bus.quiesce();
+        }
         let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
+        parts.bus.spawn_io_threads(&parts.memory)?;
         Ok(Self {
             fd: parts.fd,
             memory: parts.memory,
@@ -210,7 +220,11 @@ impl Vm {
     pub fn pause(&self) -> Result<()> {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if *state == VmState::Running {
-            self.vcpus.pause()?;
+            self.bus.quiesce();
+            if let Err(e) = self.vcpus.pause() {
+                self.bus.unquiesce();
+                return Err(e);
+            }
             *state = VmState::Paused;
         }
         Ok(())
@@ -222,6 +236,7 @@ impl Vm {
         self.claim_devices()?;
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         self.vcpus.resume();
+        self.bus.unquiesce();
         *state = VmState::Running;
         Ok(())
     }
@@ -369,9 +384,13 @@ impl Vm {
                 .bus
                 .virtio
                 .iter()
-                .map(|d| VirtioState {
-                    version: VIRTIO_STATE_VERSION,
-                    transport: d.lock().unwrap_or_else(|e| e.into_inner()).save(),
+                .map(|d| {
+                    let d = d.lock().unwrap_or_else(|e| e.into_inner());
+                    VirtioState {
+                        version: VIRTIO_STATE_VERSION,
+                        transport: d.save(),
+                        device: d.device().save(),
+                    }
                 })
                 .collect(),
         })
@@ -419,9 +438,9 @@ impl Vm {
                     s.version
                 )));
             }
-            d.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .load(&s.transport)
+            let mut d = d.lock().unwrap_or_else(|e| e.into_inner());
+            d.load(&s.transport)
+                .and_then(|()| d.device_mut().load(&s.device))
                 .map_err(|e| Error::State(format!("virtio device {slot}: {e}")))?;
         }
         Ok(())
@@ -461,6 +480,7 @@ impl Vm {
             .map(|(slot, d)| {
                 let d = d.lock().unwrap_or_else(|e| e.into_inner());
                 DeviceInfo {
+                    describe: d.device().describe(),
                     slot,
                     address: DEVICE_WINDOW_START + slot as u64 * SLOT_SIZE,
                     kind: d.device().device_type(),
@@ -482,7 +502,14 @@ impl Vm {
 
     /// Stops every vCPU thread; the VM cannot run again.
     pub fn shutdown(&self) {
+        self.bus.stop();
         self.vcpus.stop();
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.bus.stop(); // the devices' I/O threads end
     }
 }
 
@@ -517,29 +544,39 @@ impl Parts {
         let irq = EventFd::new(EFD_NONBLOCK)?;
         fd.register_irqfd(&irq, serial::IRQ)
             .map_err(kvm("KVM_IRQFD"))?;
-        if config.disks.len() > MAX_SLOTS {
+        if config.disks.len() + config.nets.len() > MAX_SLOTS {
             return Err(Error::Config(format!(
-                "at most {MAX_SLOTS} disks, not {}",
-                config.disks.len()
+                "at most {MAX_SLOTS} devices (disks and NICs), not {}",
+                config.disks.len() + config.nets.len()
             )));
         }
+        let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
+        for disk in &config.disks {
+            devices.push(Box::new(
+                Block::open(disk, claim_disks).map_err(Error::Config)?,
+            ));
+        }
+        for net in &config.nets {
+            devices.push(Box::new(
+                Net::open(net, claim_disks).map_err(Error::Config)?,
+            ));
+        }
         let mut virtio = Vec::new();
-        for (slot, disk) in config.disks.iter().enumerate() {
-            let block = Block::open(disk, claim_disks).map_err(Error::Config)?;
+        for (slot, device) in devices.into_iter().enumerate() {
             let irq = EventFd::new(EFD_NONBLOCK)?;
             fd.register_irqfd(&irq, FIRST_GSI + slot as u32)
                 .map_err(kvm("KVM_IRQFD"))?;
-            virtio.push(Mutex::new(MmioTransport::new(Box::new(block), irq)));
+            virtio.push(MmioTransport::new(device, irq));
         }
         let gfn_end = crate::layout::ram_ranges(config.memory)
             .last()
             .map_or(0, |r| r.end_gfn());
-        let bus = Arc::new(DeviceBus {
-            serial: Mutex::new(SerialDevice::new(irq, serial_out)?),
-            heartbeat: Mutex::new(HeartbeatDevice::new(config.vcpus)),
+        let bus = Arc::new(DeviceBus::new(
+            SerialDevice::new(irq, serial_out)?,
+            HeartbeatDevice::new(config.vcpus),
             virtio,
-            vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
-        });
+            gfn_end,
+        ));
 
         let cpuid = kvm_sys
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
@@ -657,6 +694,7 @@ mod tests {
             vcpus: 1,
             backend: MemoryBackend::Anonymous,
             disks: Vec::new(),
+            nets: Vec::new(),
         };
         let src = Vm::for_restore(config.clone(), Box::new(std::io::sink())).unwrap();
         let deadline = 1u64 << 50;

@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod relay;
+pub mod testbed;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -103,11 +104,22 @@ impl Default for VmSpec<'_> {
 impl Ferry {
     /// `ferry run` with extra arguments; waits until the API answers.
     pub fn start(extra: &[&str]) -> Ferry {
+        Ferry::start_in(Command::new(FERRY), extra)
+    }
+
+    /// The same inside network namespace `ns` (its API socket is a file: reachable from here).
+    pub fn start_in_netns(ns: &str, extra: &[&str]) -> Ferry {
+        let mut ip = Command::new("ip");
+        ip.args(["netns", "exec", ns, FERRY]);
+        Ferry::start_in(ip, extra)
+    }
+
+    fn start_in(mut command: Command, extra: &[&str]) -> Ferry {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("api.sock");
         let serial = dir.path().join("serial.log");
         let stderr = std::fs::File::create(dir.path().join("stderr.log")).expect("stderr log");
-        let child = Command::new(FERRY)
+        let child = command
             .arg("run")
             .arg("--api-socket")
             .arg(&socket)

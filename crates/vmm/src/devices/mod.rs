@@ -5,7 +5,8 @@ pub mod heartbeat;
 pub mod serial;
 pub mod virtio;
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use migration::wire::bitmap::Bitmap;
 
@@ -25,6 +26,10 @@ pub struct DeviceBus {
     pub virtio: Vec<Mutex<MmioTransport>>,
     /// Pages the VMM itself wrote (device emulation): dirty for migration like guest writes.
     pub vmm_writes: Mutex<Bitmap>,
+    /// Set while the VM is paused: devices' I/O threads deliver nothing into guest memory.
+    quiesced: AtomicBool,
+    /// Set when the VM stops for good: the I/O threads end.
+    stopped: AtomicBool,
 }
 
 impl WriteLog for Bitmap {
@@ -37,6 +42,84 @@ impl WriteLog for Bitmap {
 }
 
 impl DeviceBus {
+    pub fn new(
+        serial: SerialDevice,
+        heartbeat: HeartbeatDevice,
+        virtio: Vec<MmioTransport>,
+        gfn_end: u64,
+    ) -> Self {
+        Self {
+            serial: Mutex::new(serial),
+            heartbeat: Mutex::new(heartbeat),
+            virtio: virtio.into_iter().map(Mutex::new).collect(),
+            vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
+            quiesced: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+        }
+    }
+
+    /// Stops input into guest memory; returns once no device is delivering any. The VM is
+    /// about to pause: from here on its memory changes only by its vCPUs, which stop next.
+    pub fn quiesce(&self) {
+        self.quiesced.store(true, Ordering::Release);
+        for d in &self.virtio {
+            drop(d.lock().unwrap_or_else(|e| e.into_inner()));
+        }
+    }
+
+    pub fn unquiesce(&self) {
+        self.quiesced.store(false, Ordering::Release);
+    }
+
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+    }
+
+    /// Starts an I/O thread for each device whose backend delivers input (a tap).
+    pub fn spawn_io_threads(self: &Arc<Self>, memory: &GuestMemory) -> std::io::Result<()> {
+        for (slot, d) in self.virtio.iter().enumerate() {
+            let Some(fd) = d
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .device()
+                .input_fd()
+            else {
+                continue;
+            };
+            let (bus, memory) = (self.clone(), memory.clone());
+            std::thread::Builder::new()
+                .name(format!("virtio-io-{slot}"))
+                .spawn(move || bus.serve_input(slot, fd, &memory))?;
+        }
+        Ok(())
+    }
+
+    /// Waits on the backend's fd and delivers what comes, while the VM runs.
+    fn serve_input(&self, slot: usize, fd: std::os::fd::RawFd, memory: &GuestMemory) {
+        let mut poll = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        while !self.stopped.load(Ordering::Acquire) {
+            // SAFETY: one valid pollfd; a bounded wait so that `stopped` is seen.
+            unsafe { libc::poll(&mut poll, 1, 20) };
+            let waiting = {
+                let mut d = self.virtio[slot].lock().unwrap_or_else(|e| e.into_inner());
+                if !self.quiesced.load(Ordering::Acquire) {
+                    let mut written = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+                    d.input(memory, &mut *written);
+                }
+                d.device().input_pending() || self.quiesced.load(Ordering::Acquire)
+            };
+            if waiting {
+                // No buffer from the driver yet, or the VM is paused: the input waits in the
+                // backend's queue; look again shortly instead of spinning on a ready fd.
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }
+    }
+
     /// The virtio device whose slot holds `addr`, and the offset in it.
     fn virtio_at(&self, addr: u64) -> Option<(&Mutex<MmioTransport>, u64)> {
         let offset = addr.checked_sub(DEVICE_WINDOW_START)?;

@@ -299,10 +299,11 @@ impl VirtioDevice for Block {
     fn process(
         &mut self,
         _index: usize,
-        queue: &mut Queue,
+        queues: &mut [Queue],
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError> {
+        let queue = &mut queues[0];
         let mut used = false;
         let (ring, size) = (queue.used_ring(), queue.size());
         while let Some(chain) = queue.pop_descriptor_chain(memory) {
@@ -357,8 +358,49 @@ impl VirtioDevice for Block {
         Ok(())
     }
 
+    fn input_fd(&self) -> Option<std::os::fd::RawFd> {
+        None // a disk only answers
+    }
+
+    fn input(
+        &mut self,
+        _: &mut [Queue],
+        _: &GuestMemory,
+        _: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError> {
+        Ok(false)
+    }
+
+    fn input_pending(&self) -> bool {
+        false
+    }
+
+    fn save(&self) -> Vec<u8> {
+        Vec::new() // the file is shared storage; the transport holds the rest
+    }
+
+    fn load(&mut self, state: &[u8]) -> Result<(), String> {
+        if state.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{} bytes of disk state, none expected",
+                state.len()
+            ))
+        }
+    }
+
     fn backing(&self) -> Option<&Path> {
         Some(&self.path)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{}{}, {} sectors",
+            self.path.display(),
+            if self.readonly { " (read-only)" } else { "" },
+            self.sectors
+        )
     }
 
     fn writable(&self) -> bool {

@@ -268,19 +268,30 @@ impl MmioTransport {
         if !self.running() || self.regs.broken.is_some() {
             return;
         }
-        let Some(q) = self.queues.get_mut(index) else {
-            return;
-        };
-        if !q.ready() {
+        if !self.queues.get(index).is_some_and(|q| q.ready()) {
             return;
         }
-        match self.device.process(index, q, memory, log) {
+        let served = self.device.process(index, &mut self.queues, memory, log);
+        self.settle(served, &format!("queue {index}"));
+    }
+
+    /// The backend has input (the device's I/O thread saw its fd ready).
+    pub fn input(&mut self, memory: &GuestMemory, log: &mut dyn WriteLog) {
+        if !self.running() || self.regs.broken.is_some() {
+            return;
+        }
+        let served = self.device.input(&mut self.queues, memory, log);
+        self.settle(served, "input");
+    }
+
+    fn settle(&mut self, served: Result<bool, super::DriverError>, what: &str) {
+        match served {
             Ok(true) => {
                 self.regs.interrupt_status |= VIRTIO_MMIO_INT_VRING;
                 let _ = self.irq.write(1);
             }
             Ok(false) => {}
-            Err(e) => self.needs_reset(format!("queue {index}: {}", e.0)),
+            Err(e) => self.needs_reset(format!("{what}: {}", e.0)),
         }
     }
 

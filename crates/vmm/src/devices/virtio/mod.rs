@@ -8,6 +8,8 @@
 
 pub mod block;
 pub mod mmio;
+pub mod net;
+pub mod tap;
 
 use virtio_queue::Queue;
 
@@ -52,7 +54,7 @@ pub trait VirtioDevice: Send {
     fn process(
         &mut self,
         index: usize,
-        queue: &mut Queue,
+        queues: &mut [Queue],
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError>;
@@ -67,6 +69,25 @@ pub trait VirtioDevice: Send {
     fn counters(&self) -> Vec<(&'static str, u64)>;
     /// The file behind the device, if any.
     fn backing(&self) -> Option<&std::path::Path>;
+    /// What it is attached to, for status displays.
+    fn describe(&self) -> String;
     /// Whether the guest can change what lies behind the device (a writable disk).
     fn writable(&self) -> bool;
+    /// A backend that delivers input on its own (a tap): the fd to wait on, polled by the
+    /// device's I/O thread, which then calls `input`.
+    fn input_fd(&self) -> Option<std::os::fd::RawFd>;
+    /// Delivers what the backend has into the driver's buffers; true when a used ring changed.
+    /// `Ok(false)` with input left over means the driver has no buffer yet (it gets the input
+    /// when it posts one: `process` delivers too).
+    fn input(
+        &mut self,
+        queues: &mut [Queue],
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError>;
+    /// Whether input waits for a driver buffer (the I/O thread then naps instead of polling).
+    fn input_pending(&self) -> bool;
+    /// The device's own state beyond the transport's (a NIC's MAC), for a migration.
+    fn save(&self) -> Vec<u8>;
+    fn load(&mut self, state: &[u8]) -> Result<(), String>;
 }

@@ -1,0 +1,122 @@
+//! A NIC that survives the move: the workload guest forwards frames (`net=fwd`: receive,
+//! swap the MACs, send back, like DPDK's l2fwd) on a virtio-net NIC whose tap sits on a Linux
+//! bridge; a generator on the same bridge sends sequence-numbered frames and counts what comes
+//! back, while the VM moves to a process whose tap is another port of the bridge. Forwarding
+//! must carry on from the new port, and the switch must learn it from the VM's announcement.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use api::MigrationPhase;
+use common::testbed::{Generator, Testbed};
+use common::*;
+
+const T: Duration = Duration::from_secs(60);
+const VM_MAC: [u8; 6] = [0x52, 0x54, 0, 0, 0, 0x01];
+const VM_MAC_TEXT: &str = "52:54:00:00:00:01";
+
+fn forwarder(bed: &Testbed, tap: &str) -> Ferry {
+    let guest = guest();
+    let net = format!("tap={tap},mac={VM_MAC_TEXT}");
+    Ferry::start_in_netns(
+        &bed.ns,
+        &[
+            "--guest",
+            guest.to_str().unwrap(),
+            "--memory",
+            "256M",
+            "--cmdline",
+            "write ws=16M seq verify net=fwd",
+            "--net",
+            &net,
+        ],
+    )
+}
+
+fn counter(f: &Ferry, name: &str) -> u64 {
+    f.info().devices[0].counters.get(name).copied().unwrap_or(0)
+}
+
+#[test]
+fn forwarding_carries_on_from_the_destinations_port() {
+    if !kvm_available() {
+        return;
+    }
+    let bed = Testbed::new("net", 2);
+    let src = forwarder(&bed, &bed.taps[0]);
+    src.wait_info("the guest's first pass", T, |i| i.passes >= 1);
+    let generator = Generator::start(&bed, VM_MAC, 1000, 60_000);
+    wait_for("frames forwarded by the source", T, || {
+        (generator.received() >= 100).then_some(())
+    });
+    assert_eq!(bed.port_of(VM_MAC_TEXT).as_deref(), Some("tap0"));
+
+    // Pre-copy to a process on tap1, then post-copy back to one on tap0. The destinations'
+    // NICs are told no MAC: the VM brings its own.
+    let mut here = src;
+    for (mode, tap) in [("precopy", "tap1"), ("postcopy", "tap0")] {
+        let sock = here.scratch("migrate.sock");
+        let url = format!("unix:{}", sock.display());
+        let net = format!("tap={tap}");
+        let dst = Ferry::start_in_netns(&bed.ns, &["--incoming", &url, "--net", &net]);
+        let (report, ok, errors) = migrate(&here, &url, &["--mode", mode]);
+        assert!(ok, "{mode}: {errors}");
+        assert_eq!(report.phase, MigrationPhase::Completed);
+        assert!(
+            here.wait_exit(T).success(),
+            "{mode}: the source let go of the VM and its tap"
+        );
+        let moved = Instant::now();
+        // Frames sent after the move come back, forwarded by the destination's guest.
+        wait_for("frames forwarded by the destination", T, || {
+            (generator.received_sent_after(moved) >= 100).then_some(())
+        });
+        assert_eq!(bed.port_of(VM_MAC_TEXT).as_deref(), Some(tap), "{mode}");
+        let info = dst.info();
+        let nic = &info.devices[0];
+        assert_eq!(nic.kind, "virtio-net");
+        assert!(nic.attached_to.contains(VM_MAC_TEXT), "{}", nic.attached_to);
+        assert_eq!(
+            counter(&dst, "announcements"),
+            5,
+            "{mode}: the MAC was announced"
+        );
+        assert!(counter(&dst, "rx_frames") > 0 && counter(&dst, "tx_frames") > 0);
+        assert_eq!(info.verify_errors, 0, "{mode}");
+        here = dst;
+    }
+    let (sent, received, longest_gap) = generator.finish(Duration::from_millis(300));
+    eprintln!(
+        "net: {sent} frames sent, {received} back, {} lost, longest run lost {longest_gap}",
+        sent - received
+    );
+}
+
+#[test]
+fn missing_taps_and_bad_nic_options_are_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let guest = guest();
+    let guest = guest.to_str().unwrap();
+    for (arg, expect) in [
+        ("tap=nosuchtap9", "there is no tap device 'nosuchtap9'"),
+        ("tap=t0,mac=01:00:5e:00:00:01", "multicast"),
+        ("mac=52:54:00:00:00:01", "names no tap="),
+        ("tap=t0,mtu=9000", "use tap=NAME"),
+    ] {
+        let out = ferry_output(&[
+            "run",
+            "--guest",
+            guest,
+            "--net",
+            arg,
+            "--serial",
+            "/dev/null",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--net {arg}");
+        assert!(stderr.contains(expect), "--net {arg}: {stderr}");
+    }
+}
