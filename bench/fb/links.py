@@ -5,6 +5,8 @@ import subprocess
 import threading
 import time
 
+from .util import BenchError
+
 ADDR_SRC = "169.254.77.1"
 ADDR_DST = "169.254.77.2"
 
@@ -65,22 +67,25 @@ class Link:
 
     def goodput_bytes_per_s(self, megabytes=64):
         """TCP goodput source → destination, measured with a plain socket transfer."""
-        port = 45999
+        # The server takes any free port and says which: a fixed one would collide with
+        # another measurement running at the same time (the test suite runs two at once).
         server = ["python3", "-c", (
-            "import socket,sys;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
-            f"s.bind(('{self.dst_host}',{port}));s.listen(1);c,_=s.accept();n=0\n"
+            "import socket,sys;s=socket.socket();"
+            f"s.bind(('{self.dst_host}',0));s.listen(1);print(s.getsockname()[1],flush=True);"
+            "c,_=s.accept();n=0\n"
             "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
             "print(n)")]
         if self.ns_dst:
             server = ["ip", "netns", "exec", self.ns_dst] + server
         srv = subprocess.Popen(server, stdout=subprocess.PIPE, text=True)
         try:
+            said = srv.stdout.readline().strip()
+            if not said.isdigit():
+                raise BenchError("the goodput measurement's server did not start")
+            port = int(said)
             client = (
                 "import socket,time,sys\n"
-                "for _ in range(200):\n"
-                " try:\n"
-                f"  c=socket.create_connection(('{self.dst_host}',{port}));break\n"
-                " except OSError: time.sleep(0.02)\n"
+                f"c=socket.create_connection(('{self.dst_host}',{port}))\n"
                 f"buf=b'x'*(1<<20);t=time.time()\n"
                 f"for _ in range({megabytes}): c.sendall(buf)\n"
                 "c.shutdown(socket.SHUT_WR);c.recv(1);print(time.time()-t)")

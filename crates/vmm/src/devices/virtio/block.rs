@@ -22,7 +22,7 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::{DriverError, VirtioDevice, WriteLog};
+use super::{DriverError, VirtioDevice, WriteLog, complete, outside};
 use crate::memory::GuestMemory;
 
 pub const SECTOR: u64 = 512;
@@ -133,7 +133,7 @@ impl Block {
         let mut head = [0u8; 16];
         memory
             .read_slice(&mut head, header.addr())
-            .map_err(|_| outside(header))?;
+            .map_err(|_| outside(header.addr().0, header.len() as usize))?;
         let kind = u32::from_le_bytes(head[0..4].try_into().unwrap());
         let sector = u64::from_le_bytes(head[8..16].try_into().unwrap());
         let data = &descs[1..descs.len() - 1];
@@ -149,7 +149,7 @@ impl Block {
         }
         memory
             .write_slice(&[code as u8], status.addr())
-            .map_err(|_| outside(status))?;
+            .map_err(|_| outside(status.addr().0, 1))?;
         log.wrote(status.addr().0, 1);
         Ok(written + 1)
     }
@@ -173,26 +173,24 @@ impl Block {
             ));
         }
         let total: u64 = data.iter().map(|d| u64::from(d.len())).sum();
-        let Some(mut offset) = self.span(sector, total) else {
+        let Some(offset) = self.span(sector, total) else {
             return Ok((VIRTIO_BLK_S_IOERR, 0));
         };
         let mut buf = vec![0u8; CHUNK];
-        for d in data {
-            let mut done = 0u64;
-            while done < u64::from(d.len()) {
-                let n = (u64::from(d.len()) - done).min(CHUNK as u64) as usize;
-                if let Err(e) = self.file.read_exact_at(&mut buf[..n], offset) {
-                    tracing::warn!("disk {}: read at {offset}: {e}", self.path.display());
-                    return Ok((VIRTIO_BLK_S_IOERR, 0));
-                }
-                let at = d.addr().0 + done;
-                memory
-                    .write_slice(&buf[..n], GuestAddress(at))
-                    .map_err(|_| outside(d))?;
-                log.wrote(at, n);
-                done += n as u64;
-                offset += n as u64;
+        let (file, path) = (&self.file, &self.path);
+        let done = pieces(data, offset, |gpa, offset, n| {
+            if let Err(e) = file.read_exact_at(&mut buf[..n], offset) {
+                tracing::warn!("disk {}: read at {offset}: {e}", path.display());
+                return Ok(false);
             }
+            memory
+                .write_slice(&buf[..n], GuestAddress(gpa))
+                .map_err(|_| outside(gpa, n))?;
+            log.wrote(gpa, n);
+            Ok(true)
+        })?;
+        if !done {
+            return Ok((VIRTIO_BLK_S_IOERR, 0));
         }
         self.reads += 1;
         Ok((VIRTIO_BLK_S_OK, total as u32))
@@ -213,24 +211,23 @@ impl Block {
             return Ok((VIRTIO_BLK_S_IOERR, 0));
         }
         let total: u64 = data.iter().map(|d| u64::from(d.len())).sum();
-        let Some(mut offset) = self.span(sector, total) else {
+        let Some(offset) = self.span(sector, total) else {
             return Ok((VIRTIO_BLK_S_IOERR, 0));
         };
         let mut buf = vec![0u8; CHUNK];
-        for d in data {
-            let mut done = 0u64;
-            while done < u64::from(d.len()) {
-                let n = (u64::from(d.len()) - done).min(CHUNK as u64) as usize;
-                memory
-                    .read_slice(&mut buf[..n], GuestAddress(d.addr().0 + done))
-                    .map_err(|_| outside(d))?;
-                if let Err(e) = self.file.write_all_at(&buf[..n], offset) {
-                    tracing::warn!("disk {}: write at {offset}: {e}", self.path.display());
-                    return Ok((VIRTIO_BLK_S_IOERR, 0));
-                }
-                done += n as u64;
-                offset += n as u64;
+        let (file, path) = (&self.file, &self.path);
+        let done = pieces(data, offset, |gpa, offset, n| {
+            memory
+                .read_slice(&mut buf[..n], GuestAddress(gpa))
+                .map_err(|_| outside(gpa, n))?;
+            if let Err(e) = file.write_all_at(&buf[..n], offset) {
+                tracing::warn!("disk {}: write at {offset}: {e}", path.display());
+                return Ok(false);
             }
+            Ok(true)
+        })?;
+        if !done {
+            return Ok((VIRTIO_BLK_S_IOERR, 0));
         }
         self.writes += 1;
         Ok((VIRTIO_BLK_S_OK, 0))
@@ -264,7 +261,7 @@ impl Block {
         let n = id.len().min(d.len() as usize);
         memory
             .write_slice(&id[..n], d.addr())
-            .map_err(|_| outside(d))?;
+            .map_err(|_| outside(d.addr().0, n))?;
         log.wrote(d.addr().0, n);
         Ok((VIRTIO_BLK_S_OK, n as u32))
     }
@@ -305,19 +302,12 @@ impl VirtioDevice for Block {
     ) -> Result<bool, DriverError> {
         let queue = &mut queues[0];
         let mut used = false;
-        let (ring, size) = (queue.used_ring(), queue.size());
         while let Some(chain) = queue.pop_descriptor_chain(memory) {
             let head = chain.head_index();
             let descs: Vec<Descriptor> = chain.collect();
             let written = self.serve(&descs, memory, log)?;
-            queue
-                .add_used(memory, head, written)
-                .map_err(|e| DriverError(format!("cannot fill the used ring: {e}")))?;
+            complete(queue, memory, head, written, log)?;
             used = true;
-        }
-        if used {
-            // flags, idx, the ring and the avail event: all the device writes there.
-            log.wrote(ring, 6 + 8 * usize::from(size));
         }
         Ok(used)
     }
@@ -417,12 +407,25 @@ impl VirtioDevice for Block {
     }
 }
 
-fn outside(d: &Descriptor) -> DriverError {
-    DriverError(format!(
-        "a buffer at {:#x} ({} bytes) lies outside guest RAM",
-        d.addr().0,
-        d.len()
-    ))
+/// Calls `piece(guest address, disk offset, length)` for each run of at most `CHUNK` bytes of
+/// the buffers `data`, the disk from `offset` on; stops at the first piece that fails (false).
+fn pieces(
+    data: &[Descriptor],
+    mut offset: u64,
+    mut piece: impl FnMut(u64, u64, usize) -> Result<bool, DriverError>,
+) -> Result<bool, DriverError> {
+    for d in data {
+        let mut done = 0u64;
+        while done < u64::from(d.len()) {
+            let n = (u64::from(d.len()) - done).min(CHUNK as u64) as usize;
+            if !piece(d.addr().0 + done, offset, n)? {
+                return Ok(false);
+            }
+            done += n as u64;
+            offset += n as u64;
+        }
+    }
+    Ok(true)
 }
 
 fn lock(file: &File, op: libc::c_int) -> std::io::Result<()> {

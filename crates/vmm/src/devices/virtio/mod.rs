@@ -30,6 +30,30 @@ pub fn linux_cmdline_word(slot: usize) -> String {
     )
 }
 
+/// Gives a served chain back to the driver; the used ring's change is the device's write.
+pub(super) fn complete(
+    queue: &mut Queue,
+    memory: &GuestMemory,
+    head: u16,
+    len: u32,
+    log: &mut dyn WriteLog,
+) -> Result<(), DriverError> {
+    use virtio_queue::QueueT;
+    queue
+        .add_used(memory, head, len)
+        .map_err(|e| DriverError(format!("cannot fill the used ring: {e}")))?;
+    // flags, idx, the ring and the avail event.
+    log.wrote(queue.used_ring(), 6 + 8 * usize::from(queue.size()));
+    Ok(())
+}
+
+/// A driver's buffer the device cannot reach.
+pub(super) fn outside(gpa: u64, len: usize) -> DriverError {
+    DriverError(format!(
+        "a buffer at {gpa:#x} ({len} bytes) lies outside guest RAM"
+    ))
+}
+
 /// Pages a device wrote into guest memory: dirty for migration like the guest's own writes.
 pub trait WriteLog {
     fn wrote(&mut self, gpa: u64, len: usize);

@@ -17,7 +17,7 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::tap::Tap;
-use super::{DriverError, VirtioDevice, WriteLog};
+use super::{DriverError, VirtioDevice, WriteLog, complete, outside};
 use crate::memory::GuestMemory;
 
 const QUEUE_SIZE: u16 = 256;
@@ -156,10 +156,7 @@ impl Net {
             let head = chain.head_index();
             let descs: Vec<Descriptor> = chain.collect();
             let written = write_frame(&descs, &frame, memory, log)?;
-            queue
-                .add_used(memory, head, written)
-                .map_err(|e| DriverError(format!("cannot fill the used ring: {e}")))?;
-            log_used(queue, log);
+            complete(queue, memory, head, written, log)?;
             self.rx_frames += 1;
             used = true;
         }
@@ -185,10 +182,7 @@ impl Net {
                     tracing::warn!("tap {}: {e}", self.tap.name());
                 }
             }
-            queue
-                .add_used(memory, head, 0)
-                .map_err(|e| DriverError(format!("cannot fill the used ring: {e}")))?;
-            log_used(queue, log);
+            complete(queue, memory, head, 0, log)?;
             used = true;
         }
         Ok(used)
@@ -236,11 +230,6 @@ impl Net {
     }
 }
 
-/// The used ring changed: its entries and index are the device's writes.
-fn log_used(queue: &Queue, log: &mut dyn WriteLog) {
-    log.wrote(queue.used_ring(), 6 + 8 * usize::from(queue.size()));
-}
-
 /// A zeroed header (one buffer) and the frame into the driver's writable buffers.
 fn write_frame(
     descs: &[Descriptor],
@@ -268,7 +257,7 @@ fn write_frame(
         let chunk: Vec<u8> = bytes.by_ref().take(n).collect();
         memory
             .write_slice(&chunk, d.addr())
-            .map_err(|_| outside(d))?;
+            .map_err(|_| outside(d.addr().0, d.len() as usize))?;
         log.wrote(d.addr().0, n);
         left -= n;
     }
@@ -290,19 +279,11 @@ fn read_frame(descs: &[Descriptor], memory: &GuestMemory) -> Result<Vec<u8>, Dri
         let n = d.len() as usize;
         memory
             .read_slice(&mut all[at..at + n], GuestAddress(d.addr().0))
-            .map_err(|_| outside(d))?;
+            .map_err(|_| outside(d.addr().0, d.len() as usize))?;
         at += n;
     }
     all.drain(..HEADER);
     Ok(all)
-}
-
-fn outside(d: &Descriptor) -> DriverError {
-    DriverError(format!(
-        "a buffer at {:#x} ({} bytes) lies outside guest RAM",
-        d.addr().0,
-        d.len()
-    ))
 }
 
 impl VirtioDevice for Net {
