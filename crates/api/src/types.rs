@@ -58,6 +58,11 @@ pub struct VmInfo {
     pub blk_reads: u64,
     pub blk_errors: u64,
     pub blk_error_sectors: Vec<u64>,
+    /// The guest's forwarding workload (`net=fwd`): frames received, sent back, and dropped
+    /// (no transmit buffer free) or malformed.
+    pub net_rx: u64,
+    pub net_tx: u64,
+    pub net_errors: u64,
     /// virtio devices.
     pub devices: Vec<DeviceInfo>,
     /// Why the VM failed, when `state` is failed.

@@ -150,6 +150,9 @@ impl Controller {
             blk_reads: i.total.blk_reads,
             blk_errors: i.total.blk_errors,
             blk_error_sectors: i.blk_error_sectors,
+            net_rx: i.total.net_rx,
+            net_tx: i.total.net_tx,
+            net_errors: i.total.net_errors,
             devices: vm
                 .device_info()
                 .into_iter()

@@ -83,6 +83,10 @@ fn forwarding_carries_on_from_the_destinations_port() {
             "{mode}: the MAC was announced"
         );
         assert!(counter(&dst, "rx_frames") > 0 && counter(&dst, "tx_frames") > 0);
+        assert!(
+            info.net_tx > 0,
+            "{mode}: the guest forwarded frames: {info:?}"
+        );
         assert_eq!(info.verify_errors, 0, "{mode}");
         here = dst;
     }

@@ -22,7 +22,7 @@ pub const PORT_DONE: u16 = 0x5ac;
 pub const PORT_FATAL_MSG: u16 = 0x5b0;
 pub const PORT_BLK_ERROR: u16 = 0x5b4;
 const HB_MAGIC: u32 = 0x4645_5259;
-const BLOCK_SIZE: usize = 104;
+const BLOCK_SIZE: usize = 128;
 /// Verify-error pages kept for display; the count goes on past it.
 const ERROR_PAGES_KEPT: usize = 64;
 /// Progress samples kept for rate history (one per `SAMPLE_EVERY_NS`).
@@ -54,6 +54,11 @@ pub struct Progress {
     pub blk_writes: u64,
     pub blk_reads: u64,
     pub blk_errors: u64,
+    /// The forwarding workload (`net=fwd`): frames received, sent back, and dropped or
+    /// malformed.
+    pub net_rx: u64,
+    pub net_tx: u64,
+    pub net_errors: u64,
     /// Guest-physical address of the block, once registered.
     pub block: Option<u64>,
     /// Host wall-clock time (ns since the epoch) of the last heartbeat.
@@ -227,6 +232,9 @@ impl HeartbeatDevice {
         p.blk_writes = word(10);
         p.blk_reads = word(11);
         p.blk_errors = word(12);
+        p.net_rx = word(13);
+        p.net_tx = word(14);
+        p.net_errors = word(15);
     }
 
     fn finished(&self) -> Option<GuestEvent> {
@@ -260,6 +268,9 @@ impl HeartbeatDevice {
             t.blk_writes += p.blk_writes;
             t.blk_reads += p.blk_reads;
             t.blk_errors += p.blk_errors;
+            t.net_rx += p.net_rx;
+            t.net_tx += p.net_tx;
+            t.net_errors += p.net_errors;
             t.last_heartbeat_ns = t.last_heartbeat_ns.max(p.last_heartbeat_ns);
         }
         if let Some(first) = self.state.vcpus.first() {
