@@ -16,10 +16,10 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fb import qemu, report  # noqa: E402
+from fb import devices, qemu, report  # noqa: E402
 from fb.ferry import FerryPeer  # noqa: E402
 from fb.links import Link  # noqa: E402
-from fb.util import FERRY, REPO, BenchError, DidNotConverge, Processes  # noqa: E402
+from fb.util import FERRY, REPO, BenchError, DidNotConverge, Processes, summarize  # noqa: E402
 
 SERIAL = "serial_ms=10"
 
@@ -115,6 +115,12 @@ PROFILES = {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
         "scenarios": checkpoints(),
     },
+    # The forwarding VM across a move (docs/devices.md): (migration mode or None, frames/s).
+    "devices": {
+        "links": [], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
+        "forwarding": [(mode, rate) for rate in (1000, 10000)
+                       for mode in (None, "precopy", "postcopy", "hybrid")],
+    },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
         "scenarios": table2(),
@@ -186,7 +192,7 @@ def run(args):
     os.makedirs(outdir, exist_ok=True)
     results = {"started": started, "profile": args.profile, "repeats": repeats, "machine": machine(),
                "build": build(),
-               "links": {}, "boot": [], "dirty_logging": None, "scenarios": []}
+               "links": {}, "boot": [], "dirty_logging": None, "scenarios": [], "forwarding": []}
     tag = str(os.getpid() % 100000)
 
     with tempfile.TemporaryDirectory(prefix=args.work_prefix) as work:
@@ -251,12 +257,28 @@ def run(args):
                                          and x["scenario"] == e["scenario"] and "floor_ms" in x), None)
                             if twin:
                                 e["floor_ms"] = twin["floor_ms"]
+            for mode, rate in profile.get("forwarding", []):
+                rows, error = [], None
+                for i in range(repeats):
+                    said = "ok"
+                    try:
+                        rows.append(devices.forwarding_run(procs, work, mode, rate))
+                    except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
+                        error = str(e).splitlines()[0][:300]
+                        said = "FAILED: " + error
+                        traceback.print_exc(file=sys.stderr)
+                    print(f"  forwarding {mode or 'no move':9} {rate:6} frames/s run {i + 1}/{repeats}"
+                          f" {said}", file=sys.stderr)
+                results["forwarding"].append({
+                    "mode": mode or "none", "rate": rate, "runs": rows, "error": error,
+                    "summary": {m: summarize([r.get(m) for r in rows]) for m in report.FORWARDING}})
         finally:
             procs.stop_all()
     written = report.write_all(results, outdir)
     print(open(os.path.join(outdir, "results.md")).read())
     print(f"results: {outdir} ({', '.join(os.path.basename(w) for w in written)})", file=sys.stderr)
-    return 0 if not any(e.get("error") for e in results["scenarios"]) else 1
+    failed = any(e.get("error") for e in results["scenarios"] + results["forwarding"])
+    return 1 if failed else 0
 
 
 def main():

@@ -10,6 +10,11 @@ METRICS = ["total_ms", "downtime_ms", "guest_downtime_ms", "serial_downtime_ms",
            "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max"]
 
 
+# The forwarding runs (`--profile devices`).
+FORWARDING = ["sent", "lost", "longest_gap_ms", "downtime_ms", "guest_downtime_ms", "total_ms",
+              "guest_net_errors"]
+
+
 def summarize_rows(rows):
     return {m: summarize([r.get(m) for r in rows]) for m in METRICS}
 
@@ -113,6 +118,22 @@ def markdown(results):
                          f"{fmt(s, 'checkpoint_mb_back')} | {fmt(s, 'checkpoint_pause_ms_mean', digits=2)} / "
                          f"{fmt(s, 'checkpoint_pause_ms_max', digits=2)} | {fmt(s, 'rate_after', digits=0)} | "
                          f"{fmt(s, 'total_ms')} |")
+    if results.get("forwarding"):
+        lines += ["", "## Forwarding across a move", "",
+                  "The guest forwards frames (`net=fwd`) on a virtio-net NIC on a bridge while a "
+                  "generator sends 64-byte frames at the rate for 6 s; the move starts after 2 s. "
+                  "*Longest gap*: the longest time between two frames coming back (the outage the "
+                  "network sees).", "",
+                  "| frames/s | move | sent | lost | longest gap ms | downtime ms (VMM) "
+                  "| guest downtime ms | dropped in the guest |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results["forwarding"]:
+            s = r["summary"]
+            err = f" (failed: {r['error']})" if r.get("error") else ""
+            lines.append(f"| {r['rate']} | {r['mode']}{err} | {fmt(s, 'sent', digits=0)} | "
+                         f"{fmt(s, 'lost', digits=0)} | {fmt(s, 'longest_gap_ms')} | "
+                         f"{fmt(s, 'downtime_ms', digits=2)} | {fmt(s, 'guest_downtime_ms', digits=2)} | "
+                         f"{fmt(s, 'guest_net_errors', digits=0)} |")
     if results.get("ratios"):
         lines += ["", "## ferry / QEMU (medians; < 1 means ferry is better)", "",
                   "| link | scenario | ferry | versus | total | downtime (VMM) | downtime (serial) | bytes |",
