@@ -5,7 +5,7 @@ use serde::de::DeserializeOwned;
 use crate::server::ApiError;
 use crate::types::{
     CorruptPageRequest, DirtyLoggingRequest, MigrateResumeRequest, MigrationRequest,
-    SnapshotRequest,
+    SnapshotRequest, TakeBackRequest,
 };
 
 pub const PREFIX: &str = "/api/v1/";
@@ -23,10 +23,10 @@ pub enum ApiRequest {
     CancelMigration,
     StartPostcopy,
     /// Take the VM back after an unconfirmed switch (the operator knows the destination is down).
-    MigrateReclaim,
+    MigrateReclaim(TakeBackRequest),
     /// Run the VM on the source from the newest post-copy checkpoint after the destination
     /// died mid post-copy (the operator knows it did).
-    MigrateRollback,
+    MigrateRollback(TakeBackRequest),
     MigrateResume(MigrateResumeRequest),
     Snapshot(SnapshotRequest),
 }
@@ -47,8 +47,11 @@ impl ApiRequest {
             "vm.migration" => ("GET", ApiRequest::MigrationStatus),
             "vm.cancel-migration" => ("PUT", ApiRequest::CancelMigration),
             "vm.migrate-start-postcopy" => ("PUT", ApiRequest::StartPostcopy),
-            "vm.migrate-reclaim" => ("PUT", ApiRequest::MigrateReclaim),
-            "vm.migrate-rollback" => ("PUT", ApiRequest::MigrateRollback),
+            "vm.migrate-reclaim" => ("PUT", ApiRequest::MigrateReclaim(optional(endpoint, body)?)),
+            "vm.migrate-rollback" => (
+                "PUT",
+                ApiRequest::MigrateRollback(optional(endpoint, body)?),
+            ),
             "vm.migrate-resume" => ("PUT", ApiRequest::MigrateResume(json(endpoint, body)?)),
             "vm.snapshot" => ("PUT", ApiRequest::Snapshot(json(endpoint, body)?)),
             _ => return Err(ApiError::not_found(path)),
@@ -61,6 +64,14 @@ impl ApiRequest {
         }
         Ok(request)
     }
+}
+
+/// A body that may be left out (then every field takes its default).
+fn optional<T: DeserializeOwned + Default>(endpoint: &str, body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    json(endpoint, body)
 }
 
 fn json<T: DeserializeOwned>(endpoint: &str, body: &[u8]) -> Result<T, ApiError> {

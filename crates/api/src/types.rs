@@ -123,6 +123,16 @@ pub struct MigrationRequest {
     pub checkpoint_ms: Option<i64>,
 }
 
+/// Body of `vm.migrate-reclaim` and `vm.migrate-rollback` (optional).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TakeBackRequest {
+    /// Take the VM back although it has a writable disk the destination may have written
+    /// since the switch (the guest then finds on it writes it does not remember).
+    #[serde(default)]
+    pub force: bool,
+}
+
 /// Body of `PUT /api/v1/vm.migrate-resume`: on the destination `listen` (where to wait for the
 /// source), on the source `destination` (where to reconnect).
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]

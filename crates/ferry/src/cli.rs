@@ -38,12 +38,12 @@ pub enum Command {
     /// outcome the source cannot know (state `unconfirmed`, or `postcopy-paused` on the source).
     /// Only once you know the destination does not run it (its host is down or fenced): ferry
     /// cannot know, so it never does this by itself.
-    MigrateReclaim(ApiArgs),
+    MigrateReclaim(TakeBackArgs),
     /// After the destination died mid post-copy (state `postcopy-paused` on the source): run
     /// the VM here again from the newest checkpoint the destination sent back (`ferry migrate
     /// --checkpoint-ms`), or from the switch if none came. Only once you know the destination
     /// does not run it: ferry cannot know, so it never does this by itself.
-    MigrateRollback(ApiArgs),
+    MigrateRollback(TakeBackArgs),
     /// Carry on a post-copy whose connection broke: on the destination `--listen URL`, then on
     /// the source `--to URL`.
     MigrateResume(MigrateResumeArgs),
@@ -125,6 +125,17 @@ pub struct SnapshotArgs {
     pub to: PathBuf,
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct TakeBackArgs {
+    /// The Unix socket of the VM's control API.
+    #[arg(long)]
+    pub api_socket: PathBuf,
+    /// Take the VM back although it has a writable disk the destination may have written
+    /// since the switch (the guest then finds writes on it that it does not remember).
+    #[arg(long)]
+    pub force: bool,
 }
 
 #[derive(Args, Debug)]

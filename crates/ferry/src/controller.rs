@@ -37,6 +37,31 @@ pub struct Controller {
 }
 
 impl Controller {
+    /// Runs the VM here again after a switch whose destination is gone (reclaim, rollback).
+    /// A writable disk is shared storage the destination may have written since the switch:
+    /// that needs the operator's `force`.
+    fn take_back(&self, req: &api::TakeBackRequest) -> Result<Resumed, ApiError> {
+        let vm = self
+            .vm
+            .get()
+            .ok_or_else(|| ApiError::conflict("no VM here"))?;
+        if !req.force
+            && let Some(d) = vm.device_info().into_iter().find(|d| d.writable)
+        {
+            return Err(ApiError::conflict(format!(
+                "the VM has a writable disk ({}) that the destination may have written since \
+                 the switch: run from the switch, the guest would find writes it does not \
+                 remember. Check the destination; {{\"force\": true}} (--force) takes it back \
+                 anyway",
+                d.describe
+            )));
+        }
+        self.migrations
+            .outgoing
+            .reclaim(vm.as_ref())
+            .map_err(api_error)
+    }
+
     pub fn new(phase: Phase, security: Security) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             me: me.clone(),
@@ -280,28 +305,13 @@ impl Handler for Controller {
                     .map_err(api_error)?;
                 Ok(Value::Null)
             }
-            ApiRequest::MigrateReclaim => {
-                let vm = self
-                    .vm
-                    .get()
-                    .ok_or_else(|| ApiError::conflict("no VM here"))?;
-                self.migrations
-                    .outgoing
-                    .reclaim(vm.as_ref())
-                    .map_err(api_error)?;
+            ApiRequest::MigrateReclaim(req) => {
+                self.take_back(&req)?;
                 tracing::warn!("the operator took the VM back after an unconfirmed switch");
                 Ok(Value::Null)
             }
-            ApiRequest::MigrateRollback => {
-                let vm = self
-                    .vm
-                    .get()
-                    .ok_or_else(|| ApiError::conflict("no VM here"))?;
-                let from = self
-                    .migrations
-                    .outgoing
-                    .reclaim(vm.as_ref())
-                    .map_err(api_error)?;
+            ApiRequest::MigrateRollback(req) => {
+                let from = self.take_back(&req)?;
                 tracing::warn!("the operator rolled the VM back after post-copy broke: {from:?}");
                 Ok(match from {
                     Resumed::Checkpoint(seq) => {

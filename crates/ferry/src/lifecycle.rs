@@ -94,8 +94,8 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
         ApiRequest::Shutdown => !state.mid_postcopy(),
         ApiRequest::SendMigration(_) | ApiRequest::Snapshot(_) => matches!(state, Running | Paused),
         ApiRequest::CancelMigration | ApiRequest::StartPostcopy => state == Migrating,
-        ApiRequest::MigrateReclaim => matches!(state, Unconfirmed | PostcopyPausedSource),
-        ApiRequest::MigrateRollback => state == PostcopyPausedSource,
+        ApiRequest::MigrateReclaim(_) => matches!(state, Unconfirmed | PostcopyPausedSource),
+        ApiRequest::MigrateRollback(_) => state == PostcopyPausedSource,
         ApiRequest::MigrateResume(r) => match (r.listen.is_some(), r.destination.is_some()) {
             (true, false) => state == PostcopyPausedDestination,
             (false, true) => state == PostcopyPausedSource,
@@ -119,7 +119,7 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
     }
     if matches!(
         request,
-        ApiRequest::MigrateReclaim | ApiRequest::MigrateRollback
+        ApiRequest::MigrateReclaim(_) | ApiRequest::MigrateRollback(_)
     ) {
         return Err(ApiError::conflict(format!(
             "no switch to take back (the VM is {})",
@@ -187,21 +187,33 @@ mod tests {
         // there), or taking it back (the destination is down); also after a broken post-copy,
         // never while one runs.
         assert!(allow(&ApiRequest::Shutdown, Lifecycle::Unconfirmed).is_ok());
-        assert!(allow(&ApiRequest::MigrateReclaim, Lifecycle::Unconfirmed).is_ok());
-        assert!(allow(&ApiRequest::MigrateReclaim, Lifecycle::PostcopyPausedSource).is_ok());
+        assert!(
+            allow(
+                &ApiRequest::MigrateReclaim(Default::default()),
+                Lifecycle::Unconfirmed
+            )
+            .is_ok()
+        );
+        assert!(
+            allow(
+                &ApiRequest::MigrateReclaim(Default::default()),
+                Lifecycle::PostcopyPausedSource
+            )
+            .is_ok()
+        );
         for state in [
             Lifecycle::Running,
             Lifecycle::Migrating,
             Lifecycle::PostcopySource,
             Lifecycle::PostcopyPausedDestination,
         ] {
-            let e = allow(&ApiRequest::MigrateReclaim, state).unwrap_err();
+            let e = allow(&ApiRequest::MigrateReclaim(Default::default()), state).unwrap_err();
             assert!(e.message.contains(state.name()), "{}", e.message);
         }
         // A rollback to a post-copy checkpoint: only where post-copy broke, on the source.
         assert!(
             allow(
-                &ApiRequest::MigrateRollback,
+                &ApiRequest::MigrateRollback(Default::default()),
                 Lifecycle::PostcopyPausedSource
             )
             .is_ok()
@@ -212,7 +224,7 @@ mod tests {
             Lifecycle::PostcopySource,
             Lifecycle::PostcopyPausedDestination,
         ] {
-            let e = allow(&ApiRequest::MigrateRollback, state).unwrap_err();
+            let e = allow(&ApiRequest::MigrateRollback(Default::default()), state).unwrap_err();
             assert!(e.message.contains(state.name()), "{}", e.message);
         }
         let listen = ApiRequest::MigrateResume(MigrateResumeRequest {

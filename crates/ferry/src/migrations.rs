@@ -315,7 +315,7 @@ impl Controller {
             && let Some(d) = live.device_info().iter().find(|d| d.writable)
         {
             return Err(ApiError::bad_request(format!(
-                "checkpoint_ms with a writable disk ({}): a rollback would leave the disk ahead                  of the guest; give the disk readonly or migrate without checkpoints",
+                "checkpoint_ms with a writable disk ({}): a rollback would leave the disk ahead of the guest; give the disk readonly or migrate without checkpoints",
                 d.path
                     .as_ref()
                     .map_or_else(|| format!("slot {}", d.slot), |p| p.display().to_string())

@@ -3,7 +3,7 @@
 use anyhow::Result;
 use api::ApiClient;
 
-use crate::cli::{ApiArgs, MigrateResumeArgs};
+use crate::cli::{ApiArgs, MigrateResumeArgs, TakeBackArgs};
 
 pub fn status(args: &ApiArgs) -> Result<i32> {
     let info = ApiClient::new(&args.api_socket).get("vm.info")?;
@@ -16,12 +16,13 @@ pub fn simple_put(args: &ApiArgs, endpoint: &str) -> Result<i32> {
     Ok(0)
 }
 
-/// `vm.migrate-rollback`, saying where the VM runs from.
-pub fn rollback(args: &ApiArgs) -> Result<i32> {
-    let from = ApiClient::new(&args.api_socket).put("vm.migrate-rollback", None)?;
-    match from.get("checkpoint").and_then(|c| c.as_u64()) {
+/// `vm.migrate-reclaim` or `vm.migrate-rollback`, saying where the VM runs from.
+pub fn take_back(args: &TakeBackArgs, endpoint: &str) -> Result<i32> {
+    let body = serde_json::to_value(api::TakeBackRequest { force: args.force })?;
+    let said = ApiClient::new(&args.api_socket).put(endpoint, Some(&body))?;
+    match said.get("checkpoint").and_then(|c| c.as_u64()) {
         Some(seq) => println!("the VM runs here again from post-copy checkpoint {seq}"),
-        None => println!("the VM runs here again from the switch (no checkpoint had come)"),
+        None => println!("the VM runs here again from the switch"),
     }
     Ok(0)
 }

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use api::MigrationPhase;
+use common::relay::{Action, Point};
 use common::*;
 
 const T: Duration = Duration::from_secs(60);
@@ -113,6 +114,37 @@ fn a_destination_without_the_disk_is_refused_and_the_source_keeps_writing() {
     assert_eq!(src.info().state, "running");
     let now = src.info().blk_writes;
     assert_disk_verified(&src, now, "after the refused migration");
+}
+
+#[test]
+fn taking_a_vm_back_onto_a_disk_the_destination_wrote_needs_force() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = disk(dir.path());
+    let src = boot_with_disk(&path);
+    let arg = disk_arg(&path);
+    let (mut dst, relay) =
+        destination_behind_with(Point::Postcopy(50), Action::Cut, &["--disk", &arg]);
+    let (report, ok, _) = migrate(&src, &relay.url, &["--mode", "postcopy"]);
+    assert!(!ok);
+    assert_eq!(report.phase, MigrationPhase::PostcopyPaused, "{report:?}");
+    drop(relay);
+    // The destination ran the guest on the disk after the switch, then its host died.
+    dst.child.as_mut().unwrap().kill().unwrap();
+    let _ = dst.wait_exit(T);
+    let err = src.api().put("vm.migrate-reclaim", None).unwrap_err();
+    assert!(err.to_string().contains("writable disk"), "{err}");
+    assert_eq!(src.info().state, "paused", "refused: nothing changed");
+    let out = ferry_output(&[
+        "migrate-rollback",
+        "--api-socket",
+        src.socket.to_str().unwrap(),
+        "--force",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(src.info().state, "running");
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! One VM: KVM objects, guest memory, vCPU threads and devices, and what can be done to it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 
@@ -27,6 +28,8 @@ use crate::vcpu::VcpuSet;
 
 const TSS_ADDRESS: usize = 0xfffb_d000;
 pub const MAX_VCPUS: usize = 16;
+/// How long a VM about to run waits for a disk another process still holds.
+const CLAIM_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What to boot.
 #[derive(Clone, Debug)]
@@ -110,7 +113,11 @@ pub struct Vm {
     /// KVM leaves the dirty log set until we clear what we read (see `dirty_log`).
     manual_dirty_protect: bool,
     config: VmConfig,
-    state: Mutex<VmState>,
+    /// Whether the vCPUs run: read without waiting (status queries must never queue behind a
+    /// pause that waits for a device or a vCPU).
+    running: AtomicBool,
+    /// Serialises pause and resume.
+    transition: Mutex<()>,
     events: Mutex<Receiver<VmEvent>>,
     /// One buffer per RAM slot for reading its dirty log (reused: see `dirty_log`).
     dirty_buffers: Mutex<Vec<Vec<u64>>>,
@@ -178,7 +185,7 @@ impl Vm {
     fn start(config: VmConfig, parts: Parts, paused: bool) -> Result<Self> {
         let (tx, rx): (Sender<VmEvent>, _) = channel();
         if paused {
-            parts.bus.quiesce();
+            parts.bus.quiesce().map_err(Error::State)?; // nothing runs yet: immediate
         }
         let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
         parts.bus.spawn_io_threads(&parts.memory)?;
@@ -191,11 +198,8 @@ impl Vm {
             supported_cpuid: parts.supported_cpuid,
             manual_dirty_protect: parts.manual_dirty_protect,
             config,
-            state: Mutex::new(if paused {
-                VmState::Paused
-            } else {
-                VmState::Running
-            }),
+            running: AtomicBool::new(!paused),
+            transition: Mutex::new(()),
             events: Mutex::new(rx),
             dirty_buffers: Mutex::new(Vec::new()),
         })
@@ -208,7 +212,11 @@ impl Vm {
         &self.config
     }
     pub fn state(&self) -> VmState {
-        *self.state.lock().unwrap_or_else(|e| e.into_inner())
+        if self.running.load(Ordering::Acquire) {
+            VmState::Running
+        } else {
+            VmState::Paused
+        }
     }
 
     /// Auto-converge: every vCPU sleeps `percent` % of its time (0 releases).
@@ -218,14 +226,14 @@ impl Vm {
 
     /// Parks every vCPU with complete state. Pausing a paused VM is a no-op.
     pub fn pause(&self) -> Result<()> {
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if *state == VmState::Running {
-            self.bus.quiesce();
+        let _transition = self.transition.lock().unwrap_or_else(|e| e.into_inner());
+        if self.running.load(Ordering::Acquire) {
+            self.bus.quiesce().map_err(Error::State)?;
             if let Err(e) = self.vcpus.pause() {
                 self.bus.unquiesce();
                 return Err(e);
             }
-            *state = VmState::Paused;
+            self.running.store(false, Ordering::Release);
         }
         Ok(())
     }
@@ -234,10 +242,10 @@ impl Vm {
     /// and the VM stays paused, while another process holds one).
     pub fn resume(&self) -> Result<()> {
         self.claim_devices()?;
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let _transition = self.transition.lock().unwrap_or_else(|e| e.into_inner());
         self.vcpus.resume();
         self.bus.unquiesce();
-        *state = VmState::Running;
+        self.running.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -459,14 +467,28 @@ impl Vm {
     }
 
     /// Takes every disk (again) before the VM runs here; refused while another process holds
-    /// one.
+    /// one. A destination that just gave up lets go of its disks as its process ends, so a
+    /// held lock is asked for again for up to `CLAIM_WAIT`.
     pub fn claim_devices(&self) -> Result<()> {
         for d in &self.bus.virtio {
-            d.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .device_mut()
-                .claim()
-                .map_err(|e| Error::State(e.to_string()))?;
+            let deadline = std::time::Instant::now() + CLAIM_WAIT;
+            loop {
+                let claimed = d
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .device_mut()
+                    .claim();
+                match claimed {
+                    Ok(()) => break,
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::WouldBlock
+                            && std::time::Instant::now() < deadline =>
+                    {
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                    }
+                    Err(e) => return Err(Error::State(e.to_string())),
+                }
+            }
         }
         Ok(())
     }
@@ -514,8 +536,8 @@ impl Drop for Vm {
 }
 
 impl Parts {
-    /// `claim_disks`: take the disks' locks now (a VM booting here; one arriving takes them
-    /// when it first runs).
+    /// `claim_disks`: take the disks' locks now (a VM booting here; one arriving takes them as
+    /// its state is loaded).
     fn create(config: &VmConfig, serial_out: serial::Output, claim_disks: bool) -> Result<Self> {
         if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
             return Err(Error::Vcpu {

@@ -380,8 +380,18 @@ pub fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (api::MigrationStatus, 
 
 /// A destination listening on TCP behind a relay that injects `fault`.
 pub fn destination_behind(point: relay::Point, action: relay::Action) -> (Ferry, relay::Relay) {
+    destination_behind_with(point, action, &[])
+}
+
+/// The same, with more `ferry run` arguments for the destination (its disks).
+pub fn destination_behind_with(
+    point: relay::Point,
+    action: relay::Action,
+    extra: &[&str],
+) -> (Ferry, relay::Relay) {
     let port = free_port();
-    let dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
+    let url = format!("tcp:127.0.0.1:{port}");
+    let dst = Ferry::start(&[&["--incoming", url.as_str()][..], extra].concat());
     let relay = relay::Relay::start(&format!("127.0.0.1:{port}"), point, action);
     (dst, relay)
 }

@@ -57,11 +57,14 @@ impl Checkpointer {
     /// Starts taking a checkpoint of `vm` every `every`. Dirty logging must already run
     /// (since before the guest resumed here): the first checkpoint holds every page written
     /// since the switch.
+    /// `stalled` says whether the guest waits for pages that do not come (a link gone silent):
+    /// a checkpoint is skipped then, as pausing would wait for those vCPUs too.
     pub fn start(
         vm: Arc<dyn Migratable>,
         writer: Writer,
         every: Duration,
         board: StatusBoard,
+        stalled: Box<dyn Fn() -> bool + Send>,
     ) -> Result<Self> {
         let shared = Arc::new(Shared {
             stop: Mutex::new(false),
@@ -83,6 +86,9 @@ impl Checkpointer {
             .name("postcopy-checkpoints".into())
             .spawn(move || {
                 while s.wait(every) {
+                    if stalled() {
+                        continue;
+                    }
                     if let Err(e) = taker.once(s.confirmed.load(Ordering::Acquire)) {
                         tracing::warn!("post-copy checkpoint not taken: {e}");
                     }

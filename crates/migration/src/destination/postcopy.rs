@@ -40,6 +40,9 @@ fn new_uffd() -> Result<Uffd> {
         .map_err(|e| Error::vm_caused("userfaultfd (post-copy needs root)", e))
 }
 
+/// A page asked for this long ago and still not here: the link has likely gone silent.
+const STALLED_FAULT: Duration = Duration::from_secs(1);
+
 /// The destination's side of post-copy, armed before the guest resumes.
 pub struct Postcopy {
     ram: GuestRam,
@@ -191,7 +194,14 @@ impl Postcopy {
         every: Duration,
         board: StatusBoard,
     ) -> Result<()> {
-        let c = Checkpointer::start(vm, self.requests.clone(), every, board)?;
+        let faults = self.faults.clone();
+        let stalled = Box::new(move || {
+            let log = faults.lock().unwrap_or_else(|e| e.into_inner());
+            log.waiting
+                .values()
+                .any(|asked| asked.elapsed() > STALLED_FAULT)
+        });
+        let c = Checkpointer::start(vm, self.requests.clone(), every, board, stalled)?;
         *self.checkpointer.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
         Ok(())
     }

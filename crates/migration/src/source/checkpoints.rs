@@ -31,6 +31,8 @@ pub struct Saved {
 
 /// A checkpoint's pages as they arrive, applied only once it is whole.
 struct Staging {
+    /// Which connection's reader may stage now (see `restart`).
+    reader: u64,
     shadow: ShadowRam,
     pages: Bitmap,
     count: u64,
@@ -67,6 +69,7 @@ impl Checkpoints {
             ram: ram.clone(),
             vcpus,
             staging: Mutex::new(Staging {
+                reader: 0,
                 shadow: ShadowRam::like(ram)?,
                 pages: Bitmap::new(ram.gfn_end()),
                 count: 0,
@@ -82,21 +85,27 @@ impl Checkpoints {
         })
     }
 
-    /// A new connection: whatever was staged on the last one can never be completed.
-    pub fn restart(&self) {
+    /// A new connection: whatever was staged on the last one can never be completed, and its
+    /// reader (which may still hear stale frames) may stage nothing more. Returns the new
+    /// reader's number.
+    pub fn restart(&self) -> u64 {
         let mut s = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         s.discard();
+        s.reader += 1;
+        s.reader
     }
 
-    /// Reads one page frame of a checkpoint into the staging area.
+    /// Reads one page frame of a checkpoint into the staging area, for reader `reader`.
     pub fn stage(
         &self,
+        reader: u64,
         stream: &mut Stream,
         header: &[u8; FRAME_HEADER_LEN],
         len: u32,
     ) -> Result<()> {
         let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let s = &mut *guard;
+        s.current(reader)?;
         let pages = read_page_frame(stream, s.shadow.ram(), header, len, &mut s.scratch)?;
         for (gfn, data) in pages {
             match data {
@@ -114,9 +123,17 @@ impl Checkpoints {
 
     /// Checkpoint `seq` is whole: its `pages` staged pages go into guest memory and its state
     /// is kept. A checkpoint that does not add up is refused, and the last one stands.
-    pub fn apply(&self, seq: u64, pages: u64, vcpus: &[Vec<u8>], devices: &[u8]) -> Result<()> {
+    pub fn apply(
+        &self,
+        reader: u64,
+        seq: u64,
+        pages: u64,
+        vcpus: &[Vec<u8>],
+        devices: &[u8],
+    ) -> Result<()> {
         let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());
         let s = &mut *guard;
+        s.current(reader)?;
         let mut applied = self.applied.lock().unwrap_or_else(|e| e.into_inner());
         let last = applied.latest.as_ref().map_or(0, |l| l.seq);
         let refusal = if applied.closed {
@@ -194,6 +211,15 @@ impl Checkpoints {
 }
 
 impl Staging {
+    fn current(&self, reader: u64) -> Result<()> {
+        if reader != self.reader {
+            return Err(Error::Protocol(
+                "a checkpoint from a connection that was replaced".into(),
+            ));
+        }
+        Ok(())
+    }
+
     fn discard(&mut self) {
         self.shadow.release();
         self.pages.clear();

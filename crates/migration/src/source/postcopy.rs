@@ -35,14 +35,12 @@ pub(crate) fn spawn_reader(
     checkpoints: Option<Arc<Checkpoints>>,
 ) -> Result<Receiver<Result<Message>>> {
     let (tx, rx) = std::sync::mpsc::channel();
-    if let Some(c) = &checkpoints {
-        c.restart();
-    }
+    let reader = checkpoints.as_ref().map_or(0, |c| c.restart());
     std::thread::Builder::new()
         .name("postcopy-requests".into())
         .spawn(move || {
             loop {
-                let msg = read_from_destination(&mut stream, checkpoints.as_deref());
+                let msg = read_from_destination(&mut stream, checkpoints.as_deref(), reader);
                 let failed = msg.is_err();
                 if tx.send(msg).is_err() || failed {
                     return;
@@ -57,10 +55,11 @@ pub(crate) fn spawn_reader(
 fn read_from_destination(
     stream: &mut Stream,
     checkpoints: Option<&Checkpoints>,
+    reader: u64,
 ) -> Result<Message> {
     loop {
         match (wire::read_frame(stream)?, checkpoints) {
-            (Frame::Pages { header, len }, Some(c)) => c.stage(stream, &header, len)?,
+            (Frame::Pages { header, len }, Some(c)) => c.stage(reader, stream, &header, len)?,
             (Frame::Pages { .. }, None) => {
                 return Err(Error::Protocol(
                     "the destination sent pages back, but no checkpoints were asked for".into(),
@@ -79,7 +78,7 @@ fn read_from_destination(
                             "the destination sent a checkpoint, but none were asked for".into(),
                         )
                     })?;
-                    c.apply(*seq, *pages, vcpus, devices)?;
+                    c.apply(reader, *seq, *pages, vcpus, devices)?;
                 }
                 return Ok(m);
             }

@@ -249,15 +249,9 @@ impl<'a> Session<'a> {
         if self.dirty_logging {
             let _ = self.vm.stop_dirty_log();
         }
-        let mut error = error;
-        if self.paused_at.is_some()
-            && self.was_running
-            && let Err(e) = self.vm.resume()
-        {
-            error = Error::vm_caused(format!("{error}; and resuming the source failed"), e);
-        }
-        // The guest runs again first; then the destination hears why (it never resumes
-        // without `Go`, so the order cannot make two copies).
+        // The destination hears why first: it lets go of the disks it may have taken while
+        // loading the state, which the source takes back to run (it never resumes without
+        // `Go`, so the order cannot make two copies).
         if self.stream.has_peer() {
             let _ = self.stream.set_timeouts(Some(Duration::from_millis(200)));
             let _ = self.send(&Message::Abort {
@@ -265,6 +259,13 @@ impl<'a> Session<'a> {
             });
             self.stream
                 .close_after_last_word(Duration::from_millis(300));
+        }
+        let mut error = error;
+        if self.paused_at.is_some()
+            && self.was_running
+            && let Err(e) = self.vm.resume()
+        {
+            error = Error::vm_caused(format!("{error}; and resuming the source failed"), e);
         }
         self.status.phase = if matches!(error, Error::Cancelled) {
             Phase::Cancelled

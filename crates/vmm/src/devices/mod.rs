@@ -17,6 +17,9 @@ pub use serial::{SerialDevice, SerialDeviceState};
 use virtio::mmio::MmioTransport;
 use virtio::{SLOT_SIZE, WriteLog};
 
+/// The longest a pause waits for a device to finish what it is doing.
+const QUIESCE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// The devices vCPU threads reach, on port I/O and MMIO. Each device has its own lock so that
 /// serial output never waits behind a heartbeat, a disk request or the reverse.
 pub struct DeviceBus {
@@ -30,6 +33,16 @@ pub struct DeviceBus {
     quiesced: AtomicBool,
     /// Set when the VM stops for good: the I/O threads end.
     stopped: AtomicBool,
+}
+
+/// What one device call wrote into guest memory, collected before it joins `vmm_writes`.
+#[derive(Default)]
+struct Written(Vec<(u64, usize)>);
+
+impl WriteLog for Written {
+    fn wrote(&mut self, gpa: u64, len: usize) {
+        self.0.push((gpa, len));
+    }
 }
 
 impl WriteLog for Bitmap {
@@ -59,12 +72,28 @@ impl DeviceBus {
     }
 
     /// Stops input into guest memory; returns once no device is delivering any. The VM is
-    /// about to pause: from here on its memory changes only by its vCPUs, which stop next.
-    pub fn quiesce(&self) {
+    /// about to pause: from here on its memory changes only by its vCPUs, which stop next. A
+    /// device busy for longer than `QUIESCE_WAIT` (in post-copy, waiting for a page the link
+    /// does not bring) makes the pause fail rather than wait for ever.
+    pub fn quiesce(&self) -> Result<(), String> {
         self.quiesced.store(true, Ordering::Release);
-        for d in &self.virtio {
-            drop(d.lock().unwrap_or_else(|e| e.into_inner()));
+        for (slot, d) in self.virtio.iter().enumerate() {
+            let deadline = std::time::Instant::now() + QUIESCE_WAIT;
+            loop {
+                match d.try_lock() {
+                    Ok(_) | Err(std::sync::TryLockError::Poisoned(_)) => break,
+                    Err(std::sync::TryLockError::WouldBlock) => {}
+                }
+                if std::time::Instant::now() > deadline {
+                    self.unquiesce();
+                    return Err(format!(
+                        "virtio device {slot} stayed busy for {QUIESCE_WAIT:?}; not paused"
+                    ));
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
         }
+        Ok(())
     }
 
     pub fn unquiesce(&self) {
@@ -104,17 +133,18 @@ impl DeviceBus {
         while !self.stopped.load(Ordering::Acquire) {
             // SAFETY: one valid pollfd; a bounded wait so that `stopped` is seen.
             unsafe { libc::poll(&mut poll, 1, 20) };
-            let waiting = {
+            let delivered = {
                 let mut d = self.virtio[slot].lock().unwrap_or_else(|e| e.into_inner());
-                if !self.quiesced.load(Ordering::Acquire) {
-                    let mut written = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
-                    d.input(memory, &mut *written);
-                }
-                d.device().input_pending() || self.quiesced.load(Ordering::Acquire)
+                let mut written = Written::default();
+                let delivered =
+                    !self.quiesced.load(Ordering::Acquire) && d.input(memory, &mut written);
+                self.log(written);
+                delivered
             };
-            if waiting {
-                // No buffer from the driver yet, or the VM is paused: the input waits in the
-                // backend's queue; look again shortly instead of spinning on a ready fd.
+            if !delivered {
+                // The VM is paused, or the driver has no buffer (or is not serving the
+                // device): the input waits in the backend's queue; look again shortly instead
+                // of spinning on a ready fd.
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
@@ -139,9 +169,23 @@ impl DeviceBus {
 
     pub fn mmio_write(&self, addr: u64, data: &[u8], memory: &GuestMemory) {
         if let Some((d, offset)) = self.virtio_at(addr) {
-            let mut device = d.lock().unwrap_or_else(|e| e.into_inner());
-            let mut written = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
-            device.write(offset, data, memory, &mut *written);
+            let mut written = Written::default();
+            d.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .write(offset, data, memory, &mut written);
+            self.log(written);
+        }
+    }
+
+    /// Adds what a device wrote to the VMM's writes (a short lock: never held while a device
+    /// serves, so a dirty-log harvest never waits behind a disk request).
+    fn log(&self, written: Written) {
+        if written.0.is_empty() {
+            return;
+        }
+        let mut all = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+        for (gpa, len) in written.0 {
+            all.wrote(gpa, len);
         }
     }
 

@@ -3,8 +3,8 @@
 //!
 //! A disk is shared storage: the same file may be open on two hosts across a migration. An
 //! advisory lock (`flock`, as QEMU's image locking) keeps a second writer out: a VM that boots
-//! takes it at once; a VM that arrives takes it when it first runs, after the source, paused
-//! for the switch, has flushed and let go of it.
+//! takes it at once; a VM that arrives takes it as it loads the VM's state, after the source,
+//! paused for the switch, has flushed and let go of it.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -74,7 +74,7 @@ pub struct Block {
 
 impl Block {
     /// Opens the disk; `claim` takes its lock now (a VM booting here), otherwise it is taken
-    /// when the VM first runs here (`claim`).
+    /// as the VM's state is loaded here (`VirtioDevice::claim`).
     pub fn open(config: &DiskConfig, claim: bool) -> Result<Self, String> {
         let path = &config.path;
         let file = OpenOptions::new()
@@ -154,8 +154,12 @@ impl Block {
         Ok(written + 1)
     }
 
-    /// Where a transfer of `len` bytes from `sector` lies in the file, if inside the disk.
+    /// Where a transfer of `len` bytes from `sector` lies in the file, if inside the disk (and
+    /// small enough for the used ring's 32-bit length).
     fn span(&self, sector: u64, len: u64) -> Option<u64> {
+        if len >= u64::from(u32::MAX) {
+            return None;
+        }
         let start = sector.checked_mul(SECTOR)?;
         (start.checked_add(len)? <= self.sectors * SECTOR).then_some(start)
     }
@@ -302,7 +306,12 @@ impl VirtioDevice for Block {
     ) -> Result<bool, DriverError> {
         let queue = &mut queues[0];
         let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(memory) {
+        // At most a queue's worth per notify: a driver that keeps adding requests cannot keep
+        // a vCPU (and a pause waiting for it) here for ever; it notifies again for the rest.
+        for _ in 0..queue.size() {
+            let Some(chain) = queue.pop_descriptor_chain(memory) else {
+                break;
+            };
             let head = chain.head_index();
             let descs: Vec<Descriptor> = chain.collect();
             let written = self.serve(&descs, memory, log)?;
@@ -335,14 +344,14 @@ impl VirtioDevice for Block {
             libc::LOCK_EX
         };
         lock(&self.file, mode | libc::LOCK_NB).map_err(|e| {
-            std::io::Error::new(
-                e.kind(),
-                format!(
-                    "disk {} is in use by another process (it holds the disk's lock): a second \
-                     writer would corrupt it",
-                    self.path.display()
-                ),
-            )
+            let why = if e.kind() == std::io::ErrorKind::WouldBlock {
+                "is in use by another process (it holds the disk's lock): a second writer would \
+                 corrupt it"
+                    .to_string()
+            } else {
+                format!("cannot be locked: {e}")
+            };
+            std::io::Error::new(e.kind(), format!("disk {} {why}", self.path.display()))
         })?;
         self.locked = true;
         Ok(())

@@ -275,13 +275,16 @@ impl MmioTransport {
         self.settle(served, &format!("queue {index}"));
     }
 
-    /// The backend has input (the device's I/O thread saw its fd ready).
-    pub fn input(&mut self, memory: &GuestMemory, log: &mut dyn WriteLog) {
+    /// The backend has input (the device's I/O thread saw its fd ready); true when some was
+    /// delivered.
+    pub fn input(&mut self, memory: &GuestMemory, log: &mut dyn WriteLog) -> bool {
         if !self.running() || self.regs.broken.is_some() {
-            return;
+            return false;
         }
         let served = self.device.input(&mut self.queues, memory, log);
+        let delivered = matches!(served, Ok(true));
         self.settle(served, "input");
+        delivered
     }
 
     fn settle(&mut self, served: Result<bool, super::DriverError>, what: &str) {

@@ -127,7 +127,9 @@ impl Net {
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError> {
         let mut used = false;
-        loop {
+        // At most a queue's worth at a time: a flood on the tap cannot hold the device (and a
+        // pause waiting for it) for ever; the I/O thread comes back for the rest.
+        for _ in 0..queue.size() {
             let frame = match self.pending.take() {
                 Some(f) => f,
                 None => {
@@ -170,7 +172,11 @@ impl Net {
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError> {
         let mut used = false;
-        while let Some(chain) = queue.pop_descriptor_chain(memory) {
+        // At most a queue's worth per notify (see `Block::process`).
+        for _ in 0..queue.size() {
+            let Some(chain) = queue.pop_descriptor_chain(memory) else {
+                break;
+            };
             let head = chain.head_index();
             let descs: Vec<Descriptor> = chain.collect();
             let frame = read_frame(&descs, memory)?;
