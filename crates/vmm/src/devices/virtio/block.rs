@@ -18,11 +18,11 @@ use virtio_bindings::virtio_blk::{
 };
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BLOCK;
+use virtio_queue::Queue;
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
-use super::{DriverError, VirtioDevice, WriteLog, complete, outside};
+use super::{DriverError, VirtioDevice, WriteLog, outside, read_config_bytes, serve_chains};
 use crate::memory::GuestMemory;
 
 pub const SECTOR: u64 = 512;
@@ -291,10 +291,7 @@ impl VirtioDevice for Block {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // virtio_blk_config: capacity (u64, in sectors) first; the rest is not offered.
-        let config = self.sectors.to_le_bytes();
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = config.get(offset as usize + i).copied().unwrap_or(0);
-        }
+        read_config_bytes(&self.sectors.to_le_bytes(), offset, data);
     }
 
     fn process(
@@ -304,21 +301,9 @@ impl VirtioDevice for Block {
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError> {
-        let queue = &mut queues[0];
-        let mut used = false;
-        // At most a queue's worth per notify: a driver that keeps adding requests cannot keep
-        // a vCPU (and a pause waiting for it) here for ever; it notifies again for the rest.
-        for _ in 0..queue.size() {
-            let Some(chain) = queue.pop_descriptor_chain(memory) else {
-                break;
-            };
-            let head = chain.head_index();
-            let descs: Vec<Descriptor> = chain.collect();
-            let written = self.serve(&descs, memory, log)?;
-            complete(queue, memory, head, written, log)?;
-            used = true;
-        }
-        Ok(used)
+        serve_chains(&mut queues[0], memory, log, |descs, log| {
+            self.serve(descs, memory, log)
+        })
     }
 
     fn flush(&mut self) -> std::io::Result<()> {

@@ -12,6 +12,7 @@ pub mod net;
 pub mod tap;
 
 use virtio_queue::Queue;
+use virtio_queue::desc::split::Descriptor;
 
 use crate::memory::GuestMemory;
 
@@ -28,6 +29,39 @@ pub fn linux_cmdline_word(slot: usize) -> String {
         " virtio_mmio.device=4K@{base:#x}:{}",
         FIRST_GSI + slot as u32
     )
+}
+
+/// Serves at most a queue's worth of the chains the driver made available (a driver that
+/// keeps adding cannot keep the device, and a pause waiting for it, here for ever; it notifies
+/// again for the rest): `serve` gets each chain's buffers and returns the bytes it wrote into
+/// them. True when the used ring changed.
+pub(super) fn serve_chains(
+    queue: &mut Queue,
+    memory: &GuestMemory,
+    log: &mut dyn WriteLog,
+    mut serve: impl FnMut(&[Descriptor], &mut dyn WriteLog) -> Result<u32, DriverError>,
+) -> Result<bool, DriverError> {
+    use virtio_queue::QueueT;
+    let mut used = false;
+    for _ in 0..queue.size() {
+        let Some(chain) = queue.pop_descriptor_chain(memory) else {
+            break;
+        };
+        let head = chain.head_index();
+        let descs: Vec<Descriptor> = chain.collect();
+        let written = serve(&descs, log)?;
+        complete(queue, memory, head, written, log)?;
+        used = true;
+    }
+    Ok(used)
+}
+
+/// Copies a device's configuration space (`config`, little-endian) from `offset` into
+/// `data`; bytes past it read as zero.
+pub(super) fn read_config_bytes(config: &[u8], offset: u64, data: &mut [u8]) {
+    for (i, b) in data.iter_mut().enumerate() {
+        *b = config.get(offset as usize + i).copied().unwrap_or(0);
+    }
 }
 
 /// Gives a served chain back to the driver; the used ring's change is the device's write.

@@ -17,7 +17,9 @@ use virtio_queue::{Queue, QueueT};
 use vm_memory::{Bytes, GuestAddress};
 
 use super::tap::Tap;
-use super::{DriverError, VirtioDevice, WriteLog, complete, outside};
+use super::{
+    DriverError, VirtioDevice, WriteLog, complete, outside, read_config_bytes, serve_chains,
+};
 use crate::memory::GuestMemory;
 
 const QUEUE_SIZE: u16 = 256;
@@ -171,15 +173,8 @@ impl Net {
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError> {
-        let mut used = false;
-        // At most a queue's worth per notify (see `Block::process`).
-        for _ in 0..queue.size() {
-            let Some(chain) = queue.pop_descriptor_chain(memory) else {
-                break;
-            };
-            let head = chain.head_index();
-            let descs: Vec<Descriptor> = chain.collect();
-            let frame = read_frame(&descs, memory)?;
+        serve_chains(queue, memory, log, |descs, _| {
+            let frame = read_frame(descs, memory)?;
             match self.tap.send(&frame) {
                 Ok(true) => self.tx_frames += 1,
                 Ok(false) => self.dropped += 1,
@@ -188,10 +183,8 @@ impl Net {
                     tracing::warn!("tap {}: {e}", self.tap.name());
                 }
             }
-            complete(queue, memory, head, 0, log)?;
-            used = true;
-        }
-        Ok(used)
+            Ok(0)
+        })
     }
 
     /// A RARP request naming this MAC, from it, to everyone (what QEMU sends).
@@ -307,9 +300,7 @@ impl VirtioDevice for Net {
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
         // virtio_net_config: the MAC first; status and the rest are not offered.
-        for (i, b) in data.iter_mut().enumerate() {
-            *b = self.mac.get(offset as usize + i).copied().unwrap_or(0);
-        }
+        read_config_bytes(&self.mac, offset, data);
     }
 
     fn process(
