@@ -78,10 +78,11 @@ def markdown(results):
                   f"`write ws=256M seq`: {d['pages_per_s_without']:.0f} pages/s without, "
                   f"{d['pages_per_s_with']:.0f} pages/s with KVM dirty logging harvested every 100 ms "
                   f"(ratio {d['ratio']:.2f}).", ""]
-    lines += ["## Migrations", "",
-              "| link | scenario | peer | total ms | downtime ms (VMM) | guest downtime ms (heartbeat port) "
-              "| guest downtime ms (serial) | MB on wire | rounds | floor ms |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    if results["scenarios"]:
+        lines += ["## Migrations", "",
+                  "| link | scenario | peer | total ms | downtime ms (VMM) | guest downtime ms (heartbeat port) "
+                  "| guest downtime ms (serial) | MB on wire | rounds | floor ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["scenarios"]:
         s = r["summary"]
         floor = f"{r['floor_ms']:.1f}" if r.get("floor_ms") is not None else "-"

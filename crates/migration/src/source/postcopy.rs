@@ -42,6 +42,11 @@ pub(crate) fn spawn_reader(
             loop {
                 let msg = read_from_destination(&mut stream, checkpoints.as_deref(), reader);
                 let failed = msg.is_err();
+                if failed {
+                    // The connection is dead: a push blocked on a peer that stopped reading
+                    // fails now, not when its write times out.
+                    stream.shutdown();
+                }
                 if tx.send(msg).is_err() || failed {
                     return;
                 }
