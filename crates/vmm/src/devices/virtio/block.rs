@@ -66,6 +66,9 @@ pub struct Block {
     readonly: bool,
     sectors: u64,
     locked: bool,
+    /// Where data passes between the file and guest memory (kept: one per disk, not per
+    /// request).
+    buf: Vec<u8>,
     reads: u64,
     writes: u64,
     flushes: u64,
@@ -95,6 +98,7 @@ impl Block {
             readonly: config.readonly,
             sectors: bytes / SECTOR,
             locked: false,
+            buf: vec![0u8; CHUNK],
             reads: 0,
             writes: 0,
             flushes: 0,
@@ -104,10 +108,6 @@ impl Block {
             block.claim().map_err(|e| e.to_string())?;
         }
         Ok(block)
-    }
-
-    pub fn sectors(&self) -> u64 {
-        self.sectors
     }
 
     /// Serves one request; returns the bytes written into the driver's buffers.
@@ -180,8 +180,7 @@ impl Block {
         let Some(offset) = self.span(sector, total) else {
             return Ok((VIRTIO_BLK_S_IOERR, 0));
         };
-        let mut buf = vec![0u8; CHUNK];
-        let (file, path) = (&self.file, &self.path);
+        let (file, path, buf) = (&self.file, &self.path, &mut self.buf);
         let done = pieces(data, offset, |gpa, offset, n| {
             if let Err(e) = file.read_exact_at(&mut buf[..n], offset) {
                 tracing::warn!("disk {}: read at {offset}: {e}", path.display());
@@ -218,8 +217,7 @@ impl Block {
         let Some(offset) = self.span(sector, total) else {
             return Ok((VIRTIO_BLK_S_IOERR, 0));
         };
-        let mut buf = vec![0u8; CHUNK];
-        let (file, path) = (&self.file, &self.path);
+        let (file, path, buf) = (&self.file, &self.path, &mut self.buf);
         let done = pieces(data, offset, |gpa, offset, n| {
             memory
                 .read_slice(&mut buf[..n], GuestAddress(gpa))
@@ -304,10 +302,6 @@ impl VirtioDevice for Block {
         serve_chains(&mut queues[0], memory, log, |descs, log| {
             self.serve(descs, memory, log)
         })
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.file.sync_data()
     }
 
     fn release(&mut self) -> std::io::Result<()> {

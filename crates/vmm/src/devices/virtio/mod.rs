@@ -116,8 +116,6 @@ pub trait VirtioDevice: Send {
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError>;
-    /// Makes every write done so far durable (before the VM leaves this host).
-    fn flush(&mut self) -> std::io::Result<()>;
     /// Stops using the backing store (the VM is switching to another host).
     fn release(&mut self) -> std::io::Result<()>;
     /// Takes the backing store (again) before the VM runs here; refused when another

@@ -82,8 +82,13 @@ pub fn format_mac(m: &[u8; 6]) -> String {
 pub struct Net {
     tap: Tap,
     mac: [u8; 6],
-    /// A frame read from the tap that waits for a receive buffer.
-    pending: Option<Vec<u8>>,
+    /// A received frame behind its header, as the driver gets it (kept: one per NIC, not per
+    /// frame).
+    frame: Vec<u8>,
+    /// A frame the driver sends, with its header (kept likewise).
+    sent: Vec<u8>,
+    /// The length of a frame in `frame` that waits for a receive buffer.
+    pending: Option<usize>,
     claimed: bool,
     rx_frames: u64,
     tx_frames: u64,
@@ -108,6 +113,13 @@ impl Net {
         Ok(Self {
             tap,
             mac,
+            frame: {
+                // The header every received frame gets: one buffer, no offloads.
+                let mut f = vec![0u8; HEADER + MAX_FRAME + 4];
+                f[10] = 1; // num_buffers
+                f
+            },
+            sent: Vec::with_capacity(HEADER + MAX_FRAME),
             pending: None,
             claimed,
             rx_frames: 0,
@@ -115,10 +127,6 @@ impl Net {
             dropped: 0,
             announced: 0,
         })
-    }
-
-    pub fn mac(&self) -> [u8; 6] {
-        self.mac
     }
 
     /// Frames read from the tap, one at a time, into receive buffers while there are both.
@@ -132,15 +140,11 @@ impl Net {
         // At most a queue's worth at a time: a flood on the tap cannot hold the device (and a
         // pause waiting for it) for ever; the I/O thread comes back for the rest.
         for _ in 0..queue.size() {
-            let frame = match self.pending.take() {
-                Some(f) => f,
+            let len = match self.pending.take() {
+                Some(n) => n,
                 None => {
-                    let mut buf = vec![0u8; MAX_FRAME + 4];
-                    match self.tap.recv(&mut buf) {
-                        Ok(Some(n)) if n <= MAX_FRAME => {
-                            buf.truncate(n);
-                            buf
-                        }
+                    match self.tap.recv(&mut self.frame[HEADER..]) {
+                        Ok(Some(n)) if n <= MAX_FRAME => n,
                         Ok(Some(_)) => {
                             self.dropped += 1; // larger than a buffer could ever hold
                             continue;
@@ -154,12 +158,12 @@ impl Net {
                 }
             };
             let Some(chain) = queue.pop_descriptor_chain(memory) else {
-                self.pending = Some(frame); // the driver has no buffer yet
+                self.pending = Some(len); // the driver has no buffer yet
                 break;
             };
             let head = chain.head_index();
             let descs: Vec<Descriptor> = chain.collect();
-            let written = write_frame(&descs, &frame, memory, log)?;
+            let written = write_frame(&descs, &self.frame[..HEADER + len], memory, log)?;
             complete(queue, memory, head, written, log)?;
             self.rx_frames += 1;
             used = true;
@@ -174,8 +178,8 @@ impl Net {
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError> {
         serve_chains(queue, memory, log, |descs, _| {
-            let frame = read_frame(descs, memory)?;
-            match self.tap.send(&frame) {
+            read_frame(descs, memory, &mut self.sent)?;
+            match self.tap.send(&self.sent[HEADER..]) {
                 Ok(true) => self.tx_frames += 1,
                 Ok(false) => self.dropped += 1,
                 Err(e) => {
@@ -229,42 +233,42 @@ impl Net {
     }
 }
 
-/// A zeroed header (one buffer) and the frame into the driver's writable buffers.
+/// A frame behind its header (`bytes`) into the driver's writable buffers, in order.
 fn write_frame(
     descs: &[Descriptor],
-    frame: &[u8],
+    bytes: &[u8],
     memory: &GuestMemory,
     log: &mut dyn WriteLog,
 ) -> Result<u32, DriverError> {
-    let mut header = [0u8; HEADER];
-    header[10] = 1; // num_buffers
-    let mut bytes = header.iter().chain(frame).copied();
-    let total = HEADER + frame.len();
     let room: usize = descs.iter().map(|d| d.len() as usize).sum();
-    if descs.iter().any(|d| !d.is_write_only()) || room < total {
+    if descs.iter().any(|d| !d.is_write_only()) || room < bytes.len() {
         return Err(DriverError(format!(
             "a receive buffer of {room} bytes the device may not write or too small for a \
-             {total}-byte frame with its header"
+             {}-byte frame with its header",
+            bytes.len()
         )));
     }
-    let mut left = total;
+    let mut rest = bytes;
     for d in descs {
-        let n = left.min(d.len() as usize);
-        if n == 0 {
+        if rest.is_empty() {
             break;
         }
-        let chunk: Vec<u8> = bytes.by_ref().take(n).collect();
+        let (now, later) = rest.split_at(rest.len().min(d.len() as usize));
         memory
-            .write_slice(&chunk, d.addr())
-            .map_err(|_| outside(d.addr().0, d.len() as usize))?;
-        log.wrote(d.addr().0, n);
-        left -= n;
+            .write_slice(now, d.addr())
+            .map_err(|_| outside(d.addr().0, now.len()))?;
+        log.wrote(d.addr().0, now.len());
+        rest = later;
     }
-    Ok(total as u32)
+    Ok(bytes.len() as u32)
 }
 
-/// The frame after the header, from the driver's readable buffers.
-fn read_frame(descs: &[Descriptor], memory: &GuestMemory) -> Result<Vec<u8>, DriverError> {
+/// A frame with its header from the driver's readable buffers into `into`.
+fn read_frame(
+    descs: &[Descriptor],
+    memory: &GuestMemory,
+    into: &mut Vec<u8>,
+) -> Result<(), DriverError> {
     let total: usize = descs.iter().map(|d| d.len() as usize).sum();
     if descs.iter().any(|d| d.is_write_only()) || !(HEADER..=HEADER + MAX_FRAME).contains(&total) {
         return Err(DriverError(format!(
@@ -272,17 +276,16 @@ fn read_frame(descs: &[Descriptor], memory: &GuestMemory) -> Result<Vec<u8>, Dri
              most {MAX_FRAME} bytes after its header"
         )));
     }
-    let mut all = vec![0u8; total];
+    into.resize(total, 0);
     let mut at = 0;
     for d in descs {
         let n = d.len() as usize;
         memory
-            .read_slice(&mut all[at..at + n], GuestAddress(d.addr().0))
-            .map_err(|_| outside(d.addr().0, d.len() as usize))?;
+            .read_slice(&mut into[at..at + n], GuestAddress(d.addr().0))
+            .map_err(|_| outside(d.addr().0, n))?;
         at += n;
     }
-    all.drain(..HEADER);
-    Ok(all)
+    Ok(())
 }
 
 impl VirtioDevice for Net {
@@ -336,10 +339,6 @@ impl VirtioDevice for Net {
 
     fn input_pending(&self) -> bool {
         self.pending.is_some()
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
     }
 
     fn release(&mut self) -> std::io::Result<()> {
