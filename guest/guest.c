@@ -20,6 +20,10 @@
  *   blk_rate=N                   at most N blk steps/s (default 2000, 0 = unlimited)
  *   net=fwd                      also forward every frame a virtio-net device receives back
  *                                out, MACs swapped, from vCPU 0 (see "the net workload" below)
+ *   virtio_mmio.device=SIZE@BASE:IRQ[:ID]
+ *                                a virtio-mmio device's registers at BASE, as Linux reads them
+ *                                (ferry and QEMU's microvm machine write these words); the
+ *                                blk and net workloads look for their device only there
  */
 #include "abi.h"
 
@@ -60,6 +64,8 @@ struct config {
     u64 blk_sectors;
     u64 blk_rate;
     int net;          /* net=fwd */
+    u64 mmio[8];      /* virtio-mmio register windows, from virtio_mmio.device= words */
+    u64 mmio_count;
 };
 
 extern char __image_end[];
@@ -109,6 +115,10 @@ static inline u64 rdtsc(void)
     u32 lo, hi;
     __asm__ volatile("rdtsc" : "=a"(lo), "=d"(hi));
     return ((u64)hi << 32) | lo;
+}
+static void cpuid(u32 leaf, u32 *a, u32 *b, u32 *c, u32 *d)
+{
+    __asm__ volatile("cpuid" : "=a"(*a), "=b"(*b), "=c"(*c), "=d"(*d) : "a"(leaf), "c"(0));
 }
 static inline void cpu_relax(void) { __asm__ volatile("pause" ::: "memory"); }
 
@@ -197,6 +207,63 @@ static int parse_number(const char *s, u64 len, u64 *out, int allow_suffix)
     return 1;
 }
 
+/* Parses a decimal or 0x-prefixed hex number filling all of s[0..len). 0 when malformed. */
+static int parse_uint(const char *s, u64 len, u64 *out)
+{
+    u64 v = 0, i = 0, base = 10;
+    if (len > 2 && s[0] == '0' && (s[1] == 'x' || s[1] == 'X')) {
+        base = 16;
+        i = 2;
+    }
+    if (i == len)
+        return 0;
+    for (; i < len; i++) {
+        char c = s[i];
+        u64 d = c >= '0' && c <= '9' ? (u64)(c - '0')
+              : base == 16 && c >= 'a' && c <= 'f' ? (u64)(c - 'a' + 10)
+              : base == 16 && c >= 'A' && c <= 'F' ? (u64)(c - 'A' + 10) : 99;
+        if (d >= base || v > (~0ull - d) / base)
+            return 0;
+        v = v * base + d;
+    }
+    *out = v;
+    return 1;
+}
+
+/* The end of s[0..len) or the first `c` in it. */
+static u64 span_to(const char *s, u64 len, char c)
+{
+    u64 i = 0;
+    while (i < len && s[i] != c)
+        i++;
+    return i;
+}
+
+/*
+ * "SIZE@BASE:IRQ[:ID]" (Linux's virtio_mmio.device= syntax; SIZE may end in K or M): keeps
+ * BASE. The window must hold the registers up to the config space (0x100) and lie in the
+ * 4 GiB the boot page tables map.
+ */
+static void parse_virtio_mmio(const char *s, u64 len, const char *word)
+{
+    u64 at = span_to(s, len, '@');
+    u64 colon = at < len ? at + 1 + span_to(s + at + 1, len - at - 1, ':') : len;
+    u64 size = 0, base = 0, irq = 0, scale = 1, size_len = at;
+    if (size_len > 0 && (s[size_len - 1] == 'K' || s[size_len - 1] == 'k'))
+        scale = 1ull << 10, size_len--;
+    else if (size_len > 0 && (s[size_len - 1] == 'M' || s[size_len - 1] == 'm'))
+        scale = 1ull << 20, size_len--;
+    if (at == len || colon == len || !parse_uint(s, size_len, &size) ||
+        !parse_uint(s + at + 1, colon - at - 1, &base) ||
+        !parse_uint(s + colon + 1, span_to(s + colon + 1, len - colon - 1, ':'), &irq))
+        fatal("malformed word (want virtio_mmio.device=SIZE@BASE:IRQ) ", word);
+    if (size * scale < 0x200 || base + size * scale > (4ull << 30))
+        fatal("virtio-mmio window too small or above 4 GiB in ", word);
+    if (cfg.mmio_count == sizeof(cfg.mmio) / sizeof(cfg.mmio[0]))
+        fatal("too many virtio_mmio.device= words (at most 8): ", word);
+    cfg.mmio[cfg.mmio_count++] = base;
+}
+
 static void parse_word(const char *w, u64 len)
 {
     static char word[64];
@@ -232,13 +299,15 @@ static void parse_word(const char *w, u64 len)
     else if (word_is(w, len, "blk")) cfg.blk = 1;
     else if (word_is(w, len, "net=fwd")) cfg.net = 1;
     else if (len >= 4 && word_is(w, 4, "net=")) fatal("unknown net= mode ", word);
+    else if (len >= 19 && word_is(w, 19, "virtio_mmio.device="))
+        parse_virtio_mmio(w + 19, len - 19, word);
     else fatal("unknown workload word ", word);
 }
 
 static void parse_cmdline(const char *s)
 {
     cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD,
-                          0, 2048, 2000, 0};
+                          0, 2048, 2000, 0, {0}, 0};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -295,7 +364,7 @@ static void map_up_to(u64 top)
         fatal("RAM reaches beyond what the page tables can map", "");
     /* 1 GiB pages where the CPU offers them (one entry per GiB), 2 MiB pages otherwise. */
     u32 a, b, c, d;
-    __asm__ volatile("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(0x80000001u), "c"(0));
+    cpuid(0x80000001u, &a, &b, &c, &d);
     int huge = (d >> 26) & 1;
     for (u64 g = 4; g < gib && !huge; g++)
         for (u64 i = 0; i < 512; i++)
@@ -353,7 +422,58 @@ static void plan_layout(void)
         map_up_to(page_addr(ws_pages - 1) + PAGE_SIZE);
 }
 
-/* ---- TSC calibration against PIT channel 2 (works in ferry and QEMU) ---- */
+/*
+ * ---- the TSC's rate ----
+ *
+ * KVM knows it and says so through kvmclock (its scale from TSC ticks to nanoseconds), which
+ * every VMM on KVM offers; without kvmclock, the TSC is timed against PIT channel 2, which
+ * needs port 0x61 (QEMU's microvm machine has none).
+ */
+#define MSR_KVM_SYSTEM_TIME_NEW 0x4b564d01u
+#define KVM_FEATURE_CLOCKSOURCE2 (1u << 3)
+
+struct pvclock_time_info {
+    u32 version, pad0;
+    u64 tsc_timestamp, system_time;
+    u32 tsc_to_system_mul;
+    signed char tsc_shift;
+    u8 flags, pad[2];
+};
+static struct pvclock_time_info kvmclock __attribute__((aligned(64)));
+
+static inline void wrmsr(u32 msr, u64 v)
+{
+    __asm__ volatile("wrmsr" ::"c"(msr), "a"((u32)v), "d"((u32)(v >> 32)));
+}
+
+/* The TSC rate from kvmclock's scale (ns = ticks · 2^shift · mul / 2^32), 0 without kvmclock. */
+static u64 kvmclock_tsc_khz(void)
+{
+    u32 a, b, c, d;
+    cpuid(0x40000000u, &a, &b, &c, &d);
+    if (b != 0x4b4d564bu || c != 0x564b4d56u || d != 0x4du || a < 0x40000001u) /* "KVMKVMKVM" */
+        return 0;
+    cpuid(0x40000001u, &a, &b, &c, &d);
+    if (!(a & KVM_FEATURE_CLOCKSOURCE2))
+        return 0;
+    wrmsr(MSR_KVM_SYSTEM_TIME_NEW, (u64)&kvmclock | 1);
+    u32 mul = 0;
+    int shift = 0;
+    for (u32 tries = 0; tries < 1000000 && !mul; tries++) {
+        u32 version = *(volatile u32 *)&kvmclock.version;
+        if (version & 1)
+            continue; /* KVM is writing it */
+        mul = *(volatile u32 *)&kvmclock.tsc_to_system_mul;
+        shift = *(volatile signed char *)&kvmclock.tsc_shift;
+        if (*(volatile u32 *)&kvmclock.version != version)
+            mul = 0;
+    }
+    wrmsr(MSR_KVM_SYSTEM_TIME_NEW, 0); /* one reading is all this guest needs */
+    if (!mul)
+        return 0;
+    u64 khz = (1000000ull << 32) / mul;
+    return shift >= 0 ? khz >> shift : khz << -shift;
+}
 
 static u64 calibrate_tsc_khz(void)
 {
@@ -432,16 +552,14 @@ static void heartbeat_if_due(struct worker *w)
 /*
  * ---- virtio devices: poll-mode drivers (virtio 1.x, MMIO transport version 2) ----
  *
- * What the blk and net workloads share: finding a device in the MMIO slots, the
+ * What the blk and net workloads share: finding a device among the virtio-mmio windows the
+ * command line names (virtio_mmio.device= words, as Linux finds them), the
  * initialisation sequence (virtio 1.x 3.1.1) up to FEATURES_OK, config space reads, and split
  * virtqueues (2.7) set up, fed and reaped. The drivers poll: every avail ring says
  * NO_INTERRUPT, and a completion is found by reading the used ring's index. All driver state
  * (rings and their indices, the last used index consumed, each workload's own bookkeeping) is
  * guest memory, so a VM migrated mid-step carries on exactly where it was.
  */
-#define VIRTIO_MMIO_BASE 0xc0000000ull  /* slot i at + i * VIRTIO_MMIO_SLOT_SIZE */
-#define VIRTIO_MMIO_SLOT_SIZE 0x1000ull
-#define VIRTIO_MMIO_SLOTS 8
 #define VIRTIO_MAGIC 0x74726976u         /* "virt" */
 #define VIRTIO_MMIO_VERSION 2            /* modern; 1 is the legacy layout */
 #define VIRTIO_ID_NET 1
@@ -509,7 +627,7 @@ struct virtq {
 };
 
 struct vdev {
-    u64 base;         /* the device's registers: one of the MMIO slots */
+    u64 base;         /* the device's registers: one of cfg.mmio */
     const char *name; /* "virtio-blk", "virtio-net": begins the device's error messages */
 };
 
@@ -542,15 +660,21 @@ static void vdev_set_status(const struct vdev *d, u32 bit)
     vdev_write(d, VIRTIO_STATUS, vdev_status(d) | bit);
 }
 
-/* Points d->base at the first slot that holds a modern device of this ID. Empty slots read ~0. */
+/*
+ * Points d->base at the first window that holds a device of this ID. A legacy (version 1)
+ * device is refused by name: this driver speaks the modern layout only.
+ */
 static int vdev_probe(struct vdev *d, u32 device_id)
 {
-    for (u64 i = 0; i < VIRTIO_MMIO_SLOTS; i++) {
-        d->base = VIRTIO_MMIO_BASE + i * VIRTIO_MMIO_SLOT_SIZE;
-        if (vdev_read(d, VIRTIO_MAGIC_VALUE) == VIRTIO_MAGIC &&
-            vdev_read(d, VIRTIO_VERSION) == VIRTIO_MMIO_VERSION &&
-            vdev_read(d, VIRTIO_DEVICE_ID) == device_id)
-            return 1;
+    for (u64 i = 0; i < cfg.mmio_count; i++) {
+        d->base = cfg.mmio[i];
+        if (vdev_read(d, VIRTIO_MAGIC_VALUE) != VIRTIO_MAGIC ||
+            vdev_read(d, VIRTIO_DEVICE_ID) != device_id)
+            continue;
+        if (vdev_read(d, VIRTIO_VERSION) != VIRTIO_MMIO_VERSION)
+            fatal("a legacy virtio-mmio device (version 1): this driver needs version 2 (QEMU: "
+                  "-global virtio-mmio.force-legacy=false)", "");
+        return 1;
     }
     return 0;
 }
@@ -706,7 +830,7 @@ static struct {
 static void blk_init(void)
 {
     u64 features = vdev_start(&blk.dev, "virtio-blk", VIRTIO_ID_BLOCK, 1ull << VIRTIO_BLK_F_FLUSH,
-                              "blk: no virtio-blk device in the MMIO slots at 0xc0000000");
+                              "blk: no virtio-blk device in the virtio_mmio.device= windows");
     blk.flush = (int)((features >> VIRTIO_BLK_F_FLUSH) & 1);
 
     u64 capacity = 0;
@@ -871,7 +995,7 @@ static struct {
 static void net_init(void)
 {
     u64 features = vdev_start(&net.dev, "virtio-net", VIRTIO_ID_NET, 1ull << VIRTIO_NET_F_MAC,
-                              "net=fwd: no virtio-net device in the MMIO slots at 0xc0000000");
+                              "net=fwd: no virtio-net device in the virtio_mmio.device= windows");
     int has_mac = (int)((features >> VIRTIO_NET_F_MAC) & 1);
     u8 mac[ETH_ALEN];
     if (has_mac)
@@ -1325,7 +1449,9 @@ void guest_main(const struct hvm_start_info *si)
     if (cfg.net)
         net_init();
     plan_layout();
-    tsc_khz = calibrate_tsc_khz();
+    tsc_khz = kvmclock_tsc_khz();
+    if (!tsc_khz)
+        tsc_khz = calibrate_tsc_khz();
     if (!tsc_khz) {
         put_str("ferry-guest: PIT calibration failed, assuming a 2 GHz TSC\n");
         tsc_khz = 2000000;

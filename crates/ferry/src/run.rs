@@ -83,7 +83,7 @@ fn security(args: &RunArgs) -> Result<Security> {
 }
 
 fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
-    let (image, cmdline) = match (&args.guest, &args.kernel) {
+    let (image, mut cmdline) = match (&args.guest, &args.kernel) {
         (Some(guest), None) => {
             check_file("guest", guest)?;
             let cmdline = cmdline_with_vcpus(&args.cmdline, args.vcpus)?;
@@ -98,17 +98,16 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
                 kernel: kernel.clone(),
                 initrd: args.initrd.clone(),
             };
-            // Linux finds virtio-mmio devices on its command line.
-            let mut cmdline = args.cmdline.clone();
-            for slot in 0..args.disks.len() + args.nets.len() {
-                cmdline.push_str(&vmm::devices::virtio::linux_cmdline_word(slot));
-            }
-            (image, cmdline)
+            (image, args.cmdline.clone())
         }
         _ => {
             bail!("--guest PATH or --kernel PATH is required (or --incoming URL / --restore FILE)")
         }
     };
+    // A guest finds its virtio-mmio devices on its command line, as Linux does.
+    for slot in 0..args.disks.len() + args.nets.len() {
+        cmdline.push_str(&vmm::devices::virtio::cmdline_word(slot));
+    }
     let config = VmConfig {
         memory: args.memory.0,
         vcpus: args.vcpus,

@@ -132,6 +132,47 @@ fn unknown_workload_word() {
     );
 }
 
+/// The guest reads its virtio-mmio devices from the command line, as Linux does: a malformed
+/// word, or a workload whose device is in none of the named windows, stops it with the reason.
+#[test]
+fn bad_virtio_mmio_words() {
+    if !kvm_available() {
+        return;
+    }
+    let guest = guest();
+    for (cmdline, expect) in [
+        (
+            "idle virtio_mmio.device=4K@0xc0000000",
+            "malformed word (want virtio_mmio.device=SIZE@BASE:IRQ) virtio_mmio.device=4K@0xc0000000",
+        ),
+        (
+            "idle virtio_mmio.device=4K@zz:16",
+            "malformed word (want virtio_mmio.device=SIZE@BASE:IRQ)",
+        ),
+        (
+            "idle virtio_mmio.device=16@0xc0000000:16",
+            "virtio-mmio window too small or above 4 GiB",
+        ),
+        (
+            "write blk",
+            "blk: no virtio-blk device in the virtio_mmio.device= windows",
+        ),
+    ] {
+        run_fails(
+            &[
+                "run",
+                "--guest",
+                guest.to_str().unwrap(),
+                "--cmdline",
+                cmdline,
+                "--serial",
+                "/dev/null",
+            ],
+            expect,
+        );
+    }
+}
+
 #[test]
 fn api_socket_already_in_use() {
     if !kvm_available() {

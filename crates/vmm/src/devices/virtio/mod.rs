@@ -22,8 +22,9 @@ pub const MAX_SLOTS: usize = 8;
 /// IOAPIC pins for the slots' interrupts (16 and up: the legacy ISA pins stay free).
 pub const FIRST_GSI: u32 = 16;
 
-/// How Linux learns of the device in `slot` (its virtio-mmio command-line probe).
-pub fn linux_cmdline_word(slot: usize) -> String {
+/// How a guest learns of the device in `slot`: Linux's virtio-mmio command-line word, which
+/// ferry's workload guest reads too.
+pub fn cmdline_word(slot: usize) -> String {
     let base = crate::layout::DEVICE_WINDOW_START + slot as u64 * SLOT_SIZE;
     format!(
         " virtio_mmio.device=4K@{base:#x}:{}",
