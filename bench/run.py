@@ -115,11 +115,11 @@ PROFILES = {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
         "scenarios": checkpoints(),
     },
-    # The forwarding VM across a move (docs/devices.md): (migration mode or None, frames/s).
+    # The forwarding VM across a move, on ferry and on QEMU (docs/devices.md): frames/s, and
+    # the migration modes (None: no move). QEMU has no hybrid mode.
     "devices": {
-        "links": [], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
-        "forwarding": [(mode, rate) for rate in (1000, 10000)
-                       for mode in (None, "precopy", "postcopy", "hybrid")],
+        "links": [], "peers": ["ferry", "qemu"], "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
+        "forwarding": {"rates": (1000, 10000, 100000), "modes": (None, "precopy", "postcopy", "hybrid")},
     },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
@@ -257,21 +257,31 @@ def run(args):
                                          and x["scenario"] == e["scenario"] and "floor_ms" in x), None)
                             if twin:
                                 e["floor_ms"] = twin["floor_ms"]
-            for mode, rate in profile.get("forwarding", []):
-                rows, error = [], None
-                for i in range(repeats):
-                    said = "ok"
-                    try:
-                        rows.append(devices.forwarding_run(procs, work, mode, rate))
-                    except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
-                        error = str(e).splitlines()[0][:300]
-                        said = "FAILED: " + error
-                        traceback.print_exc(file=sys.stderr)
-                    print(f"  forwarding {mode or 'no move':9} {rate:6} frames/s run {i + 1}/{repeats}"
-                          f" {said}", file=sys.stderr)
-                results["forwarding"].append({
-                    "mode": mode or "none", "rate": rate, "runs": rows, "error": error,
-                    "summary": {m: summarize([r.get(m) for r in rows]) for m in report.FORWARDING}})
+            forwarding = profile.get("forwarding")
+            vmms = [v for v in ("ferry", "qemu") if v in peers]
+            for rate in forwarding["rates"] if forwarding else ():
+                for mode in forwarding["modes"]:
+                    names = [v for v in vmms if not (v == "qemu" and mode == "hybrid")]
+                    kept = {v: ([], None) for v in names}
+                    # Runs interleave (ferry, QEMU, ferry, ...), as the migration scenarios do.
+                    for i in range(repeats):
+                        for vmm in names:
+                            rows, error = kept[vmm]
+                            said = "ok"
+                            try:
+                                rows.append(devices.forwarding_run(procs, work, vmm, mode, rate))
+                            except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
+                                error = str(e).splitlines()[0][:300]
+                                said = "FAILED: " + error
+                                traceback.print_exc(file=sys.stderr)
+                            kept[vmm] = (rows, error)
+                            print(f"  forwarding {vmm:5} {mode or 'no move':9} {rate:6} frames/s run "
+                                  f"{i + 1}/{repeats} {said}", file=sys.stderr)
+                    for vmm in names:
+                        rows, error = kept[vmm]
+                        results["forwarding"].append({
+                            "vmm": vmm, "mode": mode or "none", "rate": rate, "runs": rows, "error": error,
+                            "summary": {m: summarize([r.get(m) for r in rows]) for m in report.FORWARDING}})
         finally:
             procs.stop_all()
     written = report.write_all(results, outdir)

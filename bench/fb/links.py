@@ -18,6 +18,21 @@ def sh(*argv, check=True):
     return r
 
 
+# tbf's rate and burst per link speed.
+SPEEDS = {"1gbit": ("1gbit", "256kb"), "10gbit": ("10gbit", "2mb")}
+
+
+def shape(ns, dev, speed, delay_ms=0):
+    """Shapes what `dev` (in namespace `ns`) sends to `speed`, behind `delay_ms` of netem latency."""
+    rate, burst = SPEEDS[speed]
+    tc = ("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev)
+    if delay_ms:
+        sh(*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms")
+        sh(*tc, "parent", "1:1", "handle", "10:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
+    else:
+        sh(*tc, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
+
+
 class Link:
     """name: loopback | 1gbit | 10gbit; delay_ms adds netem latency (a WAN-like case)."""
 
@@ -34,8 +49,6 @@ class Link:
             if self.delay_ms:
                 raise RuntimeError("--delay-ms needs a veth link (1gbit or 10gbit), not loopback")
             return self
-        rate = {"1gbit": "1gbit", "10gbit": "10gbit"}[self.name]
-        burst = {"1gbit": "256kb", "10gbit": "2mb"}[self.name]
         self.ns_src, self.ns_dst = f"fbs-{self.tag}", f"fbd-{self.tag}"
         for ns in (self.ns_src, self.ns_dst):
             sh("ip", "netns", "add", ns)
@@ -46,14 +59,7 @@ class Link:
             sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
             sh("ip", "-n", ns, "link", "set", dev, "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
-            if self.delay_ms:
-                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:",
-                   "netem", "delay", f"{self.delay_ms}ms")
-                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "parent", "1:1",
-                   "handle", "10:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
-            else:
-                sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                   "rate", rate, "burst", burst, "latency", "50ms")
+            shape(ns, dev, self.name, self.delay_ms)
         self.dst_host = ADDR_DST
         return self
 

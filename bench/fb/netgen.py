@@ -45,6 +45,7 @@ def main():
         if due > now:
             time.sleep(due - now)
         s.send(head + struct.pack(">Q", seq) + pad)
+    send_s = time.monotonic() - began
     time.sleep(0.3)  # late frames
     stop.set()
     rx.join()
@@ -53,6 +54,7 @@ def main():
     gaps = [b - a for a, b in zip(times, times[1:])]
     print(json.dumps({
         "sent": total, "received": len(got), "lost": total - len(got),
+        "offered_per_s": total / send_s,
         "longest_gap_ms": max(gaps) * 1e3 if gaps else None,
         "first_ms": (times[0] - began) * 1e3 if times else None,
     }))

@@ -77,7 +77,9 @@ class QemuPeer:
         self.variant = variant
         self.name = variant
 
-    def _start(self, tag, scenario, clock, netns, incoming=None):
+    def start(self, tag, scenario, clock, netns, incoming=None, machine=None, extra=()):
+        """A QEMU in `netns` running the scenario's guest (or waiting for it: `incoming`), its
+        serial lines followed by `clock`; `machine` and `extra` add to the command line."""
         qmp = os.path.join(self.work, f"{tag}-{time.time_ns()}.qmp")
         ser = os.path.join(self.work, f"{tag}-{time.time_ns()}.ser")
         mem_mib = parse_mib(scenario["memory"])
@@ -86,6 +88,9 @@ class QemuPeer:
                 "-chardev", f"socket,id=ser0,path={ser},server=on,wait=off", "-serial", "chardev:ser0",
                 "-kernel", GUEST, "-append", scenario["cmdline"],
                 "-qmp", f"unix:{qmp},server=on,wait=off"]
+        if machine:
+            argv += ["-M", machine]
+        argv += list(extra)
         if incoming:
             argv += ["-incoming", incoming]
         self.procs.start(argv, netns=netns, stderr=open(os.path.join(self.work, f"qemu-{tag}.err"), "ab"))
@@ -93,7 +98,7 @@ class QemuPeer:
         clock.follow_socket(ser)
         return Qmp(qmp)
 
-    def _configure(self, qmp, scenario):
+    def configure(self, qmp, scenario):
         postcopy = scenario["mode"] == "postcopy"
         caps = ["postcopy-ram"] if postcopy else []
         if self.variant == "qemu-default":
@@ -111,26 +116,11 @@ class QemuPeer:
             qmp.cmd("migrate-set-capabilities", capabilities=[{"capability": c, "state": True} for c in caps])
         qmp.cmd("migrate-set-parameters", **params)
 
-    def migrate_once(self, scenario, link):
-        if scenario["mode"] not in ("precopy", "postcopy"):
-            raise BenchError(f"the QEMU driver has no {scenario['mode']} mode")
-        postcopy = scenario["mode"] == "postcopy"
-        src_clock, dst_clock = SerialClock(), SerialClock()
-        src = self._start("src", scenario, src_clock, link.ns_src)
-        # Steady state: a writer has populated its whole working set once (same rule as ferry).
-        busy = " idle" not in f" {scenario['cmdline']}"
-        wait_until("guest serial progress", 120,
-                   lambda: passes(src_clock) >= 1 if busy else len(src_clock.lines()) > 3)
-        if scenario.get("warmup_s"):
-            time.sleep(scenario["warmup_s"])
-        port = free_port()
-        dst = self._start("dst", scenario, dst_clock, link.ns_dst,
-                          incoming=f"tcp:{link.dst_host}:{port}")
-        self._configure(src, scenario)
-        self._configure(dst, scenario)
-        started = time.time()
-        src.cmd("migrate", uri=f"tcp:{link.dst_host}:{port}")
-        if postcopy:
+    def migrate(self, src, scenario, uri):
+        """Moves the VM of QMP `src` to `uri` in the scenario's mode; query-migrate's answer once
+        it completed (DidNotConverge when it did not within the scenario's timeout)."""
+        src.cmd("migrate", uri=uri)
+        if scenario["mode"] == "postcopy":
             # As soon as QEMU allows it: QEMU switches after its first pass has begun.
             wait_until("QEMU to accept migrate-start-postcopy", 30,
                        lambda: _try(lambda: src.cmd("migrate-start-postcopy")), interval=0.01)
@@ -148,6 +138,27 @@ class QemuPeer:
             raise DidNotConverge(f"did not converge in {scenario['timeout_s']} s")
         if info["status"] != "completed":
             raise BenchError(f"QEMU migration {info['status']}: {info.get('error-desc', '')}")
+        return info
+
+    def migrate_once(self, scenario, link):
+        if scenario["mode"] not in ("precopy", "postcopy"):
+            raise BenchError(f"the QEMU driver has no {scenario['mode']} mode")
+        postcopy = scenario["mode"] == "postcopy"
+        src_clock, dst_clock = SerialClock(), SerialClock()
+        src = self.start("src", scenario, src_clock, link.ns_src)
+        # Steady state: a writer has populated its whole working set once (same rule as ferry).
+        busy = " idle" not in f" {scenario['cmdline']}"
+        wait_until("guest serial progress", 120,
+                   lambda: passes(src_clock) >= 1 if busy else len(src_clock.lines()) > 3)
+        if scenario.get("warmup_s"):
+            time.sleep(scenario["warmup_s"])
+        port = free_port()
+        dst = self.start("dst", scenario, dst_clock, link.ns_dst,
+                          incoming=f"tcp:{link.dst_host}:{port}")
+        self.configure(src, scenario)
+        self.configure(dst, scenario)
+        started = time.time()
+        info = self.migrate(src, scenario, f"tcp:{link.dst_host}:{port}")
         time.sleep(0.5)
         ram = info.get("ram", {})
         for q in (src, dst):
