@@ -63,6 +63,23 @@ fn assert_disk_verified(vm: &Ferry, from: u64, what: &str) {
     assert_eq!(dev.needs_reset, None, "{what}");
 }
 
+/// A second VM on the disk is refused: some process holds its lock.
+fn assert_second_writer_refused(path: &Path) {
+    let guest = guest();
+    let second = ferry_output(&[
+        "run",
+        "--guest",
+        guest.to_str().unwrap(),
+        "--disk",
+        &disk_arg(path),
+        "--serial",
+        "/dev/null",
+    ]);
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "a second writer ran");
+    assert!(stderr.contains("in use by another process"), "{stderr}");
+}
+
 #[test]
 fn disk_writes_survive_precopy_then_postcopy() {
     if !kvm_available() {
@@ -155,20 +172,9 @@ fn a_second_writer_and_bad_disk_options_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let path = disk(dir.path());
     let src = boot_with_disk(&path);
+    assert_second_writer_refused(&path);
     let guest = guest();
     let guest = guest.to_str().unwrap();
-    let second = ferry_output(&[
-        "run",
-        "--guest",
-        guest,
-        "--disk",
-        &disk_arg(&path),
-        "--serial",
-        "/dev/null",
-    ]);
-    let stderr = String::from_utf8_lossy(&second.stderr);
-    assert!(!second.status.success());
-    assert!(stderr.contains("in use by another process"), "{stderr}");
 
     for (arg, expect) in [
         ("file=/tmp/x.img", "use path=FILE"),
@@ -201,4 +207,67 @@ fn a_second_writer_and_bad_disk_options_are_refused() {
         .unwrap_err();
     assert!(err.to_string().contains("writable disk"), "{err}");
     assert_eq!(src.info().state, "running");
+}
+
+/// A migration cancelled after the source paused and let go of the disk (pre-copy: while its
+/// vCPU state is on its way; post-copy: at the switch): the source takes the disk back and
+/// writes on with nothing lost, the destination never runs the VM, and a later migration still
+/// hands the disk over.
+#[test]
+fn a_cancelled_migration_gives_the_disk_back_to_the_source() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = disk(dir.path());
+    let mut src = boot_with_disk(&path);
+    let arg = disk_arg(&path);
+    for (mode, point) in [("precopy", Point::State), ("postcopy", Point::Pause)] {
+        let (mut dst, relay) = destination_behind_with(point, Action::Hold, &["--disk", &arg]);
+        let migrating = {
+            let (socket, url) = (src.socket.to_str().unwrap().to_string(), relay.url.clone());
+            std::thread::spawn(move || {
+                ferry_output(&[
+                    "migrate",
+                    "--api-socket",
+                    &socket,
+                    "--to",
+                    &url,
+                    "--mode",
+                    mode,
+                ])
+            })
+        };
+        assert!(relay.wait_reached(T), "{mode}: reached {}", point.name());
+        src.put("vm.cancel-migration");
+        relay.release();
+        assert!(
+            !migrating.join().unwrap().status.success(),
+            "{mode}: cancelled"
+        );
+        let status = src.wait_migration_end();
+        assert_eq!(
+            status.phase,
+            MigrationPhase::Cancelled,
+            "{mode}: {status:?}"
+        );
+        assert!(
+            !dst.wait_exit(T).success(),
+            "{mode}: the destination never runs a cancelled VM"
+        );
+        drop(relay);
+        assert_eq!(src.info().state, "running", "{mode}");
+        assert_second_writer_refused(&path);
+        let now = src.info().blk_writes;
+        assert_disk_verified(&src, now, &format!("after a cancelled {mode}"));
+    }
+    let port = free_port();
+    let url = format!("tcp:127.0.0.1:{port}");
+    let dst = Ferry::start(&["--incoming", &url, "--disk", &arg]);
+    let (report, ok, errors) = migrate(&src, &url, &[]);
+    assert!(ok, "{errors}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(src.wait_exit(T).success(), "the source let go");
+    let arrived = dst.info().blk_writes;
+    assert_disk_verified(&dst, arrived, "after the cancelled migrations");
 }

@@ -500,27 +500,6 @@ fn assert_second_attempt_succeeds(src: &Ferry) {
     assert_eq!(info.verify_errors, 0);
 }
 
-trait MigrationWait {
-    fn wait_for_migration_bytes(&self, bytes: u64);
-    fn wait_migration_end(&self) -> MigrationStatus;
-}
-
-impl MigrationWait for Ferry {
-    fn wait_for_migration_bytes(&self, bytes: u64) {
-        wait_for("migration traffic", T, || {
-            let s = self.migration_status();
-            (s.bytes_on_wire >= bytes).then_some(())
-        });
-    }
-
-    fn wait_migration_end(&self) -> MigrationStatus {
-        wait_for("the migration to end", T, || {
-            let s = self.migration_status();
-            (!s.phase.is_running()).then_some(s)
-        })
-    }
-}
-
 #[test]
 fn a_waiting_destination_stops_on_sigterm() {
     if !kvm_available() {

@@ -1,26 +1,28 @@
 //! A NIC that survives the move: the workload guest forwards frames (`net=fwd`: receive,
-//! swap the MACs, send back, like DPDK's l2fwd) on a virtio-net NIC whose tap sits on a Linux
-//! bridge; a generator on the same bridge sends sequence-numbered frames and counts what comes
-//! back, while the VM moves to a process whose tap is another port of the bridge. Forwarding
-//! must carry on from the new port, and the switch must learn it from the VM's announcement.
+//! swap the MACs, send back, like DPDK's l2fwd) on a virtio-net NIC whose tap sits on its
+//! host's bridge; a generator in the switch both hosts hang off sends sequence-numbered frames
+//! and counts what comes back, while the VM moves to a process on the other host. Forwarding
+//! must carry on from the new host, and the switch must learn its port from the VM's
+//! announcement.
 
 mod common;
 
 use std::time::{Duration, Instant};
 
 use api::MigrationPhase;
-use common::testbed::{Generator, Testbed};
+use common::testbed::{Generator, TAP, Testbed};
 use common::*;
 
 const T: Duration = Duration::from_secs(60);
 const VM_MAC: [u8; 6] = [0x52, 0x54, 0, 0, 0, 0x01];
 const VM_MAC_TEXT: &str = "52:54:00:00:00:01";
 
-fn forwarder(bed: &Testbed, tap: &str) -> Ferry {
+/// The VM on host 0's tap.
+fn forwarder(bed: &Testbed) -> Ferry {
     let guest = guest();
-    let net = format!("tap={tap},mac={VM_MAC_TEXT}");
+    let net = format!("tap={TAP},mac={VM_MAC_TEXT}");
     Ferry::start_in_netns(
-        &bed.ns,
+        &bed.hosts[0],
         &[
             "--guest",
             guest.to_str().unwrap(),
@@ -44,22 +46,22 @@ fn forwarding_carries_on_from_the_destinations_port() {
         return;
     }
     let bed = Testbed::new("net", 2);
-    let src = forwarder(&bed, &bed.taps[0]);
+    let src = forwarder(&bed);
     src.wait_info("the guest's first pass", T, |i| i.passes >= 1);
     let generator = Generator::start(&bed, VM_MAC, 1000, 60_000);
     wait_for("frames forwarded by the source", T, || {
         (generator.received() >= 100).then_some(())
     });
-    assert_eq!(bed.port_of(VM_MAC_TEXT).as_deref(), Some("tap0"));
+    assert_eq!(bed.port_of(VM_MAC_TEXT).as_deref(), Some("p0"));
 
-    // Pre-copy to a process on tap1, then post-copy back to one on tap0. The destinations'
+    // Pre-copy to a process on host 1, then post-copy back to one on host 0. The destinations'
     // NICs are told no MAC: the VM brings its own.
     let mut here = src;
-    for (mode, tap) in [("precopy", "tap1"), ("postcopy", "tap0")] {
+    for (mode, host) in [("precopy", 1), ("postcopy", 0)] {
         let sock = here.scratch("migrate.sock");
         let url = format!("unix:{}", sock.display());
-        let net = format!("tap={tap}");
-        let dst = Ferry::start_in_netns(&bed.ns, &["--incoming", &url, "--net", &net]);
+        let net = format!("tap={TAP}");
+        let dst = Ferry::start_in_netns(&bed.hosts[host], &["--incoming", &url, "--net", &net]);
         let (report, ok, errors) = migrate(&here, &url, &["--mode", mode]);
         assert!(ok, "{mode}: {errors}");
         assert_eq!(report.phase, MigrationPhase::Completed);
@@ -72,7 +74,12 @@ fn forwarding_carries_on_from_the_destinations_port() {
         wait_for("frames forwarded by the destination", T, || {
             (generator.received_sent_after(moved) >= 100).then_some(())
         });
-        assert_eq!(bed.port_of(VM_MAC_TEXT).as_deref(), Some(tap), "{mode}");
+        let port = format!("p{host}");
+        assert_eq!(
+            bed.port_of(VM_MAC_TEXT).as_deref(),
+            Some(port.as_str()),
+            "{mode}"
+        );
         let info = dst.info();
         let nic = &info.devices[0];
         assert_eq!(nic.kind, "virtio-net");

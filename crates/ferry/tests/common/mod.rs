@@ -267,6 +267,20 @@ impl Ferry {
         serde_json::from_value(self.api().get("vm.migration").expect("vm.migration"))
             .expect("vm.migration body")
     }
+
+    pub fn wait_for_migration_bytes(&self, bytes: u64) {
+        wait_for("migration traffic", Duration::from_secs(60), || {
+            (self.migration_status().bytes_on_wire >= bytes).then_some(())
+        });
+    }
+
+    /// The migration's status once it is no longer running.
+    pub fn wait_migration_end(&self) -> api::MigrationStatus {
+        wait_for("the migration to end", Duration::from_secs(60), || {
+            let s = self.migration_status();
+            (!s.phase.is_running()).then_some(s)
+        })
+    }
 }
 
 impl Drop for Ferry {

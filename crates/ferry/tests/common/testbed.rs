@@ -1,7 +1,9 @@
-//! A switched network a test creates and removes: one network namespace holding a Linux
-//! bridge (the learning switch), a tap per VM on it, and a veth pair whose far end carries a
+//! A switched network a test creates and removes: two hosts and a switch, each a network
+//! namespace of its own. The switch holds a Linux bridge (the learning switch), one port per
+//! host (`p0`, `p1`: veths to the hosts' uplinks) and a veth whose far end (`gen`) carries a
 //! traffic generator and receiver (raw frames on an AF_PACKET socket, sent from a thread that
-//! entered the namespace).
+//! entered the namespace). Each host holds a bridge with its uplink and a tap for its VM
+//! (`tap0`), as a hypervisor host's network setup would.
 #![allow(dead_code)]
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -14,10 +16,14 @@ use std::time::{Duration, Instant};
 /// The generator's MAC, and the EtherType its frames carry (IEEE local experimental).
 pub const GEN_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x99];
 const ETHERTYPE: u16 = 0x88b5;
+/// Every host's tap for its VM.
+pub const TAP: &str = "tap0";
 
 pub struct Testbed {
-    pub ns: String,
-    pub taps: Vec<String>,
+    /// The switch's namespace.
+    pub switch: String,
+    /// Each host's namespace; host `i` hangs off the switch's port `p{i}`.
+    pub hosts: Vec<String>,
 }
 
 fn ip(args: &[&str]) {
@@ -29,37 +35,52 @@ fn ip(args: &[&str]) {
     );
 }
 
+/// `ip -n NS ARGS...`
+fn ip_in(ns: &str, args: &[&str]) {
+    ip(&[&["-n", ns][..], args].concat());
+}
+
 impl Testbed {
-    /// A namespace with bridge `br0`, `taps` taps on it and the generator's veth.
-    pub fn new(name: &str, taps: usize) -> Testbed {
-        let ns = format!("ferry-{name}-{}", std::process::id());
-        let _ = Command::new("ip").args(["netns", "delete", &ns]).output();
-        ip(&["netns", "add", &ns]);
+    pub fn new(name: &str, hosts: usize) -> Testbed {
+        let tag = format!("{name}-{}", std::process::id());
         let bed = Testbed {
-            ns: ns.clone(),
-            taps: (0..taps).map(|i| format!("tap{i}")).collect(),
+            switch: format!("fsw-{tag}"),
+            hosts: (0..hosts).map(|i| format!("fh{i}-{tag}")).collect(),
         };
-        let n = ["-n", ns.as_str()];
-        ip(&[&n[..], &["link", "add", "br0", "type", "bridge"]].concat());
-        ip(&[&n[..], &["link", "set", "br0", "up"]].concat());
-        for tap in &bed.taps {
-            ip(&[&n[..], &["tuntap", "add", tap, "mode", "tap"]].concat());
-            ip(&[&n[..], &["link", "set", tap, "master", "br0", "up"]].concat());
+        // Made one by one: a failed step drops the bed, which removes what was made.
+        for ns in std::iter::once(&bed.switch).chain(&bed.hosts) {
+            let _ = Command::new("ip").args(["netns", "delete", ns]).output();
+            ip(&["netns", "add", ns]);
+            ip_in(ns, &["link", "add", "br0", "type", "bridge"]);
+            ip_in(ns, &["link", "set", "br0", "up"]);
         }
-        ip(&[
-            &n[..],
+        let sw = bed.switch.as_str();
+        ip_in(
+            sw,
             &["link", "add", "gen", "type", "veth", "peer", "name", "genb"],
-        ]
-        .concat());
-        ip(&[&n[..], &["link", "set", "genb", "master", "br0", "up"]].concat());
-        ip(&[&n[..], &["link", "set", "gen", "up"]].concat());
+        );
+        ip_in(sw, &["link", "set", "genb", "master", "br0", "up"]);
+        ip_in(sw, &["link", "set", "gen", "up"]);
+        for (i, host) in bed.hosts.iter().enumerate() {
+            let port = format!("p{i}");
+            ip_in(
+                sw,
+                &[
+                    "link", "add", &port, "type", "veth", "peer", "name", "uplink", "netns", host,
+                ],
+            );
+            ip_in(sw, &["link", "set", &port, "master", "br0", "up"]);
+            ip_in(host, &["link", "set", "uplink", "master", "br0", "up"]);
+            ip_in(host, &["tuntap", "add", TAP, "mode", "tap"]);
+            ip_in(host, &["link", "set", TAP, "master", "br0", "up"]);
+        }
         bed
     }
 
-    /// Which bridge port the switch sends `mac` to now.
+    /// Which switch port (`p0`, `p1`) the switch sends `mac` to now.
     pub fn port_of(&self, mac: &str) -> Option<String> {
         let out = Command::new("bridge")
-            .args(["-n", &self.ns, "fdb", "show", "br", "br0"])
+            .args(["-n", &self.switch, "fdb", "show", "br", "br0"])
             .output()
             .ok()?;
         String::from_utf8_lossy(&out.stdout)
@@ -71,10 +92,10 @@ impl Testbed {
 
 impl Drop for Testbed {
     fn drop(&mut self) {
-        // Every interface in it goes with it.
-        let _ = Command::new("ip")
-            .args(["netns", "delete", &self.ns])
-            .output();
+        // Every interface in them goes with them.
+        for ns in std::iter::once(&self.switch).chain(&self.hosts) {
+            let _ = Command::new("ip").args(["netns", "delete", ns]).output();
+        }
     }
 }
 
@@ -93,7 +114,7 @@ pub struct Generator {
 }
 
 impl Generator {
-    /// Sends sequence-numbered frames to `vm_mac` from the bed's `gen` interface, `per_s` a
+    /// Sends sequence-numbered frames to `vm_mac` from the switch's `gen` interface, `per_s` a
     /// second (at most `max` frames), and records every frame that comes back.
     pub fn start(bed: &Testbed, vm_mac: [u8; 6], per_s: u64, max: u64) -> Generator {
         let (stop_tx, stop_rx) = (
@@ -102,7 +123,7 @@ impl Generator {
         );
         let sent = Arc::new(Mutex::new(Vec::new()));
         let received = Arc::new(Mutex::new(Received::default()));
-        let sock = Arc::new(packet_socket(&bed.ns, "gen"));
+        let sock = Arc::new(packet_socket(&bed.switch, "gen"));
         let rx = {
             let (sock, stop, received) = (sock.clone(), stop_rx.clone(), received.clone());
             std::thread::spawn(move || {
