@@ -27,7 +27,9 @@ def shape(ns, dev, speed, delay_ms=0):
     rate, burst = SPEEDS[speed]
     tc = ("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev)
     if delay_ms:
-        sh(*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms")
+        if sh(*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms", check=False).returncode:
+            raise BenchError("--delay-ms needs the kernel's netem qdisc (sch_netem), which this "
+                             "kernel does not have")
         sh(*tc, "parent", "1:1", "handle", "10:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
     else:
         sh(*tc, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")

@@ -18,11 +18,66 @@ use crate::ratelimit::RateLimiter;
 use crate::status::{RoundStats, ms};
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
-use crate::wire::transport::Stream;
+use crate::wire::transport::{IO_TIMEOUT, Stream};
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Pages pushed between two looks at the request queue.
 const PUSH_BATCH: usize = 16;
+
+/// How many pushed bytes may wait in the socket and on the link at once. A page request's
+/// reply leaves behind whatever is queued, so a queue as deep as the kernel allows (megabytes:
+/// tens of ms on 1 Gbit/s) is a fault that waits that long. Kept to what keeps the link busy —
+/// its bandwidth-delay product, from TCP's own estimates, with a quarter more so that a window
+/// too small for the link grows by a quarter a round trip — plus `PUSH_QUEUE_SLACK` of its
+/// rate, within these bounds. It starts at the floor: right after the switch is when the guest
+/// faults most.
+const PUSH_WINDOW_MIN: usize = 256 << 10;
+const PUSH_WINDOW_MAX: usize = 64 << 20;
+const PUSH_QUEUE_SLACK: Duration = Duration::from_millis(1);
+/// How often the window is sized again.
+const PUSH_WINDOW_EVERY: Duration = Duration::from_millis(10);
+/// How long the pusher waits for a request while the window is full.
+const WINDOW_FULL_WAIT: Duration = Duration::from_micros(200);
+
+/// The window for a link moving `rate` bytes/s with round trips of at least `min_rtt`.
+fn window_for(rate: u64, min_rtt: Duration) -> usize {
+    let wanted = rate as f64 * (min_rtt.as_secs_f64() * 1.25 + PUSH_QUEUE_SLACK.as_secs_f64());
+    (wanted as usize).clamp(PUSH_WINDOW_MIN, PUSH_WINDOW_MAX)
+}
+
+/// The push window (see `PUSH_WINDOW_MIN`). Keeps the best rate seen, so that the estimate
+/// does not shrink while the window itself holds the link back.
+struct PushWindow {
+    bytes: usize,
+    best_rate: u64,
+    next_look: Instant,
+}
+
+impl PushWindow {
+    fn new() -> PushWindow {
+        PushWindow {
+            bytes: PUSH_WINDOW_MIN,
+            best_rate: 0,
+            next_look: Instant::now() + PUSH_WINDOW_EVERY,
+        }
+    }
+
+    /// Whether pushing more now would deepen the queue a reply waits behind.
+    fn full(&mut self, stream: &Stream) -> bool {
+        let now = Instant::now();
+        if now >= self.next_look {
+            self.next_look = now + PUSH_WINDOW_EVERY;
+            self.bytes = match stream.tcp_path() {
+                Some((rate, min_rtt)) => {
+                    self.best_rate = self.best_rate.max(rate);
+                    window_for(self.best_rate, min_rtt)
+                }
+                None => PUSH_WINDOW_MIN,
+            };
+        }
+        stream.unsent() > self.bytes
+    }
+}
 /// How long the source waits for the destination's final word once everything is sent.
 const COMPLETE_WAIT: Duration = Duration::from_secs(60);
 
@@ -147,8 +202,33 @@ pub(crate) fn serve(
             _ => Ok(None),
         }
     };
+    let mut window = PushWindow::new();
     while planner.remaining() > 0 {
-        while let Ok(msg) = events.try_recv() {
+        // Requests first; while the window is full, only requests (each waits for at most
+        // what the window holds). A window that stays full as long as a write may block means
+        // the destination stopped reading.
+        let mut full_since = None;
+        loop {
+            let msg = if window.full(stream) {
+                let since = *full_since.get_or_insert_with(Instant::now);
+                if since.elapsed() > IO_TIMEOUT {
+                    return Err(Error::Protocol(format!(
+                        "the destination has not read a page for {IO_TIMEOUT:?}"
+                    )));
+                }
+                match events.recv_timeout(WINDOW_FULL_WAIT) {
+                    Ok(msg) => msg,
+                    Err(RecvTimeoutError::Timeout) => continue,
+                    Err(RecvTimeoutError::Disconnected) => {
+                        return Err(Error::Protocol("the destination went away".into()));
+                    }
+                }
+            } else {
+                match events.try_recv() {
+                    Ok(msg) => msg,
+                    Err(_) => break,
+                }
+            };
             if let Some(r) = handle(msg?, &mut planner, &mut served, stream, sender, limiter)? {
                 return Err(Error::Protocol(format!(
                     "the destination reported completion with pages missing ({r:?})"
@@ -273,5 +353,27 @@ impl Session<'_> {
             params: self.params.clone(),
             checkpoints: self.checkpoints.clone(),
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_push_window_holds_a_round_trip_and_a_millisecond_of_the_link() {
+        let ms = Duration::from_millis;
+        // 1 Gbit/s, 100 µs: 140 KB would do, the floor holds.
+        assert_eq!(
+            window_for(125_000_000, ms(0) + Duration::from_micros(100)),
+            PUSH_WINDOW_MIN
+        );
+        // 1 Gbit/s across 50 ms: the bandwidth-delay product and a quarter, and 1 ms more.
+        let wan = window_for(125_000_000, ms(50)) as i64;
+        assert!((wan - 7_937_500).abs() <= 1, "{wan}");
+        // 10 Gbit/s across 100 ms would want 157 MB: the ceiling.
+        assert_eq!(window_for(1_250_000_000, ms(100)), PUSH_WINDOW_MAX);
+        // Nothing measured yet.
+        assert_eq!(window_for(0, ms(0)), PUSH_WINDOW_MIN);
     }
 }

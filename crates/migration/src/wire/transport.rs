@@ -255,6 +255,39 @@ impl Stream {
         }
     }
 
+    /// What TCP knows of the path (the kernel's `tcp_info`): its latest delivery rate in bytes
+    /// per second and the lowest round-trip time seen. None for a stream that is not TCP, or a
+    /// kernel that does not say (before 4.10).
+    pub fn tcp_path(&self) -> Option<(u64, Duration)> {
+        use std::os::fd::AsRawFd;
+        // Offsets in struct tcp_info (include/uapi/linux/tcp.h): not all of it is in `libc`.
+        const MIN_RTT_US: usize = 148;
+        const DELIVERY_RATE: usize = 160;
+        let fd = match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Tls(_, wire) => wire.as_raw_fd(),
+            Stream::Unix(_) | Stream::File(_) => return None,
+        };
+        let mut info = [0u8; 256];
+        let mut len = info.len() as libc::socklen_t;
+        // SAFETY: TCP_INFO writes at most `len` bytes into the buffer and says how many.
+        let r = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::IPPROTO_TCP,
+                libc::TCP_INFO,
+                info.as_mut_ptr().cast(),
+                &mut len,
+            )
+        };
+        if r != 0 || (len as usize) < DELIVERY_RATE + 8 {
+            return None;
+        }
+        let min_rtt = u32::from_ne_bytes(info[MIN_RTT_US..MIN_RTT_US + 4].try_into().ok()?);
+        let rate = u64::from_ne_bytes(info[DELIVERY_RATE..DELIVERY_RATE + 8].try_into().ok()?);
+        Some((rate, Duration::from_micros(u64::from(min_rtt))))
+    }
+
     /// Waits (up to `limit`) until what was written has left this host's send queue, so that
     /// what is sent next does not queue behind it.
     pub fn drain(&self, limit: Duration) {
@@ -380,5 +413,27 @@ mod tests {
             let e = bad.parse::<Endpoint>().unwrap_err().to_string();
             assert!(e.contains("not a migration address"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn tcp_says_its_rate_and_round_trip_and_other_streams_do_not() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reader = std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            std::io::copy(&mut c, &mut std::io::sink()).unwrap()
+        });
+        let mut s = Stream::Tcp(TcpStream::connect(addr).unwrap());
+        let chunk = vec![7u8; 1 << 20];
+        for _ in 0..16 {
+            s.write_all(&chunk).unwrap();
+        }
+        let (rate, min_rtt) = s.tcp_path().expect("tcp_info on a TCP stream");
+        assert!(rate > 0, "a delivery rate after 16 MiB");
+        assert!(min_rtt < Duration::from_secs(1), "{min_rtt:?}");
+        drop(s);
+        assert_eq!(reader.join().unwrap(), 16 << 20);
+        let (a, _b) = UnixStream::pair().unwrap();
+        assert_eq!(Stream::Unix(a).tcp_path(), None);
     }
 }
