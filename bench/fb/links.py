@@ -51,17 +51,21 @@ class Link:
             if self.delay_ms:
                 raise RuntimeError("--delay-ms needs a veth link (1gbit or 10gbit), not loopback")
             return self
-        self.ns_src, self.ns_dst = f"fbs-{self.tag}", f"fbd-{self.tag}"
-        for ns in (self.ns_src, self.ns_dst):
-            sh("ip", "netns", "add", ns)
-            self.created.append(ns)
-        va, vb = f"fbva{self.tag}"[:15], f"fbvb{self.tag}"[:15]
-        sh("ip", "link", "add", va, "netns", self.ns_src, "type", "veth", "peer", "name", vb, "netns", self.ns_dst)
-        for ns, dev, addr in ((self.ns_src, va, ADDR_SRC), (self.ns_dst, vb, ADDR_DST)):
-            sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-            shape(ns, dev, self.name, self.delay_ms)
+        try:
+            self.ns_src, self.ns_dst = f"fbs-{self.tag}", f"fbd-{self.tag}"
+            for ns in (self.ns_src, self.ns_dst):
+                sh("ip", "netns", "add", ns)
+                self.created.append(ns)
+            va, vb = f"fbva{self.tag}"[:15], f"fbvb{self.tag}"[:15]
+            sh("ip", "link", "add", va, "netns", self.ns_src, "type", "veth", "peer", "name", vb, "netns", self.ns_dst)
+            for ns, dev, addr in ((self.ns_src, va, ADDR_SRC), (self.ns_dst, vb, ADDR_DST)):
+                sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
+                sh("ip", "-n", ns, "link", "set", dev, "up")
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+                shape(ns, dev, self.name, self.delay_ms)
+        except BaseException:
+            self.close()  # __exit__ is not called when __enter__ fails
+            raise
         self.dst_host = ADDR_DST
         return self
 
