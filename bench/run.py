@@ -120,6 +120,7 @@ PROFILES = {
     "devices": {
         "links": [], "peers": ["ferry", "qemu"], "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
         "forwarding": {"rates": (1000, 10000, 100000), "modes": (None, "precopy", "postcopy", "hybrid")},
+        "block": (None, "precopy", "postcopy", "hybrid"),
     },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
@@ -192,7 +193,8 @@ def run(args):
     os.makedirs(outdir, exist_ok=True)
     results = {"started": started, "profile": args.profile, "repeats": repeats, "machine": machine(),
                "build": build(),
-               "links": {}, "boot": [], "dirty_logging": None, "scenarios": [], "forwarding": []}
+               "links": {}, "boot": [], "dirty_logging": None, "scenarios": [], "forwarding": [],
+               "block": []}
     tag = str(os.getpid() % 100000)
 
     with tempfile.TemporaryDirectory(prefix=args.work_prefix) as work:
@@ -259,35 +261,39 @@ def run(args):
                                 e["floor_ms"] = twin["floor_ms"]
             forwarding = profile.get("forwarding")
             vmms = [v for v in ("ferry", "qemu") if v in peers]
-            for rate in forwarding["rates"] if forwarding else ():
-                for mode in forwarding["modes"]:
-                    names = [v for v in vmms if not (v == "qemu" and mode == "hybrid")]
-                    kept = {v: ([], None) for v in names}
-                    # Runs interleave (ferry, QEMU, ferry, ...), as the migration scenarios do.
-                    for i in range(repeats):
-                        for vmm in names:
-                            rows, error = kept[vmm]
-                            said = "ok"
-                            try:
-                                rows.append(devices.forwarding_run(procs, work, vmm, mode, rate))
-                            except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
-                                error = str(e).splitlines()[0][:300]
-                                said = "FAILED: " + error
-                                traceback.print_exc(file=sys.stderr)
-                            kept[vmm] = (rows, error)
-                            print(f"  forwarding {vmm:5} {mode or 'no move':9} {rate:6} frames/s run "
-                                  f"{i + 1}/{repeats} {said}", file=sys.stderr)
+            runs = [("forwarding", mode, rate) for rate in (forwarding["rates"] if forwarding else ())
+                    for mode in forwarding["modes"]]
+            runs += [("block", mode, 0) for mode in profile.get("block", ())]
+            for kind, mode, rate in runs:
+                names = [v for v in vmms if not (v == "qemu" and mode == "hybrid")]
+                kept = {v: ([], None) for v in names}
+                # Runs interleave (ferry, QEMU, ferry, ...), as the migration scenarios do.
+                for i in range(repeats):
                     for vmm in names:
                         rows, error = kept[vmm]
-                        results["forwarding"].append({
-                            "vmm": vmm, "mode": mode or "none", "rate": rate, "runs": rows, "error": error,
-                            "summary": {m: summarize([r.get(m) for r in rows]) for m in report.FORWARDING}})
+                        said = "ok"
+                        try:
+                            rows.append(devices.forwarding_run(procs, work, vmm, mode, rate)
+                                        if kind == "forwarding" else devices.block_run(procs, work, vmm, mode))
+                        except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
+                            error = str(e).splitlines()[0][:300]
+                            said = "FAILED: " + error
+                            traceback.print_exc(file=sys.stderr)
+                        kept[vmm] = (rows, error)
+                        print(f"  {kind} {vmm:5} {mode or 'no move':9} {rate or '':6} run "
+                              f"{i + 1}/{repeats} {said}", file=sys.stderr)
+                metrics = report.FORWARDING if kind == "forwarding" else report.BLOCK
+                for vmm in names:
+                    rows, error = kept[vmm]
+                    results[kind].append({
+                        "vmm": vmm, "mode": mode or "none", "rate": rate or None, "runs": rows, "error": error,
+                        "summary": {m: summarize([r.get(m) for r in rows]) for m in metrics}})
         finally:
             procs.stop_all()
     written = report.write_all(results, outdir)
     print(open(os.path.join(outdir, "results.md")).read())
     print(f"results: {outdir} ({', '.join(os.path.basename(w) for w in written)})", file=sys.stderr)
-    failed = any(e.get("error") for e in results["scenarios"] + results["forwarding"])
+    failed = any(e.get("error") for e in results["scenarios"] + results["forwarding"] + results["block"])
     return 1 if failed else 0
 
 

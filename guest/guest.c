@@ -523,6 +523,8 @@ static void serial_progress(void)
     if (cfg.blk) {
         put_str(" blk_writes=");
         put_u64(blocks[0].blk_writes);
+        put_str(" blk_reads=");
+        put_u64(blocks[0].blk_reads);
         put_str(" blk_errors=");
         put_u64(blocks[0].blk_errors);
     }

@@ -54,10 +54,10 @@ fn forwarding_carries_on_from_the_destinations_port() {
     });
     assert_eq!(bed.port_of(VM_MAC_TEXT).as_deref(), Some("p0"));
 
-    // Pre-copy to a process on host 1, then post-copy back to one on host 0. The destinations'
-    // NICs are told no MAC: the VM brings its own.
+    // Pre-copy to a process on host 1, post-copy back to one on host 0, hybrid to host 1
+    // again. The destinations' NICs are told no MAC: the VM brings its own.
     let mut here = src;
-    for (mode, host) in [("precopy", 1), ("postcopy", 0)] {
+    for (mode, host) in [("precopy", 1), ("postcopy", 0), ("hybrid", 1)] {
         let sock = here.scratch("migrate.sock");
         let url = format!("unix:{}", sock.display());
         let net = format!("tap={TAP}");

@@ -27,38 +27,39 @@ const PUSH_BATCH: usize = 16;
 /// How many pushed bytes may wait in the socket and on the link at once. A page request's
 /// reply leaves behind whatever is queued, so a queue as deep as the kernel allows (megabytes:
 /// tens of ms on 1 Gbit/s) is a fault that waits that long. Kept to what keeps the link busy —
-/// its bandwidth-delay product, from TCP's own estimates, with a quarter more so that a window
+/// its bandwidth-delay product, from TCP's own estimates, with a quarter more so that a limit
 /// too small for the link grows by a quarter a round trip — plus `PUSH_QUEUE_SLACK` of its
 /// rate, within these bounds. It starts at the floor: right after the switch is when the guest
 /// faults most.
-const PUSH_WINDOW_MIN: usize = 256 << 10;
-const PUSH_WINDOW_MAX: usize = 64 << 20;
+const PUSH_QUEUE_MIN: usize = 256 << 10;
+const PUSH_QUEUE_MAX: usize = 64 << 20;
 const PUSH_QUEUE_SLACK: Duration = Duration::from_millis(1);
-/// How often the window is sized again.
-const PUSH_WINDOW_EVERY: Duration = Duration::from_millis(10);
-/// How long the pusher waits for a request while the window is full.
-const WINDOW_FULL_WAIT: Duration = Duration::from_micros(200);
+/// How often the limit is sized again.
+const PUSH_QUEUE_EVERY: Duration = Duration::from_millis(10);
+/// How long the pusher waits for a request while the queue is full.
+const QUEUE_FULL_WAIT: Duration = Duration::from_micros(200);
 
-/// The window for a link moving `rate` bytes/s with round trips of at least `min_rtt`.
-fn window_for(rate: u64, min_rtt: Duration) -> usize {
+/// The push queue's limit for a link moving `rate` bytes/s with round trips of at least
+/// `min_rtt`.
+fn queue_limit_for(rate: u64, min_rtt: Duration) -> usize {
     let wanted = rate as f64 * (min_rtt.as_secs_f64() * 1.25 + PUSH_QUEUE_SLACK.as_secs_f64());
-    (wanted as usize).clamp(PUSH_WINDOW_MIN, PUSH_WINDOW_MAX)
+    (wanted as usize).clamp(PUSH_QUEUE_MIN, PUSH_QUEUE_MAX)
 }
 
-/// The push window (see `PUSH_WINDOW_MIN`). Keeps the best rate seen, so that the estimate
-/// does not shrink while the window itself holds the link back.
-struct PushWindow {
+/// The push queue's limit (see `PUSH_QUEUE_MIN`). Keeps the best rate seen, so that the
+/// estimate does not shrink while the limit itself holds the link back.
+struct PushQueue {
     bytes: usize,
     best_rate: u64,
     next_look: Instant,
 }
 
-impl PushWindow {
-    fn new() -> PushWindow {
-        PushWindow {
-            bytes: PUSH_WINDOW_MIN,
+impl PushQueue {
+    fn new() -> PushQueue {
+        PushQueue {
+            bytes: PUSH_QUEUE_MIN,
             best_rate: 0,
-            next_look: Instant::now() + PUSH_WINDOW_EVERY,
+            next_look: Instant::now() + PUSH_QUEUE_EVERY,
         }
     }
 
@@ -66,13 +67,13 @@ impl PushWindow {
     fn full(&mut self, stream: &Stream) -> bool {
         let now = Instant::now();
         if now >= self.next_look {
-            self.next_look = now + PUSH_WINDOW_EVERY;
+            self.next_look = now + PUSH_QUEUE_EVERY;
             self.bytes = match stream.tcp_path() {
                 Some((rate, min_rtt)) => {
                     self.best_rate = self.best_rate.max(rate);
-                    window_for(self.best_rate, min_rtt)
+                    queue_limit_for(self.best_rate, min_rtt)
                 }
-                None => PUSH_WINDOW_MIN,
+                None => PUSH_QUEUE_MIN,
             };
         }
         stream.unsent() > self.bytes
@@ -202,21 +203,21 @@ pub(crate) fn serve(
             _ => Ok(None),
         }
     };
-    let mut window = PushWindow::new();
+    let mut queue = PushQueue::new();
     while planner.remaining() > 0 {
-        // Requests first; while the window is full, only requests (each waits for at most
-        // what the window holds). A window that stays full as long as a write may block means
+        // Requests first; while the push queue is full, only requests (each waits for at most
+        // what the queue holds). A queue that stays full as long as a write may block means
         // the destination stopped reading.
         let mut full_since = None;
         loop {
-            let msg = if window.full(stream) {
+            let msg = if queue.full(stream) {
                 let since = *full_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > IO_TIMEOUT {
                     return Err(Error::Protocol(format!(
                         "the destination has not read a page for {IO_TIMEOUT:?}"
                     )));
                 }
-                match events.recv_timeout(WINDOW_FULL_WAIT) {
+                match events.recv_timeout(QUEUE_FULL_WAIT) {
                     Ok(msg) => msg,
                     Err(RecvTimeoutError::Timeout) => continue,
                     Err(RecvTimeoutError::Disconnected) => {
@@ -361,19 +362,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_push_window_holds_a_round_trip_and_a_millisecond_of_the_link() {
+    fn the_push_queue_holds_a_round_trip_and_a_millisecond_of_the_link() {
         let ms = Duration::from_millis;
         // 1 Gbit/s, 100 µs: 140 KB would do, the floor holds.
         assert_eq!(
-            window_for(125_000_000, ms(0) + Duration::from_micros(100)),
-            PUSH_WINDOW_MIN
+            queue_limit_for(125_000_000, ms(0) + Duration::from_micros(100)),
+            PUSH_QUEUE_MIN
         );
         // 1 Gbit/s across 50 ms: the bandwidth-delay product and a quarter, and 1 ms more.
-        let wan = window_for(125_000_000, ms(50)) as i64;
+        let wan = queue_limit_for(125_000_000, ms(50)) as i64;
         assert!((wan - 7_937_500).abs() <= 1, "{wan}");
         // 10 Gbit/s across 100 ms would want 157 MB: the ceiling.
-        assert_eq!(window_for(1_250_000_000, ms(100)), PUSH_WINDOW_MAX);
+        assert_eq!(queue_limit_for(1_250_000_000, ms(100)), PUSH_QUEUE_MAX);
         // Nothing measured yet.
-        assert_eq!(window_for(0, ms(0)), PUSH_WINDOW_MIN);
+        assert_eq!(queue_limit_for(0, ms(0)), PUSH_QUEUE_MIN);
     }
 }
