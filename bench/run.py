@@ -25,12 +25,14 @@ SERIAL = "serial_ms=10"
 
 
 def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5,
-             timeout_s=120, prepaging=None, extra=(), tls=False):
+             timeout_s=120, prepaging=None, extra=(), tls=False, cpu_gib=None):
     """`extra`: more `ferry migrate` arguments (ferry rows only; such scenarios are ferry's).
-    `tls`: both ferry processes with certificates (TLS 1.3) instead of `--plain-tcp`."""
+    `tls`: both ferry processes with certificates (TLS 1.3) instead of `--plain-tcp`.
+    `cpu_gib`: measure the host CPU the move costs, per this many GiB of populated memory."""
     return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
             "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s,
-            "timeout_s": timeout_s, "prepaging": prepaging, "extra": list(extra), "tls": tls}
+            "timeout_s": timeout_s, "prepaging": prepaging, "extra": list(extra), "tls": tls,
+            "cpu": bool(cpu_gib), "cpu_gib": cpu_gib}
 
 
 def throughput():
@@ -76,6 +78,17 @@ def table2():
     return rows
 
 
+def cpu_cost():
+    """Host CPU per GiB moved: a paused guest's 256 MiB of `fill=mixed` pages moved warm (QEMU:
+    `stop`, then its pre-copy), so that no guest work is counted; ferry also with zstd."""
+    cmd = "write ws=256M seq fill=mixed"
+    return [scenario("cpu: warm mixed 256M / 1G", "1G", cmd, mode="warm", cpu_gib=0.25),
+            scenario("cpu: warm mixed 256M / 1G zstd", "1G", cmd, mode="warm", cpu_gib=0.25,
+                     extra=["--compression", "zstd"]),
+            scenario("cpu: warm mixed 256M / 1G zstd 2 connections", "1G", cmd, mode="warm",
+                     cpu_gib=0.25, extra=["--compression", "zstd", "--connections", "2"])]
+
+
 def checkpoints():
     """What post-copy checkpoints cost (`--checkpoint-ms`): the same writer post-copied and
     hybrid-migrated without them and with one every 10, 50 and 200 ms."""
@@ -114,6 +127,11 @@ PROFILES = {
     "checkpoints": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
         "scenarios": checkpoints(),
+    },
+    # Host CPU per GiB moved, ferry and QEMU (as it comes, and at its best: multifd + zstd).
+    "cpu": {
+        "links": ["loopback"], "peers": ["ferry", "qemu-default", "qemu-best"], "repeats": 3, "boot": [],
+        "dirty": False, "scenarios": cpu_cost(),
     },
     # The forwarding VM across a move, on ferry and on QEMU (docs/devices.md): frames/s, and
     # the migration modes (None: no move). QEMU has no hybrid mode.
@@ -217,9 +235,10 @@ def run(args):
                     for sc in profile["scenarios"]:
                         if args.fail_scenario:
                             sc = dict(sc, memory="0")  # a scenario made to fail (cleanup test)
-                        # QEMU has no warm or hybrid mode to compare with.
-                        names = [p for p in peers
-                                 if not (p.startswith("qemu") and sc["mode"] not in ("precopy", "postcopy"))]
+                        # QEMU has no hybrid mode, and no ferry option (`extra`) to compare with;
+                        # its warm migration is `stop`, then pre-copy.
+                        names = [p for p in peers if not (p.startswith("qemu") and (
+                            sc["mode"] not in ("precopy", "postcopy", "warm") or sc["extra"]))]
                         kept = {p: ([], None, []) for p in names}  # rows, error, runs that stalled
                         # Runs interleave (ferry, QEMU, ferry, ...): a machine that drifts during
                         # a scenario drifts for every peer alike.

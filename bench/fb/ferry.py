@@ -7,7 +7,7 @@ import time
 
 from .serial import SerialClock, observed_downtime_ms
 from .links import ADDR_DST
-from .util import FERRY, GUEST, BenchError, free_port, wait_until
+from .util import FERRY, GUEST, BenchError, CpuMeter, cpu_row, free_port, wait_until
 
 
 def api(socket_path, method, endpoint, body=None, timeout=30):
@@ -60,6 +60,7 @@ class FerryPeer:
             return os.path.exists(sock)
 
         wait_until("the ferry source API", 30, up)
+        self.source_pid = p.pid
         return sock
 
     def info(self, sock):
@@ -86,9 +87,9 @@ class FerryPeer:
         port = free_port()
         dst = os.path.join(self.work, f"dst-{time.time_ns()}.sock")
         transport = self.tls_args(link.dst_host) if tls else ["--plain-tcp"]
-        self.procs.start([FERRY, "run", "--incoming", f"tcp:{link.dst_host}:{port}",
-                          "--api-socket", dst, "--serial", dst_serial, *transport], netns=link.ns_dst,
-                         stderr=open(os.path.join(self.work, "dst.err"), "ab"))
+        dst_proc = self.procs.start([FERRY, "run", "--incoming", f"tcp:{link.dst_host}:{port}",
+                                     "--api-socket", dst, "--serial", dst_serial, *transport],
+                                    netns=link.ns_dst, stderr=open(os.path.join(self.work, "dst.err"), "ab"))
         wait_until("the ferry destination API", 30, lambda: os.path.exists(dst))
         argv = [FERRY, "migrate", "--api-socket", src, "--to", f"tcp:{link.dst_host}:{port}",
                 "--mode", scenario["mode"], "--max-downtime-ms", str(scenario["max_downtime_ms"]),
@@ -98,10 +99,13 @@ class FerryPeer:
         argv += scenario.get("extra", [])
         if self.best and scenario["mode"] in ("precopy", "hybrid"):
             argv += BEST
+        meter = CpuMeter(self.source_pid, dst_proc.pid) if scenario.get("cpu") else None
         started = time.time()
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if out.returncode != 0:
             raise BenchError(f"ferry migrate failed: {out.stderr.strip()} {out.stdout[-400:]}")
+        # A successful source exits: its CPU is read from its exit.
+        cpu = meter.seconds(src_exits=True) if meter else None
         report = json.loads(out.stdout)
         time.sleep(0.5)  # let the destination print a few lines
         dinfo = self.info(dst)
@@ -157,6 +161,7 @@ class FerryPeer:
             "checkpoint_pause_ms_mean": (taken["pause_ms_total"] / taken["count"])
             if taken.get("count") else None,
             "checkpoint_pause_ms_max": taken.get("pause_ms_max"),
+            **cpu_row(cpu, scenario),
         }
 
     def boot_metrics(self, memory):

@@ -17,7 +17,7 @@ import socket
 import time
 
 from .serial import SerialClock, observed_downtime_ms
-from .util import GUEST, BenchError, DidNotConverge, free_port, wait_until
+from .util import GUEST, BenchError, CpuMeter, DidNotConverge, cpu_row, free_port, wait_until
 
 QEMU = "qemu-system-x86_64"
 
@@ -76,6 +76,7 @@ class QemuPeer:
         self.work = workdir
         self.variant = variant
         self.name = variant
+        self.pids = {}  # tag given to `start` → the QEMU's pid
 
     def start(self, tag, scenario, clock, netns, incoming=None, machine=None, extra=()):
         """A QEMU in `netns` running the scenario's guest (or waiting for it: `incoming`), its
@@ -93,7 +94,8 @@ class QemuPeer:
         argv += list(extra)
         if incoming:
             argv += ["-incoming", incoming]
-        self.procs.start(argv, netns=netns, stderr=open(os.path.join(self.work, f"qemu-{tag}.err"), "ab"))
+        self.pids[tag] = self.procs.start(argv, netns=netns,
+                                          stderr=open(os.path.join(self.work, f"qemu-{tag}.err"), "ab")).pid
         wait_until("the QEMU serial socket", 30, lambda: os.path.exists(ser))
         clock.follow_socket(ser)
         return Qmp(qmp)
@@ -141,7 +143,7 @@ class QemuPeer:
         return info
 
     def migrate_once(self, scenario, link):
-        if scenario["mode"] not in ("precopy", "postcopy"):
+        if scenario["mode"] not in ("precopy", "postcopy", "warm"):
             raise BenchError(f"the QEMU driver has no {scenario['mode']} mode")
         postcopy = scenario["mode"] == "postcopy"
         src_clock, dst_clock = SerialClock(), SerialClock()
@@ -157,8 +159,12 @@ class QemuPeer:
                           incoming=f"tcp:{link.dst_host}:{port}")
         self.configure(src, scenario)
         self.configure(dst, scenario)
+        meter = CpuMeter(self.pids["src"], self.pids["dst"]) if scenario.get("cpu") else None
         started = time.time()
+        if scenario["mode"] == "warm":
+            src.cmd("stop")  # QEMU's warm migration: a paused guest, moved by pre-copy
         info = self.migrate(src, scenario, f"tcp:{link.dst_host}:{port}")
+        cpu = meter.seconds(src_exits=False) if meter else None
         time.sleep(0.5)
         ram = info.get("ram", {})
         for q in (src, dst):
@@ -190,6 +196,7 @@ class QemuPeer:
             "pages_requested": ram.get("postcopy-requests"),
             "resume_ms": None,
             "pages_transferred": (ram.get("normal") or 0) + (ram.get("duplicate") or 0),
+            **cpu_row(cpu, scenario),
         }
 
 

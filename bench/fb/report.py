@@ -7,7 +7,8 @@ from .util import summarize
 METRICS = ["total_ms", "downtime_ms", "guest_downtime_ms", "serial_downtime_ms", "bytes", "rounds",
            "network_faults", "network_fault_share", "zero_faults", "resume_ms", "pages_transferred",
            "fault_latency_p50_ms", "fault_latency_p99_ms", "rate_after", "checkpoint_count",
-           "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max"]
+           "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max",
+           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib"]
 
 
 # The forwarding runs (`--profile devices`).
@@ -122,6 +123,19 @@ def markdown(results):
             lines.append(f"| {r['link']} | {r['scenario']} | {fmt(s, 'checkpoint_count', digits=0)} | "
                          f"{fmt(s, 'checkpoint_mb_back')} | {fmt(s, 'checkpoint_pause_ms_mean', digits=2)} / "
                          f"{fmt(s, 'checkpoint_pause_ms_max', digits=2)} | {fmt(s, 'rate_after', digits=0)} | "
+                         f"{fmt(s, 'total_ms')} |")
+    cpu = [r for r in results["scenarios"] if r["summary"].get("cpu_s_per_gib")]
+    if cpu:
+        lines += ["", "## Host CPU per GiB moved", "",
+                  "A paused guest's populated memory moved warm (QEMU: `stop`, then its pre-copy); CPU "
+                  "seconds (user + system) of the source and destination VMM processes over the move, "
+                  "their guest threads left out.", "",
+                  "| link | scenario | VMM | CPU s source | CPU s destination | CPU s per GiB | total ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in cpu:
+            s = r["summary"]
+            lines.append(f"| {r['link']} | {r['scenario']} | {r['peer']} | {fmt(s, 'cpu_s_source', digits=2)} | "
+                         f"{fmt(s, 'cpu_s_destination', digits=2)} | {fmt(s, 'cpu_s_per_gib', digits=2)} | "
                          f"{fmt(s, 'total_ms')} |")
     if results.get("forwarding"):
         lines += ["", "## Forwarding across a move", "",

@@ -64,6 +64,74 @@ class Processes:
         self.procs.clear()
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s(stat):
+    """utime + stime of a /proc .../stat line, in seconds."""
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def process_cpu_s(pid, guest_threads=("vcpu", "CPU ")):
+    """(CPU seconds of the whole process, threads that ended included; CPU seconds of its
+    threads that run the guest: ferry's `vcpuN`, QEMU's `CPU N/KVM`)."""
+    with open(f"/proc/{pid}/stat") as f:
+        total = _cpu_s(f.read())
+    guest = 0.0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue  # ended meanwhile
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        if name.startswith(guest_threads) and name != "vcpu-throttle":
+            guest += _cpu_s(stat)
+    return total, guest
+
+
+def exited_cpu_s(pid, timeout=30):
+    """CPU seconds of a child process over its whole life, once it exits by itself."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        done, _, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            return usage.ru_utime + usage.ru_stime
+        time.sleep(0.01)
+    raise BenchError(f"process {pid} did not exit within {timeout} s")
+
+
+class CpuMeter:
+    """Host CPU a migration costs its two VMM processes, their guest threads left out: sampled
+    when it starts and when it ends (a source that exits at the end is read from its exit)."""
+
+    def __init__(self, src_pid, dst_pid):
+        self.pids = (src_pid, dst_pid)
+        self.before = [process_cpu_s(p) for p in self.pids]
+
+    def seconds(self, src_exits):
+        dst_total, dst_guest = process_cpu_s(self.pids[1])
+        if src_exits:
+            # The source's guest was paused throughout (warm), so its guest threads add nothing.
+            src = exited_cpu_s(self.pids[0]) - self.before[0][0]
+        else:
+            total, guest = process_cpu_s(self.pids[0])
+            src = (total - self.before[0][0]) - (guest - self.before[0][1])
+        dst = (dst_total - self.before[1][0]) - (dst_guest - self.before[1][1])
+        return src, dst
+
+
+def cpu_row(cpu, scenario):
+    """The CPU a migration cost (source, destination) as result fields: seconds, and seconds per
+    GiB of the scenario's populated memory (`cpu_gib`)."""
+    if not cpu:
+        return {}
+    src, dst = cpu
+    return {"cpu_s_source": src, "cpu_s_destination": dst,
+            "cpu_s_per_gib": (src + dst) / scenario["cpu_gib"]}
+
+
 def summarize(values):
     """min / median / max of the measured values (None when nothing was measured)."""
     vals = [v for v in values if v is not None]
