@@ -61,6 +61,19 @@ fn assert_disk_verified(vm: &Ferry, from: u64, what: &str) {
     let dev = &info.devices[0];
     assert_eq!(dev.kind, "virtio-blk");
     assert_eq!(dev.needs_reset, None, "{what}");
+    // The driver's notifications reach the device through KVM's ioeventfd, not by exits.
+    let notifies = |how: &str| dev.counters.get(how).copied().unwrap_or(0);
+    assert!(
+        notifies("notifies_by_eventfd") > 0,
+        "{what}: {:?}",
+        dev.counters
+    );
+    assert_eq!(
+        notifies("notifies_by_exit"),
+        0,
+        "{what}: {:?}",
+        dev.counters
+    );
 }
 
 /// A second VM on the disk is refused: some process holds its lock.

@@ -91,6 +91,11 @@ fn forwarding_carries_on_from_the_destinations_port() {
         );
         assert!(counter(&dst, "rx_frames") > 0 && counter(&dst, "tx_frames") > 0);
         assert!(
+            counter(&dst, "notifies_by_eventfd") > 0,
+            "{mode}: ioeventfd"
+        );
+        assert_eq!(counter(&dst, "notifies_by_exit"), 0, "{mode}");
+        assert!(
             info.net_tx > 0,
             "{mode}: the guest forwarded frames: {info:?}"
         );

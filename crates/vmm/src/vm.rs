@@ -501,12 +501,16 @@ impl Vm {
             .enumerate()
             .map(|(slot, d)| {
                 let d = d.lock().unwrap_or_else(|e| e.into_inner());
+                let (by_eventfd, by_exit) = self.bus.notifications(slot);
+                let mut counters = d.device().counters();
+                counters.push(("notifies_by_eventfd", by_eventfd));
+                counters.push(("notifies_by_exit", by_exit));
                 DeviceInfo {
                     describe: d.device().describe(),
                     slot,
                     address: DEVICE_WINDOW_START + slot as u64 * SLOT_SIZE,
                     kind: d.device().device_type(),
-                    counters: d.device().counters(),
+                    counters,
                     path: d.device().backing().map(std::path::Path::to_path_buf),
                     writable: d.device().writable(),
                     broken: d.broken().map(str::to_string),
@@ -584,10 +588,12 @@ impl Parts {
             ));
         }
         let mut virtio = Vec::new();
+        let mut notifiers = Vec::new();
         for (slot, device) in devices.into_iter().enumerate() {
             let irq = EventFd::new(EFD_NONBLOCK)?;
             fd.register_irqfd(&irq, FIRST_GSI + slot as u32)
                 .map_err(kvm("KVM_IRQFD"))?;
+            notifiers.push(queue_notifiers(&fd, slot, device.queue_max_sizes().len())?);
             virtio.push(MmioTransport::new(device, irq));
         }
         let gfn_end = crate::layout::ram_ranges(config.memory)
@@ -597,8 +603,9 @@ impl Parts {
             SerialDevice::new(irq, serial_out)?,
             HeartbeatDevice::new(config.vcpus),
             virtio,
+            notifiers,
             gfn_end,
-        ));
+        )?);
 
         let cpuid = kvm_sys
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
@@ -661,6 +668,32 @@ fn slot_region(
 }
 
 /// The host's supported CPUID with this vCPU's APIC ID filled in.
+/// One eventfd per queue of the device in `slot`, which KVM signals when the driver writes the
+/// queue's index to `QueueNotify`: the write completes in the kernel, without an exit to the
+/// VMM, and the device's I/O thread serves the queue. A KVM that refuses leaves that device's
+/// notifications to the vCPU thread (an MMIO exit, served there).
+fn queue_notifiers(fd: &VmFd, slot: usize, queues: usize) -> Result<Vec<EventFd>> {
+    use kvm_ioctls::IoEventAddress;
+    let notify = DEVICE_WINDOW_START
+        + slot as u64 * SLOT_SIZE
+        + u64::from(crate::devices::virtio::mmio::QUEUE_NOTIFY);
+    let addr = IoEventAddress::Mmio(notify);
+    let mut fds: Vec<EventFd> = Vec::new();
+    for queue in 0..queues as u32 {
+        let evt = EventFd::new(EFD_NONBLOCK)?;
+        if let Err(e) = fd.register_ioevent(&evt, &addr, queue) {
+            tracing::debug!("KVM_IOEVENTFD for virtio device {slot}: {e}; notified by exits");
+            // All or none: a queue whose eventfd were gone would never be served.
+            for (registered, evt) in fds.iter().enumerate() {
+                let _ = fd.unregister_ioevent(evt, &addr, registered as u32);
+            }
+            return Ok(Vec::new());
+        }
+        fds.push(evt);
+    }
+    Ok(fds)
+}
+
 fn cpuid_for(supported: &CpuId, apic_id: u32) -> CpuId {
     let mut cpuid = supported.clone();
     for entry in cpuid.as_mut_slice() {

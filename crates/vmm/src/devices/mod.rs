@@ -5,10 +5,13 @@ pub mod heartbeat;
 pub mod serial;
 pub mod virtio;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use migration::wire::bitmap::Bitmap;
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
+use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::layout::DEVICE_WINDOW_START;
 use crate::memory::GuestMemory;
@@ -27,6 +30,13 @@ pub struct DeviceBus {
     pub heartbeat: Mutex<HeartbeatDevice>,
     /// virtio-mmio devices, slot by slot from `DEVICE_WINDOW_START`.
     pub virtio: Vec<Mutex<MmioTransport>>,
+    /// Per device, one eventfd per queue that KVM signals on the driver's `QueueNotify` (empty
+    /// where KVM would not: then the vCPU that writes it serves the queue).
+    notifiers: Vec<Vec<EventFd>>,
+    /// Per device, wakes its I/O thread when the VM runs again (see `unquiesce`).
+    wakers: Vec<EventFd>,
+    /// Per device, queue notifications that came by eventfd and by MMIO exit (status).
+    notifies: Vec<[AtomicU64; 2]>,
     /// Pages the VMM itself wrote (device emulation): dirty for migration like guest writes.
     pub vmm_writes: Mutex<Bitmap>,
     /// Set while the VM is paused: devices' I/O threads deliver nothing into guest memory.
@@ -59,16 +69,22 @@ impl DeviceBus {
         serial: SerialDevice,
         heartbeat: HeartbeatDevice,
         virtio: Vec<MmioTransport>,
+        notifiers: Vec<Vec<EventFd>>,
         gfn_end: u64,
-    ) -> Self {
-        Self {
+    ) -> std::io::Result<Self> {
+        Ok(Self {
             serial: Mutex::new(serial),
             heartbeat: Mutex::new(heartbeat),
+            wakers: (0..virtio.len())
+                .map(|_| EventFd::new(EFD_NONBLOCK))
+                .collect::<std::io::Result<_>>()?,
+            notifies: (0..virtio.len()).map(|_| Default::default()).collect(),
             virtio: virtio.into_iter().map(Mutex::new).collect(),
+            notifiers,
             vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
             quiesced: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
-        }
+        })
     }
 
     /// Stops input into guest memory; returns once no device is delivering any. The VM is
@@ -96,58 +112,120 @@ impl DeviceBus {
         Ok(())
     }
 
+    /// Lets the devices deliver again; their I/O threads serve what the driver asked for
+    /// meanwhile.
     pub fn unquiesce(&self) {
         self.quiesced.store(false, Ordering::Release);
+        for waker in &self.wakers {
+            let _ = waker.write(1);
+        }
     }
 
     pub fn stop(&self) {
         self.stopped.store(true, Ordering::Release);
     }
 
-    /// Starts an I/O thread for each device whose backend delivers input (a tap).
+    /// Starts each device's I/O thread: it serves the queues the driver notifies through their
+    /// eventfds, and the input its backend delivers (a tap).
     pub fn spawn_io_threads(self: &Arc<Self>, memory: &GuestMemory) -> std::io::Result<()> {
-        for (slot, d) in self.virtio.iter().enumerate() {
-            let Some(fd) = d
+        for slot in 0..self.virtio.len() {
+            let input = self.virtio[slot]
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .device()
-                .input_fd()
-            else {
-                continue;
-            };
+                .input_fd();
+            if input.is_none() && self.notifiers[slot].is_empty() {
+                continue; // nothing to wait for: served on the vCPU threads
+            }
             let (bus, memory) = (self.clone(), memory.clone());
             std::thread::Builder::new()
                 .name(format!("virtio-io-{slot}"))
-                .spawn(move || bus.serve_input(slot, fd, &memory))?;
+                .spawn(move || {
+                    if let Err(e) = bus.serve_events(slot, input, &memory) {
+                        tracing::error!("virtio device {slot}: its I/O thread stopped: {e}");
+                    }
+                })?;
         }
         Ok(())
     }
 
-    /// Waits on the backend's fd and delivers what comes, while the VM runs.
-    fn serve_input(&self, slot: usize, fd: std::os::fd::RawFd, memory: &GuestMemory) {
-        let mut poll = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
+    /// The device's event loop (epoll): queue notifications, backend input, and the wake-up
+    /// after a pause. Serves only while the VM runs; a notification that comes while it is
+    /// paused is served when it runs again. Every queue is served once at the start: a VM
+    /// that arrived by migration may have notified its source after that one's last look.
+    fn serve_events(
+        &self,
+        slot: usize,
+        input: Option<RawFd>,
+        memory: &GuestMemory,
+    ) -> std::io::Result<()> {
+        const WAKER: u64 = u64::MAX;
+        const INPUT: u64 = u64::MAX - 1;
+        let epoll = Epoll::new()?;
+        let watch = |fd: RawFd, token: u64| {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )
         };
+        let notifiers = &self.notifiers[slot];
+        for (queue, evt) in notifiers.iter().enumerate() {
+            watch(evt.as_raw_fd(), queue as u64)?;
+        }
+        watch(self.wakers[slot].as_raw_fd(), WAKER)?;
+        if let Some(fd) = input {
+            watch(fd, INPUT)?;
+        }
+        let mut notified = vec![true; notifiers.len()];
+        let mut input_ready = input.is_some();
+        let mut events = vec![EpollEvent::default(); notifiers.len() + 2];
         while !self.stopped.load(Ordering::Acquire) {
-            // SAFETY: one valid pollfd; a bounded wait so that `stopped` is seen.
-            unsafe { libc::poll(&mut poll, 1, 20) };
-            let delivered = {
-                let mut d = self.virtio[slot].lock().unwrap_or_else(|e| e.into_inner());
-                let mut written = Written::default();
-                let delivered =
-                    !self.quiesced.load(Ordering::Acquire) && d.input(memory, &mut written);
-                self.log(written);
-                delivered
+            // A bounded wait, so that `stopped` is seen.
+            let n = match epoll.wait(20, &mut events) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
             };
-            if !delivered {
-                // The VM is paused, or the driver has no buffer (or is not serving the
-                // device): the input waits in the backend's queue; look again shortly instead
-                // of spinning on a ready fd.
+            for e in &events[..n] {
+                match e.data() {
+                    WAKER => drop(self.wakers[slot].read()),
+                    INPUT => input_ready = true,
+                    queue => {
+                        let _ = notifiers[queue as usize].read();
+                        notified[queue as usize] = true;
+                        self.notifies[slot][0].fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+            let (served, waiting) = {
+                let mut d = self.virtio[slot].lock().unwrap_or_else(|e| e.into_inner());
+                // Under the device's lock, so that `quiesce` (which takes it next) finds
+                // nothing half done.
+                if self.quiesced.load(Ordering::Acquire) {
+                    (false, false)
+                } else {
+                    let mut written = Written::default();
+                    for (queue, flag) in notified.iter_mut().enumerate() {
+                        if std::mem::take(flag) {
+                            d.notify(queue, memory, &mut written);
+                        }
+                    }
+                    if std::mem::take(&mut input_ready) {
+                        d.input(memory, &mut written);
+                    }
+                    self.log(written);
+                    (true, d.device().input_pending())
+                }
+            };
+            if !served || waiting {
+                // Paused, or the backend's input waits for a driver buffer (the driver's
+                // notify brings it): look again shortly instead of spinning on a ready fd.
                 std::thread::sleep(std::time::Duration::from_millis(1));
+                input_ready = input.is_some();
             }
         }
+        Ok(())
     }
 
     /// The virtio device whose slot holds `addr`, and the offset in it.
@@ -167,8 +245,21 @@ impl DeviceBus {
         }
     }
 
+    /// Queue notifications device `slot` has had by eventfd, and by MMIO exit.
+    pub fn notifications(&self, slot: usize) -> (u64, u64) {
+        let [by_eventfd, by_exit] = &self.notifies[slot];
+        (
+            by_eventfd.load(Ordering::Relaxed),
+            by_exit.load(Ordering::Relaxed),
+        )
+    }
+
     pub fn mmio_write(&self, addr: u64, data: &[u8], memory: &GuestMemory) {
         if let Some((d, offset)) = self.virtio_at(addr) {
+            if offset == u64::from(virtio::mmio::QUEUE_NOTIFY) {
+                let slot = ((addr - DEVICE_WINDOW_START) / SLOT_SIZE) as usize;
+                self.notifies[slot][1].fetch_add(1, Ordering::Relaxed);
+            }
             let mut written = Written::default();
             d.lock()
                 .unwrap_or_else(|e| e.into_inner())

@@ -12,6 +12,9 @@ use virtio_queue::{Queue, QueueState, QueueT};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{VirtioDevice, WriteLog};
+
+/// The register a driver writes a queue's index to, to say it has new buffers.
+pub const QUEUE_NOTIFY: u32 = VIRTIO_MMIO_QUEUE_NOTIFY;
 use crate::memory::GuestMemory;
 
 const MAGIC: u32 = 0x7472_6976; // "virt"
@@ -264,7 +267,8 @@ impl MmioTransport {
         };
     }
 
-    fn notify(&mut self, index: usize, memory: &GuestMemory, log: &mut dyn WriteLog) {
+    /// The driver notified queue `index` (through `QueueNotify`, or its ioeventfd): serves it.
+    pub fn notify(&mut self, index: usize, memory: &GuestMemory, log: &mut dyn WriteLog) {
         if !self.running() || self.regs.broken.is_some() {
             return;
         }

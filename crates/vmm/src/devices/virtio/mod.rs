@@ -2,9 +2,12 @@
 //! (`mmio`) owns the registers and the queues (rust-vmm's `virtio-queue`); a device
 //! (`block`) only says what it offers and serves the requests of a notified queue.
 //!
-//! Requests are served synchronously, on the vCPU thread that wrote `QueueNotify`: when a
-//! vCPU is parked, no request is half done, so a device's state at a pause is its registers,
-//! its queues' indices and its own few fields — nothing in flight to carry or re-issue.
+//! A driver's `QueueNotify` signals the queue's ioeventfd in KVM, and the device's I/O thread
+//! serves the queue (`DeviceBus::serve_events`); where KVM takes no ioeventfd, the vCPU thread
+//! that wrote it does. Either way a request is served whole under the device's lock, and a
+//! pause takes that lock before the vCPUs park: no request is half done when the VM stops, so
+//! a device's state at a pause is its registers, its queues' indices and its own few fields —
+//! nothing in flight to carry or re-issue.
 
 pub mod block;
 pub mod mmio;
