@@ -145,16 +145,16 @@ def markdown(results):
                   "starts after 2 s. ferry and QEMU (microvm) run the same guest, both with a 300 ms "
                   "downtime limit. *Longest gap*: the longest time between two frames coming back (the "
                   "outage the network sees).", "",
-                  "| frames/s | VMM | move | offered/s | back | lost | longest gap ms | "
-                  "downtime ms (VMM) | guest downtime ms |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in results["forwarding"]:
-            s = r["summary"]
-            err = f" (failed: {r['error']})" if r.get("error") else ""
-            lines.append(f"| {r['rate']} | {r.get('vmm', 'ferry')} | {r['mode']}{err} | "
-                         f"{fmt(s, 'offered_per_s', digits=0)} | {fmt(s, 'received', digits=0)} | "
-                         f"{fmt(s, 'lost', digits=0)} | {fmt(s, 'longest_gap_ms')} | "
-                         f"{fmt(s, 'downtime_ms', digits=2)} | {fmt(s, 'guest_downtime_ms', digits=2)} |")
+                  *device_table(results["forwarding"], [
+                      ("frames/s", lambda r, s: str(r["rate"])),
+                      ("VMM", lambda r, s: r.get("vmm", "ferry")),
+                      ("move", move_cell),
+                      ("offered/s", lambda r, s: fmt(s, "offered_per_s", digits=0)),
+                      ("back", lambda r, s: fmt(s, "received", digits=0)),
+                      ("lost", lambda r, s: fmt(s, "lost", digits=0)),
+                      ("longest gap ms", lambda r, s: fmt(s, "longest_gap_ms")),
+                      ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2)),
+                      ("guest downtime ms", lambda r, s: fmt(s, "guest_downtime_ms", digits=2))])]
         pairs = forwarding_ratios(results["forwarding"])
         if pairs:
             lines += ["", "ferry / QEMU, medians (< 1: ferry better):", "",
@@ -170,14 +170,13 @@ def markdown(results):
                   "4 s watch of the file (inotify). *Longest write gap*: the longest time between two "
                   "writes reaching the file. *Wrong sectors*: read back on the destination without "
                   "their last stamp (a lost or repeated write).", "",
-                  "| VMM | move | writes seen | longest write gap ms | wrong sectors | downtime ms (VMM) |",
-                  "|---|---|---|---|---|---|"]
-        for r in results["block"]:
-            s = r["summary"]
-            err = f" (failed: {r['error']})" if r.get("error") else ""
-            lines.append(f"| {r['vmm']} | {r['mode']}{err} | {fmt(s, 'writes_seen', digits=0)} | "
-                         f"{fmt(s, 'longest_write_gap_ms')} | {fmt(s, 'blk_errors', digits=0)} | "
-                         f"{fmt(s, 'downtime_ms', digits=2)} |")
+                  *device_table(results["block"], [
+                      ("VMM", lambda r, s: r["vmm"]),
+                      ("move", move_cell),
+                      ("writes seen", lambda r, s: fmt(s, "writes_seen", digits=0)),
+                      ("longest write gap ms", lambda r, s: fmt(s, "longest_write_gap_ms")),
+                      ("wrong sectors", lambda r, s: fmt(s, "blk_errors", digits=0)),
+                      ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2))])]
     if results.get("ratios"):
         lines += ["", "## ferry / QEMU (medians; < 1 means ferry is better)", "",
                   "| link | scenario | ferry | versus | total | downtime (VMM) | downtime (serial) | bytes |",
@@ -187,6 +186,18 @@ def markdown(results):
             lines.append(f"| {r['link']} | {r['scenario']} | {r['ferry']} | {r['versus']} | {f(r['total_ms'])} | "
                          f"{f(r['downtime_ms'])} | {f(r['serial_downtime_ms'])} | {f(r['bytes'])} |")
     return "\n".join(lines) + "\n"
+
+
+def move_cell(run, _summary):
+    return run["mode"] + (f" (failed: {run['error']})" if run.get("error") else "")
+
+
+def device_table(runs, columns):
+    """A Markdown table of device runs: `columns` are (header, cell(run, summary))."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for r in runs:
+        lines.append("| " + " | ".join(cell(r, r["summary"]) for _, cell in columns) + " |")
+    return lines
 
 
 def forwarding_ratios(rows):

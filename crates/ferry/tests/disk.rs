@@ -47,6 +47,17 @@ fn boot_with_disk(path: &Path) -> Ferry {
     vm
 }
 
+/// A disk in a fresh directory and a VM writing it (None where KVM is missing).
+fn vm_with_disk() -> Option<(tempfile::TempDir, PathBuf, Ferry)> {
+    if !kvm_available() {
+        return None;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = disk(dir.path());
+    let vm = boot_with_disk(&path);
+    Some((dir, path, vm))
+}
+
 /// Every sector read back at least once more on `vm` since `from` writes, and none wrong.
 fn assert_disk_verified(vm: &Ferry, from: u64, what: &str) {
     let info = vm.wait_info("every sector read back again", T, |i| {
@@ -95,12 +106,9 @@ fn assert_second_writer_refused(path: &Path) {
 
 #[test]
 fn disk_writes_survive_precopy_then_postcopy() {
-    if !kvm_available() {
+    let Some((_dir, path, mut src)) = vm_with_disk() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = disk(dir.path());
-    let mut src = boot_with_disk(&path);
+    };
 
     // Pre-copy to a second process that opens the same file.
     let port = free_port();
@@ -127,12 +135,9 @@ fn disk_writes_survive_precopy_then_postcopy() {
 
 #[test]
 fn a_destination_without_the_disk_is_refused_and_the_source_keeps_writing() {
-    if !kvm_available() {
+    let Some((_dir, _path, src)) = vm_with_disk() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = disk(dir.path());
-    let src = boot_with_disk(&path);
+    };
     let port = free_port();
     let url = format!("tcp:127.0.0.1:{port}");
     let _dst = Ferry::incoming(&url); // no --disk
@@ -148,12 +153,9 @@ fn a_destination_without_the_disk_is_refused_and_the_source_keeps_writing() {
 
 #[test]
 fn taking_a_vm_back_onto_a_disk_the_destination_wrote_needs_force() {
-    if !kvm_available() {
+    let Some((_dir, path, src)) = vm_with_disk() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = disk(dir.path());
-    let src = boot_with_disk(&path);
+    };
     let arg = disk_arg(&path);
     let (mut dst, relay) =
         destination_behind_with(Point::Postcopy(50), Action::Cut, &["--disk", &arg]);
@@ -179,12 +181,9 @@ fn taking_a_vm_back_onto_a_disk_the_destination_wrote_needs_force() {
 
 #[test]
 fn a_second_writer_and_bad_disk_options_are_refused() {
-    if !kvm_available() {
+    let Some((_dir, path, src)) = vm_with_disk() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = disk(dir.path());
-    let src = boot_with_disk(&path);
+    };
     assert_second_writer_refused(&path);
     let guest = guest();
     let guest = guest.to_str().unwrap();
@@ -228,12 +227,9 @@ fn a_second_writer_and_bad_disk_options_are_refused() {
 /// hands the disk over.
 #[test]
 fn a_cancelled_migration_gives_the_disk_back_to_the_source() {
-    if !kvm_available() {
+    let Some((_dir, path, mut src)) = vm_with_disk() else {
         return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let path = disk(dir.path());
-    let mut src = boot_with_disk(&path);
+    };
     let arg = disk_arg(&path);
     for (mode, point) in [("precopy", Point::State), ("postcopy", Point::Pause)] {
         let (mut dst, relay) = destination_behind_with(point, Action::Hold, &["--disk", &arg]);

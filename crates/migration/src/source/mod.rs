@@ -41,6 +41,9 @@ pub struct Controls {
 
 /// How long `send` waits to learn whether the destination answered.
 const SETUP_WAIT: Duration = Duration::from_secs(15);
+/// How long an operator's call waits for a migration whose end is published to let go of
+/// the migration slot.
+const SETTLE_WAIT: Duration = Duration::from_secs(2);
 
 /// A VM's outgoing migrations.
 pub struct Outgoing {
@@ -78,14 +81,31 @@ impl Outgoing {
         })
     }
 
+    /// Whether a migration runs, as observers see it: one whose end is published is over,
+    /// though its thread may still be tidying up (see `settled`).
     pub fn running(&self) -> bool {
-        *self.busy.lock().unwrap_or_else(|e| e.into_inner())
+        *self.busy.lock().unwrap_or_else(|e| e.into_inner()) && self.board.phase().is_running()
+    }
+
+    /// The migration slot, once a migration whose end is published has let go of it (at most
+    /// `SETTLE_WAIT` later): an operator acting on the published end must not be refused for
+    /// the moment its thread takes to finish.
+    fn settled(&self) -> std::sync::MutexGuard<'_, bool> {
+        let deadline = Instant::now() + SETTLE_WAIT;
+        loop {
+            let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+            if !*busy || self.board.phase().is_running() || Instant::now() >= deadline {
+                return busy;
+            }
+            drop(busy);
+            std::thread::sleep(Duration::from_millis(2));
+        }
     }
 
     /// Claims the single migration slot; refused while one runs or where the VM may already
     /// run elsewhere (it must never run twice).
     fn claim(&self) -> Result<()> {
-        let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let mut busy = self.settled();
         if *busy {
             return Err(Error::State("a migration is already running".into()));
         }
@@ -210,7 +230,7 @@ impl Outgoing {
     /// When the post-copy sent checkpoints back, the VM runs from the newest one applied
     /// instead (a rollback): the guest loses only what it did after it. Returns which.
     pub fn reclaim(&self, vm: &dyn Migratable) -> Result<Resumed> {
-        let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+        let busy = self.settled();
         let mut s = self.board.read();
         if *busy
             || s.role != Role::Source
@@ -337,7 +357,7 @@ impl Outgoing {
         // The slot first, then what is left: `reclaim` takes the slot too, so a post-copy it
         // took back (the VM runs here again) can never be carried on as well.
         let left = {
-            let mut busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+            let mut busy = self.settled();
             if *busy {
                 return Err(Error::State("a migration is already running".into()));
             }
