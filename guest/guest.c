@@ -257,7 +257,8 @@ static void parse_virtio_mmio(const char *s, u64 len, const char *word)
         !parse_uint(s + at + 1, colon - at - 1, &base) ||
         !parse_uint(s + colon + 1, span_to(s + colon + 1, len - colon - 1, ':'), &irq))
         fatal("malformed word (want virtio_mmio.device=SIZE@BASE:IRQ) ", word);
-    if (size * scale < 0x200 || base + size * scale > (4ull << 30))
+    if (size > (4ull << 30) / scale || size * scale < 0x200 || base > (4ull << 30) ||
+        base + size * scale > (4ull << 30))
         fatal("virtio-mmio window too small or above 4 GiB in ", word);
     if (cfg.mmio_count == sizeof(cfg.mmio) / sizeof(cfg.mmio[0]))
         fatal("too many virtio_mmio.device= words (at most 8): ", word);

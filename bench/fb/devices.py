@@ -143,7 +143,9 @@ def block_run(procs, work, vmm, mode, before_s=2.0, after_s=2.0):
 
 
 class WriteWatch:
-    """Host times of the writes reaching a file (inotify IN_MODIFY, from whatever process)."""
+    """Host times of the writes reaching a file (inotify IN_MODIFY, from whatever process).
+    inotify merges identical events that wait unread, so `times` holds the watcher's wake-ups
+    with writes, not every write: right for the longest gap, not a write count."""
     IN_MODIFY = 0x2
 
     def __init__(self, path):

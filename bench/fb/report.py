@@ -173,7 +173,7 @@ def markdown(results):
                   *device_table(results["block"], [
                       ("VMM", lambda r, s: r["vmm"]),
                       ("move", move_cell),
-                      ("writes seen", lambda r, s: fmt(s, "writes_seen", digits=0)),
+                      ("modify events", lambda r, s: fmt(s, "writes_seen", digits=0)),
                       ("longest write gap ms", lambda r, s: fmt(s, "longest_write_gap_ms")),
                       ("wrong sectors", lambda r, s: fmt(s, "blk_errors", digits=0)),
                       ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2))])]

@@ -451,6 +451,10 @@ impl Vm {
                 .and_then(|()| d.device_mut().load(&s.device))
                 .map_err(|e| Error::State(format!("virtio device {slot}: {e}")))?;
         }
+        // The state may hold requests the driver announced to a VMM that never served them
+        // (its notification was read, then the VM paused): every queue is served once when
+        // the VM runs.
+        self.bus.notify_all_queues();
         Ok(())
     }
 
@@ -667,7 +671,6 @@ fn slot_region(
     }
 }
 
-/// The host's supported CPUID with this vCPU's APIC ID filled in.
 /// One eventfd per queue of the device in `slot`, which KVM signals when the driver writes the
 /// queue's index to `QueueNotify`: the write completes in the kernel, without an exit to the
 /// VMM, and the device's I/O thread serves the queue. A KVM that refuses leaves that device's
@@ -694,6 +697,7 @@ fn queue_notifiers(fd: &VmFd, slot: usize, queues: usize) -> Result<Vec<EventFd>
     Ok(fds)
 }
 
+/// The host's supported CPUID with this vCPU's APIC ID filled in.
 fn cpuid_for(supported: &CpuId, apic_id: u32) -> CpuId {
     let mut cpuid = supported.clone();
     for entry in cpuid.as_mut_slice() {

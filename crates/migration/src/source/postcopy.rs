@@ -30,7 +30,7 @@ const PUSH_BATCH: usize = 16;
 /// its bandwidth-delay product, from TCP's own estimates, with a quarter more so that a limit
 /// too small for the link grows by a quarter a round trip — plus `PUSH_QUEUE_SLACK` of its
 /// rate, within these bounds. It starts at the floor: right after the switch is when the guest
-/// faults most.
+/// faults most. A stream that is not TCP has no link to queue on and no limit but the ceiling.
 const PUSH_QUEUE_MIN: usize = 256 << 10;
 const PUSH_QUEUE_MAX: usize = 64 << 20;
 const PUSH_QUEUE_SLACK: Duration = Duration::from_millis(1);
@@ -73,7 +73,8 @@ impl PushQueue {
                     self.best_rate = self.best_rate.max(rate);
                     queue_limit_for(self.best_rate, min_rtt)
                 }
-                None => PUSH_QUEUE_MIN,
+                // Not TCP (a Unix socket to this host): no link to queue on.
+                None => PUSH_QUEUE_MAX,
             };
         }
         stream.unsent() > self.bytes
@@ -210,7 +211,10 @@ pub(crate) fn serve(
         // the destination stopped reading.
         let mut full_since = None;
         loop {
-            let msg = if queue.full(stream) {
+            if !queue.full(stream) {
+                full_since = None;
+            }
+            let msg = if full_since.is_some() || queue.full(stream) {
                 let since = *full_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > IO_TIMEOUT {
                     return Err(Error::Protocol(format!(
@@ -227,7 +231,10 @@ pub(crate) fn serve(
             } else {
                 match events.try_recv() {
                     Ok(msg) => msg,
-                    Err(_) => break,
+                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
+                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                        return Err(Error::Protocol("the destination went away".into()));
+                    }
                 }
             };
             if let Some(r) = handle(msg?, &mut planner, &mut served, stream, sender, limiter)? {

@@ -257,7 +257,7 @@ impl Stream {
 
     /// What TCP knows of the path (the kernel's `tcp_info`): its latest delivery rate in bytes
     /// per second and the lowest round-trip time seen. None for a stream that is not TCP, or a
-    /// kernel that does not say (before 4.10).
+    /// kernel that does not say (before 4.9), or no round trip measured yet.
     pub fn tcp_path(&self) -> Option<(u64, Duration)> {
         use std::os::fd::AsRawFd;
         // Offsets in struct tcp_info (include/uapi/linux/tcp.h): not all of it is in `libc`.
@@ -284,6 +284,9 @@ impl Stream {
             return None;
         }
         let min_rtt = u32::from_ne_bytes(info[MIN_RTT_US..MIN_RTT_US + 4].try_into().ok()?);
+        if min_rtt == u32::MAX {
+            return None; // no round trip measured yet
+        }
         let rate = u64::from_ne_bytes(info[DELIVERY_RATE..DELIVERY_RATE + 8].try_into().ok()?);
         Some((rate, Duration::from_micros(u64::from(min_rtt))))
     }

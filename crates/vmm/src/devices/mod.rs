@@ -151,8 +151,9 @@ impl DeviceBus {
 
     /// The device's event loop (epoll): queue notifications, backend input, and the wake-up
     /// after a pause. Serves only while the VM runs; a notification that comes while it is
-    /// paused is served when it runs again. Every queue is served once at the start: a VM
-    /// that arrived by migration may have notified its source after that one's last look.
+    /// paused is served when it runs again. Every queue is served once at the start (and
+    /// after a state is loaded: `notify_all_queues`), as a loaded state may hold requests
+    /// announced to a VMM that never served them.
     fn serve_events(
         &self,
         slot: usize,
@@ -192,9 +193,10 @@ impl DeviceBus {
                     WAKER => drop(self.wakers[slot].read()),
                     INPUT => input_ready = true,
                     queue => {
-                        let _ = notifiers[queue as usize].read();
+                        // The count of the driver's writes since the last read.
+                        let kicks = notifiers[queue as usize].read().unwrap_or(0);
                         notified[queue as usize] = true;
-                        self.notifies[slot][0].fetch_add(1, Ordering::Relaxed);
+                        self.notifies[slot][0].fetch_add(kicks, Ordering::Relaxed);
                     }
                 }
             }
@@ -211,16 +213,17 @@ impl DeviceBus {
                             d.notify(queue, memory, &mut written);
                         }
                     }
-                    if std::mem::take(&mut input_ready) {
-                        d.input(memory, &mut written);
-                    }
+                    // Input that cannot be delivered (no buffer, a driver not yet running, a
+                    // device that failed) stays in the backend; look again shortly.
+                    let stuck = std::mem::take(&mut input_ready) && !d.input(memory, &mut written)
+                        || d.device().input_pending();
                     self.log(written);
-                    (true, d.device().input_pending())
+                    (true, stuck)
                 }
             };
             if !served || waiting {
-                // Paused, or the backend's input waits for a driver buffer (the driver's
-                // notify brings it): look again shortly instead of spinning on a ready fd.
+                // Paused, or input waits in the backend: look again shortly instead of
+                // spinning on a ready fd.
                 std::thread::sleep(std::time::Duration::from_millis(1));
                 input_ready = input.is_some();
             }
@@ -242,6 +245,14 @@ impl DeviceBus {
                 .unwrap_or_else(|e| e.into_inner())
                 .read(offset, data),
             None => data.fill(0xff), // nothing there: reads float high
+        }
+    }
+
+    /// Makes every queue of every device look notified, so that each is served once when
+    /// the VM runs (after its state was loaded).
+    pub fn notify_all_queues(&self) {
+        for evt in self.notifiers.iter().flatten() {
+            let _ = evt.write(1);
         }
     }
 
