@@ -259,7 +259,7 @@ impl Controller {
             .get()
             .is_some_and(|vm| vm.state() == VmState::Running);
         let m = self.migrations.board.read();
-        Lifecycle::of(self.phase(), running, (m.phase, m.role))
+        Lifecycle::of(self.phase(), running, &m)
     }
 }
 

@@ -2,7 +2,7 @@
 //! which state (the table is in docs/api.md). A call refused here gets 409 naming the state.
 
 use api::{ApiError, ApiRequest};
-use migration::{Phase as Migration, Role};
+use migration::{Phase as Migration, Role, Status};
 
 /// Where the VM is, as far as what may be done to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,13 +57,16 @@ impl Lifecycle {
     }
 
     /// The state from the VM's own phase, whether its vCPUs run, and its migration's status.
-    pub fn of(vm: crate::controller::Phase, running: bool, migration: (Migration, Role)) -> Self {
+    pub fn of(vm: crate::controller::Phase, running: bool, migration: &Status) -> Self {
         use crate::controller::Phase as Vm;
-        match (vm, migration) {
+        match (vm, (migration.phase, migration.role)) {
             (Vm::Incoming, _) => Lifecycle::Incoming,
             (Vm::ShuttingDown, _) => Lifecycle::ShuttingDown,
             (Vm::Failed(_), _) => Lifecycle::Failed,
             (Vm::Migrated, _) => Lifecycle::Migrated,
+            // The migration published its end before the controller heard of it: the VM
+            // runs on the destination already, so nothing may resume it here.
+            (Vm::Live, _) if migration.moved_away() => Lifecycle::Migrated,
             (Vm::Live, (Migration::Postcopy, Role::Source)) => Lifecycle::PostcopySource,
             (Vm::Live, (Migration::Postcopy, Role::Destination)) => Lifecycle::PostcopyDestination,
             (Vm::Live, (Migration::PostcopyPaused, Role::Source)) => {
@@ -241,7 +244,14 @@ mod tests {
     #[test]
     fn the_state_comes_from_the_vm_and_its_migration() {
         use crate::controller::Phase as Vm;
-        let of = |vm, running, m| Lifecycle::of(vm, running, m);
+        let of = |vm, running, (phase, role): (Migration, Role)| {
+            let mode = if role == Role::Source { "precopy" } else { "" };
+            let status = Status {
+                phase,
+                ..Status::new(role, mode, String::new())
+            };
+            Lifecycle::of(vm, running, &status)
+        };
         assert_eq!(
             of(Vm::Live, true, (Migration::None, Role::Source)),
             Lifecycle::Running
@@ -266,5 +276,17 @@ mod tests {
             of(Vm::Migrated, false, (Migration::Completed, Role::Source)),
             Lifecycle::Migrated
         );
+        // Between the source publishing `completed` and the controller marking the VM
+        // migrated, the VM must already count as gone: a resume then would run it twice.
+        let moved = of(Vm::Live, false, (Migration::Completed, Role::Source));
+        assert_eq!(moved, Lifecycle::Migrated);
+        assert!(allow(&ApiRequest::Resume, moved).is_err());
+        // After a snapshot the VM stays here, paused or running as it was.
+        let snapshot = Status {
+            phase: Migration::Completed,
+            ..Status::new(Role::Source, "snapshot", "file".into())
+        };
+        assert_eq!(Lifecycle::of(Vm::Live, false, &snapshot), Lifecycle::Paused);
+        assert_eq!(Lifecycle::of(Vm::Live, true, &snapshot), Lifecycle::Running);
     }
 }

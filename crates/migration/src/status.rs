@@ -203,6 +203,12 @@ impl Status {
             ..Default::default()
         }
     }
+
+    /// Whether this side sent the VM away for good: an outgoing migration (not a snapshot,
+    /// after which the VM runs on here) that completed. The VM must not run here again.
+    pub fn moved_away(&self) -> bool {
+        self.role == Role::Source && self.phase == Phase::Completed && self.mode != "snapshot"
+    }
 }
 
 /// Where the migration task publishes its status and readers read it. Only the task that

@@ -118,7 +118,7 @@ impl Outgoing {
                     s.peer
                 )));
             }
-            (Role::Source, Phase::Completed) if s.mode != "snapshot" => {
+            _ if s.moved_away() => {
                 return Err(Error::State(format!("the VM has moved to {}", s.peer)));
             }
             _ => {}
