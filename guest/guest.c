@@ -13,6 +13,9 @@
  *   passes=N                     stop after N passes (0 = forever)
  *   hb_us=N                      heartbeat period in microseconds (default 1000)
  *   serial_ms=N                  serial progress line period (default 1000)
+ *   tick_ms=N                    also an empty serial line every N ms (default 0: none): a
+ *                                clock any VMM's console shows the outside world at 1 ms
+ *                                resolution for one or two port writes a tick
  *   blk                          also drive a virtio-blk disk from vCPU 0 (see "the blk
  *                                workload" below)
  *   blk_sectors=N                512-byte sectors it cycles over (default 2048, at most the
@@ -66,6 +69,7 @@ struct config {
     int net;          /* net=fwd */
     u64 mmio[8];      /* virtio-mmio register windows, from virtio_mmio.device= words */
     u64 mmio_count;
+    u64 tick_ms;      /* empty serial lines every tick_ms (0: none) */
 };
 
 extern char __image_end[];
@@ -276,6 +280,7 @@ static void parse_word(const char *w, u64 len)
     struct { const char *key; u64 *dst; int suffix; } numbers[] = {
         {"ws=", &cfg.ws_bytes, 1}, {"rate=", &cfg.rate, 0}, {"vcpus=", &cfg.vcpus, 0},
         {"passes=", &cfg.passes, 0}, {"hb_us=", &cfg.hb_us, 0}, {"serial_ms=", &cfg.serial_ms, 0},
+        {"tick_ms=", &cfg.tick_ms, 0},
         {"blk_sectors=", &cfg.blk_sectors, 0}, {"blk_rate=", &cfg.blk_rate, 0},
     };
     for (unsigned k = 0; k < sizeof(numbers) / sizeof(numbers[0]); k++) {
@@ -308,7 +313,7 @@ static void parse_word(const char *w, u64 len)
 static void parse_cmdline(const char *s)
 {
     cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD,
-                          0, 2048, 2000, 0, {0}, 0};
+                          0, 2048, 2000, 0, {0}, 0, 0};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -498,6 +503,7 @@ struct worker {
     u64 count;        /* pages in the share */
     u64 rng;
     u64 hb_ticks, serial_ticks, next_hb, next_serial;
+    u64 tick_ticks, next_tick;
     u64 start_tsc, rate;
     int blk;          /* this vCPU drives the disk (vCPU 0 with blk) */
     u64 blk_ticks, next_blk;
@@ -549,6 +555,10 @@ static void heartbeat_if_due(struct worker *w)
     if (w->hb->cpu == 0 && now >= w->next_serial) {
         w->next_serial = now + w->serial_ticks;
         serial_progress();
+    }
+    if (w->hb->cpu == 0 && w->tick_ticks && now >= w->next_tick) {
+        w->next_tick = now + w->tick_ticks;
+        put_char('\n');
     }
 }
 
@@ -1313,6 +1323,7 @@ static void run_worker(u64 cpu)
     w.rng = 0x9e3779b97f4a7c15ull * (cpu + 1);
     w.hb_ticks = tsc_khz * cfg.hb_us / 1000;
     w.serial_ticks = tsc_khz * cfg.serial_ms;
+    w.tick_ticks = tsc_khz * cfg.tick_ms;
     w.start_tsc = rdtsc();
     w.rate = cfg.rate / cfg.vcpus;
     w.blk = cfg.blk && cpu == 0;
