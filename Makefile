@@ -5,7 +5,7 @@ CARGO ?= cargo
 GUEST := guest/build/guest.elf
 FERRY := target/release/ferry
 
-.PHONY: all deps guest build test demo bench faults lint fuzz clean
+.PHONY: all deps guest build test demo bench faults lint fuzz scale-kit clean
 
 all: build
 
@@ -46,6 +46,15 @@ bench: build
 
 faults: build
 	@scripts/faults.sh
+
+# What the scale profile needs on a many-core host without a compiler: the (stripped) binary,
+# the guest image and the commit they came from. There, from a checkout of the same commit:
+#   FERRY_BIN=scale-kit/ferry FERRY_GUEST=scale-kit/guest.elf python3 bench/run.py --profile scale
+scale-kit: build
+	@mkdir -p scale-kit
+	strip -o scale-kit/ferry $(FERRY)
+	cp $(GUEST) scale-kit/guest.elf
+	@echo "$$(git rev-parse HEAD) $$(git diff --quiet HEAD -- && echo clean || echo changed)" > scale-kit/COMMIT
 
 clean:
 	$(CARGO) clean

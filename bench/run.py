@@ -8,6 +8,7 @@ import datetime
 import os
 import hashlib
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -26,14 +27,17 @@ SERIAL = "serial_ms=10 tick_ms=1"
 
 
 def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5,
-             timeout_s=120, prepaging=None, extra=(), tls=False, cpu_gib=None):
+             timeout_s=120, prepaging=None, extra=(), tls=False, cpu_gib=None, ready_s=120):
     """`extra`: more `ferry migrate` arguments (ferry rows only; such scenarios are ferry's).
     `tls`: both ferry processes with certificates (TLS 1.3) instead of `--plain-tcp`.
-    `cpu_gib`: measure the host CPU the move costs, per this many GiB of populated memory."""
+    `cpu_gib`: measure the host CPU the move costs, per this many GiB of populated memory.
+    `ready_s`: how long the guest may take to populate its working set before the move."""
+    if vcpus > 1:
+        cmdline = f"{cmdline} vcpus={vcpus}"
     return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
             "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s,
             "timeout_s": timeout_s, "prepaging": prepaging, "extra": list(extra), "tls": tls,
-            "cpu": bool(cpu_gib), "cpu_gib": cpu_gib}
+            "cpu": bool(cpu_gib), "cpu_gib": cpu_gib, "ready_s": ready_s}
 
 
 def throughput():
@@ -102,6 +106,31 @@ def checkpoints():
     return rows
 
 
+def scale(memory="64G", ws="16G", vcpus=8, codec_ws="2G"):
+    """Many cores (bench/README-scale in docs/benchmarks.md): a large guest moved over loopback
+    on 1..16 connections. The connection rows move `ws` written by `vcpus` vCPUs
+    (`fill=word`: every page holds data, and with no compression its content does not change
+    the bytes); the codec rows use `fill=mixed` on a smaller `codec_ws`, since laying honest
+    content down runs at ~10 MB/s per vCPU in an instruction emulator. Warm rows (the guest
+    paused: only the transfer counts) and live pre-copy rows (the writers keep writing)."""
+    size = lambda s: int(s[:-1]) << {"G": 30, "M": 20}[s[-1].upper()]  # noqa: E731
+    # Populating: ~40 k pages/s per vCPU at worst here; content: ~10 MB/s per vCPU.
+    word_s = 60 + size(ws) // 4096 // (40000 * vcpus)
+    mixed_s = 60 + size(codec_ws) // (10 << 20) // vcpus
+    common = dict(vcpus=vcpus, timeout_s=300, warmup_s=0)
+    word, mixed = f"write ws={ws} seq", f"write ws={codec_ws} seq fill=mixed"
+    rows = [scenario(f"scale warm {ws} / {memory} {n} conn", memory, word, mode="warm",
+                     ready_s=word_s, extra=["--connections", str(n)], **common)
+            for n in (1, 2, 4, 8, 16)]
+    rows += [scenario(f"scale warm mixed {codec_ws} / {memory} {n} conn {c}", memory, mixed,
+                      mode="warm", ready_s=mixed_s,
+                      extra=["--connections", str(n), "--compression", c], **common)
+             for n in (1, 8) for c in ("none", "lz4", "zstd", "auto")]
+    rows += [scenario(f"scale pre-copy {ws} / {memory} {n} conn", memory, word, ready_s=word_s,
+                      extra=["--connections", str(n)], **common) for n in (1, 8)]
+    return rows
+
+
 PROFILES = {
     "tiny": {
         "links": ["loopback"], "peers": ["ferry"], "repeats": 1, "boot": [], "dirty": False,
@@ -115,7 +144,10 @@ PROFILES = {
                       scenario("idle 8G", "8G", "idle", timeout_s=30),
                       scenario("write seq 256M / 1G", "1G", "write ws=256M seq", timeout_s=30),
                       scenario("write seq 256M / 1G post-copy", "1G", "write ws=256M seq",
-                               mode="postcopy", timeout_s=30)],
+                               mode="postcopy", timeout_s=30),
+                      # Two vCPUs writing halves of the set, on both VMMs (this host has 2 cores).
+                      scenario("write seq 256M / 1G 2 vCPUs", "1G", "write ws=256M seq", vcpus=2,
+                               timeout_s=30)],
     },
     "throughput": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
@@ -141,6 +173,12 @@ PROFILES = {
         "forwarding": {"rates": (1000, 10000, 100000), "modes": (None, "precopy", "postcopy", "hybrid")},
         "block": (None, "precopy", "postcopy", "hybrid"),
     },
+    # Many cores and a large guest (runs with only `ferry`, the guest image and python3: see
+    # `make scale-kit`); --scale-memory, --scale-ws and --scale-vcpus shrink it to fit a host.
+    "scale": {
+        "links": ["loopback"], "peers": ["ferry"], "repeats": 1, "boot": [], "dirty": False,
+        "scenarios": scale(),
+    },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
         "scenarios": table2(),
@@ -155,6 +193,8 @@ PROFILES = {
                       scenario("write seq 64M / 1G", "1G", "write ws=64M seq", timeout_s=60),
                       scenario("write seq 256M / 1G", "1G", "write ws=256M seq", timeout_s=60),
                       scenario("write seq 256M / 2G", "2G", "write ws=256M seq", timeout_s=60),
+                      scenario("write seq 256M / 2G 2 vCPUs", "2G", "write ws=256M seq", vcpus=2,
+                               timeout_s=60),
                       scenario("write random 256M / 2G", "2G", "write ws=256M random", timeout_s=60),
                       scenario("read 256M / 2G", "2G", "read ws=256M seq", timeout_s=60),
                       scenario("write seq 256M / 1G warm", "1G", "write ws=256M seq", mode="warm", timeout_s=60),
@@ -187,6 +227,12 @@ def build():
     with open(FERRY, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     qemu_version = out(qemu.QEMU, "--version") if qemu.available() else None
+    # A kit copied to a host without git (`make scale-kit`) says which commit it was built from.
+    kit = os.path.join(os.path.dirname(FERRY), "COMMIT")
+    if os.path.exists(kit):
+        commit, state = open(kit).read().split()  # "<sha> clean|changed"
+        return {"commit": commit, "tree_changed": state == "changed", "ferry_sha256": digest,
+                "qemu": None, "kit": os.path.dirname(FERRY)}
     return {"commit": out("git", "rev-parse", "HEAD"),
             "tree_changed": bool(out("git", "status", "--porcelain", "--untracked-files=no")),
             "ferry_sha256": digest,
@@ -201,6 +247,16 @@ def make_peer(name, procs, work):
 
 def run(args):
     profile = PROFILES[args.profile]
+    if args.profile == "scale":
+        profile = dict(profile, scenarios=scale(args.scale_memory, args.scale_ws, args.scale_vcpus,
+                                                args.scale_codec_ws))
+    if args.only:
+        profile = dict(profile, scenarios=[sc for sc in profile["scenarios"]
+                                           if re.search(args.only, sc["name"])])
+        if not profile["scenarios"]:
+            print(f"--only {args.only!r} matches no scenario of the {args.profile} profile",
+                  file=sys.stderr)
+            return 2
     links = args.links.split(",") if args.links else profile["links"]
     peers = args.peers.split(",") if args.peers else profile["peers"]
     repeats = args.repeats or profile["repeats"]
@@ -332,6 +388,11 @@ def main():
     p.add_argument("--repeats", type=int)
     p.add_argument("--delay-ms", type=int, default=0,
                    help="add this much netem latency each way on veth links (a WAN-like case)")
+    p.add_argument("--only", metavar="REGEX", help="only the profile's scenarios whose name matches")
+    p.add_argument("--scale-memory", default="64G", help="scale profile: guest memory")
+    p.add_argument("--scale-ws", default="16G", help="scale profile: working set (fill=word)")
+    p.add_argument("--scale-codec-ws", default="2G", help="scale profile: working set of the codec rows (fill=mixed)")
+    p.add_argument("--scale-vcpus", type=int, default=8, help="scale profile: vCPUs")
     p.add_argument("--out", help="results directory (default bench/results/<timestamp>)")
     p.add_argument("--fail-scenario", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--work-prefix", default="ferry-bench-", help=argparse.SUPPRESS)

@@ -1,7 +1,9 @@
 """Drives ferry: boot a source, start a destination, migrate through the CLI, collect the
 report, and the boot and dirty-logging measurements."""
+import http.client
 import json
 import os
+import socket
 import subprocess
 import time
 
@@ -10,16 +12,31 @@ from .links import ADDR_DST
 from .util import FERRY, GUEST, BenchError, CpuMeter, cpu_row, free_port, wait_until
 
 
+class _UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path, timeout):
+        super().__init__("ferry", timeout=timeout)
+        self.path = path
+
+    def connect(self):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
 def api(socket_path, method, endpoint, body=None, timeout=30):
-    """One HTTP request to a ferry API socket (curl is in every Debian install)."""
-    argv = ["curl", "-s", "-S", "--max-time", str(timeout), "--unix-socket", socket_path,
-            "-X", method, f"http://ferry/api/v1/{endpoint}"]
-    if body is not None:
-        argv += ["-H", "Content-Type: application/json", "-d", json.dumps(body)]
-    out = subprocess.run(argv, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise BenchError(f"{endpoint}: {out.stderr.strip()}")
-    return json.loads(out.stdout) if out.stdout.strip() else None
+    """One HTTP request to a ferry API socket (the standard library only: the scale profile's
+    hosts have no curl). An error's JSON body is returned like any other."""
+    conn = _UnixHTTP(socket_path, timeout)
+    try:
+        data = json.dumps(body) if body is not None else None
+        headers = {"Content-Type": "application/json"} if data is not None else {}
+        conn.request(method, f"/api/v1/{endpoint}", body=data, headers=headers)
+        text = conn.getresponse().read().decode()
+    except OSError as e:
+        raise BenchError(f"{endpoint}: {e}") from e
+    finally:
+        conn.close()
+    return json.loads(text) if text.strip() else None
 
 
 # `ferry-best`: what ferry offers for speed, beside `qemu-best` (compression chosen by the
@@ -80,8 +97,8 @@ class FerryPeer:
                         transport=self.tls_args("source.local") if tls else ("--plain-tcp",))
         # Steady state: a writer has populated its whole working set once (same rule for QEMU).
         busy = " idle" not in f" {scenario['cmdline']}"
-        wait_until("guest progress", 120,
-                   lambda: self.info(src)["passes"] >= 1 if busy else self.info(src)["heartbeats"] > 100)
+        wait_until("guest progress", scenario.get("ready_s", 120),
+                   lambda: self.info(src)["passes"] >= scenario["vcpus"] if busy else self.info(src)["heartbeats"] > 100)
         if scenario.get("warmup_s"):
             time.sleep(scenario["warmup_s"])
         port = free_port()
@@ -124,6 +141,7 @@ class FerryPeer:
             "guest_downtime_ms": report["guest_observed_downtime_ms"],
             "serial_downtime_ms": observed_downtime_ms(src_clock, dst_clock, started),
             "bytes": report["bytes_on_wire"],
+            "gb_per_s": report["bytes_on_wire"] / report["total_ms"] / 1e6 if report["total_ms"] else None,
             # The floor's bytes: round 0's pages that hold data (compressed: what it put on the wire).
             "must_move_bytes": round0.get("bytes", 0) if compressed else
             round0.get("pages", 0) * 4096 - round0.get("zero_pages", 0) * 4096,

@@ -150,8 +150,8 @@ class QemuPeer:
         src = self.start("src", scenario, src_clock, link.ns_src)
         # Steady state: a writer has populated its whole working set once (same rule as ferry).
         busy = " idle" not in f" {scenario['cmdline']}"
-        wait_until("guest serial progress", 120,
-                   lambda: passes(src_clock) >= 1 if busy else len(src_clock.lines()) > 3)
+        wait_until("guest serial progress", scenario.get("ready_s", 120),
+                   lambda: passes(src_clock) >= scenario["vcpus"] if busy else len(src_clock.lines()) > 3)
         if scenario.get("warmup_s"):
             time.sleep(scenario["warmup_s"])
         port = free_port()
@@ -210,13 +210,7 @@ def _try(f):
 
 def passes(clock):
     """The guest's completed passes, from its latest serial progress line."""
-    lines = clock.lines()
-    if not lines:
-        return 0
-    for word in lines[-1][1].split():
-        if word.startswith("passes="):
-            return int(word.split("=", 1)[1])
-    return 0
+    return clock.counter("passes")
 
 
 def parse_mib(size):

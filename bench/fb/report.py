@@ -1,6 +1,7 @@
 """results.json, a Markdown table and plots from one run."""
 import json
 import os
+import sys
 
 from .util import summarize
 
@@ -8,7 +9,7 @@ METRICS = ["total_ms", "downtime_ms", "guest_downtime_ms", "serial_downtime_ms",
            "network_faults", "network_fault_share", "zero_faults", "resume_ms", "pages_transferred",
            "fault_latency_p50_ms", "fault_latency_p99_ms", "rate_after", "checkpoint_count",
            "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max",
-           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib"]
+           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib", "gb_per_s"]
 
 
 # The forwarding runs (`--profile devices`).
@@ -86,8 +87,9 @@ def markdown(results):
     if results["scenarios"]:
         lines += ["## Migrations", "",
                   "| link | scenario | peer | total ms | guest downtime ms (console ticks, both VMMs) "
-                  "| downtime ms (VMM) | guest downtime ms (heartbeat port, ferry) | MB on wire | rounds | floor ms |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| downtime ms (VMM) | guest downtime ms (heartbeat port, ferry) | MB on wire | GB/s (wire ÷ total) "
+                  "| rounds | floor ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["scenarios"]:
         s = r["summary"]
         floor = f"{r['floor_ms']:.1f}" if r.get("floor_ms") is not None else "-"
@@ -96,7 +98,8 @@ def markdown(results):
             err += f" ({r['outcome']})"
         lines.append(f"| {r['link']} | {r['scenario']} | {r['peer']}{err} | {fmt(s, 'total_ms')} | "
                      f"{fmt(s, 'serial_downtime_ms')} | {fmt(s, 'downtime_ms', digits=2)} | "
-                     f"{fmt(s, 'guest_downtime_ms', digits=2)} | {fmt(s, 'bytes', 1e6)} | {fmt(s, 'rounds', digits=0)} | {floor} |")
+                     f"{fmt(s, 'guest_downtime_ms', digits=2)} | {fmt(s, 'bytes', 1e6)} | {fmt(s, 'gb_per_s', digits=2)} | "
+                     f"{fmt(s, 'rounds', digits=0)} | {floor} |")
     pc = [r for r in results["scenarios"] if r["runs"] and r["runs"][0].get("postcopy")]
     if pc:
         lines += ["", "## Post-copy", "",
@@ -219,7 +222,11 @@ def forwarding_ratios(rows):
 
 
 def plots(results, outdir):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is absent: tables only, no plots", file=sys.stderr)
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

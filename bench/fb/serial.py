@@ -60,6 +60,15 @@ class SerialClock:
         with self.lock:
             return list(self.stamps)
 
+    def counter(self, name):
+        """A counter (`passes`, `net_rx`, ...) from the latest progress line; 0 before one."""
+        with self.lock:
+            latest = next((line for _, line in reversed(self.stamps) if "hb=" in line), "")
+        for word in latest.split():
+            if word.startswith(name + "="):
+                return int(word.split("=", 1)[1])
+        return 0
+
 
 def observed_downtime_ms(source, destination, since):
     """The gap across the switch, minus the normal gap: from the source's last line to the

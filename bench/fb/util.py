@@ -7,8 +7,9 @@ import subprocess
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-FERRY = os.path.join(REPO, "target", "release", "ferry")
-GUEST = os.path.join(REPO, "guest", "build", "guest.elf")
+# A host with neither compiler nor build (the scale profile's) names a copied binary and image.
+FERRY = os.environ.get("FERRY_BIN") or os.path.join(REPO, "target", "release", "ferry")
+GUEST = os.environ.get("FERRY_GUEST") or os.path.join(REPO, "guest", "build", "guest.elf")
 
 
 class BenchError(Exception):

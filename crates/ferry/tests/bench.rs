@@ -138,3 +138,55 @@ fn a_failed_scenario_leaves_nothing_behind() {
         "processes left behind:\n{ps}"
     );
 }
+
+/// The scale profile runs where there is neither a build nor QEMU, curl or `ip`: only the
+/// binary, the guest image and python3 (here shrunk to fit this host).
+#[test]
+fn scale_profile_runs_from_a_kit_alone() {
+    if !kvm_available() {
+        return;
+    }
+    guest();
+    let kit = tempfile::tempdir().unwrap();
+    let bin = tempfile::tempdir().unwrap();
+    std::fs::copy(FERRY, kit.path().join("ferry")).unwrap();
+    std::fs::copy(guest(), kit.path().join("guest.elf")).unwrap();
+    std::fs::write(kit.path().join("COMMIT"), "0123abcd clean\n").unwrap();
+    std::os::unix::fs::symlink("/usr/bin/python3", bin.path().join("python3")).unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let r = Command::new("/usr/bin/python3")
+        .arg(repo_root().join("bench/run.py"))
+        .args([
+            "--profile",
+            "scale",
+            "--scale-memory",
+            "1G",
+            "--scale-ws",
+            "64M",
+            "--scale-vcpus",
+            "2",
+            "--only",
+            "warm 64M / 1G 2 conn",
+            "--out",
+            out.path().to_str().unwrap(),
+        ])
+        .env_clear()
+        .env("PATH", bin.path())
+        .env("FERRY_BIN", kit.path().join("ferry"))
+        .env("FERRY_GUEST", kit.path().join("guest.elf"))
+        .output()
+        .expect("run the benchmark runner");
+    assert!(r.status.success(), "{}", String::from_utf8_lossy(&r.stderr));
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.path().join("results.json")).unwrap()).unwrap();
+    assert_eq!(json["build"]["commit"], "0123abcd");
+    let rows = json["scenarios"].as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert!(rows[0]["error"].is_null(), "{}", rows[0]);
+    let run = &rows[0]["runs"][0];
+    assert_eq!(run["connections"], 2, "{run}");
+    assert!(
+        run["bytes"].as_f64().unwrap() > 64e6,
+        "the working set moved: {run}"
+    );
+}
