@@ -48,7 +48,10 @@ impl DestinationState {
             (_, Message::Abort { reason }) => return Err(Error::Peer(reason.clone())),
             (AwaitHello, Message::Hello { .. }) => Memory,
             (AwaitHello, Message::ResumePostcopy) => Postcopy,
-            (Memory, Message::RoundEnd { .. } | Message::Sync { .. }) => Memory,
+            (
+                Memory,
+                Message::RoundEnd { .. } | Message::Sync { .. } | Message::Populated { .. },
+            ) => Memory,
             (Memory, Message::Stale { .. }) => StaleDropped,
             (Memory | StaleDropped, Message::PostcopyPending { .. }) => State,
             (State, Message::Checkpoints { .. }) if postcopy => State,

@@ -9,6 +9,7 @@ mod checkpoints;
 mod lanes;
 pub mod machine;
 pub mod postcopy;
+mod prefault;
 mod receive;
 mod recovery;
 

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use super::lanes;
 use super::machine::{DestinationState, Incoming};
 use super::postcopy::{self, Postcopy};
+use super::prefault::Prefaulter;
 use crate::error::{Error, Result};
 use crate::scan::memory_checksum;
 use crate::status::{CheckpointStats, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
@@ -171,6 +172,7 @@ impl Receiver<'_> {
         let mut checkpoint_every: Option<u32> = None;
         self.board.checkpoints(|c| *c = None);
         let mut round_started = Instant::now();
+        let mut prefault: Option<Prefaulter> = None;
         let source_checksum = loop {
             let frame = match wire::read_frame(stream) {
                 Ok(f) => f,
@@ -186,7 +188,21 @@ impl Receiver<'_> {
                 Frame::Message(m) => m,
             };
             state = state.next(Incoming::Message(&msg), pending.is_some())?;
+            // Round 0 is over (or the switch came): nothing may be faulted in once pages
+            // can be dropped or handed to userfaultfd.
+            if !matches!(msg, Message::Populated { .. } | Message::Sync { .. })
+                && let Some(mut p) = prefault.take()
+            {
+                tracing::debug!("faulted in {} pages ahead of their data", p.finish());
+            }
             match msg {
+                Message::Populated { pages: n, words } => {
+                    let map = page_map(&ram, n, words)?;
+                    pages.present_ahead(&map);
+                    prefault = Prefaulter::start(ram.clone(), map)
+                        .inspect_err(|e| tracing::warn!("no prefault thread: {e}"))
+                        .ok();
+                }
                 Message::RoundEnd { round, pages: n } => {
                     let p = &mut self.status.progress;
                     p.round = round;
@@ -229,13 +245,13 @@ impl Receiver<'_> {
                     if let Some(lanes) = lanes.take() {
                         lanes.finish(&mut pages)?;
                     }
-                    let stale = postcopy_map(&ram, n, words)?;
+                    let stale = page_map(&ram, n, words)?;
                     postcopy::drop_stale_copies(&ram, &stale, pages.written())?;
                     pages.forget(&stale);
                     wire::write_message(stream, &Message::StaleDropped)?;
                 }
                 Message::PostcopyPending { pages: n, words } => {
-                    pending = Some(postcopy_map(&ram, n, words)?);
+                    pending = Some(page_map(&ram, n, words)?);
                 }
                 Message::Checkpoints { every_ms } => {
                     if !crate::params::CHECKPOINT_MS.contains(&every_ms) {
@@ -403,19 +419,19 @@ impl Receiver<'_> {
     }
 }
 
-/// Checks a post-copy page map against this VM's RAM: the right length, and no page outside
-/// RAM (post-copy could never complete).
-fn postcopy_map(ram: &crate::memory::GuestRam, n: u64, words: Vec<u64>) -> Result<Bitmap> {
+/// Checks a page map (post-copy's pending pages, stale ones, round 0's) against this VM's
+/// RAM: the right length, and no page outside RAM (post-copy could never complete).
+fn page_map(ram: &crate::memory::GuestRam, n: u64, words: Vec<u64>) -> Result<Bitmap> {
     if n != ram.gfn_end() || words.len() as u64 != n.div_ceil(64) {
         return Err(Error::Protocol(format!(
-            "post-copy page map of {n} pages for a guest whose pages end at {}",
+            "a page map of {n} pages for a guest whose pages end at {}",
             ram.gfn_end()
         )));
     }
     let map = Bitmap::from_words(words, n);
     if let Some(bad) = map.iter().find(|&gfn| !ram.contains(gfn)) {
         return Err(Error::Protocol(format!(
-            "post-copy page map names page {bad:#x}, outside guest RAM"
+            "a page map names page {bad:#x}, outside guest RAM"
         )));
     }
     Ok(map)

@@ -43,6 +43,11 @@ impl Session<'_> {
             // Nothing moves before the switch: every page that holds data follows it.
             return self.switch_over(populated, true, start_ns);
         }
+        // Which pages round 0 sends, so that the destination faults them in meanwhile.
+        self.send(&Message::Populated {
+            pages: populated.pages(),
+            words: populated.words().to_vec(),
+        })?;
         self.send_round(0, &populated)?;
         match (mode, self.params.mode) {
             (StreamMode::Precopy, Mode::Hybrid) => {

@@ -15,7 +15,7 @@ use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
-pub const VERSION: u32 = 5;
+pub const VERSION: u32 = 6;
 pub const STREAM_HEADER_LEN: usize = 16;
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -242,7 +242,7 @@ mod tests {
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
         assert!(
-            e.to_string().contains("version 5"),
+            e.to_string().contains("version 6"),
             "names both versions: {e}"
         );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();

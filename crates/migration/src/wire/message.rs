@@ -144,6 +144,10 @@ pub enum Message {
     },
     /// Source → destination: checkpoint `seq` is applied; its pages need not come again.
     CheckpointTaken { seq: u64 },
+    /// Source → destination, before round 0's pages: the pages that round sends (a bitmap
+    /// over guest page numbers). The destination faults them in on a thread of its own while
+    /// they travel, so that its receiver writes into memory that is already there.
+    Populated { pages: u64, words: Vec<u64> },
 }
 
 impl Message {
@@ -176,6 +180,7 @@ impl Message {
             Message::Checkpoints { .. } => 24,
             Message::Checkpoint { .. } => 25,
             Message::CheckpointTaken { .. } => 26,
+            Message::Populated { .. } => 27,
         }
     }
 
@@ -208,6 +213,7 @@ impl Message {
             Message::Checkpoints { .. } => "Checkpoints",
             Message::Checkpoint { .. } => "Checkpoint",
             Message::CheckpointTaken { .. } => "CheckpointTaken",
+            Message::Populated { .. } => "Populated",
         }
     }
 
@@ -265,7 +271,9 @@ impl Message {
                 e.opt_f64(*pages_per_s_after);
             }
             Message::Abort { reason } => e.str(reason),
-            Message::PostcopyPending { pages, words } | Message::Stale { pages, words } => {
+            Message::PostcopyPending { pages, words }
+            | Message::Stale { pages, words }
+            | Message::Populated { pages, words } => {
                 e.u64(*pages);
                 e.words(words);
             }
@@ -426,6 +434,10 @@ impl Message {
                 }
             }
             26 => Message::CheckpointTaken { seq: d.u64()? },
+            27 => Message::Populated {
+                pages: d.u64()?,
+                words: d.words()?,
+            },
             other => return Err(Error::Protocol(format!("unknown message tag {other}"))),
         };
         if !d.buf.is_empty() {
@@ -682,13 +694,20 @@ mod tests {
                 "1900 0200000000000000 0300000000000000 01000000 01000000ab 01000000cd",
             ),
             (Message::CheckpointTaken { seq: 2 }, "1a00 0200000000000000"),
+            (
+                Message::Populated {
+                    pages: 64,
+                    words: vec![1],
+                },
+                "1b00 4000000000000000 01000000 0100000000000000",
+            ),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 26, "a golden example per message");
+        assert_eq!(all.len(), 27, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());

@@ -479,6 +479,12 @@ impl PageReceiver {
     }
 
     /// Pages this receiver has written into guest memory.
+    /// Pages faulted in ahead of their data (zeros until it comes): from now on they count
+    /// as holding a copy, so a zero marker for one is written and post-copy drops a stale one.
+    pub fn present_ahead(&mut self, pages: &Bitmap) {
+        self.written.merge(pages);
+    }
+
     pub fn written(&self) -> &Bitmap {
         &self.written
     }
