@@ -283,7 +283,13 @@ fn pump(mut from: TcpStream, mut to: TcpStream, to_destination: bool, shared: &S
             let _ = shared.reached.lock().unwrap().send(());
             match shared.action {
                 Action::Cut => {
-                    for s in shared.cut.lock().unwrap().iter() {
+                    // A reset, as a peer that died would send: a plain shutdown leaves the
+                    // socket open with its unread bytes, and a source whose window it had
+                    // filled would only probe it, blocked until its I/O timeout. With
+                    // SO_LINGER 0 the last close of each socket resets it; the clones kept
+                    // here go now, the pumps' own when they return.
+                    for s in std::mem::take(&mut *shared.cut.lock().unwrap()) {
+                        reset_on_close(&s);
                         let _ = s.shutdown(Shutdown::Both);
                     }
                     break;
@@ -311,6 +317,24 @@ fn pump(mut from: TcpStream, mut to: TcpStream, to_destination: bool, shared: &S
         }
     }
     finish(&from, &to);
+}
+
+fn reset_on_close(s: &TcpStream) {
+    use std::os::fd::AsRawFd;
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: a valid socket and a `linger` of the size given.
+    unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        );
+    }
 }
 
 fn finish(from: &TcpStream, to: &TcpStream) {
