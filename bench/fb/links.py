@@ -77,16 +77,20 @@ class Link:
             sh("ip", "netns", "del", ns, check=False)
         self.created.clear()
 
-    def goodput_bytes_per_s(self, megabytes=64):
-        """TCP goodput source → destination, measured with a plain socket transfer."""
+    def goodput_bytes_per_s(self, megabytes=64, fresh=False):
+        """TCP goodput source → destination, measured with a plain socket transfer. `fresh`:
+        the receiver reads into new memory (each page faulted in and cleared on first touch,
+        as a migration's destination does) instead of one reused buffer."""
         # The server takes any free port and says which: a fixed one would collide with
         # another measurement running at the same time (the test suite runs two at once).
+        sink = (f"m=memoryview(mmap.mmap(-1,{megabytes}<<20));n=0\n"
+                "while True:\n r=c.recv_into(m[n:])\n if not r: break\n n+=r\n") if fresh else (
+                "b=bytearray(1<<20);n=0\n"
+                "while True:\n r=c.recv_into(b)\n if not r: break\n n+=r\n")
         server = ["python3", "-c", (
-            "import socket,sys;s=socket.socket();"
+            "import mmap,socket,sys;s=socket.socket();"
             f"s.bind(('{self.dst_host}',0));s.listen(1);print(s.getsockname()[1],flush=True);"
-            "c,_=s.accept();n=0\n"
-            "while True:\n b=c.recv(1<<20)\n if not b: break\n n+=len(b)\n"
-            "print(n)")]
+            "c,_=s.accept()\n" + sink + "print(n)")]
         if self.ns_dst:
             server = ["ip", "netns", "exec", self.ns_dst] + server
         srv = subprocess.Popen(server, stdout=subprocess.PIPE, text=True)

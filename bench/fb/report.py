@@ -70,8 +70,10 @@ def markdown(results):
         lines += [f"Build: commit {b['commit']}{' (with uncommitted changes)' if b['tree_changed'] else ''}, "
                   f"ferry sha256 {b['ferry_sha256'][:16]}…, QEMU: {b['qemu'] or 'not installed'}.", ""]
     if results.get("links"):
-        lines += ["| link | TCP goodput (MB/s) |", "|---|---|"]
-        lines += [f"| {k} | {v / 1e6:.0f} |" for k, v in results["links"].items()]
+        fresh = results.get("links_fresh") or {}
+        lines += ["| link | TCP goodput (MB/s) | into fresh memory (MB/s) |", "|---|---|---|"]
+        lines += [f"| {k} | {v / 1e6:.0f} | {fresh[k] / 1e6:.0f} |" if k in fresh else f"| {k} | {v / 1e6:.0f} | - |"
+                  for k, v in results["links"].items()]
         lines.append("")
     if results.get("boot"):
         lines += ["## Boot", "", "| memory | ferry run → first heartbeat (ms) | heartbeats/s |", "|---|---|---|"]
