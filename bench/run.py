@@ -17,7 +17,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fb import devices, qemu, report  # noqa: E402
+from fb import devices, qemu, report, util  # noqa: E402
 from fb.ferry import FerryPeer  # noqa: E402
 from fb.links import Link  # noqa: E402
 from fb.util import FERRY, REPO, BenchError, DidNotConverge, Processes, summarize  # noqa: E402
@@ -247,6 +247,10 @@ def make_peer(name, procs, work):
 
 def run(args):
     profile = PROFILES[args.profile]
+    if args.pin == "split":
+        cpus = sorted(os.sched_getaffinity(0))
+        half = max(1, len(cpus) // 2)
+        util.PINNING.update(source=set(cpus[:half]), destination=set(cpus[half:]) or set(cpus))
     if args.profile == "scale":
         profile = dict(profile, scenarios=scale(args.scale_memory, args.scale_ws, args.scale_vcpus,
                                                 args.scale_codec_ws))
@@ -267,7 +271,7 @@ def run(args):
     outdir = args.out or os.path.join(REPO, "bench", "results", started)
     os.makedirs(outdir, exist_ok=True)
     results = {"started": started, "profile": args.profile, "repeats": repeats, "machine": machine(),
-               "build": build(),
+               "build": build(), "pin": {k: sorted(v) for k, v in util.PINNING.items()} or None,
                "links": {}, "boot": [], "dirty_logging": None, "scenarios": [], "forwarding": [],
                "block": []}
     tag = str(os.getpid() % 100000)
@@ -393,6 +397,8 @@ def main():
     p.add_argument("--repeats", type=int)
     p.add_argument("--delay-ms", type=int, default=0,
                    help="add this much netem latency each way on veth links (a WAN-like case)")
+    p.add_argument("--pin", choices=("none", "split"), default="none",
+                   help="split: the source VMM on the first half of the CPUs, the destination on the rest")
     p.add_argument("--only", metavar="REGEX", help="only the profile's scenarios whose name matches")
     p.add_argument("--scale-memory", default="64G", help="scale profile: guest memory")
     p.add_argument("--scale-ws", default="16G", help="scale profile: working set (fill=word)")

@@ -69,7 +69,7 @@ class FerryPeer:
         p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
                               "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path,
                               *transport, "--enable-debug-api"],
-                             netns=netns, stderr=open(err, "ab"))
+                             netns=netns, side="source", stderr=open(err, "ab"))
 
         def up():
             if p.poll() is not None:
@@ -106,7 +106,8 @@ class FerryPeer:
         transport = self.tls_args(link.dst_host) if tls else ["--plain-tcp"]
         dst_proc = self.procs.start([FERRY, "run", "--incoming", f"tcp:{link.dst_host}:{port}",
                                      "--api-socket", dst, "--serial", dst_serial, *transport],
-                                    netns=link.ns_dst, stderr=open(os.path.join(self.work, "dst.err"), "ab"))
+                                    netns=link.ns_dst, side="destination",
+                                    stderr=open(os.path.join(self.work, "dst.err"), "ab"))
         wait_until("the ferry destination API", 30, lambda: os.path.exists(dst))
         argv = [FERRY, "migrate", "--api-socket", src, "--to", f"tcp:{link.dst_host}:{port}",
                 "--mode", scenario["mode"], "--max-downtime-ms", str(scenario["max_downtime_ms"]),

@@ -94,7 +94,8 @@ class QemuPeer:
         argv += list(extra)
         if incoming:
             argv += ["-incoming", incoming]
-        self.pids[tag] = self.procs.start(argv, netns=netns,
+        side = "destination" if incoming else "source"
+        self.pids[tag] = self.procs.start(argv, netns=netns, side=side,
                                           stderr=open(os.path.join(self.work, f"qemu-{tag}.err"), "ab")).pid
         wait_until("the QEMU serial socket", 30, lambda: os.path.exists(ser))
         clock.follow_socket(ser)

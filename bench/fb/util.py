@@ -37,15 +37,24 @@ def free_port():
         return s.getsockname()[1]
 
 
+# `--pin split`: the source VMM on one set of CPUs, the destination on another (a variance
+# study: do the two sides' threads fight over the same cores?). Empty: the scheduler decides.
+PINNING = {}
+
+
 class Processes:
     """Every process a scenario starts, so that all of them are stopped whatever happens."""
 
     def __init__(self):
         self.procs = []
 
-    def start(self, argv, netns=None, **kw):
+    def start(self, argv, netns=None, side=None, **kw):
+        """`side`: "source" or "destination", for `PINNING`."""
         if netns:
             argv = ["ip", "netns", "exec", netns] + argv
+        cpus = PINNING.get(side)
+        if cpus:
+            kw["preexec_fn"] = lambda: os.sched_setaffinity(0, cpus)
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **kw)
         self.procs.append(p)
         return p

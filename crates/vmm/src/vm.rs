@@ -539,7 +539,7 @@ impl Vm {
 
 impl Drop for Vm {
     fn drop(&mut self) {
-        self.bus.stop(); // the devices' I/O threads end
+        self.bus.join_io_threads();
     }
 }
 

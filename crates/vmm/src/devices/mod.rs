@@ -43,6 +43,8 @@ pub struct DeviceBus {
     quiesced: AtomicBool,
     /// Set when the VM stops for good: the I/O threads end.
     stopped: AtomicBool,
+    /// The devices' I/O threads, joined when the VM is dropped.
+    io_threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// What one device call wrote into guest memory, collected before it joins `vmm_writes`.
@@ -64,6 +66,10 @@ impl WriteLog for Bitmap {
     }
 }
 
+/// Event tokens of a device's epoll set besides its queues'.
+const WAKER: u64 = u64::MAX;
+const INPUT: u64 = u64::MAX - 1;
+
 impl DeviceBus {
     pub fn new(
         serial: SerialDevice,
@@ -84,6 +90,7 @@ impl DeviceBus {
             vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
             quiesced: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
+            io_threads: Mutex::default(),
         })
     }
 
@@ -125,6 +132,17 @@ impl DeviceBus {
         self.stopped.store(true, Ordering::Release);
     }
 
+    /// Stops the I/O threads and waits for them (each sees `stopped` within 20 ms, or once the
+    /// request it is serving is done). Not from an I/O thread.
+    pub fn join_io_threads(&self) {
+        self.stop();
+        let threads =
+            std::mem::take(&mut *self.io_threads.lock().unwrap_or_else(|e| e.into_inner()));
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+
     /// Starts each device's I/O thread: it serves the queues the driver notifies through their
     /// eventfds, and the input its backend delivers (a tap).
     pub fn spawn_io_threads(self: &Arc<Self>, memory: &GuestMemory) -> std::io::Result<()> {
@@ -137,16 +155,44 @@ impl DeviceBus {
             if input.is_none() && self.notifiers[slot].is_empty() {
                 continue; // nothing to wait for: served on the vCPU threads
             }
+            // Set up here, so that a device that could never be served fails the VM's start
+            // instead of hanging its driver.
+            let epoll = self.event_set(slot, input)?;
             let (bus, memory) = (self.clone(), memory.clone());
-            std::thread::Builder::new()
+            let thread = std::thread::Builder::new()
                 .name(format!("virtio-io-{slot}"))
                 .spawn(move || {
-                    if let Err(e) = bus.serve_events(slot, input, &memory) {
+                    if let Err(e) = bus.serve_events(slot, &epoll, input.is_some(), &memory) {
                         tracing::error!("virtio device {slot}: its I/O thread stopped: {e}");
                     }
                 })?;
+            self.io_threads
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(thread);
         }
         Ok(())
+    }
+
+    /// The device's epoll set: each queue's notifier (token: the queue), the wake-up eventfd
+    /// (`WAKER`) and the backend's input (`INPUT`).
+    fn event_set(&self, slot: usize, input: Option<RawFd>) -> std::io::Result<Epoll> {
+        let epoll = Epoll::new()?;
+        let watch = |fd: RawFd, token: u64| {
+            epoll.ctl(
+                ControlOperation::Add,
+                fd,
+                EpollEvent::new(EventSet::IN, token),
+            )
+        };
+        for (queue, evt) in self.notifiers[slot].iter().enumerate() {
+            watch(evt.as_raw_fd(), queue as u64)?;
+        }
+        watch(self.wakers[slot].as_raw_fd(), WAKER)?;
+        if let Some(fd) = input {
+            watch(fd, INPUT)?;
+        }
+        Ok(epoll)
     }
 
     /// The device's event loop (epoll): queue notifications, backend input, and the wake-up
@@ -157,29 +203,13 @@ impl DeviceBus {
     fn serve_events(
         &self,
         slot: usize,
-        input: Option<RawFd>,
+        epoll: &Epoll,
+        has_input: bool,
         memory: &GuestMemory,
     ) -> std::io::Result<()> {
-        const WAKER: u64 = u64::MAX;
-        const INPUT: u64 = u64::MAX - 1;
-        let epoll = Epoll::new()?;
-        let watch = |fd: RawFd, token: u64| {
-            epoll.ctl(
-                ControlOperation::Add,
-                fd,
-                EpollEvent::new(EventSet::IN, token),
-            )
-        };
         let notifiers = &self.notifiers[slot];
-        for (queue, evt) in notifiers.iter().enumerate() {
-            watch(evt.as_raw_fd(), queue as u64)?;
-        }
-        watch(self.wakers[slot].as_raw_fd(), WAKER)?;
-        if let Some(fd) = input {
-            watch(fd, INPUT)?;
-        }
         let mut notified = vec![true; notifiers.len()];
-        let mut input_ready = input.is_some();
+        let mut input_ready = has_input;
         let mut events = vec![EpollEvent::default(); notifiers.len() + 2];
         while !self.stopped.load(Ordering::Acquire) {
             // A bounded wait, so that `stopped` is seen.
@@ -225,7 +255,7 @@ impl DeviceBus {
                 // Paused, or input waits in the backend: look again shortly instead of
                 // spinning on a ready fd.
                 std::thread::sleep(std::time::Duration::from_millis(1));
-                input_ready = input.is_some();
+                input_ready = has_input;
             }
         }
         Ok(())
