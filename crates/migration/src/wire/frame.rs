@@ -229,7 +229,7 @@ mod tests {
     fn golden_stream_header() {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
-        assert_eq!(h, b"FERRYMIG\x05\0\0\0\0\0\0\0");
+        assert_eq!(h, b"FERRYMIG\x06\0\0\0\0\0\0\0");
     }
 
     #[test]
