@@ -296,8 +296,8 @@ def run(args):
                     if args.profile == "scale":
                         # What a plain stream reaches when, like a destination, it writes
                         # into memory it has never touched.
-                        results["links_fresh"] = {link_name: max(
-                            link.goodput_bytes_per_s(1024, fresh=True) for _ in range(3))}
+                        results.setdefault("links_fresh", {})[link_name] = (max(
+                            link.goodput_bytes_per_s(1024, fresh=True) for _ in range(3)))
                     for sc in profile["scenarios"]:
                         if args.fail_scenario:
                             sc = dict(sc, memory="0")  # a scenario made to fail (cleanup test)
