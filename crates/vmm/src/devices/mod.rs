@@ -145,7 +145,16 @@ impl DeviceBus {
 
     /// Starts each device's I/O thread: it serves the queues the driver notifies through their
     /// eventfds, and the input its backend delivers (a tap).
+    /// On failure the threads already started are stopped and joined (the VM does not start).
     pub fn spawn_io_threads(self: &Arc<Self>, memory: &GuestMemory) -> std::io::Result<()> {
+        let started = self.start_io_threads(memory);
+        if started.is_err() {
+            self.join_io_threads();
+        }
+        started
+    }
+
+    fn start_io_threads(self: &Arc<Self>, memory: &GuestMemory) -> std::io::Result<()> {
         for slot in 0..self.virtio.len() {
             let input = self.virtio[slot]
                 .lock()
