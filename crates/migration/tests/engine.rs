@@ -61,6 +61,8 @@ struct FakeVm {
     dirty: Mutex<Bitmap>,
     logging: AtomicBool,
     paused: AtomicBool,
+    /// Guest writes under way (`try_write`): a pause waits for them, as KVM parks vCPUs.
+    writing: AtomicU64,
     writes: AtomicU64,
     state: Mutex<Option<LoadedState>>,
     /// Auto-converge: percent of the time the guest sleeps, and the most it was ever asked.
@@ -81,6 +83,7 @@ impl FakeVm {
             dirty: Mutex::new(Bitmap::new(GFN_END)),
             logging: AtomicBool::new(false),
             paused: AtomicBool::new(true),
+            writing: AtomicU64::new(0),
             writes: AtomicU64::new(0),
             state: Mutex::new(None),
             throttle: AtomicU64::new(0),
@@ -132,6 +135,18 @@ impl FakeVm {
         pages
     }
 
+    /// The guest's write unless the VM is paused (then false: nothing written). A pause that
+    /// begins meanwhile waits for it to land, so that no write slips past a pause.
+    fn try_write(&self, pfn: u64, generation: u64) -> bool {
+        self.writing.fetch_add(1, Ordering::SeqCst);
+        let running = !self.paused.load(Ordering::SeqCst);
+        if running {
+            self.write_page(pfn, generation);
+        }
+        self.writing.fetch_sub(1, Ordering::SeqCst);
+        running
+    }
+
     /// Runs a writer over RAM pages `[lo, hi)` (a stride walk; page numbers inside the hole
     /// land above it) while the VM is not paused.
     fn start_guest(self: &Arc<Self>, lo: u64, hi: u64, stop: Arc<AtomicBool>) -> JoinHandle<()> {
@@ -141,12 +156,11 @@ impl FakeVm {
             let mut generation = 1;
             let mut i = 0u64;
             while !stop.load(Ordering::Acquire) {
-                if vm.paused.load(Ordering::Acquire) {
+                let pfn = ram_page(lo + (i * 7919) % (hi - lo));
+                if !vm.try_write(pfn, generation) {
                     std::thread::sleep(Duration::from_micros(200));
                     continue;
                 }
-                let pfn = ram_page(lo + (i * 7919) % (hi - lo));
-                vm.write_page(pfn, generation);
                 i += 1;
                 if i.is_multiple_of(hi - lo) {
                     generation += 1;
@@ -200,10 +214,17 @@ impl Migratable for FakeVm {
         Ok(())
     }
     fn pause(&self) -> migration::Result<()> {
-        // The writer checks the flag before each page; one page may be in flight, so wait a
-        // little for it to land (the real VM parks vCPUs synchronously).
-        self.paused.store(true, Ordering::Release);
-        std::thread::sleep(Duration::from_millis(2));
+        // Synchronous, as KVM parks vCPUs: a write under way lands first (bounded wait: a
+        // write that waits on a post-copy page comes once the page does).
+        self.paused.store(true, Ordering::SeqCst);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while self.writing.load(Ordering::SeqCst) != 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a guest write never landed"
+            );
+            std::thread::yield_now();
+        }
         Ok(())
     }
     fn resume(&self) -> migration::Result<()> {
@@ -983,10 +1004,9 @@ fn checkpoints_bring_the_destinations_memory_back_to_the_source_exactly() {
                 // longer than post-copy lasts.
                 vm.paused.store(false, Ordering::Release);
                 for i in 0..25_000u64 {
-                    while vm.paused.load(Ordering::Acquire) {
+                    while !vm.try_write(ram_page((i * 7919) % PAGES), 2 + i / PAGES) {
                         std::thread::sleep(Duration::from_micros(200));
                     }
-                    vm.write_page(ram_page((i * 7919) % PAGES), 2 + i / PAGES);
                     if i.is_multiple_of(64) {
                         std::thread::sleep(Duration::from_millis(3));
                     }
