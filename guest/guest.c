@@ -513,11 +513,13 @@ struct worker {
 
 static void serial_progress(void)
 {
-    u64 pages = 0, passes = 0, errors = 0;
+    u64 pages = 0, passes = 0, errors = 0, all_passed = ~0ull;
     for (u64 c = 0; c < cfg.vcpus; c++) {
         pages += blocks[c].pages;
         passes += blocks[c].passes;
         errors += blocks[c].errors;
+        if (blocks[c].passes < all_passed)
+            all_passed = blocks[c].passes;
     }
     put_str("ferry-guest: hb=");
     put_u64(blocks[0].seq);
@@ -527,6 +529,9 @@ static void serial_progress(void)
     put_u64(passes);
     put_str(" errors=");
     put_u64(errors);
+    /* Passes every vCPU has finished (a runner waits for each vCPU's share to be written). */
+    put_str(" all_passed=");
+    put_u64(all_passed);
     if (cfg.blk) {
         put_str(" blk_writes=");
         put_u64(blocks[0].blk_writes);

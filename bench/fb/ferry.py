@@ -32,11 +32,19 @@ def api(socket_path, method, endpoint, body=None, timeout=30):
         headers = {"Content-Type": "application/json"} if data is not None else {}
         conn.request(method, f"/api/v1/{endpoint}", body=data, headers=headers)
         text = conn.getresponse().read().decode()
-    except OSError as e:
-        raise BenchError(f"{endpoint}: {e}") from e
+    except (OSError, http.client.HTTPException) as e:
+        raise BenchError(f"{endpoint}: {e!r}") from e
     finally:
         conn.close()
-    return json.loads(text) if text.strip() else None
+    try:
+        return json.loads(text) if text.strip() else None
+    except json.JSONDecodeError as e:
+        raise BenchError(f"{endpoint}: not JSON ({e}): {text[:200]!r}") from e
+
+
+def all_passed(info):
+    """Passes every vCPU has finished (each wrote its whole share of the working set)."""
+    return min((v["passes"] for v in info["per_vcpu"]), default=0)
 
 
 # `ferry-best`: what ferry offers for speed, beside `qemu-best` (compression chosen by the
@@ -98,7 +106,7 @@ class FerryPeer:
         # Steady state: a writer has populated its whole working set once (same rule for QEMU).
         busy = " idle" not in f" {scenario['cmdline']}"
         wait_until("guest progress", scenario.get("ready_s", 120),
-                   lambda: self.info(src)["passes"] >= scenario["vcpus"] if busy else self.info(src)["heartbeats"] > 100)
+                   lambda: all_passed(self.info(src)) >= 1 if busy else self.info(src)["heartbeats"] > 100)
         if scenario.get("warmup_s"):
             time.sleep(scenario["warmup_s"])
         port = free_port()

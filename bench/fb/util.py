@@ -50,11 +50,13 @@ class Processes:
 
     def start(self, argv, netns=None, side=None, **kw):
         """`side`: "source" or "destination", for `PINNING`."""
-        if netns:
-            argv = ["ip", "netns", "exec", netns] + argv
         cpus = PINNING.get(side)
         if cpus:
-            kw["preexec_fn"] = lambda: os.sched_setaffinity(0, cpus)
+            # taskset, not preexec_fn: the runner has threads, and a child of a threaded
+            # process may run only async-signal-safe code before exec.
+            argv = ["taskset", "-c", ",".join(map(str, sorted(cpus)))] + argv
+        if netns:
+            argv = ["ip", "netns", "exec", netns] + argv
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, **kw)
         self.procs.append(p)
         return p

@@ -209,6 +209,69 @@ impl GuestRam {
         Ok(())
     }
 
+    /// Gives `pages` pages from `gfn` (all in one region) back to the kernel: they read as
+    /// zeros, are no longer present (a userfaultfd hears the next touch) and take no memory.
+    /// Only while the VM's vCPUs are parked.
+    pub fn discard(&self, gfn: u64, pages: u64) -> Result<()> {
+        let p = self.host_ptr(gfn, pages)?;
+        // A shared mapping (memfd) keeps its pages in the file: they are punched out of it;
+        // unmapping them would leave their old content there.
+        let advice = match self.region(gfn).and_then(|r| r.file) {
+            Some(_) => libc::MADV_REMOVE,
+            None => libc::MADV_DONTNEED,
+        };
+        // SAFETY: pages of our own mapping (checked by `host_ptr`); nothing reads them now.
+        let r = unsafe { libc::madvise(p.cast(), pages as usize * PAGE_SIZE, advice) };
+        if r != 0 {
+            return Err(Error::vm_caused(
+                "cannot give guest pages back",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `discard` for each page of `gfns` (in ascending order), a run of neighbours at a time.
+    pub fn discard_pages(&self, gfns: &[u64]) -> Result<()> {
+        let mut run: Option<(u64, u64)> = None;
+        for &gfn in gfns {
+            run = match run {
+                Some((first, n)) if first + n == gfn && self.pages_to_region_end(first) > n => {
+                    Some((first, n + 1))
+                }
+                Some((first, n)) => {
+                    self.discard(first, n)?;
+                    Some((gfn, 1))
+                }
+                None => Some((gfn, 1)),
+            };
+        }
+        match run {
+            Some((first, n)) => self.discard(first, n),
+            None => Ok(()),
+        }
+    }
+
+    /// Asks the kernel not to back guest memory with transparent huge pages. A destination
+    /// must: one huge page faulted in for one page makes its 511 neighbours present too, so
+    /// post-copy would not hear the guest touch them and the guest would read zeros (QEMU
+    /// does the same on a post-copy destination). Where THP is off or the kernel refuses,
+    /// nothing changes.
+    pub fn forbid_huge_pages(&self) {
+        for r in self.regions.iter() {
+            // SAFETY: advice on our own mapping; it changes no content.
+            let rc = unsafe {
+                libc::madvise(r.host.cast(), r.range.len as usize, libc::MADV_NOHUGEPAGE)
+            };
+            if rc != 0 {
+                tracing::debug!(
+                    "MADV_NOHUGEPAGE on guest RAM: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
+        }
+    }
+
     /// `pages` pages from `gfn` as a mutable slice, for reading from the wire straight into
     /// place.
     ///

@@ -29,13 +29,15 @@ pub(super) struct LaneReceivers {
     progress: Vec<Arc<AtomicU64>>,
 }
 
-/// Accepts lanes `1..lanes` of `session` and starts reading each. A lane that fails closes
+/// Accepts lanes `1..lanes` of `session` and starts reading each (learning from `pages`, the
+/// main connection's receiver, which pages were faulted in ahead). A lane that fails closes
 /// `main` too, so the conversation ends at once with the failure.
 pub(super) fn accept(
     listener: &Listener,
     session: u64,
     lanes: u32,
     ram: &GuestRam,
+    pages: &PageReceiver,
     main: &Stream,
 ) -> Result<LaneReceivers> {
     if lanes > MAX_CONNECTIONS {
@@ -80,7 +82,7 @@ pub(super) fn accept(
                 match taken.get_mut(lane as usize) {
                     Some(t) if !*t => {
                         *t = true;
-                        joined.start(stream, lane, lanes, ram, main)?;
+                        joined.start(stream, lane, lanes, ram, pages, main)?;
                         continue;
                     }
                     Some(_) => format!("connection {lane} of this migration has joined already"),
@@ -121,6 +123,7 @@ impl LaneReceivers {
         lane: u32,
         lanes: u32,
         ram: &GuestRam,
+        main_pages: &PageReceiver,
         main: &Stream,
     ) -> Result<()> {
         // A lane may carry nothing for many rounds (its chunks stay clean): it waits without
@@ -129,10 +132,13 @@ impl LaneReceivers {
         self.streams.push(stream.try_clone()?);
         let (ram, main, failed) = (ram.clone(), main.try_clone()?, self.failed.clone());
         let progress = self.progress[lane as usize - 1].clone();
+        let pages = PageReceiver::new(&ram)
+            .for_lane(lane, lanes)
+            .sharing_ahead_with(main_pages);
         let thread = std::thread::Builder::new()
             .name(format!("lane-{lane}"))
             .spawn(
-                move || match receive_lane(stream, &ram, lane, lanes, &progress) {
+                move || match receive_lane(stream, &ram, pages, lane, &progress) {
                     Ok(pages) => Some(pages),
                     Err(e) => {
                         failed
@@ -214,11 +220,10 @@ impl Drop for LaneReceivers {
 fn receive_lane(
     mut stream: Stream,
     ram: &GuestRam,
+    mut pages: PageReceiver,
     lane: u32,
-    lanes: u32,
     progress: &AtomicU64,
 ) -> Result<PageReceiver> {
-    let mut pages = PageReceiver::new(ram).for_lane(lane, lanes);
     loop {
         match wire::read_frame(&mut stream)? {
             Frame::Pages { header, len } => {

@@ -71,33 +71,6 @@ struct Installed {
 /// that never arrived is absent already, so a run may include it), which makes the cost grow
 /// with the runs, not the pages.
 pub(super) fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, received: &Bitmap) -> Result<()> {
-    // A shared mapping (memfd) keeps its pages in the file: they must be punched out of it.
-    // A private one answers EINVAL to that, once, and is zapped from then on.
-    let mut shared = None;
-    let mut drop_run = |first: u64, pages: u64| -> Result<()> {
-        let p = ram.host_ptr(first, pages)? as *mut libc::c_void;
-        let len = pages as usize * PAGE_SIZE;
-        // SAFETY: pages of our own mapping, while no vCPU runs.
-        let punch = |advice| unsafe { libc::madvise(p, len, advice) };
-        if shared.is_none() {
-            shared = Some(punch(libc::MADV_REMOVE) == 0);
-            if shared == Some(true) {
-                return Ok(());
-            }
-        }
-        let advice = if shared == Some(true) {
-            libc::MADV_REMOVE
-        } else {
-            libc::MADV_DONTNEED
-        };
-        if punch(advice) != 0 {
-            return Err(Error::vm_caused(
-                "cannot drop stale pages",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        Ok(())
-    };
     let mut run: Option<(u64, u64, bool)> = None; // first page, pages, holds a stale copy
     for pfn in pending.iter() {
         let stale = received.get(pfn);
@@ -107,7 +80,7 @@ pub(super) fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, received: &Bit
             }
             Some((first, n, any)) => {
                 if any {
-                    drop_run(first, n)?;
+                    ram.discard(first, n)?;
                 }
                 Some((pfn, 1, stale))
             }
@@ -115,7 +88,7 @@ pub(super) fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, received: &Bit
         };
     }
     if let Some((first, n, true)) = run {
-        drop_run(first, n)?;
+        ram.discard(first, n)?;
     }
     Ok(())
 }

@@ -123,6 +123,7 @@ impl Receiver<'_> {
         tracing::info!("incoming {mode:?} migration from {source}: {descriptor:?}");
         let vm = build(&descriptor)?;
         let ram = vm.ram();
+        ram.forbid_huge_pages();
         if ram.ranges() != descriptor.ranges {
             return Err(Error::vm(format!(
                 "built RAM at {:x?} for a VM whose RAM lies at {:x?}",
@@ -154,10 +155,11 @@ impl Receiver<'_> {
             )?;
         }
 
+        let mut pages = PageReceiver::new(&ram).for_lane(0, connections.max(1));
         let listener = self.listener.take();
         let mut lanes = match (connections, &listener) {
             (0 | 1, _) => None,
-            (n, Some(l)) if live => Some(lanes::accept(l, session, n, &ram, stream)?),
+            (n, Some(l)) if live => Some(lanes::accept(l, session, n, &ram, &pages, stream)?),
             (n, _) => {
                 return Err(Error::Protocol(format!(
                     "a stream over {n} connections where only one can arrive"
@@ -165,7 +167,6 @@ impl Receiver<'_> {
             }
         };
         drop(listener); // one migration at a time: later connections are refused
-        let mut pages = PageReceiver::new(&ram).for_lane(0, connections.max(1));
         let mut vcpus: Vec<Option<Vec<u8>>> = vec![None; descriptor.vcpus as usize];
         let mut devices = None;
         let mut pending: Option<Bitmap> = None;
@@ -198,7 +199,7 @@ impl Receiver<'_> {
             match msg {
                 Message::Populated { pages: n, words } => {
                     let map = page_map(&ram, n, words)?;
-                    pages.present_ahead(&map);
+                    pages.present_ahead(map.clone())?;
                     prefault = Prefaulter::start(ram.clone(), map)
                         .inspect_err(|e| tracing::warn!("no prefault thread: {e}"))
                         .ok();
@@ -246,7 +247,7 @@ impl Receiver<'_> {
                         lanes.finish(&mut pages)?;
                     }
                     let stale = page_map(&ram, n, words)?;
-                    postcopy::drop_stale_copies(&ram, &stale, pages.written())?;
+                    postcopy::drop_stale_copies(&ram, &stale, &pages.present())?;
                     pages.forget(&stale);
                     wire::write_message(stream, &Message::StaleDropped)?;
                 }
@@ -306,7 +307,7 @@ impl Receiver<'_> {
             Some(p) => Some(Postcopy::arm(
                 ram.clone(),
                 p,
-                pages.written(),
+                &pages.present(),
                 source_checksum.is_some(),
             )?),
             None => None,

@@ -2,6 +2,7 @@
 //! straight from guest memory; the receiver reads page data straight into guest memory.
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::PAGE_SIZE;
@@ -421,8 +422,14 @@ pub struct PageReceiver {
     /// The frame's pages that carry data (whole or as a delta), in order.
     full: Vec<(u64, PageEncoding)>,
     zeros: Vec<u64>,
-    /// Pages this receiver has written: a zero marker for any other page needs no write.
+    /// Pages this receiver has written: a delta may only follow a whole copy, and a zero
+    /// marker for any other page needs no write.
     written: Bitmap,
+    /// Pages faulted in ahead of their data (zeros until it comes), shared by every lane of
+    /// the migration: set once, by the main connection, when the source names them.
+    ahead: Arc<OnceLock<Bitmap>>,
+    /// This frame's zero pages that were faulted in ahead and never written: given back.
+    discard: Vec<u64>,
     /// Pages whose last copy came unchecked and did not match its CRC: the guest changed it
     /// on the way (a later copy mends it) or it was corrupted (nothing mends it).
     suspect: Bitmap,
@@ -443,6 +450,8 @@ impl PageReceiver {
             full: Vec::new(),
             zeros: Vec::new(),
             written: Bitmap::new(ram.gfn_end()),
+            ahead: Arc::default(),
+            discard: Vec::new(),
             suspect: Bitmap::new(ram.gfn_end()),
             digests: Vec::new(),
             packed: Vec::new(),
@@ -456,6 +465,13 @@ impl PageReceiver {
     /// connections never write one page).
     pub fn for_lane(mut self, lane: u32, lanes: u32) -> Self {
         self.lane = (lane, lanes);
+        self
+    }
+
+    /// A receiver that learns which pages were faulted in ahead from `main` (another lane of
+    /// the same migration).
+    pub fn sharing_ahead_with(mut self, main: &PageReceiver) -> Self {
+        self.ahead = main.ahead.clone();
         self
     }
 
@@ -478,15 +494,28 @@ impl PageReceiver {
         &self.suspect
     }
 
-    /// Pages this receiver has written into guest memory.
-    /// Pages faulted in ahead of their data (zeros until it comes): from now on they count
-    /// as holding a copy, so a zero marker for one is written and post-copy drops a stale one.
-    pub fn present_ahead(&mut self, pages: &Bitmap) {
-        self.written.merge(pages);
+    /// Pages faulted in ahead of their data (zeros until it comes). A zero marker for one
+    /// that no data reached gives it back, so the destination holds no more than the source.
+    /// Once per migration: the source names them before its first round.
+    pub fn present_ahead(&mut self, pages: Bitmap) -> Result<()> {
+        self.ahead
+            .set(pages)
+            .map_err(|_| Error::Protocol("the source named its populated pages twice".into()))
     }
 
+    /// Pages this receiver has written into guest memory.
     pub fn written(&self) -> &Bitmap {
         &self.written
+    }
+
+    /// Pages that may be present in guest memory: written, or faulted in ahead. Post-copy
+    /// must drop a pending one, or the guest would read it instead of asking the source.
+    pub fn present(&self) -> Bitmap {
+        let mut present = self.written.clone();
+        if let Some(ahead) = self.ahead.get() {
+            present.merge(ahead);
+        }
+        present
     }
 
     /// Reads the body of a page frame whose header was `header`.
@@ -557,12 +586,17 @@ impl PageReceiver {
             };
             place_pages(ram, &self.full, &self.written, data)?;
         }
+        let ahead = self.ahead.get();
+        self.discard.clear();
         for &pfn in &self.zeros {
             if self.written.get(pfn) {
                 ram.zero_page(pfn)?;
+            } else if ahead.is_some_and(|a| a.get(pfn)) {
+                self.discard.push(pfn);
             }
             self.suspect.unset(pfn);
         }
+        ram.discard_pages(&self.discard)?;
         for &(pfn, _) in &self.full {
             self.written.set(pfn);
             if header[1] & PAGE_DATA_UNCHECKED == 0 {
@@ -1043,6 +1077,44 @@ mod tests {
         let wire = framed(&[(3, PageEncoding::Delta)], 0, &[5, 0, 0, 0, 1, 0, 0xff]);
         let e = receive_all(&wire, &dst).unwrap_err();
         assert!(e.to_string().contains("never sent whole"), "{e}");
+    }
+
+    /// Pages faulted in ahead hold zeros, not a copy: a delta on one is refused, a zero page
+    /// among them is given back (the destination holds no more than the source), and all
+    /// count as present (post-copy must drop them before the guest reads one).
+    #[test]
+    fn pages_faulted_in_ahead_are_present_but_not_sent() {
+        let (_src_buf, src) = source(|_| false);
+        let shadow = crate::memory::ShadowRam::like(&src).unwrap();
+        let dst = shadow.ram();
+        let mut ahead = Bitmap::new(dst.gfn_end());
+        for pfn in 0..PAGES {
+            ahead.set(pfn);
+            dst.zero_page(pfn).unwrap(); // faults it in, as the prefaulter does
+        }
+        let lane = |r: &PageReceiver| PageReceiver::new(dst).sharing_ahead_with(r);
+        let mut receiver = PageReceiver::new(dst);
+        receiver.present_ahead(ahead.clone()).unwrap();
+        let e = receiver.present_ahead(ahead.clone()).unwrap_err();
+        assert!(e.to_string().contains("twice"), "{e}");
+
+        let delta = framed(&[(3, PageEncoding::Delta)], 0, &[5, 0, 0, 0, 1, 0, 0xff]);
+        let e = feed(&mut lane(&receiver), &delta, dst).unwrap_err();
+        assert!(e.to_string().contains("never sent whole"), "{e}");
+
+        // Another lane of the migration receives: it learned which pages came ahead.
+        let mut other = lane(&receiver);
+        let (wire, _) = send(&src, Compression::None, true);
+        feed(&mut other, &wire, dst).unwrap();
+        // (Before the pages are read: a read maps the kernel's zero page in.)
+        let populated = crate::scan::populated_pages(dst).unwrap();
+        let data: Vec<u64> = (0..PAGES).filter(|p| p % 5 != 0).collect();
+        assert_eq!(populated.iter().collect::<Vec<_>>(), data);
+        for pfn in 0..PAGES {
+            assert_eq!(dst.page(pfn).unwrap(), src.page(pfn).unwrap(), "page {pfn}");
+        }
+        assert_eq!(other.written().iter().collect::<Vec<_>>(), data);
+        assert_eq!(other.present().count(), PAGES);
     }
 
     #[test]

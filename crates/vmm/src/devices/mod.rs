@@ -22,6 +22,8 @@ use virtio::{SLOT_SIZE, WriteLog};
 
 /// The longest a pause waits for a device to finish what it is doing.
 const QUIESCE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// The longest a VM's teardown waits for its I/O threads.
+const JOIN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The devices vCPU threads reach, on port I/O and MMIO. Each device has its own lock so that
 /// serial output never waits behind a heartbeat, a disk request or the reverse.
@@ -133,13 +135,27 @@ impl DeviceBus {
     }
 
     /// Stops the I/O threads and waits for them (each sees `stopped` within 20 ms, or once the
-    /// request it is serving is done). Not from an I/O thread.
+    /// request it is serving is done). A thread still busy after `JOIN_WAIT` is left behind
+    /// (in a post-copy whose source died, a request can wait for ever for a page that will
+    /// not come); it holds its own references to the bus and guest memory, so nothing it
+    /// uses goes away. Not from an I/O thread.
     pub fn join_io_threads(&self) {
         self.stop();
         let threads =
             std::mem::take(&mut *self.io_threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let deadline = std::time::Instant::now() + JOIN_WAIT;
         for t in threads {
-            let _ = t.join();
+            while !t.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                tracing::warn!(
+                    "{} is still serving a request after {JOIN_WAIT:?}; left behind",
+                    t.thread().name().unwrap_or("an I/O thread")
+                );
+            }
         }
     }
 
@@ -356,5 +372,43 @@ impl DeviceBus {
         } else {
             data.fill(0xff); // an unclaimed port floats high
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A VM's teardown never hangs on an I/O thread stuck in a request (a post-copy page that
+    /// will not come): the threads that stop are joined, a stuck one is left behind.
+    #[test]
+    fn teardown_leaves_a_stuck_io_thread_behind() {
+        let serial = SerialDevice::new(
+            EventFd::new(EFD_NONBLOCK).unwrap(),
+            Box::new(std::io::sink()),
+        );
+        let bus = Arc::new(
+            DeviceBus::new(serial.unwrap(), HeartbeatDevice::new(1), vec![], vec![], 16).unwrap(),
+        );
+        let (unstick, stuck) = std::sync::mpsc::channel::<()>();
+        let (b, done) = (bus.clone(), Arc::new(AtomicBool::new(false)));
+        let d = done.clone();
+        let serving = std::thread::spawn(move || {
+            while !b.stopped.load(Ordering::Acquire) {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            d.store(true, Ordering::Release);
+        });
+        let blocked = std::thread::spawn(move || {
+            let _ = stuck.recv();
+        });
+        *bus.io_threads.lock().unwrap() = vec![serving, blocked];
+        bus.join_io_threads();
+        assert!(
+            done.load(Ordering::Acquire),
+            "the serving thread was joined"
+        );
+        assert!(bus.io_threads.lock().unwrap().is_empty());
+        unstick.send(()).unwrap();
     }
 }
