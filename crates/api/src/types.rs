@@ -116,6 +116,9 @@ pub struct MigrationRequest {
     pub connections: Option<i64>,
     /// none (default), lz4, zstd or auto.
     pub compression: Option<String>,
+    /// Threads that compress, shared out among the connections (default: one per
+    /// connection; more needs compression).
+    pub migration_threads: Option<i64>,
     /// Delta encoding of re-sent pages: MiB of last-sent copies kept (0, the default: off).
     pub delta_cache_mb: Option<i64>,
     /// Post-copy checkpoints every this many ms (5..=60000; off when absent): the source can
@@ -147,6 +150,12 @@ pub struct MigrateResumeRequest {
 #[serde(deny_unknown_fields)]
 pub struct SnapshotRequest {
     pub file: String,
+    /// none (default), lz4, zstd or auto.
+    #[serde(default)]
+    pub compression: Option<String>,
+    /// Threads that compress (default 1; more needs compression).
+    #[serde(default)]
+    pub migration_threads: Option<i64>,
 }
 
 /// Where a migration is, as `GET /api/v1/vm.migration` names it.
@@ -265,6 +274,9 @@ pub struct MigrationStatus {
     pub memory_pages: u64,
     /// Connections the pages travel on (the main one and the extra ones).
     pub connections: u32,
+    /// Threads that compressed page data (one per connection unless asked for more).
+    #[serde(default)]
+    pub migration_threads: u32,
     /// Which zero-page check this host runs: avx512, avx2 or scalar.
     pub zero_page_check: String,
     pub pages_full: u64,

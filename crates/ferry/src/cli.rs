@@ -91,6 +91,10 @@ pub struct MigrateArgs {
     /// picks what moves its pages soonest over this link, and changes its mind).
     #[arg(long)]
     pub compression: Option<String>,
+    /// Threads that compress page data, shared out among the connections (default: one per
+    /// connection, its sender; more needs --compression).
+    #[arg(long, allow_negative_numbers = true)]
+    pub migration_threads: Option<i64>,
     /// Send re-sent pages as deltas of their last copy (XBZRLE-like), keeping this many MiB
     /// of last-sent copies (0: off, the default).
     #[arg(long, allow_negative_numbers = true)]
@@ -123,6 +127,13 @@ pub struct SnapshotArgs {
     /// The snapshot file to write.
     #[arg(long)]
     pub to: PathBuf,
+    /// Page data compressed per frame: none (default), lz4, zstd or auto.
+    #[arg(long)]
+    pub compression: Option<String>,
+    /// Threads that compress page data while the file is written (default 1; more needs
+    /// --compression).
+    #[arg(long, allow_negative_numbers = true)]
+    pub migration_threads: Option<i64>,
     #[arg(long)]
     pub json: bool,
 }

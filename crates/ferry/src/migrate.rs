@@ -37,6 +37,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         prepaging: args.prepaging.clone(),
         connections: args.connections,
         compression: args.compression.clone(),
+        migration_threads: args.migration_threads,
         delta_cache_mb: args.delta_cache_mb,
         checkpoint_ms: args.checkpoint_ms,
     };
@@ -76,6 +77,8 @@ pub fn snapshot(args: &SnapshotArgs) -> Result<i32> {
     let client = ApiClient::new(&args.api_socket);
     let body = SnapshotRequest {
         file: args.to.display().to_string(),
+        compression: args.compression.clone(),
+        migration_threads: args.migration_threads,
     };
     let v = client
         .put("vm.snapshot", Some(&serde_json::to_value(&body)?))

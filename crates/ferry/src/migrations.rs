@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use api::{ApiError, MigrateResumeRequest, MigrationRequest, SnapshotRequest};
 use migration::status::Role;
 use migration::wire::tls::Tls;
+use migration::{Compression, Migratable, Strategy};
 use migration::{Endpoint, ErrorKind, Incoming, MigrationParams, Outgoing, Phase, StatusBoard};
-use migration::{Migratable, Strategy};
 use serde_json::Value;
 
 use crate::controller::{Controller, Phase as VmPhase};
@@ -119,6 +119,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         note: s.note.clone(),
         memory_pages: s.memory_pages,
         connections: s.connections,
+        migration_threads: s.migration_threads,
         zero_page_check: s.zero_page_check.clone(),
         pages_full: p.pages.full,
         pages_zero: p.pages.zero,
@@ -192,6 +193,30 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
     }
 }
 
+fn compression(asked: Option<&str>) -> Result<Compression, ApiError> {
+    asked.map_or(Ok(Compression::default()), |c| c.parse().map_err(api_error))
+}
+
+fn migration_threads(asked: Option<i64>) -> Result<Option<u32>, ApiError> {
+    match asked {
+        Some(n) if n <= 0 || n > i64::from(u32::MAX) => Err(ApiError::bad_request(format!(
+            "migration_threads must be a positive number of threads, not {n}"
+        ))),
+        n => Ok(n.map(|n| n as u32)),
+    }
+}
+
+/// A snapshot's parameters: one stream to the file, compressed as the body asks.
+pub fn snapshot_params(req: &SnapshotRequest) -> Result<MigrationParams, ApiError> {
+    let params = MigrationParams {
+        compression: compression(req.compression.as_deref())?,
+        migration_threads: migration_threads(req.migration_threads)?,
+        ..MigrationParams::default()
+    };
+    params.validate().map_err(api_error)?;
+    Ok(params)
+}
+
 /// Turns the API body into engine parameters, naming any bad field.
 pub fn params_from_request(
     req: &MigrationRequest,
@@ -243,10 +268,8 @@ pub fn params_from_request(
             }
             n => n.unwrap_or(0) as u64,
         },
-        compression: match req.compression.as_deref() {
-            None => defaults.compression,
-            Some(c) => c.parse().map_err(api_error)?,
-        },
+        compression: compression(req.compression.as_deref())?,
+        migration_threads: migration_threads(req.migration_threads)?,
         checkpoint_ms: match req.checkpoint_ms {
             Some(n) if n < 0 || n > i64::from(u32::MAX) => {
                 return Err(ApiError::bad_request(format!(
@@ -360,6 +383,7 @@ impl Controller {
     /// failure removes only the file it created.
     pub fn snapshot(&self, req: &SnapshotRequest) -> Result<Value, ApiError> {
         let vm = self.require_live()?.clone();
+        let params = snapshot_params(req)?;
         let path = self.snapshot_path(&req.file)?;
         let path = path.as_path();
         let file = OpenOptions::new()
@@ -378,7 +402,7 @@ impl Controller {
         let result = self
             .migrations
             .outgoing
-            .snapshot(vm.as_ref(), file, &req.file);
+            .snapshot(vm.as_ref(), file, &req.file, &params);
         match result {
             Ok(_) => Ok(self.migrations.status_json()),
             Err(e) => {

@@ -39,7 +39,7 @@ pub fn render(s: &MigrationStatus) -> String {
     if let Some(n) = &s.note {
         let _ = writeln!(o, "  note: {n}");
     }
-    let rows: [(&str, String); 18] = [
+    let rows: [(&str, String); 19] = [
         ("setup", format!("{:.2} ms", s.setup_ms)),
         ("downtime (source's clock)", opt_ms(s.downtime_ms)),
         (
@@ -64,6 +64,7 @@ pub fn render(s: &MigrationStatus) -> String {
         ("pages resent (dirtied again)", s.pages_resent.to_string()),
         ("bytes on the wire", s.bytes_on_wire.to_string()),
         ("connections", s.connections.to_string()),
+        ("migration threads", s.migration_threads.to_string()),
         (
             "average throughput",
             format!("{:.1} Mbit/s", s.average_throughput_mbps),

@@ -104,8 +104,18 @@ fn compressed_pages_over_two_connections_keep_every_page() {
     if !kvm_available() {
         return;
     }
-    for codec in ["lz4", "zstd", "auto"] {
-        let r = tcp_precopy_keeps_every_page(&["--connections", "2", "--compression", codec]);
+    // zstd also on three threads more than the connections (they compress, the two senders
+    // write).
+    for (codec, threads) in [("lz4", "2"), ("zstd", "5"), ("auto", "2")] {
+        let r = tcp_precopy_keeps_every_page(&[
+            "--connections",
+            "2",
+            "--compression",
+            codec,
+            "--migration-threads",
+            threads,
+        ]);
+        assert_eq!(r.migration_threads.to_string(), threads);
         let c = &r.compression;
         assert_eq!(c.asked, codec);
         assert!(
@@ -232,7 +242,18 @@ fn snapshot_and_restore_continue_the_workload() {
         return;
     }
     let src = Ferry::writer("write ws=32M seq verify");
-    let (file, _) = src.snapshot("vm.ferry");
+    // Compressed by two threads while the file is written.
+    let (file, out) = src.snapshot_with(
+        "vm.ferry",
+        &["--compression", "zstd", "--migration-threads", "2"],
+    );
+    let report: api::MigrationStatus = serde_json::from_slice(&out.stdout).expect("report");
+    assert_eq!(report.migration_threads, 2);
+    assert!(
+        report.compression.frames_zstd > 0,
+        "{:?}",
+        report.compression
+    );
     let saved = src.info();
     assert_eq!(saved.state, "paused", "a snapshot leaves the source paused");
     let mode =
@@ -429,6 +450,25 @@ fn bad_migration_requests_are_refused_clearly() {
     fails(
         &["--to", &nobody, "--delta-cache-mb", "-1"],
         "delta_cache_mb must be 0..=65536, not -1",
+    );
+    fails(
+        &[
+            "--to",
+            &nobody,
+            "--connections",
+            "2",
+            "--migration-threads",
+            "1",
+        ],
+        "migration_threads must be 2..=64, at least one per connection (got 1)",
+    );
+    fails(
+        &["--to", &nobody, "--migration-threads", "4"],
+        "migration_threads above connections needs compression",
+    );
+    fails(
+        &["--to", &nobody, "--migration-threads", "-3"],
+        "migration_threads must be a positive number of threads, not -3",
     );
     fails(
         &["--to", &nobody, "--compression", "brotli"],

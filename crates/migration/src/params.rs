@@ -68,6 +68,9 @@ pub struct MigrationParams {
     /// Page data compressed per frame: none, lz4, zstd, or auto (chosen by link and data, by
     /// each connection's sender).
     pub compression: Compression,
+    /// Threads that compress page data, shared out among the connections (`None`: each
+    /// connection's sender compresses its own). More than `connections` needs compression.
+    pub migration_threads: Option<u32>,
     /// Delta encoding of re-sent pages: MiB of last-sent copies kept (shared out among the
     /// connections); 0: off.
     pub delta_cache_mb: u64,
@@ -95,6 +98,7 @@ impl Default for MigrationParams {
             prepaging: Strategy::Bubble,
             connections: 1,
             compression: Compression::None,
+            migration_threads: None,
             delta_cache_mb: 0,
             checkpoint_ms: None,
         }
@@ -139,6 +143,37 @@ impl MigrationParams {
                 self.connections
             )));
         }
+        if let Some(t) = self.migration_threads {
+            if !(self.connections..=MAX_MIGRATION_THREADS).contains(&t) {
+                return Err(Error::Param(format!(
+                    "migration_threads must be {}..={MAX_MIGRATION_THREADS}, at least one per \
+                     connection (got {t})",
+                    self.connections
+                )));
+            }
+            if t > self.connections && self.compression == Compression::None {
+                return Err(Error::Param(
+                    "migration_threads above connections needs compression (lz4, zstd or \
+                     auto): the extra threads compress"
+                        .into(),
+                ));
+            }
+        }
         Ok(())
     }
+
+    /// Threads that compress connection `lane`'s frames (1: its sender itself): the
+    /// migration's threads shared out evenly, the first connections taking what is left over.
+    pub fn packers_of(&self, lane: u32) -> usize {
+        let connections = self.connections.max(1);
+        let threads = self
+            .migration_threads
+            .unwrap_or(connections)
+            .max(connections);
+        let extra = u32::from(lane < threads % connections);
+        (threads / connections + extra) as usize
+    }
 }
+
+/// Most threads one migration may compress on.
+pub const MAX_MIGRATION_THREADS: u32 = 64;

@@ -157,6 +157,9 @@ pub struct Status {
     pub memory_pages: u64,
     /// Connections the pages travel on (the main one and the extra ones).
     pub connections: u32,
+    /// Threads that compress page data (one per connection unless `migration_threads` asks
+    /// for more).
+    pub migration_threads: u32,
     /// Which zero-page check this host runs: avx512, avx2 or scalar.
     pub zero_page_check: String,
     /// What the destination said when it answered: can it take post-copy?

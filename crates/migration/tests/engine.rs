@@ -346,16 +346,18 @@ fn migrate(src: &Arc<FakeVm>, params: MigrationParams, refuse: Option<&'static s
 #[test]
 fn precopy_moves_memory_exactly_while_the_guest_writes() {
     for connections in [1, 2, 4] {
-        precopy_over(connections, Compression::None);
+        precopy_over(connections, Compression::None, None);
     }
 }
 
-/// Every codec, and `auto`, over one connection and over two.
+/// Every codec, and `auto`, over one connection and over two, compressed by each sender
+/// or by more threads than connections (shared out unevenly: 3 for one, 5 for two).
 #[test]
 fn compressed_precopy_moves_memory_exactly_while_the_guest_writes() {
     for compression in ["lz4", "zstd", "auto"] {
-        for connections in [1, 2] {
-            let s = precopy_over(connections, compression.parse().unwrap());
+        for (connections, threads) in [(1, None), (2, None), (1, Some(3)), (2, Some(5))] {
+            let s = precopy_over(connections, compression.parse().unwrap(), threads);
+            assert_eq!(s.migration_threads, threads.unwrap_or(connections));
             let c = &s.progress.compression;
             assert!(
                 c.frames_lz4 + c.frames_zstd > 0 && c.bytes_out < c.bytes_in,
@@ -386,12 +388,13 @@ fn migrate_while_writing(params: MigrationParams) -> (Arc<FakeVm>, Run) {
     (src, run)
 }
 
-fn precopy_over(connections: u32, compression: Compression) -> Status {
+fn precopy_over(connections: u32, compression: Compression, threads: Option<u32>) -> Status {
     let (src, run) = migrate_while_writing(MigrationParams {
         max_downtime_ms: 1,
         max_rounds: 6,
         connections,
         compression,
+        migration_threads: threads,
         ..Default::default()
     });
     run.result.expect("migration");
@@ -463,14 +466,16 @@ fn auto_converge_throttles_in_steps_and_releases() {
 /// the moment it resumes (faults that must be served by request), the rest is pushed.
 #[test]
 fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
-    for (mode, connections, compression) in [
-        (Mode::Postcopy, 1, "none"),
-        (Mode::Hybrid, 1, "none"),
-        (Mode::Postcopy, 3, "none"),
-        (Mode::Hybrid, 3, "none"),
-        (Mode::Postcopy, 1, "lz4"),
-        (Mode::Hybrid, 2, "zstd"),
-        (Mode::Hybrid, 2, "auto"),
+    for (mode, connections, compression, threads) in [
+        (Mode::Postcopy, 1, "none", None),
+        (Mode::Hybrid, 1, "none", None),
+        (Mode::Postcopy, 3, "none", None),
+        (Mode::Hybrid, 3, "none", None),
+        (Mode::Postcopy, 1, "lz4", None),
+        (Mode::Postcopy, 1, "lz4", Some(2)),
+        (Mode::Hybrid, 2, "zstd", None),
+        (Mode::Hybrid, 2, "zstd", Some(4)),
+        (Mode::Hybrid, 2, "auto", None),
     ] {
         let src = FakeVm::new();
         for i in 0..PAGES {
@@ -488,6 +493,7 @@ fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
                 mode,
                 connections,
                 compression: compression.parse().unwrap(),
+                migration_threads: threads,
                 ..Default::default()
             },
             None,
@@ -608,9 +614,18 @@ fn a_paused_vm_stays_paused() {
 
 /// Writes `src` to a new snapshot file at `path`.
 fn snapshot_to(src: &FakeVm, path: &std::path::Path) {
+    snapshot_with(src, path, &MigrationParams::default());
+}
+
+fn snapshot_with(src: &FakeVm, path: &std::path::Path, params: &MigrationParams) -> Status {
     Outgoing::new(StatusBoard::default(), None)
-        .snapshot(src, std::fs::File::create(path).unwrap(), "vm.ferry")
-        .expect("snapshot");
+        .snapshot(
+            src,
+            std::fs::File::create(path).unwrap(),
+            "vm.ferry",
+            params,
+        )
+        .expect("snapshot")
 }
 
 /// Restores the snapshot at `path` into `into`.
@@ -642,6 +657,21 @@ fn snapshot_file_restores_the_same_memory() {
     let path = dir.path().join("vm.ferry");
     snapshot_to(&src, &path);
     let restored = restore(&path, FakeVm::new())
+        .expect("restore")
+        .expect("a VM");
+    assert!(src.memory() == restored.memory());
+
+    // Compressed by three threads while one writes the file: the same memory comes back.
+    let packed = dir.path().join("packed.ferry");
+    let params = MigrationParams {
+        compression: "zstd".parse().unwrap(),
+        migration_threads: Some(3),
+        ..Default::default()
+    };
+    let status = snapshot_with(&src, &packed, &params);
+    assert_eq!(status.migration_threads, 3);
+    assert!(status.progress.compression.frames_zstd > 0, "{status:?}");
+    let restored = restore(&packed, FakeVm::new())
         .expect("restore")
         .expect("a VM");
     assert!(src.memory() == restored.memory());
@@ -714,7 +744,11 @@ fn after_go_without_an_answer_the_vm_never_runs_twice() {
     let e = again.unwrap_err();
     assert!(e.to_string().contains("unconfirmed"), "{e}");
     let file = std::fs::File::create(dir.path().join("s")).unwrap();
-    assert!(outgoing.snapshot(src.as_ref(), file, "s").is_err());
+    assert!(
+        outgoing
+            .snapshot(src.as_ref(), file, "s", &MigrationParams::default())
+            .is_err()
+    );
     assert_eq!(
         board.phase(),
         Phase::Unconfirmed,

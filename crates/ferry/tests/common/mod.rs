@@ -246,15 +246,22 @@ impl Ferry {
     /// `ferry snapshot --json` of this VM into its scratch folder as `name`, which must
     /// succeed; returns the file and the command's output.
     pub fn snapshot(&self, name: &str) -> (PathBuf, Output) {
+        self.snapshot_with(name, &[])
+    }
+
+    /// A snapshot with `extra` flags (compression, threads).
+    pub fn snapshot_with(&self, name: &str, extra: &[&str]) -> (PathBuf, Output) {
         let file = self.scratch(name);
-        let out = ferry_output(&[
+        let mut args = vec![
             "snapshot",
             "--api-socket",
             self.socket.to_str().unwrap(),
             "--to",
             file.to_str().unwrap(),
             "--json",
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        let out = ferry_output(&args);
         assert!(
             out.status.success(),
             "{}",

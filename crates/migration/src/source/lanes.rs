@@ -103,6 +103,7 @@ impl Session<'_> {
                 ended: false,
                 pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
                     .with_compression(self.params.compression)
+                    .with_packers(self.params.packers_of(lane))
                     .with_delta_cache(delta_cache_pages(self.params))
                     .with_queue_probe(probe),
                 limiter,

@@ -288,16 +288,22 @@ impl Outgoing {
     }
 
     /// Writes `vm` to `file` (a snapshot) and leaves the VM paused: its new home is the file.
-    /// `name` is how the status names the file.
-    pub fn snapshot(&self, vm: &dyn Migratable, file: File, name: &str) -> Result<Status> {
+    /// `name` is how the status names the file; `params` say how to compress (the rest of
+    /// them is for migrations).
+    pub fn snapshot(
+        &self,
+        vm: &dyn Migratable,
+        file: File,
+        name: &str,
+        params: &MigrationParams,
+    ) -> Result<Status> {
         self.claim()?;
-        let params = MigrationParams::default();
         let status = Status::new(Role::Source, "snapshot", name.to_string());
         self.board.publish(&status);
         let mut session = Session::new(
             vm,
             Stream::File(file),
-            &params,
+            params,
             &self.controls,
             &self.leftover,
             &self.board,

@@ -92,6 +92,7 @@ impl<'a> Session<'a> {
             stream,
             pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
                 .with_compression(params.compression)
+                .with_packers(params.packers_of(0))
                 .with_delta_cache(lanes::delta_cache_pages(params))
                 .with_queue_probe(probe),
             lanes: Vec::new(),
@@ -155,6 +156,9 @@ impl<'a> Session<'a> {
             1
         };
         self.status.connections = connections;
+        self.status.migration_threads = (0..connections)
+            .map(|lane| self.params.packers_of(lane) as u32)
+            .sum();
         let session = if connections > 1 {
             lanes::session_id()?
         } else {

@@ -6,6 +6,7 @@ pub mod codec;
 pub mod delta;
 pub mod frame;
 pub mod message;
+pub(crate) mod packers;
 pub mod pages;
 pub mod tls;
 pub mod transport;

@@ -15,6 +15,7 @@ use crate::wire::delta::{self, DeltaCache, MAX_DELTA};
 use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
 };
+use crate::wire::packers::{FrameBufs, Packed, Packers, pack};
 use crate::wire::transport::Stream;
 use crate::wire::zero::is_zero_page;
 
@@ -83,8 +84,11 @@ pub struct PageSender {
     chooser: Chooser,
     contexts: Contexts,
     /// A compressed frame's pages, copied out of guest memory, and what they compressed to.
-    raw: Vec<u8>,
-    packed: Vec<u8>,
+    /// Buffers of frames already written, for the next ones.
+    spare: Vec<FrameBufs>,
+    /// Threads that compress frames while this one gathers and writes (`None`: this thread
+    /// compresses).
+    packers: Option<Packers>,
     /// The copies sent last, for delta encoding (`None`: off).
     delta: Option<DeltaCache>,
     scratch: Vec<u8>,
@@ -106,8 +110,8 @@ impl PageSender {
             compression: Compression::None,
             chooser: Chooser::default(),
             contexts: Contexts::default(),
-            raw: Vec::new(),
-            packed: Vec::new(),
+            spare: Vec::new(),
+            packers: None,
             delta: None,
             scratch: Vec::new(),
             queue: None,
@@ -162,6 +166,17 @@ impl PageSender {
         self
     }
 
+    /// Compresses on `threads` threads of their own (when there is compression and more than
+    /// one), while this one gathers pages and writes frames; `auto` then weighs each codec's
+    /// speed on that many cores.
+    pub fn with_packers(mut self, threads: usize) -> Self {
+        if threads > 1 && self.compression != Compression::None {
+            self.packers = Some(Packers::new(threads, build_head));
+            self.chooser = Chooser::default().on_cores(threads);
+        }
+        self
+    }
+
     /// Queues page `pfn` (a zero page becomes a marker) and sends a frame when one is full.
     pub fn push(
         &mut self,
@@ -177,12 +192,26 @@ impl PageSender {
         };
         self.pfns.push((pfn, enc));
         if self.pfns.len() >= self.batch {
-            self.flush(w, ram, limiter)?;
+            self.send_batch(w, ram, limiter)?;
         }
         Ok(())
     }
 
+    /// Sends what is queued and waits for every frame still being compressed: after this,
+    /// every page pushed is on the wire, in the order pushed.
     pub fn flush(
+        &mut self,
+        w: &mut impl Write,
+        ram: &GuestRam,
+        limiter: &mut RateLimiter,
+    ) -> Result<()> {
+        self.send_batch(w, ram, limiter)?;
+        self.drain(w, limiter)
+    }
+
+    /// Sends the queued pages as one frame, or hands them to a packer (then the frame leaves
+    /// later, but before any frame gathered after it).
+    fn send_batch(
         &mut self,
         w: &mut impl Write,
         ram: &GuestRam,
@@ -211,27 +240,69 @@ impl PageSender {
             }
         }
         let buffered = codec != Codec::None || self.delta.is_some();
-        let (frame_bytes, cost, used) = if buffered && full > 0 {
-            self.send_buffered(w, ram, limiter, codec)?
-        } else {
-            self.send_in_place(w, ram, limiter, full)?
-        };
-        if self.compression == Compression::Auto {
-            self.chooser.learn(cost);
+        if !(buffered && full > 0) {
+            // Frames gathered before this one leave first.
+            self.drain(w, limiter)?;
+            let (frame_bytes, cost) = self.send_in_place(w, ram, limiter, full)?;
+            let pfns = std::mem::take(&mut self.pfns);
+            self.account(&pfns, frame_bytes, cost, Codec::None);
+            self.pfns = pfns;
+            self.pfns.clear();
+            return Ok(());
         }
-        self.counters.full += full as u64;
-        self.counters.zero += (self.pfns.len() - full) as u64;
+        let bufs = self.gather(ram)?;
+        if self.packers.is_none() {
+            let frame = pack(bufs, codec, &mut self.contexts, build_head)?;
+            return self.write_packed(w, limiter, frame);
+        }
+        while self.packers.as_ref().is_some_and(Packers::full) {
+            self.write_next(w, limiter)?;
+        }
+        self.packers
+            .as_mut()
+            .expect("checked above")
+            .submit(bufs, codec)
+    }
+
+    /// Writes every frame the packers hold, oldest first.
+    fn drain(&mut self, w: &mut impl Write, limiter: &mut RateLimiter) -> Result<()> {
+        while self.write_next(w, limiter)? {}
+        Ok(())
+    }
+
+    /// Writes the oldest frame the packers hold, once packed; false when they hold none.
+    fn write_next(&mut self, w: &mut impl Write, limiter: &mut RateLimiter) -> Result<bool> {
+        let Some(frame) = self.packers.as_mut().and_then(Packers::next) else {
+            return Ok(false);
+        };
+        self.write_packed(w, limiter, frame?)?;
+        Ok(true)
+    }
+
+    /// Counts a frame that went on the wire, and lets `auto` learn from it.
+    fn account(
+        &mut self,
+        pfns: &[(u64, PageEncoding)],
+        frame_bytes: u64,
+        cost: BatchCost,
+        used: Codec,
+    ) {
+        let zero = pfns
+            .iter()
+            .filter(|(_, e)| *e == PageEncoding::Zero)
+            .count() as u64;
+        self.counters.full += pfns.len() as u64 - zero;
+        self.counters.zero += zero;
         self.counters.bytes += frame_bytes;
         self.counters.frames_by_codec[used as usize] += 1;
-        if self.compression == Compression::Auto {
-            self.look_at_queue();
-        }
         if used != Codec::None {
             self.counters.packed_in += cost.raw_bytes as u64;
             self.counters.packed_out += cost.packed_bytes as u64;
         }
-        self.pfns.clear();
-        Ok(())
+        if self.compression == Compression::Auto {
+            self.chooser.learn(cost);
+            self.look_at_queue();
+        }
     }
 
     fn full_pages(&self) -> impl Iterator<Item = u64> + '_ {
@@ -248,7 +319,7 @@ impl PageSender {
         ram: &GuestRam,
         limiter: &mut RateLimiter,
         full: usize,
-    ) -> Result<(u64, BatchCost, Codec)> {
+    ) -> Result<(u64, BatchCost)> {
         let flags = if self.checked { 0 } else { PAGE_DATA_UNCHECKED };
         let digests = if self.checked { 0 } else { DIGEST_LEN * full };
         let len = build_head(
@@ -305,95 +376,76 @@ impl PageSender {
                 compress_time: Duration::ZERO,
                 write_time: started.elapsed(),
             },
-            Codec::None,
         ))
     }
 
-    /// The frame's pages are copied out of guest memory once (a consistent copy, so the
-    /// checksum always covers the data); a page the delta cache holds goes as its delta when
-    /// that is short; then the data is compressed, or goes as it is when it does not shrink.
-    fn send_buffered(
-        &mut self,
-        w: &mut impl Write,
-        ram: &GuestRam,
-        limiter: &mut RateLimiter,
-        codec: Codec,
-    ) -> Result<(u64, BatchCost, Codec)> {
-        let started = Instant::now();
-        let mut raw = std::mem::take(&mut self.raw);
+    /// Copies the queued pages out of guest memory once (a consistent copy, so the checksum
+    /// always covers the data); a page the delta cache holds goes as its delta when that is
+    /// short. The pages move into the returned buffers (the queue is left empty).
+    fn gather(&mut self, ram: &GuestRam) -> Result<FrameBufs> {
+        let mut bufs = self.spare.pop().unwrap_or_default();
+        std::mem::swap(&mut bufs.pfns, &mut self.pfns);
+        self.pfns.clear();
+        let raw = &mut bufs.raw;
         raw.clear();
-        for i in 0..self.pfns.len() {
-            let (pfn, enc) = self.pfns[i];
-            let Some(cache) = self.delta.as_mut() else {
-                if enc == PageEncoding::Full {
-                    raw.extend_from_slice(ram.page(pfn)?);
-                }
-                continue;
-            };
-            if enc == PageEncoding::Zero {
+        for (pfn, enc) in bufs.pfns.iter_mut() {
+            if *enc == PageEncoding::Zero {
                 continue;
             }
             let at = raw.len();
-            raw.extend_from_slice(ram.page(pfn)?);
+            raw.extend_from_slice(ram.page(*pfn)?);
+            let Some(cache) = self.delta.as_mut() else {
+                continue;
+            };
             let page = &raw[at..at + PAGE_SIZE];
             let mut delta = std::mem::take(&mut self.scratch);
             delta.clear();
             let encoded = cache
-                .get(pfn)
+                .get(*pfn)
                 .and_then(|old| delta::encode(old, page, &mut delta));
-            cache.put(pfn, page);
+            cache.put(*pfn, page);
             if let Some(n) = encoded {
                 raw.truncate(at);
                 raw.extend_from_slice(&(n as u16).to_le_bytes());
                 raw.extend_from_slice(&delta);
-                self.pfns[i].1 = PageEncoding::Delta;
+                *enc = PageEncoding::Delta;
                 self.counters.delta_pages += 1;
                 self.counters.delta_saved += (PAGE_SIZE - 2 - n) as u64;
             }
             self.scratch = delta;
         }
-        let used = if codec == Codec::None {
-            Codec::None
-        } else {
-            codec.compress(&raw, &mut self.packed, &mut self.contexts)?;
-            if self.packed.len() < raw.len() {
-                codec
-            } else {
-                Codec::None
-            }
-        };
-        let compress_time = started.elapsed();
-        let data: &[u8] = if used == Codec::None {
-            &raw
-        } else {
-            &self.packed
-        };
-        let data_len = data.len();
-        let len = build_head(&mut self.head, &self.pfns, used.flag_bits(), data_len);
-        let mut crc = crc32fast::Hasher::new();
-        crc.update(&self.head);
-        crc.update(data);
-        let trailer = crc.finalize().to_le_bytes();
+        Ok(bufs)
+    }
+
+    /// Writes a packed frame; its buffers are kept for a later frame.
+    fn write_packed(
+        &mut self,
+        w: &mut impl Write,
+        limiter: &mut RateLimiter,
+        frame: Packed,
+    ) -> Result<()> {
+        let data = frame.data();
+        let frame_bytes = (frame.bufs.head.len() + data.len() + 4) as u64;
         let mut slices = [
-            IoSlice::new(&self.head),
+            IoSlice::new(&frame.bufs.head),
             IoSlice::new(data),
-            IoSlice::new(&trailer),
+            IoSlice::new(&frame.trailer),
         ];
-        let frame_bytes = (FRAME_HEADER_LEN + len + 4) as u64;
         let writing = Instant::now();
         limiter.take(frame_bytes);
         protocol::write_all_vectored(w, &mut slices)?;
         // What was tried is what is learned: a codec that did not shrink the data shows a
         // ratio of 1.
         let cost = BatchCost {
-            codec,
-            raw_bytes: raw.len(),
-            packed_bytes: data_len,
-            compress_time,
+            codec: frame.tried,
+            raw_bytes: frame.bufs.raw.len(),
+            packed_bytes: data.len(),
+            compress_time: frame.compress_time,
             write_time: writing.elapsed(),
         };
-        self.raw = raw;
-        Ok((frame_bytes, cost, used))
+        self.account(&frame.bufs.pfns, frame_bytes, cost, frame.used);
+        self.spare.push(frame.bufs);
+        Ok(())
     }
 }
 
@@ -980,6 +1032,65 @@ mod tests {
                     assert_eq!(c.frames_by_codec[codec as usize], 2, "{c:?}");
                     assert_eq!(c.frames_by_codec[0], 2, "random pages went plain: {c:?}");
                     assert!(c.packed_out * 4 < c.packed_in, "{c:?}");
+                }
+            }
+        }
+    }
+
+    /// Two passes over every page with the guest writing in between, pushed without a flush
+    /// between them, so that the first pass's frames are still being packed when the second's
+    /// are gathered; returns the stream.
+    fn two_passes(sender: &mut PageSender, src_buf: &mut [u8], src: &GuestRam) -> Vec<u8> {
+        let mut limiter = RateLimiter::new(None);
+        let mut wire = Vec::new();
+        for pass in 0..2 {
+            if pass == 1 {
+                for pfn in (0..PAGES).filter(|p| p % 3 == 1) {
+                    let at = (pfn * PAGE_SIZE as u64) as usize + 16;
+                    src_buf[at..at + 8].copy_from_slice(&7u64.to_le_bytes());
+                }
+            }
+            for pfn in 0..PAGES {
+                sender.push(&mut wire, src, pfn, &mut limiter).unwrap();
+            }
+        }
+        sender.flush(&mut wire, src, &mut limiter).unwrap();
+        wire
+    }
+
+    #[test]
+    fn packer_threads_send_the_same_frames_in_the_same_order() {
+        for compression in [
+            Compression::Fixed(Codec::Lz4),
+            Compression::Fixed(Codec::Zstd),
+            Compression::Auto,
+        ] {
+            for delta in [0, PAGES as usize] {
+                let mut results = Vec::new();
+                for threads in [1, 3] {
+                    let (mut src_buf, src) = source(|pfn| pfn >= 32);
+                    let mut sender = PageSender::new(4)
+                        .with_compression(compression)
+                        .with_delta_cache(delta)
+                        .with_packers(threads);
+                    assert_eq!(sender.packers.is_some(), threads > 1);
+                    let wire = two_passes(&mut sender, &mut src_buf, &src);
+                    let mut dst_buf = vec![0u8; src_buf.len()];
+                    let dst = ram(&mut dst_buf);
+                    assert_eq!(receive_all(&wire, &dst).unwrap(), 2 * PAGES);
+                    assert!(
+                        dst_buf == src_buf,
+                        "{compression:?}, {threads} threads: the last copy of each page won"
+                    );
+                    let c = sender.counters;
+                    assert_eq!(c.full + c.zero, 2 * PAGES, "{c:?}");
+                    assert_eq!(c.frames_by_codec.iter().sum::<u64>(), 2 * PAGES / 4);
+                    results.push((wire, c));
+                }
+                if compression != Compression::Auto {
+                    // Codecs are deterministic: side by side, the stream is byte for byte the
+                    // one a single thread writes.
+                    assert!(results[0] == results[1], "{compression:?}, delta {delta}");
                 }
             }
         }
