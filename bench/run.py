@@ -49,6 +49,8 @@ def throughput():
     rows += [scenario("mixed 128M / 1G 2 connections", "1G", cmd, extra=["--connections", "2"]),
              scenario("mixed 128M / 1G 2 connections auto", "1G", cmd,
                       extra=["--connections", "2", "--compression", "auto"]),
+             scenario("mixed 128M / 1G zstd 2 threads", "1G", cmd,
+                      extra=["--compression", "zstd", "--migration-threads", "2"]),
              scenario("mixed 128M / 1G hybrid zstd", "1G", cmd, mode="hybrid",
                       extra=["--compression", "zstd"]),
              scenario("mixed 128M / 1G delta", "1G", cmd, extra=["--delta-cache-mb", "256"]),
@@ -85,11 +87,14 @@ def table2():
 
 def cpu_cost():
     """Host CPU per GiB moved: a paused guest's 256 MiB of `fill=mixed` pages moved warm (QEMU:
-    `stop`, then its pre-copy), so that no guest work is counted; ferry also with zstd."""
+    `stop`, then its pre-copy), so that no guest work is counted; ferry also with zstd, on one
+    thread and on two (`--migration-threads`)."""
     cmd = "write ws=256M seq fill=mixed"
     return [scenario("cpu: warm mixed 256M / 1G", "1G", cmd, mode="warm", cpu_gib=0.25),
             scenario("cpu: warm mixed 256M / 1G zstd", "1G", cmd, mode="warm", cpu_gib=0.25,
                      extra=["--compression", "zstd"]),
+            scenario("cpu: warm mixed 256M / 1G zstd 2 threads", "1G", cmd, mode="warm",
+                     cpu_gib=0.25, extra=["--compression", "zstd", "--migration-threads", "2"]),
             scenario("cpu: warm mixed 256M / 1G zstd 2 connections", "1G", cmd, mode="warm",
                      cpu_gib=0.25, extra=["--compression", "zstd", "--connections", "2"])]
 
@@ -126,6 +131,12 @@ def scale(memory="64G", ws="16G", vcpus=8, codec_ws="2G"):
                       mode="warm", ready_s=mixed_s,
                       extra=["--connections", str(n), "--compression", c], **common)
              for n in (1, 8) for c in ("none", "lz4", "zstd", "auto")]
+    # The codecs on more threads than connections (`--migration-threads`).
+    rows += [scenario(f"scale warm mixed {codec_ws} / {memory} {n} conn {c} {t} threads", memory,
+                      mixed, mode="warm", ready_s=mixed_s,
+                      extra=["--connections", str(n), "--compression", c,
+                             "--migration-threads", str(t)], **common)
+             for n, t in ((1, 8), (8, 16)) for c in ("zstd", "auto")]
     rows += [scenario(f"scale pre-copy {ws} / {memory} {n} conn", memory, word, ready_s=word_s,
                       extra=["--connections", str(n)], **common) for n in (1, 8)]
     return rows
