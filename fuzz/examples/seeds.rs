@@ -8,7 +8,7 @@ use ferry_fuzz::PlainVm;
 use migration::ratelimit::RateLimiter;
 use migration::wire::pages::PageSender;
 use migration::wire::{self, Message};
-use migration::{Compression, Migratable, Outgoing, PAGE_SIZE, StatusBoard};
+use migration::{Compression, Migratable, MigrationParams, Outgoing, PAGE_SIZE, StatusBoard};
 
 fn main() {
     let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
@@ -160,7 +160,12 @@ fn main() {
 fn snapshot_of(vm: &PlainVm) -> Vec<u8> {
     let path = std::env::temp_dir().join(format!("ferry-seed-{}.ferry", std::process::id()));
     Outgoing::new(StatusBoard::default(), None)
-        .snapshot(vm, std::fs::File::create(&path).unwrap(), "seed")
+        .snapshot(
+            vm,
+            std::fs::File::create(&path).unwrap(),
+            "seed",
+            &MigrationParams::default(),
+        )
         .expect("snapshot");
     let bytes = std::fs::read(&path).unwrap();
     std::fs::remove_file(&path).unwrap();

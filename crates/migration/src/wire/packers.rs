@@ -16,6 +16,10 @@ use crate::error::{Error, Result};
 use crate::wire::codec::{Codec, Contexts};
 use crate::wire::frame::PageEncoding;
 
+/// Fills a frame's header for its pages, flags and data length (the page sender's, passed in
+/// so that this module needs nothing of it).
+pub(crate) type HeadBuilder = fn(&mut Vec<u8>, &[(u64, PageEncoding)], u8, usize) -> usize;
+
 /// One frame's buffers: its pages, their data as gathered, the header, the compressed data.
 /// They travel to a packer and back, and are reused for later frames.
 #[derive(Default)]
@@ -52,7 +56,7 @@ pub(crate) fn pack(
     mut bufs: FrameBufs,
     codec: Codec,
     ctx: &mut Contexts,
-    head_of: fn(&mut Vec<u8>, &[(u64, PageEncoding)], u8, usize) -> usize,
+    head_of: HeadBuilder,
 ) -> Result<Packed> {
     let started = Instant::now();
     let used = if codec == Codec::None {
@@ -94,7 +98,7 @@ struct Job {
 /// A sender's packer threads and the frames they are working on, oldest first.
 pub(crate) struct Packers {
     threads: usize,
-    head_of: fn(&mut Vec<u8>, &[(u64, PageEncoding)], u8, usize) -> usize,
+    head_of: HeadBuilder,
     jobs: Option<Sender<Job>>,
     running: Vec<JoinHandle<()>>,
     waiting: VecDeque<Receiver<Result<Packed>>>,
@@ -102,10 +106,7 @@ pub(crate) struct Packers {
 
 impl Packers {
     /// `threads` packers (started at the first frame) for frames headed by `head_of`.
-    pub fn new(
-        threads: usize,
-        head_of: fn(&mut Vec<u8>, &[(u64, PageEncoding)], u8, usize) -> usize,
-    ) -> Self {
+    pub fn new(threads: usize, head_of: HeadBuilder) -> Self {
         Self {
             threads: threads.max(1),
             head_of,
