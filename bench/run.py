@@ -158,7 +158,11 @@ PROFILES = {
                                mode="postcopy", timeout_s=30),
                       # Two vCPUs writing halves of the set, on both VMMs (this host has 2 cores).
                       scenario("write seq 256M / 1G 2 vCPUs", "1G", "write ws=256M seq", vcpus=2,
-                               timeout_s=30)],
+                               timeout_s=30),
+                      # Honest page content, where compression means something (the rows above
+                      # write one word per page: `fill=word`).
+                      scenario("write seq 256M / 1G fill=mixed", "1G",
+                               "write ws=256M seq fill=mixed", timeout_s=30)],
     },
     "throughput": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
@@ -203,6 +207,8 @@ PROFILES = {
                       scenario("idle 8G", "8G", "idle", timeout_s=60),
                       scenario("write seq 64M / 1G", "1G", "write ws=64M seq", timeout_s=60),
                       scenario("write seq 256M / 1G", "1G", "write ws=256M seq", timeout_s=60),
+                      scenario("write seq 256M / 1G fill=mixed", "1G",
+                               "write ws=256M seq fill=mixed", timeout_s=60),
                       scenario("write seq 256M / 2G", "2G", "write ws=256M seq", timeout_s=60),
                       scenario("write seq 256M / 2G 2 vCPUs", "2G", "write ws=256M seq", vcpus=2,
                                timeout_s=60),

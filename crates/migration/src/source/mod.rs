@@ -298,6 +298,11 @@ impl Outgoing {
         params: &MigrationParams,
     ) -> Result<Status> {
         self.claim()?;
+        // A file is one stream: every compressing thread serves it.
+        let params = &MigrationParams {
+            connections: 1,
+            ..params.clone()
+        };
         let status = Status::new(Role::Source, "snapshot", name.to_string());
         self.board.publish(&status);
         let mut session = Session::new(

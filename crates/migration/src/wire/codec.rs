@@ -177,7 +177,8 @@ pub struct Chooser {
     /// the sender (which a large socket buffer hides at first).
     link: Option<f64>,
     drained_samples: bool,
-    /// Batch number each codec was last measured at.
+    /// Whether each codec has been picked yet, and the batch it was last picked for.
+    tried: [bool; 3],
     last_used: [u64; 3],
     batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
@@ -203,17 +204,21 @@ impl Chooser {
     /// The codec for the next batch.
     pub fn pick(&mut self) -> Codec {
         self.batches += 1;
-        // Measure every codec once first, then keep each estimate fresh.
-        if let Some(&c) = Codec::ALL.iter().find(|c| self.ratio[c.index()].is_none()) {
-            return c;
-        }
-        if self.batches.is_multiple_of(PROBE_EVERY) {
-            return *Codec::ALL
+        // Measure every codec once first, then keep each estimate fresh. A pick counts as a
+        // use at once: with packer threads it is learned from only batches later.
+        let c = if let Some(&c) = Codec::ALL.iter().find(|c| !self.tried[c.index()]) {
+            c
+        } else if self.batches.is_multiple_of(PROBE_EVERY) {
+            *Codec::ALL
                 .iter()
                 .min_by_key(|c| self.last_used[c.index()])
-                .expect("three codecs");
-        }
-        self.best()
+                .expect("three codecs")
+        } else {
+            self.best()
+        };
+        self.tried[c.index()] = true;
+        self.last_used[c.index()] = self.batches;
+        c
     }
 
     /// The codec with the smallest expected time per raw byte (the first of equals: plain).
@@ -239,7 +244,6 @@ impl Chooser {
             return;
         }
         let i = b.codec.index();
-        self.last_used[i] = self.batches;
         self.ratio[i] = ewma(self.ratio[i], b.packed_bytes as f64 / b.raw_bytes as f64);
         if b.codec != Codec::None {
             let t = b.compress_time.as_secs_f64().max(1e-7);
@@ -362,6 +366,27 @@ mod tests {
         let mut buffered = trained(5000.0, text);
         buffered.learn_link(125e6);
         assert_eq!(buffered.best(), Codec::Zstd);
+    }
+
+    /// With packer threads a batch is learned from only batches after it was picked: the
+    /// warm-up still tries each codec once, and a probe does not repeat the codec it just
+    /// tried while that one is in the works.
+    #[test]
+    fn auto_learning_late_still_tries_each_codec_once() {
+        let mut c = Chooser::default().on_cores(4);
+        let first: std::collections::HashSet<Codec> = (0..3).map(|_| c.pick()).collect();
+        assert_eq!(first.len(), 3, "each codec once before any is learned");
+        let probes: Vec<Codec> = (3..PROBE_EVERY * 3)
+            .map(|_| c.pick())
+            .enumerate()
+            .filter(|(i, _)| (*i as u64 + 4).is_multiple_of(PROBE_EVERY))
+            .map(|(_, p)| p)
+            .collect();
+        assert_eq!(probes.len(), 3);
+        assert!(
+            probes.windows(2).all(|w| w[0] != w[1]),
+            "unlearned probes go round the codecs: {probes:?}"
+        );
     }
 
     #[test]

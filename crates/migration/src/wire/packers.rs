@@ -122,6 +122,11 @@ impl Packers {
         self.waiting.len() >= 2 * self.threads
     }
 
+    /// Whether no frame is in the works.
+    pub fn idle(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
     /// Hands a gathered frame to a packer.
     pub fn submit(&mut self, bufs: FrameBufs, codec: Codec) -> Result<()> {
         let jobs = match &self.jobs {

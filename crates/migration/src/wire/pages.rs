@@ -192,7 +192,7 @@ impl PageSender {
         };
         self.pfns.push((pfn, enc));
         if self.pfns.len() >= self.batch {
-            self.send_batch(w, ram, limiter)?;
+            self.send_batch(w, ram, limiter, false)?;
         }
         Ok(())
     }
@@ -205,17 +205,18 @@ impl PageSender {
         ram: &GuestRam,
         limiter: &mut RateLimiter,
     ) -> Result<()> {
-        self.send_batch(w, ram, limiter)?;
+        self.send_batch(w, ram, limiter, true)?;
         self.drain(w, limiter)
     }
 
     /// Sends the queued pages as one frame, or hands them to a packer (then the frame leaves
-    /// later, but before any frame gathered after it).
+    /// later, but before any frame gathered after it); `last`: no frame follows before a flush.
     fn send_batch(
         &mut self,
         w: &mut impl Write,
         ram: &GuestRam,
         limiter: &mut RateLimiter,
+        last: bool,
     ) -> Result<()> {
         if self.pfns.is_empty() {
             return Ok(());
@@ -250,8 +251,16 @@ impl PageSender {
             self.pfns.clear();
             return Ok(());
         }
+        let gathering = Instant::now();
         let bufs = self.gather(ram)?;
-        if self.packers.is_none() {
+        let Some(packers) = &self.packers else {
+            let mut frame = pack(bufs, codec, &mut self.contexts, build_head)?;
+            // Without packers, this thread's cost of a frame includes copying the pages out.
+            frame.compress_time = gathering.elapsed();
+            return self.write_packed(w, limiter, frame);
+        };
+        if last && packers.idle() {
+            // A lone frame (a post-copy reply): a hand-off would only add a wait.
             let frame = pack(bufs, codec, &mut self.contexts, build_head)?;
             return self.write_packed(w, limiter, frame);
         }
