@@ -1,7 +1,9 @@
 """The link between the two VMMs: loopback, or two network namespaces' worth of veth shaped
 with tc. Everything created here is removed in `close`, even when the scenario failed."""
+import os
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -22,34 +24,44 @@ def sh(*argv, check=True):
 SPEEDS = {"1gbit": ("1gbit", "256kb"), "10gbit": ("10gbit", "2mb")}
 
 
-def shape(ns, dev, speed, delay_ms=0):
-    """Shapes what `dev` (in namespace `ns`) sends to `speed`, behind `delay_ms` of netem latency."""
+def shape(ns, dev, speed):
+    """Shapes what `dev` (in namespace `ns`) sends to `speed`."""
     rate, burst = SPEEDS[speed]
-    tc = ("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev)
-    if delay_ms:
-        if sh(*tc, "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms", check=False).returncode:
-            raise BenchError("--delay-ms needs the kernel's netem qdisc (sch_netem), which this "
-                             "kernel does not have")
-        sh(*tc, "parent", "1:1", "handle", "10:", "tbf", "rate", rate, "burst", burst, "latency", "100ms")
-    else:
-        sh(*tc, "root", "tbf", "rate", rate, "burst", burst, "latency", "50ms")
+    sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate,
+       "burst", burst, "latency", "50ms")
+
+
+def parse(name):
+    """A link's name: loopback, 1gbit or 10gbit, or a WAN-like one such as 1gbit+10ms (that
+    speed, each direction 10 ms late). Returns (speed, delay_ms)."""
+    speed, _, delay = name.partition("+")
+    delay_ms = 0
+    if speed != "loopback" and speed not in SPEEDS:
+        raise BenchError(f"unknown link {name!r} (loopback, 1gbit, 10gbit, or e.g. 1gbit+10ms)")
+    if delay:
+        if not (delay.endswith("ms") and delay[:-2].isdigit()):
+            raise BenchError(f"link {name!r}: the delay is written like +10ms")
+        delay_ms = int(delay[:-2])
+    if delay_ms and speed == "loopback":
+        raise BenchError("a delay needs a veth link (1gbit or 10gbit), not loopback")
+    return speed, delay_ms
 
 
 class Link:
-    """name: loopback | 1gbit | 10gbit; delay_ms adds netem latency (a WAN-like case)."""
+    """name: see `parse`. A link with a delay is two tun devices joined by a delay line
+    (delayline.py: this kernel has no netem) instead of a veth pair, shaped the same way."""
 
-    def __init__(self, name, tag, delay_ms=0):
+    def __init__(self, name, tag):
         self.name = name
-        self.delay_ms = delay_ms
+        self.speed, self.delay_ms = parse(name)
         self.tag = tag
         self.ns_src = self.ns_dst = None
         self.dst_host = "127.0.0.1"
         self.created = []
+        self.delayline = None
 
     def __enter__(self):
-        if self.name == "loopback":
-            if self.delay_ms:
-                raise RuntimeError("--delay-ms needs a veth link (1gbit or 10gbit), not loopback")
+        if self.speed == "loopback":
             return self
         try:
             self.ns_src, self.ns_dst = f"fbs-{self.tag}", f"fbd-{self.tag}"
@@ -57,22 +69,42 @@ class Link:
                 sh("ip", "netns", "add", ns)
                 self.created.append(ns)
             va, vb = f"fbva{self.tag}"[:15], f"fbvb{self.tag}"[:15]
-            sh("ip", "link", "add", va, "netns", self.ns_src, "type", "veth", "peer", "name", vb, "netns", self.ns_dst)
+            if self.delay_ms:
+                self.join_by_delay_line(va, vb)
+            else:
+                sh("ip", "link", "add", va, "netns", self.ns_src, "type", "veth", "peer", "name", vb,
+                   "netns", self.ns_dst)
             for ns, dev, addr in ((self.ns_src, va, ADDR_SRC), (self.ns_dst, vb, ADDR_DST)):
                 sh("ip", "-n", ns, "addr", "add", f"{addr}/30", "dev", dev)
                 sh("ip", "-n", ns, "link", "set", dev, "up")
                 sh("ip", "-n", ns, "link", "set", "lo", "up")
-                shape(ns, dev, self.name, self.delay_ms)
+                shape(ns, dev, self.speed)
         except BaseException:
             self.close()  # __exit__ is not called when __enter__ fails
             raise
         self.dst_host = ADDR_DST
         return self
 
+    def join_by_delay_line(self, va, vb):
+        """Tun devices `va` (source side) and `vb`, each in its namespace, joined by a delay
+        line; a 9000-byte MTU keeps the line's packet rate at 1 Gbit/s within one core's reach."""
+        line = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delayline.py")
+        self.delayline = subprocess.Popen([sys.executable, line, va, vb, str(self.delay_ms)],
+                                          stdout=subprocess.PIPE, text=True)
+        if self.delayline.stdout.readline().strip() != "ready":
+            raise BenchError("the delay line did not start (does /dev/net/tun exist?)")
+        for ns, dev in ((self.ns_src, va), (self.ns_dst, vb)):
+            sh("ip", "link", "set", dev, "netns", ns)
+            sh("ip", "-n", ns, "link", "set", dev, "mtu", "9000")
+
     def __exit__(self, *exc):
         self.close()
 
     def close(self):
+        if self.delayline:
+            self.delayline.terminate()
+            self.delayline.wait(timeout=10)
+            self.delayline = None
         for ns in self.created:
             sh("ip", "netns", "del", ns, check=False)
         self.created.clear()

@@ -95,29 +95,76 @@ fn qemu_driver_measures_a_qemu_migration() {
     assert!(run["bytes"].as_f64().unwrap() > 0.0, "{run}");
 }
 
+/// A WAN-like link (`1gbit+20ms`): a TCP connection's handshake takes at least the round
+/// trip the delay line adds (a packet never leaves it early), and bytes arrive intact.
+fn delay_line_adds_its_round_trip() {
+    let program = r#"
+import socket, subprocess, sys
+sys.path.insert(0, sys.argv[1])
+from fb.links import Link, ADDR_DST
+with Link("1gbit+20ms", sys.argv[2]) as link:
+    sink = ("import socket;s=socket.socket();s.bind((%r,0));s.listen(1);"
+            "print(s.getsockname()[1],flush=True);c,_=s.accept();n=0\n"
+            "while True:\n b=c.recv(65536)\n if not b: break\n n+=len(b)\n"
+            "c.sendall(str(n).encode())") % ADDR_DST
+    srv = subprocess.Popen(["ip", "netns", "exec", link.ns_dst, sys.executable, "-c", sink],
+                           stdout=subprocess.PIPE, text=True)
+    port = int(srv.stdout.readline())
+    client = ("import socket,time;t=time.monotonic();c=socket.create_connection((%r,%d));"
+              "rtt=time.monotonic()-t;c.sendall(b'x'*(1<<20));c.shutdown(socket.SHUT_WR);"
+              "print(rtt,c.recv(64).decode())") % (ADDR_DST, port)
+    out = subprocess.run(["ip", "netns", "exec", link.ns_src, sys.executable, "-c", client],
+                         capture_output=True, text=True, timeout=60)
+    srv.wait(timeout=30)
+    print(out.stdout.strip(), out.stderr.strip())
+"#;
+    let tag = format!("dl{}", std::process::id() % 100_000);
+    let out = Command::new("/usr/bin/python3")
+        .args(["-c", program])
+        .arg(repo_root().join("bench"))
+        .arg(&tag)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut words = said.split_whitespace();
+    let rtt: f64 = words.next().and_then(|w| w.parse().ok()).expect(&said);
+    assert!(rtt >= 0.040, "a handshake across 20 ms each way took {rtt} s");
+    assert_eq!(words.next(), Some("1048576"), "{said}");
+}
+
+/// The bench's links and a failing scenario leave no namespace, device or process behind.
 #[test]
 fn a_failed_scenario_leaves_nothing_behind() {
     if !kvm_available() {
         return;
     }
     guest();
+    // Here, not in a test of its own: its namespaces would be found by the check below.
+    delay_line_adds_its_round_trip();
     let out = tempfile::tempdir().unwrap();
     let prefix = format!("ferry-bench-failtest-{}-", std::process::id());
-    let r = runner(&[
-        "--profile",
-        "tiny",
-        "--links",
-        "1gbit",
-        "--fail-scenario",
-        "--work-prefix",
-        &prefix,
-        "--out",
-        out.path().to_str().unwrap(),
-    ]);
-    assert!(
-        !r.status.success(),
-        "the failing scenario is reported as a failure"
-    );
+    for link in ["1gbit", "1gbit+5ms"] {
+        let r = runner(&[
+            "--profile",
+            "tiny",
+            "--links",
+            link,
+            "--fail-scenario",
+            "--work-prefix",
+            &prefix,
+            "--out",
+            out.path().to_str().unwrap(),
+        ]);
+        assert!(
+            !r.status.success(),
+            "{link}: the failing scenario is reported as a failure"
+        );
+    }
     let netns = Command::new("ip").args(["netns", "list"]).output().unwrap();
     let netns = String::from_utf8_lossy(&netns.stdout);
     assert!(
@@ -134,7 +181,8 @@ fn a_failed_scenario_leaves_nothing_behind() {
     let ps = Command::new("ps").args(["-eo", "args"]).output().unwrap();
     let ps = String::from_utf8_lossy(&ps.stdout);
     assert!(
-        !ps.lines().any(|l| l.contains(&prefix)),
+        !ps.lines()
+            .any(|l| l.contains(&prefix) || l.contains("delayline.py")),
         "processes left behind:\n{ps}"
     );
 }
