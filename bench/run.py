@@ -202,7 +202,10 @@ PROFILES = {
         "scenarios": [scenario("idle 1G", "1G", "idle", timeout_s=60),
                       scenario("write seq 256M / 1G", "1G", "write ws=256M seq", timeout_s=60),
                       scenario("write seq 256M / 1G post-copy", "1G", "write ws=256M seq",
-                               mode="postcopy", timeout_s=60)],
+                               mode="postcopy", timeout_s=60),
+                      # Honest content, where compression means something.
+                      scenario("write seq 256M / 1G fill=mixed", "1G",
+                               "write ws=256M seq fill=mixed", timeout_s=60)],
     },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
