@@ -133,7 +133,10 @@ with Link("1gbit+20ms", sys.argv[2]) as link:
     );
     let mut words = said.split_whitespace();
     let rtt: f64 = words.next().and_then(|w| w.parse().ok()).expect(&said);
-    assert!(rtt >= 0.040, "a handshake across 20 ms each way took {rtt} s");
+    assert!(
+        rtt >= 0.040,
+        "a handshake across 20 ms each way took {rtt} s"
+    );
     assert_eq!(words.next(), Some("1048576"), "{said}");
 }
 
