@@ -115,10 +115,6 @@ impl PlainVm {
 }
 
 impl Migratable for PlainVm {
-    fn hot_pages(&self) -> migration::Result<Vec<u64>> {
-        Ok(Vec::new())
-    }
-
     fn descriptor(&self) -> VmDescriptor {
         VmDescriptor {
             memory_bytes: self.ram.len(),

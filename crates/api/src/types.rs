@@ -306,10 +306,6 @@ pub struct MigrationStatus {
     /// Post-copy after rounds: copies the guest had dirtied since they were sent, dropped on
     /// the destination before the pause (those dirtied later are dropped inside it).
     pub stale_pages_dropped_before_pause: Option<u64>,
-    /// Post-copy: pages the vCPUs touch first (under their instruction and stack pointers,
-    /// with their page tables), sent whole in the pause ahead of the rest.
-    #[serde(default)]
-    pub hot_pages_sent: Option<u64>,
     /// Auto-converge: the largest share of time the guest's vCPUs were made to sleep.
     pub throttle_percent_max: u8,
     pub pages_pushed: u64,

@@ -161,7 +161,6 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         destination_supports_postcopy: s.destination_supports_postcopy,
         postcopy: s.postcopy,
         stale_pages_dropped_before_pause: r.stale_pages_dropped_before_pause,
-        hot_pages_sent: r.hot_pages_sent,
         throttle_percent_max: r.throttle_percent_max,
         pages_pushed: p.pages.pushed,
         pages_requested: p.pages.requested,

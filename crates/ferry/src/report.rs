@@ -108,9 +108,6 @@ pub fn render(s: &MigrationStatus) -> String {
             "  post-copy: {} pages pushed, {} requested",
             s.pages_pushed, s.pages_requested
         );
-        if let Some(n) = s.hot_pages_sent {
-            let _ = writeln!(o, "  pages the vCPUs touch first, sent in the pause: {n}");
-        }
         if let Some(n) = s.stale_pages_dropped_before_pause {
             let _ = writeln!(
                 o,

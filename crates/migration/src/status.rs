@@ -140,8 +140,6 @@ pub struct Report {
     /// Post-copy after rounds: copies the guest had dirtied, dropped on the destination
     /// before the pause (the rest, dirtied after, are dropped inside it).
     pub stale_pages_dropped_before_pause: Option<u64>,
-    /// Post-copy: pages the vCPUs touch first, sent whole in the pause ahead of the rest.
-    pub hot_pages_sent: Option<u64>,
     /// Auto-converge: the largest throttle it applied (0: never engaged).
     pub throttle_percent_max: u8,
     // verification aid

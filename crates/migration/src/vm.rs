@@ -52,10 +52,6 @@ pub trait Migratable: Send + Sync {
     fn set_throttle(&self, percent: u8) -> Result<()>;
     /// Serialised state of each vCPU, in vCPU order; the VM must be paused.
     fn save_vcpus(&self) -> Result<Vec<Vec<u8>>>;
-    /// Guest page numbers the vCPUs will touch first when they run again (under their
-    /// instruction and stack pointers, with the page tables that map them); the VM must be
-    /// paused. Post-copy sends them in the pause, ahead of the rest. Empty: none known.
-    fn hot_pages(&self) -> Result<Vec<u64>>;
     /// Serialised state of everything besides memory and vCPUs.
     fn save_devices(&self) -> Result<Vec<u8>>;
     /// Loads what `save_vcpus`/`save_devices` produced on the source, and takes the devices'

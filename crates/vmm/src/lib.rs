@@ -8,7 +8,6 @@ pub mod boot;
 pub mod devices;
 pub mod dirty_log;
 pub mod error;
-pub mod hot_pages;
 pub mod layout;
 pub mod memory;
 pub mod migratable;

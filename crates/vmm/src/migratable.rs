@@ -127,19 +127,6 @@ impl Migratable for Vm {
         Vm::release_devices(self).map_err(vm_err)
     }
 
-    fn hot_pages(&self) -> migration::Result<Vec<u64>> {
-        let ram = Migratable::ram(self);
-        let mut pages = Vec::new();
-        for vcpu in self.save_vcpus_state().map_err(vm_err)? {
-            for pfn in crate::hot_pages::of_vcpu(&ram, &vcpu.regs, &vcpu.sregs) {
-                if !pages.contains(&pfn) {
-                    pages.push(pfn);
-                }
-            }
-        }
-        Ok(pages)
-    }
-
     fn save_vcpus(&self) -> migration::Result<Vec<Vec<u8>>> {
         self.save_vcpus_state()
             .map_err(vm_err)?

@@ -10,8 +10,7 @@ pub enum DestinationState {
     AwaitHello,
     /// Pages and round ends; then the switch (`PostcopyPending` or the first state frame).
     Memory,
-    /// The stale copies are dropped: only the pages the vCPUs touch first may still come
-    /// before the switch to post-copy.
+    /// The stale copies are dropped: no more pages before the switch to post-copy.
     StaleDropped,
     /// vCPU and device state, up to `StateEnd`.
     State,
@@ -37,7 +36,7 @@ impl DestinationState {
         let m = match frame {
             Incoming::Pages => {
                 return match self {
-                    Memory | StaleDropped | Postcopy => Ok(self),
+                    Memory | Postcopy => Ok(self),
                     other => Err(Error::Protocol(format!(
                         "a page frame while the destination was in {other:?}"
                     ))),
@@ -178,7 +177,7 @@ mod tests {
     }
 
     #[test]
-    fn stale_copies_are_dropped_once_and_then_only_the_pause_sends_pages() {
+    fn stale_copies_are_dropped_once_and_then_no_page_may_come() {
         let (h, end) = (hello(), Message::RoundEnd { round: 0, pages: 1 });
         let stale = Message::Stale {
             pages: 1,
@@ -206,8 +205,11 @@ mod tests {
             Memory
         );
         assert_eq!(s.next(Incoming::Message(&pending), false).unwrap(), State);
-        // The pages the vCPUs touch first, sent whole in the pause.
-        assert_eq!(s.next(Incoming::Pages, false).unwrap(), StaleDropped);
+        let e = s.next(Incoming::Pages, false).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("page frame while the destination was in StaleDropped")
+        );
         let e = s.next(Incoming::Message(&stale), false).unwrap_err();
         assert!(e.to_string().contains("unexpected Stale"), "{e}");
         let vcpu = Message::VcpuState {

@@ -67,7 +67,6 @@ impl Session<'_> {
             // Post-copy installs whole pages: no delta may follow.
             self.pages.forget_deltas();
             self.status.postcopy = true;
-            self.send_hot_pages(&mut pending)?;
             self.send(&Message::PostcopyPending {
                 pages: pending.pages(),
                 words: pending.words().to_vec(),
@@ -140,28 +139,6 @@ impl Session<'_> {
         self.step(Event::StaleSent)?;
         self.hear()?;
         self.status.report.stale_pages_dropped_before_pause = Some(stale.count());
-        Ok(())
-    }
-
-    /// Post-copy: the pages the vCPUs touch first go now, whole, and leave the pending set, so
-    /// that the guest's first instructions on the destination do not each wait a round trip
-    /// for a page (20–100 ms on a WAN). Every lane has ended or carried nothing by now, so
-    /// these copies are the newest.
-    fn send_hot_pages(&mut self, pending: &mut Bitmap) -> Result<()> {
-        let hot: Vec<u64> = self
-            .vm
-            .hot_pages()?
-            .into_iter()
-            .filter(|&gfn| self.ram.contains(gfn) && pending.get(gfn))
-            .collect();
-        for &gfn in &hot {
-            self.pages
-                .push(&mut self.stream, &self.ram, gfn, &mut self.limiter)?;
-            pending.unset(gfn);
-        }
-        self.pages
-            .flush(&mut self.stream, &self.ram, &mut self.limiter)?;
-        self.status.report.hot_pages_sent = Some(hot.len() as u64);
         Ok(())
     }
 
