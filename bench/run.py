@@ -205,7 +205,13 @@ PROFILES = {
                                mode="postcopy", timeout_s=60),
                       # Honest content, where compression means something.
                       scenario("write seq 256M / 1G fill=mixed", "1G",
-                               "write ws=256M seq fill=mixed", timeout_s=60)],
+                               "write ws=256M seq fill=mixed", timeout_s=60),
+                      # Go right behind the state (ferry only): a round trip less.
+                      scenario("idle 1G go-with-state", "1G", "idle", timeout_s=60,
+                               extra=["--go-with-state"]),
+                      scenario("write seq 256M / 1G fill=mixed go-with-state", "1G",
+                               "write ws=256M seq fill=mixed", timeout_s=60,
+                               extra=["--go-with-state"])],
     },
     "table2": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,

@@ -121,6 +121,10 @@ pub struct MigrationRequest {
     pub migration_threads: Option<i64>,
     /// Delta encoding of re-sent pages: MiB of last-sent copies kept (0, the default: off).
     pub delta_cache_mb: Option<i64>,
+    /// Send Go right behind the state: the destination starts once the state is loaded (a
+    /// round trip less of downtime); a connection lost before it answers leaves the source
+    /// `unconfirmed` instead of running on. Off by default.
+    pub go_with_state: Option<bool>,
     /// Post-copy checkpoints every this many ms (5..=60000; off when absent): the source can
     /// then carry on from the newest one should the destination die (`vm.migrate-rollback`).
     pub checkpoint_ms: Option<i64>,

@@ -99,6 +99,11 @@ pub struct MigrateArgs {
     /// of last-sent copies (0: off, the default).
     #[arg(long, allow_negative_numbers = true)]
     pub delta_cache_mb: Option<i64>,
+    /// Send Go right behind the state: the destination starts as soon as it has loaded it, a
+    /// round trip sooner (what a long path feels). Should the connection drop before the
+    /// destination answers, the source stays paused (`unconfirmed`) instead of running on.
+    #[arg(long)]
+    pub go_with_state: bool,
     /// Post-copy checkpoints: every this many ms (5..=60000) the destination sends the VM's
     /// newest state back, so that `ferry migrate-rollback` can carry on from it on the source
     /// should the destination die. Off by default.

@@ -248,6 +248,7 @@ pub fn params_from_request(
         checksum: req.checksum.unwrap_or(false),
         auto_postcopy: req.auto_postcopy.unwrap_or(false),
         auto_converge: req.auto_converge.unwrap_or(false),
+        go_with_state: req.go_with_state.unwrap_or(false),
         prepaging: match req.prepaging.as_deref() {
             None | Some("bubble") => Strategy::Bubble,
             Some("linear") => Strategy::Linear,

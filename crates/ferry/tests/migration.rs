@@ -100,6 +100,15 @@ fn four_connections_over_tcp_keep_every_page() {
 }
 
 #[test]
+fn go_with_the_state_keeps_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    let r = tcp_precopy_keeps_every_page(&["--go-with-state"]);
+    assert!(r.downtime_ms.is_some(), "{r:?}");
+}
+
+#[test]
 fn compressed_pages_over_two_connections_keep_every_page() {
     if !kvm_available() {
         return;

@@ -74,6 +74,12 @@ pub struct MigrationParams {
     /// Delta encoding of re-sent pages: MiB of last-sent copies kept (shared out among the
     /// connections); 0: off.
     pub delta_cache_mb: u64,
+    /// Send `Go` right behind the state instead of after the destination's `Loaded`: the
+    /// destination starts the moment it has loaded the state (a round trip less of downtime,
+    /// which a long path feels). Should the connection drop before `Loaded` is heard, the
+    /// source cannot know whether the VM started there: it stays paused, `unconfirmed`,
+    /// instead of running on.
+    pub go_with_state: bool,
     /// Post-copy checkpoints: every this many ms the destination sends the VM's newest state
     /// back (pages it dirtied, vCPUs, devices), so that the source can carry on from it should
     /// the destination die (`vm.migrate-rollback`); `None`: off.
@@ -100,6 +106,7 @@ impl Default for MigrationParams {
             compression: Compression::None,
             migration_threads: None,
             delta_cache_mb: 0,
+            go_with_state: false,
             checkpoint_ms: None,
         }
     }

@@ -682,6 +682,88 @@ fn snapshot_file_restores_the_same_memory() {
     assert_restore_refused(&path, "truncated");
 }
 
+/// With Go right behind the state, pre-copy and post-copy move every page as before.
+#[test]
+fn go_with_the_state_moves_every_page() {
+    for mode in [Mode::Precopy, Mode::Postcopy] {
+        let (src, run) = migrate_while_writing(MigrationParams {
+            mode,
+            go_with_state: true,
+            max_downtime_ms: 1,
+            max_rounds: 6,
+            ..Default::default()
+        });
+        run.result.expect("migration");
+        let dest = run.dest.expect("destination VM");
+        assert!(src.memory() == dest.memory(), "{mode:?}: every page");
+        assert_eq!(run.source_status.phase, Phase::Completed);
+    }
+}
+
+/// `go_with_state`: Go comes right behind the state, before the destination answers (the fake
+/// destination reads it before it writes a word). A destination that then says why it cannot
+/// load never starts: the source runs on. One that vanishes without a word may have started:
+/// the source stays paused, unconfirmed.
+#[test]
+fn go_with_the_state_settles_by_what_the_destination_said() {
+    use migration::wire::{self, Frame, Message};
+    for says_why in [true, false] {
+        let src = FakeVm::new();
+        src.paused.store(false, Ordering::Release);
+        let dir = tempfile::tempdir().unwrap();
+        let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
+            .parse()
+            .unwrap();
+        let listener = endpoint.listen(None).unwrap();
+        let fake = std::thread::spawn(move || {
+            let mut s = listener.accept().unwrap();
+            s.set_timeouts(Some(Duration::from_secs(20))).unwrap();
+            wire::read_stream_header(&mut s).unwrap();
+            wire::read_message(&mut s).unwrap(); // Hello
+            wire::write_message(&mut s, &Message::Ready { postcopy: false }).unwrap();
+            loop {
+                match wire::read_frame(&mut s).unwrap() {
+                    Frame::Message(Message::StateEnd { .. }) => break,
+                    Frame::Message(_) => {}
+                    Frame::Pages { .. } => panic!("an untouched VM has no pages"),
+                }
+            }
+            assert_eq!(wire::read_message(&mut s).unwrap(), Message::Go);
+            if says_why {
+                let reason = "cannot load this state".to_string();
+                wire::write_message(&mut s, &Message::Abort { reason }).unwrap();
+            }
+        });
+        let board = StatusBoard::default();
+        let outgoing = Outgoing::new(board.clone(), None);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let params = MigrationParams {
+            mode: Mode::Warm,
+            go_with_state: true,
+            ..Default::default()
+        };
+        let started = outgoing.send(
+            src.clone(),
+            endpoint,
+            params,
+            Box::new(move |r| {
+                let _ = tx.send(r.is_ok());
+            }),
+        );
+        // A failure may come back from `send` itself or through its callback.
+        let ok = started.is_ok() && rx.recv_timeout(Duration::from_secs(60)).unwrap();
+        assert!(!ok, "the migration failed");
+        fake.join().unwrap();
+        if says_why {
+            assert_eq!(board.phase(), Phase::Failed);
+            assert!(!src.paused.load(Ordering::Acquire), "the source runs on");
+        } else {
+            assert_eq!(board.phase(), Phase::Unconfirmed);
+            assert!(src.paused.load(Ordering::Acquire), "neither resumed here");
+        }
+    }
+}
+
 /// A destination that takes `Go` and vanishes before saying it resumed: the source cannot know
 /// whether the VM runs there. It stays paused and refuses anything that could start a second
 /// copy (another migration, a snapshot).

@@ -22,6 +22,12 @@ pub enum SourceState {
     AwaitLoaded,
     /// The destination holds everything: `Go` may be sent.
     Loaded,
+    /// `Go` went right behind the state (`go_with_state`): the destination starts once it
+    /// has loaded it; its `Loaded` is still to come. From here the VM may run there, unless
+    /// the destination says why it could not load.
+    AwaitLoadedGoSent {
+        postcopy: bool,
+    },
     /// `Go` sent: from here the VM may run on the destination. Whether pages follow.
     AwaitResumed {
         postcopy: bool,
@@ -65,6 +71,12 @@ impl SourceState {
             (Loaded, Event::GoSent { postcopy }) => AwaitResumed {
                 postcopy: *postcopy,
             },
+            (AwaitLoaded, Event::GoSent { postcopy }) => AwaitLoadedGoSent {
+                postcopy: *postcopy,
+            },
+            (AwaitLoadedGoSent { postcopy }, Event::Heard(Message::Loaded { .. })) => {
+                AwaitResumed { postcopy }
+            }
             (AwaitResumed { postcopy: true }, Event::Heard(Message::Resumed { .. })) => Postcopy,
             (AwaitResumed { postcopy: false }, Event::Heard(Message::Resumed { .. })) => {
                 AwaitGuestReport
@@ -98,6 +110,37 @@ mod tests {
 
     fn run(steps: Vec<Event<'_>>) -> Result<SourceState> {
         steps.into_iter().try_fold(AwaitReady, |s, e| s.next(e))
+    }
+
+    /// `go_with_state`: Go right behind the state; Loaded, then Resumed, follow. Go twice,
+    /// or Resumed before Loaded, is refused.
+    #[test]
+    fn go_may_go_with_the_state() {
+        let ready = Message::Ready { postcopy: true };
+        let loaded = Message::Loaded {
+            memory_checksum: None,
+        };
+        let resumed = Message::Resumed {
+            state_to_resume_ns: 1,
+        };
+        let before = || {
+            vec![
+                Event::Heard(&ready),
+                Event::Paused,
+                Event::StateSent,
+                Event::GoSent { postcopy: true },
+            ]
+        };
+        assert_eq!(run(before()).unwrap(), AwaitLoadedGoSent { postcopy: true });
+        let mut steps = before();
+        steps.extend([Event::Heard(&loaded), Event::Heard(&resumed)]);
+        assert_eq!(run(steps).unwrap(), Postcopy);
+        let mut steps = before();
+        steps.push(Event::Heard(&resumed));
+        assert!(run(steps).is_err(), "Resumed before Loaded");
+        let mut steps = before();
+        steps.push(Event::GoSent { postcopy: true });
+        assert!(run(steps).is_err(), "Go twice");
     }
 
     #[test]

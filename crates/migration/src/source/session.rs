@@ -228,13 +228,16 @@ impl<'a> Session<'a> {
             }
             Err(e) => self.explain(e),
         };
-        let went = matches!(
-            self.state,
+        let went = match self.state {
             SourceState::AwaitResumed { .. }
-                | SourceState::Postcopy
-                | SourceState::AwaitGuestReport
-                | SourceState::Done
-        );
+            | SourceState::Postcopy
+            | SourceState::AwaitGuestReport
+            | SourceState::Done => true,
+            // Go went with the state: the destination starts unless it said why it could not
+            // load (then it never will).
+            SourceState::AwaitLoadedGoSent { .. } => !matches!(error, Error::Peer(_)),
+            _ => false,
+        };
         if !went {
             // Nothing ran on the destination: there is nothing a resume could carry on.
             *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;

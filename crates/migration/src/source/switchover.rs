@@ -100,16 +100,19 @@ impl Session<'_> {
             return Ok(());
         }
         self.stream.set_timeouts(Some(SWITCH_ANSWER_WAIT))?;
-        if let Message::Loaded { memory_checksum } = self.hear()? {
-            self.status.report.memory_checksum_destination = memory_checksum;
-        }
-        self.check_continue()?;
         if postcopy {
-            // Should the connection drop from here on, these pages are what a resume owes.
+            // Should the connection drop once Go is sent, these pages are what a resume owes
+            // (forgotten if it fails before).
             self.keep_leftover(pending.clone());
         }
-        self.send(&Message::Go)?;
-        self.step(Event::GoSent { postcopy })?;
+        if self.params.go_with_state {
+            self.send_go(postcopy)?;
+            self.hear_loaded()?;
+        } else {
+            self.hear_loaded()?;
+            self.check_continue()?;
+            self.send_go(postcopy)?;
+        }
         let Message::Resumed { state_to_resume_ns } = self.hear()? else {
             unreachable!("the state machine admits only Resumed here")
         };
@@ -140,6 +143,18 @@ impl Session<'_> {
         self.hear()?;
         self.status.report.stale_pages_dropped_before_pause = Some(stale.count());
         Ok(())
+    }
+
+    fn hear_loaded(&mut self) -> Result<()> {
+        if let Message::Loaded { memory_checksum } = self.hear()? {
+            self.status.report.memory_checksum_destination = memory_checksum;
+        }
+        Ok(())
+    }
+
+    fn send_go(&mut self, postcopy: bool) -> Result<()> {
+        self.send(&Message::Go)?;
+        self.step(Event::GoSent { postcopy })
     }
 
     /// Before a pre-copy pause: waits for the destination to apply what it has received (a
