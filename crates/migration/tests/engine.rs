@@ -682,6 +682,35 @@ fn snapshot_file_restores_the_same_memory() {
     assert_restore_refused(&path, "truncated");
 }
 
+/// A fake destination on a fresh Unix socket: it takes the handshake, reads up to `StateEnd`
+/// (an untouched VM sends no pages) and then does `then`. Returns where it listens.
+fn fake_destination(
+    then: impl FnOnce(&mut migration::wire::transport::Stream) + Send + 'static,
+) -> (tempfile::TempDir, Endpoint, JoinHandle<()>) {
+    use migration::wire::{self, Frame, Message};
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
+        .parse()
+        .unwrap();
+    let listener = endpoint.listen(None).unwrap();
+    let fake = std::thread::spawn(move || {
+        let mut s = listener.accept().unwrap();
+        s.set_timeouts(Some(Duration::from_secs(20))).unwrap();
+        wire::read_stream_header(&mut s).unwrap();
+        wire::read_message(&mut s).unwrap(); // Hello
+        wire::write_message(&mut s, &Message::Ready { postcopy: false }).unwrap();
+        loop {
+            match wire::read_frame(&mut s).unwrap() {
+                Frame::Message(Message::StateEnd { .. }) => break,
+                Frame::Message(_) => {}
+                Frame::Pages { .. } => panic!("an untouched VM has no pages"),
+            }
+        }
+        then(&mut s);
+    });
+    (dir, endpoint, fake)
+}
+
 /// With Go right behind the state, pre-copy and post-copy move every page as before.
 #[test]
 fn go_with_the_state_moves_every_page() {
@@ -706,32 +735,15 @@ fn go_with_the_state_moves_every_page() {
 /// the source stays paused, unconfirmed.
 #[test]
 fn go_with_the_state_settles_by_what_the_destination_said() {
-    use migration::wire::{self, Frame, Message};
+    use migration::wire::{self, Message};
     for says_why in [true, false] {
         let src = FakeVm::new();
         src.paused.store(false, Ordering::Release);
-        let dir = tempfile::tempdir().unwrap();
-        let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
-            .parse()
-            .unwrap();
-        let listener = endpoint.listen(None).unwrap();
-        let fake = std::thread::spawn(move || {
-            let mut s = listener.accept().unwrap();
-            s.set_timeouts(Some(Duration::from_secs(20))).unwrap();
-            wire::read_stream_header(&mut s).unwrap();
-            wire::read_message(&mut s).unwrap(); // Hello
-            wire::write_message(&mut s, &Message::Ready { postcopy: false }).unwrap();
-            loop {
-                match wire::read_frame(&mut s).unwrap() {
-                    Frame::Message(Message::StateEnd { .. }) => break,
-                    Frame::Message(_) => {}
-                    Frame::Pages { .. } => panic!("an untouched VM has no pages"),
-                }
-            }
-            assert_eq!(wire::read_message(&mut s).unwrap(), Message::Go);
+        let (_dir, endpoint, fake) = fake_destination(move |s| {
+            assert_eq!(wire::read_message(s).unwrap(), Message::Go);
             if says_why {
                 let reason = "cannot load this state".to_string();
-                wire::write_message(&mut s, &Message::Abort { reason }).unwrap();
+                wire::write_message(s, &Message::Abort { reason }).unwrap();
             }
         });
         let board = StatusBoard::default();
@@ -769,34 +781,18 @@ fn go_with_the_state_settles_by_what_the_destination_said() {
 /// copy (another migration, a snapshot).
 #[test]
 fn after_go_without_an_answer_the_vm_never_runs_twice() {
-    use migration::wire::{self, Frame, Message};
+    use migration::wire::{self, Message};
     let src = FakeVm::new();
     src.paused.store(false, Ordering::Release);
-    let dir = tempfile::tempdir().unwrap();
-    let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
-        .parse()
-        .unwrap();
-    let listener = endpoint.listen(None).unwrap();
-    let fake = std::thread::spawn(move || {
-        let mut s = listener.accept().unwrap();
-        wire::read_stream_header(&mut s).unwrap();
-        wire::read_message(&mut s).unwrap(); // Hello
-        wire::write_message(&mut s, &Message::Ready { postcopy: false }).unwrap();
-        loop {
-            match wire::read_frame(&mut s).unwrap() {
-                Frame::Message(Message::StateEnd { .. }) => break,
-                Frame::Message(_) => {}
-                Frame::Pages { .. } => panic!("an untouched VM has no pages"),
-            }
-        }
+    let (dir, endpoint, fake) = fake_destination(|s| {
         wire::write_message(
-            &mut s,
+            s,
             &Message::Loaded {
                 memory_checksum: None,
             },
         )
         .unwrap();
-        assert_eq!(wire::read_message(&mut s).unwrap(), Message::Go);
+        assert_eq!(wire::read_message(s).unwrap(), Message::Go);
         // ...and gone, without Resumed.
     });
     let board = StatusBoard::default();

@@ -245,9 +245,8 @@ impl PageSender {
             // Frames gathered before this one leave first.
             self.drain(w, limiter)?;
             let (frame_bytes, cost) = self.send_in_place(w, ram, limiter, full)?;
-            let pfns = std::mem::take(&mut self.pfns);
-            self.account(&pfns, frame_bytes, cost, Codec::None);
-            self.pfns = pfns;
+            let zero = self.pfns.len() - full;
+            self.account(full, zero, frame_bytes, cost, Codec::None);
             self.pfns.clear();
             return Ok(());
         }
@@ -289,19 +288,17 @@ impl PageSender {
     }
 
     /// Counts a frame that went on the wire, and lets `auto` learn from it.
+    /// `full` pages with data (whole or as deltas) and `zero` markers.
     fn account(
         &mut self,
-        pfns: &[(u64, PageEncoding)],
+        full: usize,
+        zero: usize,
         frame_bytes: u64,
         cost: BatchCost,
         used: Codec,
     ) {
-        let zero = pfns
-            .iter()
-            .filter(|(_, e)| *e == PageEncoding::Zero)
-            .count() as u64;
-        self.counters.full += pfns.len() as u64 - zero;
-        self.counters.zero += zero;
+        self.counters.full += full as u64;
+        self.counters.zero += zero as u64;
         self.counters.bytes += frame_bytes;
         self.counters.frames_by_codec[used as usize] += 1;
         if used != Codec::None {
@@ -452,7 +449,12 @@ impl PageSender {
             compress_time: frame.compress_time,
             write_time: writing.elapsed(),
         };
-        self.account(&frame.bufs.pfns, frame_bytes, cost, frame.used);
+        let pfns = &frame.bufs.pfns;
+        let zero = pfns
+            .iter()
+            .filter(|(_, e)| *e == PageEncoding::Zero)
+            .count();
+        self.account(pfns.len() - zero, zero, frame_bytes, cost, frame.used);
         self.spare.push(frame.bufs);
         Ok(())
     }
