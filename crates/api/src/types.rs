@@ -157,9 +157,12 @@ pub struct SnapshotRequest {
     /// none (default), lz4, zstd or auto.
     #[serde(default)]
     pub compression: Option<String>,
-    /// Threads that compress (default 1; more needs compression).
+    /// Threads that compress (default: one per writer; more needs compression).
     #[serde(default)]
     pub migration_threads: Option<i64>,
+    /// Threads that write the file at once, each its own lane of it (default 1).
+    #[serde(default)]
+    pub writers: Option<i64>,
 }
 
 /// Where a migration is, as `GET /api/v1/vm.migration` names it.

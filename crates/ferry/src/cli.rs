@@ -135,10 +135,13 @@ pub struct SnapshotArgs {
     /// Page data compressed per frame: none (default), lz4, zstd or auto.
     #[arg(long)]
     pub compression: Option<String>,
-    /// Threads that compress page data while the file is written (default 1; more needs
-    /// --compression).
+    /// Threads that compress page data while the file is written (default: one per writer;
+    /// more needs --compression).
     #[arg(long, allow_negative_numbers = true)]
     pub migration_threads: Option<i64>,
+    /// Threads that write the file at once, each its own lane of it (default 1; at most 16).
+    #[arg(long, allow_negative_numbers = true)]
+    pub writers: Option<i64>,
     #[arg(long)]
     pub json: bool,
 }

@@ -80,6 +80,7 @@ pub fn snapshot(args: &SnapshotArgs) -> Result<i32> {
         file: args.to.display().to_string(),
         compression: args.compression.clone(),
         migration_threads: args.migration_threads,
+        writers: args.writers,
     };
     let v = client
         .put("vm.snapshot", Some(&serde_json::to_value(&body)?))

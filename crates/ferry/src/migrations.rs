@@ -206,9 +206,21 @@ fn migration_threads(asked: Option<i64>) -> Result<Option<u32>, ApiError> {
     }
 }
 
-/// A snapshot's parameters: one stream to the file, compressed as the body asks.
+/// A snapshot's parameters: its writers (each a lane of the file, as a migration's
+/// connections are), compressed as the body asks.
 pub fn snapshot_params(req: &SnapshotRequest) -> Result<MigrationParams, ApiError> {
+    let most = migration::source::MAX_CONNECTIONS;
+    let writers = match req.writers {
+        None => 1,
+        Some(n) if (1..=i64::from(most)).contains(&n) => n as u32,
+        Some(n) => {
+            return Err(ApiError::bad_request(format!(
+                "writers must be 1..={most} threads, not {n}"
+            )));
+        }
+    };
     let params = MigrationParams {
+        connections: writers,
         compression: compression(req.compression.as_deref())?,
         migration_threads: migration_threads(req.migration_threads)?,
         ..MigrationParams::default()

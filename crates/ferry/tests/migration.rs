@@ -251,13 +251,20 @@ fn snapshot_and_restore_continue_the_workload() {
         return;
     }
     let src = Ferry::writer("write ws=32M seq verify");
-    // Compressed by two threads while the file is written.
+    // Written by two writers at once (each a lane of the file), compressed on three threads.
     let (file, out) = src.snapshot_with(
         "vm.ferry",
-        &["--compression", "zstd", "--migration-threads", "2"],
+        &[
+            "--writers",
+            "2",
+            "--compression",
+            "zstd",
+            "--migration-threads",
+            "3",
+        ],
     );
     let report: api::MigrationStatus = serde_json::from_slice(&out.stdout).expect("report");
-    assert_eq!(report.migration_threads, 2);
+    assert_eq!((report.connections, report.migration_threads), (2, 3));
     assert!(
         report.compression.frames_zstd > 0,
         "{:?}",
@@ -268,15 +275,17 @@ fn snapshot_and_restore_continue_the_workload() {
     let mode =
         std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&file).unwrap().permissions());
     assert_eq!(mode & 0o777, 0o600, "guest memory is the owner's only");
-    // Never over an existing file, never outside the snapshot directory.
-    for (to, why) in [
-        (file.to_str().unwrap(), "File exists"),
-        ("/etc/vm.ferry", "snapshots go in"),
+    // Never over an existing file, never outside the snapshot directory; writers within
+    // bounds.
+    for (body, why) in [
+        (serde_json::json!({ "file": file }), "File exists"),
+        (serde_json::json!({ "file": "/etc/vm.ferry" }), "snapshots go in"),
+        (
+            serde_json::json!({ "file": "w.ferry", "writers": 17 }),
+            "writers must be 1..=16 threads, not 17",
+        ),
     ] {
-        let err = src
-            .api()
-            .put("vm.snapshot", Some(&serde_json::json!({ "file": to })))
-            .unwrap_err();
+        let err = src.api().put("vm.snapshot", Some(&body)).unwrap_err();
         assert!(err.to_string().contains(why), "{err}");
     }
 

@@ -682,6 +682,39 @@ fn snapshot_file_restores_the_same_memory() {
     assert_restore_refused(&path, "truncated");
 }
 
+#[test]
+fn a_snapshot_written_by_several_writers_restores_the_same_memory() {
+    let src = FakeVm::new();
+    for pfn in (0..PAGES).step_by(3) {
+        src.write_page(ram_page(pfn), 5);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for (writers, codec, threads) in [(3, "none", None), (2, "zstd", Some(4))] {
+        let path = dir.path().join(format!("{writers}.ferry"));
+        let params = MigrationParams {
+            connections: writers,
+            compression: codec.parse().unwrap(),
+            migration_threads: threads,
+            ..Default::default()
+        };
+        let status = snapshot_with(&src, &path, &params);
+        assert_eq!(status.connections, writers);
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(&bytes[..8], b"FERRYLNS", "laid out for {writers} writers");
+        let restored = restore(&path, FakeVm::new())
+            .expect("restore")
+            .expect("a VM");
+        assert!(src.memory() == restored.memory(), "{writers} writers, {codec}");
+
+        // Cut short (the last chunks of some writers missing): refused, nothing resumed.
+        std::fs::write(&path, &bytes[..bytes.len() * 2 / 3]).unwrap();
+        let fresh = FakeVm::new();
+        let probe = fresh.clone();
+        assert!(restore(&path, fresh).is_err(), "a cut file is refused");
+        assert!(probe.paused.load(Ordering::Acquire), "never resumed");
+    }
+}
+
 /// A fake destination on a fresh Unix socket: it takes the handshake, reads up to `StateEnd`
 /// (an untouched VM sends no pages) and then does `then`. Returns where it listens.
 fn fake_destination(

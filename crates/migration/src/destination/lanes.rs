@@ -46,12 +46,7 @@ pub(super) fn accept(
         )));
     }
     let deadline = Instant::now() + JOIN_WAIT;
-    let mut joined = LaneReceivers {
-        threads: Vec::new(),
-        streams: Vec::new(),
-        failed: Arc::default(),
-        progress: (1..lanes).map(|_| Arc::default()).collect(),
-    };
+    let mut joined = LaneReceivers::new(lanes);
     let mut taken = vec![false; lanes as usize];
     taken[0] = true; // the main connection
     let mut strangers = 0;
@@ -116,7 +111,60 @@ pub(super) fn accept(
     Ok(joined)
 }
 
+/// Lanes `1..lanes` of a snapshot written by several writers (`main` reads lane 0 of the
+/// file): each read by its own thread, as a migration's connections are.
+pub(super) fn open_in_file(
+    main: &Stream,
+    session: u64,
+    lanes: u32,
+    ram: &GuestRam,
+    pages: &PageReceiver,
+) -> Result<LaneReceivers> {
+    let held = match main {
+        Stream::File(f) => f.lanes(),
+        _ => 1,
+    };
+    if held != lanes {
+        return Err(Error::Protocol(format!(
+            "the snapshot's stream was written by {lanes} writers but the file holds {held}"
+        )));
+    }
+    let mut joined = LaneReceivers::new(lanes);
+    for lane in 1..lanes {
+        let Some(mut stream) = (match main {
+            Stream::File(f) => f.lane(lane).map(Stream::File),
+            _ => None,
+        }) else {
+            unreachable!("a file of {held} lanes has lane {lane}");
+        };
+        let join =
+            wire::read_stream_header(&mut stream).and_then(|()| wire::read_message(&mut stream))?;
+        match join {
+            Message::Join { session: s, lane: l } if s == session && l == lane => {
+                joined.start(stream, lane, lanes, ram, pages, main)?;
+            }
+            other => {
+                return Err(Error::Protocol(format!(
+                    "writer {lane} of the snapshot file does not open with its Join \
+                     (found {})",
+                    other.name()
+                )));
+            }
+        }
+    }
+    Ok(joined)
+}
+
 impl LaneReceivers {
+    fn new(lanes: u32) -> Self {
+        Self {
+            threads: Vec::new(),
+            streams: Vec::new(),
+            failed: Arc::default(),
+            progress: (1..lanes).map(|_| Arc::default()).collect(),
+        }
+    }
+
     fn start(
         &mut self,
         stream: Stream,

@@ -20,6 +20,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::{Migratable, VmDescriptor};
+use crate::wire::lanefile::SnapshotFile;
 use crate::wire::tls::Tls;
 use crate::wire::transport::{Endpoint, Listener, Stream};
 use crate::wire::{self, Message, StreamMode};
@@ -84,6 +85,7 @@ impl Source {
 
     pub fn snapshot(path: &Path) -> Result<Self> {
         std::fs::File::open(path)
+            .and_then(SnapshotFile::open)
             .map(|f| Source::Snapshot(Stream::File(f)))
             .map_err(|e| Error::transport(format!("cannot open snapshot {}", path.display()), e))
     }

@@ -4,6 +4,7 @@
 //! arrive, with no barrier between rounds. The main connection is lane 0 and also carries the
 //! conversation; after the switch every lane ends with `LaneEnd`, before the VM state.
 
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::session::{DEFAULT_BATCH_PAGES, Session};
@@ -93,7 +94,7 @@ impl Session<'_> {
             .max_bandwidth_mbps
             .map(|b| (b / u64::from(self.params.connections)).max(1));
         for lane in 1..self.params.connections {
-            let mut stream = dial()?;
+            let mut stream = dial(lane)?;
             wire::write_stream_header(&mut stream)?;
             wire::write_message(&mut stream, &Message::Join { session, lane })?;
             let limiter = RateLimiter::new(per_lane);
@@ -180,6 +181,8 @@ impl Session<'_> {
                     pages: c.full + c.zero,
                 },
             )?;
+            // A snapshot's writer gathers small writes: the lane's end must reach the file.
+            lane.stream.flush()?;
         }
         Ok(())
     }

@@ -25,6 +25,7 @@ use crate::params::{MigrationParams, Mode};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::Migratable;
 use crate::wire::StreamMode;
+use crate::wire::lanefile::{LaneWriter, SnapshotFile};
 use crate::wire::tls::Tls;
 use crate::wire::transport::{Endpoint, Stream};
 pub use lanes::MAX_CONNECTIONS;
@@ -205,7 +206,7 @@ impl Outgoing {
             &self.board,
             status,
         );
-        session.dial = Some(Box::new(|| endpoint.connect(self.tls.as_ref())));
+        session.dial = Some(Box::new(|_| endpoint.connect(self.tls.as_ref())));
         let was_running = vm.is_running();
         let result = session.run(mode);
         let result = session.finish(result);
@@ -298,13 +299,21 @@ impl Outgoing {
         params: &MigrationParams,
     ) -> Result<Status> {
         self.claim()?;
-        // A file is one stream: every compressing thread serves it.
-        let params = &MigrationParams {
-            connections: 1,
-            ..params.clone()
+        // Several writers (`connections`) write lanes of one file; one writes the stream.
+        let file = match params.connections {
+            0 | 1 => Ok(SnapshotFile::Plain(file)),
+            n => LaneWriter::create(file, n).map(SnapshotFile::Writer),
+        };
+        let file = match file {
+            Ok(f) => f,
+            Err(e) => {
+                self.release();
+                return Err(Error::transport(format!("cannot write {name}"), e));
+            }
         };
         let status = Status::new(Role::Source, "snapshot", name.to_string());
         self.board.publish(&status);
+        let lanes = (file.lanes() > 1).then(|| file.lane(0)).flatten();
         let mut session = Session::new(
             vm,
             Stream::File(file),
@@ -314,6 +323,11 @@ impl Outgoing {
             &self.board,
             status,
         );
+        if let Some(SnapshotFile::Writer(first)) = lanes {
+            session.dial = Some(Box::new(move |lane| {
+                Ok(Stream::File(SnapshotFile::Writer(first.lane(lane))))
+            }));
+        }
         let result = session.run(StreamMode::Snapshot);
         let result = session.finish(result);
         self.release();

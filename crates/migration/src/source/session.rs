@@ -29,8 +29,9 @@ pub(crate) const DEFAULT_BATCH_PAGES: usize = 256;
 /// Window for the guest's progress rate before the migration.
 const RATE_WINDOW_NS: u64 = 2_000_000_000;
 
-/// Opens one more connection to the destination (for the extra lanes).
-pub(crate) type Dial<'a> = Box<dyn Fn() -> Result<Stream> + 'a>;
+/// Opens lane N's stream: one more connection to the destination, or the lane of a snapshot
+/// file written by several writers.
+pub(crate) type Dial<'a> = Box<dyn Fn(u32) -> Result<Stream> + 'a>;
 
 pub(crate) struct Session<'a> {
     pub vm: &'a dyn Migratable,
@@ -150,7 +151,8 @@ impl<'a> Session<'a> {
             .guest_progress_rate(start_ns.saturating_sub(RATE_WINDOW_NS), start_ns);
         self.status.memory_pages = self.ram.pages();
         wire::write_stream_header(&mut self.stream)?;
-        let connections = if self.stream.has_peer() {
+        // A file takes lanes only when laid out for them.
+        let connections = if self.stream.has_peer() || self.dial.is_some() {
             self.params.connections.max(1)
         } else {
             1
@@ -185,6 +187,9 @@ impl<'a> Session<'a> {
                 self.open_lanes(session)?;
             }
         } else {
+            if connections > 1 {
+                self.open_lanes(session)?;
+            }
             self.step(Event::StartRounds)?;
         }
         self.status.report.setup_ms = ms(self.started.elapsed());

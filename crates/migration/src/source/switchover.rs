@@ -93,7 +93,7 @@ impl Session<'_> {
         self.send_state(checksum)?;
         if !self.stream.has_peer() {
             self.stream.flush()?;
-            if let Stream::File(f) = &self.stream {
+            if let Stream::File(f) = &mut self.stream {
                 f.sync_all()?;
             }
             self.complete(None);

@@ -1,6 +1,5 @@
 //! Where a migration goes: `tcp:HOST:PORT`, `unix:PATH`, or a file (snapshots).
 
-use std::fs::File;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -9,6 +8,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::wire::lanefile::SnapshotFile;
 use crate::wire::tls::Tls;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -58,7 +58,8 @@ pub enum Stream {
     Unix(UnixStream),
     /// TLS: plaintext on the local socket, ciphertext on the TCP socket (see `tls`).
     Tls(UnixStream, std::sync::Arc<TcpStream>),
-    File(File),
+    /// A snapshot file, or one lane of one written by several writers.
+    File(SnapshotFile),
 }
 
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
