@@ -100,6 +100,19 @@ def cpu_cost():
                      cpu_gib=0.25, extra=["--compression", "zstd", "--connections", "2"])]
 
 
+def snapshots():
+    """Snapshots written by one writer and by two (`--writers`), plain and with zstd, each
+    restored and its guest left to verify a whole pass of its memory."""
+    word, mixed = "write ws=768M seq verify", "write ws=256M seq fill=mixed verify"
+    rows = [scenario(f"snapshot 768M / 1G {w} writer{'s' if w > 1 else ''}", "1G", word,
+                     mode="snapshot", extra=["--writers", str(w)]) for w in (1, 2)]
+    rows += [scenario(f"snapshot mixed 256M / 1G zstd {label}", "1G", mixed, mode="snapshot",
+                      extra=["--compression", "zstd", *args])
+             for label, args in (("1 writer", []), ("1 writer 2 threads", ["--migration-threads", "2"]),
+                                 ("2 writers", ["--writers", "2"]))]
+    return rows
+
+
 def checkpoints():
     """What post-copy checkpoints cost (`--checkpoint-ms`): the same writer post-copied and
     hybrid-migrated without them and with one every 10, 50 and 200 ms."""
@@ -176,6 +189,11 @@ PROFILES = {
     "checkpoints": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
         "scenarios": checkpoints(),
+    },
+    # Snapshots to a file and back, on one writer and on two (`--writers`).
+    "snapshot": {
+        "links": ["loopback"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
+        "scenarios": snapshots(),
     },
     # Host CPU per GiB moved, ferry and QEMU (as it comes, and at its best: multifd + zstd).
     "cpu": {

@@ -76,7 +76,7 @@ class FerryPeer:
         err = os.path.join(self.work, "src.err")
         p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
                               "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path,
-                              *transport, "--enable-debug-api"],
+                              *transport, "--enable-debug-api", "--snapshot-dir", self.work],
                              netns=netns, side="source", stderr=open(err, "ab"))
 
         def up():
@@ -91,8 +91,53 @@ class FerryPeer:
     def info(self, sock):
         return api(sock, "GET", "vm.info")
 
+    def ready(self, sock, scenario):
+        """Steady state: a writer has populated its whole working set once (same rule for QEMU)."""
+        busy = " idle" not in f" {scenario['cmdline']}"
+        wait_until("guest progress", scenario.get("ready_s", 120),
+                   lambda: all_passed(self.info(sock)) >= 1 if busy else self.info(sock)["heartbeats"] > 100)
+        if scenario.get("warmup_s"):
+            time.sleep(scenario["warmup_s"])
+
+    def snapshot_once(self, scenario):
+        """One snapshot (`ferry snapshot`, the scenario's `extra` arguments), then the file
+        restored: how long each took, and that the restored guest verifies its memory."""
+        src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"])
+        self.ready(src, scenario)
+        path = os.path.join(self.work, f"snap-{time.time_ns()}.ferry")
+        out = subprocess.run([FERRY, "snapshot", "--api-socket", src, "--to", path, "--json",
+                              *scenario.get("extra", [])], capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise BenchError(f"ferry snapshot failed: {out.stderr.strip()} {out.stdout[-400:]}")
+        report = json.loads(out.stdout)
+        api(src, "PUT", "vm.shutdown")
+        size = os.path.getsize(path)
+        dst = os.path.join(self.work, f"restore-{time.time_ns()}.sock")
+        started = time.monotonic()
+        self.procs.start([FERRY, "run", "--restore", path, "--api-socket", dst, "--serial", "/dev/null"],
+                         stderr=open(os.path.join(self.work, "dst.err"), "ab"))
+        wait_until("the restored VM", 120,
+                   lambda: os.path.exists(dst) and self.info(dst)["state"] == "running", interval=0.002)
+        restore_ms = (time.monotonic() - started) * 1e3
+        # One whole pass after the restore: every page of the set read back and checked.
+        passes = all_passed(self.info(dst))
+        wait_until("a pass after the restore", scenario.get("ready_s", 120),
+                   lambda: all_passed(self.info(dst)) > passes)
+        dinfo = self.info(dst)
+        api(dst, "PUT", "vm.shutdown")
+        os.unlink(path)
+        compression = report.get("compression") or {}
+        return {"peer": self.name, "total_ms": report["total_ms"], "bytes": size,
+                "gb_per_s": size / report["total_ms"] / 1e6 if report["total_ms"] else None,
+                "restore_ms": restore_ms, "connections": report.get("connections"),
+                "migration_threads": report.get("migration_threads"), "compression": compression,
+                "pages_full": report["pages_full"], "pages_zero": report["pages_zero"],
+                "verify_errors_after": dinfo["verify_errors"]}
+
     def migrate_once(self, scenario, link):
         """One migration; returns a result row."""
+        if scenario["mode"] == "snapshot":
+            return self.snapshot_once(scenario)
         src_clock, dst_clock = SerialClock(), SerialClock()
         src_serial = os.path.join(self.work, f"s{time.time_ns()}.fifo")
         dst_serial = os.path.join(self.work, f"d{time.time_ns()}.fifo")
@@ -103,12 +148,7 @@ class FerryPeer:
         src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"],
                         netns=link.ns_src, serial=src_serial,
                         transport=self.tls_args("source.local") if tls else ("--plain-tcp",))
-        # Steady state: a writer has populated its whole working set once (same rule for QEMU).
-        busy = " idle" not in f" {scenario['cmdline']}"
-        wait_until("guest progress", scenario.get("ready_s", 120),
-                   lambda: all_passed(self.info(src)) >= 1 if busy else self.info(src)["heartbeats"] > 100)
-        if scenario.get("warmup_s"):
-            time.sleep(scenario["warmup_s"])
+        self.ready(src, scenario)
         port = free_port()
         dst = os.path.join(self.work, f"dst-{time.time_ns()}.sock")
         transport = self.tls_args(link.dst_host) if tls else ["--plain-tcp"]

@@ -9,7 +9,7 @@ METRICS = ["total_ms", "downtime_ms", "guest_downtime_ms", "serial_downtime_ms",
            "network_faults", "network_fault_share", "zero_faults", "resume_ms", "pages_transferred",
            "fault_latency_p50_ms", "fault_latency_p99_ms", "rate_after", "checkpoint_count",
            "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max",
-           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib", "gb_per_s"]
+           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib", "gb_per_s", "restore_ms"]
 
 
 # The forwarding runs (`--profile devices`).
@@ -86,13 +86,27 @@ def markdown(results):
                   f"`write ws=256M seq`: {d['pages_per_s_without']:.0f} pages/s without, "
                   f"{d['pages_per_s_with']:.0f} pages/s with KVM dirty logging harvested every 100 ms "
                   f"(ratio {d['ratio']:.2f}).", ""]
-    if results["scenarios"]:
+    snaps = [r for r in results["scenarios"] if r["runs"] and "restore_ms" in r["runs"][0]]
+    if snaps:
+        lines += ["## Snapshots", "",
+                  "Restore: `ferry run --restore` started → the VM runs; then the guest verifies a "
+                  "whole pass of its set.", "",
+                  "| scenario | snapshot ms | MB in the file | GB/s (file ÷ time) | restore ms | verify errors |",
+                  "|---|---|---|---|---|---|"]
+        for r in snaps:
+            s = r["summary"]
+            errors = sum(x["verify_errors_after"] for x in r["runs"])
+            lines.append(f"| {r['scenario']} | {fmt(s, 'total_ms')} | {fmt(s, 'bytes', 1e6)} | "
+                         f"{fmt(s, 'gb_per_s', digits=2)} | {fmt(s, 'restore_ms')} | {errors} |")
+        lines.append("")
+    moves = [r for r in results["scenarios"] if r not in snaps]
+    if moves:
         lines += ["## Migrations", "",
                   "| link | scenario | peer | total ms | guest downtime ms (console ticks, both VMMs) "
                   "| downtime ms (VMM) | guest downtime ms (heartbeat port, ferry) | MB on wire | GB/s (wire ÷ total) "
                   "| rounds | floor ms |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results["scenarios"]:
+    for r in moves:
         s = r["summary"]
         floor = f"{r['floor_ms']:.1f}" if r.get("floor_ms") is not None else "-"
         err = f" (failed: {r['error']})" if r.get("error") else ""
