@@ -91,6 +91,18 @@ fn modes() -> Vec<(&'static str, Vec<Point>)> {
             "precopy",
             vec![Setup, Round0, RoundK, Pause, State, Go, Completion],
         ),
+        // Pre-copy with `--go-with-state`: `Go` follows the state without waiting for
+        // `Loaded`, so the source gives the VM up at the end of the state.
+        (
+            GO_WITH_STATE,
+            vec![Setup, Round0, RoundK, Pause, State, Go, Completion],
+        ),
+        // Pre-copy over two connections: the faults land on the main one, and cuts and
+        // stalls take the extra one with it.
+        (
+            TWO_CONNECTIONS,
+            vec![Setup, Round0, RoundK, Pause, State, Go, Completion],
+        ),
         ("warm", vec![Setup, Round0, State, Go, Completion]),
         ("postcopy", [&[Setup, Pause, State][..], &postcopy].concat()),
         (
@@ -100,11 +112,37 @@ fn modes() -> Vec<(&'static str, Vec<Point>)> {
     ]
 }
 
+/// The matrix's name for `--mode precopy --go-with-state`.
+const GO_WITH_STATE: &str = "precopy go-with-state";
+
+/// The matrix's name for `--mode precopy --connections 2`.
+const TWO_CONNECTIONS: &str = "precopy 2 connections";
+
+/// `ferry migrate` arguments for a mode of the matrix.
+fn mode_args(mode: &str) -> Vec<&str> {
+    match mode {
+        GO_WITH_STATE => vec!["--mode", "precopy", "--go-with-state"],
+        TWO_CONNECTIONS => vec!["--mode", "precopy", "--connections", "2"],
+        m => vec!["--mode", m],
+    }
+}
+
 /// What the design promises for a fault at a point.
 fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
     use Outcome::*;
     let postcopy = matches!(mode, "postcopy" | "hybrid");
     match (point, fault) {
+        // With `--go-with-state`, `Go` may already be written behind the state that is held.
+        // A dead source's `Go` may still arrive, or not; with the destination gone or the
+        // link cut the source cannot know whether it runs the VM (unconfirmed: the operator
+        // takes it back); a destination that cannot load the state says so (the source runs
+        // on); a cancel before `Go` was written keeps the VM, one after it is refused.
+        (Point::State, f) if mode == GO_WITH_STATE && f != Fault::Stall => match f {
+            Fault::KillSource => &[Lost, Destination],
+            Fault::KillDestination | Fault::Cut => &[Source, Reclaimed],
+            Fault::Corrupt => &[Source],
+            _ => &[Source, Destination],
+        },
         // The destination gives a new connection 10 s to open a migration: a 10 s stall of the
         // `Hello` may end just after that, and the source runs on.
         (Point::Setup, Fault::Stall) => &[Destination, Source],
@@ -229,9 +267,8 @@ fn run_case(c: &Case) -> Result {
     let mode = c.mode;
     let migrating = std::thread::spawn(move || {
         let mut args = vec!["migrate", "--api-socket", &socket, "--to", &url, "--json"];
+        args.extend(mode_args(mode));
         args.extend([
-            "--mode",
-            mode,
             "--max-downtime-ms",
             "1",
             "--max-rounds",
@@ -243,7 +280,7 @@ fn run_case(c: &Case) -> Result {
             // Both sides checksum memory at the switch: a corrupt page cannot pass unseen.
             "--checksum",
         ]);
-        if mode != "precopy" && mode != "warm" {
+        if matches!(mode, "postcopy" | "hybrid") {
             // Post-copy sends the VM back every 20 ms: a dead destination costs less.
             args.extend(["--checkpoint-ms", "20"]);
         }
@@ -356,6 +393,8 @@ fn cases(full: bool) -> Vec<Case> {
         ("precopy", Point::RoundK, Fault::KillDestination),
         ("precopy", Point::Go, Fault::Cut),
         ("warm", Point::State, Fault::Corrupt),
+        (GO_WITH_STATE, Point::State, Fault::KillDestination),
+        (TWO_CONNECTIONS, Point::RoundK, Fault::Cut),
         ("hybrid", Point::Pause, Fault::Cancel),
         ("postcopy", Point::Postcopy(50), Fault::Cut),
         ("postcopy", Point::Postcopy(10), Fault::KillSource),

@@ -166,7 +166,7 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// Relays one connection to `target` (host:port), with `action` at `point`.
+    /// Relays a migration's connections to `target` (host:port), with `action` at `point`.
     pub fn start(target: &str, point: Point, action: Action) -> Relay {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind relay");
         let url = format!("tcp:{}", listener.local_addr().unwrap());
@@ -187,17 +187,24 @@ impl Relay {
             let Some(src) = accept_until_closing(&listener, &shared) else {
                 return;
             };
-            let Ok(dst) = TcpStream::connect(&target) else {
+            let Some(main) = Pair::connect(src, &target, &shared, Carries::Conversation) else {
                 return;
             };
-            *shared.cut.lock().unwrap() = vec![src.try_clone().unwrap(), dst.try_clone().unwrap()];
-            let (src2, dst2) = (src.try_clone().unwrap(), dst.try_clone().unwrap());
-            let back = {
+            // A migration's extra connections (`--connections`) come through here too: their
+            // frames are forwarded whole, cut and stalled with the main one's, but never the
+            // point (that is the conversation's).
+            let lanes = {
                 let shared = shared.clone();
-                std::thread::spawn(move || pump(dst2, src2, false, &shared))
+                std::thread::spawn(move || {
+                    let mut pairs = Vec::new();
+                    while let Some(src) = accept_until_closing(&listener, &shared) {
+                        pairs.extend(Pair::connect(src, &target, &shared, Carries::Lane));
+                    }
+                    pairs.into_iter().for_each(Pair::join);
+                })
             };
-            pump(src, dst, true, &shared);
-            let _ = back.join();
+            main.join();
+            let _ = lanes.join();
         });
         Relay {
             url,
@@ -236,6 +243,40 @@ impl Drop for Relay {
     }
 }
 
+/// What a relayed connection carries.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Carries {
+    /// The migration's conversation: where the point is looked for.
+    Conversation,
+    /// Only a lane's page frames.
+    Lane,
+}
+
+/// One relayed connection: a pump each way.
+struct Pair(JoinHandle<()>, JoinHandle<()>);
+
+impl Pair {
+    fn connect(src: TcpStream, target: &str, shared: &Arc<Shared>, carries: Carries) -> Option<Pair> {
+        let dst = TcpStream::connect(target).ok()?;
+        shared
+            .cut
+            .lock()
+            .unwrap()
+            .extend([src.try_clone().ok()?, dst.try_clone().ok()?]);
+        let (src2, dst2) = (src.try_clone().ok()?, dst.try_clone().ok()?);
+        let (a, b) = (shared.clone(), shared.clone());
+        Some(Pair(
+            std::thread::spawn(move || pump(src, dst, true, carries, &a)),
+            std::thread::spawn(move || pump(dst2, src2, false, carries, &b)),
+        ))
+    }
+
+    fn join(self) {
+        let _ = self.0.join();
+        let _ = self.1.join();
+    }
+}
+
 /// The source's connection, or `None` once the relay is dropped (polled: a blocking accept
 /// could wait for ever for a source that never came).
 fn accept_until_closing(listener: &TcpListener, shared: &Shared) -> Option<TcpStream> {
@@ -256,7 +297,13 @@ fn accept_until_closing(listener: &TcpListener, shared: &Shared) -> Option<TcpSt
 }
 
 /// Forwards whole frames from `from` to `to`, injecting the fault at the point.
-fn pump(mut from: TcpStream, mut to: TcpStream, to_destination: bool, shared: &Shared) {
+fn pump(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    to_destination: bool,
+    carries: Carries,
+    shared: &Shared,
+) {
     if to_destination {
         let mut header = [0u8; STREAM_HEADER_LEN];
         if from.read_exact(&mut header).is_err() || to.write_all(&header).is_err() {
@@ -274,11 +321,11 @@ fn pump(mut from: TcpStream, mut to: TcpStream, to_destination: bool, shared: &S
         if from.read_exact(&mut frame[FRAME_HEADER_LEN..]).is_err() {
             break;
         }
-        let fire = shared
-            .conversation
-            .lock()
-            .unwrap()
-            .at(shared.point, to_destination, &frame);
+        // A lane waits here while a stall holds the conversation.
+        let mut conversation = shared.conversation.lock().unwrap();
+        let fire = carries == Carries::Conversation
+            && conversation.at(shared.point, to_destination, &frame);
+        drop(conversation);
         if fire {
             let _ = shared.reached.lock().unwrap().send(());
             match shared.action {
