@@ -46,9 +46,11 @@ fn main() {
         std::fs::write(dir.join(name), bytes).unwrap();
     };
 
-    let plain = snapshot_of(&vm);
+    let plain = snapshot_of(&vm, 1);
     write("snapshot", "plain.ferry", &plain);
-    write("snapshot", "empty.ferry", &snapshot_of(&PlainVm::small()));
+    write("snapshot", "empty.ferry", &snapshot_of(&PlainVm::small(), 1));
+    // Written by two writers: a container of both lanes' chunks.
+    write("snapshot", "writers.ferry", &snapshot_of(&vm, 2));
     write("stream", "plain.ferry", &plain);
     // The same VM cut short, and with its pages in small frames.
     write("snapshot", "truncated.ferry", &plain[..plain.len() / 3]);
@@ -157,14 +159,17 @@ fn main() {
 }
 
 /// A snapshot file of `vm`, as `vm.snapshot` writes it.
-fn snapshot_of(vm: &PlainVm) -> Vec<u8> {
+fn snapshot_of(vm: &PlainVm, writers: u32) -> Vec<u8> {
     let path = std::env::temp_dir().join(format!("ferry-seed-{}.ferry", std::process::id()));
     Outgoing::new(StatusBoard::default(), None)
         .snapshot(
             vm,
             std::fs::File::create(&path).unwrap(),
             "seed",
-            &MigrationParams::default(),
+            &MigrationParams {
+                connections: writers,
+                ..MigrationParams::default()
+            },
         )
         .expect("snapshot");
     let bytes = std::fs::read(&path).unwrap();

@@ -275,7 +275,7 @@ impl Message {
             | Message::Stale { pages, words }
             | Message::Populated { pages, words } => {
                 e.u64(*pages);
-                e.words(words);
+                e.bitmap(words);
             }
             Message::PageRequest { gfn } => e.u64(*gfn),
             Message::PostcopyDone { pages_sent } => e.u64(*pages_sent),
@@ -294,7 +294,8 @@ impl Message {
                     b.iter().for_each(|&v| e.u32(v));
                 }
             }
-            Message::ResumeFrom { words } | Message::Sync { lane_pages: words } => e.words(words),
+            Message::ResumeFrom { words } => e.bitmap(words),
+            Message::Sync { lane_pages } => e.words(lane_pages),
             Message::Join { session, lane } => {
                 e.u64(*session);
                 e.u32(*lane);
@@ -379,7 +380,7 @@ impl Message {
             },
             12 => Message::PostcopyPending {
                 pages: d.u64()?,
-                words: d.words()?,
+                words: d.bitmap()?,
             },
             13 => Message::PageRequest { gfn: d.u64()? },
             14 => Message::PostcopyDone {
@@ -406,7 +407,7 @@ impl Message {
                 Message::PostcopyComplete(r)
             }
             16 => Message::ResumePostcopy,
-            17 => Message::ResumeFrom { words: d.words()? },
+            17 => Message::ResumeFrom { words: d.bitmap()? },
             18 => Message::Join {
                 session: d.u64()?,
                 lane: d.u32()?,
@@ -414,7 +415,7 @@ impl Message {
             19 => Message::LaneEnd { pages: d.u64()? },
             20 => Message::Stale {
                 pages: d.u64()?,
-                words: d.words()?,
+                words: d.bitmap()?,
             },
             21 => Message::StaleDropped,
             22 => Message::Sync {
@@ -436,7 +437,7 @@ impl Message {
             26 => Message::CheckpointTaken { seq: d.u64()? },
             27 => Message::Populated {
                 pages: d.u64()?,
-                words: d.words()?,
+                words: d.bitmap()?,
             },
             other => return Err(Error::Protocol(format!("unknown message tag {other}"))),
         };
@@ -492,7 +493,50 @@ impl Encoder {
         self.u32(v.len() as u32);
         v.iter().for_each(|&w| self.u64(w));
     }
+    /// A page bitmap as runs: guest memory is populated, dirtied and sent in long stretches,
+    /// so a 64 GiB guest's 2 MiB bitmap takes a few hundred bytes, and a switch's pause (which
+    /// carries one) costs no more round trips for a larger guest. The word count, then runs
+    /// until it is reached: `RUN_ZEROS len`, `RUN_ONES len`, or `RUN_WORDS len` and `len`
+    /// words as they are.
+    fn bitmap(&mut self, v: &[u64]) {
+        self.u32(v.len() as u32);
+        let mut literal_from = 0;
+        let mut i = 0;
+        while i < v.len() {
+            let w = v[i];
+            let len = if w == 0 || w == u64::MAX {
+                v[i..].iter().take_while(|&&x| x == w).count()
+            } else {
+                0
+            };
+            // A run of one word between literal ones saves nothing: it stays literal.
+            if len < 2 && !(len == 1 && (i == literal_from || i + 1 == v.len())) {
+                i += 1;
+                continue;
+            }
+            self.literal_words(&v[literal_from..i]);
+            self.0.push(if w == 0 { RUN_ZEROS } else { RUN_ONES });
+            self.u32(len as u32);
+            i += len;
+            literal_from = i;
+        }
+        self.literal_words(&v[literal_from..]);
+    }
+    fn literal_words(&mut self, v: &[u64]) {
+        if !v.is_empty() {
+            self.0.push(RUN_WORDS);
+            self.u32(v.len() as u32);
+            v.iter().for_each(|&w| self.u64(w));
+        }
+    }
 }
+
+const RUN_ZEROS: u8 = 0;
+const RUN_ONES: u8 = 1;
+const RUN_WORDS: u8 = 2;
+/// Most words a bitmap may have: 2^26 pages (256 GiB of guest addresses), far above
+/// `MAX_MEMORY`; more is a corrupt or hostile message, not a bitmap to allocate.
+const MAX_BITMAP_WORDS: usize = 1 << 20;
 
 struct Decoder<'a> {
     buf: &'a [u8],
@@ -561,6 +605,43 @@ impl<'a> Decoder<'a> {
     fn words(&mut self) -> Result<Vec<u64>> {
         let n = self.count(8)?;
         (0..n).map(|_| self.u64()).collect()
+    }
+    fn bitmap(&mut self) -> Result<Vec<u64>> {
+        let n = self.u32()? as usize;
+        if n > MAX_BITMAP_WORDS {
+            return Err(Error::Protocol(format!(
+                "a bitmap of {n} words (at most {MAX_BITMAP_WORDS})"
+            )));
+        }
+        let mut words = Vec::with_capacity(n);
+        while words.len() < n {
+            let kind = self.u8()?;
+            let len = self.u32()? as usize;
+            if len == 0 || len > n - words.len() {
+                return Err(Error::Protocol(format!(
+                    "a bitmap run of {len} words where {} are left",
+                    n - words.len()
+                )));
+            }
+            match kind {
+                RUN_ZEROS => words.resize(words.len() + len, 0),
+                RUN_ONES => words.resize(words.len() + len, u64::MAX),
+                RUN_WORDS => {
+                    if len * 8 > self.buf.len() {
+                        return Err(Error::Protocol(format!(
+                            "a bitmap run of {len} words does not fit the message"
+                        )));
+                    }
+                    for _ in 0..len {
+                        words.push(self.u64()?);
+                    }
+                }
+                other => {
+                    return Err(Error::Protocol(format!("unknown bitmap run kind {other}")));
+                }
+            }
+        }
+        Ok(words)
     }
 }
 
@@ -642,7 +723,7 @@ mod tests {
                     pages: 64,
                     words: vec![1],
                 },
-                "0c004000000000000000010000000100000000000000",
+                "0c00 4000000000000000 01000000 02 01000000 0100000000000000",
             ),
             (Message::PageRequest { gfn: 0x10 }, "0d001000000000000000"),
             (
@@ -659,7 +740,7 @@ mod tests {
                  0000000000000000 00 01000000 010000000200000003000000",
             ),
             (Message::ResumePostcopy, "1000"),
-            (Message::ResumeFrom { words: vec![] }, "110000000000"),
+            (Message::ResumeFrom { words: vec![] }, "1100 00000000"),
             (
                 Message::Join {
                     session: 0x55,
@@ -673,7 +754,7 @@ mod tests {
                     pages: 64,
                     words: vec![1],
                 },
-                "1400 4000000000000000 01000000 0100000000000000",
+                "1400 4000000000000000 01000000 02 01000000 0100000000000000",
             ),
             (Message::StaleDropped, "1500"),
             (
@@ -699,7 +780,7 @@ mod tests {
                     pages: 64,
                     words: vec![1],
                 },
-                "1b00 4000000000000000 01000000 0100000000000000",
+                "1b00 4000000000000000 01000000 02 01000000 0100000000000000",
             ),
         ]
     }
@@ -716,6 +797,24 @@ mod tests {
     }
 
     #[test]
+    fn bitmaps_travel_as_runs() {
+        // 64 GiB of guest memory: 1 GiB populated at the start, a stretch of mixed words,
+        // then nothing: a few runs, not 2 MiB.
+        let mut words = vec![u64::MAX; 4096];
+        words.extend([5, 0, 7, u64::MAX, 0, 0, 9]);
+        words.resize(262_144, 0);
+        words.push(u64::MAX);
+        let msg = Message::PostcopyPending { pages: 1, words };
+        let bytes = msg.encode();
+        assert!(bytes.len() < 100, "{} bytes", bytes.len());
+        assert_eq!(Message::decode(&bytes).unwrap(), msg);
+        for words in [vec![], vec![0], vec![3], vec![0, 3, 0], vec![u64::MAX, 3, 3]] {
+            let msg = Message::ResumeFrom { words };
+            assert_eq!(Message::decode(&msg.encode()).unwrap(), msg);
+        }
+    }
+
+    #[test]
     fn hostile_payloads_are_refused_with_a_reason() {
         let e = Message::decode(&[0x63, 0]).unwrap_err();
         assert!(e.to_string().contains("unknown message tag 99"), "{e}");
@@ -723,7 +822,14 @@ mod tests {
         assert!(e.to_string().contains("left over after a Go"), "{e}");
         // A bitmap claiming four billion words in a few bytes.
         let e = Message::decode(&[0x11, 0, 0xff, 0xff, 0xff, 0xff]).unwrap_err();
+        assert!(e.to_string().contains("a bitmap of 4294967295 words"), "{e}");
+        // Runs longer than the bitmap, literal words that are not there, an unknown run.
+        let e = Message::decode(&[0x11, 0, 2, 0, 0, 0, 0, 3, 0, 0, 0]).unwrap_err();
+        assert!(e.to_string().contains("run of 3 words where 2 are left"), "{e}");
+        let e = Message::decode(&[0x11, 0, 2, 0, 0, 0, 2, 2, 0, 0, 0, 1]).unwrap_err();
         assert!(e.to_string().contains("does not fit"), "{e}");
+        let e = Message::decode(&[0x11, 0, 1, 0, 0, 0, 7, 1, 0, 0, 0]).unwrap_err();
+        assert!(e.to_string().contains("unknown bitmap run kind 7"), "{e}");
         let e = Message::decode(&[2, 0, 7]).unwrap_err();
         assert!(e.to_string().contains("not a boolean"), "{e}");
         let e = Message::decode(&[3, 0, 1]).unwrap_err();
