@@ -224,6 +224,10 @@ PROFILES = {
                       # Honest content, where compression means something.
                       scenario("write seq 256M / 1G fill=mixed", "1G",
                                "write ws=256M seq fill=mixed", timeout_s=60),
+                      # A larger guest: its switch carries a bitmap of 16 GiB of pages.
+                      scenario("idle 16G post-copy", "16G", "idle", mode="postcopy", timeout_s=60),
+                      scenario("write seq 256M / 16G post-copy", "16G", "write ws=256M seq",
+                               mode="postcopy", timeout_s=60),
                       # Go right behind the state (ferry only): a round trip less.
                       scenario("idle 1G go-with-state", "1G", "idle", timeout_s=60,
                                extra=["--go-with-state"]),
