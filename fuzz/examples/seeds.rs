@@ -48,7 +48,11 @@ fn main() {
 
     let plain = snapshot_of(&vm, 1);
     write("snapshot", "plain.ferry", &plain);
-    write("snapshot", "empty.ferry", &snapshot_of(&PlainVm::small(), 1));
+    write(
+        "snapshot",
+        "empty.ferry",
+        &snapshot_of(&PlainVm::small(), 1),
+    );
     // Written by two writers: a container of both lanes' chunks.
     write("snapshot", "writers.ferry", &snapshot_of(&vm, 2));
     write("stream", "plain.ferry", &plain);

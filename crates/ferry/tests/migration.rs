@@ -279,7 +279,10 @@ fn snapshot_and_restore_continue_the_workload() {
     // bounds.
     for (body, why) in [
         (serde_json::json!({ "file": file }), "File exists"),
-        (serde_json::json!({ "file": "/etc/vm.ferry" }), "snapshots go in"),
+        (
+            serde_json::json!({ "file": "/etc/vm.ferry" }),
+            "snapshots go in",
+        ),
         (
             serde_json::json!({ "file": "w.ferry", "writers": 17 }),
             "writers must be 1..=16 threads, not 17",

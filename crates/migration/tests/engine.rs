@@ -704,7 +704,10 @@ fn a_snapshot_written_by_several_writers_restores_the_same_memory() {
         let restored = restore(&path, FakeVm::new())
             .expect("restore")
             .expect("a VM");
-        assert!(src.memory() == restored.memory(), "{writers} writers, {codec}");
+        assert!(
+            src.memory() == restored.memory(),
+            "{writers} writers, {codec}"
+        );
 
         // Cut short (the last chunks of some writers missing): refused, nothing resumed.
         std::fs::write(&path, &bytes[..bytes.len() * 2 / 3]).unwrap();

@@ -256,7 +256,12 @@ enum Carries {
 struct Pair(JoinHandle<()>, JoinHandle<()>);
 
 impl Pair {
-    fn connect(src: TcpStream, target: &str, shared: &Arc<Shared>, carries: Carries) -> Option<Pair> {
+    fn connect(
+        src: TcpStream,
+        target: &str,
+        shared: &Arc<Shared>,
+        carries: Carries,
+    ) -> Option<Pair> {
         let dst = TcpStream::connect(target).ok()?;
         shared
             .cut

@@ -140,7 +140,10 @@ pub(super) fn open_in_file(
         let join =
             wire::read_stream_header(&mut stream).and_then(|()| wire::read_message(&mut stream))?;
         match join {
-            Message::Join { session: s, lane: l } if s == session && l == lane => {
+            Message::Join {
+                session: s,
+                lane: l,
+            } if s == session && l == lane => {
                 joined.start(stream, lane, lanes, ram, pages, main)?;
             }
             other => {

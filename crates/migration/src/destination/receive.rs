@@ -160,9 +160,7 @@ impl Receiver<'_> {
         let mut lanes = match (connections, &listener) {
             (0 | 1, _) => None,
             (n, Some(l)) if live => Some(lanes::accept(l, session, n, &ram, &pages, stream)?),
-            (n, None) if !live => {
-                Some(lanes::open_in_file(stream, session, n, &ram, &pages)?)
-            }
+            (n, None) if !live => Some(lanes::open_in_file(stream, session, n, &ram, &pages)?),
             (n, _) => {
                 return Err(Error::Protocol(format!(
                     "a stream over {n} connections where only one can arrive"

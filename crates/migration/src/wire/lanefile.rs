@@ -329,7 +329,10 @@ impl LaneReader {
             let mut header = [0u8; CHUNK_HEADER_LEN as usize];
             let mut got = 0;
             while got < header.len() {
-                match self.file.read_at(&mut header[got..], self.next + got as u64)? {
+                match self
+                    .file
+                    .read_at(&mut header[got..], self.next + got as u64)?
+                {
                     0 if got == 0 => return Ok(false),
                     0 => {
                         return Err(corrupt(format!(
@@ -385,7 +388,8 @@ mod tests {
     use super::*;
 
     fn temp_file(name: &str) -> (std::path::PathBuf, File) {
-        let path = std::env::temp_dir().join(format!("ferry-lanefile-{}-{name}", std::process::id()));
+        let path =
+            std::env::temp_dir().join(format!("ferry-lanefile-{}-{name}", std::process::id()));
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -407,8 +411,14 @@ mod tests {
     fn lane_bytes(lane: u32) -> Vec<Vec<u8>> {
         (0..40u32)
             .map(|i| {
-                let len = if i % 7 == 3 { 300_000 + i as usize } else { 100 + i as usize * 997 };
-                (0..len).map(|b| (b as u32 ^ i ^ (lane << 4)) as u8).collect()
+                let len = if i % 7 == 3 {
+                    300_000 + i as usize
+                } else {
+                    100 + i as usize * 997
+                };
+                (0..len)
+                    .map(|b| (b as u32 ^ i ^ (lane << 4)) as u8)
+                    .collect()
             })
             .collect()
     }
@@ -470,17 +480,20 @@ mod tests {
 
         // A chunk naming a writer the file does not have.
         let raw = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-        raw.write_all_at(&5u32.to_le_bytes(), FILE_HEADER_LEN).unwrap();
+        raw.write_all_at(&5u32.to_le_bytes(), FILE_HEADER_LEN)
+            .unwrap();
         let e = read_lane(&f().unwrap(), 1).unwrap_err();
         assert!(e.to_string().contains("names writer 5 of 2"), "{e}");
-        raw.write_all_at(&0u32.to_le_bytes(), FILE_HEADER_LEN).unwrap();
+        raw.write_all_at(&0u32.to_le_bytes(), FILE_HEADER_LEN)
+            .unwrap();
 
         // Cut inside lane 1's chunk: its reader sees the end early (and the stream's reader
         // names what was cut); cut inside a header: named here.
         let full = std::fs::metadata(&path).unwrap().len();
         raw.set_len(full - 100).unwrap();
         assert_eq!(read_lane(&f().unwrap(), 1).unwrap().len(), 400);
-        raw.set_len(FILE_HEADER_LEN + CHUNK_HEADER_LEN + 1000 + 3).unwrap();
+        raw.set_len(FILE_HEADER_LEN + CHUNK_HEADER_LEN + 1000 + 3)
+            .unwrap();
         let e = read_lane(&f().unwrap(), 1).unwrap_err();
         assert!(e.to_string().contains("ends inside a chunk header"), "{e}");
 

@@ -808,7 +808,13 @@ mod tests {
         let bytes = msg.encode();
         assert!(bytes.len() < 100, "{} bytes", bytes.len());
         assert_eq!(Message::decode(&bytes).unwrap(), msg);
-        for words in [vec![], vec![0], vec![3], vec![0, 3, 0], vec![u64::MAX, 3, 3]] {
+        for words in [
+            vec![],
+            vec![0],
+            vec![3],
+            vec![0, 3, 0],
+            vec![u64::MAX, 3, 3],
+        ] {
             let msg = Message::ResumeFrom { words };
             assert_eq!(Message::decode(&msg.encode()).unwrap(), msg);
         }
@@ -822,10 +828,16 @@ mod tests {
         assert!(e.to_string().contains("left over after a Go"), "{e}");
         // A bitmap claiming four billion words in a few bytes.
         let e = Message::decode(&[0x11, 0, 0xff, 0xff, 0xff, 0xff]).unwrap_err();
-        assert!(e.to_string().contains("a bitmap of 4294967295 words"), "{e}");
+        assert!(
+            e.to_string().contains("a bitmap of 4294967295 words"),
+            "{e}"
+        );
         // Runs longer than the bitmap, literal words that are not there, an unknown run.
         let e = Message::decode(&[0x11, 0, 2, 0, 0, 0, 0, 3, 0, 0, 0]).unwrap_err();
-        assert!(e.to_string().contains("run of 3 words where 2 are left"), "{e}");
+        assert!(
+            e.to_string().contains("run of 3 words where 2 are left"),
+            "{e}"
+        );
         let e = Message::decode(&[0x11, 0, 2, 0, 0, 0, 2, 2, 0, 0, 0, 1]).unwrap_err();
         assert!(e.to_string().contains("does not fit"), "{e}");
         let e = Message::decode(&[0x11, 0, 1, 0, 0, 0, 7, 1, 0, 0, 0]).unwrap_err();
