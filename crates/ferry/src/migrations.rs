@@ -225,6 +225,11 @@ pub fn snapshot_params(req: &SnapshotRequest) -> Result<MigrationParams, ApiErro
         migration_threads: migration_threads(req.migration_threads)?,
         ..MigrationParams::default()
     };
+    if params.migration_threads.is_some_and(|t| t < writers) {
+        return Err(ApiError::bad_request(format!(
+            "migration_threads must be at least one per writer ({writers})"
+        )));
+    }
     params.validate().map_err(api_error)?;
     Ok(params)
 }

@@ -716,6 +716,25 @@ fn a_snapshot_written_by_several_writers_restores_the_same_memory() {
         assert!(restore(&path, fresh).is_err(), "a cut file is refused");
         assert!(probe.paused.load(Ordering::Acquire), "never resumed");
     }
+
+    // A file of two writers whose stream says it had one: refused, not read as one stream.
+    let forged = dir.path().join("forged.ferry");
+    let mut w = migration::wire::lanefile::LaneWriter::create(
+        std::fs::File::create(&forged).unwrap(),
+        2,
+    )
+    .unwrap();
+    migration::wire::write_stream_header(&mut w).unwrap();
+    let hello = Message::Hello {
+        vm: src.descriptor(),
+        mode: StreamMode::Snapshot,
+        source: "test".into(),
+        connections: 1,
+        session: 0,
+    };
+    migration::wire::write_message(&mut w, &hello).unwrap();
+    std::io::Write::flush(&mut w).unwrap();
+    assert_restore_refused(&forged, "written by 1 writers but the file holds 2");
 }
 
 /// A fake destination on a fresh Unix socket: it takes the handshake, reads up to `StateEnd`

@@ -155,6 +155,8 @@ struct Shared {
     cut: Mutex<Vec<TcpStream>>,
     /// Set when the relay is dropped: stop waiting for a connection.
     closing: std::sync::atomic::AtomicBool,
+    /// Set when the link was cut: a connection made later is cut too.
+    was_cut: std::sync::atomic::AtomicBool,
 }
 
 pub struct Relay {
@@ -180,6 +182,7 @@ impl Relay {
             release: Mutex::new(release_rx),
             cut: Mutex::default(),
             closing: Default::default(),
+            was_cut: Default::default(),
         });
         let target = target.to_string();
         let relay_shared = shared.clone();
@@ -268,6 +271,13 @@ impl Pair {
             .lock()
             .unwrap()
             .extend([src.try_clone().ok()?, dst.try_clone().ok()?]);
+        // Checked after the sockets are listed (both flags are set before the list is
+        // emptied): a connection that came as the relay closed, or after a cut, is not carried.
+        let ordering = std::sync::atomic::Ordering::Acquire;
+        if shared.closing.load(ordering) || shared.was_cut.load(ordering) {
+            finish(&src, &dst);
+            return None;
+        }
         let (src2, dst2) = (src.try_clone().ok()?, dst.try_clone().ok()?);
         let (a, b) = (shared.clone(), shared.clone());
         Some(Pair(
@@ -340,6 +350,9 @@ fn pump(
                     // filled would only probe it, blocked until its I/O timeout. With
                     // SO_LINGER 0 the last close of each socket resets it; the clones kept
                     // here go now, the pumps' own when they return.
+                    shared
+                        .was_cut
+                        .store(true, std::sync::atomic::Ordering::Release);
                     for s in std::mem::take(&mut *shared.cut.lock().unwrap()) {
                         reset_on_close(&s);
                         let _ = s.shutdown(Shutdown::Both);

@@ -158,7 +158,7 @@ impl Receiver<'_> {
         let mut pages = PageReceiver::new(&ram).for_lane(0, connections.max(1));
         let listener = self.listener.take();
         let mut lanes = match (connections, &listener) {
-            (0 | 1, _) => None,
+            (0 | 1, _) if !matches!(stream, Stream::File(f) if f.lanes() > 1) => None,
             (n, Some(l)) if live => Some(lanes::accept(l, session, n, &ram, &pages, stream)?),
             (n, None) if !live => Some(lanes::open_in_file(stream, session, n, &ram, &pages)?),
             (n, _) => {

@@ -296,6 +296,11 @@ impl LaneReader {
             corrupt("the snapshot file ends inside its header (written by several writers)")
         })?;
         let lanes = u32::from_le_bytes(header[8..12].try_into().unwrap());
+        if header[12..] != [0; 4] {
+            return Err(corrupt(
+                "the snapshot file's header has bytes 12..16 set (a later format?)",
+            ));
+        }
         let most = super::pages::MAX_CONNECTIONS;
         if !(2..=most).contains(&lanes) {
             return Err(corrupt(format!(
@@ -348,7 +353,7 @@ impl LaneReader {
             if lane >= self.lanes || len == 0 || len as usize > MAX_CHUNK_BYTES {
                 return Err(corrupt(format!(
                     "the chunk at offset {} of the snapshot file names writer {lane} of {} and \
-                     {len} bytes",
+                     {len} bytes (1..={MAX_CHUNK_BYTES})",
                     self.next, self.lanes
                 )));
             }
