@@ -719,11 +719,9 @@ fn a_snapshot_written_by_several_writers_restores_the_same_memory() {
 
     // A file of two writers whose stream says it had one: refused, not read as one stream.
     let forged = dir.path().join("forged.ferry");
-    let mut w = migration::wire::lanefile::LaneWriter::create(
-        std::fs::File::create(&forged).unwrap(),
-        2,
-    )
-    .unwrap();
+    let mut w =
+        migration::wire::lanefile::LaneWriter::create(std::fs::File::create(&forged).unwrap(), 2)
+            .unwrap();
     migration::wire::write_stream_header(&mut w).unwrap();
     let hello = Message::Hello {
         vm: src.descriptor(),
