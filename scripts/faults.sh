@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The full fault matrix (crates/ferry/tests/faults.rs): every mode × point × fault, 174
-# injected faults, about 9 minutes here. Writes the table to target/faults.md; exits non-zero
+# The full fault matrix (crates/ferry/tests/faults.rs): every mode × point × fault, 258
+# injected faults, about 14 minutes here. Writes the table to target/faults.md; exits non-zero
 # if any outcome differs from what the design promises (docs/faults.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."

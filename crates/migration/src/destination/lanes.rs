@@ -3,7 +3,7 @@
 //! session, each read by its own thread straight into guest memory until `LaneEnd`. A stranger
 //! (wrong session, a lane taken twice, anything else) is told why and closed.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,6 +27,9 @@ pub(super) struct LaneReceivers {
     failed: Arc<Mutex<Option<Error>>>,
     /// Pages each extra lane (1..) has put in place so far.
     progress: Vec<Arc<AtomicU64>>,
+    /// Set when the receive ends: a lane read from a file (which no shutdown interrupts)
+    /// stops at its next frame.
+    stop: Arc<AtomicBool>,
 }
 
 /// Accepts lanes `1..lanes` of `session` and starts reading each (learning from `pages`, the
@@ -165,6 +168,7 @@ impl LaneReceivers {
             streams: Vec::new(),
             failed: Arc::default(),
             progress: (1..lanes).map(|_| Arc::default()).collect(),
+            stop: Arc::default(),
         }
     }
 
@@ -183,13 +187,14 @@ impl LaneReceivers {
         self.streams.push(stream.try_clone()?);
         let (ram, main, failed) = (ram.clone(), main.try_clone()?, self.failed.clone());
         let progress = self.progress[lane as usize - 1].clone();
+        let stop = self.stop.clone();
         let pages = PageReceiver::new(&ram)
             .for_lane(lane, lanes)
             .sharing_ahead_with(main_pages);
         let thread = std::thread::Builder::new()
             .name(format!("lane-{lane}"))
             .spawn(
-                move || match receive_lane(stream, &ram, pages, lane, &progress) {
+                move || match receive_lane(stream, &ram, pages, lane, &progress, &stop) {
                     Ok(pages) => Some(pages),
                     Err(e) => {
                         failed
@@ -262,6 +267,7 @@ fn lane_failed() -> Error {
 
 impl Drop for LaneReceivers {
     fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
         for s in &self.streams {
             s.shutdown();
         }
@@ -274,8 +280,14 @@ fn receive_lane(
     mut pages: PageReceiver,
     lane: u32,
     progress: &AtomicU64,
+    stop: &AtomicBool,
 ) -> Result<PageReceiver> {
     loop {
+        if stop.load(Ordering::Acquire) {
+            return Err(Error::State(format!(
+                "connection {lane}: the migration ended"
+            )));
+        }
         match wire::read_frame(&mut stream)? {
             Frame::Pages { header, len } => {
                 pages.receive(&mut stream, ram, &header, len)?;
