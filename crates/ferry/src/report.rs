@@ -63,7 +63,15 @@ pub fn render(s: &MigrationStatus) -> String {
         ),
         ("pages resent (dirtied again)", s.pages_resent.to_string()),
         ("bytes on the wire", s.bytes_on_wire.to_string()),
-        ("connections", s.connections.to_string()),
+        (
+            // A snapshot's lanes are its writers.
+            if s.mode == "snapshot" {
+                "writers"
+            } else {
+                "connections"
+            },
+            s.connections.to_string(),
+        ),
         ("migration threads", s.migration_threads.to_string()),
         (
             "average throughput",
@@ -158,4 +166,31 @@ pub fn render(s: &MigrationStatus) -> String {
         }
     }
     o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first word of each line of the report.
+    fn labels(mode: &str) -> Vec<String> {
+        let s = MigrationStatus {
+            mode: mode.into(),
+            connections: 2,
+            ..Default::default()
+        };
+        render(&s)
+            .lines()
+            .filter_map(|l| l.split_whitespace().next().map(str::to_string))
+            .collect()
+    }
+
+    #[test]
+    fn a_snapshot_counts_writers_and_a_migration_connections() {
+        let (snapshot, migration) = (labels("snapshot"), labels("precopy"));
+        assert!(snapshot.contains(&"writers".into()), "{snapshot:?}");
+        assert!(!snapshot.contains(&"connections".into()), "{snapshot:?}");
+        assert!(migration.contains(&"connections".into()), "{migration:?}");
+        assert!(!migration.contains(&"writers".into()), "{migration:?}");
+    }
 }
