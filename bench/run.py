@@ -228,6 +228,9 @@ PROFILES = {
                       scenario("idle 16G post-copy", "16G", "idle", mode="postcopy", timeout_s=60),
                       scenario("write seq 256M / 16G post-copy fill=word", "16G", "write ws=256M seq",
                                mode="postcopy", timeout_s=60),
+                      # ferry's counterpart of QEMU's post-copy, which begins with a pre-copy pass.
+                      scenario("write seq 256M / 16G hybrid fill=word", "16G", "write ws=256M seq",
+                               mode="hybrid", timeout_s=60),
                       # Go right behind the state (ferry only): a round trip less.
                       scenario("idle 1G go-with-state", "1G", "idle", timeout_s=60,
                                extra=["--go-with-state"]),
