@@ -239,23 +239,10 @@ impl Chooser {
             .expect("three codecs")
     }
 
-    /// Whether the link, as measured, takes raw bytes faster than even the fastest codec can
-    /// compress them on the cores it has, whatever the data: then no work per page to save
-    /// bytes pays (false until the link and a codec are measured). Not `best() == None`: that
-    /// is also true on a slow link for data that does not compress.
+    /// Whether the link, as measured, takes pages faster than compressing them would: plain
+    /// is the best choice (false while the link is not measured yet).
     pub fn link_outruns_codecs(&self) -> bool {
-        let Some(link) = self.link else {
-            return false;
-        };
-        let cores = self.cores.max(1) as f64;
-        let fastest = Codec::ALL
-            .iter()
-            .filter(|c| **c != Codec::None)
-            .filter_map(|c| self.speed[c.index()])
-            .fold(None, |most: Option<f64>, s| {
-                Some(most.map_or(s, |m| m.max(s)))
-            });
-        fastest.is_some_and(|s| link > s * cores)
+        self.link.is_some() && self.best() == Codec::None
     }
 
     pub fn learn(&mut self, b: BatchCost) {

@@ -241,9 +241,9 @@ impl PageSender {
             }
         }
         // Delta encoding costs a copy of every page it may later encode against; with `auto`
-        // it is used only while the link is slower than the codecs, whose speed says what
-        // work per page saving bytes may cost (on a faster link the pages go in place, as
-        // without it).
+        // it is used only while the link is slow enough for compressing to pay, the same
+        // measure of whether saving bytes is worth CPU (on a link faster than the codecs the
+        // pages go in place, as without it).
         let deltas_pay = self.delta.is_some()
             && !(self.compression == Compression::Auto
                 && codec == Codec::None
