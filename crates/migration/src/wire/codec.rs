@@ -239,12 +239,6 @@ impl Chooser {
             .expect("three codecs")
     }
 
-    /// Whether the link, as measured, takes pages faster than compressing them would: plain
-    /// is the best choice (false while the link is not measured yet).
-    pub fn link_outruns_codecs(&self) -> bool {
-        self.link.is_some() && self.best() == Codec::None
-    }
-
     pub fn learn(&mut self, b: BatchCost) {
         if b.raw_bytes == 0 {
             return;

@@ -240,22 +240,8 @@ impl PageSender {
                 cache.forget(pfn);
             }
         }
-        // Delta encoding costs a copy of every page it may later encode against; with `auto`
-        // it is used only while the link is slow enough for compressing to pay, the same
-        // measure of whether saving bytes is worth CPU (on a link faster than the codecs the
-        // pages go in place, as without it).
-        let deltas_pay = self.delta.is_some()
-            && !(self.compression == Compression::Auto
-                && codec == Codec::None
-                && self.chooser.link_outruns_codecs());
-        let buffered = codec != Codec::None || deltas_pay;
+        let buffered = codec != Codec::None || self.delta.is_some();
         if !(buffered && full > 0) {
-            if let Some(cache) = self.delta.as_mut() {
-                // Sent in place, uncached: an older copy must not be encoded against.
-                for &(pfn, _) in self.pfns.iter().filter(|(_, e)| *e == PageEncoding::Full) {
-                    cache.forget(pfn);
-                }
-            }
             // Frames gathered before this one leave first.
             self.drain(w, limiter)?;
             let (frame_bytes, cost) = self.send_in_place(w, ram, limiter, full)?;
@@ -1162,62 +1148,6 @@ mod tests {
             // changed little too: all of them, except the one zeroed.
             assert!(c.delta_pages >= 40, "{c:?}");
             assert!(c.delta_saved > 40 * 4000, "{c:?}");
-        }
-    }
-
-    /// A link that takes a microsecond per byte (1 MB/s): far slower than any codec.
-    struct SlowLink(Vec<u8>);
-
-    impl Write for SlowLink {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            std::thread::sleep(std::time::Duration::from_micros(buf.len() as u64));
-            self.0.extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-
-    /// With `auto`, deltas only where saving bytes pays: on a link faster than the codecs
-    /// (memory here) re-sent pages go whole and in place, on a slow one as deltas; either way
-    /// every page arrives exactly.
-    #[test]
-    fn auto_sends_deltas_only_on_a_link_slower_than_the_codecs() {
-        for slow in [false, true] {
-            let (mut src_buf, src) = source(|pfn| pfn >= 32);
-            let mut sender = PageSender::new(16)
-                .with_compression(Compression::Auto)
-                .with_delta_cache(PAGES as usize);
-            let mut limiter = RateLimiter::new(None);
-            let mut dst_buf = vec![0u8; src_buf.len()];
-            let dst = ram(&mut dst_buf);
-            let mut receiver = PageReceiver::new(&dst);
-            for round in 0..3u64 {
-                if round > 0 {
-                    for pfn in (0..PAGES).filter(|p| p % 5 != 0) {
-                        let at = (pfn * PAGE_SIZE as u64) as usize + 8 * (pfn as usize % 512);
-                        src_buf[at..at + 8].copy_from_slice(&(pfn + 1000 * round).to_le_bytes());
-                    }
-                }
-                let mut link = SlowLink(Vec::new());
-                let mut fast = Vec::new();
-                let mut w: &mut dyn Write = if slow { &mut link } else { &mut fast };
-                for pfn in 0..PAGES {
-                    sender.push(&mut w, &src, pfn, &mut limiter).unwrap();
-                }
-                sender.flush(&mut w, &src, &mut limiter).unwrap();
-                let wire = if slow { link.0 } else { fast };
-                feed(&mut receiver, &wire, &dst).unwrap();
-                assert!(dst_buf == src_buf, "slow link {slow}, round {round}");
-            }
-            let c = sender.counters;
-            if slow {
-                assert!(c.delta_pages >= 60, "{c:?}");
-            } else {
-                // Only while the link was not measured yet, and in probes.
-                assert!(c.delta_pages < 16, "{c:?}");
-            }
         }
     }
 
