@@ -112,20 +112,22 @@ mod tests {
         steps.into_iter().try_fold(AwaitReady, |s, e| s.next(e))
     }
 
+    /// The destination's answers every conversation below hears.
+    static READY: Message = Message::Ready { postcopy: true };
+    static LOADED: Message = Message::Loaded {
+        memory_checksum: None,
+    };
+    static RESUMED: Message = Message::Resumed {
+        state_to_resume_ns: 1,
+    };
+
     /// `go_with_state`: Go right behind the state; Loaded, then Resumed, follow. Go twice,
     /// or Resumed before Loaded, is refused.
     #[test]
     fn go_may_go_with_the_state() {
-        let ready = Message::Ready { postcopy: true };
-        let loaded = Message::Loaded {
-            memory_checksum: None,
-        };
-        let resumed = Message::Resumed {
-            state_to_resume_ns: 1,
-        };
         let before = || {
             vec![
-                Event::Heard(&ready),
+                Event::Heard(&READY),
                 Event::Paused,
                 Event::StateSent,
                 Event::GoSent { postcopy: true },
@@ -133,10 +135,10 @@ mod tests {
         };
         assert_eq!(run(before()).unwrap(), AwaitLoadedGoSent { postcopy: true });
         let mut steps = before();
-        steps.extend([Event::Heard(&loaded), Event::Heard(&resumed)]);
+        steps.extend([Event::Heard(&LOADED), Event::Heard(&RESUMED)]);
         assert_eq!(run(steps).unwrap(), Postcopy);
         let mut steps = before();
-        steps.push(Event::Heard(&resumed));
+        steps.push(Event::Heard(&RESUMED));
         assert!(run(steps).is_err(), "Resumed before Loaded");
         let mut steps = before();
         steps.push(Event::GoSent { postcopy: true });
@@ -145,24 +147,17 @@ mod tests {
 
     #[test]
     fn precopy_conversation() {
-        let ready = Message::Ready { postcopy: true };
-        let loaded = Message::Loaded {
-            memory_checksum: None,
-        };
-        let resumed = Message::Resumed {
-            state_to_resume_ns: 1,
-        };
         let report = Message::GuestReport {
             observed_downtime_ns: None,
             pages_per_s_after: None,
         };
         let s = run(vec![
-            Event::Heard(&ready),
+            Event::Heard(&READY),
             Event::Paused,
             Event::StateSent,
-            Event::Heard(&loaded),
+            Event::Heard(&LOADED),
             Event::GoSent { postcopy: false },
-            Event::Heard(&resumed),
+            Event::Heard(&RESUMED),
         ])
         .unwrap();
         // Pre-copy has nothing to push: the guest report ends it.
@@ -177,13 +172,6 @@ mod tests {
 
     #[test]
     fn postcopy_conversation_serves_requests_until_complete() {
-        let ready = Message::Ready { postcopy: true };
-        let loaded = Message::Loaded {
-            memory_checksum: None,
-        };
-        let resumed = Message::Resumed {
-            state_to_resume_ns: 1,
-        };
         let req = Message::PageRequest { gfn: 5 };
         let done = Message::PostcopyComplete(PostcopyReport::default());
         let report = Message::GuestReport {
@@ -191,12 +179,12 @@ mod tests {
             pages_per_s_after: None,
         };
         let s = run(vec![
-            Event::Heard(&ready),
+            Event::Heard(&READY),
             Event::Paused,
             Event::StateSent,
-            Event::Heard(&loaded),
+            Event::Heard(&LOADED),
             Event::GoSent { postcopy: true },
-            Event::Heard(&resumed),
+            Event::Heard(&RESUMED),
             Event::Heard(&req),
             Event::Heard(&req),
             Event::Heard(&done),
@@ -208,20 +196,19 @@ mod tests {
 
     #[test]
     fn the_source_pauses_only_after_the_stale_copies_are_dropped() {
-        let ready = Message::Ready { postcopy: true };
-        let s = run(vec![Event::Heard(&ready), Event::StaleSent]).unwrap();
+        let s = run(vec![Event::Heard(&READY), Event::StaleSent]).unwrap();
         assert_eq!(s, DroppingStale);
         assert!(s.next(Event::Paused).is_err(), "no pause before the answer");
         let s = s.next(Event::Heard(&Message::StaleDropped)).unwrap();
         assert_eq!(s.next(Event::Paused).unwrap(), Switchover);
         // Pre-copy: the pause waits for Synced.
-        let s = run(vec![Event::Heard(&ready), Event::SyncSent]).unwrap();
+        let s = run(vec![Event::Heard(&READY), Event::SyncSent]).unwrap();
         assert_eq!(s, Syncing);
         assert!(s.next(Event::Paused).is_err(), "no pause before the answer");
         let s = s.next(Event::Heard(&Message::Synced)).unwrap();
         assert_eq!(s.next(Event::Paused).unwrap(), Switchover);
         let e = run(vec![
-            Event::Heard(&ready),
+            Event::Heard(&READY),
             Event::Heard(&Message::StaleDropped),
         ])
         .unwrap_err();
@@ -233,10 +220,7 @@ mod tests {
 
     #[test]
     fn out_of_order_answers_are_refused() {
-        let loaded = Message::Loaded {
-            memory_checksum: None,
-        };
-        let e = run(vec![Event::Heard(&loaded)]).unwrap_err();
+        let e = run(vec![Event::Heard(&LOADED)]).unwrap_err();
         assert!(
             e.to_string()
                 .contains("sent Loaded while the source was in AwaitReady")
