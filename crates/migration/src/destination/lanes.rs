@@ -115,31 +115,30 @@ pub(super) fn accept(
 }
 
 /// Lanes `1..lanes` of a snapshot written by several writers (`main` reads lane 0 of the
-/// file): each read by its own thread, as a migration's connections are.
+/// file): each read by its own thread, as a migration's connections are. `lanes` is what the
+/// stream says; the file must hold as many. None for a file of one stream.
 pub(super) fn open_in_file(
     main: &Stream,
     session: u64,
     lanes: u32,
     ram: &GuestRam,
     pages: &PageReceiver,
-) -> Result<LaneReceivers> {
-    let held = match main {
-        Stream::File(f) => f.lanes(),
-        _ => 1,
+) -> Result<Option<LaneReceivers>> {
+    let Stream::File(file) = main else {
+        return Err(Error::Protocol("a snapshot that is not a file".into()));
     };
+    let held = file.lanes();
     if held != lanes {
         return Err(Error::Protocol(format!(
             "the snapshot's stream was written by {lanes} writers but the file holds {held}"
         )));
     }
+    if lanes == 1 {
+        return Ok(None);
+    }
     let mut joined = LaneReceivers::new(lanes);
     for lane in 1..lanes {
-        let Some(mut stream) = (match main {
-            Stream::File(f) => f.lane(lane).map(Stream::File),
-            _ => None,
-        }) else {
-            unreachable!("a file of {held} lanes has lane {lane}");
-        };
+        let mut stream = Stream::File(file.lane(lane).expect("a file of several lanes"));
         let join =
             wire::read_stream_header(&mut stream).and_then(|()| wire::read_message(&mut stream))?;
         match join {
@@ -158,7 +157,7 @@ pub(super) fn open_in_file(
             }
         }
     }
-    Ok(joined)
+    Ok(Some(joined))
 }
 
 impl LaneReceivers {

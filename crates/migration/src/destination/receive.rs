@@ -158,10 +158,11 @@ impl Receiver<'_> {
         let mut pages = PageReceiver::new(&ram).for_lane(0, connections.max(1));
         let listener = self.listener.take();
         let mut lanes = match (connections, &listener) {
-            (0 | 1, _) if !matches!(stream, Stream::File(f) if f.lanes() > 1) => None,
-            (n, Some(l)) if live => Some(lanes::accept(l, session, n, &ram, &pages, stream)?),
-            (n, None) if !live => Some(lanes::open_in_file(stream, session, n, &ram, &pages)?),
-            (n, _) => {
+            // A snapshot's lanes are in its file, as many as its stream names.
+            (n, _) if !live => lanes::open_in_file(stream, session, n.max(1), &ram, &pages)?,
+            (0 | 1, _) => None,
+            (n, Some(l)) => Some(lanes::accept(l, session, n, &ram, &pages, stream)?),
+            (n, None) => {
                 return Err(Error::Protocol(format!(
                     "a stream over {n} connections where only one can arrive"
                 )));

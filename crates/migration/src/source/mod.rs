@@ -313,7 +313,11 @@ impl Outgoing {
         };
         let status = Status::new(Role::Source, "snapshot", name.to_string());
         self.board.publish(&status);
-        let lanes = (file.lanes() > 1).then(|| file.lane(0)).flatten();
+        // Opens the other writers' lanes of the same file.
+        let opener = match &file {
+            SnapshotFile::Writer(first) => Some(first.lane(0)),
+            _ => None,
+        };
         let mut session = Session::new(
             vm,
             Stream::File(file),
@@ -323,9 +327,9 @@ impl Outgoing {
             &self.board,
             status,
         );
-        if let Some(SnapshotFile::Writer(first)) = lanes {
+        if let Some(opener) = opener {
             session.dial = Some(Box::new(move |lane| {
-                Ok(Stream::File(SnapshotFile::Writer(first.lane(lane))))
+                Ok(Stream::File(SnapshotFile::Writer(opener.lane(lane))))
             }));
         }
         let result = session.run(StreamMode::Snapshot);
