@@ -108,8 +108,10 @@ pub struct MigrationRequest {
     pub checksum: Option<bool>,
     /// precopy only: switch to post-copy instead of stop-and-copy when it will not converge.
     pub auto_postcopy: Option<bool>,
-    /// precopy: slow the guest's vCPUs in steps while it outpaces the link.
-    pub auto_converge: Option<bool>,
+    /// precopy: when to slow the guest's vCPUs in steps: "off", "when-stalled" (default:
+    /// once pre-copy cannot converge on its own) or "early" (from half the link's rate);
+    /// `true` means "early", `false` "off".
+    pub auto_converge: Option<AutoConvergeField>,
     /// Post-copy push order: bubble (default; pre-paging around faults) or linear (push only).
     pub prepaging: Option<String>,
     /// Connections the pages travel on, each with its own sender thread (1..=16, default 1).
@@ -128,6 +130,50 @@ pub struct MigrationRequest {
     /// Post-copy checkpoints every this many ms (5..=60000; off when absent): the source can
     /// then carry on from the newest one should the destination die (`vm.migrate-rollback`).
     pub checkpoint_ms: Option<i64>,
+}
+
+/// `auto_converge` as a request gives it: a policy's name, or a switch (`true`: "early",
+/// `false`: "off"), the form it had before it took names.
+#[derive(Clone, Debug, PartialEq)]
+pub enum AutoConvergeField {
+    Switch(bool),
+    Named(String),
+}
+
+impl AutoConvergeField {
+    /// The policy's name ("off", "when-stalled", "early"; any other string as given).
+    pub fn name(&self) -> &str {
+        match self {
+            AutoConvergeField::Switch(true) => "early",
+            AutoConvergeField::Switch(false) => "off",
+            AutoConvergeField::Named(s) => s,
+        }
+    }
+}
+
+impl Serialize for AutoConvergeField {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> Deserialize<'de> for AutoConvergeField {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Either;
+        impl serde::de::Visitor<'_> for Either {
+            type Value = AutoConvergeField;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("\"off\", \"when-stalled\", \"early\", or a bool")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(AutoConvergeField::Switch(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(AutoConvergeField::Named(v.to_owned()))
+            }
+        }
+        d.deserialize_any(Either)
+    }
 }
 
 /// Body of `vm.migrate-reclaim` and `vm.migrate-rollback` (optional).

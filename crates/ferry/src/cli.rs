@@ -77,10 +77,12 @@ pub struct MigrateArgs {
     /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
     #[arg(long)]
     pub auto_postcopy: bool,
-    /// Slow the guest's vCPUs in steps (20 %, +10 % a round) while it dirties memory faster
-    /// than the link sends it, until pre-copy converges.
-    #[arg(long)]
-    pub auto_converge: bool,
+    /// When to slow the guest's vCPUs in steps (20 %, +10 % a round) until pre-copy
+    /// converges: off (stop-and-copy after 3 rounds without progress), when-stalled (the
+    /// default: once a round shows pre-copy cannot converge on its own) or early (from the
+    /// round the guest dirties half of what the link sends; the flag alone means early).
+    #[arg(long, value_name = "WHEN", num_args = 0..=1, default_missing_value = "early")]
+    pub auto_converge: Option<String>,
     /// Post-copy push order: bubble (pre-paging around the last fault) or linear (push only).
     #[arg(long)]
     pub prepaging: Option<String>,

@@ -6,7 +6,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use api::{ApiClient, MigrationPhase, MigrationRequest, MigrationStatus, SnapshotRequest};
+use api::{
+    ApiClient, AutoConvergeField, MigrationPhase, MigrationRequest, MigrationStatus,
+    SnapshotRequest,
+};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::cli::{MigrateArgs, SnapshotArgs};
@@ -33,7 +36,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         timeout_s: args.timeout_s,
         checksum: Some(args.checksum),
         auto_postcopy: Some(args.auto_postcopy),
-        auto_converge: Some(args.auto_converge),
+        auto_converge: args.auto_converge.clone().map(AutoConvergeField::Named),
         prepaging: args.prepaging.clone(),
         connections: args.connections,
         compression: args.compression.clone(),

@@ -264,7 +264,10 @@ pub fn params_from_request(
         timeout_s: positive("timeout_s", req.timeout_s)?.unwrap_or(defaults.timeout_s),
         checksum: req.checksum.unwrap_or(false),
         auto_postcopy: req.auto_postcopy.unwrap_or(false),
-        auto_converge: req.auto_converge.unwrap_or(false),
+        auto_converge: match &req.auto_converge {
+            Some(a) => a.name().parse().map_err(api_error)?,
+            None => defaults.auto_converge,
+        },
         go_with_state: req.go_with_state.unwrap_or(false),
         prepaging: match req.prepaging.as_deref() {
             None | Some("bubble") => Strategy::Bubble,
@@ -428,5 +431,40 @@ impl Controller {
                 Err(api_error(e))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use migration::AutoConverge;
+
+    fn auto_converge(body: serde_json::Value) -> Result<AutoConverge, String> {
+        let mut req = serde_json::json!({"destination": "tcp:127.0.0.1:1"});
+        if !body.is_null() {
+            req["auto_converge"] = body;
+        }
+        let req: MigrationRequest = serde_json::from_value(req).map_err(|e| e.to_string())?;
+        params_from_request(&req)
+            .map(|(_, p)| p.auto_converge)
+            .map_err(|e| e.message)
+    }
+
+    #[test]
+    fn auto_converge_takes_a_name_or_a_switch() {
+        use serde_json::json;
+        assert_eq!(auto_converge(json!(null)), Ok(AutoConverge::WhenStalled));
+        assert_eq!(auto_converge(json!(true)), Ok(AutoConverge::Early));
+        assert_eq!(auto_converge(json!(false)), Ok(AutoConverge::Off));
+        assert_eq!(auto_converge(json!("off")), Ok(AutoConverge::Off));
+        assert_eq!(
+            auto_converge(json!("when-stalled")),
+            Ok(AutoConverge::WhenStalled)
+        );
+        assert_eq!(auto_converge(json!("early")), Ok(AutoConverge::Early));
+        let e = auto_converge(json!("sometimes")).unwrap_err();
+        assert!(e.contains("unknown auto_converge 'sometimes'"), "{e}");
+        let e = auto_converge(json!(3)).unwrap_err();
+        assert!(e.contains("\"when-stalled\""), "{e}");
     }
 }

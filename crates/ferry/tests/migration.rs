@@ -165,39 +165,40 @@ fn resent_pages_go_as_deltas_and_every_page_arrives() {
     }
 }
 
+/// Early (the flag alone), and when-stalled (the default): a writer the link cannot keep up
+/// with is slowed until pre-copy converges.
 #[test]
 fn auto_converge_slows_the_guest_until_precopy_converges() {
     if !kvm_available() {
         return;
     }
-    let mut src = Ferry::writer("write ws=16M seq verify");
-    let url = unix_url(&src, "mig.sock");
-    let dst = Ferry::incoming(&url);
-    // 200 Mbit/s cannot keep up with a guest rewriting 16 MiB several times a second.
-    let (report, ok, stderr) = migrate(
-        &src,
-        &url,
-        &[
+    for when in [&["--auto-converge"][..], &[]] {
+        let mut src = Ferry::writer("write ws=16M seq verify");
+        let url = unix_url(&src, "mig.sock");
+        let dst = Ferry::incoming(&url);
+        // 200 Mbit/s cannot keep up with a guest rewriting 16 MiB several times a second.
+        let mut args = vec![
             "--checksum",
             "--max-bandwidth-mbps",
             "200",
             "--max-downtime-ms",
             "50",
-            "--auto-converge",
-        ],
-    );
-    assert!(ok, "migrate failed: {stderr}\n{report:?}");
-    assert_eq!(report.converged, Some(true), "{report:?}");
-    assert!(report.throttle_percent_max >= 20, "{report:?}");
-    let (before, during) = (
-        report.guest_pages_per_s_before.unwrap_or(0.0),
-        report.guest_pages_per_s_during.unwrap_or(f64::MAX),
-    );
-    assert!(
-        during < before,
-        "the guest ran slower while throttled: {before} -> {during}"
-    );
-    assert_every_page_arrived(&mut src, &dst, &report, 2);
+        ];
+        args.extend_from_slice(when);
+        let (report, ok, stderr) = migrate(&src, &url, &args);
+        assert!(ok, "{when:?}: migrate failed: {stderr}\n{report:?}");
+        assert_eq!(report.converged, Some(true), "{when:?}: {report:?}");
+        assert!(report.throttle_percent_max >= 20, "{when:?}: {report:?}");
+        let (before, during) = (
+            report.guest_pages_per_s_before.unwrap_or(0.0),
+            report.guest_pages_per_s_during.unwrap_or(f64::MAX),
+        );
+        assert!(
+            during < before,
+            "{when:?}: the guest ran slower while throttled: {before} -> {during}"
+        );
+        assert_every_page_arrived(&mut src, &dst, &report, 2);
+    }
 }
 
 #[test]
@@ -498,6 +499,10 @@ fn bad_migration_requests_are_refused_clearly() {
     fails(
         &["--to", &nobody, "--mode", "teleport"],
         "unknown mode 'teleport'",
+    );
+    fails(
+        &["--to", &nobody, "--auto-converge=sometimes"],
+        "unknown auto_converge 'sometimes' (use off, when-stalled or early)",
     );
 
     // Two at once: the second is refused while the first runs.

@@ -23,7 +23,7 @@ pub mod wire;
 pub use destination::Incoming;
 pub use error::{Error, ErrorKind, Result};
 pub use memory::{GuestRam, RamRange};
-pub use params::{Compression, MigrationParams, Mode, Strategy};
+pub use params::{AutoConverge, Compression, MigrationParams, Mode, Strategy};
 pub use source::Outgoing;
 pub use status::{Phase, Role, Status, StatusBoard};
 pub use vm::{GuestReport, Migratable, VmDescriptor};

@@ -47,6 +47,51 @@ impl std::str::FromStr for Mode {
     }
 }
 
+/// When pre-copy slows the guest's vCPUs (auto-converge: 20 %, then 10 % more a round, at
+/// most 99 %) so that its dirty set can shrink to what fits the downtime budget.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum AutoConverge {
+    /// Never: after 3 rounds without progress pre-copy stops and copies the rest, however
+    /// long that pause.
+    Off,
+    /// Once a round shows that pre-copy cannot converge on its own (the guest outpaced the
+    /// link, or its dirty set stopped shrinking, with more left than the budget): the last
+    /// resort before a stop-and-copy over budget (VMware's vMotion also throttles by default).
+    #[default]
+    WhenStalled,
+    /// From the round in which the guest dirtied at least half of what the link sent (QEMU's
+    /// auto-converge trigger), whether or not pre-copy would have converged without it.
+    Early,
+}
+
+impl AutoConverge {
+    pub fn name(self) -> &'static str {
+        match self {
+            AutoConverge::Off => "off",
+            AutoConverge::WhenStalled => "when-stalled",
+            AutoConverge::Early => "early",
+        }
+    }
+}
+
+impl std::str::FromStr for AutoConverge {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        [
+            AutoConverge::Off,
+            AutoConverge::WhenStalled,
+            AutoConverge::Early,
+        ]
+        .into_iter()
+        .find(|a| a.name() == s)
+        .ok_or_else(|| {
+            Error::Param(format!(
+                "unknown auto_converge '{s}' (use off, when-stalled or early)"
+            ))
+        })
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct MigrationParams {
     pub mode: Mode,
@@ -58,9 +103,8 @@ pub struct MigrationParams {
     pub checksum: bool,
     /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
     pub auto_postcopy: bool,
-    /// When the guest dirties memory faster than the link sends it, slow its vCPUs in steps
-    /// (20 %, then +10 % a round, at most 99 %) until pre-copy converges.
-    pub auto_converge: bool,
+    /// When pre-copy slows the guest's vCPUs in steps until it converges.
+    pub auto_converge: AutoConverge,
     /// Post-copy push order: bubble (pre-paging around faults) or linear (push only).
     pub prepaging: Strategy,
     /// TCP (or Unix) connections the pages travel on, each with its own sender thread.
@@ -100,7 +144,7 @@ impl Default for MigrationParams {
             timeout_s: 600,
             checksum: false,
             auto_postcopy: false,
-            auto_converge: false,
+            auto_converge: AutoConverge::WhenStalled,
             prepaging: Strategy::Bubble,
             connections: 1,
             compression: Compression::None,

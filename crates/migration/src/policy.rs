@@ -1,6 +1,7 @@
 //! When to stop iterating and switch over: a pure function of measured figures.
 
 use crate::PAGE_SIZE;
+use crate::params::AutoConverge;
 
 /// Bytes a page costs on the wire when sent in full (data + descriptor).
 pub const FULL_PAGE_WIRE_BYTES: f64 = (PAGE_SIZE + 8) as f64;
@@ -70,6 +71,22 @@ pub fn should_throttle(m: &Measured) -> bool {
 }
 
 const THROTTLE_TRIGGER: f64 = 0.5;
+
+/// Whether auto-converge, set to `when`, slows the guest (harder) before the next round:
+/// `Early` at QEMU's trigger; `WhenStalled` only once pre-copy shows it cannot get there on its
+/// own (outpaced, or a round without progress) while the rest does not fit the budget, the
+/// point from which the rounds would only count down to a stop-and-copy over budget.
+pub fn throttle_now(when: AutoConverge, m: &Measured, limits: &Limits) -> bool {
+    match when {
+        AutoConverge::Off => false,
+        AutoConverge::Early => should_throttle(m),
+        AutoConverge::WhenStalled => {
+            (outpaced(m) || m.stalled_rounds > 0)
+                && expected_downtime_ms(m.pages_remaining, m.bandwidth_bytes_per_s)
+                    > limits.max_downtime_ms
+        }
+    }
+}
 
 /// A final set this small (1 MiB) moves in well under a millisecond on any link worth
 /// migrating over: not worth another round.
@@ -214,6 +231,35 @@ mod tests {
         // 100 MB/s link: 12,000 dirty pages/s × 4 KiB ≈ 49 MB/s is below half; 13,000 above.
         assert!(!should_throttle(&m(2, 5_000, 12_000.0)));
         assert!(should_throttle(&m(2, 5_000, 13_000.0)));
+    }
+
+    #[test]
+    fn when_stalled_throttles_only_what_cannot_converge_on_its_own() {
+        let when = AutoConverge::WhenStalled;
+        // Dirtying 49 MB/s of a 100 MB/s link while the set shrinks: left alone (Early would
+        // already throttle at half the link).
+        let shrinking = m(2, 50_000, 12_000.0);
+        assert!(!throttle_now(when, &shrinking, &LIMITS));
+        assert!(throttle_now(
+            AutoConverge::Early,
+            &m(2, 50_000, 13_000.0),
+            &LIMITS
+        ));
+        // The same guest once a round made no progress: throttled.
+        let stalled = Measured {
+            stalled_rounds: 1,
+            ..shrinking
+        };
+        assert!(throttle_now(when, &stalled, &LIMITS));
+        // Outpacing the link: throttled from the first round that shows it.
+        assert!(throttle_now(when, &m(1, 50_000, 30_000.0), &LIMITS));
+        // Stalled but within budget: the switch comes next, no throttle needed.
+        let fits = Measured {
+            stalled_rounds: 2,
+            ..m(3, 100, 30_000.0)
+        };
+        assert!(!throttle_now(when, &fits, &LIMITS));
+        assert!(!throttle_now(AutoConverge::Off, &stalled, &LIMITS));
     }
 
     #[test]

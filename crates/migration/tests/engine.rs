@@ -10,8 +10,8 @@ use migration::destination::Source;
 use migration::wire::bitmap::Bitmap;
 use migration::wire::{Message, StreamMode};
 use migration::{
-    Compression, Endpoint, GuestRam, GuestReport, Incoming, Migratable, MigrationParams, Mode,
-    Outgoing, Phase, RamRange, Status, StatusBoard, VmDescriptor,
+    AutoConverge, Compression, Endpoint, GuestRam, GuestReport, Incoming, Migratable,
+    MigrationParams, Mode, Outgoing, Phase, RamRange, Status, StatusBoard, VmDescriptor,
 };
 
 /// Guest RAM: pages [0, LOW) and [HIGH, HIGH + LOW), with a hole between them (the shape of
@@ -422,17 +422,22 @@ fn precopy_over(connections: u32, compression: Compression, threads: Option<u32>
 }
 
 /// A guest that rewrites its working set faster than a 40 Mbit/s link moves it: auto-converge
-/// throttles it harder round after round, and releases it when the migration ends, whether it
-/// completes or fails (here: runs out of time mid-rounds).
+/// (early, or when-stalled, the default) throttles it harder round after round, and releases
+/// it when the migration ends, whether it completes or fails (here: runs out of time
+/// mid-rounds).
 #[test]
 fn auto_converge_throttles_in_steps_and_releases() {
-    for (max_rounds, timeout_s) in [(5, 600), (30, 3)] {
+    for (when, max_rounds, timeout_s) in [
+        (AutoConverge::Early, 5, 600),
+        (AutoConverge::Early, 30, 3),
+        (AutoConverge::WhenStalled, 5, 600),
+    ] {
         let (src, run) = migrate_while_writing(MigrationParams {
             max_downtime_ms: 1,
             max_rounds,
             timeout_s,
             max_bandwidth_mbps: Some(40),
-            auto_converge: true,
+            auto_converge: when,
             ..Default::default()
         });
         let most = src.throttle_max.load(Ordering::Relaxed);
@@ -460,6 +465,28 @@ fn auto_converge_throttles_in_steps_and_releases() {
         assert_eq!(u64::from(s.report.throttle_percent_max), most);
         assert!(src.memory() == run.dest.expect("destination").memory());
     }
+}
+
+/// With auto-converge off the same guest is never slowed: after rounds without progress the
+/// source stops and copies the rest, and says it missed the budget.
+#[test]
+fn without_auto_converge_a_stalled_precopy_stops_and_copies() {
+    let (src, run) = migrate_while_writing(MigrationParams {
+        max_downtime_ms: 1,
+        max_bandwidth_mbps: Some(40),
+        auto_converge: AutoConverge::Off,
+        ..Default::default()
+    });
+    run.result.expect("migration");
+    assert_eq!(src.throttle_max.load(Ordering::Relaxed), 0, "never slowed");
+    let s = run.source_status;
+    assert_eq!(s.report.converged, Some(false), "{:?}", s.note);
+    assert!(
+        s.note.as_deref().unwrap_or("").contains("stop-and-copy"),
+        "{:?}",
+        s.note
+    );
+    assert!(src.memory() == run.dest.expect("destination").memory());
 }
 
 /// Post-copy and hybrid through the engine alone: the destination VM's "guest" reads pages

@@ -102,8 +102,7 @@ impl Session<'_> {
             }
             match policy::decide(&measured, &limits) {
                 Decision::Iterate => {
-                    if self.params.auto_converge
-                        && policy::should_throttle(&measured)
+                    if policy::throttle_now(self.params.auto_converge, &measured, &limits)
                         && self.throttle_harder()?
                     {
                         stalled = 0; // a slower guest is a new game
@@ -183,8 +182,9 @@ impl Session<'_> {
         let r = &mut self.status.report;
         r.throttle_percent_max = r.throttle_percent_max.max(next);
         self.status.note = Some(format!(
-            "the guest dirties memory faster than the link sends it: its vCPUs now sleep \
-             {next} % of the time"
+            "pre-copy was not converging: the guest's vCPUs now sleep {next} % of the time \
+             (auto-converge {})",
+            self.params.auto_converge.name()
         ));
         Ok(true)
     }
