@@ -17,10 +17,6 @@ use crate::wire::{Message, StreamMode};
 
 /// Rounds without progress before pre-copy gives up iterating (see `policy`).
 const MAX_STALLED_ROUNDS: u32 = 3;
-/// Auto-converge's throttle steps, in percent of each vCPU's time.
-const THROTTLE_FIRST: u8 = 20;
-const THROTTLE_STEP: u8 = 10;
-const THROTTLE_MOST: u8 = 99;
 /// A round of fewer pages is too short to time the link by.
 const RATE_MIN_PAGES: u64 = 1024;
 /// Live status is refreshed every this many pages inside a round.
@@ -103,7 +99,7 @@ impl Session<'_> {
             match policy::decide(&measured, &limits) {
                 Decision::Iterate => {
                     if policy::throttle_now(self.params.auto_converge, &measured, &limits)
-                        && self.throttle_harder()?
+                        && self.throttle_harder(&measured)?
                     {
                         stalled = 0; // a slower guest is a new game
                     }
@@ -167,13 +163,9 @@ impl Session<'_> {
         m
     }
 
-    /// Auto-converge's step: 20 % at first, then 10 % more a round, at most 99 % (QEMU's
-    /// cpu-throttle defaults). Whether it slowed the guest further.
-    fn throttle_harder(&mut self) -> Result<bool> {
-        let next = match self.throttle {
-            0 => THROTTLE_FIRST,
-            t => (t + THROTTLE_STEP).min(THROTTLE_MOST),
-        };
+    /// Auto-converge's step (`policy::next_throttle`). Whether it slowed the guest further.
+    fn throttle_harder(&mut self, measured: &Measured) -> Result<bool> {
+        let next = policy::next_throttle(self.throttle, measured);
         if next == self.throttle {
             return Ok(false);
         }
