@@ -28,9 +28,12 @@ pub struct Limits {
     pub max_stalled_rounds: u32,
 }
 
+/// A dirty set at least this share of the one before is no progress.
+const NO_PROGRESS: f64 = 0.9;
+
 /// Whether a dirty set of `now` pages is progress over the previous one of `before`.
 pub fn shrank(before: u64, now: u64) -> bool {
-    (now as f64) < before as f64 * 0.9
+    (now as f64) < before as f64 * NO_PROGRESS
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -52,6 +55,14 @@ pub fn expected_downtime_ms(pages: u64, bandwidth_bytes_per_s: f64) -> f64 {
 /// True when the guest dirties memory faster than the link drains it.
 pub fn outpaced(m: &Measured) -> bool {
     m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= m.bandwidth_bytes_per_s
+}
+
+/// True when the guest dirties at least nine tenths of what the link sends: the next round's
+/// set cannot shrink by the tenth that `shrank` calls progress. A guest that rewrites its
+/// whole set every round measures at about the link's rate (the distinct pages a round left
+/// dirty ÷ its time), so this, unlike `outpaced`, sees it from the first round.
+pub fn will_stall(m: &Measured) -> bool {
+    m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= NO_PROGRESS * m.bandwidth_bytes_per_s
 }
 
 /// Whether pre-copy cannot converge, judged from one round: the guest dirties pages faster
@@ -107,14 +118,15 @@ pub fn next_throttle(current: u8, m: &Measured) -> u8 {
 
 /// Whether auto-converge, set to `when`, slows the guest (harder) before the next round:
 /// `Early` at QEMU's trigger; `WhenStalled` only once pre-copy shows it cannot get there on its
-/// own (outpaced, or a round without progress) while the rest does not fit the budget, the
-/// point from which the rounds would only count down to a stop-and-copy over budget.
+/// own (a round without progress, or rates that make the next one so) while the rest does not
+/// fit the budget, the point from which the rounds would only count down to a stop-and-copy
+/// over budget.
 pub fn throttle_now(when: AutoConverge, m: &Measured, limits: &Limits) -> bool {
     match when {
         AutoConverge::Off => false,
         AutoConverge::Early => should_throttle(m),
         AutoConverge::WhenStalled => {
-            (outpaced(m) || m.stalled_rounds > 0)
+            (will_stall(m) || m.stalled_rounds > 0)
                 && expected_downtime_ms(m.pages_remaining, m.bandwidth_bytes_per_s)
                     > limits.max_downtime_ms
         }
@@ -284,8 +296,11 @@ mod tests {
             ..shrinking
         };
         assert!(throttle_now(when, &stalled, &LIMITS));
-        // Outpacing the link: throttled from the first round that shows it.
+        // Outpacing the link, or nearly (a guest that rewrites its whole set every round
+        // measures at about the link's rate): throttled from the first round that shows it.
         assert!(throttle_now(when, &m(1, 50_000, 30_000.0), &LIMITS));
+        assert!(throttle_now(when, &m(1, 50_000, 23_000.0), &LIMITS));
+        assert!(!throttle_now(when, &m(1, 50_000, 21_000.0), &LIMITS));
         // Stalled but within budget: the switch comes next, no throttle needed.
         let fits = Measured {
             stalled_rounds: 2,
