@@ -77,7 +77,8 @@ pub struct MigrateArgs {
     /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
     #[arg(long)]
     pub auto_postcopy: bool,
-    /// When to slow the guest's vCPUs in steps (20 %, +10 % a round) until pre-copy
+    /// When to slow the guest's vCPUs (20 %, then +10 % a round, or at once what the measured
+    /// rates need for the guest to dirty half of what the link sends) until pre-copy
     /// converges: off (stop-and-copy after 3 rounds without progress), when-stalled (the
     /// default: once a round shows pre-copy cannot converge on its own) or early (from the
     /// round the guest dirties half of what the link sends; the flag alone means early).

@@ -47,15 +47,16 @@ impl std::str::FromStr for Mode {
     }
 }
 
-/// When pre-copy slows the guest's vCPUs (auto-converge: 20 %, then 10 % more a round, at
-/// most 99 %) so that its dirty set can shrink to what fits the downtime budget.
+/// When pre-copy slows the guest's vCPUs (auto-converge, in the steps of
+/// `policy::next_throttle`) so that its dirty set can shrink to what fits the downtime budget.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum AutoConverge {
     /// Never: after 3 rounds without progress pre-copy stops and copies the rest, however
     /// long that pause.
     Off,
-    /// Once a round shows that pre-copy cannot converge on its own (the guest outpaced the
-    /// link, or its dirty set stopped shrinking, with more left than the budget): the last
+    /// Once a round shows that pre-copy cannot converge on its own (the guest dirtied nine
+    /// tenths of what the link sent, or its dirty set stopped shrinking, with more left than
+    /// the budget): the last
     /// resort before a stop-and-copy over budget (VMware's vMotion also throttles by default).
     #[default]
     WhenStalled,
