@@ -164,8 +164,10 @@ pub struct BatchCost {
 /// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
-/// Every `PROBE_EVERY` batches it tries the codec it has measured least recently, so a change
-/// in the data or the link is seen.
+/// A codec not picked is tried again now and then, so a change in the data or the link is
+/// seen: after `PROBE_EVERY` batches at first, and each time a try confirms it clearly loses,
+/// twice as long (at most `PROBE_MOST`): on a link faster than every codec a try costs several
+/// batches' time, and at a fixed pace the tries alone made `auto` a fifth slower than plain.
 #[derive(Clone, Debug, Default)]
 pub struct Chooser {
     /// Per codec: input bytes per second while compressing, on one core (EWMA).
@@ -180,12 +182,24 @@ pub struct Chooser {
     /// Whether each codec has been picked yet, and the batch it was last picked for.
     tried: [bool; 3],
     last_used: [u64; 3],
+    /// Per codec: batches between its tries while it is not the pick (0: `PROBE_EVERY`),
+    /// and the link's rate when they were last put off (a new rate is news for every codec).
+    probe_every: [u64; 3],
+    link_when_put_off: Option<f64>,
     batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
     cores: usize,
 }
 
 const PROBE_EVERY: u64 = 16;
+const PROBE_MOST: u64 = 256;
+/// A codec whose expected time is within this factor of the pick's is a close contender: it
+/// keeps being tried every `PROBE_EVERY` batches.
+const CONTENDER: f64 = 1.2;
+/// A link rate that moved by this factor since the tries were put off is news: every codec is
+/// tried again soon. (A frame's ratio or speed is not: pages of mixed content and a shared CPU
+/// make those swing from frame to frame, and the next try still comes within `PROBE_MOST`.)
+const LINK_NEWS: f64 = 2.0;
 /// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
 
@@ -208,34 +222,48 @@ impl Chooser {
         // use at once: with packer threads it is learned from only batches later.
         let c = if let Some(&c) = Codec::ALL.iter().find(|c| !self.tried[c.index()]) {
             c
-        } else if self.batches.is_multiple_of(PROBE_EVERY) {
-            *Codec::ALL
-                .iter()
-                .min_by_key(|c| self.last_used[c.index()])
-                .expect("three codecs")
         } else {
-            self.best()
+            if let (Some(then), Some(now)) = (self.link_when_put_off, self.link)
+                && (now > LINK_NEWS * then || now < then / LINK_NEWS)
+            {
+                self.probe_every = [0; 3];
+                self.link_when_put_off = None;
+            }
+            let best = self.best();
+            let overdue = |c: &&Codec| {
+                let i = c.index();
+                let every = self.probe_every[i].max(PROBE_EVERY);
+                (self.batches - self.last_used[i]).checked_sub(every)
+            };
+            Codec::ALL
+                .iter()
+                .filter(|c| **c != best)
+                .filter_map(|c| overdue(&c).map(|late| (late, *c)))
+                .max_by_key(|(late, _)| *late)
+                .map_or(best, |(_, c)| c)
         };
         self.tried[c.index()] = true;
         self.last_used[c.index()] = self.batches;
         c
     }
 
+    /// Expected time per raw byte with codec `c`.
+    fn cost(&self, c: Codec) -> f64 {
+        let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
+        let ratio = self.ratio[c.index()].unwrap_or(1.0);
+        let compress = match (c, self.speed[c.index()]) {
+            (Codec::None, _) => 0.0,
+            (_, Some(s)) if s > 0.0 => 1.0 / (s * self.cores.max(1) as f64),
+            _ => f64::INFINITY,
+        };
+        f64::max(compress, ratio / link)
+    }
+
     /// The codec with the smallest expected time per raw byte (the first of equals: plain).
     pub fn best(&self) -> Codec {
-        let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
-        let cost = |c: Codec| {
-            let ratio = self.ratio[c.index()].unwrap_or(1.0);
-            let compress = match (c, self.speed[c.index()]) {
-                (Codec::None, _) => 0.0,
-                (_, Some(s)) if s > 0.0 => 1.0 / (s * self.cores.max(1) as f64),
-                _ => f64::INFINITY,
-            };
-            f64::max(compress, ratio / link)
-        };
         *Codec::ALL
             .iter()
-            .min_by(|a, b| cost(**a).total_cmp(&cost(**b)))
+            .min_by(|a, b| self.cost(**a).total_cmp(&self.cost(**b)))
             .expect("three codecs")
     }
 
@@ -249,6 +277,16 @@ impl Chooser {
             let t = b.compress_time.as_secs_f64().max(1e-7);
             self.speed[i] = ewma(self.speed[i], b.raw_bytes as f64 / t);
         }
+        // A try that confirms a clear loser puts its next one off; a close contender keeps
+        // its pace.
+        let best = self.best();
+        let loses = b.codec != best && self.cost(b.codec) > CONTENDER * self.cost(best);
+        self.probe_every[i] = if loses {
+            self.link_when_put_off = self.link_when_put_off.or(self.link);
+            (self.probe_every[i].max(PROBE_EVERY) * 2).min(PROBE_MOST)
+        } else {
+            PROBE_EVERY
+        };
         if !self.drained_samples {
             let w = b.write_time.as_secs_f64().max(1e-7);
             self.link = ewma(self.link, b.packed_bytes as f64 / w);
@@ -378,15 +416,89 @@ mod tests {
         assert_eq!(first.len(), 3, "each codec once before any is learned");
         let probes: Vec<Codec> = (3..PROBE_EVERY * 3)
             .map(|_| c.pick())
-            .enumerate()
-            .filter(|(i, _)| (*i as u64 + 4).is_multiple_of(PROBE_EVERY))
-            .map(|(_, p)| p)
+            .filter(|p| *p != Codec::None)
             .collect();
-        assert_eq!(probes.len(), 3);
+        assert_eq!(probes.len(), 4, "{probes:?}");
         assert!(
             probes.windows(2).all(|w| w[0] != w[1]),
             "unlearned probes go round the codecs: {probes:?}"
         );
+    }
+
+    /// Runs `n` batches through `c` with every codec costing what `cost_of` says; returns the
+    /// picks.
+    fn run(c: &mut Chooser, n: usize, cost_of: impl Fn(Codec) -> BatchCost) -> Vec<Codec> {
+        (0..n)
+            .map(|_| {
+                let p = c.pick();
+                c.learn(cost_of(p));
+                p
+            })
+            .collect()
+    }
+
+    #[test]
+    fn auto_tries_a_clear_loser_less_and_less_and_a_contender_as_often() {
+        // A link far faster than either codec, incompressible pages: both codecs lose by far.
+        let fast_random = |p| cost(p, 1.0, if p == Codec::Lz4 { 800.0 } else { 300.0 }, 5000.0);
+        let mut c = Chooser::default();
+        let picks = run(&mut c, 2000, fast_random);
+        let tries = picks.iter().filter(|p| **p != Codec::None).count();
+        // At a fixed pace of one try per `PROBE_EVERY` batches: 125.
+        assert!((4..=30).contains(&tries), "{tries} tries");
+        // Each codec still tried at least every `PROBE_MOST` batches.
+        let last_zstd = picks.iter().rposition(|p| *p == Codec::Zstd).unwrap();
+        assert!(picks.len() - last_zstd <= PROBE_MOST as usize + 2);
+        // A contender within a fifth of the pick (lz4 here just behind zstd) keeps its pace.
+        let text = |p| match p {
+            Codec::None => cost(p, 1.0, 0.0, 125.0),
+            Codec::Lz4 => cost(p, 0.33, 900.0, 125.0),
+            Codec::Zstd => cost(p, 0.3, 900.0, 125.0),
+        };
+        let mut c = Chooser::default();
+        let picks = run(&mut c, 320, text);
+        assert_eq!(c.best(), Codec::Zstd);
+        let lz4 = picks.iter().filter(|p| **p == Codec::Lz4).count();
+        assert!(lz4 >= 320 / PROBE_EVERY as usize - 1, "{lz4} tries of lz4");
+    }
+
+    #[test]
+    fn auto_notices_new_pages_or_a_new_link_after_putting_tries_off() {
+        let fast_random = |p| cost(p, 1.0, if p == Codec::Lz4 { 800.0 } else { 300.0 }, 5000.0);
+        let mut c = Chooser::default();
+        run(&mut c, 2000, fast_random);
+        // The pages turn text-like and the link slows to 1 Gbit: zstd wins within a few tries.
+        let slow_text = |p| match p {
+            Codec::None => cost(p, 1.0, 0.0, 125.0),
+            Codec::Lz4 => cost(p, 0.45, 900.0, 125.0),
+            Codec::Zstd => cost(p, 0.3, 400.0, 125.0),
+        };
+        let picks = run(&mut c, 2 * PROBE_MOST as usize, slow_text);
+        assert_eq!(c.best(), Codec::Zstd);
+        // The new link rate is news: every codec is tried again within `PROBE_EVERY` batches
+        // and compression wins at once; zstd's estimate takes a few more tries to catch up
+        // with the new pages, and then it is the pick but for tries.
+        let soon = &picks[PROBE_EVERY as usize..2 * PROBE_EVERY as usize];
+        let plain = soon.iter().filter(|p| **p == Codec::None).count();
+        assert!(plain <= 2, "{picks:?}");
+        let late = &picks[PROBE_MOST as usize..];
+        let zstd = late.iter().filter(|p| **p == Codec::Zstd).count();
+        assert!(zstd * 10 >= late.len() * 9, "{picks:?}");
+        // Only the pages change (incompressible, then text-like, on 1 Gbit throughout): the
+        // put-off codecs' next try, at most `PROBE_MOST` batches away, finds them winning.
+        let slow_random = |p| cost(p, 1.0, if p == Codec::Lz4 { 800.0 } else { 300.0 }, 125.0);
+        let mut c = Chooser::default();
+        run(&mut c, 2000, slow_random);
+        let picks = run(&mut c, PROBE_MOST as usize + 32, slow_text);
+        let tail = &picks[PROBE_MOST as usize + 16..];
+        assert!(tail.iter().all(|p| *p != Codec::None), "{picks:?}");
+        // Only the link changes (the same incompressible pages, now on 1 Gbit): a new rate is
+        // news, so the put-off codecs are tried again at once, and found still to lose.
+        let mut c = Chooser::default();
+        run(&mut c, 2000, fast_random);
+        let picks = run(&mut c, 2 * PROBE_EVERY as usize, slow_random);
+        assert!(picks.contains(&Codec::Lz4) && picks.contains(&Codec::Zstd));
+        assert_eq!(c.best(), Codec::None);
     }
 
     #[test]
