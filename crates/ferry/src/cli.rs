@@ -82,7 +82,13 @@ pub struct MigrateArgs {
     /// converges: off (stop-and-copy after 3 rounds without progress), when-stalled (the
     /// default: once a round shows pre-copy cannot converge on its own) or early (from the
     /// round the guest dirties half of what the link sends; the flag alone means early).
-    #[arg(long, value_name = "WHEN", num_args = 0..=1, default_missing_value = "early")]
+    #[arg(
+        long,
+        value_name = "WHEN",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "early"
+    )]
     pub auto_converge: Option<String>,
     /// Post-copy push order: bubble (pre-paging around the last fault) or linear (push only).
     #[arg(long)]

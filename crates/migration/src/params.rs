@@ -56,8 +56,8 @@ pub enum AutoConverge {
     Off,
     /// Once a round shows that pre-copy cannot converge on its own (the guest dirtied nine
     /// tenths of what the link sent, or its dirty set stopped shrinking, with more left than
-    /// the budget): the last
-    /// resort before a stop-and-copy over budget (VMware's vMotion also throttles by default).
+    /// the budget): the last resort before a stop-and-copy over budget (VMware's vMotion also
+    /// throttles by default).
     #[default]
     WhenStalled,
     /// From the round in which the guest dirtied at least half of what the link sent (QEMU's

@@ -95,14 +95,16 @@ const THROTTLE_TARGET: f64 = 0.5;
 /// The throttle after `current`: QEMU's step, or more where the measured rates say so. Slowed
 /// by `current`, the guest dirtied `dirty_pages_per_s`, so unthrottled it dirties that ÷ its
 /// share of the CPU; the throttle that brings this to `THROTTLE_TARGET` of the link is
-/// reached in one step rather than one round per 10 % (a round over a slow link can take
-/// seconds). The rate counts distinct pages per round, a lower bound when the guest rewrote
-/// its whole set: the next round measures again.
+/// reached in fewer steps than one round per 10 % (a round over a slow link can take
+/// seconds), but a step at most halves the guest's share, so one noisy round cannot send it
+/// to 99 %. The rate counts distinct pages per round, a lower bound when the guest rewrote its
+/// whole set: the next round measures again.
 pub fn next_throttle(current: u8, m: &Measured) -> u8 {
     let stepped = match current {
         0 => THROTTLE_FIRST,
         t => t.saturating_add(THROTTLE_STEP),
     };
+    let halved = current.saturating_add(100u8.saturating_sub(current) / 2);
     let share = (1.0 - f64::from(current.min(THROTTLE_MOST)) / 100.0).max(0.01);
     let unthrottled = m.dirty_pages_per_s / share;
     let link = m.bandwidth_bytes_per_s / FULL_PAGE_WIRE_BYTES;
@@ -111,9 +113,8 @@ pub fn next_throttle(current: u8, m: &Measured) -> u8 {
     } else {
         0.0
     };
-    stepped
-        .max(needed.clamp(0.0, 100.0) as u8)
-        .min(THROTTLE_MOST)
+    let needed = (needed.clamp(0.0, 100.0) as u8).min(halved);
+    stepped.max(needed).min(THROTTLE_MOST)
 }
 
 /// Whether auto-converge, set to `when`, slows the guest (harder) before the next round:
@@ -281,8 +282,8 @@ mod tests {
     #[test]
     fn when_stalled_throttles_only_what_cannot_converge_on_its_own() {
         let when = AutoConverge::WhenStalled;
-        // Dirtying 49 MB/s of a 100 MB/s link while the set shrinks: left alone (Early would
-        // already throttle at half the link).
+        // Dirtying 49 MB/s of a 100 MB/s link while the set shrinks: left alone. (Early
+        // throttles from half the link: 13,000 pages/s, 53 MB/s.)
         let shrinking = m(2, 50_000, 12_000.0);
         assert!(!throttle_now(when, &shrinking, &LIMITS));
         assert!(throttle_now(
@@ -318,14 +319,19 @@ mod tests {
         assert_eq!(next_throttle(0, &mild), 20);
         assert_eq!(next_throttle(20, &mild), 30);
         // Dirtying 48,732 pages/s (twice the link) unthrottled: down to half the link's
-        // rate takes 75 % at once.
+        // rate takes 75 %; a step halves the guest's share at most: 50 %, then 75 %.
         let fast = m(1, 50_000, 48_732.0);
-        assert_eq!(next_throttle(0, &fast), 75);
-        // The same guest measured at 20 % dirtied 0.8 × as much: the estimate is the same.
+        assert_eq!(next_throttle(0, &fast), 50);
+        let at_half = m(2, 50_000, 48_732.0 * 0.5);
+        assert_eq!(next_throttle(50, &at_half), 75);
+        // The same guest measured at 20 % dirtied 0.8 × as much: the same estimate, and the
+        // step from 20 % reaches 60 % at most.
         let slowed = m(2, 50_000, 48_732.0 * 0.8);
-        assert_eq!(next_throttle(20, &slowed), 75);
-        // Never above 99 %, and still a step at 95 %.
-        assert_eq!(next_throttle(0, &m(1, 50_000, 1e9)), 99);
+        assert_eq!(next_throttle(20, &slowed), 60);
+        // A wild rate (one noisy round) still only halves the share; never above 99 %, and
+        // still a step at 95 %.
+        assert_eq!(next_throttle(0, &m(1, 50_000, 1e9)), 50);
+        assert_eq!(next_throttle(60, &m(1, 50_000, 1e9)), 80);
         assert_eq!(next_throttle(95, &mild), 99);
         assert_eq!(next_throttle(99, &fast), 99);
     }

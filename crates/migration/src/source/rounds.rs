@@ -7,7 +7,7 @@ use std::time::Instant;
 use super::lanes::RoundShare;
 use super::session::Session;
 use crate::error::Result;
-use crate::params::Mode;
+use crate::params::{AutoConverge, Mode};
 use crate::policy::{self, Decision, FULL_PAGE_WIRE_BYTES, Limits, Measured};
 use crate::scan::populated_pages;
 use crate::status::{RoundStats, ms};
@@ -173,9 +173,12 @@ impl Session<'_> {
         self.throttle = next;
         let r = &mut self.status.report;
         r.throttle_percent_max = r.throttle_percent_max.max(next);
+        let why = match self.params.auto_converge {
+            AutoConverge::Early => "the guest dirties at least half of what the link sends",
+            _ => "pre-copy was not converging",
+        };
         self.status.note = Some(format!(
-            "pre-copy was not converging: the guest's vCPUs now sleep {next} % of the time \
-             (auto-converge {})",
+            "{why}: its vCPUs now sleep {next} % of the time (auto-converge {})",
             self.params.auto_converge.name()
         ));
         Ok(true)

@@ -165,9 +165,10 @@ pub struct BatchCost {
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
 /// A codec not picked is tried again now and then, so a change in the data or the link is
-/// seen: after `PROBE_EVERY` batches at first, and each time a try confirms it clearly loses,
-/// twice as long (at most `PROBE_MOST`): on a link faster than every codec a try costs several
-/// batches' time, and at a fixed pace the tries alone made `auto` a fifth slower than plain.
+/// seen: every `PROBE_EVERY` batches while it is close, and each time a try confirms it clearly
+/// loses, twice as long (at most `PROBE_MOST`): on a link faster than every codec a try costs
+/// several batches' time, and at a fixed pace the tries alone made `auto` a fifth slower than
+/// plain.
 #[derive(Clone, Debug, Default)]
 pub struct Chooser {
     /// Per codec: input bytes per second while compressing, on one core (EWMA).
@@ -182,16 +183,22 @@ pub struct Chooser {
     /// Whether each codec has been picked yet, and the batch it was last picked for.
     tried: [bool; 3],
     last_used: [u64; 3],
-    /// Per codec: batches between its tries while it is not the pick (0: `PROBE_EVERY`),
-    /// and the link's rate when they were last put off (a new rate is news for every codec).
+    /// Per codec: batches between its tries while it is not the pick (0: `PROBE_EVERY`), and
+    /// the pick its wait was last doubled for (each try doubles it once, however many of the
+    /// codec's batches are learned from late).
     probe_every: [u64; 3],
+    put_off_for: [u64; 3],
+    /// The link's rate when the first try was put off since every codec was last made due: a
+    /// rate that has moved by `LINK_NEWS` since is news for every codec.
     link_when_put_off: Option<f64>,
     batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
     cores: usize,
 }
 
-const PROBE_EVERY: u64 = 16;
+/// Each of the two codecs not picked is tried every this many batches while close (the pace
+/// of one try every 16th batch, in turn, that `auto` had before it put clear losers off).
+const PROBE_EVERY: u64 = 32;
 const PROBE_MOST: u64 = 256;
 /// A codec whose expected time is within this factor of the pick's is a close contender: it
 /// keeps being tried every `PROBE_EVERY` batches.
@@ -249,14 +256,18 @@ impl Chooser {
 
     /// Expected time per raw byte with codec `c`.
     fn cost(&self, c: Codec) -> f64 {
+        self.cost_at(c, self.ratio[c.index()], self.speed[c.index()])
+    }
+
+    /// Expected time per raw byte with codec `c` at `ratio` and `speed` (per core).
+    fn cost_at(&self, c: Codec, ratio: Option<f64>, speed: Option<f64>) -> f64 {
         let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
-        let ratio = self.ratio[c.index()].unwrap_or(1.0);
-        let compress = match (c, self.speed[c.index()]) {
+        let compress = match (c, speed) {
             (Codec::None, _) => 0.0,
             (_, Some(s)) if s > 0.0 => 1.0 / (s * self.cores.max(1) as f64),
             _ => f64::INFINITY,
         };
-        f64::max(compress, ratio / link)
+        f64::max(compress, ratio.unwrap_or(1.0) / link)
     }
 
     /// The codec with the smallest expected time per raw byte (the first of equals: plain).
@@ -272,21 +283,27 @@ impl Chooser {
             return;
         }
         let i = b.codec.index();
-        self.ratio[i] = ewma(self.ratio[i], b.packed_bytes as f64 / b.raw_bytes as f64);
+        let ratio = b.packed_bytes as f64 / b.raw_bytes as f64;
+        let speed = b.raw_bytes as f64 / b.compress_time.as_secs_f64().max(1e-7);
+        self.ratio[i] = ewma(self.ratio[i], ratio);
         if b.codec != Codec::None {
-            let t = b.compress_time.as_secs_f64().max(1e-7);
-            self.speed[i] = ewma(self.speed[i], b.raw_bytes as f64 / t);
+            self.speed[i] = ewma(self.speed[i], speed);
         }
-        // A try that confirms a clear loser puts its next one off; a close contender keeps
+        // A try that confirms a clear loser (by its average, and by this batch alone: the
+        // average lags when the pages change) puts its next one off; a close contender keeps
         // its pace.
         let best = self.best();
-        let loses = b.codec != best && self.cost(b.codec) > CONTENDER * self.cost(best);
-        self.probe_every[i] = if loses {
+        let beaten = |cost: f64| cost > CONTENDER * self.cost(best);
+        let loses = b.codec != best
+            && beaten(self.cost(b.codec))
+            && beaten(self.cost_at(b.codec, Some(ratio), Some(speed)));
+        if !loses {
+            self.probe_every[i] = PROBE_EVERY;
+        } else if self.put_off_for[i] != self.last_used[i] {
+            self.put_off_for[i] = self.last_used[i];
             self.link_when_put_off = self.link_when_put_off.or(self.link);
-            (self.probe_every[i].max(PROBE_EVERY) * 2).min(PROBE_MOST)
-        } else {
-            PROBE_EVERY
-        };
+            self.probe_every[i] = (self.probe_every[i].max(PROBE_EVERY) * 2).min(PROBE_MOST);
+        }
         if !self.drained_samples {
             let w = b.write_time.as_secs_f64().max(1e-7);
             self.link = ewma(self.link, b.packed_bytes as f64 / w);
@@ -437,18 +454,32 @@ mod tests {
             .collect()
     }
 
+    /// Incompressible pages, compressed more slowly than a 1 Gbit link sends them: both
+    /// codecs clearly lose on any link of that speed or faster.
+    fn random(p: Codec, link_mb: f64) -> BatchCost {
+        cost(p, 1.0, if p == Codec::Lz4 { 100.0 } else { 50.0 }, link_mb)
+    }
+
     #[test]
     fn auto_tries_a_clear_loser_less_and_less_and_a_contender_as_often() {
         // A link far faster than either codec, incompressible pages: both codecs lose by far.
-        let fast_random = |p| cost(p, 1.0, if p == Codec::Lz4 { 800.0 } else { 300.0 }, 5000.0);
         let mut c = Chooser::default();
-        let picks = run(&mut c, 2000, fast_random);
+        let picks = run(&mut c, 2000, |p| random(p, 5000.0));
         let tries = picks.iter().filter(|p| **p != Codec::None).count();
-        // At a fixed pace of one try per `PROBE_EVERY` batches: 125.
+        // At the old pace of one try every 16th batch: 125.
         assert!((4..=30).contains(&tries), "{tries} tries");
-        // Each codec still tried at least every `PROBE_MOST` batches.
-        let last_zstd = picks.iter().rposition(|p| *p == Codec::Zstd).unwrap();
-        assert!(picks.len() - last_zstd <= PROBE_MOST as usize + 2);
+        // Each codec is still tried at least every `PROBE_MOST` batches.
+        for codec in [Codec::Lz4, Codec::Zstd] {
+            let at: Vec<usize> = (0..picks.len()).filter(|&i| picks[i] == codec).collect();
+            let gaps = at
+                .windows(2)
+                .map(|w| w[1] - w[0])
+                .chain([picks.len() - at[at.len() - 1]]);
+            assert!(
+                gaps.into_iter().all(|g| g <= PROBE_MOST as usize + 2),
+                "{at:?}"
+            );
+        }
         // A contender within a fifth of the pick (lz4 here just behind zstd) keeps its pace.
         let text = |p| match p {
             Codec::None => cost(p, 1.0, 0.0, 125.0),
@@ -464,9 +495,8 @@ mod tests {
 
     #[test]
     fn auto_notices_new_pages_or_a_new_link_after_putting_tries_off() {
-        let fast_random = |p| cost(p, 1.0, if p == Codec::Lz4 { 800.0 } else { 300.0 }, 5000.0);
         let mut c = Chooser::default();
-        run(&mut c, 2000, fast_random);
+        run(&mut c, 2000, |p| random(p, 5000.0));
         // The pages turn text-like and the link slows to 1 Gbit: zstd wins within a few tries.
         let slow_text = |p| match p {
             Codec::None => cost(p, 1.0, 0.0, 125.0),
@@ -486,17 +516,20 @@ mod tests {
         assert!(zstd * 10 >= late.len() * 9, "{picks:?}");
         // Only the pages change (incompressible, then text-like, on 1 Gbit throughout): the
         // put-off codecs' next try, at most `PROBE_MOST` batches away, finds them winning.
-        let slow_random = |p| cost(p, 1.0, if p == Codec::Lz4 { 800.0 } else { 300.0 }, 125.0);
         let mut c = Chooser::default();
-        run(&mut c, 2000, slow_random);
-        let picks = run(&mut c, PROBE_MOST as usize + 32, slow_text);
-        let tail = &picks[PROBE_MOST as usize + 16..];
-        assert!(tail.iter().all(|p| *p != Codec::None), "{picks:?}");
+        run(&mut c, 2000, |p| random(p, 125.0));
+        let picks = run(&mut c, PROBE_MOST as usize + 64, slow_text);
+        let first = picks.iter().position(|p| *p != Codec::None).unwrap();
+        assert!(first <= PROBE_MOST as usize, "first compressed at {first}");
+        let plain = picks[first..first + 48]
+            .iter()
+            .filter(|p| **p == Codec::None);
+        assert!(plain.count() <= 2, "{picks:?}");
         // Only the link changes (the same incompressible pages, now on 1 Gbit): a new rate is
         // news, so the put-off codecs are tried again at once, and found still to lose.
         let mut c = Chooser::default();
-        run(&mut c, 2000, fast_random);
-        let picks = run(&mut c, 2 * PROBE_EVERY as usize, slow_random);
+        run(&mut c, 2000, |p| random(p, 5000.0));
+        let picks = run(&mut c, 2 * PROBE_EVERY as usize, |p| random(p, 125.0));
         assert!(picks.contains(&Codec::Lz4) && picks.contains(&Codec::Zstd));
         assert_eq!(c.best(), Codec::None);
     }
