@@ -165,8 +165,8 @@ pub struct BatchCost {
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
 /// A codec not picked is tried again now and then, so a change in the data or the link is
-/// seen: every `PROBE_EVERY` batches while it is close, and each time a try confirms it clearly
-/// loses, twice as long (at most `PROBE_MOST`): on a link faster than every codec a try costs
+/// seen: every `PROBE_EVERY` batches while it is close or barely measured, and each time a try
+/// confirms it clearly loses, twice as long (at most `PROBE_MOST`): on a link faster than every codec a try costs
 /// several batches' time, and at a fixed pace the tries alone made `auto` a fifth slower than
 /// plain.
 #[derive(Clone, Debug, Default)]
@@ -188,6 +188,9 @@ pub struct Chooser {
     /// codec's batches are learned from late).
     probe_every: [u64; 3],
     put_off_for: [u64; 3],
+    /// Per codec: batches learned from (its first few estimates are noisy: it is put off only
+    /// once it has `SETTLED` of them).
+    samples: [u32; 3],
     /// The link's rate when the first try was put off since every codec was last made due: a
     /// rate that has moved by `LINK_NEWS` since is news for every codec.
     link_when_put_off: Option<f64>,
@@ -200,6 +203,7 @@ pub struct Chooser {
 /// of one try every 16th batch, in turn, that `auto` had before it put clear losers off).
 const PROBE_EVERY: u64 = 32;
 const PROBE_MOST: u64 = 256;
+const SETTLED: u32 = 4;
 /// A codec whose expected time is within this factor of the pick's is a close contender: it
 /// keeps being tried every `PROBE_EVERY` batches.
 const CONTENDER: f64 = 1.2;
@@ -283,6 +287,7 @@ impl Chooser {
             return;
         }
         let i = b.codec.index();
+        self.samples[i] = self.samples[i].saturating_add(1);
         let ratio = b.packed_bytes as f64 / b.raw_bytes as f64;
         let speed = b.raw_bytes as f64 / b.compress_time.as_secs_f64().max(1e-7);
         self.ratio[i] = ewma(self.ratio[i], ratio);
@@ -295,6 +300,7 @@ impl Chooser {
         let best = self.best();
         let beaten = |cost: f64| cost > CONTENDER * self.cost(best);
         let loses = b.codec != best
+            && self.samples[i] >= SETTLED
             && beaten(self.cost(b.codec))
             && beaten(self.cost_at(b.codec, Some(ratio), Some(speed)));
         if !loses {
