@@ -164,11 +164,8 @@ pub struct BatchCost {
 /// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
-/// A codec not picked is tried again now and then, so a change in the data or the link is
-/// seen: every `PROBE_EVERY` batches while it is close or barely measured, and each time a try
-/// confirms it clearly loses, twice as long (at most `PROBE_MOST`): on a link faster than every codec a try costs
-/// several batches' time, and at a fixed pace the tries alone made `auto` a fifth slower than
-/// plain.
+/// Every `PROBE_EVERY` batches it tries the codec it has measured least recently, so a change
+/// in the data or the link is seen.
 #[derive(Clone, Debug, Default)]
 pub struct Chooser {
     /// Per codec: input bytes per second while compressing, on one core (EWMA).
@@ -183,34 +180,12 @@ pub struct Chooser {
     /// Whether each codec has been picked yet, and the batch it was last picked for.
     tried: [bool; 3],
     last_used: [u64; 3],
-    /// Per codec: batches between its tries while it is not the pick (0: `PROBE_EVERY`), and
-    /// the pick its wait was last doubled for (each try doubles it once, however many of the
-    /// codec's batches are learned from late).
-    probe_every: [u64; 3],
-    put_off_for: [u64; 3],
-    /// Per codec: batches learned from (its first few estimates are noisy: it is put off only
-    /// once it has `SETTLED` of them).
-    samples: [u32; 3],
-    /// The link's rate when the first try was put off since every codec was last made due: a
-    /// rate that has moved by `LINK_NEWS` since is news for every codec.
-    link_when_put_off: Option<f64>,
     batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
     cores: usize,
 }
 
-/// Each of the two codecs not picked is tried every this many batches while close (the pace
-/// of one try every 16th batch, in turn, that `auto` had before it put clear losers off).
-const PROBE_EVERY: u64 = 32;
-const PROBE_MOST: u64 = 256;
-const SETTLED: u32 = 4;
-/// A codec whose expected time is within this factor of the pick's is a close contender: it
-/// keeps being tried every `PROBE_EVERY` batches.
-const CONTENDER: f64 = 1.2;
-/// A link rate that moved by this factor since the tries were put off is news: every codec is
-/// tried again soon. (A frame's ratio or speed is not: pages of mixed content and a shared CPU
-/// make those swing from frame to frame, and the next try still comes within `PROBE_MOST`.)
-const LINK_NEWS: f64 = 2.0;
+const PROBE_EVERY: u64 = 16;
 /// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
 
@@ -233,52 +208,34 @@ impl Chooser {
         // use at once: with packer threads it is learned from only batches later.
         let c = if let Some(&c) = Codec::ALL.iter().find(|c| !self.tried[c.index()]) {
             c
-        } else {
-            if let (Some(then), Some(now)) = (self.link_when_put_off, self.link)
-                && (now > LINK_NEWS * then || now < then / LINK_NEWS)
-            {
-                self.probe_every = [0; 3];
-                self.link_when_put_off = None;
-            }
-            let best = self.best();
-            let overdue = |c: &&Codec| {
-                let i = c.index();
-                let every = self.probe_every[i].max(PROBE_EVERY);
-                (self.batches - self.last_used[i]).checked_sub(every)
-            };
-            Codec::ALL
+        } else if self.batches.is_multiple_of(PROBE_EVERY) {
+            *Codec::ALL
                 .iter()
-                .filter(|c| **c != best)
-                .filter_map(|c| overdue(&c).map(|late| (late, *c)))
-                .max_by_key(|(late, _)| *late)
-                .map_or(best, |(_, c)| c)
+                .min_by_key(|c| self.last_used[c.index()])
+                .expect("three codecs")
+        } else {
+            self.best()
         };
         self.tried[c.index()] = true;
         self.last_used[c.index()] = self.batches;
         c
     }
 
-    /// Expected time per raw byte with codec `c`.
-    fn cost(&self, c: Codec) -> f64 {
-        self.cost_at(c, self.ratio[c.index()], self.speed[c.index()])
-    }
-
-    /// Expected time per raw byte with codec `c` at `ratio` and `speed` (per core).
-    fn cost_at(&self, c: Codec, ratio: Option<f64>, speed: Option<f64>) -> f64 {
-        let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
-        let compress = match (c, speed) {
-            (Codec::None, _) => 0.0,
-            (_, Some(s)) if s > 0.0 => 1.0 / (s * self.cores.max(1) as f64),
-            _ => f64::INFINITY,
-        };
-        f64::max(compress, ratio.unwrap_or(1.0) / link)
-    }
-
     /// The codec with the smallest expected time per raw byte (the first of equals: plain).
     pub fn best(&self) -> Codec {
+        let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
+        let cost = |c: Codec| {
+            let ratio = self.ratio[c.index()].unwrap_or(1.0);
+            let compress = match (c, self.speed[c.index()]) {
+                (Codec::None, _) => 0.0,
+                (_, Some(s)) if s > 0.0 => 1.0 / (s * self.cores.max(1) as f64),
+                _ => f64::INFINITY,
+            };
+            f64::max(compress, ratio / link)
+        };
         *Codec::ALL
             .iter()
-            .min_by(|a, b| self.cost(**a).total_cmp(&self.cost(**b)))
+            .min_by(|a, b| cost(**a).total_cmp(&cost(**b)))
             .expect("three codecs")
     }
 
@@ -287,28 +244,10 @@ impl Chooser {
             return;
         }
         let i = b.codec.index();
-        self.samples[i] = self.samples[i].saturating_add(1);
-        let ratio = b.packed_bytes as f64 / b.raw_bytes as f64;
-        let speed = b.raw_bytes as f64 / b.compress_time.as_secs_f64().max(1e-7);
-        self.ratio[i] = ewma(self.ratio[i], ratio);
+        self.ratio[i] = ewma(self.ratio[i], b.packed_bytes as f64 / b.raw_bytes as f64);
         if b.codec != Codec::None {
-            self.speed[i] = ewma(self.speed[i], speed);
-        }
-        // A try that confirms a clear loser (by its average, and by this batch alone: the
-        // average lags when the pages change) puts its next one off; a close contender keeps
-        // its pace.
-        let best = self.best();
-        let beaten = |cost: f64| cost > CONTENDER * self.cost(best);
-        let loses = b.codec != best
-            && self.samples[i] >= SETTLED
-            && beaten(self.cost(b.codec))
-            && beaten(self.cost_at(b.codec, Some(ratio), Some(speed)));
-        if !loses {
-            self.probe_every[i] = PROBE_EVERY;
-        } else if self.put_off_for[i] != self.last_used[i] {
-            self.put_off_for[i] = self.last_used[i];
-            self.link_when_put_off = self.link_when_put_off.or(self.link);
-            self.probe_every[i] = (self.probe_every[i].max(PROBE_EVERY) * 2).min(PROBE_MOST);
+            let t = b.compress_time.as_secs_f64().max(1e-7);
+            self.speed[i] = ewma(self.speed[i], b.raw_bytes as f64 / t);
         }
         if !self.drained_samples {
             let w = b.write_time.as_secs_f64().max(1e-7);
@@ -439,105 +378,15 @@ mod tests {
         assert_eq!(first.len(), 3, "each codec once before any is learned");
         let probes: Vec<Codec> = (3..PROBE_EVERY * 3)
             .map(|_| c.pick())
-            .filter(|p| *p != Codec::None)
+            .enumerate()
+            .filter(|(i, _)| (*i as u64 + 4).is_multiple_of(PROBE_EVERY))
+            .map(|(_, p)| p)
             .collect();
-        assert_eq!(probes.len(), 4, "{probes:?}");
+        assert_eq!(probes.len(), 3);
         assert!(
             probes.windows(2).all(|w| w[0] != w[1]),
             "unlearned probes go round the codecs: {probes:?}"
         );
-    }
-
-    /// Runs `n` batches through `c` with every codec costing what `cost_of` says; returns the
-    /// picks.
-    fn run(c: &mut Chooser, n: usize, cost_of: impl Fn(Codec) -> BatchCost) -> Vec<Codec> {
-        (0..n)
-            .map(|_| {
-                let p = c.pick();
-                c.learn(cost_of(p));
-                p
-            })
-            .collect()
-    }
-
-    /// Incompressible pages, compressed more slowly than a 1 Gbit link sends them: both
-    /// codecs clearly lose on any link of that speed or faster.
-    fn random(p: Codec, link_mb: f64) -> BatchCost {
-        cost(p, 1.0, if p == Codec::Lz4 { 100.0 } else { 50.0 }, link_mb)
-    }
-
-    #[test]
-    fn auto_tries_a_clear_loser_less_and_less_and_a_contender_as_often() {
-        // A link far faster than either codec, incompressible pages: both codecs lose by far.
-        let mut c = Chooser::default();
-        let picks = run(&mut c, 2000, |p| random(p, 5000.0));
-        let tries = picks.iter().filter(|p| **p != Codec::None).count();
-        // At the old pace of one try every 16th batch: 125.
-        assert!((4..=30).contains(&tries), "{tries} tries");
-        // Each codec is still tried at least every `PROBE_MOST` batches.
-        for codec in [Codec::Lz4, Codec::Zstd] {
-            let at: Vec<usize> = (0..picks.len()).filter(|&i| picks[i] == codec).collect();
-            let gaps = at
-                .windows(2)
-                .map(|w| w[1] - w[0])
-                .chain([picks.len() - at[at.len() - 1]]);
-            assert!(
-                gaps.into_iter().all(|g| g <= PROBE_MOST as usize + 2),
-                "{at:?}"
-            );
-        }
-        // A contender within a fifth of the pick (lz4 here just behind zstd) keeps its pace.
-        let text = |p| match p {
-            Codec::None => cost(p, 1.0, 0.0, 125.0),
-            Codec::Lz4 => cost(p, 0.33, 900.0, 125.0),
-            Codec::Zstd => cost(p, 0.3, 900.0, 125.0),
-        };
-        let mut c = Chooser::default();
-        let picks = run(&mut c, 320, text);
-        assert_eq!(c.best(), Codec::Zstd);
-        let lz4 = picks.iter().filter(|p| **p == Codec::Lz4).count();
-        assert!(lz4 >= 320 / PROBE_EVERY as usize - 1, "{lz4} tries of lz4");
-    }
-
-    #[test]
-    fn auto_notices_new_pages_or_a_new_link_after_putting_tries_off() {
-        let mut c = Chooser::default();
-        run(&mut c, 2000, |p| random(p, 5000.0));
-        // The pages turn text-like and the link slows to 1 Gbit: zstd wins within a few tries.
-        let slow_text = |p| match p {
-            Codec::None => cost(p, 1.0, 0.0, 125.0),
-            Codec::Lz4 => cost(p, 0.45, 900.0, 125.0),
-            Codec::Zstd => cost(p, 0.3, 400.0, 125.0),
-        };
-        let picks = run(&mut c, 2 * PROBE_MOST as usize, slow_text);
-        assert_eq!(c.best(), Codec::Zstd);
-        // The new link rate is news: every codec is tried again within `PROBE_EVERY` batches
-        // and compression wins at once; zstd's estimate takes a few more tries to catch up
-        // with the new pages, and then it is the pick but for tries.
-        let soon = &picks[PROBE_EVERY as usize..2 * PROBE_EVERY as usize];
-        let plain = soon.iter().filter(|p| **p == Codec::None).count();
-        assert!(plain <= 2, "{picks:?}");
-        let late = &picks[PROBE_MOST as usize..];
-        let zstd = late.iter().filter(|p| **p == Codec::Zstd).count();
-        assert!(zstd * 10 >= late.len() * 9, "{picks:?}");
-        // Only the pages change (incompressible, then text-like, on 1 Gbit throughout): the
-        // put-off codecs' next try, at most `PROBE_MOST` batches away, finds them winning.
-        let mut c = Chooser::default();
-        run(&mut c, 2000, |p| random(p, 125.0));
-        let picks = run(&mut c, PROBE_MOST as usize + 64, slow_text);
-        let first = picks.iter().position(|p| *p != Codec::None).unwrap();
-        assert!(first <= PROBE_MOST as usize, "first compressed at {first}");
-        let plain = picks[first..first + 48]
-            .iter()
-            .filter(|p| **p == Codec::None);
-        assert!(plain.count() <= 2, "{picks:?}");
-        // Only the link changes (the same incompressible pages, now on 1 Gbit): a new rate is
-        // news, so the put-off codecs are tried again at once, and found still to lose.
-        let mut c = Chooser::default();
-        run(&mut c, 2000, |p| random(p, 5000.0));
-        let picks = run(&mut c, 2 * PROBE_EVERY as usize, |p| random(p, 125.0));
-        assert!(picks.contains(&Codec::Lz4) && picks.contains(&Codec::Zstd));
-        assert_eq!(c.best(), Codec::None);
     }
 
     #[test]
