@@ -52,9 +52,14 @@ pub fn expected_downtime_ms(pages: u64, bandwidth_bytes_per_s: f64) -> f64 {
     pages as f64 * FULL_PAGE_WIRE_BYTES / bandwidth_bytes_per_s * 1e3
 }
 
+/// Whether the guest dirties at least `share` of what the link sends, in full-page bytes.
+fn dirties_at_least(m: &Measured, share: f64) -> bool {
+    m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= share * m.bandwidth_bytes_per_s
+}
+
 /// True when the guest dirties memory faster than the link drains it.
 pub fn outpaced(m: &Measured) -> bool {
-    m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= m.bandwidth_bytes_per_s
+    dirties_at_least(m, 1.0)
 }
 
 /// True when the guest dirties at least nine tenths of what the link sends: the next round's
@@ -62,7 +67,7 @@ pub fn outpaced(m: &Measured) -> bool {
 /// whole set every round measures at about the link's rate (the distinct pages a round left
 /// dirty ÷ its time), so this, unlike `outpaced`, sees it from the first round.
 pub fn will_stall(m: &Measured) -> bool {
-    m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= NO_PROGRESS * m.bandwidth_bytes_per_s
+    dirties_at_least(m, NO_PROGRESS)
 }
 
 /// Whether pre-copy cannot converge, judged from one round: the guest dirties pages faster
@@ -78,16 +83,16 @@ pub fn cannot_converge(m: &Measured, limits: &Limits) -> bool {
 /// half of what the link sent in the same time. Pre-copy only shrinks its dirty set when the
 /// link moves clearly more than the guest dirties; a slower guest is the way there.
 pub fn should_throttle(m: &Measured) -> bool {
-    m.dirty_pages_per_s * FULL_PAGE_WIRE_BYTES >= THROTTLE_TRIGGER * m.bandwidth_bytes_per_s
+    dirties_at_least(m, THROTTLE_TRIGGER)
 }
 
 const THROTTLE_TRIGGER: f64 = 0.5;
 
 /// Auto-converge's throttle, in percent of each vCPU's time: at first 20 %, then 10 % more a
 /// step (QEMU's cpu-throttle defaults), at most 99 %.
-pub const THROTTLE_FIRST: u8 = 20;
-pub const THROTTLE_STEP: u8 = 10;
-pub const THROTTLE_MOST: u8 = 99;
+const THROTTLE_FIRST: u8 = 20;
+const THROTTLE_STEP: u8 = 10;
+const THROTTLE_MOST: u8 = 99;
 /// What a throttled guest may dirty, as a share of what the link sends: each round then sends
 /// at most half the pages of the one before.
 const THROTTLE_TARGET: f64 = 0.5;
