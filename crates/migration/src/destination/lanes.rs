@@ -20,6 +20,8 @@ const JOIN_WAIT: Duration = Duration::from_secs(10);
 const MAX_STRANGERS: u32 = 64;
 
 pub(super) struct LaneReceivers {
+    /// Each lane's reader, in lane order. Every one is joined before this value is gone: a
+    /// reader writes into guest memory, which the caller may unmap once the receive ends.
     threads: Vec<JoinHandle<Option<PageReceiver>>>,
     /// Handles on each lane's connection: closed when the receive ends, so no thread waits on.
     streams: Vec<Stream>,
@@ -215,8 +217,10 @@ impl LaneReceivers {
         for s in &self.streams {
             s.set_timeouts(Some(IO_TIMEOUT))?;
         }
-        for t in std::mem::take(&mut self.threads) {
-            match t.join() {
+        // One at a time off the list: on a failure the readers not yet joined stay in it,
+        // for `Drop` to stop and join.
+        while !self.threads.is_empty() {
+            match self.threads.remove(0).join() {
                 Ok(Some(lane)) => main.absorb(&lane),
                 Ok(None) => return Err(self.failure().unwrap_or_else(lane_failed)),
                 Err(_) => return Err(Error::State("a lane's receiver panicked".into())),
@@ -270,6 +274,10 @@ impl Drop for LaneReceivers {
         for s in &self.streams {
             s.shutdown();
         }
+        // Bounded: a socket's reader wakes at the shutdown, a file's at its next frame.
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
     }
 }
 
@@ -307,5 +315,45 @@ fn receive_lane(
                 )));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::RamRange;
+
+    /// A receive that ends leaves no lane reader behind: each writes into guest memory, which
+    /// its owner unmaps next (a reader left running crashed a cut snapshot's restore).
+    #[test]
+    fn ending_the_receive_joins_every_lane_reader() {
+        let mut buf = vec![0u8; 16 * crate::PAGE_SIZE];
+        let range = RamRange {
+            gpa: 0,
+            len: buf.len() as u64,
+        };
+        // SAFETY: `buf` outlives the receivers, which are dropped (and joined) below.
+        let ram = unsafe { GuestRam::new(&[(range, buf.as_mut_ptr())]) }.unwrap();
+        let main_pages = PageReceiver::new(&ram);
+        let (main, _main_peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let main = Stream::Unix(main);
+        let mut peers = Vec::new();
+        let mut joined = LaneReceivers::new(3);
+        for lane in 1..3 {
+            // Silent peers: each reader waits in a read that only the shutdown ends.
+            let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+            peers.push(theirs);
+            joined
+                .start(Stream::Unix(ours), lane, 3, &ram, &main_pages, &main)
+                .unwrap();
+        }
+        // Each reader holds a handle on `stop` until it has returned.
+        let stop = Arc::downgrade(&joined.stop);
+        drop(joined);
+        assert!(
+            stop.upgrade().is_none(),
+            "a lane reader outlived the receive"
+        );
+        drop(buf);
     }
 }
