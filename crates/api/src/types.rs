@@ -250,6 +250,11 @@ pub struct CompressionStats {
     pub frames_plain: u64,
     pub frames_lz4: u64,
     pub frames_zstd: u64,
+    /// `auto`: samples of a frame's pages each codec was measured on (none sent).
+    #[serde(default)]
+    pub samples_lz4: u64,
+    #[serde(default)]
+    pub samples_zstd: u64,
     /// Page data of the compressed frames, before and after compression.
     pub bytes_in: u64,
     pub bytes_out: u64,

@@ -131,6 +131,8 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
             frames_plain: p.compression.frames_plain,
             frames_lz4: p.compression.frames_lz4,
             frames_zstd: p.compression.frames_zstd,
+            samples_lz4: p.compression.samples_lz4,
+            samples_zstd: p.compression.samples_zstd,
             bytes_in: p.compression.bytes_in,
             bytes_out: p.compression.bytes_out,
             delta_pages: p.compression.delta_pages,

@@ -103,6 +103,13 @@ pub fn render(s: &MigrationStatus) -> String {
             c.asked, c.frames_plain, c.frames_lz4, c.frames_zstd, c.bytes_in, c.bytes_out
         );
     }
+    if c.samples_lz4 + c.samples_zstd > 0 {
+        let _ = writeln!(
+            o,
+            "  codecs measured on samples: lz4 {} | zstd {}",
+            c.samples_lz4, c.samples_zstd
+        );
+    }
     if c.delta_pages > 0 {
         let _ = writeln!(
             o,

@@ -111,6 +111,9 @@ pub struct CompressionCounts {
     pub frames_plain: u64,
     pub frames_lz4: u64,
     pub frames_zstd: u64,
+    /// `auto`: samples of a frame's pages each codec was measured on (none sent).
+    pub samples_lz4: u64,
+    pub samples_zstd: u64,
     /// Page data of the compressed frames, before and after.
     pub bytes_in: u64,
     pub bytes_out: u64,

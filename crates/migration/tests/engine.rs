@@ -346,7 +346,7 @@ fn migrate(src: &Arc<FakeVm>, params: MigrationParams, refuse: Option<&'static s
 #[test]
 fn precopy_moves_memory_exactly_while_the_guest_writes() {
     for connections in [1, 2, 4] {
-        precopy_over(connections, Compression::None, None);
+        precopy_over(connections, Compression::None, None, None);
     }
 }
 
@@ -356,15 +356,54 @@ fn precopy_moves_memory_exactly_while_the_guest_writes() {
 fn compressed_precopy_moves_memory_exactly_while_the_guest_writes() {
     for compression in ["lz4", "zstd", "auto"] {
         for (connections, threads) in [(1, None), (2, None), (1, Some(3)), (2, Some(5))] {
-            let s = precopy_over(connections, compression.parse().unwrap(), threads);
+            let compression = compression.parse().unwrap();
+            // `auto` compresses where the link is slower than the codecs: 200 Mbit/s.
+            let link = (compression == Compression::Auto).then_some(200);
+            let s = precopy_over(connections, compression, threads, link);
             assert_eq!(s.migration_threads, threads.unwrap_or(connections));
             let c = &s.progress.compression;
             assert!(
                 c.frames_lz4 + c.frames_zstd > 0 && c.bytes_out < c.bytes_in,
-                "{compression}: {c:?}"
+                "{compression:?}: {c:?}"
             );
+            if compression == Compression::Auto {
+                assert!(c.samples_lz4 > 0 && c.samples_zstd > 0, "{c:?}");
+            }
         }
     }
+}
+
+/// On a link faster than every codec, `auto` measures each on samples of frames and sends
+/// the frames plain.
+#[test]
+fn auto_sends_plain_over_a_link_faster_than_every_codec() {
+    let src = FakeVm::new();
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut page = [0u8; 4096];
+    for i in 0..PAGES {
+        // Incompressible pages: no codec shrinks them, whatever its speed.
+        for chunk in page.chunks_exact_mut(8) {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            chunk.copy_from_slice(&x.to_le_bytes());
+        }
+        src.ram().write_page(ram_page(i), &page).unwrap();
+    }
+    let run = migrate(
+        &src,
+        MigrationParams {
+            compression: Compression::Auto,
+            ..Default::default()
+        },
+        None,
+    );
+    run.result.expect("migration");
+    assert!(src.memory() == run.dest.expect("destination VM").memory());
+    let c = &run.source_status.progress.compression;
+    assert!(c.samples_lz4 > 0 && c.samples_zstd > 0, "{c:?}");
+    assert_eq!(c.frames_lz4 + c.frames_zstd, 0, "{c:?}");
+    assert!(c.frames_plain >= PAGES / 256, "{c:?}");
 }
 
 /// A source whose every 4th page holds data (on both sides of the hole; most are never
@@ -388,13 +427,19 @@ fn migrate_while_writing(params: MigrationParams) -> (Arc<FakeVm>, Run) {
     (src, run)
 }
 
-fn precopy_over(connections: u32, compression: Compression, threads: Option<u32>) -> Status {
+fn precopy_over(
+    connections: u32,
+    compression: Compression,
+    threads: Option<u32>,
+    max_bandwidth_mbps: Option<u64>,
+) -> Status {
     let (src, run) = migrate_while_writing(MigrationParams {
         max_downtime_ms: 1,
         max_rounds: 6,
         connections,
         compression,
         migration_threads: threads,
+        max_bandwidth_mbps,
         ..Default::default()
     });
     run.result.expect("migration");

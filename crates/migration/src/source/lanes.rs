@@ -199,6 +199,8 @@ impl Session<'_> {
             frames_plain: c.frames_by_codec[Codec::None as usize],
             frames_lz4: c.frames_by_codec[Codec::Lz4 as usize],
             frames_zstd: c.frames_by_codec[Codec::Zstd as usize],
+            samples_lz4: c.samples_by_codec[Codec::Lz4 as usize],
+            samples_zstd: c.samples_by_codec[Codec::Zstd as usize],
             bytes_in: c.packed_in,
             bytes_out: c.packed_out,
             delta_pages: c.delta_pages,

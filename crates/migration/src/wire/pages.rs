@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
 use crate::wire::bitmap::Bitmap;
-use crate::wire::codec::{BatchCost, Chooser, Codec, Compression, Contexts};
+use crate::wire::codec::{BatchCost, Chooser, Codec, Compression, Contexts, Pick, SAMPLE_SHARE};
 use crate::wire::delta::{self, DeltaCache, MAX_DELTA};
 use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
@@ -44,6 +44,8 @@ pub struct SendCounters {
     pub bytes: u64,
     /// Frames by the codec their page data went with (none, lz4, zstd).
     pub frames_by_codec: [u64; 3],
+    /// `auto`: samples of a frame's pages each codec was measured on (nothing sent).
+    pub samples_by_codec: [u64; 3],
     /// Page data of compressed frames, before and after compression.
     pub packed_in: u64,
     pub packed_out: u64,
@@ -55,15 +57,13 @@ pub struct SendCounters {
 impl std::ops::Add for SendCounters {
     type Output = Self;
     fn add(self, o: Self) -> Self {
-        let mut frames_by_codec = self.frames_by_codec;
-        for (a, b) in frames_by_codec.iter_mut().zip(o.frames_by_codec) {
-            *a += b;
-        }
+        let sum = |a: [u64; 3], b: [u64; 3]| std::array::from_fn(|i| a[i] + b[i]);
         Self {
             full: self.full + o.full,
             zero: self.zero + o.zero,
             bytes: self.bytes + o.bytes,
-            frames_by_codec,
+            frames_by_codec: sum(self.frames_by_codec, o.frames_by_codec),
+            samples_by_codec: sum(self.samples_by_codec, o.samples_by_codec),
             packed_in: self.packed_in + o.packed_in,
             packed_out: self.packed_out + o.packed_out,
             delta_pages: self.delta_pages + o.delta_pages,
@@ -92,6 +92,8 @@ pub struct PageSender {
     /// The copies sent last, for delta encoding (`None`: off).
     delta: Option<DeltaCache>,
     scratch: Vec<u8>,
+    /// `auto`'s sample of a frame's pages, and what a codec made of it.
+    sample: (Vec<u8>, Vec<u8>),
     /// For `auto`: a handle on the connection, to see how fast its send queue drains, and
     /// the last look (when, bytes drained so far, bytes still queued).
     queue: Option<Stream>,
@@ -114,6 +116,7 @@ impl PageSender {
             packers: None,
             delta: None,
             scratch: Vec::new(),
+            sample: Default::default(),
             queue: None,
             last_look: None,
         }
@@ -232,7 +235,17 @@ impl PageSender {
         let codec = match self.compression {
             Compression::None => Codec::None,
             Compression::Fixed(c) => c,
-            Compression::Auto => self.chooser.pick(),
+            // A lone frame (a post-copy reply) is not held up by a sample.
+            Compression::Auto => match self.chooser.pick(full > 0 && !last) {
+                Pick {
+                    send,
+                    sample: Some(tried),
+                } => {
+                    self.measure_on_sample(ram, tried)?;
+                    send
+                }
+                Pick { send, .. } => send,
+            },
         };
         if let Some(cache) = self.delta.as_mut() {
             // The destination zeroes these: no copy of them is there any more.
@@ -309,6 +322,24 @@ impl PageSender {
             self.chooser.learn(cost);
             self.look_at_queue();
         }
+    }
+
+    /// Packs one page in `SAMPLE_SHARE` of the queued pages with `codec` and tells `auto`
+    /// how it did; the copy out of guest memory counts, as it does for a packed frame.
+    fn measure_on_sample(&mut self, ram: &GuestRam, codec: Codec) -> Result<()> {
+        let started = Instant::now();
+        let (mut raw, mut packed) = std::mem::take(&mut self.sample);
+        raw.clear();
+        packed.clear();
+        for pfn in self.full_pages().step_by(SAMPLE_SHARE) {
+            raw.extend_from_slice(ram.page(pfn)?);
+        }
+        codec.compress(&raw, &mut packed, &mut self.contexts)?;
+        self.chooser
+            .learn_sample(codec, raw.len(), packed.len(), started.elapsed());
+        self.counters.samples_by_codec[codec as usize] += 1;
+        self.sample = (raw, packed);
+        Ok(())
     }
 
     fn full_pages(&self) -> impl Iterator<Item = u64> + '_ {
