@@ -184,6 +184,8 @@ pub struct Chooser {
     batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
     cores: usize,
+    /// The best pick at the last batch (its changes are logged).
+    last_best: Option<Codec>,
 }
 
 /// What `auto` does with the next batch.
@@ -215,30 +217,60 @@ impl Chooser {
     }
 
     /// The codec for the next batch, and one to measure on a sample of it when `may_sample`
-    /// (the batch has page data, and no one waits for it alone). A pick counts as a
-    /// measurement at once: with packer threads it is learned from only batches later.
+    /// (the batch has page data, and no one waits for it alone). Plain is measured by sending
+    /// the batch plain: what it tells is how fast the link takes it (`link_at_least`). A pick
+    /// counts as a measurement at once: with packer threads it is learned from batches later.
     pub fn pick(&mut self, may_sample: bool) -> Pick {
         self.batches += 1;
-        let send = self.best();
-        self.last_measured[send.index()] = self.batches;
-        let others = || {
-            [Codec::Lz4, Codec::Zstd]
-                .into_iter()
-                .filter(move |&c| c != send)
+        let best = self.best();
+        let unmeasured = [Codec::Lz4, Codec::Zstd]
+            .into_iter()
+            .find(|&c| c != best && self.last_measured[c.index()] == 0);
+        let due = unmeasured.or_else(|| {
+            self.batches
+                .is_multiple_of(PROBE_EVERY)
+                .then(|| {
+                    Codec::ALL
+                        .into_iter()
+                        .filter(|&c| c != best)
+                        .min_by_key(|c| self.last_measured[c.index()])
+                })
+                .flatten()
+        });
+        let pick = match due {
+            Some(Codec::None) => Pick {
+                send: Codec::None,
+                sample: None,
+            },
+            Some(c) if may_sample => Pick {
+                send: best,
+                sample: Some(c),
+            },
+            _ => Pick {
+                send: best,
+                sample: None,
+            },
         };
-        let sample = if !may_sample {
-            None
-        } else if let Some(c) = others().find(|c| self.last_measured[c.index()] == 0) {
-            Some(c)
-        } else if self.batches.is_multiple_of(PROBE_EVERY) {
-            others().min_by_key(|c| self.last_measured[c.index()])
-        } else {
-            None
-        };
-        if let Some(c) = sample {
+        if pick.send != best {
+            tracing::debug!("auto: plain frame as a probe of the link");
+        }
+        self.last_measured[pick.send.index()] = self.batches;
+        if let Some(c) = pick.sample {
             self.last_measured[c.index()] = self.batches;
         }
-        Pick { send, sample }
+        if self.last_best.replace(best) != Some(best) {
+            tracing::debug!(
+                "auto: now {} (link {:.0} MB/s; MB/s per core and ratio: lz4 {:?} {:?}, \
+                 zstd {:?} {:?})",
+                best.name(),
+                self.link.unwrap_or(f64::INFINITY) / 1e6,
+                self.speed[1].map(|s| (s / 1e6).round()),
+                self.ratio[1],
+                self.speed[2].map(|s| (s / 1e6).round()),
+                self.ratio[2],
+            );
+        }
+        pick
     }
 
     /// The codec with the smallest expected time per raw byte (the first of equals: plain;
@@ -286,6 +318,15 @@ impl Chooser {
         if codec != Codec::None {
             let t = took.as_secs_f64().max(1e-7);
             self.speed[i] = ewma(self.speed[i], raw as f64 / t);
+        }
+    }
+
+    /// The link carried `bytes_per_s` while its send queue stayed short: it is at least that
+    /// fast. (Drain rates come only while data waits; a sender slower than the link, one
+    /// that compresses, sees none, and an estimate taken in a slow moment would stand.)
+    pub fn link_at_least(&mut self, bytes_per_s: f64) {
+        if self.link.is_some_and(|l| l < bytes_per_s) {
+            self.link = Some(bytes_per_s);
         }
     }
 
@@ -428,14 +469,41 @@ mod tests {
         c.learn(cost(Codec::None, 1.0, 0.0, 125.0));
         c.learn_sample(Codec::Lz4, 1 << 20, 470_000, Duration::from_micros(1165));
         c.learn_sample(Codec::Zstd, 1 << 20, 315_000, Duration::from_micros(6000));
-        let picks: Vec<Pick> = (0..PROBE_EVERY * 3).map(|_| c.pick(true)).collect();
-        assert!(picks.iter().all(|p| p.send == Codec::Lz4), "{picks:?}");
-        let probes: Vec<Codec> = picks.iter().filter_map(|p| p.sample).collect();
-        assert_eq!(
-            probes,
-            vec![Codec::Zstd; 3],
-            "the codec not sent is measured every {PROBE_EVERY} batches"
-        );
+        let picks: Vec<Pick> = (0..PROBE_EVERY * 4).map(|_| c.pick(true)).collect();
+        let probes: Vec<&Pick> = picks
+            .iter()
+            .filter(|p| p.send != Codec::Lz4 || p.sample.is_some())
+            .collect();
+        // Every PROBE_EVERY batches, the others in turn: zstd on a sample, plain as a frame.
+        assert_eq!(probes.len(), 4, "{picks:?}");
+        for pair in probes.windows(2) {
+            assert_ne!(pair[0], pair[1], "{probes:?}");
+        }
+        assert!(probes.iter().all(|p| *p
+            == &Pick {
+                send: Codec::Lz4,
+                sample: Some(Codec::Zstd)
+            }
+            || *p
+                == &Pick {
+                    send: Codec::None,
+                    sample: None
+                }));
+    }
+
+    /// An idle send queue says the link took all it was given: the estimate rises to that
+    /// (a slow moment's estimate does not stand while compressing keeps the queue idle), and
+    /// never falls by it.
+    #[test]
+    fn auto_raises_a_link_estimate_the_link_outran() {
+        let mut c = Chooser::default();
+        c.learn_link(100e6);
+        c.learn_sample(Codec::Lz4, 1 << 20, 500_000, Duration::from_micros(2500));
+        assert_eq!(c.best(), Codec::Lz4, "400 MB/s lz4 halves what a 100 MB/s link moves");
+        c.link_at_least(50e6);
+        assert_eq!(c.best(), Codec::Lz4, "a floor below the estimate changes nothing");
+        c.link_at_least(2e9);
+        assert_eq!(c.best(), Codec::None, "the link took 2 GB/s: plain wins");
     }
 
     /// A sample that did not shrink counts as a ratio of 1 (it would have gone plain), and

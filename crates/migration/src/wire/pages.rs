@@ -130,21 +130,23 @@ impl PageSender {
         self
     }
 
-    /// Feeds `auto` the link's drain rate over the interval since the last look, when the
-    /// send queue stayed busy through it (otherwise the link may have idled: no sample).
+    /// Feeds `auto` the link's drain rate over the interval since the last look: its rate
+    /// when the send queue stayed busy through it, a floor under it when the queue stayed
+    /// short (the link took all it was given), nothing when the queue filled or emptied.
     fn look_at_queue(&mut self) {
         let Some(q) = &self.queue else { return };
         let queued = q.unsent() as u64;
         let now = Instant::now();
         let drained = self.counters.bytes.saturating_sub(queued);
-        if let Some((then, drained_then, queued_then)) = self.last_look
-            && queued_then >= BUSY_QUEUE
-            && queued >= BUSY_QUEUE
-        {
+        if let Some((then, drained_then, queued_then)) = self.last_look {
             let secs = now.duration_since(then).as_secs_f64();
             if secs > 0.0 && drained > drained_then {
-                self.chooser
-                    .learn_link((drained - drained_then) as f64 / secs);
+                let rate = (drained - drained_then) as f64 / secs;
+                match (queued_then >= BUSY_QUEUE, queued >= BUSY_QUEUE) {
+                    (true, true) => self.chooser.learn_link(rate),
+                    (false, false) => self.chooser.link_at_least(rate),
+                    _ => {}
+                }
             }
         }
         self.last_look = Some((now, drained, queued));
