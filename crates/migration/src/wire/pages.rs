@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
 use crate::wire::bitmap::Bitmap;
-use crate::wire::codec::{BatchCost, Chooser, Codec, Compression, Contexts, Pick, SAMPLE_SHARE};
+use crate::wire::codec::{BatchCost, Chooser, Codec, Compression, Contexts, SAMPLE_SHARE};
 use crate::wire::delta::{self, DeltaCache, MAX_DELTA};
 use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
@@ -238,16 +238,13 @@ impl PageSender {
             Compression::None => Codec::None,
             Compression::Fixed(c) => c,
             // A lone frame (a post-copy reply) is not held up by a sample.
-            Compression::Auto => match self.chooser.pick(full > 0 && !last) {
-                Pick {
-                    send,
-                    sample: Some(tried),
-                } => {
+            Compression::Auto => {
+                let pick = self.chooser.pick(full > 0 && !last);
+                if let Some(tried) = pick.sample {
                     self.measure_on_sample(ram, tried)?;
-                    send
                 }
-                Pick { send, .. } => send,
-            },
+                pick.send
+            }
         };
         if let Some(cache) = self.delta.as_mut() {
             // The destination zeroes these: no copy of them is there any more.
@@ -329,6 +326,7 @@ impl PageSender {
     /// Packs one page in `SAMPLE_SHARE` of the queued pages with `codec` and tells `auto`
     /// how it did; the copy out of guest memory counts, as it does for a packed frame.
     fn measure_on_sample(&mut self, ram: &GuestRam, codec: Codec) -> Result<()> {
+        self.contexts.prepare(codec)?;
         let started = Instant::now();
         let (mut raw, mut packed) = std::mem::take(&mut self.sample);
         raw.clear();
