@@ -112,10 +112,17 @@ pub struct Contexts {
 }
 
 impl Contexts {
-    /// Makes what `codec` needs now, so that timing its first batch does not count it.
+    /// Makes what `codec` needs now, so that timing its first batch does not count it: a
+    /// zstd context sets up its tables on first use (the first 16 KiB took ~2 ms here, 50
+    /// times a later one), so a new one packs 260 KiB of zeros, which sets up the tables for
+    /// inputs over 256 KiB, the largest zstd sizes its tables for.
     pub fn prepare(&mut self, codec: Codec) -> Result<()> {
-        if codec == Codec::Zstd {
-            self.zstd()?;
+        if codec == Codec::Zstd && self.zstd.is_none() {
+            let zeros = vec![0u8; 260 << 10];
+            let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(zeros.len()));
+            self.zstd()?
+                .compress_to_buffer(&zeros, &mut out)
+                .map_err(zstd_error)?;
         }
         Ok(())
     }
@@ -182,15 +189,16 @@ pub struct BatchCost {
 /// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
-/// Each codec is tried twice before it can be picked (a first run also sets up its tables),
-/// and then every `PROBE_EVERY` batches the one tried least recently, so a change in the data
-/// or the link is seen. How it is tried depends on the best pick:
+/// Each codec is tried before it can be picked, and then every `PROBE_EVERY` batches the one
+/// tried least recently, so a change in the data or the link is seen. How it is tried
+/// depends on the best pick:
 /// - plain (the link is faster than the codecs, or the data does not shrink): on a sample of
 ///   the batch's pages (`SAMPLE_SHARE`), while the batch goes plain. Whole batches tried cost
 ///   `auto` a third more time than plain on a link faster than every codec.
 /// - a codec (the link is slower than the codecs): the whole batch goes with the one tried,
 ///   plain included, which costs little there and tells exactly: a sample misjudges zstd's
-///   ratio (0.59 on 16 KiB samples against 0.49 on whole batches of `fill=mixed`).
+///   ratio (0.59 on 16 KiB samples against 0.49 on whole batches of `fill=mixed`), so a
+///   codec's first whole batch starts its estimates afresh.
 #[derive(Clone, Debug, Default)]
 pub struct Chooser {
     /// Per codec: input bytes per second while compressing, on one core (EWMA).
@@ -202,11 +210,12 @@ pub struct Chooser {
     /// the sender (which a large socket buffer hides at first).
     link: Option<f64>,
     drained_samples: bool,
-    /// The batch each codec was last tried for (0: never), how often it was tried (a try with
-    /// packer threads is learned from batches later), and how often learned from.
+    /// The batch each codec was last tried for (0: never; with packer threads a try is
+    /// learned from batches later), how often it was learned from, and whether from a whole
+    /// batch yet.
     last_tried: [u64; 3],
-    tried: [u32; 3],
     measured: [u32; 3],
+    from_batches: [bool; 3],
     batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
     cores: usize,
@@ -251,7 +260,7 @@ impl Chooser {
         self.batches += 1;
         let best = self.best();
         let others = || Codec::ALL.into_iter().filter(move |&c| c != best);
-        let unknown = |c: Codec| c != Codec::None && self.tried[c.index()] < 2;
+        let unknown = |c: Codec| c != Codec::None && self.last_tried[c.index()] == 0;
         let due = if others().any(unknown) {
             others()
                 .filter(|&c| unknown(c))
@@ -277,7 +286,6 @@ impl Chooser {
         };
         for c in [Some(pick.send), pick.sample].into_iter().flatten() {
             self.last_tried[c.index()] = self.batches;
-            self.tried[c.index()] += 1;
         }
         if self.last_best.replace(best) != Some(best) {
             tracing::debug!(
@@ -318,6 +326,11 @@ impl Chooser {
         if b.raw_bytes == 0 {
             return;
         }
+        let i = b.codec.index();
+        if !self.from_batches[i] {
+            self.from_batches[i] = true;
+            self.measured[i] = 0;
+        }
         self.learn_codec(b.codec, b.raw_bytes, b.packed_bytes, b.compress_time);
         if !self.drained_samples {
             let w = b.write_time.as_secs_f64().max(1e-7);
@@ -338,11 +351,9 @@ impl Chooser {
         self.measured[i] += 1;
         let n = self.measured[i];
         self.ratio[i] = average(self.ratio[i], packed as f64 / raw as f64, n);
-        // A codec's first run also sets up its tables (zstd's first took ~2 ms here, 50 times
-        // its later ones): it says nothing of its speed.
-        if codec != Codec::None && n > 1 {
+        if codec != Codec::None {
             let t = took.as_secs_f64().max(1e-7);
-            self.speed[i] = average(self.speed[i], raw as f64 / t, n - 1);
+            self.speed[i] = average(self.speed[i], raw as f64 / t, n);
         }
     }
 
@@ -468,7 +479,7 @@ mod tests {
         assert_eq!(buffered.best(), Codec::Zstd);
     }
 
-    /// While plain is the best pick, each codec is tried twice on samples of batches with
+    /// While plain is the best pick, each codec is tried on a sample of a batch with
     /// page data, then in turn every `PROBE_EVERY` batches; while a codec is, the others
     /// (plain included) are tried on whole batches.
     #[test]
@@ -479,15 +490,15 @@ mod tests {
             sample: None,
         };
         assert_eq!(c.pick(false), plain, "nothing to sample: nothing tried");
-        let first: Vec<Pick> = (0..4).map(|_| c.pick(true)).collect();
+        let first: Vec<Pick> = (0..2).map(|_| c.pick(true)).collect();
         let on_samples = |codec| Pick {
             send: Codec::None,
             sample: Some(codec),
         };
         assert_eq!(
             first,
-            [Codec::Lz4, Codec::Zstd, Codec::Lz4, Codec::Zstd].map(on_samples),
-            "each codec twice on samples, before either is learned"
+            [Codec::Lz4, Codec::Zstd].map(on_samples),
+            "each codec on a sample, before either is learned"
         );
         let later: Vec<Pick> = (0..PROBE_EVERY * 2).map(|_| c.pick(true)).collect();
         let tries: Vec<&Pick> = later.iter().filter(|p| **p != plain).collect();
@@ -495,11 +506,8 @@ mod tests {
 
         // A slow link (1 Gbit) and text-like data: lz4 (ratio 0.45 at 900 MB/s) wins.
         c.learn(cost(Codec::None, 1.0, 0.0, 125.0));
-        for _ in 0..2 {
-            // The first of each only sets a ratio: the codec's set-up is in its time.
-            c.learn_sample(Codec::Lz4, 1 << 20, 470_000, Duration::from_micros(1165));
-            c.learn_sample(Codec::Zstd, 1 << 20, 315_000, Duration::from_micros(6000));
-        }
+        c.learn_sample(Codec::Lz4, 1 << 20, 470_000, Duration::from_micros(1165));
+        c.learn_sample(Codec::Zstd, 1 << 20, 315_000, Duration::from_micros(6000));
         let picks: Vec<Pick> = (0..PROBE_EVERY * 4).map(|_| c.pick(true)).collect();
         let tries: Vec<Codec> = picks
             .iter()
@@ -521,9 +529,7 @@ mod tests {
     fn auto_raises_a_link_estimate_the_link_outran() {
         let mut c = Chooser::default();
         c.learn_link(100e6);
-        for _ in 0..2 {
-            c.learn_sample(Codec::Lz4, 1 << 20, 500_000, Duration::from_micros(2500));
-        }
+        c.learn_sample(Codec::Lz4, 1 << 20, 500_000, Duration::from_micros(2500));
         assert_eq!(
             c.best(),
             Codec::Lz4,
@@ -539,22 +545,25 @@ mod tests {
         assert_eq!(c.best(), Codec::None, "the link took 2 GB/s: plain wins");
     }
 
-    /// A sample that did not shrink counts as a ratio of 1 (it would have gone plain), and
-    /// a codec measured on samples only is picked when it wins.
+    /// A sample that did not shrink counts as a ratio of 1 (it would have gone plain); the
+    /// first four measurements are averaged alike, so an untypical first one soon counts
+    /// little; a codec's first whole batch starts its estimates afresh.
     #[test]
-    fn auto_learns_from_samples_as_from_frames() {
+    fn auto_learns_from_samples_and_trusts_whole_batches_more() {
         let mut c = Chooser::default();
         c.learn_link(125e6);
-        // A first run's time is its set-up: it gives no speed, and the codec is not picked.
-        c.learn_sample(Codec::Zstd, 1 << 20, 1_050_000, Duration::from_millis(150));
-        assert_eq!(c.best(), Codec::None, "zstd's speed is not known yet");
         c.learn_sample(Codec::Zstd, 1 << 20, 1_050_000, Duration::from_micros(2000));
-        assert_eq!(c.best(), Codec::None, "incompressible now: plain");
-        // Four samples are averaged alike, so the data's change counts at once.
+        assert_eq!(c.best(), Codec::None, "incompressible: plain");
         for _ in 0..2 {
             c.learn_sample(Codec::Zstd, 1 << 20, 300_000, Duration::from_micros(2500));
         }
         assert_eq!(c.best(), Codec::Zstd, "the data changed: zstd now wins");
+        // Samples said lz4 does not shrink this; a whole batch says it halves it, fast.
+        for _ in 0..4 {
+            c.learn_sample(Codec::Lz4, 1 << 20, 1_050_000, Duration::from_micros(1000));
+        }
+        c.learn(cost(Codec::Lz4, 0.2, 1000.0, 125.0));
+        assert_eq!(c.best(), Codec::Lz4, "the batch's measure stands alone");
     }
 
     #[test]
