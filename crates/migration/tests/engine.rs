@@ -367,7 +367,8 @@ fn compressed_precopy_moves_memory_exactly_while_the_guest_writes() {
                 "{compression:?}: {c:?}"
             );
             if compression == Compression::Auto {
-                assert!(c.samples_lz4 > 0 && c.samples_zstd > 0, "{c:?}");
+                // Before it first compressed, while plain was its pick.
+                assert!(c.samples_lz4 + c.samples_zstd > 0, "{c:?}");
             }
         }
     }

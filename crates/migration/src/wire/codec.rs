@@ -211,10 +211,10 @@ pub struct Chooser {
     link: Option<f64>,
     drained_samples: bool,
     /// The batch each codec was last tried for (0: never; with packer threads a try is
-    /// learned from batches later), how often it was learned from, and whether from a whole
-    /// batch yet.
+    /// learned from batches later), the samples it was measured on, and whether it has been
+    /// measured on a whole batch yet (then that alone counts, as it did before samples).
     last_tried: [u64; 3],
-    measured: [u32; 3],
+    samples: [u32; 3],
     from_batches: [bool; 3],
     batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
@@ -236,8 +236,8 @@ pub struct Pick {
 /// every `PROBE_EVERY` batches costs a 256th of packing every batch.
 pub const SAMPLE_SHARE: usize = 16;
 const PROBE_EVERY: u64 = 16;
-/// Weight of the newest sample in every average, once there are enough (before: a plain
-/// mean, so that an untypical first one soon counts little).
+/// Weight of the newest measurement in every average (the first few samples of a codec: a
+/// plain mean, so that an untypical first one soon counts little).
 const EWMA_NEW: f64 = 0.25;
 
 /// `old` with the `n`-th sample `new` averaged in.
@@ -329,9 +329,15 @@ impl Chooser {
         let i = b.codec.index();
         if !self.from_batches[i] {
             self.from_batches[i] = true;
-            self.measured[i] = 0;
+            (self.ratio[i], self.speed[i]) = (None, None);
         }
-        self.learn_codec(b.codec, b.raw_bytes, b.packed_bytes, b.compress_time);
+        self.learn_codec(
+            b.codec,
+            b.raw_bytes,
+            b.packed_bytes,
+            b.compress_time,
+            u32::MAX,
+        );
         if !self.drained_samples {
             let w = b.write_time.as_secs_f64().max(1e-7);
             self.link = average(self.link, b.packed_bytes as f64 / w, u32::MAX);
@@ -342,14 +348,22 @@ impl Chooser {
     pub fn learn_sample(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
         if raw > 0 {
             // A codec that did not shrink the sample would have sent it plain: a ratio of 1.
-            self.learn_codec(codec, raw, packed.min(raw), took);
+            // The first few samples are averaged alike: the first may come from untypical
+            // memory (a guest's random pool).
+            let i = codec.index();
+            self.samples[i] += 1;
+            let n = if self.from_batches[i] {
+                u32::MAX
+            } else {
+                self.samples[i]
+            };
+            self.learn_codec(codec, raw, packed.min(raw), took, n);
         }
     }
 
-    fn learn_codec(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
+    /// Averages in the `n`-th measurement of `codec` (`u32::MAX`: one of many).
+    fn learn_codec(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration, n: u32) {
         let i = codec.index();
-        self.measured[i] += 1;
-        let n = self.measured[i];
         self.ratio[i] = average(self.ratio[i], packed as f64 / raw as f64, n);
         if codec != Codec::None {
             let t = took.as_secs_f64().max(1e-7);
@@ -360,9 +374,11 @@ impl Chooser {
     /// The link carried `bytes_per_s` while its send queue stayed short: it is at least that
     /// fast. (Drain rates come only while data waits; a sender slower than the link, one
     /// that compresses, sees none, and an estimate taken in a slow moment would stand.)
+    /// It counts as one more sample where above the estimate: one connection of several
+    /// may take more than its share of a shared link for a moment.
     pub fn link_at_least(&mut self, bytes_per_s: f64) {
         if self.link.is_some_and(|l| l < bytes_per_s) {
-            self.link = Some(bytes_per_s);
+            self.link = average(self.link, bytes_per_s, u32::MAX);
         }
     }
 
@@ -522,7 +538,7 @@ mod tests {
         );
     }
 
-    /// An idle send queue says the link took all it was given: the estimate rises to that
+    /// An idle send queue says the link took all it was given: the estimate rises toward it
     /// (a slow moment's estimate does not stand while compressing keeps the queue idle), and
     /// never falls by it.
     #[test]
