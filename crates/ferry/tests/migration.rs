@@ -140,9 +140,6 @@ fn compressed_pages_over_two_connections_keep_every_page() {
             r.bytes_on_wire < (r.pages_full * 4096),
             "{codec}: fewer bytes than the pages hold"
         );
-        if codec == "auto" {
-            assert!(c.samples_lz4 + c.samples_zstd > 0, "{c:?}");
-        }
     }
 }
 

@@ -68,9 +68,12 @@ impl Codec {
             }
             Codec::Zstd => {
                 out.reserve(zstd::zstd_safe::compress_bound(input.len()));
-                ctx.zstd()?
-                    .compress_to_buffer(input, out)
-                    .map_err(zstd_error)?;
+                let zstd_err = |e: std::io::Error| Error::State(format!("zstd: {e}"));
+                if ctx.zstd.is_none() {
+                    ctx.zstd = Some(zstd::bulk::Compressor::new(ZSTD_LEVEL).map_err(zstd_err)?);
+                }
+                let c = ctx.zstd.as_mut().expect("made above");
+                c.compress_to_buffer(input, out).map_err(zstd_err)?;
             }
         }
         Ok(())
@@ -109,34 +112,6 @@ impl Codec {
 #[derive(Default)]
 pub struct Contexts {
     zstd: Option<zstd::bulk::Compressor<'static>>,
-}
-
-impl Contexts {
-    /// Makes what `codec` needs now, so that timing its first batch does not count it: a
-    /// zstd context sets up its tables on first use (the first 16 KiB took ~2 ms here, 50
-    /// times a later one), so a new one packs 260 KiB of zeros, which sets up the tables for
-    /// inputs over 256 KiB, the largest zstd sizes its tables for.
-    pub fn prepare(&mut self, codec: Codec) -> Result<()> {
-        if codec == Codec::Zstd && self.zstd.is_none() {
-            let zeros = vec![0u8; 260 << 10];
-            let mut out = Vec::with_capacity(zstd::zstd_safe::compress_bound(zeros.len()));
-            self.zstd()?
-                .compress_to_buffer(&zeros, &mut out)
-                .map_err(zstd_error)?;
-        }
-        Ok(())
-    }
-
-    fn zstd(&mut self) -> Result<&mut zstd::bulk::Compressor<'static>> {
-        if self.zstd.is_none() {
-            self.zstd = Some(zstd::bulk::Compressor::new(ZSTD_LEVEL).map_err(zstd_error)?);
-        }
-        Ok(self.zstd.as_mut().expect("made above"))
-    }
-}
-
-fn zstd_error(e: std::io::Error) -> Error {
-    Error::State(format!("zstd: {e}"))
 }
 
 /// What `--compression` asks for.
@@ -189,16 +164,13 @@ pub struct BatchCost {
 /// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
-/// Each codec is tried before it can be picked, and then every `PROBE_EVERY` batches the one
-/// tried least recently, so a change in the data or the link is seen. How it is tried
-/// depends on the best pick:
-/// - plain (the link is faster than the codecs, or the data does not shrink): on a sample of
-///   the batch's pages (`SAMPLE_SHARE`), while the batch goes plain. Whole batches tried cost
-///   `auto` a third more time than plain on a link faster than every codec.
-/// - a codec (the link is slower than the codecs): the whole batch goes with the one tried,
-///   plain included, which costs little there and tells exactly: a sample misjudges zstd's
-///   ratio (0.59 on 16 KiB samples against 0.49 on whole batches of `fill=mixed`), so a
-///   codec's first whole batch starts its estimates afresh.
+/// Every `PROBE_EVERY` batches it tries the codec it has measured least recently, so a change
+/// in the data or the link is seen: on the whole batch, except while plain is its pick (the
+/// link is faster than the codecs, or the data does not shrink): then on a sample of the
+/// batch's pages (`SAMPLE_SHARE`), and the batch goes plain. Whole batches tried cost `auto`
+/// a third more time than plain on a link faster than every codec; where a codec is the
+/// pick, a whole batch costs little and measures exactly (a 16 KiB sample misjudged zstd's
+/// ratio: 0.59 against 0.49 on whole batches of `fill=mixed`).
 #[derive(Clone, Debug, Default)]
 pub struct Chooser {
     /// Per codec: input bytes per second while compressing, on one core (EWMA).
@@ -210,12 +182,9 @@ pub struct Chooser {
     /// the sender (which a large socket buffer hides at first).
     link: Option<f64>,
     drained_samples: bool,
-    /// The batch each codec was last tried for (0: never; with packer threads a try is
-    /// learned from batches later), the samples it was measured on, and whether it has been
-    /// measured on a whole batch yet (then that alone counts, as it did before samples).
-    last_tried: [u64; 3],
-    samples: [u32; 3],
-    from_batches: [bool; 3],
+    /// Whether each codec has been picked yet, and the batch it was last picked for.
+    tried: [bool; 3],
+    last_used: [u64; 3],
     batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
     cores: usize,
@@ -228,22 +197,19 @@ pub struct Chooser {
 pub struct Pick {
     /// The codec the batch goes with.
     pub send: Codec,
-    /// A codec due for measuring on a sample of the batch's pages, if any.
+    /// A codec to measure on a sample of the batch's pages, if one is due.
     pub sample: Option<Codec>,
 }
 
-/// A sample is one page in this many of a batch (at least one page), from all over it: one
-/// every `PROBE_EVERY` batches costs a 256th of packing every batch.
-pub const SAMPLE_SHARE: usize = 16;
 const PROBE_EVERY: u64 = 16;
-/// Weight of the newest measurement in every average (the first few samples of a codec: a
-/// plain mean, so that an untypical first one soon counts little).
+/// A sample is one page in this many of a batch (at least one page), from all over it: a
+/// sixteenth of the cost of packing the batch.
+pub const SAMPLE_SHARE: usize = 16;
+/// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
 
-/// `old` with the `n`-th sample `new` averaged in.
-fn average(old: Option<f64>, new: f64, n: u32) -> Option<f64> {
-    let weight = (1.0 / f64::from(n.max(1))).max(EWMA_NEW);
-    Some(old.map_or(new, |o| o + weight * (new - o)))
+fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |o| o + EWMA_NEW * (new - o)))
 }
 
 impl Chooser {
@@ -254,38 +220,36 @@ impl Chooser {
         self
     }
 
-    /// The codec for the next batch, and one to measure on a sample of it when `may_sample`
-    /// (the batch has page data, and no one waits for it alone).
+    /// The codec for the next batch, and one to measure on a sample of it (only when
+    /// `may_sample`: the batch has page data, and no one waits for it alone).
     pub fn pick(&mut self, may_sample: bool) -> Pick {
         self.batches += 1;
+        // Measure every codec once first, then keep each estimate fresh. A pick counts as a
+        // use at once: with packer threads it is learned from only batches later.
         let best = self.best();
-        let others = || Codec::ALL.into_iter().filter(move |&c| c != best);
-        let unknown = |c: Codec| c != Codec::None && self.last_tried[c.index()] == 0;
-        let due = if others().any(unknown) {
-            others()
-                .filter(|&c| unknown(c))
-                .min_by_key(|c| self.last_tried[c.index()])
+        let c = if let Some(&c) = Codec::ALL.iter().find(|c| !self.tried[c.index()]) {
+            c
         } else if self.batches.is_multiple_of(PROBE_EVERY) {
-            others().min_by_key(|c| self.last_tried[c.index()])
+            *Codec::ALL
+                .iter()
+                .min_by_key(|c| self.last_used[c.index()])
+                .expect("three codecs")
         } else {
-            None
+            best
         };
-        let pick = match due {
-            Some(c) if best == Codec::None => Pick {
-                send: best,
-                sample: may_sample.then_some(c),
-            },
-            Some(c) => Pick {
+        let pick = match c {
+            c if c == best || !self.tried[c.index()] || best != Codec::None => Pick {
                 send: c,
                 sample: None,
             },
-            None => Pick {
-                send: best,
-                sample: None,
+            c => Pick {
+                send: Codec::None,
+                sample: may_sample.then_some(c),
             },
         };
         for c in [Some(pick.send), pick.sample].into_iter().flatten() {
-            self.last_tried[c.index()] = self.batches;
+            self.tried[c.index()] = true;
+            self.last_used[c.index()] = self.batches;
         }
         if self.last_best.replace(best) != Some(best) {
             tracing::debug!(
@@ -302,8 +266,7 @@ impl Chooser {
         pick
     }
 
-    /// The codec with the smallest expected time per raw byte (the first of equals: plain;
-    /// a codec not yet measured never).
+    /// The codec with the smallest expected time per raw byte (the first of equals: plain).
     pub fn best(&self) -> Codec {
         let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
         let cost = |c: Codec| {
@@ -326,21 +289,10 @@ impl Chooser {
         if b.raw_bytes == 0 {
             return;
         }
-        let i = b.codec.index();
-        if !self.from_batches[i] {
-            self.from_batches[i] = true;
-            (self.ratio[i], self.speed[i]) = (None, None);
-        }
-        self.learn_codec(
-            b.codec,
-            b.raw_bytes,
-            b.packed_bytes,
-            b.compress_time,
-            u32::MAX,
-        );
+        self.learn_codec(b.codec, b.raw_bytes, b.packed_bytes, b.compress_time);
         if !self.drained_samples {
             let w = b.write_time.as_secs_f64().max(1e-7);
-            self.link = average(self.link, b.packed_bytes as f64 / w, u32::MAX);
+            self.link = ewma(self.link, b.packed_bytes as f64 / w);
         }
     }
 
@@ -348,37 +300,16 @@ impl Chooser {
     pub fn learn_sample(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
         if raw > 0 {
             // A codec that did not shrink the sample would have sent it plain: a ratio of 1.
-            // The first few samples are averaged alike: the first may come from untypical
-            // memory (a guest's random pool).
-            let i = codec.index();
-            self.samples[i] += 1;
-            let n = if self.from_batches[i] {
-                u32::MAX
-            } else {
-                self.samples[i]
-            };
-            self.learn_codec(codec, raw, packed.min(raw), took, n);
+            self.learn_codec(codec, raw, packed.min(raw), took);
         }
     }
 
-    /// Averages in the `n`-th measurement of `codec` (`u32::MAX`: one of many).
-    fn learn_codec(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration, n: u32) {
+    fn learn_codec(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
         let i = codec.index();
-        self.ratio[i] = average(self.ratio[i], packed as f64 / raw as f64, n);
+        self.ratio[i] = ewma(self.ratio[i], packed as f64 / raw as f64);
         if codec != Codec::None {
             let t = took.as_secs_f64().max(1e-7);
-            self.speed[i] = average(self.speed[i], raw as f64 / t, n);
-        }
-    }
-
-    /// The link carried `bytes_per_s` while its send queue stayed short: it is at least that
-    /// fast. (Drain rates come only while data waits; a sender slower than the link, one
-    /// that compresses, sees none, and an estimate taken in a slow moment would stand.)
-    /// It counts as one more sample where above the estimate: one connection of several
-    /// may take more than its share of a shared link for a moment.
-    pub fn link_at_least(&mut self, bytes_per_s: f64) {
-        if self.link.is_some_and(|l| l < bytes_per_s) {
-            self.link = average(self.link, bytes_per_s, u32::MAX);
+            self.speed[i] = ewma(self.speed[i], raw as f64 / t);
         }
     }
 
@@ -388,7 +319,7 @@ impl Chooser {
             self.drained_samples = true;
             self.link = None;
         }
-        self.link = average(self.link, bytes_per_s, u32::MAX);
+        self.link = ewma(self.link, bytes_per_s);
     }
 }
 
@@ -495,91 +426,25 @@ mod tests {
         assert_eq!(buffered.best(), Codec::Zstd);
     }
 
-    /// While plain is the best pick, each codec is tried on a sample of a batch with
-    /// page data, then in turn every `PROBE_EVERY` batches; while a codec is, the others
-    /// (plain included) are tried on whole batches.
+    /// With packer threads a batch is learned from only batches after it was picked: the
+    /// warm-up still tries each codec once, and a probe does not repeat the codec it just
+    /// tried while that one is in the works.
     #[test]
-    fn auto_tries_codecs_on_samples_while_plain_wins_and_on_batches_while_one_does() {
-        let mut c = Chooser::default();
-        let plain = Pick {
-            send: Codec::None,
-            sample: None,
-        };
-        assert_eq!(c.pick(false), plain, "nothing to sample: nothing tried");
-        let first: Vec<Pick> = (0..2).map(|_| c.pick(true)).collect();
-        let on_samples = |codec| Pick {
-            send: Codec::None,
-            sample: Some(codec),
-        };
-        assert_eq!(
-            first,
-            [Codec::Lz4, Codec::Zstd].map(on_samples),
-            "each codec on a sample, before either is learned"
-        );
-        let later: Vec<Pick> = (0..PROBE_EVERY * 2).map(|_| c.pick(true)).collect();
-        let tries: Vec<&Pick> = later.iter().filter(|p| **p != plain).collect();
-        assert_eq!(tries, [&on_samples(Codec::Lz4), &on_samples(Codec::Zstd)]);
-
-        // A slow link (1 Gbit) and text-like data: lz4 (ratio 0.45 at 900 MB/s) wins.
-        c.learn(cost(Codec::None, 1.0, 0.0, 125.0));
-        c.learn_sample(Codec::Lz4, 1 << 20, 470_000, Duration::from_micros(1165));
-        c.learn_sample(Codec::Zstd, 1 << 20, 315_000, Duration::from_micros(6000));
-        let picks: Vec<Pick> = (0..PROBE_EVERY * 4).map(|_| c.pick(true)).collect();
-        let tries: Vec<Codec> = picks
-            .iter()
-            .filter(|p| p.send != Codec::Lz4)
-            .map(|p| p.send)
+    fn auto_learning_late_still_tries_each_codec_once() {
+        let mut c = Chooser::default().on_cores(4);
+        let first: std::collections::HashSet<Codec> = (0..3).map(|_| c.pick(true).send).collect();
+        assert_eq!(first.len(), 3, "each codec once before any is learned");
+        let probes: Vec<Pick> = (3..PROBE_EVERY * 3)
+            .map(|_| c.pick(true))
+            .enumerate()
+            .filter(|(i, _)| (*i as u64 + 4).is_multiple_of(PROBE_EVERY))
+            .map(|(_, p)| p)
             .collect();
-        assert!(picks.iter().all(|p| p.sample.is_none()), "{picks:?}");
-        assert_eq!(tries.len(), 4, "{picks:?}");
+        assert_eq!(probes.len(), 3);
         assert!(
-            tries.windows(2).all(|w| w[0] != w[1]),
-            "plain and zstd in turn, as whole batches: {tries:?}"
+            probes.windows(2).all(|w| w[0] != w[1]),
+            "unlearned probes go round the codecs: {probes:?}"
         );
-    }
-
-    /// An idle send queue says the link took all it was given: the estimate rises toward it
-    /// (a slow moment's estimate does not stand while compressing keeps the queue idle), and
-    /// never falls by it.
-    #[test]
-    fn auto_raises_a_link_estimate_the_link_outran() {
-        let mut c = Chooser::default();
-        c.learn_link(100e6);
-        c.learn_sample(Codec::Lz4, 1 << 20, 500_000, Duration::from_micros(2500));
-        assert_eq!(
-            c.best(),
-            Codec::Lz4,
-            "400 MB/s lz4 halves what a 100 MB/s link moves"
-        );
-        c.link_at_least(50e6);
-        assert_eq!(
-            c.best(),
-            Codec::Lz4,
-            "a floor below the estimate changes nothing"
-        );
-        c.link_at_least(2e9);
-        assert_eq!(c.best(), Codec::None, "the link took 2 GB/s: plain wins");
-    }
-
-    /// A sample that did not shrink counts as a ratio of 1 (it would have gone plain); the
-    /// first four measurements are averaged alike, so an untypical first one soon counts
-    /// little; a codec's first whole batch starts its estimates afresh.
-    #[test]
-    fn auto_learns_from_samples_and_trusts_whole_batches_more() {
-        let mut c = Chooser::default();
-        c.learn_link(125e6);
-        c.learn_sample(Codec::Zstd, 1 << 20, 1_050_000, Duration::from_micros(2000));
-        assert_eq!(c.best(), Codec::None, "incompressible: plain");
-        for _ in 0..2 {
-            c.learn_sample(Codec::Zstd, 1 << 20, 300_000, Duration::from_micros(2500));
-        }
-        assert_eq!(c.best(), Codec::Zstd, "the data changed: zstd now wins");
-        // Samples said lz4 does not shrink this; a whole batch says it halves it, fast.
-        for _ in 0..4 {
-            c.learn_sample(Codec::Lz4, 1 << 20, 1_050_000, Duration::from_micros(1000));
-        }
-        c.learn(cost(Codec::Lz4, 0.2, 1000.0, 125.0));
-        assert_eq!(c.best(), Codec::Lz4, "the batch's measure stands alone");
     }
 
     #[test]
@@ -603,5 +468,52 @@ mod tests {
             }
         }
         c
+    }
+
+    /// Each codec on a whole batch first; later, every `PROBE_EVERY` batches, the one used
+    /// least recently: on a sample while plain is the pick (the batch goes plain), on a whole
+    /// batch while a codec is (plain included); a probe's batch with nothing to sample goes
+    /// plain and tries nothing.
+    #[test]
+    fn auto_tries_on_samples_while_plain_wins_and_on_batches_while_a_codec_does() {
+        let mut c = Chooser::default();
+        let first: std::collections::HashSet<Codec> = (0..3).map(|_| c.pick(true).send).collect();
+        assert_eq!(first.len(), 3, "each codec on a whole batch first");
+        // A fast link and data that does not shrink: plain wins, codecs are tried on samples.
+        for codec in Codec::ALL {
+            c.learn(cost(codec, 1.0, 500.0, 5000.0));
+        }
+        let plain = Pick {
+            send: Codec::None,
+            sample: None,
+        };
+        let picks: Vec<Pick> = (0..PROBE_EVERY * 4).map(|_| c.pick(true)).collect();
+        let tries: Vec<&Pick> = picks.iter().filter(|p| **p != plain).collect();
+        assert_eq!(tries.len(), 4, "{picks:?}");
+        assert!(
+            tries
+                .iter()
+                .all(|p| p.send == Codec::None && p.sample.is_some())
+        );
+        assert!(tries.windows(2).all(|w| w[0] != w[1]), "{tries:?}");
+        let quiet: Vec<Pick> = (0..PROBE_EVERY).map(|_| c.pick(false)).collect();
+        assert!(quiet.iter().all(|p| *p == plain), "{quiet:?}");
+        // A slow link and text-like data: a codec wins; the others go on whole batches.
+        c.learn_link(125e6);
+        for _ in 0..4 {
+            c.learn(cost(Codec::Lz4, 0.45, 900.0, 125.0));
+            c.learn_sample(Codec::Zstd, 1 << 20, 315_000, Duration::from_micros(6000));
+        }
+        let winner = c.best();
+        assert_ne!(winner, Codec::None);
+        let picks: Vec<Pick> = (0..PROBE_EVERY * 4).map(|_| c.pick(true)).collect();
+        assert!(picks.iter().all(|p| p.sample.is_none()), "{picks:?}");
+        let tries: Vec<Codec> = picks
+            .iter()
+            .map(|p| p.send)
+            .filter(|&s| s != winner)
+            .collect();
+        assert_eq!(tries.len(), 4, "{picks:?}");
+        assert!(tries.windows(2).all(|w| w[0] != w[1]), "{tries:?}");
     }
 }

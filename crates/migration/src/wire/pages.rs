@@ -130,23 +130,21 @@ impl PageSender {
         self
     }
 
-    /// Feeds `auto` the link's drain rate over the interval since the last look: its rate
-    /// when the send queue stayed busy through it, a floor under it when the queue stayed
-    /// short (the link took all it was given), nothing when the queue filled or emptied.
+    /// Feeds `auto` the link's drain rate over the interval since the last look, when the
+    /// send queue stayed busy through it (otherwise the link may have idled: no sample).
     fn look_at_queue(&mut self) {
         let Some(q) = &self.queue else { return };
         let queued = q.unsent() as u64;
         let now = Instant::now();
         let drained = self.counters.bytes.saturating_sub(queued);
-        if let Some((then, drained_then, queued_then)) = self.last_look {
+        if let Some((then, drained_then, queued_then)) = self.last_look
+            && queued_then >= BUSY_QUEUE
+            && queued >= BUSY_QUEUE
+        {
             let secs = now.duration_since(then).as_secs_f64();
             if secs > 0.0 && drained > drained_then {
-                let rate = (drained - drained_then) as f64 / secs;
-                match (queued_then >= BUSY_QUEUE, queued >= BUSY_QUEUE) {
-                    (true, true) => self.chooser.learn_link(rate),
-                    (false, false) => self.chooser.link_at_least(rate),
-                    _ => {}
-                }
+                self.chooser
+                    .learn_link((drained - drained_then) as f64 / secs);
             }
         }
         self.last_look = Some((now, drained, queued));
@@ -324,9 +322,9 @@ impl PageSender {
     }
 
     /// Packs one page in `SAMPLE_SHARE` of the queued pages with `codec` and tells `auto`
-    /// how it did; the copy out of guest memory counts, as it does for a packed frame.
+    /// how it did; the copy out of guest memory counts, as it does for a packed frame. (A
+    /// codec is first measured on a whole batch, so its context is set up by then.)
     fn measure_on_sample(&mut self, ram: &GuestRam, codec: Codec) -> Result<()> {
-        self.contexts.prepare(codec)?;
         let started = Instant::now();
         let (mut raw, mut packed) = std::mem::take(&mut self.sample);
         raw.clear();
@@ -1077,6 +1075,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Pages that do not shrink over a link faster than any codec: after one whole frame
+    /// each, `auto` tries the codecs on samples, and every frame goes plain.
+    #[test]
+    fn auto_tries_codecs_on_samples_while_plain_wins() {
+        let (src_buf, src) = source(|_| true);
+        let mut sender = PageSender::new(1).with_compression(Compression::Auto);
+        let mut limiter = RateLimiter::new(None);
+        let mut wire = Vec::new();
+        for pfn in 0..PAGES {
+            sender.push(&mut wire, &src, pfn, &mut limiter).unwrap();
+        }
+        sender.flush(&mut wire, &src, &mut limiter).unwrap();
+        let mut dst_buf = vec![0u8; src_buf.len()];
+        let dst = ram(&mut dst_buf);
+        assert_eq!(receive_all(&wire, &dst).unwrap(), PAGES);
+        assert!(dst_buf == src_buf);
+        let c = sender.counters;
+        assert_eq!(c.frames_by_codec[0], PAGES, "{c:?}");
+        assert!(
+            c.samples_by_codec[1] > 0 && c.samples_by_codec[2] > 0,
+            "{c:?}"
+        );
+        assert_eq!(c.samples_by_codec[0], 0, "plain needs no sample");
     }
 
     /// Two passes over every page with the guest writing in between, pushed without a flush
