@@ -132,12 +132,15 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
     use Outcome::*;
     let postcopy = matches!(mode, "postcopy" | "hybrid");
     match (point, fault) {
-        // With `--go-with-state`, `Go` may already be written behind the state that is held.
-        // A dead source's `Go` may still arrive, or not; with the destination gone or the
-        // link cut the source cannot know whether it runs the VM (unconfirmed: the operator
-        // takes it back); a destination that cannot load the state says so (the source runs
-        // on); a cancel before `Go` was written keeps the VM, one after it is refused.
-        (Point::State, f) if mode == GO_WITH_STATE && f != Fault::Stall => match f {
+        // With `--go-with-state`, `Go` may already be written behind the frame that is held:
+        // the state, or at the pause the first frame after the rounds (the source writes on
+        // into the socket buffers while the relay holds it; seen at 571b1f6, a cancel there
+        // refused). A dead source's `Go` may still arrive, or not; with the destination gone
+        // or the link cut the source cannot know whether it runs the VM (unconfirmed: the
+        // operator takes it back); a destination that cannot load what it got says so (the
+        // source runs on); a cancel before `Go` was written keeps the VM, one after it is
+        // refused.
+        (Point::Pause | Point::State, f) if mode == GO_WITH_STATE && f != Fault::Stall => match f {
             Fault::KillSource => &[Lost, Destination],
             Fault::KillDestination | Fault::Cut => &[Source, Reclaimed],
             Fault::Corrupt => &[Source],
