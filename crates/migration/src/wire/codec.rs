@@ -237,15 +237,19 @@ impl Chooser {
         } else {
             best
         };
-        let pick = match c {
-            c if c == best || !self.tried[c.index()] || best != Codec::None => Pick {
-                send: c,
-                sample: None,
-            },
-            c => Pick {
+        // A re-try while plain wins is a sample (the batch goes plain); every other pick,
+        // a first try included, sends the batch with it.
+        let retry_on_sample = c != best && self.tried[c.index()] && best == Codec::None;
+        let pick = if retry_on_sample {
+            Pick {
                 send: Codec::None,
                 sample: may_sample.then_some(c),
-            },
+            }
+        } else {
+            Pick {
+                send: c,
+                sample: None,
+            }
         };
         for c in [Some(pick.send), pick.sample].into_iter().flatten() {
             self.tried[c.index()] = true;
