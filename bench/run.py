@@ -7,6 +7,7 @@ import argparse
 import datetime
 import os
 import hashlib
+import json
 import platform
 import re
 import signal
@@ -300,6 +301,13 @@ def build():
             "qemu": qemu_version.splitlines()[0] if qemu_version else None}
 
 
+def save_partial(results, outdir):
+    partial = os.path.join(outdir, "results.json.partial")
+    with open(partial, "w") as f:
+        json.dump(dict(results, partial=True), f, indent=2)
+    os.replace(partial, os.path.join(outdir, "results.json"))
+
+
 def make_peer(name, procs, work):
     if name in ("ferry", "ferry-best"):
         return FerryPeer(procs, work, best=(name == "ferry-best"))
@@ -406,6 +414,9 @@ def run(args):
                             if must and goodput:
                                 entry["floor_ms"] = sorted(must)[len(must) // 2] / goodput * 1e3
                             results["scenarios"].append(entry)
+                        # A run stopped part way (a time limit on a borrowed host) keeps what it
+                        # measured: the file is complete up to the last scenario.
+                        save_partial(results, outdir)
                     # QEMU rows get the same floor as ferry's (same guest, same link).
                     for e in results["scenarios"]:
                         if e["link"] == link_name and "floor_ms" not in e:
