@@ -126,17 +126,18 @@ def checkpoints():
     return rows
 
 
-def scale(memory="64G", ws="16G", vcpus=8, codec_ws="2G"):
+def scale(memory="64G", ws="16G", vcpus=8, codec_ws="512M"):
     """Many cores (bench/README-scale in docs/benchmarks.md): a large guest moved over loopback
     on 1..16 connections. The connection rows move `ws` written by `vcpus` vCPUs
     (`fill=word`: every page holds data, and with no compression its content does not change
     the bytes); the codec rows use `fill=mixed` on a smaller `codec_ws`, since laying honest
-    content down runs at ~10 MB/s per vCPU in an instruction emulator. Warm rows (the guest
+    content down in an instruction emulator is slow: ~10 MB/s per vCPU on a 2-core host, under
+    3 MB/s per vCPU with 8 vCPUs on a 16-core one (2 GiB was not laid down in 85 s there). Warm rows (the guest
     paused: only the transfer counts) and live pre-copy rows (the writers keep writing)."""
     size = lambda s: int(s[:-1]) << {"G": 30, "M": 20}[s[-1].upper()]  # noqa: E731
-    # Populating: ~40 k pages/s per vCPU at worst here; content: ~10 MB/s per vCPU.
+    # Populating: ~40 k pages/s per vCPU at worst; honest content: 2 MB/s per vCPU at worst.
     word_s = 60 + size(ws) // 4096 // (40000 * vcpus)
-    mixed_s = 60 + size(codec_ws) // (10 << 20) // vcpus
+    mixed_s = 60 + size(codec_ws) // (2 << 20) // vcpus
     common = dict(vcpus=vcpus, timeout_s=300, warmup_s=0)
     word, mixed = f"write ws={ws} seq", f"write ws={codec_ws} seq fill=mixed"
     rows = [scenario(f"scale warm {ws} / {memory} {n} conn", memory, word, mode="warm",
@@ -483,7 +484,7 @@ def main():
     p.add_argument("--only", metavar="REGEX", help="only the profile's scenarios whose name matches")
     p.add_argument("--scale-memory", default="64G", help="scale profile: guest memory")
     p.add_argument("--scale-ws", default="16G", help="scale profile: working set (fill=word)")
-    p.add_argument("--scale-codec-ws", default="2G", help="scale profile: working set of the codec rows (fill=mixed)")
+    p.add_argument("--scale-codec-ws", default="512M", help="scale profile: working set of the codec rows (fill=mixed)")
     p.add_argument("--scale-vcpus", type=int, default=8, help="scale profile: vCPUs")
     p.add_argument("--out", help="results directory (default bench/results/<timestamp>)")
     p.add_argument("--fail-scenario", action="store_true", help=argparse.SUPPRESS)

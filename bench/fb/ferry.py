@@ -92,12 +92,16 @@ class FerryPeer:
         return api(sock, "GET", "vm.info")
 
     def ready(self, sock, scenario):
-        """Steady state: a writer has populated its whole working set once (same rule for QEMU)."""
+        """Steady state: a writer has populated its whole working set once (same rule for QEMU).
+        Returns the seconds it took, so a profile's `ready_s` can be sized from real hosts."""
         busy = " idle" not in f" {scenario['cmdline']}"
+        began = time.time()
         wait_until("guest progress", scenario.get("ready_s", 120),
                    lambda: all_passed(self.info(sock)) >= 1 if busy else self.info(sock)["heartbeats"] > 100)
+        taken = time.time() - began
         if scenario.get("warmup_s"):
             time.sleep(scenario["warmup_s"])
+        return taken
 
     def snapshot_once(self, scenario):
         """One snapshot (`ferry snapshot`, the scenario's `extra` arguments), then the file
@@ -148,7 +152,7 @@ class FerryPeer:
         src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"],
                         netns=link.ns_src, serial=src_serial,
                         transport=self.tls_args("source.local") if tls else ("--plain-tcp",))
-        self.ready(src, scenario)
+        ready_s = self.ready(src, scenario)
         port = free_port()
         dst = os.path.join(self.work, f"dst-{time.time_ns()}.sock")
         transport = self.tls_args(link.dst_host) if tls else ["--plain-tcp"]
@@ -189,6 +193,7 @@ class FerryPeer:
             "downtime_ms": report["downtime_ms"],
             "guest_downtime_ms": report["guest_observed_downtime_ms"],
             "serial_downtime_ms": observed_downtime_ms(src_clock, dst_clock, started),
+            "ready_s": ready_s,  # from the source API up until the writer had passed its working set
             "bytes": report["bytes_on_wire"],
             "gb_per_s": report["bytes_on_wire"] / report["total_ms"] / 1e6 if report["total_ms"] else None,
             # The floor's bytes: round 0's pages that hold data (compressed: what it put on the wire).
