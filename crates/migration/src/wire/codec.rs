@@ -4,7 +4,6 @@
 //! Codecs come from the field: `lz4_flex` (pure Rust LZ4 block format) and `zstd` (the
 //! reference library). Only the choice is ours: no library picks a codec by link and data.
 
-use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -160,8 +159,8 @@ pub struct BatchCost {
     pub write_time: Duration,
 }
 
-/// Learns each codec's speed per core and ratio on this data, and the link's rate, and picks
-/// the codec with the smallest expected time per batch:
+/// Learns, per sender, each codec's speed per core and ratio on this data, and the link's rate,
+/// and picks the codec with the smallest expected time per batch:
 /// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
@@ -172,49 +171,25 @@ pub struct BatchCost {
 /// a third more time than plain on a link faster than every codec; where a codec is the
 /// pick, a whole batch costs little and measures exactly (a 16 KiB sample misjudged zstd's
 /// ratio: 0.59 against 0.49 on whole batches of `fill=mixed`).
-///
-/// The codecs' measures and the tries are shared by the connections of one migration
-/// (`CodecMeasures`); the link's rate and the cores are each connection's own.
 #[derive(Clone, Debug, Default)]
 pub struct Chooser {
-    measures: CodecMeasures,
+    /// Per codec: input bytes per second while compressing, on one core (EWMA).
+    speed: [Option<f64>; 3],
+    /// Per codec: packed ÷ raw (EWMA).
+    ratio: [Option<f64>; 3],
     /// Bytes per second the link took: EWMA of what the send queue drained while it stayed
     /// busy (`learn_link`), or, without such samples, of bytes written ÷ time the write held
     /// the sender (which a large socket buffer hides at first).
     link: Option<f64>,
     drained_samples: bool,
+    /// Whether each codec has been picked yet, and the batch it was last picked for.
+    tried: [bool; 3],
+    last_used: [u64; 3],
+    batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
     cores: usize,
     /// The best pick at the last batch (its changes are logged).
     last_best: Option<Codec>,
-}
-
-/// What `auto` has measured of each codec on one migration's pages, shared by its
-/// connections. A codec's speed per core and its ratio belong to the data and the CPU, not to
-/// a connection, so one connection's try serves them all, and the re-tries come every
-/// `PROBE_EVERY` batches of the whole migration: on a 16-core loopback, 8 connections each
-/// trying each codec on whole batches took 101 ms to move 256 MiB that plain moved in 20.
-#[derive(Clone, Debug, Default)]
-pub struct CodecMeasures(Arc<Mutex<Measures>>);
-
-#[derive(Debug, Default)]
-struct Measures {
-    /// Per codec: input bytes per second while compressing, on one core (EWMA).
-    speed: [Option<f64>; 3],
-    /// Per codec: packed ÷ raw (EWMA).
-    ratio: [Option<f64>; 3],
-    /// Whether each codec has been picked yet, and the batch it was last picked for.
-    tried: [bool; 3],
-    last_used: [u64; 3],
-    /// Batches picked for, on every connection.
-    batches: u64,
-}
-
-impl CodecMeasures {
-    fn lock(&self) -> MutexGuard<'_, Measures> {
-        // A panicked sender leaves numbers, never a broken invariant: use them.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
-    }
 }
 
 /// What `auto` does with the next batch.
@@ -245,38 +220,26 @@ impl Chooser {
         self
     }
 
-    /// A chooser that learns the codecs with (and from) every other chooser on `measures`.
-    pub fn sharing(mut self, measures: &CodecMeasures) -> Self {
-        self.measures = measures.clone();
-        self
-    }
-
-    /// The codecs' measures this chooser learns into, for the migration's other connections.
-    pub fn measures(&self) -> &CodecMeasures {
-        &self.measures
-    }
-
     /// The codec for the next batch, and one to measure on a sample of it (only when
     /// `may_sample`: the batch has page data, and no one waits for it alone).
     pub fn pick(&mut self, may_sample: bool) -> Pick {
-        let mut m = self.measures.lock();
-        m.batches += 1;
+        self.batches += 1;
         // Measure every codec once first, then keep each estimate fresh. A pick counts as a
         // use at once: with packer threads it is learned from only batches later.
-        let best = self.best_of(&m);
-        let c = if let Some(&c) = Codec::ALL.iter().find(|c| !m.tried[c.index()]) {
+        let best = self.best();
+        let c = if let Some(&c) = Codec::ALL.iter().find(|c| !self.tried[c.index()]) {
             c
-        } else if m.batches.is_multiple_of(PROBE_EVERY) {
+        } else if self.batches.is_multiple_of(PROBE_EVERY) {
             *Codec::ALL
                 .iter()
-                .min_by_key(|c| m.last_used[c.index()])
+                .min_by_key(|c| self.last_used[c.index()])
                 .expect("three codecs")
         } else {
             best
         };
         // A re-try while plain wins is a sample (the batch goes plain); every other pick,
         // a first try included, sends the batch with it.
-        let retry_on_sample = c != best && m.tried[c.index()] && best == Codec::None;
+        let retry_on_sample = c != best && self.tried[c.index()] && best == Codec::None;
         let pick = if retry_on_sample {
             Pick {
                 send: Codec::None,
@@ -288,10 +251,9 @@ impl Chooser {
                 sample: None,
             }
         };
-        let batch = m.batches;
         for c in [Some(pick.send), pick.sample].into_iter().flatten() {
-            m.tried[c.index()] = true;
-            m.last_used[c.index()] = batch;
+            self.tried[c.index()] = true;
+            self.last_used[c.index()] = self.batches;
         }
         if self.last_best.replace(best) != Some(best) {
             tracing::debug!(
@@ -299,10 +261,10 @@ impl Chooser {
                  zstd {:?} {:?})",
                 best.name(),
                 self.link.unwrap_or(f64::INFINITY) / 1e6,
-                m.speed[1].map(|s| (s / 1e6).round()),
-                m.ratio[1],
-                m.speed[2].map(|s| (s / 1e6).round()),
-                m.ratio[2],
+                self.speed[1].map(|s| (s / 1e6).round()),
+                self.ratio[1],
+                self.speed[2].map(|s| (s / 1e6).round()),
+                self.ratio[2],
             );
         }
         pick
@@ -310,14 +272,10 @@ impl Chooser {
 
     /// The codec with the smallest expected time per raw byte (the first of equals: plain).
     pub fn best(&self) -> Codec {
-        self.best_of(&self.measures.lock())
-    }
-
-    fn best_of(&self, m: &Measures) -> Codec {
         let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
         let cost = |c: Codec| {
-            let ratio = m.ratio[c.index()].unwrap_or(1.0);
-            let compress = match (c, m.speed[c.index()]) {
+            let ratio = self.ratio[c.index()].unwrap_or(1.0);
+            let compress = match (c, self.speed[c.index()]) {
                 (Codec::None, _) => 0.0,
                 (_, Some(s)) if s > 0.0 => 1.0 / (s * self.cores.max(1) as f64),
                 _ => f64::INFINITY,
@@ -352,11 +310,10 @@ impl Chooser {
 
     fn learn_codec(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
         let i = codec.index();
-        let mut m = self.measures.lock();
-        m.ratio[i] = ewma(m.ratio[i], packed as f64 / raw as f64);
+        self.ratio[i] = ewma(self.ratio[i], packed as f64 / raw as f64);
         if codec != Codec::None {
             let t = took.as_secs_f64().max(1e-7);
-            m.speed[i] = ewma(m.speed[i], raw as f64 / t);
+            self.speed[i] = ewma(self.speed[i], raw as f64 / t);
         }
     }
 
@@ -503,36 +460,6 @@ mod tests {
         assert_eq!(trained(1000.0, text).best(), Codec::None);
         assert_eq!(trained(1000.0, text).on_cores(4).best(), Codec::Lz4);
         assert_eq!(trained(1000.0, text).on_cores(8).best(), Codec::Zstd);
-    }
-
-    /// The connections of one migration share the codecs' measures: each codec is tried once
-    /// in all, what one connection learns the others pick by, and the re-tries come every
-    /// `PROBE_EVERY` batches of them all, not of each.
-    #[test]
-    fn connections_share_the_tries_and_what_they_learn() {
-        let measures = CodecMeasures::default();
-        let mut lanes: Vec<Chooser> = (0..4)
-            .map(|_| Chooser::default().sharing(&measures))
-            .collect();
-        let first: Vec<Codec> = lanes.iter_mut().map(|c| c.pick(true).send).collect();
-        assert_eq!(
-            first.iter().filter(|&&c| c != Codec::None).count(),
-            2,
-            "each codec on one whole batch in all: {first:?}"
-        );
-        for lane in &mut lanes {
-            lane.learn_link(125e6);
-        }
-        lanes[1].learn(cost(Codec::Lz4, 0.45, 900.0, 125.0));
-        lanes[2].learn(cost(Codec::Zstd, 0.3, 400.0, 125.0));
-        assert_eq!(lanes[3].best(), Codec::Zstd, "learned on another connection");
-        let picks: Vec<Pick> = (0..PROBE_EVERY as usize * 4)
-            .map(|i| lanes[i % 4].pick(true))
-            .collect();
-        let tries: Vec<&Pick> = picks.iter().filter(|p| p.send != Codec::Zstd).collect();
-        assert_eq!(tries.len(), 4, "{picks:?}");
-        // A chooser of its own learns alone.
-        assert_eq!(Chooser::default().on_cores(1).best(), Codec::None);
     }
 
     /// A chooser that has seen four batches of each codec: (ratio, MB/s) for lz4 and zstd.
