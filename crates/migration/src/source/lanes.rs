@@ -93,6 +93,7 @@ impl Session<'_> {
             .params
             .max_bandwidth_mbps
             .map(|b| (b / u64::from(self.params.connections)).max(1));
+        let measures = self.pages.codec_measures().clone();
         for lane in 1..self.params.connections {
             let mut stream = dial(lane)?;
             wire::write_stream_header(&mut stream)?;
@@ -105,6 +106,7 @@ impl Session<'_> {
                 pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
                     .with_compression(self.params.compression)
                     .with_packers(self.params.packers_of(lane))
+                    .with_codec_measures(&measures)
                     .with_delta_cache(delta_cache_pages(self.params))
                     .with_queue_probe(probe),
                 limiter,

@@ -4,6 +4,7 @@
 //! Codecs come from the field: `lz4_flex` (pure Rust LZ4 block format) and `zstd` (the
 //! reference library). Only the choice is ours: no library picks a codec by link and data.
 
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -159,37 +160,79 @@ pub struct BatchCost {
     pub write_time: Duration,
 }
 
-/// Learns, per sender, each codec's speed per core and ratio on this data, and the link's rate,
-/// and picks the codec with the smallest expected time per batch:
+/// Learns each codec's speed per core and ratio on this data, and the link's rate, and picks
+/// the codec with the smallest expected time per batch:
 /// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
-/// Every `PROBE_EVERY` batches it tries the codec it has measured least recently, so a change
-/// in the data or the link is seen: on the whole batch, except while plain is its pick (the
+/// Of picks within `NEAR_EQUAL` of each other, the one that moves fewer bytes wins.
+/// Every `PROBE_EVERY` batches (every `WARM_PROBE_EVERY` until each codec has
+/// `WARM_MEASURES` measures) it tries the codec it has measured least recently (at first: the
+/// least often), so a change in the data or the link is seen, and no first batch unlike the
+/// data decides for long: on the whole batch, except while plain is its pick (the
 /// link is faster than the codecs, or the data does not shrink): then on a sample of the
 /// batch's pages (`SAMPLE_SHARE`), and the batch goes plain. Whole batches tried cost `auto`
 /// a third more time than plain on a link faster than every codec; where a codec is the
 /// pick, a whole batch costs little and measures exactly (a 16 KiB sample misjudged zstd's
 /// ratio: 0.59 against 0.49 on whole batches of `fill=mixed`).
+///
+/// The codecs' measures and the tries are shared by the connections of one migration
+/// (`CodecMeasures`); the link's rate and the cores are each connection's own.
 #[derive(Clone, Debug, Default)]
 pub struct Chooser {
-    /// Per codec: input bytes per second while compressing, on one core (EWMA).
-    speed: [Option<f64>; 3],
-    /// Per codec: packed ÷ raw (EWMA).
-    ratio: [Option<f64>; 3],
+    measures: CodecMeasures,
     /// Bytes per second the link took: EWMA of what the send queue drained while it stayed
     /// busy (`learn_link`), or, without such samples, of bytes written ÷ time the write held
     /// the sender (which a large socket buffer hides at first).
     link: Option<f64>,
     drained_samples: bool,
-    /// Whether each codec has been picked yet, and the batch it was last picked for.
-    tried: [bool; 3],
-    last_used: [u64; 3],
-    batches: u64,
     /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
     cores: usize,
     /// The best pick at the last batch (its changes are logged).
     last_best: Option<Codec>,
+}
+
+/// What `auto` has measured of each codec on one migration's pages, shared by its
+/// connections. A codec's speed per core and its ratio belong to the data and the CPU, not to
+/// a connection, so one connection's try serves them all, and the re-tries come every
+/// `PROBE_EVERY` batches of the whole migration: on a 16-core loopback, 8 connections each
+/// trying each codec on whole batches took 101 ms to move 256 MiB that plain moved in 20.
+#[derive(Clone, Debug, Default)]
+pub struct CodecMeasures(Arc<Mutex<Measures>>);
+
+#[derive(Debug, Default)]
+struct Measures {
+    /// Per codec: input bytes per second while compressing, on one core (EWMA).
+    speed: [Option<f64>; 3],
+    /// Per codec: packed ÷ raw (EWMA).
+    ratio: [Option<f64>; 3],
+    /// Per codec: how many batches or samples its averages hold.
+    measured: [u32; 3],
+    /// Whether each codec has been picked yet, and the batch it was last picked for.
+    tried: [bool; 3],
+    last_used: [u64; 3],
+    /// Batches picked for, on every connection.
+    batches: u64,
+}
+
+impl Measures {
+    /// While a codec has fewer than `WARM_MEASURES` measures, the one with the fewest
+    /// (the least recently used of those): a first batch may be unlike the data
+    /// (incompressible pages, where the memory after them shrinks by half), and the pick
+    /// should not rest on it for long.
+    fn warming(&self) -> Option<Codec> {
+        Codec::ALL
+            .into_iter()
+            .filter(|c| self.measured[c.index()] < WARM_MEASURES)
+            .min_by_key(|c| (self.measured[c.index()], self.last_used[c.index()]))
+    }
+}
+
+impl CodecMeasures {
+    fn lock(&self) -> MutexGuard<'_, Measures> {
+        // A panicked sender leaves numbers, never a broken invariant: use them.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// What `auto` does with the next batch.
@@ -202,14 +245,29 @@ pub struct Pick {
 }
 
 const PROBE_EVERY: u64 = 16;
+/// Until each codec has this many measures, one is tried every `WARM_PROBE_EVERY` batches.
+const WARM_MEASURES: u32 = 4;
+const WARM_PROBE_EVERY: u64 = 2;
 /// A sample is one page in this many of a batch (at least one page), from all over it: a
 /// sixteenth of the cost of packing the batch.
 pub const SAMPLE_SHARE: usize = 16;
+/// Picks whose expected times differ by less than this share count as equally soon, and the
+/// one that moves fewer bytes wins: the estimates cannot tell them apart. Connections that
+/// share a link each measure more than their share (two on a 1 Gbit link: 75–82 MB/s each),
+/// which there made lz4 look as soon as zstd while moving a fifth more bytes, and take longer.
+const NEAR_EQUAL: f64 = 0.15;
 /// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
 
 fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
     Some(old.map_or(new, |o| o + EWMA_NEW * (new - o)))
+}
+
+/// The `n`th measure into an average: the plain mean of the first few (the first does not
+/// outweigh the next ones), then an EWMA.
+fn average(old: Option<f64>, new: f64, n: u32) -> Option<f64> {
+    let weight = (1.0 / f64::from(n.max(1))).max(EWMA_NEW);
+    Some(old.map_or(new, |o| o + weight * (new - o)))
 }
 
 impl Chooser {
@@ -220,26 +278,43 @@ impl Chooser {
         self
     }
 
+    /// A chooser that learns the codecs with (and from) every other chooser on `measures`.
+    pub fn sharing(mut self, measures: &CodecMeasures) -> Self {
+        self.measures = measures.clone();
+        self
+    }
+
+    /// The codecs' measures this chooser learns into, for the migration's other connections.
+    pub fn measures(&self) -> &CodecMeasures {
+        &self.measures
+    }
+
     /// The codec for the next batch, and one to measure on a sample of it (only when
     /// `may_sample`: the batch has page data, and no one waits for it alone).
     pub fn pick(&mut self, may_sample: bool) -> Pick {
-        self.batches += 1;
+        let mut m = self.measures.lock();
+        m.batches += 1;
         // Measure every codec once first, then keep each estimate fresh. A pick counts as a
         // use at once: with packer threads it is learned from only batches later.
-        let best = self.best();
-        let c = if let Some(&c) = Codec::ALL.iter().find(|c| !self.tried[c.index()]) {
+        let best = self.best_of(&m);
+        let c = if let Some(&c) = Codec::ALL.iter().find(|c| !m.tried[c.index()]) {
             c
-        } else if self.batches.is_multiple_of(PROBE_EVERY) {
+        } else if let Some(c) = m
+            .warming()
+            .filter(|_| m.batches.is_multiple_of(WARM_PROBE_EVERY))
+        {
+            c
+        } else if m.batches.is_multiple_of(PROBE_EVERY) {
             *Codec::ALL
                 .iter()
-                .min_by_key(|c| self.last_used[c.index()])
+                .min_by_key(|c| m.last_used[c.index()])
                 .expect("three codecs")
         } else {
             best
         };
         // A re-try while plain wins is a sample (the batch goes plain); every other pick,
         // a first try included, sends the batch with it.
-        let retry_on_sample = c != best && self.tried[c.index()] && best == Codec::None;
+        let retry_on_sample = c != best && m.tried[c.index()] && best == Codec::None;
         let pick = if retry_on_sample {
             Pick {
                 send: Codec::None,
@@ -251,9 +326,10 @@ impl Chooser {
                 sample: None,
             }
         };
+        let batch = m.batches;
         for c in [Some(pick.send), pick.sample].into_iter().flatten() {
-            self.tried[c.index()] = true;
-            self.last_used[c.index()] = self.batches;
+            m.tried[c.index()] = true;
+            m.last_used[c.index()] = batch;
         }
         if self.last_best.replace(best) != Some(best) {
             tracing::debug!(
@@ -261,31 +337,43 @@ impl Chooser {
                  zstd {:?} {:?})",
                 best.name(),
                 self.link.unwrap_or(f64::INFINITY) / 1e6,
-                self.speed[1].map(|s| (s / 1e6).round()),
-                self.ratio[1],
-                self.speed[2].map(|s| (s / 1e6).round()),
-                self.ratio[2],
+                m.speed[1].map(|s| (s / 1e6).round()),
+                m.ratio[1],
+                m.speed[2].map(|s| (s / 1e6).round()),
+                m.ratio[2],
             );
         }
         pick
     }
 
-    /// The codec with the smallest expected time per raw byte (the first of equals: plain).
+    /// The codec with the smallest expected time per raw byte, or one within `NEAR_EQUAL` of
+    /// it that moves fewer bytes (the first of equals: plain).
     pub fn best(&self) -> Codec {
+        self.best_of(&self.measures.lock())
+    }
+
+    fn best_of(&self, m: &Measures) -> Codec {
         let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
         let cost = |c: Codec| {
-            let ratio = self.ratio[c.index()].unwrap_or(1.0);
-            let compress = match (c, self.speed[c.index()]) {
+            let ratio = m.ratio[c.index()].unwrap_or(1.0);
+            let compress = match (c, m.speed[c.index()]) {
                 (Codec::None, _) => 0.0,
                 (_, Some(s)) if s > 0.0 => 1.0 / (s * self.cores.max(1) as f64),
                 _ => f64::INFINITY,
             };
             f64::max(compress, ratio / link)
         };
-        *Codec::ALL
-            .iter()
-            .min_by(|a, b| cost(**a).total_cmp(&cost(**b)))
-            .expect("three codecs")
+        let soonest = Codec::ALL
+            .into_iter()
+            .map(cost)
+            .fold(f64::INFINITY, f64::min);
+        // Among picks as good as the soonest, the one that puts the fewest bytes on the wire.
+        let ratio = |c: Codec| m.ratio[c.index()].unwrap_or(1.0);
+        Codec::ALL
+            .into_iter()
+            .filter(|&c| cost(c) <= soonest * (1.0 + NEAR_EQUAL))
+            .min_by(|a, b| ratio(*a).total_cmp(&ratio(*b)))
+            .expect("the soonest is among them")
     }
 
     /// A batch that went on the wire: the codec's ratio and speed, and the link's rate.
@@ -310,10 +398,13 @@ impl Chooser {
 
     fn learn_codec(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
         let i = codec.index();
-        self.ratio[i] = ewma(self.ratio[i], packed as f64 / raw as f64);
+        let mut m = self.measures.lock();
+        m.measured[i] = m.measured[i].saturating_add(1);
+        let n = m.measured[i];
+        m.ratio[i] = average(m.ratio[i], packed as f64 / raw as f64, n);
         if codec != Codec::None {
             let t = took.as_secs_f64().max(1e-7);
-            self.speed[i] = ewma(self.speed[i], raw as f64 / t);
+            m.speed[i] = average(m.speed[i], raw as f64 / t, n);
         }
     }
 
@@ -431,35 +522,122 @@ mod tests {
     }
 
     /// With packer threads a batch is learned from only batches after it was picked: the
-    /// warm-up still tries each codec once, and a probe does not repeat the codec it just
-    /// tried while that one is in the works.
+    /// first batches still try each codec once, and a re-try does not repeat the codec it
+    /// just tried while that one is in the works.
     #[test]
     fn auto_learning_late_still_tries_each_codec_once() {
         let mut c = Chooser::default().on_cores(4);
         let first: std::collections::HashSet<Codec> = (0..3).map(|_| c.pick(true).send).collect();
         assert_eq!(first.len(), 3, "each codec once before any is learned");
-        let probes: Vec<Pick> = (3..PROBE_EVERY * 3)
-            .map(|_| c.pick(true))
-            .enumerate()
-            .filter(|(i, _)| (*i as u64 + 4).is_multiple_of(PROBE_EVERY))
-            .map(|(_, p)| p)
+        let tries: Vec<Codec> = (3..PROBE_EVERY * 3)
+            .filter_map(|_| c.pick(true).sample)
             .collect();
-        assert_eq!(probes.len(), 3);
+        assert!(tries.len() >= 3, "{tries:?}");
         assert!(
-            probes.windows(2).all(|w| w[0] != w[1]),
-            "unlearned probes go round the codecs: {probes:?}"
+            tries.windows(2).all(|w| w[0] != w[1]),
+            "unlearned re-tries go round the codecs: {tries:?}"
         );
+    }
+
+    /// A first batch unlike the data (zstd's landed on pages that do not shrink, lz4's on
+    /// memory that shrinks a little) is not what the pick rests on for long: until each codec
+    /// has `WARM_MEASURES` measures one is tried every `WARM_PROBE_EVERY` batches, and the
+    /// first measures count alike. (Before, zstd was tried again every 16 batches and its
+    /// first ratio weighed on: on a 1 Gbit link shared by two connections lz4 stayed the pick
+    /// for most of the move, which then took 1.8× as long.)
+    #[test]
+    fn a_first_batch_unlike_the_data_is_soon_outweighed() {
+        let mut c = Chooser::default();
+        c.learn_link(60e6);
+        for _ in 0..3 {
+            c.pick(true);
+        }
+        c.learn(cost(Codec::None, 1.0, 0.0, 60.0));
+        c.learn(cost(Codec::Lz4, 0.9, 300.0, 60.0));
+        c.learn(cost(Codec::Zstd, 1.0, 150.0, 60.0));
+        assert_eq!(c.best(), Codec::Lz4);
+        // From here on zstd halves the data and lz4 leaves 0.62 of it: per MB on 60 MB/s,
+        // zstd paces at max(6.7, 8.3) ms, lz4 at max(3.3, 10.3), plain at 16.7.
+        let mut batches = 0;
+        while c.best() != Codec::Zstd && batches < 4 * PROBE_EVERY {
+            let p = c.pick(true);
+            batches += 1;
+            let learned = |codec| match codec {
+                Codec::None => cost(Codec::None, 1.0, 0.0, 60.0),
+                Codec::Lz4 => cost(Codec::Lz4, 0.62, 300.0, 60.0),
+                Codec::Zstd => cost(Codec::Zstd, 0.5, 150.0, 60.0),
+            };
+            c.learn(learned(p.send));
+            if let Some(s) = p.sample {
+                let b = learned(s);
+                c.learn_sample(s, b.raw_bytes, b.packed_bytes, b.compress_time);
+            }
+        }
+        assert!(batches <= 8, "zstd the pick only after {batches} batches");
     }
 
     #[test]
     fn auto_weighs_a_codec_by_the_cores_that_run_it() {
         // A 1 GB/s link, text-like data: per MB, plain takes 1 ms; on one core zstd
-        // (0.3 at 400 MB/s) paces at 2.5 ms and lz4 (0.45 at 900 MB/s) at 1.1 ms; on four,
-        // lz4 at max(0.28, 0.45) beats zstd's max(0.63, 0.3); on eight, zstd's 0.31 wins.
-        let text = [(0.45, 900.0), (0.3, 400.0)];
+        // (0.3 at 400 MB/s) paces at 2.5 ms and lz4 (0.45 at 700 MB/s) at 1.4 ms; on four,
+        // lz4 at max(0.36, 0.45) beats zstd's max(0.63, 0.3); on eight, zstd's 0.31 wins.
+        let text = [(0.45, 700.0), (0.3, 400.0)];
         assert_eq!(trained(1000.0, text).best(), Codec::None);
         assert_eq!(trained(1000.0, text).on_cores(4).best(), Codec::Lz4);
         assert_eq!(trained(1000.0, text).on_cores(8).best(), Codec::Zstd);
+    }
+
+    /// Picks the estimates cannot tell apart go to the one that moves fewer bytes.
+    #[test]
+    fn of_picks_about_as_soon_the_one_with_fewer_bytes_wins() {
+        // A connection's share of 1 Gbit, measured at 78 MB/s: per MB lz4 (0.63 at 200 MB/s)
+        // paces at max(5.0, 8.1) ms, zstd (0.49 at 115 MB/s) at max(8.7, 6.3): 7 % apart.
+        assert_eq!(
+            trained(78.0, [(0.63, 200.0), (0.49, 115.0)]).best(),
+            Codec::Zstd
+        );
+        // zstd on half the speed (17.4 ms) is not as soon: lz4.
+        assert_eq!(
+            trained(78.0, [(0.63, 200.0), (0.49, 57.5)]).best(),
+            Codec::Lz4
+        );
+    }
+
+    /// The connections of one migration share the codecs' measures: each codec is tried once
+    /// in all, what one connection learns the others pick by, and the re-tries come every
+    /// `PROBE_EVERY` batches of them all, not of each.
+    #[test]
+    fn connections_share_the_tries_and_what_they_learn() {
+        let measures = CodecMeasures::default();
+        let mut lanes: Vec<Chooser> = (0..4)
+            .map(|_| Chooser::default().sharing(&measures))
+            .collect();
+        let first: Vec<Codec> = lanes.iter_mut().map(|c| c.pick(true).send).collect();
+        assert_eq!(
+            first.iter().filter(|&&c| c != Codec::None).count(),
+            2,
+            "each codec on one whole batch in all: {first:?}"
+        );
+        for lane in &mut lanes {
+            lane.learn_link(125e6);
+        }
+        for _ in 0..WARM_MEASURES {
+            lanes[0].learn(cost(Codec::None, 1.0, 0.0, 125.0));
+            lanes[1].learn(cost(Codec::Lz4, 0.45, 900.0, 125.0));
+            lanes[2].learn(cost(Codec::Zstd, 0.3, 400.0, 125.0));
+        }
+        assert_eq!(
+            lanes[3].best(),
+            Codec::Zstd,
+            "learned on another connection"
+        );
+        let picks: Vec<Pick> = (0..PROBE_EVERY as usize * 4)
+            .map(|i| lanes[i % 4].pick(true))
+            .collect();
+        let tries: Vec<&Pick> = picks.iter().filter(|p| p.send != Codec::Zstd).collect();
+        assert_eq!(tries.len(), 4, "{picks:?}");
+        // A chooser of its own learns alone.
+        assert_eq!(Chooser::default().on_cores(1).best(), Codec::None);
     }
 
     /// A chooser that has seen four batches of each codec: (ratio, MB/s) for lz4 and zstd.
@@ -474,8 +652,8 @@ mod tests {
         c
     }
 
-    /// Each codec on a whole batch first; later, every `PROBE_EVERY` batches, the one used
-    /// least recently: on a sample while plain is the pick (the batch goes plain), on a whole
+    /// Each codec on a whole batch first; once each has `WARM_MEASURES` measures, every
+    /// `PROBE_EVERY` batches, the one used least recently: on a sample while plain is the pick (the batch goes plain), on a whole
     /// batch while a codec is (plain included); a probe's batch with nothing to sample goes
     /// plain and tries nothing.
     #[test]
@@ -484,8 +662,10 @@ mod tests {
         let first: std::collections::HashSet<Codec> = (0..3).map(|_| c.pick(true).send).collect();
         assert_eq!(first.len(), 3, "each codec on a whole batch first");
         // A fast link and data that does not shrink: plain wins, codecs are tried on samples.
-        for codec in Codec::ALL {
-            c.learn(cost(codec, 1.0, 500.0, 5000.0));
+        for _ in 0..WARM_MEASURES {
+            for codec in Codec::ALL {
+                c.learn(cost(codec, 1.0, 500.0, 5000.0));
+            }
         }
         let plain = Pick {
             send: Codec::None,

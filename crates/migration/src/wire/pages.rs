@@ -10,7 +10,9 @@ use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
 use crate::wire::bitmap::Bitmap;
-use crate::wire::codec::{BatchCost, Chooser, Codec, Compression, Contexts, SAMPLE_SHARE};
+use crate::wire::codec::{
+    BatchCost, Chooser, Codec, CodecMeasures, Compression, Contexts, SAMPLE_SHARE,
+};
 use crate::wire::delta::{self, DeltaCache, MAX_DELTA};
 use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
@@ -169,13 +171,25 @@ impl PageSender {
         self
     }
 
+    /// Lets `auto` learn the codecs with the migration's other connections (`measures`: those
+    /// of the first connection's sender, `codec_measures`).
+    pub fn with_codec_measures(mut self, measures: &CodecMeasures) -> Self {
+        self.chooser = std::mem::take(&mut self.chooser).sharing(measures);
+        self
+    }
+
+    /// What `auto` has measured of the codecs, for senders of the same migration to share.
+    pub fn codec_measures(&self) -> &CodecMeasures {
+        self.chooser.measures()
+    }
+
     /// Compresses on `threads` threads of their own (when there is compression and more than
     /// one), while this one gathers pages and writes frames; `auto` then weighs each codec's
     /// speed on that many cores.
     pub fn with_packers(mut self, threads: usize) -> Self {
         if threads > 1 && self.compression != Compression::None {
             self.packers = Some(Packers::new(threads, build_head));
-            self.chooser = Chooser::default().on_cores(threads);
+            self.chooser = std::mem::take(&mut self.chooser).on_cores(threads);
         }
         self
     }
