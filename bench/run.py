@@ -132,8 +132,9 @@ def scale(memory="64G", ws="16G", vcpus=8, codec_ws="512M"):
     (`fill=word`: every page holds data, and with no compression its content does not change
     the bytes); the codec rows use `fill=mixed` on a smaller `codec_ws`, since laying honest
     content down in an instruction emulator is slow: ~10 MB/s per vCPU on a 2-core host, under
-    3.2 MB/s per vCPU with 8 vCPUs on a 16-core one (2 GiB was not laid down in 85 s there). Warm rows (the guest
-    paused: only the transfer counts) and live pre-copy rows (the writers keep writing)."""
+    3.2 MB/s per vCPU with 8 vCPUs on a 16-core one (2 GiB was not laid down in 85 s there).
+    Warm rows (the guest paused: only the transfer counts) and live pre-copy rows (the writers
+    keep writing)."""
     size = lambda s: int(s[:-1]) << {"G": 30, "M": 20}[s[-1].upper()]  # noqa: E731
     # Populating: ~40 k pages/s per vCPU at worst; honest content: 2 MB/s per vCPU at worst.
     word_s = 60 + size(ws) // 4096 // (40000 * vcpus)
