@@ -253,8 +253,7 @@ impl PageSender {
             Compression::Auto => {
                 let pick = self.chooser.pick(full > 0 && !last);
                 if let Some(tried) = pick.sample {
-                    let every = if pick.whole_sample { 1 } else { SAMPLE_SHARE };
-                    self.measure_on_sample(ram, tried, every)?;
+                    self.measure_on_sample(ram, tried)?;
                 }
                 pick.send
             }
@@ -336,15 +335,15 @@ impl PageSender {
         }
     }
 
-    /// Packs one page in `every` of the queued pages with `codec` and tells `auto` how it
-    /// did; the copy out of guest memory counts, as it does for a packed frame. (A codec is
-    /// first measured on a whole batch, so its context is set up by then.)
-    fn measure_on_sample(&mut self, ram: &GuestRam, codec: Codec, every: usize) -> Result<()> {
+    /// Packs one page in `SAMPLE_SHARE` of the queued pages with `codec` and tells `auto`
+    /// how it did; the copy out of guest memory counts, as it does for a packed frame. (A
+    /// codec is first measured on a whole batch, so its context is set up by then.)
+    fn measure_on_sample(&mut self, ram: &GuestRam, codec: Codec) -> Result<()> {
         let started = Instant::now();
         let (mut raw, mut packed) = std::mem::take(&mut self.sample);
         raw.clear();
         packed.clear();
-        for pfn in self.full_pages().step_by(every) {
+        for pfn in self.full_pages().step_by(SAMPLE_SHARE) {
             raw.extend_from_slice(ram.page(pfn)?);
         }
         codec.compress(&raw, &mut packed, &mut self.contexts)?;
