@@ -398,7 +398,10 @@ impl Chooser {
 
     fn learn_codec(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
         let i = codec.index();
-        tracing::trace!("auto: {} packed {raw} bytes into {packed} in {took:?}", codec.name());
+        tracing::trace!(
+            "auto: {} packed {raw} bytes into {packed} in {took:?}",
+            codec.name()
+        );
         let mut m = self.measures.lock();
         m.measured[i] = m.measured[i].saturating_add(1);
         let n = m.measured[i];
