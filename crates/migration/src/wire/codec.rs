@@ -202,9 +202,9 @@ pub struct CodecMeasures(Arc<Mutex<Measures>>);
 
 #[derive(Debug, Default)]
 struct Measures {
-    /// Per codec: input bytes per second while compressing, on one core (EWMA).
+    /// Per codec: input bytes per second while compressing, on one core (`average`).
     speed: [Option<f64>; 3],
-    /// Per codec: packed ÷ raw (EWMA).
+    /// Per codec: packed ÷ raw (`average`).
     ratio: [Option<f64>; 3],
     /// Per codec: how many batches or samples its averages hold.
     measured: [u32; 3],
@@ -253,8 +253,9 @@ const WARM_PROBE_EVERY: u64 = 2;
 pub const SAMPLE_SHARE: usize = 16;
 /// Picks whose expected times differ by less than this share count as equally soon, and the
 /// one that moves fewer bytes wins: the estimates cannot tell them apart. Connections that
-/// share a link each measure more than their share (two on a 1 Gbit link: 75–82 MB/s each),
-/// which there made lz4 look as soon as zstd while moving a fifth more bytes, and take longer.
+/// share a link each measure more than their share (two on a 1 Gbit link: 64–82 MB/s each),
+/// which there made lz4 look as soon as zstd while it moved over a quarter more bytes and
+/// took longer.
 const NEAR_EQUAL: f64 = 0.15;
 /// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
@@ -546,9 +547,9 @@ mod tests {
     /// A first batch unlike the data (zstd's landed on pages that do not shrink, lz4's on
     /// memory that shrinks a little) is not what the pick rests on for long: until each codec
     /// has `WARM_MEASURES` measures one is tried every `WARM_PROBE_EVERY` batches, and the
-    /// first measures count alike. (Before, zstd was tried again every 16 batches and its
-    /// first ratio weighed on: on a 1 Gbit link shared by two connections lz4 stayed the pick
-    /// for most of the move, which then took 1.8× as long.)
+    /// first measures count alike. (Without, zstd was tried again every 16 batches and its
+    /// first ratio weighed on: with the measures shared by two connections on 1 Gbit, lz4
+    /// stayed the pick for most of the move, which then took 1.8× as long.)
     #[test]
     fn a_first_batch_unlike_the_data_is_soon_outweighed() {
         let mut c = Chooser::default();
