@@ -165,7 +165,8 @@ pub struct BatchCost {
 /// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
-/// Of picks within `NEAR_EQUAL` of each other, the one that moves fewer bytes wins.
+/// Of the picks expected to take at most `NEAR_EQUAL` longer than the soonest, the one that
+/// moves the fewest bytes wins.
 /// Every `PROBE_EVERY` batches (every `WARM_PROBE_EVERY` until each codec has
 /// `WARM_MEASURES` measures) it tries the codec it has measured least recently (at first: the
 /// least often), so a change in the data or the link is seen, and no first batch unlike the
@@ -251,8 +252,8 @@ const WARM_PROBE_EVERY: u64 = 2;
 /// A sample is one page in this many of a batch (at least one page), from all over it: a
 /// sixteenth of the cost of packing the batch.
 pub const SAMPLE_SHARE: usize = 16;
-/// Picks whose expected times differ by less than this share count as equally soon, and the
-/// one that moves fewer bytes wins: the estimates cannot tell them apart. Connections that
+/// Picks expected to take at most this share longer than the soonest count as equally soon,
+/// and the one that moves the fewest bytes wins: the estimates cannot tell them apart. Connections that
 /// share a link each measure more than their share (two on a 1 Gbit link: 64–82 MB/s each),
 /// which there made lz4 look as soon as zstd while it moved over a quarter more bytes and
 /// took longer.
