@@ -58,6 +58,7 @@ pub(crate) fn pack(
     ctx: &mut Contexts,
     head_of: HeadBuilder,
 ) -> Result<Packed> {
+    ctx.prepare(codec)?;
     let started = Instant::now();
     let used = if codec == Codec::None {
         Codec::None

@@ -336,9 +336,9 @@ impl PageSender {
     }
 
     /// Packs one page in `SAMPLE_SHARE` of the queued pages with `codec` and tells `auto`
-    /// how it did; the copy out of guest memory counts, as it does for a packed frame. (A
-    /// codec is first measured on a whole batch, so its context is set up by then.)
+    /// how it did; the copy out of guest memory counts, as it does for a packed frame.
     fn measure_on_sample(&mut self, ram: &GuestRam, codec: Codec) -> Result<()> {
+        self.contexts.prepare(codec)?;
         let started = Instant::now();
         let (mut raw, mut packed) = std::mem::take(&mut self.sample);
         raw.clear();
