@@ -218,14 +218,58 @@ impl MigrationParams {
     /// migration's threads shared out evenly, the first connections taking what is left over.
     pub fn packers_of(&self, lane: u32) -> usize {
         let connections = self.connections.max(1);
-        let threads = self
-            .migration_threads
-            .unwrap_or(connections)
-            .max(connections);
+        let threads = self.compressing_threads();
         let extra = u32::from(lane < threads % connections);
         (threads / connections + extra) as usize
+    }
+
+    /// Threads that compress page data, on every connection together.
+    fn compressing_threads(&self) -> u32 {
+        let connections = self.connections.max(1);
+        self.migration_threads
+            .unwrap_or(connections)
+            .max(connections)
+    }
+
+    /// The cores `auto` may count on to compress connection `lane`'s frames: its threads,
+    /// each with a core of its own while the host has `host_cores` for all of them, a share
+    /// of one where it has fewer (8 connections on 2 cores: a quarter each; counted as
+    /// whole cores, each connection thought compressing cheaper than its share of the link,
+    /// and moved 256 MiB in 1.7× plain's time).
+    pub fn compress_cores_of(&self, lane: u32, host_cores: usize) -> f64 {
+        let share = host_cores.max(1) as f64 / f64::from(self.compressing_threads());
+        self.packers_of(lane) as f64 * share.min(1.0)
     }
 }
 
 /// Most threads one migration may compress on.
 pub const MAX_MIGRATION_THREADS: u32 = 64;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compressing_threads_are_shared_out_and_weighed_by_the_host_cores() {
+        let params = |connections, migration_threads| MigrationParams {
+            connections,
+            migration_threads,
+            ..MigrationParams::default()
+        };
+        // 3 connections, 7 threads: the first connection takes the one left over.
+        let p = params(3, Some(7));
+        assert_eq!(
+            (0..3).map(|l| p.packers_of(l)).collect::<Vec<_>>(),
+            [3, 2, 2]
+        );
+        // Cores enough for every thread: each counts as a core of its own.
+        assert_eq!(p.compress_cores_of(0, 16), 3.0);
+        assert_eq!(p.compress_cores_of(1, 7), 2.0);
+        // 8 connections on 2 cores: a quarter of a core each.
+        let p = params(8, None);
+        assert_eq!(p.packers_of(5), 1);
+        assert_eq!(p.compress_cores_of(5, 2), 0.25);
+        assert_eq!(p.compress_cores_of(5, 0), 0.125, "no core count: one core");
+        assert_eq!(params(1, None).compress_cores_of(0, 2), 1.0);
+    }
+}

@@ -89,26 +89,16 @@ impl Session<'_> {
         let Some(dial) = &self.dial else {
             return Ok(());
         };
-        let per_lane = self
-            .params
-            .max_bandwidth_mbps
-            .map(|b| (b / u64::from(self.params.connections)).max(1));
         let measures = self.pages.codec_measures().clone();
         for lane in 1..self.params.connections {
             let mut stream = dial(lane)?;
             wire::write_stream_header(&mut stream)?;
             wire::write_message(&mut stream, &Message::Join { session, lane })?;
-            let limiter = RateLimiter::new(per_lane);
-            let probe = stream.try_clone().ok();
+            let (pages, limiter) = page_sender(self.params, lane, &stream);
             self.lanes.push(Lane {
                 stream,
                 ended: false,
-                pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
-                    .with_compression(self.params.compression)
-                    .with_packers(self.params.packers_of(lane))
-                    .with_codec_measures(&measures)
-                    .with_delta_cache(delta_cache_pages(self.params))
-                    .with_queue_probe(probe),
+                pages: pages.with_codec_measures(&measures),
                 limiter,
             });
         }
@@ -228,7 +218,30 @@ impl Session<'_> {
 }
 
 /// Each connection's share of the delta cache, in pages.
-pub(super) fn delta_cache_pages(params: &MigrationParams) -> usize {
+/// Connection `lane`'s page sender and its rate limiter, as `params` ask (each connection
+/// takes its share of the bandwidth limit, the delta cache and the compressing threads);
+/// `auto` times the link by `stream`'s send queue.
+pub(super) fn page_sender(
+    params: &MigrationParams,
+    lane: u32,
+    stream: &Stream,
+) -> (PageSender, RateLimiter) {
+    let limiter = RateLimiter::new(
+        params
+            .max_bandwidth_mbps
+            .map(|b| (b / u64::from(params.connections.max(1))).max(1)),
+    );
+    let host_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let pages = PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
+        .with_compression(params.compression)
+        .with_packers(params.packers_of(lane))
+        .with_compress_cores(params.compress_cores_of(lane, host_cores))
+        .with_delta_cache(delta_cache_pages(params))
+        .with_queue_probe(stream.try_clone().ok());
+    (pages, limiter)
+}
+
+fn delta_cache_pages(params: &MigrationParams) -> usize {
     let pages = params.delta_cache_mb * (1 << 20) / crate::PAGE_SIZE as u64;
     (pages / u64::from(params.connections.max(1))) as usize
 }

@@ -79,23 +79,13 @@ impl<'a> Session<'a> {
         status: Status,
     ) -> Self {
         let ram = vm.ram();
-        // Extra lanes take their share of the bandwidth limit (see `open_lanes`).
-        let limiter = RateLimiter::new(
-            params
-                .max_bandwidth_mbps
-                .map(|b| (b / u64::from(params.connections.max(1))).max(1)),
-        );
-        let probe = stream.try_clone().ok();
+        let (pages, limiter) = lanes::page_sender(params, 0, &stream);
         Self {
             vm,
             sent_once: Bitmap::new(ram.gfn_end()),
             ram,
             stream,
-            pages: PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
-                .with_compression(params.compression)
-                .with_packers(params.packers_of(0))
-                .with_delta_cache(lanes::delta_cache_pages(params))
-                .with_queue_probe(probe),
+            pages,
             lanes: Vec::new(),
             dial: None,
             limiter,

@@ -190,7 +190,9 @@ pub struct BatchCost {
 /// the codec with the smallest expected time per batch:
 /// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
 /// buffer lets the link send one batch while the next ones are compressed, so the slower of
-/// the two sets the pace; `cores` threads compress side by side (`--migration-threads`).
+/// the two sets the pace; `cores` threads compress side by side (`--migration-threads`), or
+/// a connection's share of the host's cores where the migration's compressing threads
+/// outnumber them.
 /// Of the picks expected to take at most `NEAR_EQUAL` longer than the soonest, the one that
 /// moves the fewest bytes wins.
 /// Every `PROBE_EVERY` batches (every `WARM_PROBE_EVERY` until each codec has
@@ -213,8 +215,9 @@ pub struct Chooser {
     /// the sender (which a large socket buffer hides at first).
     link: Option<f64>,
     drained_samples: bool,
-    /// Threads compressing this sender's batches side by side (0 or 1: the sender itself).
-    cores: usize,
+    /// Cores compressing this sender's batches side by side (0: one, the sender itself); less
+    /// than one where the migration's threads outnumber the host's cores.
+    cores: f64,
     /// The best pick at the last batch (its changes are logged).
     last_best: Option<Codec>,
 }
@@ -304,9 +307,9 @@ fn average(old: Option<f64>, new: f64, n: u32) -> Option<f64> {
 }
 
 impl Chooser {
-    /// A chooser for a sender whose batches `cores` threads compress side by side: a codec's
+    /// A chooser for a sender whose batches `cores` cores compress side by side: a codec's
     /// speed per core counts that many times.
-    pub fn on_cores(mut self, cores: usize) -> Self {
+    pub fn on_cores(mut self, cores: f64) -> Self {
         self.cores = cores;
         self
     }
@@ -396,7 +399,10 @@ impl Chooser {
         let ratio = m.ratio[c.index()].unwrap_or(1.0);
         let compress = match (c, m.speed[c.index()]) {
             (Codec::None, _) => 0.0,
-            (_, Some(s)) if s > 0.0 => 1.0 / (s * self.cores.max(1) as f64),
+            (_, Some(s)) if s > 0.0 => {
+                let cores = if self.cores > 0.0 { self.cores } else { 1.0 };
+                1.0 / (s * cores)
+            }
             _ => f64::INFINITY,
         };
         f64::max(compress, ratio / link)
@@ -583,7 +589,7 @@ mod tests {
     /// just tried while that one is in the works.
     #[test]
     fn auto_learning_late_still_tries_each_codec_once() {
-        let mut c = Chooser::default().on_cores(4);
+        let mut c = Chooser::default().on_cores(4.0);
         let first: std::collections::HashSet<Codec> = (0..3).map(|_| c.pick(true).send).collect();
         assert_eq!(first.len(), 3, "each codec once before any is learned");
         let tries: Vec<Codec> = (3..PROBE_EVERY * 3)
@@ -640,8 +646,8 @@ mod tests {
         // lz4 at max(0.36, 0.45) beats zstd's max(0.63, 0.3); on eight, zstd's 0.31 wins.
         let text = [(0.45, 700.0), (0.3, 400.0)];
         assert_eq!(trained(1000.0, text).best(), Codec::None);
-        assert_eq!(trained(1000.0, text).on_cores(4).best(), Codec::Lz4);
-        assert_eq!(trained(1000.0, text).on_cores(8).best(), Codec::Zstd);
+        assert_eq!(trained(1000.0, text).on_cores(4.0).best(), Codec::Lz4);
+        assert_eq!(trained(1000.0, text).on_cores(8.0).best(), Codec::Zstd);
     }
 
     /// Picks the estimates cannot tell apart go to the one that moves fewer bytes.

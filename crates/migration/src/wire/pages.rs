@@ -184,13 +184,18 @@ impl PageSender {
     }
 
     /// Compresses on `threads` threads of their own (when there is compression and more than
-    /// one), while this one gathers pages and writes frames; `auto` then weighs each codec's
-    /// speed on that many cores.
+    /// one), while this one gathers pages and writes frames.
     pub fn with_packers(mut self, threads: usize) -> Self {
         if threads > 1 && self.compression != Compression::None {
             self.packers = Some(Packers::new(threads, build_head));
-            self.chooser = std::mem::take(&mut self.chooser).on_cores(threads);
         }
+        self
+    }
+
+    /// Lets `auto` weigh each codec's speed per core by the `cores` that compress this
+    /// sender's frames (see `Params::compress_cores_of`).
+    pub fn with_compress_cores(mut self, cores: f64) -> Self {
+        self.chooser = std::mem::take(&mut self.chooser).on_cores(cores);
         self
     }
 
