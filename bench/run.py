@@ -22,7 +22,8 @@ from fb import devices, qemu, report, util  # noqa: E402
 from fb import links as links_mod  # noqa: E402
 from fb.ferry import FerryPeer  # noqa: E402
 from fb.links import Link  # noqa: E402
-from fb.util import FERRY, REPO, BenchError, DidNotConverge, Processes, summarize  # noqa: E402
+from fb.util import (FERRY, REPO, BenchError, DidNotConverge, Processes,  # noqa: E402
+                     fault_in_bytes_per_s, summarize)
 
 # A progress line every 10 ms and an empty line every 1 ms: the guest clock both VMMs show.
 SERIAL = "serial_ms=10 tick_ms=1"
@@ -126,6 +127,11 @@ def checkpoints():
     return rows
 
 
+def size_bytes(s):
+    """A size as the scale options write it: 64G, 512M."""
+    return int(s[:-1]) << {"G": 30, "M": 20}[s[-1].upper()]
+
+
 def scale(memory="64G", ws="16G", vcpus=8, codec_ws="512M"):
     """Many cores (bench/README-scale in docs/benchmarks.md): a large guest moved over loopback
     on 1..16 connections. The connection rows move `ws` written by `vcpus` vCPUs
@@ -135,10 +141,9 @@ def scale(memory="64G", ws="16G", vcpus=8, codec_ws="512M"):
     3.2 MB/s per vCPU with 8 vCPUs on a 16-core one (2 GiB was not laid down in 85 s there).
     Warm rows (the guest paused: only the transfer counts) and live pre-copy rows (the writers
     keep writing)."""
-    size = lambda s: int(s[:-1]) << {"G": 30, "M": 20}[s[-1].upper()]  # noqa: E731
     # Populating: ~40 k pages/s per vCPU at worst; honest content: 2 MB/s per vCPU at worst.
-    word_s = 60 + size(ws) // 4096 // (40000 * vcpus)
-    mixed_s = 60 + size(codec_ws) // (2 << 20) // vcpus
+    word_s = 60 + size_bytes(ws) // 4096 // (40000 * vcpus)
+    mixed_s = 60 + size_bytes(codec_ws) // (2 << 20) // vcpus
     common = dict(vcpus=vcpus, timeout_s=300, warmup_s=0)
     word, mixed = f"write ws={ws} seq", f"write ws={codec_ws} seq fill=mixed"
     rows = [scenario(f"scale warm {ws} / {memory} {n} conn", memory, word, mode="warm",
@@ -377,6 +382,18 @@ def run(args):
                         # into memory it has never touched.
                         results.setdefault("links_fresh", {})[link_name] = (max(
                             link.goodput_bytes_per_s(1024, fresh=True) for _ in range(3)))
+                    if args.profile == "scale" and not args.skip_ceilings:
+                        # What many plain streams into one process reach, and how fast the
+                        # host faults memory in: the ceilings the connection rows meet (on a
+                        # quarter of the guest's size, at most 2 GiB).
+                        mb = min(2048, size_bytes(args.scale_memory) // 4 >> 20)
+                        results.setdefault("links_parallel", {})[link_name] = {
+                            n: {kind: max(link.parallel_goodput_bytes_per_s(
+                                mb, n, kind == "fresh") for _ in range(2))
+                                for kind in ("reused", "fresh")}
+                            for n in (1, 8, 16)}
+                        results["fault_in"] = {n: max(fault_in_bytes_per_s(mb, n)
+                                                      for _ in range(2)) for n in (1, 2, 4, 8, 16)}
                     for sc in profile["scenarios"]:
                         if args.fail_scenario:
                             sc = dict(sc, memory="0")  # a scenario made to fail (cleanup test)
@@ -487,6 +504,9 @@ def main():
     p.add_argument("--scale-ws", default="16G", help="scale profile: working set (fill=word)")
     p.add_argument("--scale-codec-ws", default="512M", help="scale profile: working set of the codec rows (fill=mixed)")
     p.add_argument("--scale-vcpus", type=int, default=8, help="scale profile: vCPUs")
+    p.add_argument("--skip-ceilings", action="store_true",
+                   help="scale profile: leave out the host's ceilings (plain streams at once, "
+                   "faulting memory in), e.g. when an earlier run on this host measured them")
     p.add_argument("--out", help="results directory (default bench/results/<timestamp>)")
     p.add_argument("--fail-scenario", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--work-prefix", default="ferry-bench-", help=argparse.SUPPRESS)

@@ -179,7 +179,8 @@ class FerryPeer:
         report = json.loads(out.stdout)
         time.sleep(0.5)  # let the destination print a few lines
         dinfo = self.info(dst)
-        taken = (api(dst, "GET", "vm.migration") or {}).get("checkpoints") or {}
+        dst_status = api(dst, "GET", "vm.migration") or {}
+        taken = dst_status.get("checkpoints") or {}
         api(dst, "PUT", "vm.shutdown")
         applied = report.get("checkpoints") or {}
         round0 = report["rounds"][0] if report["rounds"] else {}
@@ -233,6 +234,9 @@ class FerryPeer:
             "checkpoint_pause_ms_mean": (taken["pause_ms_total"] / taken["count"])
             if taken.get("count") else None,
             "checkpoint_pause_ms_max": taken.get("pause_ms_max"),
+            # Each side's CPU by the work its threads did (send, pack, receive, prefault).
+            "cpu_by_work_source": report.get("cpu"),
+            "cpu_by_work_destination": dst_status.get("cpu"),
             **cpu_row(cpu, scenario),
         }
 

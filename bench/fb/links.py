@@ -113,35 +113,75 @@ class Link:
         """TCP goodput source → destination, measured with a plain socket transfer. `fresh`:
         the receiver reads into new memory (each page faulted in and cleared on first touch,
         as a migration's destination does) instead of one reused buffer."""
-        # The server takes any free port and says which: a fixed one would collide with
-        # another measurement running at the same time (the test suite runs two at once).
         sink = (f"m=memoryview(mmap.mmap(-1,{megabytes}<<20));n=0\n"
                 "while True:\n r=c.recv_into(m[n:])\n if not r: break\n n+=r\n") if fresh else (
                 "b=bytearray(1<<20);n=0\n"
                 "while True:\n r=c.recv_into(b)\n if not r: break\n n+=r\n")
-        server = ["python3", "-c", (
-            "import mmap,socket,sys;s=socket.socket();"
-            f"s.bind(('{self.dst_host}',0));s.listen(1);print(s.getsockname()[1],flush=True);"
-            "c,_=s.accept()\n" + sink + "print(n)")]
+        server = "c,_=s.accept()\n" + sink + "print(n)"
+        client = (f"c=socket.create_connection(('{self.dst_host}',port))\n"
+                  f"buf=b'x'*(1<<20);t=time.time()\n"
+                  f"for _ in range({megabytes}): c.sendall(buf)\n"
+                  "c.shutdown(socket.SHUT_WR);c.recv(1);print(time.time()-t)")
+        return megabytes * (1 << 20) / self._transfer(server, client)
+
+    def parallel_goodput_bytes_per_s(self, megabytes, streams, fresh):
+        """TCP goodput source → destination over `streams` plain connections at once, a
+        sending thread each, into one receiving process (one address space, as a
+        destination's receivers are): into new memory (`fresh`: every page faulted in and
+        cleared on first touch) or into one reused buffer per connection. Each receive waits
+        for a whole 4 MiB (MSG_WAITALL), so the kernel, not the interpreter, sets the pace."""
+        per = (megabytes << 20) // streams
+        server = (
+            f"per={per};fresh={fresh};got=[0]*{streams};ts=[]\n"
+            f"m=memoryview(mmap.mmap(-1,{streams}*per)) if fresh else None\n"
+            "def sink(i,c):\n"
+            " v=m[i*per:(i+1)*per] if fresh else memoryview(bytearray(4<<20));n=0\n"
+            " while True:\n"
+            "  at=n if fresh else 0\n"
+            "  r=c.recv_into(v[at:at+(4<<20)],0,socket.MSG_WAITALL)\n"
+            "  if not r: break\n"
+            "  n+=r\n"
+            " got[i]=n;c.close()\n"
+            f"for i in range({streams}):\n"
+            " c,_=s.accept();ts.append(threading.Thread(target=sink,args=(i,c)));ts[-1].start()\n"
+            "for t in ts: t.join()\n"
+            "print(sum(got))")
+        client = (
+            f"per={per};buf=memoryview(b'x'*(4<<20))\n"
+            f"cs=[socket.create_connection(('{self.dst_host}',port)) for _ in range({streams})]\n"
+            "def send(c):\n"
+            " left=per\n"
+            " while left:\n"
+            "  k=min(left,len(buf));c.sendall(buf[:k]);left-=k\n"
+            " c.shutdown(socket.SHUT_WR);c.recv(1)\n"
+            "ts=[threading.Thread(target=send,args=(c,)) for c in cs]\n"
+            "t=time.time()\n"
+            "for x in ts: x.start()\n"
+            "for x in ts: x.join()\n"
+            "print(time.time()-t)")
+        return per * streams / self._transfer(server, client)
+
+    def _transfer(self, server, client):
+        """Runs `server` (python, after a socket `s` listens on a free port) in the
+        destination's namespace and `client` (python, given `port`) in the source's; returns
+        the seconds the client printed."""
+        # The server takes any free port and says which: a fixed one would collide with
+        # another measurement running at the same time (the test suite runs two at once).
+        argv = ["python3", "-c", (
+            "import mmap,socket,threading\ns=socket.socket()\n"
+            f"s.bind(('{self.dst_host}',0));s.listen(64);print(s.getsockname()[1],flush=True)\n"
+            + server)]
         if self.ns_dst:
-            server = ["ip", "netns", "exec", self.ns_dst] + server
-        srv = subprocess.Popen(server, stdout=subprocess.PIPE, text=True)
+            argv = ["ip", "netns", "exec", self.ns_dst] + argv
+        srv = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         try:
             said = srv.stdout.readline().strip()
             if not said.isdigit():
                 raise BenchError("the goodput measurement's server did not start")
-            port = int(said)
-            client = (
-                "import socket,time,sys\n"
-                f"c=socket.create_connection(('{self.dst_host}',{port}))\n"
-                f"buf=b'x'*(1<<20);t=time.time()\n"
-                f"for _ in range({megabytes}): c.sendall(buf)\n"
-                "c.shutdown(socket.SHUT_WR);c.recv(1);print(time.time()-t)")
-            argv = ["python3", "-c", client]
+            argv = ["python3", "-c", f"import socket,threading,time\nport={int(said)}\n" + client]
             if self.ns_src:
                 argv = ["ip", "netns", "exec", self.ns_src] + argv
             out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-            seconds = float(out.stdout.strip())
-            return megabytes * (1 << 20) / seconds
+            return float(out.stdout.strip())
         finally:
             srv.wait(timeout=30)

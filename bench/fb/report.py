@@ -75,6 +75,13 @@ def markdown(results):
         lines += [f"| {k} | {v / 1e6:.0f} | {fresh[k] / 1e6:.0f} |" if k in fresh else f"| {k} | {v / 1e6:.0f} | - |"
                   for k, v in results["links"].items()]
         lines.append("")
+    for link, by_n in (results.get("links_parallel") or {}).items():
+        lines += [f"Plain streams at once on {link}, into one process (MB/s): "
+                  + ", ".join(f"{n}: {v['reused'] / 1e6:.0f} (fresh memory {v['fresh'] / 1e6:.0f})"
+                              for n, v in by_n.items()), ""]
+    if results.get("fault_in"):
+        lines += ["Faulting fresh memory in, threads of one process (MB/s): "
+                  + ", ".join(f"{n}: {v / 1e6:.0f}" for n, v in results["fault_in"].items()), ""]
     if results.get("boot"):
         lines += ["## Boot", "", "| memory | ferry run → first heartbeat (ms) | heartbeats/s |", "|---|---|---|"]
         lines += [f"| {b['memory']} | {b['first_heartbeat_ms']:.1f} | {b['heartbeats_per_s']:.0f} |"

@@ -150,3 +150,34 @@ def summarize(values):
     if not vals:
         return None
     return {"min": min(vals), "median": statistics.median(vals), "max": max(vals), "n": len(vals)}
+
+
+def fault_in_bytes_per_s(megabytes, threads):
+    """How fast this host faults in (allocates and clears) fresh memory of one process: what a
+    destination does for every page it receives. `threads` threads in one process fault in
+    one mapping 2 MiB at a time (MADV_POPULATE_WRITE, as ferry's prefault thread does), each
+    taking the next 2 MiB; bytes per second over the whole mapping."""
+    code = (
+        "import ctypes,mmap,threading,time\n"
+        f"size={megabytes}<<20;chunk=2<<20;threads={threads}\n"
+        "m=mmap.mmap(-1,size)\n"
+        "base=ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
+        "libc=ctypes.CDLL(None,use_errno=True)\n"
+        "libc.madvise.argtypes=[ctypes.c_void_p,ctypes.c_size_t,ctypes.c_int]\n"
+        "nxt=[0];lock=threading.Lock();bad=[]\n"
+        "def work():\n"
+        " while True:\n"
+        "  with lock:\n"
+        "   at=nxt[0];nxt[0]+=chunk\n"
+        "  if at>=size: return\n"
+        "  if libc.madvise(base+at,min(chunk,size-at),23)!=0: bad.append(ctypes.get_errno());return\n"
+        "ts=[threading.Thread(target=work) for _ in range(threads)]\n"
+        "t=time.time()\n"
+        "for x in ts: x.start()\n"
+        "for x in ts: x.join()\n"
+        "print(-1 if bad else time.time()-t)\n")
+    out = subprocess.run(["python3", "-c", code], capture_output=True, text=True, timeout=120)
+    seconds = float(out.stdout.strip() or -1)
+    if seconds <= 0:
+        raise BenchError(f"could not fault memory in: {out.stderr.strip() or 'madvise failed'}")
+    return (megabytes << 20) / seconds

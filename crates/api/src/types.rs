@@ -295,6 +295,21 @@ pub struct CheckpointStats {
     pub rolled_back_to: Option<u64>,
 }
 
+/// This side's CPU time for one kind of work its threads did: `send` (a connection's
+/// sender), `pack` (a compressing thread), `receive` (a connection's receiver), `prefault`
+/// (faulting the destination's memory in ahead of the pages).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WorkCpu {
+    pub work: String,
+    pub threads: u32,
+    /// CPU seconds, all its threads together.
+    pub cpu_s: f64,
+    /// Their lives added up: `cpu_s / wall_s` is how busy they were on average.
+    pub wall_s: f64,
+    /// The busiest thread's CPU ÷ its life (1: on a core all the time).
+    pub busiest: f64,
+}
+
 /// What the destination saw during post-copy.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PostcopyReport {
@@ -366,6 +381,9 @@ pub struct MigrationStatus {
     pub stale_pages_dropped_before_pause: Option<u64>,
     /// Auto-converge: the largest share of time the guest's vCPUs were made to sleep.
     pub throttle_percent_max: u8,
+    /// This side's CPU time, by the work its threads did (once the migration completed).
+    #[serde(default)]
+    pub cpu: Vec<WorkCpu>,
     pub pages_pushed: u64,
     pub pages_requested: u64,
     pub postcopy_report: Option<PostcopyReport>,

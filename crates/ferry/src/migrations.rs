@@ -164,6 +164,17 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         postcopy: s.postcopy,
         stale_pages_dropped_before_pause: r.stale_pages_dropped_before_pause,
         throttle_percent_max: r.throttle_percent_max,
+        cpu: r
+            .cpu
+            .iter()
+            .map(|u| api::WorkCpu {
+                work: u.work.clone(),
+                threads: u.threads,
+                cpu_s: u.cpu_s,
+                wall_s: u.wall_s,
+                busiest: u.busiest,
+            })
+            .collect(),
         pages_pushed: p.pages.pushed,
         pages_requested: p.pages.requested,
         postcopy_report: r.postcopy_report.as_ref().map(|c| api::PostcopyReport {

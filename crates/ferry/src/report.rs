@@ -152,6 +152,9 @@ pub fn render(s: &MigrationStatus) -> String {
             s.throttle_percent_max
         );
     }
+    if !s.cpu.is_empty() {
+        let _ = writeln!(o, "  {}", cpu_line(s));
+    }
     if !s.rounds.is_empty() {
         let _ = writeln!(
             o,
@@ -173,6 +176,26 @@ pub fn render(s: &MigrationStatus) -> String {
         }
     }
     o
+}
+
+/// Where this side's CPU went: per kind of work, its CPU seconds, its threads, and how busy
+/// the busiest of them was (near 100 %: that work is what the migration waits for).
+fn cpu_line(s: &MigrationStatus) -> String {
+    let works: Vec<String> = s
+        .cpu
+        .iter()
+        .map(|u| {
+            format!(
+                "{} {:.3} s on {} thread{} (busiest {:.0} %)",
+                u.work,
+                u.cpu_s,
+                u.threads,
+                if u.threads == 1 { "" } else { "s" },
+                u.busiest * 100.0
+            )
+        })
+        .collect();
+    format!("CPU ({}): {}", s.role, works.join(" | "))
 }
 
 #[cfg(test)]
@@ -199,5 +222,40 @@ mod tests {
         assert!(!snapshot.contains(&"connections".into()), "{snapshot:?}");
         assert!(migration.contains(&"connections".into()), "{migration:?}");
         assert!(!migration.contains(&"writers".into()), "{migration:?}");
+    }
+
+    #[test]
+    fn the_cpu_line_names_each_work_and_its_busiest_thread() {
+        let mut s = MigrationStatus {
+            role: "source".into(),
+            ..Default::default()
+        };
+        assert!(!render(&s).contains("CPU"), "no line without figures");
+        s.cpu = vec![
+            api::WorkCpu {
+                work: "send".into(),
+                threads: 2,
+                cpu_s: 0.5,
+                wall_s: 0.8,
+                busiest: 0.97,
+            },
+            api::WorkCpu {
+                work: "pack".into(),
+                threads: 1,
+                cpu_s: 0.25,
+                wall_s: 0.4,
+                busiest: 0.6,
+            },
+        ];
+        let line = render(&s)
+            .lines()
+            .find(|l| l.trim_start().starts_with("CPU"))
+            .map(str::to_string)
+            .unwrap();
+        assert_eq!(
+            line.trim(),
+            "CPU (source): send 0.500 s on 2 threads (busiest 97 %) | \
+             pack 0.250 s on 1 thread (busiest 60 %)"
+        );
     }
 }

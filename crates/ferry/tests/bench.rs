@@ -244,4 +244,27 @@ fn scale_profile_runs_from_a_kit_alone() {
         run["bytes"].as_f64().unwrap() > 64e6,
         "the working set moved: {run}"
     );
+    // Each side's CPU by work: a sender and a receiver per connection.
+    let threads = |side: &str, work: &str| {
+        run[side]
+            .as_array()
+            .and_then(|a| a.iter().find(|u| u["work"] == work))
+            .map(|u| u["threads"].as_u64().unwrap())
+    };
+    assert_eq!(threads("cpu_by_work_source", "send"), Some(2), "{run}");
+    assert_eq!(
+        threads("cpu_by_work_destination", "receive"),
+        Some(2),
+        "{run}"
+    );
+    // The ceilings beside the rows: plain streams into one process, and faulting in.
+    for n in ["1", "8", "16"] {
+        for kind in ["reused", "fresh"] {
+            let v = &json["links_parallel"]["loopback"][n][kind];
+            assert!(v.as_f64().is_some_and(|b| b > 0.0), "{n} {kind}: {v}");
+        }
+    }
+    let faults = json["fault_in"].as_object().unwrap();
+    assert_eq!(faults.len(), 5, "{faults:?}");
+    assert!(faults.values().all(|v| v.as_f64().is_some_and(|b| b > 0.0)));
 }

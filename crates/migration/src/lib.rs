@@ -7,6 +7,7 @@
 //! It knows nothing of KVM: it drives a VM through the `Migratable` trait, which the KVM VM
 //! implements and tests implement with plain memory.
 
+pub mod cpu;
 pub mod destination;
 pub mod error;
 pub mod memory;

@@ -145,6 +145,8 @@ pub struct Report {
     pub stale_pages_dropped_before_pause: Option<u64>,
     /// Auto-converge: the largest throttle it applied (0: never engaged).
     pub throttle_percent_max: u8,
+    /// This side's CPU time by the work its threads did (see `crate::cpu`).
+    pub cpu: Vec<crate::cpu::WorkCpu>,
     // verification aid
     pub memory_checksum_source: Option<u64>,
     pub memory_checksum_destination: Option<u64>,

@@ -427,6 +427,39 @@ fn precopy_over(
     let state = dest.state.lock().unwrap().clone().unwrap();
     assert_eq!(state.0, vec![b"cpu0".to_vec(), b"cpu1".to_vec()]);
     assert_eq!(state.1, b"devices".to_vec());
+    // Each side's CPU by work: a sender per connection and round (the main connection's for
+    // the whole migration), packers only where threads outnumber the connections, a receiver
+    // per connection.
+    let used = |s: &Status, work: &str| {
+        s.report
+            .cpu
+            .iter()
+            .find(|u| u.work == work)
+            .map(|u| (u.threads, u.cpu_s, u.busiest))
+    };
+    let rounds = s.progress.rounds.len() as u32;
+    let (senders, cpu_s, busiest) = used(&s, "send").expect("senders tracked");
+    assert_eq!(
+        senders,
+        1 + (connections - 1) * rounds,
+        "{:?}",
+        s.report.cpu
+    );
+    assert!(
+        cpu_s > 0.0 && busiest > 0.0 && busiest <= 1.01,
+        "{:?}",
+        s.report.cpu
+    );
+    let packers = used(&s, "pack").map(|t| t.0);
+    let packing = threads.filter(|&t| t > connections && compression != Compression::None);
+    assert_eq!(packers, packing, "{:?}", s.report.cpu);
+    let receivers = used(&run.dest_status, "receive").map(|t| t.0);
+    assert_eq!(
+        receivers,
+        Some(connections),
+        "{:?}",
+        run.dest_status.report.cpu
+    );
     s
 }
 

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::cpu::{CpuMeter, Work};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::wire::pages::{MAX_CONNECTIONS, PageReceiver};
@@ -32,6 +33,8 @@ pub(super) struct LaneReceivers {
     /// Set when the receive ends: a lane read from a file (which no shutdown interrupts)
     /// stops at its next frame.
     stop: Arc<AtomicBool>,
+    /// Where each reader counts its CPU time.
+    cpu: CpuMeter,
 }
 
 /// Accepts lanes `1..lanes` of `session` and starts reading each (learning from `pages`, the
@@ -44,6 +47,7 @@ pub(super) fn accept(
     ram: &GuestRam,
     pages: &PageReceiver,
     main: &Stream,
+    cpu: &CpuMeter,
 ) -> Result<LaneReceivers> {
     if lanes > MAX_CONNECTIONS {
         return Err(Error::Protocol(format!(
@@ -51,7 +55,7 @@ pub(super) fn accept(
         )));
     }
     let deadline = Instant::now() + JOIN_WAIT;
-    let mut joined = LaneReceivers::new(lanes);
+    let mut joined = LaneReceivers::new(lanes, cpu);
     let mut taken = vec![false; lanes as usize];
     taken[0] = true; // the main connection
     let mut strangers = 0;
@@ -125,6 +129,7 @@ pub(super) fn open_in_file(
     lanes: u32,
     ram: &GuestRam,
     pages: &PageReceiver,
+    cpu: &CpuMeter,
 ) -> Result<Option<LaneReceivers>> {
     let Stream::File(file) = main else {
         return Err(Error::Protocol("a snapshot that is not a file".into()));
@@ -138,7 +143,7 @@ pub(super) fn open_in_file(
     if lanes == 1 {
         return Ok(None);
     }
-    let mut joined = LaneReceivers::new(lanes);
+    let mut joined = LaneReceivers::new(lanes, cpu);
     for lane in 1..lanes {
         let mut stream = Stream::File(file.lane(lane).expect("a file of several lanes"));
         let join =
@@ -163,13 +168,14 @@ pub(super) fn open_in_file(
 }
 
 impl LaneReceivers {
-    fn new(lanes: u32) -> Self {
+    fn new(lanes: u32, cpu: &CpuMeter) -> Self {
         Self {
             threads: Vec::new(),
             streams: Vec::new(),
             failed: Arc::default(),
             progress: (1..lanes).map(|_| Arc::default()).collect(),
             stop: Arc::default(),
+            cpu: cpu.clone(),
         }
     }
 
@@ -188,14 +194,15 @@ impl LaneReceivers {
         self.streams.push(stream.try_clone()?);
         let (ram, main, failed) = (ram.clone(), main.try_clone()?, self.failed.clone());
         let progress = self.progress[lane as usize - 1].clone();
-        let stop = self.stop.clone();
+        let (stop, cpu) = (self.stop.clone(), self.cpu.clone());
         let pages = PageReceiver::new(&ram)
             .for_lane(lane, lanes)
             .sharing_ahead_with(main_pages);
         let thread = std::thread::Builder::new()
             .name(format!("lane-{lane}"))
-            .spawn(
-                move || match receive_lane(stream, &ram, pages, lane, &progress, &stop) {
+            .spawn(move || {
+                let _tracked = cpu.track(Work::Receive);
+                match receive_lane(stream, &ram, pages, lane, &progress, &stop) {
                     Ok(pages) => Some(pages),
                     Err(e) => {
                         failed
@@ -205,8 +212,8 @@ impl LaneReceivers {
                         main.shutdown();
                         None
                     }
-                },
-            )
+                }
+            })
             .map_err(|e| Error::vm_caused("cannot start a lane's receiver", e))?;
         self.threads.push(thread);
         Ok(())
@@ -338,7 +345,7 @@ mod tests {
         let (main, _main_peer) = std::os::unix::net::UnixStream::pair().unwrap();
         let main = Stream::Unix(main);
         let mut peers = Vec::new();
-        let mut joined = LaneReceivers::new(3);
+        let mut joined = LaneReceivers::new(3, &CpuMeter::default());
         for lane in 1..3 {
             // Silent peers: each reader waits in a read that only the shutdown ends.
             let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();

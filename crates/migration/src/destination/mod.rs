@@ -147,6 +147,7 @@ impl Incoming {
             status: Status::new(Role::Destination, "", peer),
             expect,
             listener,
+            cpu: Default::default(),
         };
         match receiver.receive(stream, hello, build, on_resumed)? {
             Arrived::Complete(vm) => Ok(Some(vm)),

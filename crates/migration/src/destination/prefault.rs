@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crate::PAGE_SIZE;
+use crate::cpu::{CpuMeter, Work};
 use crate::memory::GuestRam;
 use crate::wire::bitmap::Bitmap;
 
@@ -27,14 +28,17 @@ pub struct Prefaulter {
 }
 
 impl Prefaulter {
-    /// Starts faulting in `pages` (in page order).
-    pub fn start(ram: GuestRam, pages: Bitmap) -> std::io::Result<Self> {
+    /// Starts faulting in `pages` (in page order); the thread counts its CPU time in `cpu`.
+    pub fn start(ram: GuestRam, pages: Bitmap, cpu: &CpuMeter) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let done = Arc::new(AtomicU64::new(0));
-        let (s, d) = (stop.clone(), done.clone());
+        let (s, d, cpu) = (stop.clone(), done.clone(), cpu.clone());
         let thread = std::thread::Builder::new()
             .name("prefault".into())
-            .spawn(move || fault_in(&ram, &pages, &s, &d))?;
+            .spawn(move || {
+                let _tracked = cpu.track(Work::Prefault);
+                fault_in(&ram, &pages, &s, &d)
+            })?;
         Ok(Self {
             stop,
             done,
@@ -141,8 +145,11 @@ mod tests {
         for pfn in [1, 2, 3, 5, 700, 701] {
             pages.set(pfn);
         }
-        let mut p = Prefaulter::start(ram.clone(), pages.clone()).unwrap();
+        let cpu = CpuMeter::default();
+        let mut p = Prefaulter::start(ram.clone(), pages.clone(), &cpu).unwrap();
         assert_eq!(p.wait(), 6);
+        let used = cpu.uses();
+        assert_eq!((used[0].work.as_str(), used[0].threads), ("prefault", 1));
         let present = crate::scan::populated_pages(&ram).unwrap();
         assert_eq!(
             present.iter().collect::<Vec<_>>(),
@@ -151,7 +158,7 @@ mod tests {
         assert!(ram.page(5).unwrap().iter().all(|&b| b == 0xab));
         assert!(ram.page(700).unwrap().iter().all(|&b| b == 0));
         // A stopped prefaulter faults nothing more in.
-        let mut stopped = Prefaulter::start(ram.clone(), pages).unwrap();
+        let mut stopped = Prefaulter::start(ram.clone(), pages, &cpu).unwrap();
         stopped.finish();
         assert!(stopped.thread.is_none());
         // SAFETY: nothing uses the mapping any more.

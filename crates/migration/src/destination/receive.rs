@@ -9,6 +9,7 @@ use super::lanes;
 use super::machine::{DestinationState, Incoming};
 use super::postcopy::{self, Postcopy};
 use super::prefault::Prefaulter;
+use crate::cpu::{CpuMeter, Work};
 use crate::error::{Error, Result};
 use crate::scan::memory_checksum;
 use crate::status::{CheckpointStats, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
@@ -48,6 +49,8 @@ pub(crate) struct Receiver<'a> {
     pub expect: Expect,
     /// Where the migration arrived: its extra connections join here, then it closes.
     pub listener: Option<Listener>,
+    /// The CPU time of this receive's threads (see `crate::cpu`).
+    pub cpu: CpuMeter,
 }
 
 impl Receiver<'_> {
@@ -63,8 +66,10 @@ impl Receiver<'_> {
         on_resumed: impl FnOnce(&Arc<V>),
     ) -> Result<Arrived<V>> {
         let started = Instant::now();
+        let tracked = self.cpu.track(Work::Receive);
         let result =
             hello.and_then(|h| self.conversation(&mut stream, h, build, on_resumed, started));
+        drop(tracked);
         if let Err(e) = &result {
             if stream.has_peer() && !matches!(e, Error::Peer(_)) {
                 let _ = stream.set_timeouts(Some(Duration::from_millis(200)));
@@ -159,9 +164,13 @@ impl Receiver<'_> {
         let listener = self.listener.take();
         let mut lanes = match (connections, &listener) {
             // A snapshot's lanes are in its file, as many as its stream names.
-            (n, _) if !live => lanes::open_in_file(stream, session, n.max(1), &ram, &pages)?,
+            (n, _) if !live => {
+                lanes::open_in_file(stream, session, n.max(1), &ram, &pages, &self.cpu)?
+            }
             (0 | 1, _) => None,
-            (n, Some(l)) => Some(lanes::accept(l, session, n, &ram, &pages, stream)?),
+            (n, Some(l)) => Some(lanes::accept(
+                l, session, n, &ram, &pages, stream, &self.cpu,
+            )?),
             (n, None) => {
                 return Err(Error::Protocol(format!(
                     "a stream over {n} connections where only one can arrive"
@@ -202,7 +211,7 @@ impl Receiver<'_> {
                 Message::Populated { pages: n, words } => {
                     let map = page_map(&ram, n, words)?;
                     pages.present_ahead(map.clone())?;
-                    prefault = Prefaulter::start(ram.clone(), map)
+                    prefault = Prefaulter::start(ram.clone(), map, &self.cpu)
                         .inspect_err(|e| tracing::warn!("no prefault thread: {e}"))
                         .ok();
                 }
@@ -418,6 +427,7 @@ impl Receiver<'_> {
     fn complete(&mut self, started: Instant) {
         self.status.phase = Phase::Completed;
         self.status.report.total_ms = ms(started.elapsed());
+        self.status.report.cpu = self.cpu.uses();
         self.publish();
     }
 }

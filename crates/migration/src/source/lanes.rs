@@ -8,6 +8,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::session::{DEFAULT_BATCH_PAGES, Session};
+use crate::cpu::{CpuMeter, Work};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::params::MigrationParams;
@@ -41,6 +42,8 @@ pub(super) struct RoundShare<'r> {
     pub cancel: &'r AtomicBool,
     /// Pages the extra lanes have sent this round (for the live status).
     pub done: &'r AtomicU64,
+    /// Where each lane's sender counts its CPU time.
+    pub cpu: &'r CpuMeter,
 }
 
 impl Lane {
@@ -94,7 +97,7 @@ impl Session<'_> {
             let mut stream = dial(lane)?;
             wire::write_stream_header(&mut stream)?;
             wire::write_message(&mut stream, &Message::Join { session, lane })?;
-            let (pages, limiter) = page_sender(self.params, lane, &stream);
+            let (pages, limiter) = page_sender(self.params, lane, &stream, &self.cpu);
             self.lanes.push(Lane {
                 stream,
                 ended: false,
@@ -112,7 +115,7 @@ impl Session<'_> {
         main: impl FnOnce(&mut Self, &RoundShare<'_>) -> Result<()>,
     ) -> Result<()> {
         let mut lanes = std::mem::take(&mut self.lanes);
-        let ram = self.ram.clone();
+        let (ram, cpu) = (self.ram.clone(), self.cpu.clone());
         let (stop, done) = (AtomicBool::new(false), AtomicU64::new(0));
         let share = RoundShare {
             set,
@@ -121,6 +124,7 @@ impl Session<'_> {
             stop: &stop,
             cancel: &self.controls.cancel,
             done: &done,
+            cpu: &cpu,
         };
         let result = std::thread::scope(|scope| {
             let threads: Vec<_> = lanes
@@ -128,7 +132,10 @@ impl Session<'_> {
                 .enumerate()
                 .map(|(i, lane)| {
                     let share = &share;
-                    scope.spawn(move || lane.send_share(i as u32 + 1, share))
+                    scope.spawn(move || {
+                        let _tracked = share.cpu.track(Work::Send);
+                        lane.send_share(i as u32 + 1, share)
+                    })
                 })
                 .collect();
             let mine = main(self, &share);
@@ -220,11 +227,12 @@ impl Session<'_> {
 /// Each connection's share of the delta cache, in pages.
 /// Connection `lane`'s page sender and its rate limiter, as `params` ask (each connection
 /// takes its share of the bandwidth limit, the delta cache and the compressing threads);
-/// `auto` times the link by `stream`'s send queue.
+/// `auto` times the link by `stream`'s send queue, and its packers count their CPU in `cpu`.
 pub(super) fn page_sender(
     params: &MigrationParams,
     lane: u32,
     stream: &Stream,
+    cpu: &CpuMeter,
 ) -> (PageSender, RateLimiter) {
     let limiter = RateLimiter::new(
         params
@@ -234,7 +242,7 @@ pub(super) fn page_sender(
     let host_cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let pages = PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES))
         .with_compression(params.compression)
-        .with_packers(params.packers_of(lane))
+        .with_packers(params.packers_of(lane), cpu)
         .with_compress_cores(params.compress_cores_of(lane, host_cores))
         .with_delta_cache(delta_cache_pages(params))
         .with_queue_probe(stream.try_clone().ok());

@@ -318,6 +318,7 @@ impl Session<'_> {
         )?;
         self.state = state;
         self.finished = Some(Instant::now());
+        self.note_cpu();
         *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let after = self.pages.counters;
         let p = &mut self.status.progress;

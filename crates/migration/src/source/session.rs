@@ -14,6 +14,7 @@ use super::checkpoints::Checkpoints;
 use super::lanes::{self, Lane};
 use super::machine::{Event, SourceState};
 use super::recovery::Leftover;
+use crate::cpu::{CpuMeter, Work};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::params::MigrationParams;
@@ -66,6 +67,8 @@ pub(crate) struct Session<'a> {
     pub finished: Option<Instant>,
     /// Post-copy checkpoints coming back from the destination, when asked for.
     pub checkpoints: Option<Arc<Checkpoints>>,
+    /// The CPU time of this migration's threads (see `crate::cpu`).
+    pub cpu: CpuMeter,
 }
 
 impl<'a> Session<'a> {
@@ -79,7 +82,8 @@ impl<'a> Session<'a> {
         status: Status,
     ) -> Self {
         let ram = vm.ram();
-        let (pages, limiter) = lanes::page_sender(params, 0, &stream);
+        let cpu = CpuMeter::default();
+        let (pages, limiter) = lanes::page_sender(params, 0, &stream, &cpu);
         Self {
             vm,
             sent_once: Bitmap::new(ram.gfn_end()),
@@ -104,6 +108,7 @@ impl<'a> Session<'a> {
             throttle: 0,
             finished: None,
             checkpoints: None,
+            cpu,
         }
     }
 
@@ -135,6 +140,7 @@ impl<'a> Session<'a> {
 
     /// The whole migration; `Ok` means the destination runs the VM.
     pub fn run(&mut self, mode: StreamMode) -> Result<()> {
+        let _tracked = self.cpu.track(Work::Send);
         let start_ns = now_ns();
         self.status.report.guest_pages_per_s_before = self
             .vm

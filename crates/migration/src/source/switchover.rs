@@ -119,6 +119,9 @@ impl Session<'_> {
         self.status.report.downtime_ms = Some(ms(paused_at.elapsed()));
         self.status.report.destination_downtime_ms = Some(state_to_resume_ns as f64 / 1e6);
         let resumed_at = Instant::now();
+        if !postcopy {
+            self.note_cpu();
+        }
         if postcopy {
             self.status.phase = Phase::Postcopy;
             self.publish();
@@ -197,6 +200,12 @@ impl Session<'_> {
         }
     }
 
+    /// The CPU this migration's threads used, when its transfer ended (not a second later,
+    /// after the guest's report).
+    pub(super) fn note_cpu(&mut self) {
+        self.status.report.cpu = self.cpu.uses();
+    }
+
     pub(super) fn note_guest_report(&mut self, observed_ns: Option<u64>, rate: Option<f64>) {
         self.status.report.guest_observed_downtime_ms = observed_ns.map(|n| n as f64 / 1e6);
         self.status.report.guest_pages_per_s_after = rate;
@@ -205,6 +214,9 @@ impl Session<'_> {
     /// The destination runs the VM: the final figures. Post-copy ends when the last page is in
     /// place; the others when the guest resumed.
     fn complete(&mut self, resumed_at: Option<Instant>) {
+        if self.status.report.cpu.is_empty() {
+            self.note_cpu();
+        }
         self.state = SourceState::Done;
         let end = self.finished.or(resumed_at).unwrap_or_else(Instant::now);
         let total = end.duration_since(self.started);

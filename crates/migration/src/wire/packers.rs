@@ -12,6 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::cpu::{CpuMeter, Work};
 use crate::error::{Error, Result};
 use crate::wire::codec::{Codec, Contexts};
 use crate::wire::frame::PageEncoding;
@@ -103,17 +104,21 @@ pub(crate) struct Packers {
     jobs: Option<Sender<Job>>,
     running: Vec<JoinHandle<()>>,
     waiting: VecDeque<Receiver<Result<Packed>>>,
+    /// Where each packer counts its CPU time.
+    cpu: CpuMeter,
 }
 
 impl Packers {
-    /// `threads` packers (started at the first frame) for frames headed by `head_of`.
-    pub fn new(threads: usize, head_of: HeadBuilder) -> Self {
+    /// `threads` packers (started at the first frame) for frames headed by `head_of`, each
+    /// counting its CPU time in `cpu`.
+    pub fn new(threads: usize, head_of: HeadBuilder, cpu: &CpuMeter) -> Self {
         Self {
             threads: threads.max(1),
             head_of,
             jobs: None,
             running: Vec::new(),
             waiting: VecDeque::new(),
+            cpu: cpu.clone(),
         }
     }
 
@@ -156,10 +161,11 @@ impl Packers {
         let queue = Arc::new(Mutex::new(queue));
         for i in 0..self.threads {
             let queue = Arc::clone(&queue);
-            let head_of = self.head_of;
+            let (head_of, cpu) = (self.head_of, self.cpu.clone());
             let t = std::thread::Builder::new()
                 .name(format!("ferry-pack-{i}"))
                 .spawn(move || {
+                    let _tracked = cpu.track(Work::Pack);
                     let mut ctx = Contexts::default();
                     loop {
                         // One packer waits on the queue while the others wait for the lock.

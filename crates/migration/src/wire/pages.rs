@@ -6,6 +6,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::PAGE_SIZE;
+use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
@@ -184,10 +185,10 @@ impl PageSender {
     }
 
     /// Compresses on `threads` threads of their own (when there is compression and more than
-    /// one), while this one gathers pages and writes frames.
-    pub fn with_packers(mut self, threads: usize) -> Self {
+    /// one), while this one gathers pages and writes frames; they count their CPU in `cpu`.
+    pub fn with_packers(mut self, threads: usize, cpu: &CpuMeter) -> Self {
         if threads > 1 && self.compression != Compression::None {
-            self.packers = Some(Packers::new(threads, build_head));
+            self.packers = Some(Packers::new(threads, build_head, cpu));
         }
         self
     }
@@ -1156,7 +1157,7 @@ mod tests {
                     let mut sender = PageSender::new(4)
                         .with_compression(compression)
                         .with_delta_cache(delta)
-                        .with_packers(threads);
+                        .with_packers(threads, &CpuMeter::default());
                     assert_eq!(sender.packers.is_some(), threads > 1);
                     let wire = two_passes(&mut sender, &mut src_buf, &src);
                     let mut dst_buf = vec![0u8; src_buf.len()];
