@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use super::lanes;
 use super::machine::{DestinationState, Incoming};
 use super::postcopy::{self, Postcopy};
-use super::prefault::Prefaulter;
+use super::prefault::{self, Prefaulter};
 use crate::cpu::{CpuMeter, Work};
 use crate::error::{Error, Result};
 use crate::scan::memory_checksum;
@@ -211,8 +211,10 @@ impl Receiver<'_> {
                 Message::Populated { pages: n, words } => {
                     let map = page_map(&ram, n, words)?;
                     pages.present_ahead(map.clone())?;
-                    prefault = Prefaulter::start(ram.clone(), map, &self.cpu)
-                        .inspect_err(|e| tracing::warn!("no prefault thread: {e}"))
+                    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                    let threads = prefault::threads_for(connections, cores);
+                    prefault = Prefaulter::start(ram.clone(), map, threads, &self.cpu)
+                        .inspect_err(|e| tracing::warn!("no prefault threads: {e}"))
                         .ok();
                 }
                 Message::RoundEnd { round, pages: n } => {

@@ -145,7 +145,7 @@ pub enum Message {
     /// Source → destination: checkpoint `seq` is applied; its pages need not come again.
     CheckpointTaken { seq: u64 },
     /// Source → destination, before round 0's pages: the pages that round sends (a bitmap
-    /// over guest page numbers). The destination faults them in on a thread of its own while
+    /// over guest page numbers). The destination faults them in on threads of its own while
     /// they travel, so that its receiver writes into memory that is already there.
     Populated { pages: u64, words: Vec<u64> },
 }
