@@ -113,7 +113,7 @@ class Link:
         """TCP goodput source → destination, measured with a plain socket transfer. `fresh`:
         the receiver reads into new memory (each page faulted in and cleared on first touch,
         as a migration's destination does) instead of one reused buffer."""
-        sink = (f"m=memoryview(mmap.mmap(-1,{megabytes}<<20));n=0\n"
+        sink = (f"m=memoryview(fresh({megabytes}<<20));n=0\n"
                 "while True:\n r=c.recv_into(m[n:])\n if not r: break\n n+=r\n") if fresh else (
                 "b=bytearray(1<<20);n=0\n"
                 "while True:\n r=c.recv_into(b)\n if not r: break\n n+=r\n")
@@ -132,12 +132,12 @@ class Link:
         for a whole 4 MiB (MSG_WAITALL), so the kernel, not the interpreter, sets the pace."""
         per = (megabytes << 20) // streams
         server = (
-            f"per={per};fresh={fresh};got=[0]*{streams};ts=[]\n"
-            f"m=memoryview(mmap.mmap(-1,{streams}*per)) if fresh else None\n"
+            f"per={per};into_fresh={fresh};got=[0]*{streams};ts=[]\n"
+            f"m=memoryview(fresh({streams}*per)) if into_fresh else None\n"
             "def sink(i,c):\n"
-            " v=m[i*per:(i+1)*per] if fresh else memoryview(bytearray(4<<20));n=0\n"
+            " v=m[i*per:(i+1)*per] if into_fresh else memoryview(bytearray(4<<20));n=0\n"
             " while True:\n"
-            "  at=n if fresh else 0\n"
+            "  at=n if into_fresh else 0\n"
             "  r=c.recv_into(v[at:at+(4<<20)],0,socket.MSG_WAITALL)\n"
             "  if not r: break\n"
             "  n+=r\n"
@@ -167,13 +167,19 @@ class Link:
         the seconds the client printed."""
         # The server takes any free port and says which: a fixed one would collide with
         # another measurement running at the same time (the test suite runs two at once).
+        # `fresh(n)`: memory the receiver has never touched, as a destination's guest memory:
+        # private, 4 KiB pages (python's default mapping is shared memory).
         argv = ["python3", "-c", (
-            "import mmap,socket,threading\ns=socket.socket()\n"
+            "import mmap,socket,threading\n"
+            "def fresh(n):\n"
+            " m=mmap.mmap(-1,n,flags=mmap.MAP_PRIVATE);m.madvise(mmap.MADV_NOHUGEPAGE);return m\n"
+            "s=socket.socket()\n"
             f"s.bind(('{self.dst_host}',0));s.listen(64);print(s.getsockname()[1],flush=True)\n"
             + server)]
         if self.ns_dst:
             argv = ["ip", "netns", "exec", self.ns_dst] + argv
         srv = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        done = False
         try:
             said = srv.stdout.readline().strip()
             if not said.isdigit():
@@ -182,6 +188,12 @@ class Link:
             if self.ns_src:
                 argv = ["ip", "netns", "exec", self.ns_src] + argv
             out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-            return float(out.stdout.strip())
+            if out.returncode != 0:
+                raise BenchError(f"the goodput measurement's sender failed: {out.stderr.strip()}")
+            seconds = float(out.stdout.strip())
+            done = True
+            return seconds
         finally:
+            if not done:
+                srv.kill()  # it may wait for connections that never come
             srv.wait(timeout=30)

@@ -155,12 +155,13 @@ def summarize(values):
 def fault_in_bytes_per_s(megabytes, threads):
     """How fast this host faults in (allocates and clears) fresh memory of one process: what a
     destination does for every page it receives. `threads` threads in one process fault in
-    one mapping 2 MiB at a time (MADV_POPULATE_WRITE, as ferry's prefault thread does), each
+    one mapping 2 MiB at a time (MADV_POPULATE_WRITE, as ferry's prefault threads do), each
     taking the next 2 MiB; bytes per second over the whole mapping."""
     code = (
         "import ctypes,mmap,threading,time\n"
         f"size={megabytes}<<20;chunk=2<<20;threads={threads}\n"
-        "m=mmap.mmap(-1,size)\n"
+        # Private, 4 KiB pages: as a destination's guest memory.
+        "m=mmap.mmap(-1,size,flags=mmap.MAP_PRIVATE);m.madvise(mmap.MADV_NOHUGEPAGE)\n"
         "base=ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
         "libc=ctypes.CDLL(None,use_errno=True)\n"
         "libc.madvise.argtypes=[ctypes.c_void_p,ctypes.c_size_t,ctypes.c_int]\n"

@@ -296,8 +296,9 @@ pub struct CheckpointStats {
 }
 
 /// This side's CPU time for one kind of work its threads did: `send` (a connection's
-/// sender), `pack` (a compressing thread), `receive` (a connection's receiver), `prefault`
-/// (faulting the destination's memory in ahead of the pages).
+/// sender: a thread of its own each round, so `threads` counts a lane once per round),
+/// `pack` (a compressing thread), `receive` (a connection's receiver), `prefault` (faulting
+/// the destination's memory in ahead of the pages).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkCpu {
     pub work: String,
@@ -381,7 +382,8 @@ pub struct MigrationStatus {
     pub stale_pages_dropped_before_pause: Option<u64>,
     /// Auto-converge: the largest share of time the guest's vCPUs were made to sleep.
     pub throttle_percent_max: u8,
-    /// This side's CPU time, by the work its threads did (once the migration completed).
+    /// This side's CPU time, by the work its threads did (once the migration ended, completed
+    /// or failed; a resumed post-copy's own run reports none).
     #[serde(default)]
     pub cpu: Vec<WorkCpu>,
     pub pages_pushed: u64,

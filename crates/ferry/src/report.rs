@@ -230,7 +230,7 @@ mod tests {
             role: "source".into(),
             ..Default::default()
         };
-        assert!(!render(&s).contains("CPU"), "no line without figures");
+        assert!(!render(&s).contains("CPU ("), "no line without figures");
         s.cpu = vec![
             api::WorkCpu {
                 work: "send".into(),

@@ -1,10 +1,11 @@
 //! Where a migration's CPU time goes, by the work its threads do. Each worker thread (a
-//! connection's sender or receiver, a compressing thread, the prefault thread) is tracked
+//! connection's sender or receiver, a compressing thread, a prefault thread) is tracked
 //! from its start to its end: the CPU it used, by its own clock, and how long it lived. A
 //! thread on a core nearly all its life is what the migration waits for; one mostly idle
 //! waits on something else (the link, its peer, another thread). Built in, because the hosts
 //! where it matters most (many cores, large guests) often have no profiler.
 
+use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -39,6 +40,9 @@ impl Work {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct WorkCpu {
     pub work: String,
+    /// Threads that did it: a connection's sender runs on a thread of its own each round (a
+    /// pre-copy of 10 rounds over 8 connections counts 1 + 7 × 10), the others for the
+    /// whole migration.
     pub threads: u32,
     /// CPU seconds, all its threads together.
     pub cpu_s: f64,
@@ -82,10 +86,12 @@ struct Running {
     started: Instant,
 }
 
-/// Tracks the calling thread until dropped (on that thread).
+/// Tracks the calling thread until dropped, on that thread: it is not `Send`, since its drop
+/// reads the calling thread's clock as the tracked thread's.
 pub struct Tracked {
     meter: CpuMeter,
     id: u64,
+    not_send: PhantomData<*const ()>,
 }
 
 impl CpuMeter {
@@ -118,6 +124,7 @@ impl CpuMeter {
         Some(Tracked {
             meter: self.clone(),
             id,
+            not_send: PhantomData,
         })
     }
 

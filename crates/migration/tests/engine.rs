@@ -450,8 +450,17 @@ fn precopy_over(
         "{:?}",
         s.report.cpu
     );
-    let packers = used(&s, "pack").map(|t| t.0);
-    let packing = threads.filter(|&t| t > connections && compression != Compression::None);
+    // A connection given one thread compresses on its sender; more, on packers of its own.
+    let asked = MigrationParams {
+        connections,
+        migration_threads: threads,
+        ..Default::default()
+    };
+    let packing: u32 = (0..connections)
+        .map(|lane| asked.packers_of(lane) as u32)
+        .filter(|&n| n > 1 && compression != Compression::None)
+        .sum();
+    let packers = used(&s, "pack").map_or(0, |t| t.0);
     assert_eq!(packers, packing, "{:?}", s.report.cpu);
     let receivers = used(&run.dest_status, "receive").map(|t| t.0);
     assert_eq!(

@@ -81,6 +81,7 @@ impl Receiver<'_> {
                 );
             }
             stream.close_after_last_word(LAST_WORD_WAIT);
+            self.status.report.cpu = self.cpu.uses();
             self.status.phase = Phase::Failed;
             self.status.error = Some(e.to_string());
             self.publish();

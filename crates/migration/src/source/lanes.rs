@@ -224,7 +224,6 @@ impl Session<'_> {
     }
 }
 
-/// Each connection's share of the delta cache, in pages.
 /// Connection `lane`'s page sender and its rate limiter, as `params` ask (each connection
 /// takes its share of the bandwidth limit, the delta cache and the compressing threads);
 /// `auto` times the link by `stream`'s send queue, and its packers count their CPU in `cpu`.
@@ -249,6 +248,7 @@ pub(super) fn page_sender(
     (pages, limiter)
 }
 
+/// Each connection's share of the delta cache, in pages.
 fn delta_cache_pages(params: &MigrationParams) -> usize {
     let pages = params.delta_cache_mb * (1 << 20) / crate::PAGE_SIZE as u64;
     (pages / u64::from(params.connections.max(1))) as usize

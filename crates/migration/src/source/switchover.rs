@@ -119,14 +119,12 @@ impl Session<'_> {
         self.status.report.downtime_ms = Some(ms(paused_at.elapsed()));
         self.status.report.destination_downtime_ms = Some(state_to_resume_ns as f64 / 1e6);
         let resumed_at = Instant::now();
-        if !postcopy {
-            self.note_cpu();
-        }
         if postcopy {
             self.status.phase = Phase::Postcopy;
             self.publish();
             self.post_copy(pending)?;
         } else {
+            self.note_cpu();
             self.await_guest_report();
         }
         self.complete(Some(resumed_at));

@@ -194,7 +194,7 @@ impl PageSender {
     }
 
     /// Lets `auto` weigh each codec's speed per core by the `cores` that compress this
-    /// sender's frames (see `Params::compress_cores_of`).
+    /// sender's frames (see `MigrationParams::compress_cores_of`).
     pub fn with_compress_cores(mut self, cores: f64) -> Self {
         self.chooser = std::mem::take(&mut self.chooser).on_cores(cores);
         self
