@@ -391,12 +391,12 @@ def run(args):
                         try:
                             results.setdefault("links_parallel", {})[link_name] = {
                                 n: {kind: max(link.parallel_goodput_bytes_per_s(
-                                    mb, n, kind == "fresh") for _ in range(2))
+                                    mb, n, kind == "fresh") for _ in range(3))
                                     for kind in ("reused", "fresh")}
                                 for n in (1, 8, 16)}
                             if "fault_in" not in results:
                                 results["fault_in"] = {
-                                    n: max(fault_in_bytes_per_s(mb, n) for _ in range(2))
+                                    n: max(fault_in_bytes_per_s(mb, n) for _ in range(3))
                                     for n in (1, 2, 4, 8, 16)}
                         except (BenchError, subprocess.SubprocessError, ValueError) as e:
                             results["ceilings_error"] = str(e)
