@@ -234,17 +234,8 @@ pub struct CodecMeasures(Arc<Mutex<Measures>>);
 struct Measures {
     /// Per codec: input bytes per second while compressing, on one core (`average`).
     speed: [Option<f64>; 3],
-    /// Per codec: packed ÷ raw on data that shrinks (`average`).
+    /// Per codec: packed ÷ raw (`average`).
     ratio: [Option<f64>; 3],
-    /// Per codec: how many measures `ratio` holds.
-    ratio_measured: [u32; 3],
-    /// Of the codecs' measures, the share on data no codec shrinks (`average`), and how many
-    /// it holds: whether a batch shrinks at all belongs to the data, not to the codec that
-    /// met it. (Counted against that codec, a first zstd try on random pages kept zstd's
-    /// ratio at 0.6–0.75 while it shrank the rest to 0.49, and lz4 (0.63) stayed the pick
-    /// for 49 frames of a 1 Gbit move, which then took 1.4× as long.)
-    incompressible: Option<f64>,
-    incompressible_measured: u32,
     /// Per codec: how many batches or samples its averages hold.
     measured: [u32; 3],
     /// Whether each codec has been picked yet, and the batch it was last picked for.
@@ -264,16 +255,6 @@ impl Measures {
             .into_iter()
             .filter(|c| self.measured[c.index()] < WARM_MEASURES)
             .min_by_key(|c| (self.measured[c.index()], self.last_used[c.index()]))
-    }
-
-    /// Packed ÷ raw expected of `c` on the data as a whole: what does not shrink goes as it
-    /// is, the rest at `c`'s ratio on data that shrinks (1 until it has met some).
-    fn expected_ratio(&self, c: Codec) -> f64 {
-        if c == Codec::None {
-            return 1.0;
-        }
-        let none = self.incompressible.unwrap_or(0.0);
-        none + (1.0 - none) * self.ratio[c.index()].unwrap_or(1.0)
     }
 }
 
@@ -311,8 +292,6 @@ pub const SAMPLE_SHARE: usize = 16;
 /// which there made lz4 look as soon as zstd while it moved over a quarter more bytes and
 /// took longer.
 const NEAR_EQUAL: f64 = 0.15;
-/// A batch a codec packed to at least this share of its size did not shrink: it goes plain.
-const SHRINKS: f64 = 0.99;
 /// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
 
@@ -395,15 +374,14 @@ impl Chooser {
         }
         if self.last_best.replace(best) != Some(best) {
             tracing::debug!(
-                "auto: now {} (link {:.0} MB/s; MB/s per core and ratio where it shrinks: lz4 \
-                 {:?} {:?}, zstd {:?} {:?}; share that does not shrink {:?})",
+                "auto: now {} (link {:.0} MB/s; MB/s per core and ratio: lz4 {:?} {:?}, \
+                 zstd {:?} {:?})",
                 best.name(),
                 self.link.unwrap_or(f64::INFINITY) / 1e6,
                 m.speed[1].map(|s| (s / 1e6).round()),
                 m.ratio[1],
                 m.speed[2].map(|s| (s / 1e6).round()),
                 m.ratio[2],
-                m.incompressible,
             );
         }
         pick
@@ -418,7 +396,7 @@ impl Chooser {
     /// Expected time per raw byte with `c`.
     fn cost(&self, m: &Measures, c: Codec) -> f64 {
         let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
-        let ratio = m.expected_ratio(c);
+        let ratio = m.ratio[c.index()].unwrap_or(1.0);
         let compress = match (c, m.speed[c.index()]) {
             (Codec::None, _) => 0.0,
             (_, Some(s)) if s > 0.0 => {
@@ -449,7 +427,7 @@ impl Chooser {
             .map(cost)
             .fold(f64::INFINITY, f64::min);
         // Among picks as good as the soonest, the one that puts the fewest bytes on the wire.
-        let ratio = |c: Codec| m.expected_ratio(c);
+        let ratio = |c: Codec| m.ratio[c.index()].unwrap_or(1.0);
         Codec::ALL
             .into_iter()
             .filter(|&c| cost(c) <= soonest * (1.0 + NEAR_EQUAL))
@@ -486,21 +464,10 @@ impl Chooser {
         let mut m = self.measures.lock();
         m.measured[i] = m.measured[i].saturating_add(1);
         let n = m.measured[i];
-        let ratio = packed as f64 / raw as f64;
-        if codec == Codec::None {
-            m.ratio[i] = Some(1.0);
-            return;
-        }
-        let t = took.as_secs_f64().max(1e-7);
-        m.speed[i] = average(m.speed[i], raw as f64 / t, n);
-        let shrank = ratio < SHRINKS;
-        m.incompressible_measured = m.incompressible_measured.saturating_add(1);
-        let k = m.incompressible_measured;
-        m.incompressible = average(m.incompressible, if shrank { 0.0 } else { 1.0 }, k);
-        if shrank {
-            m.ratio_measured[i] = m.ratio_measured[i].saturating_add(1);
-            let k = m.ratio_measured[i];
-            m.ratio[i] = average(m.ratio[i], ratio, k);
+        m.ratio[i] = average(m.ratio[i], packed as f64 / raw as f64, n);
+        if codec != Codec::None {
+            let t = took.as_secs_f64().max(1e-7);
+            m.speed[i] = average(m.speed[i], raw as f64 / t, n);
         }
     }
 
@@ -681,31 +648,6 @@ mod tests {
         assert_eq!(trained(1000.0, text).best(), Codec::None);
         assert_eq!(trained(1000.0, text).on_cores(4.0).best(), Codec::Lz4);
         assert_eq!(trained(1000.0, text).on_cores(8.0).best(), Codec::Zstd);
-    }
-
-    /// Whether a batch shrinks at all is the data's: zstd's first try landing on pages that
-    /// do not shrink (and lz4's on pages that do) does not make zstd's ratio worse than
-    /// lz4's; one measure of zstd on data that shrinks settles it.
-    #[test]
-    fn a_batch_that_does_not_shrink_counts_against_no_codec() {
-        let mut c = Chooser::default();
-        c.learn_link(60e6);
-        c.learn(cost(Codec::Lz4, 0.62, 300.0, 60.0));
-        c.learn(cost(Codec::Zstd, 1.0, 150.0, 60.0));
-        assert_eq!(c.best(), Codec::Lz4, "zstd has not shrunk anything yet");
-        c.learn(cost(Codec::Zstd, 0.5, 150.0, 60.0));
-        // A third of the data does not shrink: per MB on 60 MB/s, zstd (1/3 + 2/3 · 0.5)
-        // paces at max(6.7, 11.1) ms, lz4 (1/3 + 2/3 · 0.62) at max(3.3, 12.4), plain at
-        // 16.7. Averaged with its first try, zstd's ratio would be 0.75, and lz4 the pick.
-        assert_eq!(c.best(), Codec::Zstd);
-        // Where nothing shrinks, nothing beats plain.
-        let mut random = Chooser::default();
-        random.learn_link(60e6);
-        for _ in 0..WARM_MEASURES {
-            random.learn(cost(Codec::Lz4, 1.0, 300.0, 60.0));
-            random.learn(cost(Codec::Zstd, 1.0, 150.0, 60.0));
-        }
-        assert_eq!(random.best(), Codec::None);
     }
 
     /// Picks the estimates cannot tell apart go to the one that moves fewer bytes.
