@@ -50,11 +50,14 @@ faults: build
 # What the scale profile needs on a many-core host without a compiler: the (stripped) binary,
 # the guest image and the commit they came from. There, from a checkout of the same commit:
 #   FERRY_BIN=scale-kit/ferry FERRY_GUEST=scale-kit/guest.elf python3 bench/run.py --profile scale
+# BEFORE=<commit> also builds that commit's binary into scale-kit/before/, for
+# bench/scale-groups.sh to run the connection rows with it too (an A/B on one lease).
 scale-kit: build
 	@mkdir -p scale-kit
 	strip -o scale-kit/ferry $(FERRY)
 	cp $(GUEST) scale-kit/guest.elf
 	@echo "$$(git rev-parse HEAD) $$(git diff --quiet HEAD -- && echo clean || echo changed)" > scale-kit/COMMIT
+	@if [ -n "$(BEFORE)" ]; then scripts/build-before.sh "$(BEFORE)" scale-kit/before; fi
 
 clean:
 	$(CARGO) clean

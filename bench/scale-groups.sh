@@ -3,6 +3,8 @@
 # groups, most telling first, each group a run of bench/run.py under what is left of a deadline,
 # and everything packed into one archive at the end (a lent host may hand back few files).
 #   OUT=dir LIMIT=seconds [GROUPS_ONLY="conn-1-8 live"] bench/scale-groups.sh
+# With scale-kit/before/ferry (`make scale-kit BEFORE=<commit>`) the group conn-1-8-before
+# runs the same rows with that build.
 # MEM, WS, CWS and VCPUS shrink the rows as --scale-memory/-ws/-codec-ws/-vcpus do.
 set -u
 cd "$(dirname "$0")/.."
@@ -33,6 +35,10 @@ group() {
     grep -h " run [0-9]*/" "$OUT/$name.log" >> "$OUT/progress"
 }
 group conn-1-8 --only "^scale warm $WS / $MEM (1|8) conn\$"
+# The same rows with an earlier build, where the kit holds one (`make scale-kit BEFORE=<commit>`).
+if [ -x scale-kit/before/ferry ]; then
+    FERRY_BIN=scale-kit/before/ferry group conn-1-8-before --only "^scale warm $WS / $MEM (1|8) conn\$"
+fi
 group codec-8 --only "^scale warm mixed $CWS / $MEM 8 conn (none|zstd|auto)\$"
 group live --only "^scale pre-copy $WS / $MEM (1|8) conn\$"
 group conn-2-4-16 --only "^scale warm $WS / $MEM (2|4|16) conn\$"
