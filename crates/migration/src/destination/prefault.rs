@@ -40,18 +40,17 @@ pub fn threads_for(connections: u32, host_cores: usize) -> usize {
 }
 
 pub struct Prefaulter {
-    stop: Arc<AtomicBool>,
-    done: Arc<AtomicU64>,
+    shared: Arc<Shared>,
     threads: Vec<JoinHandle<()>>,
 }
 
-/// What the threads share: the pages, and the next chunk to take.
+/// What the threads share: the pages, the next chunk to take, a stop, and the pages done.
 struct Shared {
     ram: GuestRam,
     pages: Bitmap,
     next_chunk: AtomicU64,
-    stop: Arc<AtomicBool>,
-    done: Arc<AtomicU64>,
+    stop: AtomicBool,
+    done: AtomicU64,
 }
 
 impl Prefaulter {
@@ -62,18 +61,15 @@ impl Prefaulter {
         threads: usize,
         cpu: &CpuMeter,
     ) -> std::io::Result<Self> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let done = Arc::new(AtomicU64::new(0));
         let shared = Arc::new(Shared {
             ram,
             pages,
             next_chunk: AtomicU64::new(0),
-            stop: stop.clone(),
-            done: done.clone(),
+            stop: AtomicBool::new(false),
+            done: AtomicU64::new(0),
         });
         let mut me = Self {
-            stop,
-            done,
+            shared: shared.clone(),
             threads: Vec::new(),
         };
         for i in 0..threads.max(1) {
@@ -92,7 +88,7 @@ impl Prefaulter {
 
     /// Stops and waits for the threads; returns the pages they faulted in.
     pub fn finish(&mut self) -> u64 {
-        self.stop.store(true, Ordering::Release);
+        self.shared.stop.store(true, Ordering::Release);
         self.wait()
     }
 
@@ -101,7 +97,7 @@ impl Prefaulter {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-        self.done.load(Ordering::Acquire)
+        self.shared.done.load(Ordering::Acquire)
     }
 }
 
