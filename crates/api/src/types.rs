@@ -296,9 +296,10 @@ pub struct CheckpointStats {
 }
 
 /// This side's CPU time for one kind of work its threads did: `send` (a connection's
-/// sender: a thread of its own each round, so `threads` counts a lane once per round),
-/// `pack` (a compressing thread), `receive` (a connection's receiver), `prefault` (faulting
-/// the destination's memory in ahead of the pages).
+/// sender), `pack` (a compressing thread), `receive` (a connection's receiver), `prefault`
+/// (faulting the destination's memory in ahead of the pages). A connection's sender runs on
+/// a thread of its own each round: its rounds count as one thread, their CPU and lives added
+/// up.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct WorkCpu {
     pub work: String,

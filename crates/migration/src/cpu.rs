@@ -5,6 +5,7 @@
 //! waits on something else (the link, its peer, another thread). Built in, because the hosts
 //! where it matters most (many cores, large guests) often have no profiler.
 
+use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -36,13 +37,21 @@ impl Work {
     }
 }
 
+/// Whom a tracked thread works for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Worker {
+    /// A connection: its sender runs on a thread of its own each round, and the rounds add
+    /// up as one worker.
+    Lane(u32),
+    /// Itself alone.
+    Own,
+}
+
 /// What the threads that did one kind of work used.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct WorkCpu {
     pub work: String,
-    /// Threads that did it: a connection's sender runs on a thread of its own each round (a
-    /// pre-copy of 10 rounds over 8 connections counts 1 + 7 × 10), the others for the
-    /// whole migration.
+    /// Workers that did it: threads, except that a connection's rounds count as one.
     pub threads: u32,
     /// CPU seconds, all its threads together.
     pub cpu_s: f64,
@@ -52,17 +61,26 @@ pub struct WorkCpu {
     pub busiest: f64,
 }
 
-impl WorkCpu {
+/// A worker's CPU and life so far (its threads' added up).
+#[derive(Clone, Copy, Debug, Default)]
+struct Spent {
+    cpu: Duration,
+    wall: Duration,
+}
+
+impl Spent {
     fn add(&mut self, cpu: Duration, wall: Duration) {
-        let (cpu, wall) = (cpu.as_secs_f64(), wall.as_secs_f64());
-        self.threads += 1;
-        self.cpu_s += cpu;
-        self.wall_s += wall;
-        if wall > 0.0 {
-            self.busiest = self.busiest.max(cpu / wall);
-        }
+        self.cpu += cpu;
+        self.wall += wall;
     }
 }
+
+/// A worker: its work (by `Work::ALL`'s order) and who it is (a lane, or a thread's own
+/// number above every lane's).
+type WorkerKey = (usize, u64);
+
+/// Numbers for `Worker::Own` start here, above every lane.
+const OWN_WORKERS: u64 = 1 << 32;
 
 /// The CPU used by one migration's tracked threads. Clones share it.
 #[derive(Clone, Debug, Default)]
@@ -70,8 +88,8 @@ pub struct CpuMeter(Arc<Mutex<Tally>>);
 
 #[derive(Debug, Default)]
 struct Tally {
-    /// Threads that ended, by `Work::ALL`'s order.
-    ended: [WorkCpu; 4],
+    /// What the threads that ended spent, by worker.
+    ended: BTreeMap<WorkerKey, Spent>,
     /// Threads still running: read on their own clocks when asked.
     running: Vec<Running>,
     next_id: u64,
@@ -80,7 +98,7 @@ struct Tally {
 #[derive(Debug)]
 struct Running {
     id: u64,
-    work: Work,
+    worker: WorkerKey,
     clock: libc::clockid_t,
     cpu_at_start: Duration,
     started: Instant,
@@ -100,9 +118,9 @@ impl CpuMeter {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Tracks the calling thread, doing `work`, until the returned guard is dropped; a thread
-    /// whose CPU clock cannot be read is not tracked.
-    pub fn track(&self, work: Work) -> Option<Tracked> {
+    /// Tracks the calling thread, doing `work` for `worker`, until the returned guard is
+    /// dropped; a thread whose CPU clock cannot be read is not tracked.
+    pub fn track(&self, work: Work, worker: Worker) -> Option<Tracked> {
         let mut clock: libc::clockid_t = 0;
         // SAFETY: asks for the calling thread's CPU clock; writes one clockid.
         if unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clock) } != 0 {
@@ -114,9 +132,13 @@ impl CpuMeter {
         let mut t = self.lock();
         t.next_id += 1;
         let id = t.next_id;
+        let who = match worker {
+            Worker::Lane(lane) => u64::from(lane),
+            Worker::Own => OWN_WORKERS + id,
+        };
         t.running.push(Running {
             id,
-            work,
+            worker: (index(work), who),
             clock,
             cpu_at_start,
             started,
@@ -132,23 +154,36 @@ impl CpuMeter {
     /// kinds no thread did left out.
     pub fn uses(&self) -> Vec<WorkCpu> {
         let t = self.lock();
-        let mut uses = t.ended.clone();
+        let mut spent = t.ended.clone();
         // A running thread cannot end (its guard's drop waits for the lock held here), so its
         // clock is still its own.
         for r in &t.running {
             if let Some(cpu) = read_clock(r.clock) {
-                uses[index(r.work)].add(cpu.saturating_sub(r.cpu_at_start), r.started.elapsed());
+                spent
+                    .entry(r.worker)
+                    .or_default()
+                    .add(cpu.saturating_sub(r.cpu_at_start), r.started.elapsed());
             }
         }
-        Work::ALL
-            .into_iter()
-            .zip(uses)
-            .filter(|(_, u)| u.threads > 0)
-            .map(|(w, u)| WorkCpu {
+        let mut uses: Vec<WorkCpu> = Work::ALL
+            .iter()
+            .map(|w| WorkCpu {
                 work: w.name().into(),
-                ..u
+                ..WorkCpu::default()
             })
-            .collect()
+            .collect();
+        for (&(work, _), s) in &spent {
+            let (cpu, wall) = (s.cpu.as_secs_f64(), s.wall.as_secs_f64());
+            let u = &mut uses[work];
+            u.threads += 1;
+            u.cpu_s += cpu;
+            u.wall_s += wall;
+            if wall > 0.0 {
+                u.busiest = u.busiest.max(cpu / wall);
+            }
+        }
+        uses.retain(|u| u.threads > 0);
+        uses
     }
 }
 
@@ -160,7 +195,10 @@ impl Drop for Tracked {
         };
         let r = t.running.swap_remove(at);
         if let Some(cpu) = read_clock(r.clock) {
-            t.ended[index(r.work)].add(cpu.saturating_sub(r.cpu_at_start), r.started.elapsed());
+            t.ended
+                .entry(r.worker)
+                .or_default()
+                .add(cpu.saturating_sub(r.cpu_at_start), r.started.elapsed());
         }
     }
 }
@@ -205,13 +243,13 @@ mod tests {
         let (tracked_tx, tracked) = std::sync::mpsc::channel::<()>();
         let (end, end_rx) = std::sync::mpsc::channel::<()>();
         let idle = std::thread::spawn(move || {
-            let _t = m2.track(Work::Prefault).unwrap();
+            let _t = m2.track(Work::Prefault, Worker::Own).unwrap();
             tracked_tx.send(()).unwrap();
             let _ = end_rx.recv();
         });
         tracked.recv().unwrap();
         let busy = std::thread::spawn(move || {
-            let _t = m1.track(Work::Receive).unwrap();
+            let _t = m1.track(Work::Receive, Worker::Own).unwrap();
             spin(Duration::from_millis(30));
         });
         busy.join().unwrap();
@@ -237,20 +275,35 @@ mod tests {
     }
 
     #[test]
-    fn threads_of_one_work_add_up() {
+    fn threads_of_one_work_add_up_and_a_lanes_rounds_count_once() {
         let meter = CpuMeter::default();
+        // Two rounds of two lanes, each round on threads of their own, beside a thread of its
+        // own doing the same work.
+        for _ in 0..2 {
+            std::thread::scope(|s| {
+                for lane in 1..=2 {
+                    let meter = &meter;
+                    s.spawn(move || {
+                        let _t = meter.track(Work::Send, Worker::Lane(lane)).unwrap();
+                        spin(Duration::from_millis(20));
+                    });
+                }
+            });
+        }
         std::thread::scope(|s| {
-            for _ in 0..3 {
-                s.spawn(|| {
-                    let _t = meter.track(Work::Send).unwrap();
-                    spin(Duration::from_millis(20));
-                });
-            }
+            s.spawn(|| {
+                let _t = meter.track(Work::Send, Worker::Own).unwrap();
+                spin(Duration::from_millis(20));
+            });
         });
         let uses = meter.uses();
         assert_eq!(uses.len(), 1);
-        assert_eq!((uses[0].work.as_str(), uses[0].threads), ("send", 3));
-        assert!(uses[0].cpu_s >= 0.06, "{uses:?}");
+        assert_eq!(
+            (uses[0].work.as_str(), uses[0].threads),
+            ("send", 3),
+            "{uses:?}"
+        );
+        assert!(uses[0].cpu_s >= 0.1, "five spans of 20 ms: {uses:?}");
         assert!(uses[0].busiest > 0.0 && uses[0].busiest <= 1.01, "{uses:?}");
     }
 }

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::cpu::{CpuMeter, Work};
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::wire::pages::{MAX_CONNECTIONS, PageReceiver};
@@ -201,7 +201,7 @@ impl LaneReceivers {
         let thread = std::thread::Builder::new()
             .name(format!("lane-{lane}"))
             .spawn(move || {
-                let _tracked = cpu.track(Work::Receive);
+                let _tracked = cpu.track(Work::Receive, Worker::Lane(lane));
                 match receive_lane(stream, &ram, pages, lane, &progress, &stop) {
                     Ok(pages) => Some(pages),
                     Err(e) => {

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crate::PAGE_SIZE;
-use crate::cpu::{CpuMeter, Work};
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::memory::GuestRam;
 use crate::wire::bitmap::Bitmap;
 
@@ -78,7 +78,7 @@ impl Prefaulter {
             let t = std::thread::Builder::new()
                 .name(format!("prefault-{i}"))
                 .spawn(move || {
-                    let _tracked = cpu.track(Work::Prefault);
+                    let _tracked = cpu.track(Work::Prefault, Worker::Own);
                     shared.fault_in();
                 })?;
             me.threads.push(t);

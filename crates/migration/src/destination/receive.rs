@@ -9,7 +9,7 @@ use super::lanes;
 use super::machine::{DestinationState, Incoming};
 use super::postcopy::{self, Postcopy};
 use super::prefault::{self, Prefaulter};
-use crate::cpu::{CpuMeter, Work};
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::scan::memory_checksum;
 use crate::status::{CheckpointStats, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
@@ -66,7 +66,7 @@ impl Receiver<'_> {
         on_resumed: impl FnOnce(&Arc<V>),
     ) -> Result<Arrived<V>> {
         let started = Instant::now();
-        let tracked = self.cpu.track(Work::Receive);
+        let tracked = self.cpu.track(Work::Receive, Worker::Lane(0));
         let result =
             hello.and_then(|h| self.conversation(&mut stream, h, build, on_resumed, started));
         drop(tracked);

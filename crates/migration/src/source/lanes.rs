@@ -8,7 +8,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::session::{DEFAULT_BATCH_PAGES, Session};
-use crate::cpu::{CpuMeter, Work};
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::params::MigrationParams;
@@ -132,9 +132,10 @@ impl Session<'_> {
                 .enumerate()
                 .map(|(i, lane)| {
                     let share = &share;
+                    let id = i as u32 + 1;
                     scope.spawn(move || {
-                        let _tracked = share.cpu.track(Work::Send);
-                        lane.send_share(i as u32 + 1, share)
+                        let _tracked = share.cpu.track(Work::Send, Worker::Lane(id));
+                        lane.send_share(id, share)
                     })
                 })
                 .collect();

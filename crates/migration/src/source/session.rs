@@ -14,7 +14,7 @@ use super::checkpoints::Checkpoints;
 use super::lanes::{self, Lane};
 use super::machine::{Event, SourceState};
 use super::recovery::Leftover;
-use crate::cpu::{CpuMeter, Work};
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::params::MigrationParams;
@@ -140,7 +140,7 @@ impl<'a> Session<'a> {
 
     /// The whole migration; `Ok` means the destination runs the VM.
     pub fn run(&mut self, mode: StreamMode) -> Result<()> {
-        let _tracked = self.cpu.track(Work::Send);
+        let _tracked = self.cpu.track(Work::Send, Worker::Lane(0));
         let start_ns = now_ns();
         self.status.report.guest_pages_per_s_before = self
             .vm

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::cpu::{CpuMeter, Work};
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::wire::codec::{Codec, Contexts};
 use crate::wire::frame::PageEncoding;
@@ -165,7 +165,7 @@ impl Packers {
             let t = std::thread::Builder::new()
                 .name(format!("ferry-pack-{i}"))
                 .spawn(move || {
-                    let _tracked = cpu.track(Work::Pack);
+                    let _tracked = cpu.track(Work::Pack, Worker::Own);
                     let mut ctx = Contexts::default();
                     loop {
                         // One packer waits on the queue while the others wait for the lock.
