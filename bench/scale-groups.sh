@@ -14,7 +14,10 @@ mkdir -p "$OUT"
 export FERRY_BIN=${FERRY_BIN:-scale-kit/ferry} FERRY_GUEST=${FERRY_GUEST:-scale-kit/guest.elf}
 { date -u; uname -a; nproc; free -g; cat /sys/kernel/mm/transparent_hugepage/enabled \
     /sys/kernel/mm/transparent_hugepage/defrag; grep -m1 "model name" /proc/cpuinfo
-  ls /sys/module | grep -i kvm; ulimit -a; python3 --version; } > "$OUT/host.txt" 2>&1
+  ls /sys/module | grep -i kvm; ulimit -a; python3 --version
+  # A VM whose balloon reports free pages (feature bit 5) hands freed memory back to its host.
+  for d in /sys/bus/virtio/devices/*; do echo "$d $(basename "$(readlink -f "$d/driver")") $(cat "$d/features")"; done
+} > "$OUT/host.txt" 2>&1
 end=$((SECONDS + LIMIT))
 ceilings=
 group() {
