@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from .util import BenchError
+from .util import FRESH_MEMORY, BenchError
 
 ADDR_SRC = "169.254.77.1"
 ADDR_DST = "169.254.77.2"
@@ -167,12 +167,8 @@ class Link:
         the seconds the client printed."""
         # The server takes any free port and says which: a fixed one would collide with
         # another measurement running at the same time (the test suite runs two at once).
-        # `fresh(n)`: memory the receiver has never touched, as a destination's guest memory:
-        # private, 4 KiB pages (python's default mapping is shared memory).
         argv = ["python3", "-c", (
-            "import mmap,socket,threading\n"
-            "def fresh(n):\n"
-            " m=mmap.mmap(-1,n,flags=mmap.MAP_PRIVATE);m.madvise(mmap.MADV_NOHUGEPAGE);return m\n"
+            "import mmap,socket,threading\n" + FRESH_MEMORY +
             "s=socket.socket()\n"
             f"s.bind(('{self.dst_host}',0));s.listen(64);print(s.getsockname()[1],flush=True)\n"
             + server)]

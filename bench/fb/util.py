@@ -152,16 +152,20 @@ def summarize(values):
     return {"min": min(vals), "median": statistics.median(vals), "max": max(vals), "n": len(vals)}
 
 
+# Python defining `fresh(n)`: n bytes of memory never touched, as a destination's guest memory
+# (private, 4 KiB pages; python's default mapping is shared memory).
+FRESH_MEMORY = ("def fresh(n):\n"
+                " m=mmap.mmap(-1,n,flags=mmap.MAP_PRIVATE);m.madvise(mmap.MADV_NOHUGEPAGE);return m\n")
+
+
 def fault_in_bytes_per_s(megabytes, threads):
     """How fast this host faults in (allocates and clears) fresh memory of one process: what a
     destination does for every page it receives. `threads` threads in one process fault in
     one mapping 2 MiB at a time (MADV_POPULATE_WRITE, as ferry's prefault threads do), each
     taking the next 2 MiB; bytes per second over the whole mapping."""
     code = (
-        "import ctypes,mmap,threading,time\n"
-        f"size={megabytes}<<20;chunk=2<<20;threads={threads}\n"
-        # Private, 4 KiB pages: as a destination's guest memory.
-        "m=mmap.mmap(-1,size,flags=mmap.MAP_PRIVATE);m.madvise(mmap.MADV_NOHUGEPAGE)\n"
+        "import ctypes,mmap,threading,time\n" + FRESH_MEMORY +
+        f"size={megabytes}<<20;chunk=2<<20;threads={threads}\nm=fresh(size)\n"
         "base=ctypes.addressof(ctypes.c_char.from_buffer(m))\n"
         "libc=ctypes.CDLL(None,use_errno=True)\n"
         "libc.madvise.argtypes=[ctypes.c_void_p,ctypes.c_size_t,ctypes.c_int]\n"

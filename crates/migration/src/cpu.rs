@@ -25,6 +25,7 @@ pub enum Work {
 }
 
 impl Work {
+    /// In declaration order: `work as usize` is a work's place here.
     const ALL: [Work; 4] = [Work::Send, Work::Pack, Work::Receive, Work::Prefault];
 
     pub fn name(self) -> &'static str {
@@ -138,7 +139,7 @@ impl CpuMeter {
         };
         t.running.push(Running {
             id,
-            worker: (index(work), who),
+            worker: (work as usize, who),
             clock,
             cpu_at_start,
             started,
@@ -158,12 +159,7 @@ impl CpuMeter {
         // A running thread cannot end (its guard's drop waits for the lock held here), so its
         // clock is still its own.
         for r in &t.running {
-            if let Some(cpu) = read_clock(r.clock) {
-                spent
-                    .entry(r.worker)
-                    .or_default()
-                    .add(cpu.saturating_sub(r.cpu_at_start), r.started.elapsed());
-            }
+            r.add_to(&mut spent);
         }
         let mut uses: Vec<WorkCpu> = Work::ALL
             .iter()
@@ -194,20 +190,20 @@ impl Drop for Tracked {
             return;
         };
         let r = t.running.swap_remove(at);
-        if let Some(cpu) = read_clock(r.clock) {
-            t.ended
-                .entry(r.worker)
-                .or_default()
-                .add(cpu.saturating_sub(r.cpu_at_start), r.started.elapsed());
-        }
+        r.add_to(&mut t.ended);
     }
 }
 
-fn index(work: Work) -> usize {
-    Work::ALL
-        .iter()
-        .position(|&w| w == work)
-        .expect("every work is in ALL")
+impl Running {
+    /// Adds what this thread has spent so far to its worker's figures.
+    fn add_to(&self, spent: &mut BTreeMap<WorkerKey, Spent>) {
+        if let Some(cpu) = read_clock(self.clock) {
+            spent.entry(self.worker).or_default().add(
+                cpu.saturating_sub(self.cpu_at_start),
+                self.started.elapsed(),
+            );
+        }
+    }
 }
 
 fn read_clock(clock: libc::clockid_t) -> Option<Duration> {

@@ -214,10 +214,8 @@ impl<'a> Session<'a> {
 
     /// Settles the outcome: on failure before `Go`, the source is left as it was.
     pub fn finish(mut self, result: Result<()>) -> Result<()> {
-        if self.status.report.cpu.is_empty() {
-            // A migration that failed says where its CPU went too.
-            self.note_cpu();
-        }
+        // A migration that failed says where its CPU went too.
+        self.note_cpu();
         if self.throttle > 0 {
             // Whatever the outcome, the guest is not left slowed down.
             let _ = self.vm.set_throttle(0);

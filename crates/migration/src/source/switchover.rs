@@ -198,10 +198,12 @@ impl Session<'_> {
         }
     }
 
-    /// The CPU this migration's threads used, when its transfer ended (not a second later,
-    /// after the guest's report).
+    /// The CPU this migration's threads used, taken once, at the first call: when its
+    /// transfer ended (not a second later, after the guest's report), or when it failed.
     pub(super) fn note_cpu(&mut self) {
-        self.status.report.cpu = self.cpu.uses();
+        if self.status.report.cpu.is_empty() {
+            self.status.report.cpu = self.cpu.uses();
+        }
     }
 
     pub(super) fn note_guest_report(&mut self, observed_ns: Option<u64>, rate: Option<f64>) {
@@ -212,9 +214,7 @@ impl Session<'_> {
     /// The destination runs the VM: the final figures. Post-copy ends when the last page is in
     /// place; the others when the guest resumed.
     fn complete(&mut self, resumed_at: Option<Instant>) {
-        if self.status.report.cpu.is_empty() {
-            self.note_cpu();
-        }
+        self.note_cpu();
         self.state = SourceState::Done;
         let end = self.finished.or(resumed_at).unwrap_or_else(Instant::now);
         let total = end.duration_since(self.started);
