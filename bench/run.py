@@ -139,8 +139,8 @@ def scale(memory="64G", ws="16G", vcpus=8, codec_ws="512M"):
     the bytes); the codec rows use `fill=mixed` on a smaller `codec_ws`, since laying honest
     content down in an instruction emulator is slow: ~10 MB/s per vCPU on a 2-core host, under
     3.2 MB/s per vCPU with 8 vCPUs on a 16-core one (2 GiB was not laid down in 85 s there).
-    Warm rows (the guest paused: only the transfer counts) and live pre-copy rows (the writers
-    keep writing)."""
+    Warm rows (the guest paused: only the transfer counts), live pre-copy rows (the writers
+    keep writing), and a switch to post-copy and to hybrid at 8 connections."""
     # Populating: ~40 k pages/s per vCPU at worst; honest content: 2 MB/s per vCPU at worst.
     word_s = 60 + size_bytes(ws) // 4096 // (40000 * vcpus)
     mixed_s = 60 + size_bytes(codec_ws) // (2 << 20) // vcpus
@@ -161,6 +161,11 @@ def scale(memory="64G", ws="16G", vcpus=8, codec_ws="512M"):
              for n, t in ((1, 8), (8, 16)) for c in ("zstd", "auto")]
     rows += [scenario(f"scale pre-copy {ws} / {memory} {n} conn", memory, word, ready_s=word_s,
                       extra=["--connections", str(n)], **common) for n in (1, 8)]
+    # The pause of a switch to post-copy while the writers write: hybrid's must stay within 2×
+    # pure post-copy's, however large the set its round left dirty.
+    rows += [scenario(f"scale {mode} {ws} / {memory} 8 conn", memory, word, mode=mode,
+                      ready_s=word_s, extra=["--connections", "8"], **common)
+             for mode in ("postcopy", "hybrid")]
     return rows
 
 

@@ -44,6 +44,7 @@ if [ -x scale-kit/before/ferry ]; then
 fi
 group codec-8 --only "^scale warm mixed $CWS / $MEM 8 conn (none|zstd|auto)\$"
 group live --only "^scale pre-copy $WS / $MEM (1|8) conn\$"
+group switch --only "^scale (postcopy|hybrid) $WS / $MEM 8 conn\$"
 group conn-2-4-16 --only "^scale warm $WS / $MEM (2|4|16) conn\$"
 group codec-1 --only "^scale warm mixed $CWS / $MEM 1 conn (none|zstd|auto)\$"
 group threads --only "^scale warm mixed $CWS / $MEM .* threads\$"
