@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use migration::destination::Source;
+use migration::destination::{FaultIn, Source};
 use migration::wire::bitmap::Bitmap;
 use migration::wire::{Message, StreamMode};
 use migration::{
@@ -287,6 +287,17 @@ fn migrate_with(
     refuse: Option<&'static str>,
     during: fn(Arc<FakeVm>),
 ) -> Run {
+    migrate_to(src, params, refuse, during, FaultIn::Auto)
+}
+
+/// `migrate_with` to a destination whose round 0 meets fresh memory as `fault_in` says.
+fn migrate_to(
+    src: &Arc<FakeVm>,
+    params: MigrationParams,
+    refuse: Option<&'static str>,
+    during: fn(Arc<FakeVm>),
+    fault_in: FaultIn,
+) -> Run {
     let dir = tempfile::tempdir().unwrap();
     let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
         .parse()
@@ -295,7 +306,7 @@ fn migrate_with(
     let dest_board = StatusBoard::default();
     let board = dest_board.clone();
     let dest_thread = std::thread::spawn(move || {
-        let incoming = Incoming::new(board, None);
+        let incoming = Incoming::faulting_in(board, None, fault_in);
         incoming.receive(
             source,
             &|| false,
@@ -347,6 +358,50 @@ fn migrate(src: &Arc<FakeVm>, params: MigrationParams, refuse: Option<&'static s
 fn precopy_moves_memory_exactly_while_the_guest_writes() {
     for connections in [1, 2, 4] {
         precopy_over(connections, Compression::None, None, None);
+    }
+}
+
+/// Round 0's pages meet the destination's fresh memory faulted in ahead by threads of its own,
+/// or installed by the receivers with `UFFDIO_COPY` (each the default on some hosts): either
+/// way every page, and the last copy of each, arrives, over one connection and over three.
+#[test]
+fn round_0_lands_the_same_faulted_in_ahead_or_installed() {
+    for fault_in in [FaultIn::Ahead, FaultIn::Install] {
+        for connections in [1, 3] {
+            let src = FakeVm::new();
+            for i in (0..PAGES).step_by(3) {
+                src.write_page(ram_page(i), 0);
+            }
+            let stop = Arc::new(AtomicBool::new(false));
+            let guest = src.start_guest(LOW - 256, LOW + 256, stop.clone());
+            let params = MigrationParams {
+                max_downtime_ms: 1,
+                max_rounds: 6,
+                connections,
+                ..Default::default()
+            };
+            let run = migrate_to(&src, params, None, |_| {}, fault_in);
+            stop.store(true, Ordering::Release);
+            guest.join().unwrap();
+            run.result.expect("migration");
+            let dest = run.dest.expect("destination VM");
+            assert!(
+                src.memory() == dest.memory(),
+                "{fault_in:?}, {connections} connections: the source's memory at the switch"
+            );
+            assert!(
+                run.source_status.progress.pages.resent > 0,
+                "later rounds too"
+            );
+            // Faulting in ahead runs threads of its own; installing runs in the receivers.
+            let cpu = &run.dest_status.report.cpu;
+            let prefault = cpu.iter().any(|u| u.work == "prefault");
+            assert_eq!(
+                prefault,
+                fault_in == FaultIn::Ahead,
+                "{fault_in:?}: {cpu:?}"
+            );
+        }
     }
 }
 

@@ -90,7 +90,10 @@ pub(super) fn accept(
                         continue;
                     }
                     Some(_) => format!("connection {lane} of this migration has joined already"),
-                    None => format!("this migration has {lanes} connections, not {}", lane + 1),
+                    None => format!(
+                        "this migration has {lanes} connections, not {}",
+                        u64::from(lane) + 1
+                    ),
                 }
             }
             Ok(Message::Join { .. }) => "not a connection of the migration running here".into(),
@@ -219,14 +222,31 @@ impl LaneReceivers {
         Ok(())
     }
 
-    /// Waits (bounded) for every lane's `LaneEnd` and adds what each wrote to `main`.
+    /// Waits (at most `IO_TIMEOUT`) for every lane's `LaneEnd` and adds what each wrote to
+    /// `main`.
     pub fn finish(mut self, main: &mut PageReceiver) -> Result<()> {
         for s in &self.streams {
             s.set_timeouts(Some(IO_TIMEOUT))?;
         }
+        // A reader already waiting keeps the timeout it started with (none): the deadline is
+        // kept here too, and `Drop` wakes the readers left.
+        let deadline = Instant::now() + IO_TIMEOUT;
         // One at a time off the list: on a failure the readers not yet joined stay in it,
         // for `Drop` to stop and join.
         while !self.threads.is_empty() {
+            if !self.threads[0].is_finished() {
+                if let Some(e) = self.failure() {
+                    return Err(e);
+                }
+                if Instant::now() >= deadline {
+                    return Err(Error::Protocol(format!(
+                        "a connection did not end its pages within {IO_TIMEOUT:?} of the main \
+                         one's end"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
             match self.threads.remove(0).join() {
                 Ok(Some(lane)) => main.absorb(&lane),
                 Ok(None) => return Err(self.failure().unwrap_or_else(lane_failed)),

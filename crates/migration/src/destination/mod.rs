@@ -6,11 +6,14 @@
 //! `machine` is the conversation's rules.
 
 mod checkpoints;
+mod install;
 mod lanes;
 pub mod machine;
 pub mod postcopy;
 mod prefault;
 mod receive;
+
+pub use prefault::FaultIn;
 mod recovery;
 
 use std::path::Path;
@@ -96,14 +99,22 @@ pub struct Incoming {
     board: StatusBoard,
     tls: Option<Tls>,
     interrupted: Mutex<Option<Arc<postcopy::Postcopy>>>,
+    fault_in: FaultIn,
 }
 
 impl Incoming {
     pub fn new(board: StatusBoard, tls: Option<Tls>) -> Arc<Self> {
+        Self::faulting_in(board, tls, FaultIn::Auto)
+    }
+
+    /// An arrival whose round 0 meets fresh memory as `fault_in` says, not as the host's
+    /// cores suggest.
+    pub fn faulting_in(board: StatusBoard, tls: Option<Tls>, fault_in: FaultIn) -> Arc<Self> {
         Arc::new(Self {
             board,
             tls,
             interrupted: Mutex::new(None),
+            fault_in,
         })
     }
 
@@ -148,6 +159,7 @@ impl Incoming {
             expect,
             listener,
             cpu: Default::default(),
+            fault_in: self.fault_in,
         };
         match receiver.receive(stream, hello, build, on_resumed)? {
             Arrived::Complete(vm) => Ok(Some(vm)),

@@ -58,6 +58,13 @@ pub struct Postcopy {
     checkpointer: Mutex<Option<Checkpointer>>,
 }
 
+impl Drop for Postcopy {
+    /// A post-copy given up before the guest ran here (or ended) stops its fault handler.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+    }
+}
+
 /// What has been installed so far (it outlives an interrupted connection).
 struct Installed {
     pages: u64,
@@ -252,7 +259,10 @@ impl Postcopy {
                     } else {
                         let first = {
                             let mut log = faults.lock().unwrap_or_else(|e| e.into_inner());
-                            let first = !log.waiting.contains_key(&pfn);
+                            // Installed since the look above? `install` marks a page present
+                            // before it takes this lock, so a page never waits here unasked
+                            // for or asked for after it came.
+                            let first = !present.get(pfn) && !log.waiting.contains_key(&pfn);
                             if first {
                                 log.waiting.insert(pfn, Instant::now());
                                 log.network += 1;
@@ -260,7 +270,9 @@ impl Postcopy {
                             }
                             first
                         };
-                        if first {
+                        if present.get(pfn) {
+                            let _ = uffd.wake(page, PAGE_SIZE);
+                        } else if first {
                             let mut slot = requests.lock().unwrap_or_else(|e| e.into_inner());
                             if let Some(s) = slot.as_mut() {
                                 let _ = wire::write_message(s, &Message::PageRequest { gfn: pfn });

@@ -5,10 +5,11 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::install::{Installer, Installing};
 use super::lanes;
 use super::machine::{DestinationState, Incoming};
 use super::postcopy::{self, Postcopy};
-use super::prefault::{self, Prefaulter};
+use super::prefault::{self, FaultIn, Plan, Prefaulter};
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::scan::memory_checksum;
@@ -51,6 +52,8 @@ pub(crate) struct Receiver<'a> {
     pub listener: Option<Listener>,
     /// The CPU time of this receive's threads (see `crate::cpu`).
     pub cpu: CpuMeter,
+    /// How round 0's pages meet fresh memory (see `prefault::plan`).
+    pub fault_in: FaultIn,
 }
 
 impl Receiver<'_> {
@@ -186,6 +189,7 @@ impl Receiver<'_> {
         self.board.checkpoints(|c| *c = None);
         let mut round_started = Instant::now();
         let mut prefault: Option<Prefaulter> = None;
+        let mut installing: Option<Installing> = None;
         let source_checksum = loop {
             let frame = match wire::read_frame(stream) {
                 Ok(f) => f,
@@ -201,22 +205,39 @@ impl Receiver<'_> {
                 Frame::Message(m) => m,
             };
             state = state.next(Incoming::Message(&msg), pending.is_some())?;
-            // Round 0 is over (or the switch came): nothing may be faulted in once pages
-            // can be dropped or handed to userfaultfd.
-            if !matches!(msg, Message::Populated { .. } | Message::Sync { .. })
-                && let Some(mut p) = prefault.take()
-            {
-                tracing::debug!("faulted in {} pages ahead of their data", p.finish());
+            // Round 0 is over (or the switch came): nothing may be faulted in or installed
+            // once pages can be dropped or handed to post-copy's userfaultfd.
+            if !matches!(msg, Message::Populated { .. } | Message::Sync { .. }) {
+                if let Some(mut p) = prefault.take() {
+                    tracing::debug!("faulted in {} pages ahead of their data", p.finish());
+                }
+                if let Some(i) = installing.take() {
+                    let (installed, touched) = i.finish();
+                    tracing::debug!("installed {installed} pages; {touched} touched first");
+                }
             }
             match msg {
                 Message::Populated { pages: n, words } => {
                     let map = page_map(&ram, n, words)?;
-                    pages.present_ahead(map.clone())?;
                     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                    let threads = prefault::threads_for(connections, cores);
-                    prefault = Prefaulter::start(ram.clone(), map, threads, &self.cpu)
-                        .inspect_err(|e| tracing::warn!("no prefault threads: {e}"))
-                        .ok();
+                    let plan = prefault::plan(self.fault_in, connections, cores);
+                    installing = (plan == Plan::Install)
+                        .then(|| {
+                            Installer::start(ram.clone())
+                                .inspect_err(|e| tracing::warn!("{e}: faulting in ahead instead"))
+                                .ok()
+                        })
+                        .flatten();
+                    match &installing {
+                        Some(i) => pages.install_with(i.placer())?,
+                        None => {
+                            pages.present_ahead(map.clone())?;
+                            let threads = prefault::threads_for(connections, cores);
+                            prefault = Prefaulter::start(ram.clone(), map, threads, &self.cpu)
+                                .inspect_err(|e| tracing::warn!("no prefault threads: {e}"))
+                                .ok();
+                        }
+                    }
                 }
                 Message::RoundEnd { round, pages: n } => {
                     let p = &mut self.status.progress;
@@ -254,6 +275,17 @@ impl Receiver<'_> {
                         }
                     }
                     wire::write_message(stream, &Message::Synced)?;
+                }
+                // A file cannot serve pages on demand: a snapshot that asks for it is refused.
+                Message::PostcopyPending { .. }
+                | Message::Stale { .. }
+                | Message::Checkpoints { .. }
+                    if !live =>
+                {
+                    return Err(Error::Protocol(format!(
+                        "a snapshot stream carries {}, which only a live migration may",
+                        msg.name()
+                    )));
                 }
                 Message::Stale { pages: n, words } => {
                     // Every copy must have landed before it is dropped.
@@ -342,6 +374,24 @@ impl Receiver<'_> {
                  {source_checksum:#x?} there)"
             )));
         }
+        // Whatever can fail is done before `Go` can come: once the VM runs here, no error may
+        // make this host give it up (the source no longer runs it either).
+        let reply = if live {
+            Some(stream.try_clone()?)
+        } else {
+            None
+        };
+        let postcopy = match postcopy {
+            Some(p) => {
+                let p = Arc::new(p);
+                if let Some(r) = &reply {
+                    p.attach(r.try_clone()?);
+                }
+                p.spawn_fault_handler()?;
+                Some(p)
+            }
+            None => None,
+        };
         if live {
             wire::write_message(
                 stream,
@@ -352,9 +402,14 @@ impl Receiver<'_> {
             let go = wire::read_message(stream)?;
             state = state.next(Incoming::Message(&go), postcopy.is_some())?;
         }
-        // Checkpoints hold every page written here from the switch on.
-        if postcopy.is_some() && checkpoint_every.is_some() {
-            vm.start_dirty_log()?;
+        // Checkpoints hold every page written here from the switch on; without dirty logging
+        // the VM runs on without them.
+        if postcopy.is_some()
+            && checkpoint_every.is_some()
+            && let Err(e) = vm.start_dirty_log()
+        {
+            tracing::warn!("post-copy goes on without checkpoints: {e}");
+            checkpoint_every = None;
         }
         // A VM its user had paused on the source arrives paused.
         if descriptor.running {
@@ -375,22 +430,15 @@ impl Receiver<'_> {
         on_resumed(&vm);
         let Some(dest) = postcopy else {
             self.complete(started);
-            if live {
-                spawn_guest_report(
-                    vm.clone(),
-                    resumed_at_ns,
-                    Reply::Stream(stream.try_clone()?),
-                );
+            if let Some(r) = reply {
+                spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Stream(r));
             }
             return Ok(Arrived::Complete(vm));
         };
         debug_assert_eq!(state, DestinationState::Postcopy);
-        let dest = Arc::new(dest);
         self.status.postcopy = true;
         self.status.phase = Phase::Postcopy;
         self.publish();
-        dest.attach(stream.try_clone()?);
-        dest.spawn_fault_handler()?;
         if let Some(every_ms) = checkpoint_every {
             self.board.checkpoints(|c| {
                 *c = Some(CheckpointStats {

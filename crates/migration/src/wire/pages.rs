@@ -528,6 +528,26 @@ fn build_head(
     len
 }
 
+/// Where a receiver puts whole pages while round 0's land, a run of consecutive pages at a
+/// time, instead of reading them straight into guest memory (`destination::install`).
+pub trait PagePlacer: Send + Sync {
+    /// Whether pages go through `place` now.
+    fn installing(&self) -> bool;
+    /// Puts `data` (whole pages) at page `gfn` onward, all in one RAM region.
+    fn place(&self, gfn: u64, data: &[u8]) -> Result<()>;
+    /// Pages something else touched first while installing: present, as zeros or data.
+    fn touched(&self) -> Vec<u64>;
+}
+
+/// What every lane's receiver of one migration shares, set once by the main connection.
+#[derive(Default)]
+struct Shared {
+    /// Pages faulted in ahead of their data (zeros until it comes).
+    ahead: OnceLock<Bitmap>,
+    /// Where whole pages go while installing.
+    placer: OnceLock<Arc<dyn PagePlacer>>,
+}
+
 /// Reads page frames into guest memory.
 pub struct PageReceiver {
     descs: Vec<u8>,
@@ -537,9 +557,9 @@ pub struct PageReceiver {
     /// Pages this receiver has written: a delta may only follow a whole copy, and a zero
     /// marker for any other page needs no write.
     written: Bitmap,
-    /// Pages faulted in ahead of their data (zeros until it comes), shared by every lane of
-    /// the migration: set once, by the main connection, when the source names them.
-    ahead: Arc<OnceLock<Bitmap>>,
+    /// Pages faulted in ahead, or where pages go instead: shared by every lane of the
+    /// migration, set by the main connection when the source names round 0's pages.
+    shared: Arc<Shared>,
     /// This frame's zero pages that were faulted in ahead and never written: given back.
     discard: Vec<u64>,
     /// Pages whose last copy came unchecked and did not match its CRC: the guest changed it
@@ -562,7 +582,7 @@ impl PageReceiver {
             full: Vec::new(),
             zeros: Vec::new(),
             written: Bitmap::new(ram.gfn_end()),
-            ahead: Arc::default(),
+            shared: Arc::default(),
             discard: Vec::new(),
             suspect: Bitmap::new(ram.gfn_end()),
             digests: Vec::new(),
@@ -580,10 +600,10 @@ impl PageReceiver {
         self
     }
 
-    /// A receiver that learns which pages were faulted in ahead from `main` (another lane of
-    /// the same migration).
+    /// A receiver that learns which pages were faulted in ahead, or where pages go, from
+    /// `main` (another lane of the same migration).
     pub fn sharing_ahead_with(mut self, main: &PageReceiver) -> Self {
-        self.ahead = main.ahead.clone();
+        self.shared = main.shared.clone();
         self
     }
 
@@ -610,8 +630,18 @@ impl PageReceiver {
     /// that no data reached gives it back, so the destination holds no more than the source.
     /// Once per migration: the source names them before its first round.
     pub fn present_ahead(&mut self, pages: Bitmap) -> Result<()> {
-        self.ahead
+        self.shared
+            .ahead
             .set(pages)
+            .map_err(|_| Error::Protocol("the source named its populated pages twice".into()))
+    }
+
+    /// Whole pages go through `placer` while it is installing (every lane's). Once per
+    /// migration, instead of `present_ahead`.
+    pub fn install_with(&mut self, placer: Arc<dyn PagePlacer>) -> Result<()> {
+        self.shared
+            .placer
+            .set(placer)
             .map_err(|_| Error::Protocol("the source named its populated pages twice".into()))
     }
 
@@ -624,8 +654,17 @@ impl PageReceiver {
     /// must drop a pending one, or the guest would read it instead of asking the source.
     pub fn present(&self) -> Bitmap {
         let mut present = self.written.clone();
-        if let Some(ahead) = self.ahead.get() {
+        if let Some(ahead) = self.shared.ahead.get() {
             present.merge(ahead);
+        }
+        for gfn in self
+            .shared
+            .placer
+            .get()
+            .map(|p| p.touched())
+            .unwrap_or_default()
+        {
+            present.set(gfn);
         }
         present
     }
@@ -664,7 +703,9 @@ impl PageReceiver {
                 _ => self.full.push((pfn, enc)),
             }
         }
-        if shape.codec == Codec::None && shape.deltas == 0 {
+        let placer = self.shared.placer.get().filter(|p| p.installing());
+        let unchecked = header[1] & PAGE_DATA_UNCHECKED != 0;
+        if shape.codec == Codec::None && shape.deltas == 0 && placer.is_none() {
             self.read_full_pages(r, ram)?;
             if header[1] & PAGE_DATA_UNCHECKED == 0 {
                 for &(pfn, _) in &self.full {
@@ -675,7 +716,7 @@ impl PageReceiver {
             if header[1] & PAGE_DATA_UNCHECKED != 0 {
                 for (&(pfn, _), sent) in self.full.iter().zip(self.digests.chunks_exact(DIGEST_LEN))
                 {
-                    if crc32fast::hash(ram.page(pfn)?).to_le_bytes() == sent {
+                    if matches_digest(ram.page(pfn)?, sent) {
                         self.suspect.unset(pfn);
                     } else {
                         self.suspect.set(pfn);
@@ -683,8 +724,22 @@ impl PageReceiver {
                 }
             }
         } else {
-            // Checked before it is unpacked: a decompressor never sees a corrupt frame.
-            read_packed(r, &shape, &mut self.packed, crc)?;
+            // Checked before it is unpacked or placed: a decompressor never sees a corrupt
+            // frame. An unchecked frame's data is checked page by page, against its digests.
+            read_packed(r, &shape, &mut self.packed, crc, !unchecked)?;
+            if unchecked {
+                for (&(pfn, _), (page, sent)) in self.full.iter().zip(
+                    self.packed
+                        .chunks_exact(PAGE_SIZE)
+                        .zip(self.digests.chunks_exact(DIGEST_LEN)),
+                ) {
+                    if matches_digest(page, sent) {
+                        self.suspect.unset(pfn);
+                    } else {
+                        self.suspect.set(pfn);
+                    }
+                }
+            }
             let data: &[u8] = if shape.codec == Codec::None {
                 &self.packed
             } else {
@@ -696,9 +751,9 @@ impl PageReceiver {
                         .decompress(&self.packed, &mut self.unpacked, *bounds.start())?;
                 &self.unpacked[..n]
             };
-            place_pages(ram, &self.full, &self.written, data)?;
+            place_pages(ram, &self.full, &self.written, data, placer.map(|p| &**p))?;
         }
-        let ahead = self.ahead.get();
+        let ahead = self.shared.ahead.get();
         self.discard.clear();
         for &pfn in &self.zeros {
             if self.written.get(pfn) {
@@ -711,7 +766,7 @@ impl PageReceiver {
         ram.discard_pages(&self.discard)?;
         for &(pfn, _) in &self.full {
             self.written.set(pfn);
-            if header[1] & PAGE_DATA_UNCHECKED == 0 {
+            if !unchecked {
                 self.suspect.unset(pfn);
             }
         }
@@ -857,22 +912,45 @@ fn read_descriptors(
     Ok(shape)
 }
 
-/// Writes a buffered frame's pages into guest memory: whole pages, and deltas applied to the
-/// copy this connection sent before; every byte of `data` must be used.
+/// Writes a buffered frame's pages into guest memory: whole pages (through `placer`, a run
+/// of neighbours at a time, where one is given), and deltas applied to the copy this
+/// connection sent before; every byte of `data` must be used.
 fn place_pages(
     ram: &GuestRam,
     pages: &[(u64, PageEncoding)],
     written: &Bitmap,
     data: &[u8],
+    placer: Option<&dyn PagePlacer>,
 ) -> Result<()> {
     let short = || Error::Protocol("page frame: its data ends before its pages".into());
     let mut at = 0;
-    for &(pfn, enc) in pages {
+    let mut i = 0;
+    while i < pages.len() {
+        let (pfn, enc) = pages[i];
         if enc == PageEncoding::Full {
-            ram.write_page(pfn, data.get(at..at + PAGE_SIZE).ok_or_else(short)?)?;
-            at += PAGE_SIZE;
+            // Whole pages that follow each other in memory follow each other in `data` too.
+            let room = ram.pages_to_region_end(pfn);
+            let mut n = 1;
+            while i + n < pages.len()
+                && pages[i + n] == (pfn + n as u64, PageEncoding::Full)
+                && (n as u64) < room
+            {
+                n += 1;
+            }
+            let run = data.get(at..at + n * PAGE_SIZE).ok_or_else(short)?;
+            match placer {
+                Some(p) => p.place(pfn, run)?,
+                None => {
+                    for (k, page) in run.chunks_exact(PAGE_SIZE).enumerate() {
+                        ram.write_page(pfn + k as u64, page)?;
+                    }
+                }
+            }
+            at += n * PAGE_SIZE;
+            i += n;
             continue;
         }
+        i += 1;
         if !written.get(pfn) {
             return Err(Error::Protocol(format!(
                 "a delta for page {pfn:#x}, which this connection never sent whole"
@@ -894,16 +972,25 @@ fn place_pages(
     Ok(())
 }
 
-/// Reads a compressed frame's data into `packed` and checks the frame's trailer over it.
+/// Whether `page` is the page whose CRC-32 the source `sent` beside it.
+fn matches_digest(page: &[u8], sent: &[u8]) -> bool {
+    crc32fast::hash(page).to_le_bytes() == sent
+}
+
+/// Reads a frame's page data into `packed` and checks the frame's trailer, over the data too
+/// where the trailer `covers` it.
 fn read_packed(
     r: &mut impl Read,
     shape: &FrameShape,
     packed: &mut Vec<u8>,
     mut crc: crc32fast::Hasher,
+    covers: bool,
 ) -> Result<()> {
     packed.resize(shape.data_len, 0);
-    protocol::read_exact(r, packed, "compressed page data")?;
-    crc.update(packed);
+    protocol::read_exact(r, packed, "page data")?;
+    if covers {
+        crc.update(packed);
+    }
     protocol::check_trailer(r, crc.finalize(), "page frame")
 }
 
@@ -954,26 +1041,22 @@ pub fn read_page_frame<'s>(
             "a page delta after the switch to post-copy".into(),
         ));
     }
-    data.resize(PAGE_SIZE * shape.full, 0);
     if shape.codec == Codec::None {
-        protocol::read_exact(r, data, "page data")?;
-        if header[1] & PAGE_DATA_UNCHECKED == 0 {
-            crc.update(data);
-        }
-        protocol::check_trailer(r, crc.finalize(), "page frame")?;
+        read_packed(r, &shape, data, crc, header[1] & PAGE_DATA_UNCHECKED == 0)?;
         // Installed pages are final: one that does not match its CRC is refused outright.
         for (page, sent) in data
             .chunks_exact(PAGE_SIZE)
             .zip(digests.chunks_exact(DIGEST_LEN))
         {
-            if crc32fast::hash(page).to_le_bytes() != sent {
+            if !matches_digest(page, sent) {
                 return Err(Error::Protocol(
                     "a page arrived corrupt (its data does not match its CRC)".into(),
                 ));
             }
         }
     } else {
-        read_packed(r, &shape, packed, crc)?;
+        read_packed(r, &shape, packed, crc, true)?;
+        data.resize(PAGE_SIZE * shape.full, 0);
         shape
             .codec
             .decompress(packed, data, PAGE_SIZE * shape.full)?;
