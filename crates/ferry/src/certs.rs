@@ -12,6 +12,13 @@ use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
 use crate::cli::CertsArgs;
 
 pub fn certs(args: &CertsArgs) -> Result<i32> {
+    // All checked before anything is written: a bad name leaves no half-made set behind.
+    for (i, name) in args.names.iter().enumerate() {
+        check_name(name)?;
+        if args.names[..i].contains(name) {
+            anyhow::bail!("--name {name} is given twice");
+        }
+    }
     std::fs::create_dir_all(&args.out).with_context(|| format!("{}", args.out.display()))?;
     let ca_key = KeyPair::generate()?;
     let mut ca_params = CertificateParams::new(Vec::<String>::new())?;
@@ -39,6 +46,25 @@ pub fn certs(args: &CertsArgs) -> Result<i32> {
         );
     }
     Ok(0)
+}
+
+/// A host's name (DNS labels of letters, digits and '-') or address: it names the host's
+/// files in `--out` too, so nothing that could lead out of it or hide a file.
+fn check_name(name: &str) -> Result<()> {
+    let label = |l: &str| {
+        !l.is_empty()
+            && l.len() <= 63
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
+    };
+    if name.parse::<std::net::IpAddr>().is_ok() || (name.len() <= 253 && name.split('.').all(label))
+    {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "--name '{name}' is not a host name (letters, digits, '-', dots between) or an IP address"
+    )
 }
 
 /// Creates `path` (never overwrites) with `mode`.

@@ -184,15 +184,16 @@ pub struct RunArgs {
     #[arg(long)]
     pub kernel: Option<PathBuf>,
     /// An initrd for --kernel.
-    #[arg(long, requires = "kernel")]
+    #[arg(long, requires = "kernel", conflicts_with = "guest")]
     pub initrd: Option<PathBuf>,
-    /// Guest memory: 512M, 4G, ...
-    #[arg(long, default_value = "1G")]
+    /// Guest memory: 512M, 4G, ... (a VM that arrives brings its own).
+    #[arg(long, default_value = "1G", conflicts_with_all = ["incoming", "restore"])]
     pub memory: MemorySize,
     /// How guest memory is backed: anonymous or memfd.
     #[arg(long, default_value = "anonymous")]
     pub memory_backend: MemoryBackend,
-    #[arg(long, default_value_t = 1)]
+    /// vCPUs (a VM that arrives brings its own).
+    #[arg(long, default_value_t = 1, conflicts_with_all = ["incoming", "restore"])]
     pub vcpus: usize,
     /// The guest's command line (its workload), e.g. "write ws=256M seq verify".
     #[arg(long, default_value = "")]

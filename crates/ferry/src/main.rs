@@ -39,8 +39,20 @@ fn main() {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("ferry: error: {e:#}");
+            eprintln!("ferry: error: {}", causes(&e));
             std::process::exit(1);
         }
     }
+}
+
+/// An error and its causes, each said once: many errors already name their cause.
+fn causes(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let cause = cause.to_string();
+        if !text.contains(&cause) {
+            text = format!("{text}: {cause}");
+        }
+    }
+    text
 }

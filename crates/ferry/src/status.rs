@@ -1,5 +1,7 @@
 //! Commands that talk to a running ferry through its API.
 
+use std::io::Write;
+
 use anyhow::Result;
 use api::ApiClient;
 
@@ -7,8 +9,12 @@ use crate::cli::{ApiArgs, MigrateResumeArgs, TakeBackArgs};
 
 pub fn status(args: &ApiArgs) -> Result<i32> {
     let info = ApiClient::new(&args.api_socket).get("vm.info")?;
-    println!("{}", serde_json::to_string_pretty(&info)?);
-    Ok(0)
+    let text = serde_json::to_string_pretty(&info)?;
+    match writeln!(std::io::stdout().lock(), "{text}") {
+        // A reader that stops early (`ferry status | head`) is no failure of ours.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        r => r.map(|()| 0).map_err(Into::into),
+    }
 }
 
 pub fn simple_put(args: &ApiArgs, endpoint: &str) -> Result<i32> {

@@ -2,6 +2,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 
 fn run_fails(args: &[&str], expect: &str) {
@@ -261,4 +263,99 @@ fn status_without_a_vm() {
 #[test]
 fn wrong_flag() {
     run_fails(&["run", "--memroy", "1G"], "--memroy");
+}
+
+/// `ferry certs` names each host's files after it: a name that is no host name or address (one
+/// that would lead out of `--out`, hide a file, or come twice) is refused before anything is
+/// written.
+#[test]
+fn certs_refuses_names_that_are_no_host_names_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("certs");
+    let out_s = out.to_str().unwrap();
+    for name in ["../outside", "", ".hidden", "a b"] {
+        run_fails(
+            &[
+                "certs", "--out", out_s, "--name", "ok.local", "--name", name,
+            ],
+            "is not a host name",
+        );
+    }
+    run_fails(
+        &[
+            "certs", "--out", out_s, "--name", "a.local", "--name", "a.local",
+        ],
+        "given twice",
+    );
+    assert!(!out.exists(), "nothing written");
+    assert!(!dir.path().join("outside.pem").exists());
+}
+
+/// A destination that accepts and never answers: cancelling during the handshake ends the
+/// migration at once (not after the 30 s a silent peer is given), and the VM runs on here.
+#[test]
+fn a_migration_to_a_silent_peer_is_cancelled_in_its_handshake() {
+    if !kvm_available() {
+        return;
+    }
+    let ferry = Ferry::boot(VmSpec::default());
+    let sock = ferry.scratch("silent.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let silent = std::thread::spawn(move || listener.accept().map(|(s, _)| s));
+    let (socket, to) = (
+        ferry.socket.to_str().unwrap().to_string(),
+        format!("unix:{}", sock.display()),
+    );
+    let migrating = std::thread::spawn(move || {
+        ferry_output(&["migrate", "--api-socket", &socket, "--to", &to, "--json"])
+    });
+    let _held = silent.join().unwrap().expect("the source connects");
+    wait_for("the migration's handshake", Duration::from_secs(30), || {
+        (ferry.migration_status().phase == api::MigrationPhase::Setup).then_some(())
+    });
+    let asked = std::time::Instant::now();
+    ferry.put("vm.cancel-migration");
+    let out = migrating.join().unwrap();
+    assert!(
+        asked.elapsed() < Duration::from_secs(20),
+        "cancelled at once, not when the silent peer timed out (30 s)"
+    );
+    assert!(!out.status.success());
+    let end = ferry.wait_migration_end();
+    assert_eq!(end.phase, api::MigrationPhase::Cancelled, "{end:?}");
+    assert_eq!(ferry.info().state, "running", "the VM runs on here");
+}
+
+/// Flags a VM that arrives (or a guest that is no Linux kernel) would silently ignore are
+/// refused: the user meant something by them.
+#[test]
+fn flags_a_run_would_ignore_are_refused() {
+    for (args, why) in [
+        (
+            &[
+                "run",
+                "--incoming",
+                "unix:/nonexistent/m.sock",
+                "--memory",
+                "4G",
+            ][..],
+            "cannot be used with '--memory",
+        ),
+        (
+            &["run", "--restore", "/nonexistent/vm.ferry", "--vcpus", "4"][..],
+            "cannot be used with '--vcpus",
+        ),
+        (
+            &[
+                "run",
+                "--guest",
+                "/nonexistent/g.elf",
+                "--initrd",
+                "/nonexistent/i",
+            ][..],
+            "cannot be used with '--initrd",
+        ),
+    ] {
+        run_fails(args, why);
+    }
 }

@@ -6,7 +6,7 @@ type Cause = Box<dyn std::error::Error + Send + Sync>;
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The connection or file failed (refused, reset, timed out, closed).
-    #[error("{context}: {source}")]
+    #[error("{context}: {}", says(source))]
     Transport {
         context: String,
         #[source]
@@ -18,6 +18,9 @@ pub enum Error {
     /// The peer gave up and said why.
     #[error("the peer reported: {0}")]
     Peer(String),
+    /// The migration failed before its first page (connecting, the handshake): why.
+    #[error("{0}")]
+    Setup(String),
     /// The VM could not do what the migration asked of it.
     #[error("VM: {context}")]
     Vm {
@@ -76,11 +79,23 @@ impl Error {
         match self {
             Error::Param(_) => ErrorKind::BadInput,
             Error::State(_) => ErrorKind::Conflict,
-            Error::Transport { .. } | Error::Protocol(_) | Error::Peer(_) | Error::Timeout(_) => {
-                ErrorKind::Peer
-            }
+            Error::Transport { .. }
+            | Error::Protocol(_)
+            | Error::Peer(_)
+            | Error::Setup(_)
+            | Error::Timeout(_) => ErrorKind::Peer,
             Error::Vm { .. } | Error::Cancelled => ErrorKind::Internal,
         }
+    }
+}
+
+/// What an I/O error means here: a socket timeout reads as the OS's "try again".
+fn says(e: &std::io::Error) -> String {
+    match e.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+            "timed out: the peer is silent or the link is down".into()
+        }
+        _ => e.to_string(),
     }
 }
 
@@ -107,5 +122,17 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Peer);
         let e = Error::vm_caused("pause", std::io::Error::other("vCPU 1 stuck"));
         assert_eq!(e.source().unwrap().to_string(), "vCPU 1 stuck");
+    }
+
+    #[test]
+    fn a_socket_timeout_says_so() {
+        let e = Error::transport(
+            "reading frame header",
+            std::io::Error::from(std::io::ErrorKind::WouldBlock),
+        );
+        assert_eq!(
+            e.to_string(),
+            "reading frame header: timed out: the peer is silent or the link is down"
+        );
     }
 }

@@ -172,6 +172,28 @@ impl MigrationParams {
         if let Some(b) = self.max_bandwidth_mbps {
             positive("max_bandwidth_mbps", b)?;
         }
+        // Options the mode would silently ignore are refused: the user meant something.
+        let mode = self.mode.name();
+        if self.auto_postcopy && self.mode != Mode::Precopy {
+            return Err(Error::Param(format!(
+                "auto_postcopy switches a pre-copy that cannot converge to post-copy; mode \
+                 {mode} has no such pre-copy (use mode precopy)"
+            )));
+        }
+        if self.prepaging == Strategy::Linear && !(self.mode.wants_postcopy() || self.auto_postcopy)
+        {
+            return Err(Error::Param(format!(
+                "prepaging orders post-copy's pushes; mode {mode} has no post-copy"
+            )));
+        }
+        if self.auto_converge == AutoConverge::Early
+            && matches!(self.mode, Mode::Warm | Mode::Postcopy)
+        {
+            return Err(Error::Param(format!(
+                "auto_converge slows the guest during pre-copy rounds; mode {mode} has none \
+                 while the guest runs"
+            )));
+        }
         if let Some(ms) = self.checkpoint_ms {
             if !CHECKPOINT_MS.contains(&ms) {
                 return Err(Error::Param(format!(
@@ -252,6 +274,63 @@ pub const MAX_MIGRATION_THREADS: u32 = 64;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn options_the_mode_would_ignore_are_refused() {
+        let refused = |p: MigrationParams, why: &str| {
+            let e = p.validate().expect_err(why).to_string();
+            assert!(e.contains(why), "{e}");
+        };
+        let base = MigrationParams::default;
+        refused(
+            MigrationParams {
+                mode: Mode::Warm,
+                auto_postcopy: true,
+                ..base()
+            },
+            "mode warm has no such pre-copy",
+        );
+        refused(
+            MigrationParams {
+                mode: Mode::Hybrid,
+                auto_postcopy: true,
+                ..base()
+            },
+            "mode hybrid has no such pre-copy",
+        );
+        refused(
+            MigrationParams {
+                prepaging: Strategy::Linear,
+                ..base()
+            },
+            "mode precopy has no post-copy",
+        );
+        refused(
+            MigrationParams {
+                mode: Mode::Postcopy,
+                auto_converge: AutoConverge::Early,
+                ..base()
+            },
+            "mode postcopy has none",
+        );
+        // What each mode uses is taken.
+        for ok in [
+            MigrationParams {
+                auto_postcopy: true,
+                prepaging: Strategy::Linear,
+                checkpoint_ms: Some(20),
+                ..base()
+            },
+            MigrationParams {
+                mode: Mode::Hybrid,
+                auto_converge: AutoConverge::Early,
+                prepaging: Strategy::Linear,
+                ..base()
+            },
+        ] {
+            ok.validate().expect("valid");
+        }
+    }
 
     #[test]
     fn compressing_threads_are_shared_out_and_weighed_by_the_host_cores() {

@@ -33,11 +33,14 @@ use recovery::Leftover;
 use session::Session;
 
 /// What others may ask of a running migration.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Controls {
     pub cancel: AtomicBool,
     /// Switch a running pre-copy to post-copy at the next round boundary.
     pub start_postcopy: AtomicBool,
+    /// The connection while the source waits for the destination's first answer: a cancel
+    /// closes it, as a silent peer would otherwise hold the wait for `IO_TIMEOUT`.
+    pub handshake: Mutex<Option<Stream>>,
 }
 
 /// How long `send` waits to learn whether the destination answered.
@@ -169,7 +172,7 @@ impl Outgoing {
             match s.phase {
                 Phase::Setup => std::thread::sleep(Duration::from_millis(5)),
                 Phase::Failed => {
-                    return Err(Error::Peer(s.error.unwrap_or_default()));
+                    return Err(Error::Setup(s.error.unwrap_or_default()));
                 }
                 _ => break,
             }
@@ -343,6 +346,15 @@ impl Outgoing {
             return Err(Error::State("no migration is running".into()));
         }
         self.controls.cancel.store(true, Ordering::Release);
+        if let Some(s) = self
+            .controls
+            .handshake
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            s.shutdown();
+        }
         Ok(())
     }
 
@@ -353,6 +365,11 @@ impl Outgoing {
             return Err(Error::State("no migration is running".into()));
         }
         let s = self.board.read();
+        if s.mode == Mode::Warm.name() {
+            return Err(Error::State(
+                "a warm migration has no live rounds to switch from (the guest is paused)".into(),
+            ));
+        }
         if s.destination_supports_postcopy == Some(false) {
             return Err(Error::State(
                 "the destination does not support post-copy (no userfaultfd there)".into(),

@@ -170,7 +170,21 @@ impl<'a> Session<'a> {
             session,
         })?;
         if self.stream.has_peer() {
-            if let Message::Ready { postcopy } = self.hear()? {
+            // A cancel now closes the connection (see `Controls::handshake`); one that came
+            // before is seen here.
+            *self
+                .controls
+                .handshake
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = self.stream.try_clone().ok();
+            self.check_continue()?;
+            let ready = self.hear();
+            *self
+                .controls
+                .handshake
+                .lock()
+                .unwrap_or_else(|e| e.into_inner()) = None;
+            if let Message::Ready { postcopy } = ready? {
                 self.peer_postcopy = postcopy;
                 self.status.destination_supports_postcopy = Some(postcopy);
             }
@@ -296,6 +310,12 @@ impl<'a> Session<'a> {
 
     /// A send that failed because the peer gave up: fetch the peer's reason if it sent one.
     fn explain(&mut self, e: Error) -> Error {
+        // A cancel during the handshake closed the connection under the read.
+        if self.controls.cancel.load(Ordering::Acquire)
+            && matches!(e, Error::Transport { .. } | Error::Protocol(_))
+        {
+            return Error::Cancelled;
+        }
         if !matches!(e, Error::Transport { .. }) || !self.stream.has_peer() {
             return e;
         }
