@@ -368,21 +368,13 @@ fn precopy_moves_memory_exactly_while_the_guest_writes() {
 fn round_0_lands_the_same_faulted_in_ahead_or_installed() {
     for fault_in in [FaultIn::Ahead, FaultIn::Install] {
         for connections in [1, 3] {
-            let src = FakeVm::new();
-            for i in (0..PAGES).step_by(3) {
-                src.write_page(ram_page(i), 0);
-            }
-            let stop = Arc::new(AtomicBool::new(false));
-            let guest = src.start_guest(LOW - 256, LOW + 256, stop.clone());
             let params = MigrationParams {
                 max_downtime_ms: 1,
                 max_rounds: 6,
                 connections,
                 ..Default::default()
             };
-            let run = migrate_to(&src, params, None, |_| {}, fault_in);
-            stop.store(true, Ordering::Release);
-            guest.join().unwrap();
+            let (src, run) = migrate_while_writing_to(params, fault_in);
             run.result.expect("migration");
             let dest = run.dest.expect("destination VM");
             assert!(
@@ -428,13 +420,19 @@ fn compressed_precopy_moves_memory_exactly_while_the_guest_writes() {
 /// A source whose every 4th page holds data (on both sides of the hole; most are never
 /// touched) and whose guest writes 512 pages around the hole all along; migrated with `params`.
 fn migrate_while_writing(params: MigrationParams) -> (Arc<FakeVm>, Run) {
+    migrate_while_writing_to(params, FaultIn::Auto)
+}
+
+/// `migrate_while_writing` to a destination whose round 0 meets fresh memory as `fault_in`
+/// says.
+fn migrate_while_writing_to(params: MigrationParams, fault_in: FaultIn) -> (Arc<FakeVm>, Run) {
     let src = FakeVm::new();
     for i in (0..PAGES).step_by(4) {
         src.write_page(ram_page(i), 0);
     }
     let stop = Arc::new(AtomicBool::new(false));
     let guest = src.start_guest(LOW - 256, LOW + 256, stop.clone());
-    let run = migrate(&src, params, None);
+    let run = migrate_to(&src, params, None, |_| {}, fault_in);
     stop.store(true, Ordering::Release);
     guest.join().unwrap();
     if run.result.is_ok() {

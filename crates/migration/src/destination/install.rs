@@ -16,7 +16,9 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
-use userfaultfd::{Event, Uffd, UffdBuilder};
+use userfaultfd::{Uffd, UffdBuilder};
+
+use super::postcopy::each_fault;
 
 use crate::PAGE_SIZE;
 use crate::error::{Error, Result};
@@ -182,24 +184,11 @@ impl PagePlacer for Installer {
 
 /// Answers every missing-page fault with a zero page until `stop`, noting the page.
 fn fill_zeros(uffd: &Uffd, ram: &GuestRam, stop: &AtomicBool, touched: &Mutex<Vec<u64>>) {
-    let mut poll = libc::pollfd {
-        fd: std::os::fd::AsRawFd::as_raw_fd(uffd),
-        events: libc::POLLIN,
-        revents: 0,
-    };
-    while !stop.load(Ordering::Acquire) {
-        // SAFETY: one valid pollfd; a bounded wait so that `stop` is seen.
-        if unsafe { libc::poll(&mut poll, 1, 20) } <= 0 {
-            continue;
-        }
-        let Ok(Some(Event::Pagefault { addr, .. })) = uffd.read_event() else {
-            continue;
-        };
-        let page = (addr as usize & !(PAGE_SIZE - 1)) as *mut libc::c_void;
+    each_fault(uffd, stop, |page| {
         // SAFETY: a page of the registered range (the kernel reported a fault there).
         match unsafe { uffd.zeropage(page, PAGE_SIZE, true) } {
             Ok(_) => {
-                if let Some(gfn) = ram.gfn_of_host(addr as u64) {
+                if let Some(gfn) = ram.gfn_of_host(page as u64) {
                     touched.lock().unwrap_or_else(|e| e.into_inner()).push(gfn);
                 }
             }
@@ -208,7 +197,7 @@ fn fill_zeros(uffd: &Uffd, ram: &GuestRam, stop: &AtomicBool, touched: &Mutex<Ve
                 let _ = uffd.wake(page, PAGE_SIZE);
             }
         }
-    }
+    });
 }
 
 #[cfg(test)]

@@ -40,6 +40,29 @@ fn new_uffd() -> Result<Uffd> {
         .map_err(|e| Error::vm_caused("userfaultfd (post-copy needs root)", e))
 }
 
+/// Calls `on_fault` with the page of each missing-page fault `uffd` reports, until `stop` (seen
+/// within 50 ms).
+pub(super) fn each_fault(
+    uffd: &Uffd,
+    stop: &AtomicBool,
+    mut on_fault: impl FnMut(*mut libc::c_void),
+) {
+    let mut poll = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(uffd),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    while !stop.load(Ordering::Acquire) {
+        // SAFETY: one valid pollfd; a bounded wait so that `stop` is seen.
+        if unsafe { libc::poll(&mut poll, 1, 50) } <= 0 {
+            continue;
+        }
+        if let Ok(Some(Event::Pagefault { addr, .. })) = uffd.read_event() {
+            on_fault((addr as usize & !(PAGE_SIZE - 1)) as *mut libc::c_void);
+        }
+    }
+}
+
 /// A page asked for this long ago and still not here: the link has likely gone silent.
 const STALLED_FAULT: Duration = Duration::from_secs(1);
 
@@ -231,23 +254,10 @@ impl Postcopy {
         std::thread::Builder::new()
             .name("postcopy-faults".into())
             .spawn(move || {
-                let mut poll = libc::pollfd {
-                    fd: std::os::fd::AsRawFd::as_raw_fd(uffd.as_ref()),
-                    events: libc::POLLIN,
-                    revents: 0,
-                };
-                while !stop.load(Ordering::Acquire) {
-                    // SAFETY: one valid pollfd; bounded wait so `stop` is seen.
-                    if unsafe { libc::poll(&mut poll, 1, 50) } <= 0 {
-                        continue;
-                    }
-                    let Ok(Some(Event::Pagefault { addr, .. })) = uffd.read_event() else {
-                        continue;
+                each_fault(&uffd, &stop, |page| {
+                    let Some(pfn) = ram.gfn_of_host(page as u64) else {
+                        return;
                     };
-                    let Some(pfn) = ram.gfn_of_host(addr as u64) else {
-                        continue;
-                    };
-                    let page = (addr as u64 & !(PAGE_SIZE as u64 - 1)) as *mut libc::c_void;
                     if present.get(pfn) {
                         let _ = uffd.wake(page, PAGE_SIZE);
                     } else if !pending.get(pfn) {
@@ -279,7 +289,7 @@ impl Postcopy {
                             }
                         }
                     }
-                }
+                });
             })
             .map(|_| ())
             .map_err(|e| Error::vm_caused("cannot start the post-copy fault handler", e))

@@ -58,11 +58,10 @@ pub enum FaultIn {
 }
 
 /// Faulting in ahead where the host has two cores per receiver to spare: it runs beside the
-/// receivers. Where it has not, installing, which costs less CPU in all (no clearing) but on
-/// the receivers' own threads: with several receivers, that is what a host short of cores
-/// needs (8 connections on 2 cores moved 768 MiB in 540-609 ms installing against 719-959
-/// faulting in ahead); one receiver alone installing was slower there (1 065-1 721 ms against
-/// 603-924), as every fault, the host's own included, then waits on its one thread.
+/// receivers. Where it has not, installing, which clears no page but runs on the receivers'
+/// own threads: with several receivers, what a host short of cores needs; one receiver alone
+/// installing was slower on 2 cores, as every fault (the host's own included) then waits on
+/// its one thread (docs/benchmarks.md, "Installing round 0's pages").
 pub fn plan(asked: FaultIn, connections: u32, host_cores: usize) -> Plan {
     let threads = threads_for(connections, host_cores);
     match asked {

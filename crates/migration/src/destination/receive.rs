@@ -381,12 +381,11 @@ impl Receiver<'_> {
         } else {
             None
         };
+        // Its requests wait until `Resumed` has gone (`attach` below): the source hears none
+        // before it.
         let postcopy = match postcopy {
             Some(p) => {
                 let p = Arc::new(p);
-                if let Some(r) = &reply {
-                    p.attach(r.try_clone()?);
-                }
                 p.spawn_fault_handler()?;
                 Some(p)
             }
@@ -436,6 +435,9 @@ impl Receiver<'_> {
             return Ok(Arrived::Complete(vm));
         };
         debug_assert_eq!(state, DestinationState::Postcopy);
+        if let Some(r) = reply {
+            dest.attach(r);
+        }
         self.status.postcopy = true;
         self.status.phase = Phase::Postcopy;
         self.publish();
