@@ -114,18 +114,25 @@ impl Installer {
         if self.released.swap(true, Ordering::AcqRel) {
             return counts();
         }
+        let mut unregistered = true;
         for (range, host) in self.ram.host_regions() {
             // Unregistering also wakes any fault still waiting: it retries unregistered.
-            let _ = self.uffd.unregister(host.cast(), range.len as usize);
+            if let Err(e) = self.uffd.unregister(host.cast(), range.len as usize) {
+                tracing::warn!("guest memory stays registered for installing: {e}");
+                unregistered = false;
+            }
         }
-        self.stop.store(true, Ordering::Release);
-        let filler = self
-            .zero_filler
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
-        if let Some(t) = filler {
-            let _ = t.join();
+        // Still registered (the kernel refused): the filler keeps serving its faults.
+        // Otherwise it ends within its poll (~50 ms), unwaited for: round 0's end may be
+        // inside the downtime.
+        if unregistered {
+            self.stop.store(true, Ordering::Release);
+            drop(
+                self.zero_filler
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .take(),
+            );
         }
         counts()
     }
@@ -147,8 +154,9 @@ impl PagePlacer for Installer {
         let pages = (data.len() / PAGE_SIZE) as u64;
         let dst = self.ram.host_ptr(gfn, pages)?;
         if self.installing() {
-            // SAFETY: `dst` is `data.len()` bytes of registered guest memory (checked by
-            // `host_ptr`), `data` a distinct buffer of that length.
+            // SAFETY: `dst` is `data.len()` bytes of guest memory (checked by `host_ptr`),
+            // registered unless installing has just ended (then the copy fails), and `data` a
+            // distinct buffer of that length.
             let done = unsafe {
                 self.uffd
                     .copy(data.as_ptr().cast(), dst.cast(), data.len(), true)
@@ -176,7 +184,7 @@ impl PagePlacer for Installer {
             }
             return Ok(());
         }
-        // SAFETY: as above; installing is over, so nothing waits on a missing page.
+        // SAFETY: as above; a missing page is zero-filled first while still registered.
         unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), dst, data.len()) };
         Ok(())
     }

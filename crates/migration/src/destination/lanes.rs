@@ -229,8 +229,15 @@ impl LaneReceivers {
             s.set_timeouts(Some(IO_TIMEOUT))?;
         }
         // A reader already waiting keeps the timeout it started with (none): the deadline is
-        // kept here too, and `Drop` wakes the readers left.
-        let deadline = Instant::now() + IO_TIMEOUT;
+        // kept here too, and `Drop` wakes the readers left. It runs from the lanes' last
+        // progress (a snapshot's lanes may still have much to read from a slow disk).
+        let moved = || -> u64 {
+            self.progress
+                .iter()
+                .map(|p| p.load(Ordering::Acquire))
+                .sum()
+        };
+        let (mut last, mut deadline) = (moved(), Instant::now() + IO_TIMEOUT);
         // One at a time off the list: on a failure the readers not yet joined stay in it,
         // for `Drop` to stop and join.
         while !self.threads.is_empty() {
@@ -238,9 +245,11 @@ impl LaneReceivers {
                 if let Some(e) = self.failure() {
                     return Err(e);
                 }
-                if Instant::now() >= deadline {
+                if moved() != last {
+                    (last, deadline) = (moved(), Instant::now() + IO_TIMEOUT);
+                } else if Instant::now() >= deadline {
                     return Err(Error::Protocol(format!(
-                        "a connection did not end its pages within {IO_TIMEOUT:?} of the main \
+                        "a connection put no page in place for {IO_TIMEOUT:?} after the main \
                          one's end"
                     )));
                 }

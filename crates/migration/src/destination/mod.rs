@@ -98,6 +98,8 @@ impl Source {
 pub struct Incoming {
     board: StatusBoard,
     tls: Option<Tls>,
+    /// A post-copy cut after the switch: kept while the VM runs, as dropping it would stop
+    /// serving the pages still on the source.
     interrupted: Mutex<Option<Arc<postcopy::Postcopy>>>,
     fault_in: FaultIn,
 }

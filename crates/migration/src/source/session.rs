@@ -177,8 +177,7 @@ impl<'a> Session<'a> {
                 .handshake
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) = self.stream.try_clone().ok();
-            self.check_continue()?;
-            let ready = self.hear();
+            let ready = self.check_continue().and_then(|()| self.hear());
             *self
                 .controls
                 .handshake
@@ -311,7 +310,8 @@ impl<'a> Session<'a> {
     /// A send that failed because the peer gave up: fetch the peer's reason if it sent one.
     fn explain(&mut self, e: Error) -> Error {
         // A cancel during the handshake closed the connection under the read.
-        if self.controls.cancel.load(Ordering::Acquire)
+        if self.state == SourceState::AwaitReady
+            && self.controls.cancel.load(Ordering::Acquire)
             && matches!(e, Error::Transport { .. } | Error::Protocol(_))
         {
             return Error::Cancelled;
