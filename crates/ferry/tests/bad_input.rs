@@ -359,3 +359,37 @@ fn flags_a_run_would_ignore_are_refused() {
         run_fails(args, why);
     }
 }
+
+/// A destination address where something else answers (here, an HTTP server's reply): the
+/// migration fails saying it is no ferry there, and the VM runs on.
+#[test]
+fn a_migration_to_something_that_is_not_ferry_says_so() {
+    if !kvm_available() {
+        return;
+    }
+    let ferry = Ferry::boot(VmSpec::default());
+    let sock = ferry.scratch("http.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let server = std::thread::spawn(move || {
+        use std::io::Write;
+        let (mut s, _) = listener.accept().unwrap();
+        s.write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+            .unwrap();
+        s
+    });
+    let out = ferry_output(&[
+        "migrate",
+        "--api-socket",
+        ferry.socket.to_str().unwrap(),
+        "--to",
+        &format!("unix:{}", sock.display()),
+    ]);
+    let _held = server.join().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("is a ferry --incoming listening there?"),
+        "{stderr}"
+    );
+    assert_eq!(ferry.info().state, "running", "the VM runs on here");
+}

@@ -177,7 +177,17 @@ impl<'a> Session<'a> {
                 .handshake
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) = self.stream.try_clone().ok();
-            let ready = self.check_continue().and_then(|()| self.hear());
+            let ready = self
+                .check_continue()
+                .and_then(|()| self.hear())
+                .map_err(|e| match e {
+                    // Whatever answered is no ferry destination (an HTTP server, another service).
+                    Error::Protocol(why) => Error::Protocol(format!(
+                        "the destination's first answer is not ferry's ({why}): is a ferry \
+                     --incoming listening there?"
+                    )),
+                    e => e,
+                });
             *self
                 .controls
                 .handshake
