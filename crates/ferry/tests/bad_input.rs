@@ -393,3 +393,45 @@ fn a_migration_to_something_that_is_not_ferry_says_so() {
     );
     assert_eq!(ferry.info().state, "running", "the VM runs on here");
 }
+
+/// A migration that cannot finish in `--timeout-s` on its link (10 Mbit/s here) stops soon
+/// after it, inside a round, not at the round's end; the VM runs on here.
+#[test]
+fn a_migration_past_its_timeout_stops_within_its_round() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::writer("write ws=64M seq");
+    let dst = Ferry::incoming(&format!("unix:{}", src.scratch("m.sock").display()));
+    let asked = std::time::Instant::now();
+    let out = ferry_output(&[
+        "migrate",
+        "--api-socket",
+        src.socket.to_str().unwrap(),
+        "--to",
+        &format!("unix:{}", src.scratch("m.sock").display()),
+        "--max-bandwidth-mbps",
+        "10",
+        "--timeout-s",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "{stderr}{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stderr.contains("timed out after 2 s") || stdout.contains("timed out after 2 s"),
+        "{stderr}{stdout}"
+    );
+    // 64 MiB at 10 Mbit/s is a 50 s round; its first 4096 pages alone take 13 s.
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "stopped at {:?}",
+        asked.elapsed()
+    );
+    assert_eq!(src.info().state, "running", "the VM runs on here");
+    drop(dst);
+}
