@@ -25,7 +25,8 @@ use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::wire::pages::PagePlacer;
 
-/// Installing round 0's pages, for as long as this is held (it ends on drop).
+/// Installing round 0's pages: it ends with `finish` (or on drop); its zero filler runs until
+/// this is dropped, which must come after every receiver has ended.
 pub struct Installing(Arc<Installer>);
 
 impl Installing {
@@ -34,8 +35,9 @@ impl Installing {
         self.0.clone()
     }
 
-    /// Ends installing (see `Installer::release`).
-    pub fn finish(&self) -> (u64, u64) {
+    /// Ends installing (see `Installer::release`): the pages installed and those something
+    /// touched first, the first time.
+    pub fn finish(&self) -> Option<(u64, u64)> {
         self.0.release()
     }
 }
@@ -43,6 +45,16 @@ impl Installing {
 impl Drop for Installing {
     fn drop(&mut self) {
         self.0.release();
+        self.0.stop.store(true, Ordering::Release);
+        let filler = self
+            .0
+            .zero_filler
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(t) = filler {
+            let _ = t.join();
+        }
     }
 }
 
@@ -88,53 +100,41 @@ impl Installer {
             .spawn(move || fill_zeros(&uffd, &ram, &stop, &touched))
             .map_err(|e| Error::vm_caused("starting the zero filler", e))?;
         *me.zero_filler.lock().unwrap_or_else(|e| e.into_inner()) = Some(filler);
-        for (range, host) in me.ram.host_regions() {
-            if let Err(e) = me.uffd.register(host.cast(), range.len as usize) {
-                me.release(); // unregisters what was registered, stops the filler
-                return Err(Error::vm_caused(
-                    "registering guest memory to install pages",
-                    e,
-                ));
-            }
+        let refused = me
+            .ram
+            .host_regions()
+            .find_map(|(range, host)| me.uffd.register(host.cast(), range.len as usize).err());
+        if let Some(e) = refused {
+            drop(Installing(me)); // unregisters what was registered, stops the filler
+            return Err(Error::vm_caused(
+                "registering guest memory to install pages",
+                e,
+            ));
         }
         me.active.store(true, Ordering::Release);
         Ok(Installing(me))
     }
 
     /// Ends installing: later copies are plain ones. Returns the pages installed and those
-    /// something touched first. Only the first call does anything.
-    fn release(&self) -> (u64, u64) {
+    /// something touched first; `None` after the first call. The zero filler runs on (until
+    /// `Installing` is dropped): a fault that came in just before, as a receiver copied while
+    /// installing ended, may still wait with its event unread.
+    fn release(&self) -> Option<(u64, u64)> {
         self.active.store(false, Ordering::Release);
-        let counts = || {
-            (
-                self.installed.load(Ordering::Relaxed),
-                self.touched().len() as u64,
-            )
-        };
         if self.released.swap(true, Ordering::AcqRel) {
-            return counts();
+            return None;
         }
-        let mut unregistered = true;
         for (range, host) in self.ram.host_regions() {
-            // Unregistering also wakes any fault still waiting: it retries unregistered.
             if let Err(e) = self.uffd.unregister(host.cast(), range.len as usize) {
                 tracing::warn!("guest memory stays registered for installing: {e}");
-                unregistered = false;
             }
+            // Woken, a fault still waiting retries on unregistered memory.
+            let _ = self.uffd.wake(host.cast(), range.len as usize);
         }
-        // Still registered (the kernel refused): the filler keeps serving its faults.
-        // Otherwise it ends within its poll (~50 ms), unwaited for: round 0's end may be
-        // inside the downtime.
-        if unregistered {
-            self.stop.store(true, Ordering::Release);
-            drop(
-                self.zero_filler
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .take(),
-            );
-        }
-        counts()
+        Some((
+            self.installed.load(Ordering::Relaxed),
+            self.touched().len() as u64,
+        ))
     }
 }
 
@@ -303,7 +303,7 @@ mod tests {
         installer.place(10, &data3).unwrap();
         assert_eq!(ram.page(10).unwrap(), &data3[..]);
         assert_eq!(installer.touched(), [40]);
-        let (installed, zero_filled) = installing.finish();
+        let (installed, zero_filled) = installing.finish().expect("the first finish");
         // The first run whole, then 41 and 42 one by one beside the zero-filled 40 (39 went
         // in with the copy that stopped at 40, which counts no page).
         assert_eq!(installed, 18, "pages installed by UFFDIO_COPY");
@@ -313,7 +313,7 @@ mod tests {
         installer.place(50, &data3).unwrap();
         assert_eq!(ram.page(50).unwrap(), &data3[..]);
         assert!(ram.page(60).unwrap().iter().all(|&b| b == 0));
-        // Dropping the owner after `finish` releases nothing twice.
+        assert_eq!(installing.finish(), None, "released once");
         drop(installing);
         assert!(!installer.installing());
     }

@@ -34,7 +34,9 @@ pub fn supported() -> bool {
 fn new_uffd() -> Result<Uffd> {
     UffdBuilder::new()
         .close_on_exec(true)
-        .non_blocking(false)
+        // Polled, then read: a fault woken meanwhile (its page installed) leaves nothing to
+        // read, and a blocking read would then hold the handler past its `stop`.
+        .non_blocking(true)
         .user_mode_only(false)
         .create()
         .map_err(|e| Error::vm_caused("userfaultfd (post-copy needs root)", e))

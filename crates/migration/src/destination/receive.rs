@@ -166,6 +166,9 @@ impl Receiver<'_> {
 
         let mut pages = PageReceiver::new(&ram).for_lane(0, connections.max(1));
         let listener = self.listener.take();
+        // Declared before the lanes: dropped after them, so that its zero filler outlives
+        // every receiver that might still fault.
+        let mut installing: Option<Installing> = None;
         let mut lanes = match (connections, &listener) {
             // A snapshot's lanes are in its file, as many as its stream names.
             (n, _) if !live => {
@@ -189,7 +192,6 @@ impl Receiver<'_> {
         self.board.checkpoints(|c| *c = None);
         let mut round_started = Instant::now();
         let mut prefault: Option<Prefaulter> = None;
-        let mut installing: Option<Installing> = None;
         let source_checksum = loop {
             let frame = match wire::read_frame(stream) {
                 Ok(f) => f,
@@ -211,8 +213,8 @@ impl Receiver<'_> {
                 if let Some(mut p) = prefault.take() {
                     tracing::debug!("faulted in {} pages ahead of their data", p.finish());
                 }
-                if let Some(i) = installing.take() {
-                    let (installed, touched) = i.finish();
+                if let Some((installed, touched)) = installing.as_ref().and_then(Installing::finish)
+                {
                     tracing::debug!("installed {installed} pages; {touched} touched first");
                 }
             }
