@@ -298,14 +298,9 @@ fn a_migration_to_a_silent_peer_is_cancelled_in_its_handshake() {
     if !kvm_available() {
         return;
     }
-    let ferry = Ferry::boot(VmSpec::default());
-    let sock = ferry.scratch("silent.sock");
-    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let (ferry, listener, to) = a_vm_and_a_stranger("silent.sock");
     let silent = std::thread::spawn(move || listener.accept().map(|(s, _)| s));
-    let (socket, to) = (
-        ferry.socket.to_str().unwrap().to_string(),
-        format!("unix:{}", sock.display()),
-    );
+    let socket = ferry.socket.to_str().unwrap().to_string();
     let migrating = std::thread::spawn(move || {
         ferry_output(&["migrate", "--api-socket", &socket, "--to", &to, "--json"])
     });
@@ -367,9 +362,7 @@ fn a_migration_to_something_that_is_not_ferry_says_so() {
     if !kvm_available() {
         return;
     }
-    let ferry = Ferry::boot(VmSpec::default());
-    let sock = ferry.scratch("http.sock");
-    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let (ferry, listener, to) = a_vm_and_a_stranger("http.sock");
     let server = std::thread::spawn(move || {
         use std::io::Write;
         let (mut s, _) = listener.accept().unwrap();
@@ -382,7 +375,7 @@ fn a_migration_to_something_that_is_not_ferry_says_so() {
         "--api-socket",
         ferry.socket.to_str().unwrap(),
         "--to",
-        &format!("unix:{}", sock.display()),
+        &to,
     ]);
     let _held = server.join().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -434,4 +427,12 @@ fn a_migration_past_its_timeout_stops_within_its_round() {
     );
     assert_eq!(src.info().state, "running", "the VM runs on here");
     drop(dst);
+}
+
+/// A running VM, and a Unix socket that is no ferry's where it could migrate to (`to`).
+fn a_vm_and_a_stranger(name: &str) -> (Ferry, std::os::unix::net::UnixListener, String) {
+    let ferry = Ferry::boot(VmSpec::default());
+    let sock = ferry.scratch(name);
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    (ferry, listener, format!("unix:{}", sock.display()))
 }
