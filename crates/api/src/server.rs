@@ -9,7 +9,6 @@
 //! gets 503 at once.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -74,7 +73,7 @@ impl ApiServer {
     /// Fails if another process serves `path` or a file that is not a socket is there; removes
     /// a stale socket left behind by a process that died.
     pub fn ensure_available(path: &Path) -> std::io::Result<()> {
-        migration::wire::transport::remove_stale_socket(path).map_err(|e| {
+        migration::wire::unix::remove_stale_socket(path).map_err(|e| {
             std::io::Error::new(e.kind(), format!("API socket {}: {e}", path.display()))
         })
     }
@@ -82,7 +81,7 @@ impl ApiServer {
     /// Binds the socket (mode 0600 from the start) and serves requests on background threads.
     pub fn start(path: &Path, handler: Arc<dyn Handler>) -> std::io::Result<Self> {
         Self::ensure_available(path)?;
-        let listener = bind_private(path)?;
+        let listener = migration::wire::unix::bind_private(path)?;
         std::thread::Builder::new()
             .name("api-accept".into())
             .spawn(move || accept(&listener, handler))?;
@@ -96,32 +95,6 @@ impl Drop for ApiServer {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
     }
-}
-
-/// Binds `path` so that no one else can connect even for a moment: the socket is made in a
-/// private directory beside it (0700), set to 0600, then moved into place.
-fn bind_private(path: &Path) -> std::io::Result<UnixListener> {
-    let parent = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let private = parent.join(format!(".ferry-api-{}", std::process::id()));
-    std::fs::create_dir(&private)?;
-    let result = (|| {
-        std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700))?;
-        let temp = private.join("api.sock");
-        let listener = UnixListener::bind(&temp)?;
-        std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o600))?;
-        std::fs::rename(&temp, path)?;
-        Ok(listener)
-    })();
-    let _ = std::fs::remove_dir_all(&private);
-    result.map_err(|e: std::io::Error| {
-        std::io::Error::new(
-            e.kind(),
-            format!("cannot listen on {}: {e}", path.display()),
-        )
-    })
 }
 
 fn accept(listener: &UnixListener, handler: Arc<dyn Handler>) {
@@ -266,6 +239,7 @@ fn respond(conn: &mut UnixStream, outcome: &Result<Value, ApiError>) -> std::io:
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+    use std::os::unix::fs::PermissionsExt;
 
     struct Echo;
     impl Handler for Echo {

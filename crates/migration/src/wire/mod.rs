@@ -11,6 +11,7 @@ pub(crate) mod packers;
 pub mod pages;
 pub mod tls;
 pub mod transport;
+pub mod unix;
 pub mod zero;
 
 pub use frame::{

@@ -10,6 +10,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::wire::lanefile::SnapshotFile;
 use crate::wire::tls::Tls;
+use crate::wire::unix::{bind_private, remove_stale_socket};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -125,7 +126,7 @@ impl Endpoint {
             }
             Endpoint::Unix(path) => {
                 remove_stale_socket(path).map_err(fail)?;
-                Listener::Unix(UnixListener::bind(path).map_err(fail)?, path.clone())
+                Listener::Unix(bind_private(path).map_err(fail)?, path.clone())
             }
         })
     }
@@ -134,25 +135,6 @@ impl Endpoint {
 pub enum Listener {
     Tcp(TcpListener, Option<Tls>),
     Unix(UnixListener, PathBuf),
-}
-
-/// Removes `path` if it is a socket nobody answers on (left by a process that died); refuses
-/// anything else that is there, and never deletes a file that is not a socket.
-pub fn remove_stale_socket(path: &std::path::Path) -> std::io::Result<()> {
-    use std::os::unix::fs::FileTypeExt;
-    match std::fs::symlink_metadata(path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-        Ok(m) if !m.file_type().is_socket() => Err(std::io::Error::new(
-            std::io::ErrorKind::AlreadyExists,
-            "the path exists and is not a socket (left untouched)",
-        )),
-        Ok(_) if UnixStream::connect(path).is_ok() => Err(std::io::Error::new(
-            std::io::ErrorKind::AddrInUse,
-            "is in use by another process",
-        )),
-        Ok(_) => std::fs::remove_file(path),
-    }
 }
 
 impl std::os::fd::AsRawFd for Listener {
