@@ -112,9 +112,23 @@ impl RunControl {
         self.changed.notify_all();
     }
 
+    /// Asks every vCPU to park and waits for them (`kick` makes them leave `KVM_RUN`); on a
+    /// timeout, releases those that parked.
+    fn pause(&self, kick: impl Fn(), timeout: Duration) -> Result<()> {
+        self.set_wish(Wish::Pause);
+        kick();
+        self.wait_all_parked(timeout).inspect_err(|_| {
+            let mut s = self.lock();
+            if s.wish == Wish::Pause {
+                s.wish = Wish::Run;
+                self.changed.notify_all();
+            }
+        })
+    }
+
     /// Waits until every live vCPU thread is parked.
-    fn wait_all_parked(&self) -> Result<()> {
-        let deadline = Instant::now() + PARK_TIMEOUT;
+    fn wait_all_parked(&self, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
         let mut s = self.lock();
         while s.parked < s.alive {
             let left = deadline.saturating_duration_since(Instant::now());
@@ -221,7 +235,7 @@ impl VcpuSet {
             kicker: Mutex::new(None),
         };
         if start_paused {
-            set.control.wait_all_parked()?;
+            set.control.wait_all_parked(PARK_TIMEOUT)?;
         }
         Ok(set)
     }
@@ -280,11 +294,10 @@ impl VcpuSet {
         Ok(())
     }
 
-    /// Returns once every vCPU is parked with its state complete.
+    /// Returns once every vCPU is parked with its state complete. If some do not park in
+    /// time, those that did run on: a VM half paused would be frozen yet count as running.
     pub fn pause(&self) -> Result<()> {
-        self.control.set_wish(Wish::Pause);
-        self.kick_all();
-        self.control.wait_all_parked()
+        self.control.pause(|| self.kick_all(), PARK_TIMEOUT)
     }
 
     pub fn resume(&self) {
@@ -400,4 +413,29 @@ fn complete_pending_io(fd: &mut VcpuFd) {
     fd.set_kvm_immediate_exit(1);
     let _ = fd.run();
     fd.set_kvm_immediate_exit(0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A vCPU that never parks (stuck in the hypervisor) fails the pause, and the one that
+    /// did park runs on: the VM is running, not frozen while it says "running".
+    #[test]
+    fn a_pause_that_times_out_releases_the_vcpus_that_parked() {
+        let control = Arc::new(RunControl::new(false, 2));
+        control.set_wish(Wish::Pause);
+        let parked = control.clone();
+        let vcpu = std::thread::spawn(move || parked.park_until_released());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while control.lock().parked == 0 && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        let e = control.pause(|| {}, Duration::from_millis(50)).unwrap_err();
+        assert!(e.to_string().contains("1 of 2 vCPUs parked"), "{e}");
+        // Released (not stopped), and nothing keeps it parked.
+        assert!(!vcpu.join().unwrap());
+        assert!(!control.wants_park());
+        assert_eq!(control.lock().parked, 0);
+    }
 }
