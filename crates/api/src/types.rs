@@ -193,6 +193,10 @@ pub struct TakeBackRequest {
 pub struct MigrateResumeRequest {
     pub listen: Option<String>,
     pub destination: Option<String>,
+    /// `listen`: how long to wait for the source (default 300 s); a later `listen` or
+    /// `vm.cancel-migration` ends the wait sooner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_s: Option<u64>,
 }
 
 /// Body of `PUT /api/v1/vm.snapshot`.

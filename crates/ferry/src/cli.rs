@@ -61,6 +61,9 @@ pub struct MigrateResumeArgs {
     /// Source side: the destination's new address.
     #[arg(long)]
     pub to: Option<String>,
+    /// Destination side: how long to wait for the source, in seconds (default 300).
+    #[arg(long, requires = "listen", value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub timeout_s: Option<u64>,
 }
 
 #[derive(Args, Debug)]

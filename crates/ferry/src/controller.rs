@@ -266,7 +266,8 @@ impl Controller {
 impl Handler for Controller {
     fn handle(&self, request: ApiRequest) -> Result<Value, ApiError> {
         let internal = |e: vmm::Error| ApiError::internal(e.to_string());
-        lifecycle::allow(&request, self.lifecycle())?;
+        let state = self.lifecycle();
+        lifecycle::allow(&request, state)?;
         match request {
             ApiRequest::VmInfo => Ok(serde_json::to_value(self.info()).unwrap_or_default()),
             ApiRequest::Pause => {
@@ -278,6 +279,14 @@ impl Handler for Controller {
                 Ok(Value::Null)
             }
             ApiRequest::Shutdown => {
+                // A VM on its way here: its arrival ends and its source runs it on, unless it
+                // was handed over first (then it runs here, and this late request is refused).
+                if state == Lifecycle::Incoming {
+                    self.migrations
+                        .incoming
+                        .stop_arrival("vm.shutdown")
+                        .map_err(api_error)?;
+                }
                 self.set_phase(Phase::ShuttingDown);
                 self.shutdown.store(true, Ordering::Release);
                 Ok(Value::Null)
@@ -294,6 +303,15 @@ impl Handler for Controller {
             }
             ApiRequest::SendMigration(req) => self.send_migration(&req),
             ApiRequest::MigrationStatus => Ok(self.migrations.status_json()),
+            // A destination's cancel ends its wait for a resuming source.
+            ApiRequest::CancelMigration if state == Lifecycle::PostcopyPausedDestination => {
+                if !self.migrations.incoming.cancel_resume() {
+                    return Err(ApiError::conflict(
+                        "no resume is waiting for its source (vm.migrate-resume {\"listen\"})",
+                    ));
+                }
+                Ok(Value::Null)
+            }
             ApiRequest::CancelMigration => {
                 self.migrations.outgoing.cancel().map_err(api_error)?;
                 Ok(Value::Null)
@@ -306,22 +324,27 @@ impl Handler for Controller {
                 Ok(Value::Null)
             }
             ApiRequest::MigrateReclaim(req) => {
-                self.take_back(&req)?;
-                tracing::warn!("the operator took the VM back after an unconfirmed switch");
-                Ok(Value::Null)
+                let from = self.take_back(&req)?;
+                tracing::warn!("the operator took the VM back after the switch: {from:?}");
+                Ok(resumed_from(from))
             }
             ApiRequest::MigrateRollback(req) => {
                 let from = self.take_back(&req)?;
                 tracing::warn!("the operator rolled the VM back after post-copy broke: {from:?}");
-                Ok(match from {
-                    Resumed::Checkpoint(seq) => {
-                        serde_json::json!({"resumed_from": "checkpoint", "checkpoint": seq})
-                    }
-                    Resumed::Switch => serde_json::json!({"resumed_from": "switch"}),
-                })
+                Ok(resumed_from(from))
             }
             ApiRequest::MigrateResume(req) => self.migrate_resume(&req),
             ApiRequest::Snapshot(req) => self.snapshot(&req),
         }
+    }
+}
+
+/// Where a VM taken back runs from, as `vm.migrate-reclaim` and `vm.migrate-rollback` answer.
+fn resumed_from(from: Resumed) -> Value {
+    match from {
+        Resumed::Checkpoint(seq) => {
+            serde_json::json!({"resumed_from": "checkpoint", "checkpoint": seq})
+        }
+        Resumed::Switch => serde_json::json!({"resumed_from": "switch"}),
     }
 }

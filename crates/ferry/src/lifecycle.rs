@@ -11,8 +11,11 @@ pub enum Lifecycle {
     Incoming,
     Running,
     Paused,
-    /// An outgoing migration before the switch (setup, rounds, switch-over).
+    /// An outgoing migration before the switch (setup, rounds).
     Migrating,
+    /// An outgoing migration's switch: the VM is paused and handed over; from `Go` on it may
+    /// run on the destination before this side hears so.
+    Switching,
     /// Post-copy after the switch: the VM runs on the destination, pages still move.
     PostcopySource,
     PostcopyDestination,
@@ -34,6 +37,7 @@ impl Lifecycle {
             Lifecycle::Running => "running",
             Lifecycle::Paused => "paused",
             Lifecycle::Migrating => "migrating",
+            Lifecycle::Switching => "switching over",
             Lifecycle::PostcopySource => "postcopy-active (source)",
             Lifecycle::PostcopyDestination => "postcopy-active (destination)",
             Lifecycle::PostcopyPausedSource => "postcopy-paused (source)",
@@ -56,6 +60,13 @@ impl Lifecycle {
         )
     }
 
+    /// Whether a stop (shutdown, a signal) must wait: the VM's memory is on two hosts, or
+    /// the VM is being handed over and may already run on the destination. The wait ends
+    /// with the migration: the VM then runs on one host only, and the stop applies there.
+    pub fn holds_stop(self) -> bool {
+        self.mid_postcopy() || self == Lifecycle::Switching
+    }
+
     /// The state from the VM's own phase, whether its vCPUs run, and its migration's status.
     pub fn of(vm: crate::controller::Phase, running: bool, migration: &Status) -> Self {
         use crate::controller::Phase as Vm;
@@ -76,10 +87,10 @@ impl Lifecycle {
                 Lifecycle::PostcopyPausedDestination
             }
             (Vm::Live, (Migration::Unconfirmed, Role::Source)) => Lifecycle::Unconfirmed,
-            (
-                Vm::Live,
-                (Migration::Setup | Migration::Active | Migration::Switchover, Role::Source),
-            ) => Lifecycle::Migrating,
+            (Vm::Live, (Migration::Switchover, Role::Source)) => Lifecycle::Switching,
+            (Vm::Live, (Migration::Setup | Migration::Active, Role::Source)) => {
+                Lifecycle::Migrating
+            }
             (Vm::Live, _) if running => Lifecycle::Running,
             (Vm::Live, _) => Lifecycle::Paused,
         }
@@ -93,10 +104,15 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
         ApiRequest::VmInfo | ApiRequest::MigrationStatus => true,
         ApiRequest::Pause => matches!(state, Running | Paused),
         ApiRequest::Resume => matches!(state, Paused | Running),
-        // Shutting down mid post-copy would lose the VM: its memory is on two hosts.
-        ApiRequest::Shutdown => !state.mid_postcopy(),
+        // Shutting down mid post-copy would lose the VM (its memory is on two hosts); mid
+        // switch, it could leave the destination's guest waiting for pages never sent.
+        ApiRequest::Shutdown => !state.holds_stop(),
         ApiRequest::SendMigration(_) | ApiRequest::Snapshot(_) => matches!(state, Running | Paused),
-        ApiRequest::CancelMigration | ApiRequest::StartPostcopy => state == Migrating,
+        // A cancel in the switch is refused by the migration itself once `Go` left.
+        ApiRequest::CancelMigration => {
+            matches!(state, Migrating | Switching | PostcopyPausedDestination)
+        }
+        ApiRequest::StartPostcopy => state == Migrating,
         ApiRequest::MigrateReclaim(_) => matches!(state, Unconfirmed | PostcopyPausedSource),
         ApiRequest::MigrateRollback(_) => state == PostcopyPausedSource,
         ApiRequest::MigrateResume(r) => match (r.listen.is_some(), r.destination.is_some()) {
@@ -151,6 +167,11 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
             ": a migration is already running"
         }
         Migrating => ": a migration is running: cancel it first (vm.cancel-migration)",
+        Switching if matches!(request, ApiRequest::Shutdown) => {
+            ": the VM is being handed over and may run on the destination already; ask \
+             again once the switch ends (seconds): it then runs on one host only"
+        }
+        Switching => ": the VM is being handed over to the destination",
         _ => "",
     };
     Err(ApiError::conflict(format!(
@@ -233,12 +254,28 @@ mod tests {
         let listen = ApiRequest::MigrateResume(MigrateResumeRequest {
             listen: Some("unix:/x".into()),
             destination: None,
+            timeout_s: None,
         });
         assert!(allow(&listen, Lifecycle::PostcopyPausedDestination).is_ok());
         assert!(allow(&listen, Lifecycle::PostcopyPausedSource).is_err());
         assert!(allow(&ApiRequest::CancelMigration, Lifecycle::Running).is_err());
         assert!(allow(&ApiRequest::CancelMigration, Lifecycle::Migrating).is_ok());
         assert!(allow(&ApiRequest::Pause, Lifecycle::Migrating).is_err());
+    }
+
+    #[test]
+    fn a_switch_holds_stops_and_its_cancel_is_decided_by_the_migration() {
+        let e = allow(&ApiRequest::Shutdown, Lifecycle::Switching).unwrap_err();
+        assert_eq!(e.status, 409);
+        assert!(e.message.contains("handed over"), "{}", e.message);
+        assert!(Lifecycle::Switching.holds_stop());
+        assert!(!Lifecycle::Migrating.holds_stop());
+        assert!(allow(&ApiRequest::Shutdown, Lifecycle::Migrating).is_ok());
+        assert!(allow(&ApiRequest::CancelMigration, Lifecycle::Switching).is_ok());
+        assert!(allow(&ApiRequest::StartPostcopy, Lifecycle::Switching).is_err());
+        assert!(allow(&ApiRequest::Resume, Lifecycle::Switching).is_err());
+        // An arriving VM's stop is the arrival's to decide (`Incoming::stop_arrival`).
+        assert!(allow(&ApiRequest::Shutdown, Lifecycle::Incoming).is_ok());
     }
 
     #[test]
@@ -263,6 +300,14 @@ mod tests {
         assert_eq!(
             of(Vm::Live, false, (Migration::Unconfirmed, Role::Source)),
             Lifecycle::Unconfirmed
+        );
+        assert_eq!(
+            of(Vm::Live, false, (Migration::Switchover, Role::Source)),
+            Lifecycle::Switching
+        );
+        assert_eq!(
+            of(Vm::Live, true, (Migration::Active, Role::Source)),
+            Lifecycle::Migrating
         );
         assert_eq!(
             of(Vm::Live, true, (Migration::Postcopy, Role::Destination)),

@@ -6,6 +6,7 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use api::{ApiError, MigrateResumeRequest, MigrationRequest, SnapshotRequest};
 use migration::status::Role;
@@ -15,6 +16,9 @@ use migration::{Endpoint, ErrorKind, Incoming, MigrationParams, Outgoing, Phase,
 use serde_json::Value;
 
 use crate::controller::{Controller, Phase as VmPhase};
+
+/// How long a destination's `vm.migrate-resume {"listen"}` waits for its source by default.
+const RESUME_LISTEN_WAIT: Duration = Duration::from_secs(300);
 
 /// A VM's migrations, both ways, and one status for them.
 pub struct Migrations {
@@ -393,7 +397,21 @@ impl Controller {
             (Some(listen), None) => {
                 let endpoint: Endpoint = listen.parse().map_err(api_error)?;
                 m.security.check(&endpoint).map_err(ApiError::bad_request)?;
-                m.incoming.resume(&endpoint).map_err(api_error)?;
+                let wait = match req.timeout_s {
+                    None => RESUME_LISTEN_WAIT,
+                    Some(s @ 1..=86400) => Duration::from_secs(s),
+                    Some(s) => {
+                        return Err(ApiError::bad_request(format!(
+                            "timeout_s {s} is out of range (1..=86400)"
+                        )));
+                    }
+                };
+                m.incoming.resume(&endpoint, wait).map_err(api_error)?;
+            }
+            (None, Some(_)) if req.timeout_s.is_some() => {
+                return Err(ApiError::bad_request(
+                    "timeout_s is for listen (the destination's wait for its source)",
+                ));
             }
             (None, Some(destination)) => {
                 let endpoint: Endpoint = destination.parse().map_err(api_error)?;

@@ -161,6 +161,10 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
             eprintln!("ferry: stopped while waiting for an incoming migration");
             return Ok(0);
         }
+        Err(e @ migration::Error::Stopped(_)) => {
+            eprintln!("ferry: {e}; the arrival ended and the source was told to run it on");
+            return Ok(0);
+        }
         Err(e) => {
             eprintln!("ferry: error: incoming migration failed: {e}");
             return Ok(1);
@@ -168,6 +172,14 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
     }
     if let Some(e) = controller.migrations.board.read().error {
         eprintln!("ferry: warning: {e}");
+    }
+    // A signal that came after the VM was handed over was meant for an arrival that is no
+    // more: the VM runs here now, and only a signal sent knowing that stops it.
+    if TERMINATE.swap(false, Ordering::AcqRel) {
+        eprintln!(
+            "ferry: a stop signal came as the VM was handed over here: it runs here now; \
+             signal again to stop it"
+        );
     }
     Ok(supervise(&controller))
 }
@@ -214,15 +226,18 @@ fn supervise(controller: &Controller) -> i32 {
         if controller.shutdown_requested() {
             break 0;
         }
-        // SIGTERM/SIGINT stop the VM, except mid post-copy, where its memory is on two hosts:
-        // then the stop waits for post-copy to end (kill -9 remains for an operator).
+        // SIGTERM/SIGINT stop the VM, except mid post-copy (its memory is on two hosts) or
+        // mid switch (it may run on the destination already): then the stop waits for the
+        // migration to end (kill -9 remains for an operator).
         if TERMINATE.load(Ordering::Acquire) {
-            if !controller.lifecycle().mid_postcopy() {
+            let state = controller.lifecycle();
+            if !state.holds_stop() {
                 break 0;
             }
             if !said_wait {
                 eprintln!(
-                    "ferry: stopping once post-copy completes (the VM's memory is on two hosts)"
+                    "ferry: stopping once the migration ends (the VM is {})",
+                    state.name()
                 );
                 said_wait = true;
             }

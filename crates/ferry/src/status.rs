@@ -37,6 +37,7 @@ pub fn migrate_resume(args: &MigrateResumeArgs) -> Result<i32> {
     let body = api::MigrateResumeRequest {
         listen: args.listen.clone(),
         destination: args.to.clone(),
+        timeout_s: args.timeout_s,
     };
     ApiClient::new(&args.api_socket)
         .put("vm.migrate-resume", Some(&serde_json::to_value(body)?))?;

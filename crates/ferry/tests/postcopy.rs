@@ -248,6 +248,7 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
     let err = src.api().put("vm.resume", None).unwrap_err();
     assert!(err.to_string().contains("two copies"), "{err}");
 
+    waits_for_a_resume_end_and_leave_the_pages_owed(&dst);
     // Carry on over a new connection, like QEMU's post-copy recovery.
     carry_on_postcopy(&src, &dst).expect("both sides carry on");
     let done = wait_for("the resumed post-copy to complete", T, || {
@@ -265,6 +266,38 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
         info.verify_errors, 0,
         "pages lost: {:?}",
         info.verify_error_pages
+    );
+}
+
+/// A destination's wait for its resuming source ends at its deadline, when a later `listen`
+/// replaces it and at a cancel; each time the pages stay owed, so a new `listen` is taken.
+fn waits_for_a_resume_end_and_leave_the_pages_owed(dst: &Ferry) {
+    let listen = |name: &str, timeout_s: Option<u64>| {
+        let url = format!("unix:{}", dst.scratch(name).display());
+        let body = serde_json::json!({ "listen": url, "timeout_s": timeout_s });
+        dst.api()
+            .put("vm.migrate-resume", Some(&body))
+            .unwrap_or_else(|e| panic!("listen on {name}: {e}"));
+    };
+    listen("nobody.sock", Some(1));
+    wait_for("the wait to end at its deadline", T, || {
+        let why = dst.migration_status().error.unwrap_or_default();
+        why.contains("within 1 s").then_some(())
+    });
+    listen("first.sock", None);
+    listen("second.sock", None);
+    assert!(
+        std::os::unix::net::UnixStream::connect(dst.scratch("first.sock")).is_err(),
+        "the replaced wait still listens"
+    );
+    dst.api()
+        .put("vm.cancel-migration", None)
+        .expect("the wait is cancelled");
+    let err = dst.api().put("vm.cancel-migration", None).unwrap_err();
+    assert!(err.to_string().contains("no resume is waiting"), "{err}");
+    assert!(
+        std::os::unix::net::UnixStream::connect(dst.scratch("second.sock")).is_err(),
+        "the cancelled wait still listens"
     );
 }
 

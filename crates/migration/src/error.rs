@@ -30,6 +30,9 @@ pub enum Error {
     },
     #[error("migration cancelled")]
     Cancelled,
+    /// The destination was asked to stop (by whom) before the VM ran there.
+    #[error("the destination was asked to stop ({0}) before the VM ran there")]
+    Stopped(String),
     #[error("migration timed out after {0} s")]
     Timeout(u64),
     /// A parameter the user gave is wrong.
@@ -84,7 +87,7 @@ impl Error {
             | Error::Peer(_)
             | Error::Setup(_)
             | Error::Timeout(_) => ErrorKind::Peer,
-            Error::Vm { .. } | Error::Cancelled => ErrorKind::Internal,
+            Error::Vm { .. } | Error::Cancelled | Error::Stopped(_) => ErrorKind::Internal,
         }
     }
 }

@@ -6,6 +6,7 @@
 //! `machine` is the conversation's rules.
 
 mod checkpoints;
+mod handover;
 mod install;
 mod lanes;
 pub mod machine;
@@ -13,12 +14,14 @@ pub mod postcopy;
 mod prefault;
 mod receive;
 
+pub use handover::Handover;
 pub use prefault::FaultIn;
 mod recovery;
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::status::{Phase, Role, Status, StatusBoard};
@@ -30,6 +33,8 @@ use crate::wire::{self, Message, StreamMode};
 
 /// How long a new connection has to open a migration before it is dropped.
 const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+/// How long a cancelled resume may take to hand the interrupted post-copy back (one poll).
+const RESUME_HANDBACK_WAIT: Duration = Duration::from_secs(2);
 /// Connections skipped before the listener gives up (someone is probing it).
 const MAX_STRAY_CONNECTIONS: u32 = 1000;
 
@@ -102,6 +107,10 @@ pub struct Incoming {
     /// serving the pages still on the source.
     interrupted: Mutex<Option<Arc<postcopy::Postcopy>>>,
     fault_in: FaultIn,
+    /// Whether a stop request or the VM's start comes first.
+    handover: Handover,
+    /// The resume waiting for its source, by its cancel flag.
+    resume_wait: Mutex<Option<Arc<AtomicBool>>>,
 }
 
 impl Incoming {
@@ -117,7 +126,15 @@ impl Incoming {
             tls,
             interrupted: Mutex::new(None),
             fault_in,
+            handover: Handover::default(),
+            resume_wait: Mutex::new(None),
         })
+    }
+
+    /// A stop request from `who` (e.g. the API's shutdown) while a VM may be arriving: the
+    /// arrival ends and its source runs on, unless the VM was already handed over here.
+    pub fn stop_arrival(&self, who: &str) -> Result<()> {
+        self.handover.stop(who)
     }
 
     /// Receives one VM. `build` makes a paused, empty VM of the given shape; `on_resumed`
@@ -127,7 +144,9 @@ impl Incoming {
     ///
     /// A listener skips connections that do not open a live ferry migration within
     /// `HANDSHAKE_WAIT` (an idle or foreign peer, a snapshot replayed over the network), telling
-    /// such a peer why, and keeps waiting; it stops waiting (`Ok(None)`) once `stop` says so.
+    /// such a peer why, and keeps waiting; it stops waiting (`Ok(None)`) once `stop` (a stop
+    /// signal) or `stop_arrival` says so. Once a VM arrives, either ends the arrival with
+    /// `Error::Stopped` up to the moment the VM would run here (see `handover`).
     pub fn receive<V: Migratable + 'static>(
         &self,
         source: Source,
@@ -137,7 +156,8 @@ impl Incoming {
     ) -> Result<Option<Arc<V>>> {
         let (stream, hello, expect, peer, listener) = match source {
             Source::Listening(l) => {
-                let Some((s, hello)) = first_live_stream(&l, stop)? else {
+                let stop_waiting = || stop() || self.handover.stopped();
+                let Some((s, hello)) = first_live_stream(&l, &stop_waiting)? else {
                     return Ok(None);
                 };
                 // Kept until the migration's extra connections joined; then closed.
@@ -162,11 +182,13 @@ impl Incoming {
             listener,
             cpu: Default::default(),
             fault_in: self.fault_in,
+            handover: &self.handover,
+            stop,
         };
         match receiver.receive(stream, hello, build, on_resumed)? {
             Arrived::Complete(vm) => Ok(Some(vm)),
             Arrived::Interrupted(vm, dest, e) => {
-                *self.interrupted.lock().unwrap_or_else(|e| e.into_inner()) = Some(dest);
+                self.put_back(dest);
                 let mut s = receiver.status;
                 s.phase = Phase::PostcopyPaused;
                 s.error = Some(format!(
@@ -181,45 +203,95 @@ impl Incoming {
     }
 
     /// Carries on an interrupted post-copy: waits for the source on `endpoint` in the
-    /// background.
-    pub fn resume(self: &Arc<Self>, endpoint: &Endpoint) -> Result<()> {
-        let dest = self
-            .interrupted
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .ok_or_else(|| {
-                Error::State("there is no interrupted post-copy to resume here".into())
-            })?;
+    /// background, for at most `wait`, until `cancel_resume`, or until a later `resume`
+    /// replaces this one (a wrong address must not leave the guest waiting for good).
+    pub fn resume(self: &Arc<Self>, endpoint: &Endpoint, wait: Duration) -> Result<()> {
+        self.cancel_resume();
+        let dest = self.take_interrupted()?;
         let listener = match endpoint.listen(self.tls.as_ref()) {
             Ok(l) => l,
             Err(e) => {
-                *self.interrupted.lock().unwrap_or_else(|e| e.into_inner()) = Some(dest);
+                self.put_back(dest);
                 return Err(e);
             }
         };
+        let cancelled = Arc::new(AtomicBool::new(false));
+        *self.resume_wait.lock().unwrap_or_else(|e| e.into_inner()) = Some(cancelled.clone());
         let this = self.clone();
+        let deadline = Instant::now() + wait;
+        let endpoint = endpoint.to_string();
         let spawned = std::thread::Builder::new()
             .name("postcopy-resume".into())
             .spawn(move || {
-                let result = recovery::resume(&dest, listener);
-                let mut s = this.board.read();
-                match result {
-                    Ok(report) => {
-                        s.phase = Phase::Completed;
-                        s.error = None;
-                        s.report.memory_checksum_destination = report.memory_checksum;
-                        s.report.postcopy_report = Some(report);
+                let stop = || {
+                    if cancelled.load(Ordering::Acquire) {
+                        Some(Error::Cancelled)
+                    } else if Instant::now() >= deadline {
+                        Some(Error::State(format!(
+                            "no source resumed on {endpoint} within {} s",
+                            wait.as_secs()
+                        )))
+                    } else {
+                        None
                     }
-                    Err(e) => {
-                        s.error = Some(format!("resuming post-copy failed: {e}"));
-                        *this.interrupted.lock().unwrap_or_else(|e| e.into_inner()) = Some(dest);
-                    }
-                }
-                this.board.publish(&s);
+                };
+                let result = recovery::resume(&dest, listener, &stop);
+                this.resumed(dest, result);
             });
         spawned
             .map(|_| ())
             .map_err(|e| Error::vm_caused("cannot start the resume", e))
+    }
+
+    /// Stops a resume still waiting for its source (its pages stay owed; a later resume
+    /// carries on); whether one was waiting.
+    pub fn cancel_resume(&self) -> bool {
+        let Some(waiting) = self
+            .resume_wait
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        else {
+            return false;
+        };
+        waiting.store(true, Ordering::Release);
+        // The waiting thread hands the interrupted post-copy back within one poll.
+        let deadline = Instant::now() + RESUME_HANDBACK_WAIT;
+        while self.lock_interrupted().is_none() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        true
+    }
+
+    fn lock_interrupted(&self) -> std::sync::MutexGuard<'_, Option<Arc<postcopy::Postcopy>>> {
+        self.interrupted.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn take_interrupted(&self) -> Result<Arc<postcopy::Postcopy>> {
+        self.lock_interrupted()
+            .take()
+            .ok_or_else(|| Error::State("there is no interrupted post-copy to resume here".into()))
+    }
+
+    fn put_back(&self, dest: Arc<postcopy::Postcopy>) {
+        *self.lock_interrupted() = Some(dest);
+    }
+
+    /// How a resume ended: completed, or failed with its pages still owed.
+    fn resumed(&self, dest: Arc<postcopy::Postcopy>, result: Result<wire::PostcopyReport>) {
+        let mut s = self.board.read();
+        match result {
+            Ok(report) => {
+                s.phase = Phase::Completed;
+                s.error = None;
+                s.report.memory_checksum_destination = report.memory_checksum;
+                s.report.postcopy_report = Some(report);
+            }
+            Err(e) => {
+                s.error = Some(format!("resuming post-copy failed: {e}"));
+                self.put_back(dest);
+            }
+        }
+        self.board.publish(&s);
     }
 }

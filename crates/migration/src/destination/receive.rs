@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::handover::Handover;
 use super::install::{Installer, Installing};
 use super::lanes;
 use super::machine::{DestinationState, Incoming};
@@ -26,6 +27,9 @@ const AFTER_WINDOW: Duration = Duration::from_secs(1);
 
 /// How long a failing destination keeps reading so that its `Abort` reaches the source.
 const LAST_WORD_WAIT: Duration = Duration::from_secs(1);
+
+/// Who asked to stop when a signal did.
+const STOP_SIGNAL: &str = "a stop signal (SIGTERM or SIGINT)";
 
 /// What kind of stream the caller is prepared to take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,11 +58,23 @@ pub(crate) struct Receiver<'a> {
     pub cpu: CpuMeter,
     /// How round 0's pages meet fresh memory (see `prefault::plan`).
     pub fault_in: FaultIn,
+    /// Where a stop request meets the VM's start.
+    pub handover: &'a Handover,
+    /// Whether a stop signal came (a signal handler cannot take the handover's lock).
+    pub stop: &'a dyn Fn() -> bool,
 }
 
 impl Receiver<'_> {
     fn publish(&self) {
         self.board.publish(&self.status);
+    }
+
+    /// Ends the arrival if someone asked this host to stop.
+    fn check_stop(&self) -> Result<()> {
+        if (self.stop)() {
+            let _ = self.handover.stop(STOP_SIGNAL);
+        }
+        self.handover.check()
     }
 
     pub fn receive<V: Migratable + 'static>(
@@ -74,7 +90,9 @@ impl Receiver<'_> {
             hello.and_then(|h| self.conversation(&mut stream, h, build, on_resumed, started));
         drop(tracked);
         if let Err(e) = &result {
-            if stream.has_peer() && !matches!(e, Error::Peer(_)) {
+            // An `Abort` tells the source the VM never ran here, and it runs it on: never
+            // once the VM was handed over (the source then waits for an operator instead).
+            if stream.has_peer() && !matches!(e, Error::Peer(_)) && !self.handover.committed() {
                 let _ = stream.set_timeouts(Some(Duration::from_millis(200)));
                 let _ = wire::write_message(
                     &mut stream,
@@ -193,6 +211,7 @@ impl Receiver<'_> {
         let mut round_started = Instant::now();
         let mut prefault: Option<Prefaulter> = None;
         let source_checksum = loop {
+            self.check_stop()?;
             let frame = match wire::read_frame(stream) {
                 Ok(f) => f,
                 // A lane that failed closed this stream: its failure is the reason.
@@ -394,6 +413,7 @@ impl Receiver<'_> {
             None => None,
         };
         if live {
+            self.check_stop()?;
             wire::write_message(
                 stream,
                 &Message::Loaded {
@@ -403,6 +423,8 @@ impl Receiver<'_> {
             let go = wire::read_message(stream)?;
             state = state.next(Incoming::Message(&go), postcopy.is_some())?;
         }
+        // From here the VM is this host's: a stop request that comes later is refused.
+        self.handover.commit((self.stop)().then_some(STOP_SIGNAL))?;
         // Checkpoints hold every page written here from the switch on; without dirty logging
         // the VM runs on without them.
         if postcopy.is_some()

@@ -5,13 +5,49 @@
 use super::machine::{DestinationState, Incoming};
 use super::postcopy::Postcopy;
 use crate::error::{Error, Result};
-use crate::wire::transport::Listener;
+use crate::wire::transport::{Listener, Stream};
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
-pub(crate) fn resume(dest: &Postcopy, listener: Listener) -> Result<PostcopyReport> {
-    let mut stream = listener.accept()?;
-    wire::read_stream_header(&mut stream)?;
-    let first = match wire::read_frame(&mut stream)? {
+/// Waits for the source until `stop` says so (a deadline, a cancel, a later listen); a
+/// connection that does not open a resume is dropped and the wait goes on.
+pub(crate) fn resume(
+    dest: &Postcopy,
+    listener: Listener,
+    stop: &dyn Fn() -> Option<Error>,
+) -> Result<PostcopyReport> {
+    let mut stream = loop {
+        let stopped = || stop().is_some();
+        let mut stream = match listener.accept_until(&stopped) {
+            Ok(Some(s)) => s,
+            Ok(None) => return Err(stop().unwrap_or(Error::Cancelled)),
+            Err(e) => {
+                tracing::warn!("refused a connection to the resume listener: {e}");
+                continue;
+            }
+        };
+        match open_resume(&mut stream) {
+            Ok(()) => break stream,
+            Err(e) => tracing::warn!("ignored a connection to the resume listener: {e}"),
+        }
+    };
+    wire::write_message(
+        &mut stream,
+        &Message::ResumeFrom {
+            words: dest.present_words(),
+        },
+    )?;
+    dest.attach(stream.try_clone()?);
+    let result = dest.receive_pages(&mut stream);
+    if result.is_err() {
+        dest.detach();
+    }
+    result
+}
+
+/// Reads what a source's new connection opens with: it must ask to resume post-copy.
+fn open_resume(stream: &mut Stream) -> Result<()> {
+    wire::read_stream_header(stream)?;
+    let first = match wire::read_frame(stream)? {
         Frame::Message(m) => m,
         Frame::Pages { .. } => {
             return Err(Error::Protocol("a new connection began with pages".into()));
@@ -25,16 +61,5 @@ pub(crate) fn resume(dest: &Postcopy, listener: Listener) -> Result<PostcopyRepo
             first.name()
         )));
     }
-    wire::write_message(
-        &mut stream,
-        &Message::ResumeFrom {
-            words: dest.present_words(),
-        },
-    )?;
-    dest.attach(stream.try_clone()?);
-    let result = dest.receive_pages(&mut stream);
-    if result.is_err() {
-        dest.detach();
-    }
-    result
+    Ok(())
 }

@@ -41,6 +41,9 @@ pub struct Controls {
     /// The connection while the source waits for the destination's first answer: a cancel
     /// closes it, as a silent peer would otherwise hold the wait for `IO_TIMEOUT`.
     pub handshake: Mutex<Option<Stream>>,
+    /// Set as `Go` leaves, under this lock: a cancel either comes first (and `Go` never
+    /// leaves) or finds it set and is refused (the VM may run on the destination already).
+    pub go_sent: Mutex<bool>,
 }
 
 /// How long `send` waits to learn whether the destination answered.
@@ -130,6 +133,11 @@ impl Outgoing {
         *busy = true;
         self.controls.cancel.store(false, Ordering::Release);
         self.controls.start_postcopy.store(false, Ordering::Release);
+        *self
+            .controls
+            .go_sent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = false;
         Ok(())
     }
 
@@ -345,7 +353,21 @@ impl Outgoing {
         if !self.running() {
             return Err(Error::State("no migration is running".into()));
         }
-        self.controls.cancel.store(true, Ordering::Release);
+        {
+            let go_sent = self
+                .controls
+                .go_sent
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            if *go_sent {
+                return Err(Error::State(
+                    "too late to cancel: Go was sent and the VM may run on the destination \
+                     already (the switch ends within seconds)"
+                        .into(),
+                ));
+            }
+            self.controls.cancel.store(true, Ordering::Release);
+        }
         if let Some(s) = self
             .controls
             .handshake

@@ -255,13 +255,12 @@ impl<'a> Session<'a> {
             Err(e) => self.explain(e),
         };
         let went = match self.state {
-            SourceState::AwaitResumed { .. }
-            | SourceState::Postcopy
-            | SourceState::AwaitGuestReport
-            | SourceState::Done => true,
-            // Go went with the state: the destination starts unless it said why it could not
-            // load (then it never will).
-            SourceState::AwaitLoadedGoSent { .. } => !matches!(error, Error::Peer(_)),
+            SourceState::Postcopy | SourceState::AwaitGuestReport | SourceState::Done => true,
+            // Go was sent: the destination starts unless it said why it would not (its
+            // `Abort` comes only before the VM ran there: a stop request, a failed load).
+            SourceState::AwaitResumed { .. } | SourceState::AwaitLoadedGoSent { .. } => {
+                !matches!(error, Error::Peer(_))
+            }
             _ => false,
         };
         if !went {

@@ -110,7 +110,6 @@ impl Session<'_> {
             self.hear_loaded()?;
         } else {
             self.hear_loaded()?;
-            self.check_continue()?;
             self.send_go(postcopy)?;
         }
         let Message::Resumed { state_to_resume_ns } = self.hear()? else {
@@ -153,7 +152,14 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// The last moment a cancel is heard: once `Go` leaves, the VM may run there.
     fn send_go(&mut self, postcopy: bool) -> Result<()> {
+        {
+            let controls = self.controls;
+            let mut go_sent = controls.go_sent.lock().unwrap_or_else(|e| e.into_inner());
+            self.check_continue()?;
+            *go_sent = true;
+        }
         self.send(&Message::Go)?;
         self.step(Event::GoSent { postcopy })
     }
