@@ -237,6 +237,9 @@ class FerryPeer:
             # Each side's CPU by the work its threads did (send, pack, receive, prefault).
             "cpu_by_work_source": report.get("cpu"),
             "cpu_by_work_destination": dst_status.get("cpu"),
+            # Where each side's time went, stretch by stretch on its own clock.
+            "breakdown_source": report.get("breakdown"),
+            "breakdown_destination": dst_status.get("breakdown"),
             **cpu_row(cpu, scenario),
         }
 

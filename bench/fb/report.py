@@ -59,6 +59,26 @@ def fmt(summary, metric, scale=1.0, digits=1):
     return f"{s['median'] / scale:.{digits}f} [{s['min'] / scale:.{digits}f}–{s['max'] / scale:.{digits}f}]"
 
 
+def breakdown_tables(scenarios):
+    """Idle rows: each side's stretches (median ms over the runs), so that no time is unexplained."""
+    lines = []
+    for r in scenarios:
+        if "idle" not in r["scenario"] or not r["runs"] or not r["runs"][0].get("breakdown_source"):
+            continue
+        for side in ("source", "destination"):
+            runs = [x[f"breakdown_{side}"] or [] for x in r["runs"]]
+            names = [b["name"] for b in runs[0]]
+            cells = []
+            for i, name in enumerate(names):
+                vals = sorted(run[i]["ms"] for run in runs if len(run) > i and run[i]["name"] == name)
+                cells.append(f"{name} {vals[len(vals) // 2]:.2f}")
+            lines += [f"Time of `{r['scenario']}` ({r['link']}, {r['peer']}), {side}'s clock, median ms: "
+                      + " · ".join(cells), ""]
+    if lines:
+        lines = ["## Where an idle migration's time goes", ""] + lines
+    return lines
+
+
 def markdown(results):
     m = results["machine"]
     lines = [f"# ferry benchmark — {results['started']}", "",
@@ -106,6 +126,7 @@ def markdown(results):
             lines.append(f"| {r['scenario']} | {fmt(s, 'total_ms')} | {fmt(s, 'bytes', 1e6)} | "
                          f"{fmt(s, 'gb_per_s', digits=2)} | {fmt(s, 'restore_ms')} | {errors} |")
         lines.append("")
+    lines += breakdown_tables(results["scenarios"])
     moves = [r for r in results["scenarios"] if r not in snaps]
     if moves:
         lines += ["## Migrations", "",

@@ -316,6 +316,13 @@ pub struct WorkCpu {
     pub busiest: f64,
 }
 
+/// One named stretch of a migration, in ms on one host's clock.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Stretch {
+    pub name: String,
+    pub ms: f64,
+}
+
 /// What the destination saw during post-copy.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct PostcopyReport {
@@ -391,6 +398,11 @@ pub struct MigrationStatus {
     /// or failed; a resumed post-copy's own run reports none).
     #[serde(default)]
     pub cpu: Vec<WorkCpu>,
+    /// Where this side's time went, stretch after stretch on its own clock (connect,
+    /// handshake, dirty log on, each round and harvest, pause, state, Go...): they add up to
+    /// the time from the migrate request (source) or the first message (destination).
+    #[serde(default)]
+    pub breakdown: Vec<Stretch>,
     pub pages_pushed: u64,
     pub pages_requested: u64,
     pub postcopy_report: Option<PostcopyReport>,

@@ -179,6 +179,14 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
                 busiest: u.busiest,
             })
             .collect(),
+        breakdown: r
+            .breakdown
+            .iter()
+            .map(|b| api::Stretch {
+                name: b.name.clone(),
+                ms: b.ms,
+            })
+            .collect(),
         pages_pushed: p.pages.pushed,
         pages_requested: p.pages.requested,
         postcopy_report: r.postcopy_report.as_ref().map(|c| api::PostcopyReport {

@@ -155,6 +155,9 @@ pub fn render(s: &MigrationStatus) -> String {
     if !s.cpu.is_empty() {
         let _ = writeln!(o, "  {}", cpu_line(s));
     }
+    if !s.breakdown.is_empty() {
+        let _ = writeln!(o, "  {}", breakdown_line(s));
+    }
     if !s.rounds.is_empty() {
         let _ = writeln!(
             o,
@@ -176,6 +179,23 @@ pub fn render(s: &MigrationStatus) -> String {
         }
     }
     o
+}
+
+/// Where this side's time went, stretch by stretch (ms on its clock); stretches of a few
+/// µs are left out of the line (the JSON has them all).
+fn breakdown_line(s: &MigrationStatus) -> String {
+    let shown: Vec<String> = s
+        .breakdown
+        .iter()
+        .filter(|b| b.ms >= 0.05)
+        .map(|b| format!("{} {:.2}", b.name, b.ms))
+        .collect();
+    let all: f64 = s.breakdown.iter().map(|b| b.ms).sum();
+    format!(
+        "time ({}, ms, {all:.2} in all): {}",
+        s.role,
+        shown.join(" | ")
+    )
 }
 
 /// Where this side's CPU went: per kind of work, its CPU seconds, its threads, and how busy

@@ -4,6 +4,7 @@
 //! says whose.
 
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use crate::wire::PostcopyReport;
 
@@ -147,6 +148,8 @@ pub struct Report {
     pub throttle_percent_max: u8,
     /// This side's CPU time by the work its threads did (see `crate::cpu`).
     pub cpu: Vec<crate::cpu::WorkCpu>,
+    /// Where this side's time went, stretch after stretch on its own clock (see `Laps`).
+    pub breakdown: Vec<Stretch>,
     // verification aid
     pub memory_checksum_source: Option<u64>,
     pub memory_checksum_destination: Option<u64>,
@@ -254,6 +257,39 @@ impl StatusBoard {
 
     pub fn phase(&self) -> Phase {
         self.status.lock().unwrap_or_else(|e| e.into_inner()).phase
+    }
+}
+
+/// One named stretch of a migration on one host's clock.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Stretch {
+    pub name: String,
+    pub ms: f64,
+}
+
+/// A stopwatch whose laps follow each other without gaps: the stretches it records add up to
+/// the time since it started, so no time goes unexplained.
+#[derive(Clone, Debug)]
+pub(crate) struct Laps {
+    last: Instant,
+}
+
+impl Laps {
+    pub fn starting(at: Instant) -> Self {
+        Self { last: at }
+    }
+
+    /// Ends the stretch called `name` now, and starts the next; returns when.
+    pub fn lap(&mut self, name: impl Into<String>, report: &mut Report) -> Instant {
+        let now = Instant::now();
+        let stretch = Stretch {
+            name: name.into(),
+            ms: ms(now - self.last),
+        };
+        tracing::trace!("{}: {:.3} ms", stretch.name, stretch.ms);
+        report.breakdown.push(stretch);
+        self.last = now;
+        now
     }
 }
 

@@ -680,6 +680,53 @@ fn zero_pages_travel_as_markers() {
     assert!(src.memory() == run.dest.unwrap().memory());
 }
 
+/// Each side's report says where its time went: named stretches that follow each other and
+/// add up to the source's total (connect to "resumed"), so no time goes unexplained.
+#[test]
+fn the_report_accounts_for_every_millisecond() {
+    let src = FakeVm::new();
+    src.write_page(3, 1);
+    src.paused.store(false, Ordering::Release);
+    let run = migrate(&src, MigrationParams::default(), None);
+    run.result.expect("migration");
+    let names =
+        |s: &Status| -> Vec<String> { s.report.breakdown.iter().map(|b| b.name.clone()).collect() };
+    let source = names(&run.source_status);
+    for want in [
+        "connect",
+        "handshake",
+        "dirty log on",
+        "populated scan",
+        "populated map",
+        "round 0",
+        "harvest 1",
+        "pause",
+        "harvest paused",
+        "state",
+        "loaded",
+        "go, resumed",
+    ] {
+        assert!(
+            source.iter().any(|n| n == want),
+            "no {want:?} in {source:?}"
+        );
+    }
+    let r = &run.source_status.report;
+    let sum: f64 = r.breakdown.iter().map(|b| b.ms).sum();
+    assert!(
+        (sum - r.total_ms).abs() < 1e-6,
+        "{sum} ms of {} ms",
+        r.total_ms
+    );
+    let destination = names(&run.dest_status);
+    for want in ["build", "populated map", "round 0", "load state", "resume"] {
+        assert!(
+            destination.iter().any(|n| n == want),
+            "no {want:?} in {destination:?}"
+        );
+    }
+}
+
 #[test]
 fn a_destination_that_refuses_leaves_the_source_running() {
     let src = FakeVm::new();

@@ -14,7 +14,7 @@ use super::prefault::{self, FaultIn, Plan, Prefaulter};
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::scan::memory_checksum;
-use crate::status::{CheckpointStats, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
+use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
 use crate::vm::{Migratable, VmDescriptor};
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageReceiver;
@@ -119,6 +119,7 @@ impl Receiver<'_> {
         started: Instant,
     ) -> Result<Arrived<V>> {
         // The stream header and the first message were read by whoever accepted the stream.
+        let mut laps = Laps::starting(started);
         let mut state = DestinationState::AwaitHello;
         stream.set_timeouts(Some(crate::wire::transport::IO_TIMEOUT))?;
         state = state.next(Incoming::Message(&hello), false)?;
@@ -181,6 +182,7 @@ impl Receiver<'_> {
                 },
             )?;
         }
+        laps.lap("build", &mut self.status.report);
 
         let mut pages = PageReceiver::new(&ram).for_lane(0, connections.max(1));
         let listener = self.listener.take();
@@ -203,6 +205,9 @@ impl Receiver<'_> {
             }
         };
         drop(listener); // one migration at a time: later connections are refused
+        if connections > 1 {
+            laps.lap("extra connections", &mut self.status.report);
+        }
         let mut vcpus: Vec<Option<Vec<u8>>> = vec![None; descriptor.vcpus as usize];
         let mut devices = None;
         let mut pending: Option<Bitmap> = None;
@@ -259,8 +264,10 @@ impl Receiver<'_> {
                                 .ok();
                         }
                     }
+                    laps.lap("populated map", &mut self.status.report);
                 }
                 Message::RoundEnd { round, pages: n } => {
+                    laps.lap(format!("round {round}"), &mut self.status.report);
                     let p = &mut self.status.progress;
                     p.round = round;
                     p.pages.full = pages.pages;
@@ -357,6 +364,7 @@ impl Receiver<'_> {
                             corrupt.count()
                         )));
                     }
+                    laps.lap("last pages, state", &mut self.status.report);
                     break memory_checksum;
                 }
                 _ => unreachable!("the state machine admits no other message here"),
@@ -370,6 +378,7 @@ impl Receiver<'_> {
             .collect::<Result<_>>()?;
         let devices = devices.ok_or_else(|| Error::Protocol("no device state".into()))?;
         vm.load_state(&vcpus, &devices)?;
+        laps.lap("load state", &mut self.status.report);
         let postcopy = match pending {
             Some(p) => Some(Postcopy::arm(
                 ram.clone(),
@@ -420,8 +429,10 @@ impl Receiver<'_> {
                     memory_checksum: checksum,
                 },
             )?;
+            laps.lap("checks", &mut self.status.report);
             let go = wire::read_message(stream)?;
             state = state.next(Incoming::Message(&go), postcopy.is_some())?;
+            laps.lap("loaded, go", &mut self.status.report);
         }
         // From here the VM is this host's: a stop request that comes later is refused.
         self.handover.commit((self.stop)().then_some(STOP_SIGNAL))?;
@@ -439,6 +450,7 @@ impl Receiver<'_> {
             vm.resume()?;
         }
         let resumed_at_ns = now_ns();
+        laps.lap("resume", &mut self.status.report);
         let state_to_resume = state_received.elapsed();
         self.status.report.destination_downtime_ms = Some(ms(state_to_resume));
         if live {

@@ -195,6 +195,7 @@ impl Outgoing {
         params: &MigrationParams,
         mut status: Status,
     ) -> Result<()> {
+        let began = Instant::now();
         let stream = match endpoint.connect(self.tls.as_ref()) {
             Ok(s) => s,
             Err(e) => {
@@ -218,6 +219,7 @@ impl Outgoing {
             status,
         );
         session.dial = Some(Box::new(|_| endpoint.connect(self.tls.as_ref())));
+        session.began_at(began);
         let was_running = vm.is_running();
         let result = session.run(mode);
         let result = session.finish(result);

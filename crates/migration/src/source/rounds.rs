@@ -32,11 +32,14 @@ impl Session<'_> {
         if mode == StreamMode::Precopy {
             self.vm.start_dirty_log()?;
             self.dirty_logging = true;
+            self.lap("dirty log on");
         } else {
             self.pause()?;
             self.check_page_data(); // the guest is still
+            self.lap("pause");
         }
         let populated = populated_pages(&self.ram)?;
+        self.lap("populated scan");
         self.status.progress.pages.skipped_unpopulated = self.ram.pages() - populated.count();
         if self.params.mode == Mode::Postcopy {
             // Nothing moves before the switch: every page that holds data follows it.
@@ -47,10 +50,12 @@ impl Session<'_> {
             pages: populated.pages(),
             words: populated.words().to_vec(),
         })?;
+        self.lap("populated map");
         self.send_round(0, &populated)?;
         match (mode, self.params.mode) {
             (StreamMode::Precopy, Mode::Hybrid) => {
                 let dirty = self.vm.take_dirty()?;
+                self.lap("harvest 1");
                 self.switch_over(dirty, true, start_ns)
             }
             (StreamMode::Precopy, _) => {
@@ -74,6 +79,7 @@ impl Session<'_> {
         loop {
             self.check_continue()?;
             let dirty = self.vm.take_dirty()?;
+            self.lap(format!("harvest {round}"));
             let count = dirty.count();
             stalled = if policy::shrank(previous, count) {
                 0
@@ -202,6 +208,7 @@ impl Session<'_> {
             pages: total,
         })?;
         self.count_sent(began, before.bytes);
+        self.lap(format!("round {round}"));
         let after = self.sent();
         let p = &mut self.status.progress;
         p.round = round;

@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
-use crate::status::{Phase, Status, StatusBoard, ms, now_ns};
+use crate::status::{Laps, Phase, Status, StatusBoard, ms, now_ns};
 use crate::vm::Migratable;
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
@@ -69,6 +69,8 @@ pub(crate) struct Session<'a> {
     pub checkpoints: Option<Arc<Checkpoints>>,
     /// The CPU time of this migration's threads (see `crate::cpu`).
     pub cpu: CpuMeter,
+    /// Where the time goes, stretch by stretch (`Report::breakdown`).
+    laps: Laps,
 }
 
 impl<'a> Session<'a> {
@@ -100,6 +102,7 @@ impl<'a> Session<'a> {
             status,
             state: SourceState::AwaitReady,
             started: Instant::now(),
+            laps: Laps::starting(Instant::now()),
             peer_postcopy: false,
             send_time: Duration::ZERO,
             was_running: vm.is_running(),
@@ -114,6 +117,17 @@ impl<'a> Session<'a> {
 
     pub fn publish(&self) {
         self.board.publish(&self.status);
+    }
+
+    /// Counts the migration from `at` (before connecting), not from this session's start.
+    pub fn began_at(&mut self, at: Instant) {
+        self.started = at;
+        self.laps = Laps::starting(at);
+    }
+
+    /// Ends the stretch of the migration called `name` (see `Report::breakdown`).
+    pub fn lap(&mut self, name: impl Into<String>) -> Instant {
+        self.laps.lap(name, &mut self.status.report)
     }
 
     /// Moves the conversation on; an event the state does not allow is an error.
@@ -141,6 +155,7 @@ impl<'a> Session<'a> {
     /// The whole migration; `Ok` means the destination runs the VM.
     pub fn run(&mut self, mode: StreamMode) -> Result<()> {
         let _tracked = self.cpu.track(Work::Send, Worker::Lane(0));
+        self.lap("connect");
         let start_ns = now_ns();
         self.status.report.guest_pages_per_s_before = self
             .vm
@@ -202,8 +217,10 @@ impl<'a> Session<'a> {
                     "the destination cannot take post-copy (no userfaultfd there)".into(),
                 ));
             }
+            self.lap("handshake");
             if connections > 1 {
                 self.open_lanes(session)?;
+                self.lap("extra connections");
             }
         } else {
             if connections > 1 {

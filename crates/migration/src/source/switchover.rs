@@ -42,6 +42,7 @@ impl Session<'_> {
             } else {
                 self.sync_before_pause()?;
             }
+            self.lap("catch-up");
         }
         self.status.phase = Phase::Switchover;
         self.publish();
@@ -49,17 +50,20 @@ impl Session<'_> {
             // Let the earlier rounds leave the send queue first: the last pages and the state
             // must not wait behind them while the guest is paused.
             self.stream.drain(SWITCH_DRAIN_LIMIT);
+            self.lap("drain");
         }
         self.pause()?;
         // Its disks are flushed and let go now, for the destination to take; a failure from
         // here on takes them back before the VM runs here again (`resume`).
         self.vm.release_devices()?;
         self.step(Event::Paused)?;
+        self.lap("pause");
         let (paused_at, paused_at_ns) = self.paused_at.expect("paused above");
         self.status.report.guest_pages_per_s_during =
             self.vm.guest_progress_rate(start_ns, paused_at_ns);
         if self.dirty_logging {
             pending.merge(&self.vm.take_dirty()?);
+            self.lap("harvest paused");
         }
         self.check_page_data(); // the guest is still
         let round = self.status.progress.rounds.len() as u32;
@@ -84,6 +88,7 @@ impl Session<'_> {
             self.send_round(round, &pending)?;
         }
         self.end_lanes()?;
+        self.lap("last pages");
         let checksum = if self.params.checksum {
             Some(memory_checksum(&self.ram)?)
         } else {
@@ -91,6 +96,7 @@ impl Session<'_> {
         };
         self.status.report.memory_checksum_source = checksum;
         self.send_state(checksum)?;
+        self.lap("state");
         if !self.stream.has_peer() {
             self.stream.flush()?;
             if let Stream::File(f) = &mut self.stream {
@@ -108,20 +114,24 @@ impl Session<'_> {
         if self.params.go_with_state {
             self.send_go(postcopy)?;
             self.hear_loaded()?;
+            self.lap("go, loaded");
         } else {
             self.hear_loaded()?;
+            self.lap("loaded");
             self.send_go(postcopy)?;
         }
         let Message::Resumed { state_to_resume_ns } = self.hear()? else {
             unreachable!("the state machine admits only Resumed here")
         };
+        // The stretches add up to the total: it ends where the last of them does.
+        let resumed_at = self.lap("go, resumed");
         self.status.report.downtime_ms = Some(ms(paused_at.elapsed()));
         self.status.report.destination_downtime_ms = Some(state_to_resume_ns as f64 / 1e6);
-        let resumed_at = Instant::now();
         if postcopy {
             self.status.phase = Phase::Postcopy;
             self.publish();
             self.post_copy(pending)?;
+            self.lap("post-copy");
         } else {
             self.note_cpu();
             self.await_guest_report();
