@@ -189,15 +189,18 @@ pub struct RunArgs {
     /// An initrd for --kernel.
     #[arg(long, requires = "kernel", conflicts_with = "guest")]
     pub initrd: Option<PathBuf>,
-    /// Guest memory: 512M, 4G, ... (a VM that arrives brings its own).
-    #[arg(long, default_value = "1G", conflicts_with_all = ["incoming", "restore"])]
-    pub memory: MemorySize,
+    /// Guest memory: 512M, 4G, ... (default 1G). With --incoming: the VM expected, built
+    /// before it arrives (as QEMU's destination is), so that building it is not part of the
+    /// move; a VM of another size is refused. Without it, the VM is built when the source
+    /// says what it is.
+    #[arg(long, conflicts_with = "restore")]
+    pub memory: Option<MemorySize>,
     /// How guest memory is backed: anonymous or memfd.
     #[arg(long, default_value = "anonymous")]
     pub memory_backend: MemoryBackend,
-    /// vCPUs (a VM that arrives brings its own).
-    #[arg(long, default_value_t = 1, conflicts_with_all = ["incoming", "restore"])]
-    pub vcpus: usize,
+    /// vCPUs (default 1). With --incoming, as --memory: the VM expected, built ahead.
+    #[arg(long, conflicts_with = "restore")]
+    pub vcpus: Option<usize>,
     /// The guest's command line (its workload), e.g. "write ws=256M seq verify".
     #[arg(long, default_value = "")]
     pub cmdline: String,

@@ -9,8 +9,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use api::ApiServer;
 use migration::destination::Source;
+use migration::vm::VmDescriptor;
 use migration::wire::tls::{Tls, TlsFiles};
 use vmm::devices::GuestEvent;
+use vmm::memory::MemorySize;
 use vmm::{BootImage, Vm, VmConfig, VmEvent};
 
 use crate::cli::RunArgs;
@@ -86,7 +88,7 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
     let (image, mut cmdline) = match (&args.guest, &args.kernel) {
         (Some(guest), None) => {
             check_file("guest", guest)?;
-            let cmdline = cmdline_with_vcpus(&args.cmdline, args.vcpus)?;
+            let cmdline = cmdline_with_vcpus(&args.cmdline, vcpus(args))?;
             (BootImage::Pvh(guest.clone()), cmdline)
         }
         (None, Some(kernel)) => {
@@ -108,15 +110,8 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
     for slot in 0..args.disks.len() + args.nets.len() {
         cmdline.push_str(&vmm::devices::virtio::cmdline_word(slot));
     }
-    let config = VmConfig {
-        memory: args.memory.0,
-        vcpus: args.vcpus,
-        backend: args.memory_backend,
-        disks: args.disks.clone(),
-        nets: args.nets.clone(),
-    };
     let serial = open_serial(&args.serial)?;
-    let vm = Vm::boot(config, &image, &cmdline, serial).context("cannot start the VM")?;
+    let vm = Vm::boot(config_of(args), &image, &cmdline, serial).context("cannot start the VM")?;
     let controller = Controller::with_vm(Arc::new(vm), security);
     configure(&controller, args)?;
     let _server = start_api(&controller, args.api_socket.as_deref())?;
@@ -135,20 +130,11 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
     let controller = Controller::new(Phase::Incoming, security);
     configure(&controller, args)?;
     let _server = start_api(&controller, args.api_socket.as_deref())?;
-    let serial = open_serial(&args.serial)?;
+    let arrival = Arrival::new(args)?;
     let received = controller.migrations.incoming.receive(
         source,
         &|| TERMINATE.load(Ordering::Acquire),
-        |descriptor| {
-            let config = VmConfig {
-                disks: args.disks.clone(),
-                nets: args.nets.clone(),
-                ..VmConfig::from_descriptor(descriptor)?
-            };
-            Vm::for_restore(config, serial)
-                .map(Arc::new)
-                .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))
-        },
+        |descriptor| arrival.build(descriptor),
         // The VM runs from here on (in post-copy, while its pages still arrive).
         |vm| {
             controller.set_vm(vm.clone());
@@ -182,6 +168,75 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
         );
     }
     Ok(supervise(&controller))
+}
+
+/// Guest memory and vCPUs unless given.
+const DEFAULT_MEMORY: u64 = 1 << 30;
+
+fn vcpus(args: &RunArgs) -> usize {
+    args.vcpus.unwrap_or(1)
+}
+
+/// The VM `ferry run` was asked for.
+fn config_of(args: &RunArgs) -> VmConfig {
+    VmConfig {
+        memory: args.memory.map_or(DEFAULT_MEMORY, |m| m.0),
+        vcpus: vcpus(args),
+        backend: args.memory_backend,
+        disks: args.disks.clone(),
+        nets: args.nets.clone(),
+    }
+}
+
+/// How an arriving VM is built: ahead, when --memory or --vcpus said what to expect (as
+/// QEMU's destination is: building it, KVM's memory slots above all, is then not part of the
+/// move); otherwise once the source says what it is.
+enum Arrival<'a> {
+    Prepared(Arc<Vm>),
+    OnHello {
+        args: &'a RunArgs,
+        serial: Box<dyn std::io::Write + Send>,
+    },
+}
+
+impl<'a> Arrival<'a> {
+    fn new(args: &'a RunArgs) -> Result<Self> {
+        let serial = open_serial(&args.serial)?;
+        if args.memory.is_none() && args.vcpus.is_none() {
+            return Ok(Arrival::OnHello { args, serial });
+        }
+        let vm = Vm::for_restore(config_of(args), serial).context("cannot build the VM")?;
+        Ok(Arrival::Prepared(Arc::new(vm)))
+    }
+
+    fn build(self, descriptor: &VmDescriptor) -> migration::Result<Arc<Vm>> {
+        let wanted = VmConfig::from_descriptor(descriptor)?;
+        match self {
+            Arrival::Prepared(vm) => {
+                let c = vm.config();
+                if (c.memory, c.vcpus) != (wanted.memory, wanted.vcpus) {
+                    return Err(migration::Error::vm(format!(
+                        "this destination was prepared for a VM of {} and {} vCPUs                          (--memory/--vcpus), the source's has {} and {}",
+                        MemorySize(c.memory),
+                        c.vcpus,
+                        MemorySize(wanted.memory),
+                        wanted.vcpus
+                    )));
+                }
+                Ok(vm)
+            }
+            Arrival::OnHello { args, serial } => {
+                let config = VmConfig {
+                    disks: args.disks.clone(),
+                    nets: args.nets.clone(),
+                    ..wanted
+                };
+                Vm::for_restore(config, serial)
+                    .map(Arc::new)
+                    .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))
+            }
+        }
+    }
 }
 
 /// The options every VM's API honours, booted or arrived.

@@ -329,8 +329,8 @@ fn flags_a_run_would_ignore_are_refused() {
         (
             &[
                 "run",
-                "--incoming",
-                "unix:/nonexistent/m.sock",
+                "--restore",
+                "/nonexistent/vm.ferry",
                 "--memory",
                 "4G",
             ][..],

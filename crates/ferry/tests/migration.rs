@@ -72,6 +72,32 @@ fn write_workload_precopy_keeps_every_page() {
     assert_eq!(info.per_vcpu[0].guest_errors, 0);
 }
 
+/// A destination started with --memory/--vcpus builds the VM before it arrives: a VM of
+/// another shape is refused with both shapes named (and runs on at the source); one of that
+/// shape moves into it with every page.
+#[test]
+fn a_prepared_destination_takes_its_shape_and_refuses_another() {
+    if !kvm_available() {
+        return;
+    }
+    let mut src = Ferry::writer("write ws=64M seq verify");
+    let url = unix_url(&src, "wrong.sock");
+    let _wrong = Ferry::start(&["--incoming", &url, "--memory", "2G", "--vcpus", "1"]);
+    let (report, ok, said) = migrate(&src, &url, &[]);
+    assert!(!ok, "{report:?}");
+    assert!(
+        said.contains("prepared for a VM of 2G and 1 vCPUs") && said.contains("has 1G and 1"),
+        "{said}"
+    );
+    assert_eq!(src.info().state, "running");
+
+    let url = unix_url(&src, "right.sock");
+    let dst = Ferry::start(&["--incoming", &url, "--memory", "1G", "--vcpus", "1"]);
+    let (report, ok, said) = migrate(&src, &url, &["--checksum"]);
+    assert!(ok, "{said}\n{report:?}");
+    assert_every_page_arrived(&mut src, &dst, &report, 1);
+}
+
 /// Pre-copy of a random writer over TCP with `extra`; checks every page arrived and the
 /// guest verified its memory on the destination; returns the report.
 fn tcp_precopy_keeps_every_page(extra: &[&str]) -> MigrationStatus {
