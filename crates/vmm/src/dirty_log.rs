@@ -1,14 +1,17 @@
 //! KVM's manual dirty-log protection. With it, reading the dirty log no longer re-protects all
 //! of guest memory; ferry clears (and so re-protects) exactly the pages it read as dirty, so the
-//! cost of each round follows what is sent, not the size of the VM.
+//! cost of each round follows what is sent, not the size of the VM. Where KVM offers it, the
+//! log also starts all set: turning logging on then protects nothing, and ferry protects only
+//! the pages that hold data (a page never touched has nothing to protect; see `Vm`).
 //!
 //! Written by hand because kvm-ioctls 0.25 has no wrapper for `KVM_CLEAR_DIRTY_LOG`, and its
 //! `get_dirty_log` allocates a new bitmap on every call: at the switch that is a few hundred
 //! first-touch page faults inside the guest's downtime, so `get` reads into a reused buffer.
 
 use kvm_bindings::{
-    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, kvm_clear_dirty_log,
-    kvm_clear_dirty_log__bindgen_ty_1, kvm_dirty_log, kvm_dirty_log__bindgen_ty_1, kvm_enable_cap,
+    KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2, KVM_DIRTY_LOG_INITIALLY_SET,
+    KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE, kvm_clear_dirty_log, kvm_clear_dirty_log__bindgen_ty_1,
+    kvm_dirty_log, kvm_dirty_log__bindgen_ty_1, kvm_enable_cap,
 };
 use kvm_ioctls::VmFd;
 use vmm_sys_util::ioctl::ioctl_with_ref;
@@ -35,15 +38,38 @@ pub fn get(vm: &VmFd, slot: u32, bitmap: &mut [u64]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Turns manual protection on; false where the kernel does not offer it (then reading the log
-/// clears it, as before).
-pub fn enable_manual_protect(vm: &VmFd) -> bool {
-    let cap = kvm_enable_cap {
-        cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
-        args: [u64::from(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE), 0, 0, 0],
-        ..Default::default()
+/// How KVM's dirty log is protected.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protect {
+    /// Reading the log clears it and re-protects every page the guest dirtied.
+    OnRead,
+    /// `clear` re-protects what ferry read.
+    Manual,
+    /// As `Manual`, and turning logging on sets every bit instead of protecting every page.
+    ManualInitiallySet,
+}
+
+/// Turns on the best protection the kernel offers.
+pub fn enable_manual_protect(vm: &VmFd) -> Protect {
+    let offered = vm.check_extension_raw(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into()) as u32;
+    let want = offered & (KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE | KVM_DIRTY_LOG_INITIALLY_SET);
+    let enable = |flags: u32| {
+        let cap = kvm_enable_cap {
+            cap: KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2,
+            args: [u64::from(flags), 0, 0, 0],
+            ..Default::default()
+        };
+        vm.enable_cap(&cap).is_ok()
     };
-    vm.enable_cap(&cap).is_ok()
+    if want & KVM_DIRTY_LOG_INITIALLY_SET != 0
+        && enable(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE | KVM_DIRTY_LOG_INITIALLY_SET)
+    {
+        return Protect::ManualInitiallySet;
+    }
+    if enable(KVM_DIRTY_LOG_MANUAL_PROTECT_ENABLE) {
+        return Protect::Manual;
+    }
+    Protect::OnRead
 }
 
 /// Clears the bits of `bitmap` (pages `0..pages` of `slot`) in KVM's log and write-protects

@@ -20,6 +20,7 @@ use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::{FIRST_GSI, MAX_SLOTS, SLOT_SIZE, WriteLog};
 use crate::devices::{DeviceBus, GuestEvent, HeartbeatDevice, SerialDevice, serial};
+use crate::dirty_log::Protect;
 use crate::error::{Error, Result, kvm};
 use crate::layout::DEVICE_WINDOW_START;
 use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory};
@@ -110,8 +111,8 @@ pub struct Vm {
     /// The CPU model this host's KVM gives a guest (read back from a vCPU: KVM completes what
     /// was set); a migrated model is checked against it.
     supported_cpuid: CpuId,
-    /// KVM leaves the dirty log set until we clear what we read (see `dirty_log`).
-    manual_dirty_protect: bool,
+    /// Who protects pages again once their dirty bit was read (see `dirty_log`).
+    dirty_protect: Protect,
     config: VmConfig,
     /// Whether the vCPUs run: read without waiting (status queries must never queue behind a
     /// pause that waits for a device or a vCPU).
@@ -131,7 +132,7 @@ struct Parts {
     bus: Arc<DeviceBus>,
     msrs: Vec<u32>,
     supported_cpuid: CpuId,
-    manual_dirty_protect: bool,
+    dirty_protect: Protect,
 }
 
 impl Vm {
@@ -196,7 +197,7 @@ impl Vm {
             bus: parts.bus,
             msrs: parts.msrs,
             supported_cpuid: parts.supported_cpuid,
-            manual_dirty_protect: parts.manual_dirty_protect,
+            dirty_protect: parts.dirty_protect,
             config,
             running: AtomicBool::new(!paused),
             transition: Mutex::new(()),
@@ -341,15 +342,35 @@ impl Vm {
             }
             .map_err(kvm("KVM_SET_USER_MEMORY_REGION"))?;
         }
+        if on && self.dirty_protect == Protect::ManualInitiallySet {
+            // Every bit starts set and nothing is protected: protect what holds data now (what
+            // the first round sends); the bits of pages never touched stay set (`take_dirty_log`).
+            let mut populated = self.populated()?;
+            let regions = self.ram_regions();
+            for (slot, (range, _)) in regions.into_iter().enumerate() {
+                let words = slot_words(&mut populated, range);
+                crate::dirty_log::clear(&self.fd, slot as u32, range.pages(), words)
+                    .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
+            }
+        }
         Ok(())
     }
 
     /// Returns and resets the pages the guest dirtied since the last call: one bit per guest
     /// page number, every slot's log in its place.
+    ///
+    /// A log that started all set (`Protect::ManualInitiallySet`) keeps the bits of pages
+    /// never touched: they are read as dirty only once they hold data (populated now), so a
+    /// round sends what the guest wrote, never what it never touched. A page the guest first
+    /// touches after the scan keeps its bit, and the next call finds it.
     pub fn take_dirty_log(&self) -> Result<Bitmap> {
         let regions = self.ram_regions();
         let end = regions.last().map_or(0, |(r, _)| r.end_gfn());
         let mut dirty = Bitmap::new(end);
+        let mut populated = match self.dirty_protect {
+            Protect::ManualInitiallySet => Some(self.populated()?),
+            _ => None,
+        };
         let mut buffers = self.dirty_buffers.lock().unwrap_or_else(|e| e.into_inner());
         buffers.resize_with(regions.len(), Vec::new);
         for (slot, ((range, _), bitmap)) in regions.into_iter().zip(buffers.iter_mut()).enumerate()
@@ -357,13 +378,24 @@ impl Vm {
             bitmap.resize(range.pages().div_ceil(64) as usize, 0);
             crate::dirty_log::get(&self.fd, slot as u32, bitmap)
                 .map_err(|e| Error::State(format!("KVM_GET_DIRTY_LOG: {e}")))?;
-            if self.manual_dirty_protect {
+            if let Some(populated) = populated.as_mut() {
+                for (bit, held) in bitmap.iter_mut().zip(slot_words(populated, range)) {
+                    *bit &= *held;
+                }
+            }
+            if self.dirty_protect != Protect::OnRead {
                 crate::dirty_log::clear(&self.fd, slot as u32, range.pages(), bitmap)
                     .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
             }
             dirty.merge_words_at(range.first_gfn(), bitmap);
         }
         Ok(dirty)
+    }
+
+    /// The pages of guest memory that hold data now.
+    fn populated(&self) -> Result<Bitmap> {
+        migration::scan::populated_pages(&migration::Migratable::ram(self))
+            .map_err(|e| Error::State(format!("finding populated memory: {e}")))
     }
 
     /// Saves every vCPU; the VM must be paused.
@@ -625,8 +657,8 @@ impl Parts {
         let cpuid = vcpu_fds[0]
             .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm("KVM_GET_CPUID2"))?;
-        let manual_dirty_protect = crate::dirty_log::enable_manual_protect(&fd);
-        tracing::debug!(manual_dirty_protect, "KVM dirty log protection");
+        let dirty_protect = crate::dirty_log::enable_manual_protect(&fd);
+        tracing::debug!("KVM dirty log protection: {dirty_protect:?}");
         Ok(Self {
             fd,
             memory,
@@ -634,7 +666,7 @@ impl Parts {
             bus,
             msrs,
             supported_cpuid: cpuid,
-            manual_dirty_protect,
+            dirty_protect,
         })
     }
 }
@@ -796,4 +828,13 @@ mod tests {
         let e = state::check_cpuid(&alien, &dst.supported_cpuid).unwrap_err();
         assert!(e.to_string().contains("CPUID leaf 0x1"), "{e}");
     }
+}
+
+/// The words of `map` that cover `range` (its first page is a multiple of 64, as every RAM
+/// range starts on a 2 MiB boundary).
+fn slot_words(map: &mut Bitmap, range: migration::RamRange) -> &mut [u64] {
+    let first = (range.first_gfn() / 64) as usize;
+    let words = map.words_mut();
+    let last = (first + range.pages().div_ceil(64) as usize).min(words.len());
+    &mut words[first.min(last)..last]
 }

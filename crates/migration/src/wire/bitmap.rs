@@ -41,6 +41,10 @@ impl Bitmap {
         &self.words
     }
 
+    pub fn words_mut(&mut self) -> &mut [u64] {
+        &mut self.words
+    }
+
     pub fn get(&self, pfn: u64) -> bool {
         pfn < self.pages && self.words[(pfn / 64) as usize] & (1 << (pfn % 64)) != 0
     }
