@@ -752,6 +752,15 @@ fn set_fpu_defaults(vcpu: &VcpuFd) -> Result<()> {
     vcpu.set_fpu(&fpu).map_err(kvm("KVM_SET_FPU"))
 }
 
+/// The words of `map` that cover `range` (its first page is a multiple of 64, as every RAM
+/// range starts on a 2 MiB boundary).
+fn slot_words(map: &mut Bitmap, range: migration::RamRange) -> &mut [u64] {
+    let first = (range.first_gfn() / 64) as usize;
+    let words = map.words_mut();
+    let last = (first + range.pages().div_ceil(64) as usize).min(words.len());
+    &mut words[first.min(last)..last]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -830,11 +839,3 @@ mod tests {
     }
 }
 
-/// The words of `map` that cover `range` (its first page is a multiple of 64, as every RAM
-/// range starts on a 2 MiB boundary).
-fn slot_words(map: &mut Bitmap, range: migration::RamRange) -> &mut [u64] {
-    let first = (range.first_gfn() / 64) as usize;
-    let words = map.words_mut();
-    let last = (first + range.pages().div_ceil(64) as usize).min(words.len());
-    &mut words[first.min(last)..last]
-}
