@@ -22,6 +22,34 @@ fn passes_after(dst: &Ferry, extra: u64) -> api::VmInfo {
     })
 }
 
+/// A 256 GiB guest (memory is lazy: it costs what it touched) moves into a destination
+/// prepared for it, skipping every page it never touched, and beats on there.
+#[test]
+fn a_256_gib_idle_guest_moves() {
+    if !kvm_available() {
+        return;
+    }
+    let mut src = Ferry::boot(VmSpec {
+        memory: "256G",
+        ..Default::default()
+    });
+    let before = src.wait_info("heartbeats", T, |i| i.heartbeat_seq > 10);
+    let url = unix_url(&src, "big.sock");
+    let dst = Ferry::start(&["--incoming", &url, "--memory", "256G"]);
+    let (report, ok, said) = migrate(&src, &url, &[]);
+    assert!(ok, "{said}\n{report:?}");
+    assert!(
+        report.pages_skipped_unpopulated > 60 << 20,
+        "{} pages skipped",
+        report.pages_skipped_unpopulated
+    );
+    assert!(src.wait_exit(T).success());
+    let after = dst.wait_info("heartbeats on the destination", T, |i| {
+        i.heartbeat_seq > before.heartbeat_seq + 10
+    });
+    assert_eq!(after.state, "running");
+}
+
 #[test]
 fn idle_guest_moves_over_tcp_and_heartbeats_continue() {
     if !kvm_available() {

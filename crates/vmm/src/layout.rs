@@ -38,7 +38,7 @@ pub const RSDP_ADDR: u64 = 0xe_0000;
 pub const IMAGE_ADDR: u64 = 0x10_0000;
 
 /// The largest guest ferry builds.
-pub const MAX_MEMORY: u64 = 64 << 30;
+pub const MAX_MEMORY: u64 = 512 << 30;
 
 /// Where `memory` bytes of RAM go: below the hole, then above 4 GiB.
 pub fn ram_ranges(memory: u64) -> Vec<RamRange> {

@@ -157,7 +157,7 @@ mod tests {
     #[test]
     fn refuses_sizes_out_of_range() {
         assert!(create_guest_memory(1 << 20, MemoryBackend::Anonymous).is_err());
-        let err = create_guest_memory(1 << 40, MemoryBackend::Anonymous).unwrap_err();
+        let err = create_guest_memory(1 << 41, MemoryBackend::Anonymous).unwrap_err();
         assert!(err.to_string().contains("larger than ferry can map"));
     }
 }

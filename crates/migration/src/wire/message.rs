@@ -534,9 +534,10 @@ impl Encoder {
 const RUN_ZEROS: u8 = 0;
 const RUN_ONES: u8 = 1;
 const RUN_WORDS: u8 = 2;
-/// Most words a bitmap may have: 2^26 pages (256 GiB of guest addresses), far above
-/// `MAX_MEMORY`; more is a corrupt or hostile message, not a bitmap to allocate.
-const MAX_BITMAP_WORDS: usize = 1 << 20;
+/// Most words a bitmap may have: 2^28 pages (1 TiB of guest addresses), above the VMM's
+/// largest guest (512 GiB and the hole below 4 GiB); more is a corrupt or hostile message,
+/// not a bitmap to allocate (at most 32 MiB).
+const MAX_BITMAP_WORDS: usize = 1 << 22;
 
 struct Decoder<'a> {
     buf: &'a [u8],
