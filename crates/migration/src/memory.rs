@@ -380,6 +380,27 @@ fn outside(gfn: u64) -> Error {
 }
 
 #[cfg(test)]
+pub(crate) mod test_support {
+    /// A fresh private mapping of `len` bytes that nothing else refers to (unmapped by the
+    /// caller).
+    pub fn mapping(len: usize) -> *mut libc::c_void {
+        // SAFETY: a new private anonymous mapping; nothing else refers to it.
+        let host = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(host, libc::MAP_FAILED);
+        host
+    }
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
 

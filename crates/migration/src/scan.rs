@@ -216,18 +216,7 @@ mod tests {
     fn the_scan_and_the_page_by_page_read_agree() {
         const PAGES: u64 = 4096;
         let len = PAGES as usize * PAGE_SIZE;
-        // SAFETY: a new private anonymous mapping, unmapped at the end of the test.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(host, libc::MAP_FAILED);
+        let host = crate::memory::test_support::mapping(len);
         let range = RamRange {
             gpa: 1 << 20,
             len: len as u64,

@@ -215,23 +215,7 @@ impl Shared {
 mod tests {
     use super::*;
     use crate::memory::RamRange;
-
-    /// A fresh private mapping of `len` bytes (unmapped by the caller).
-    fn mapping(len: usize) -> *mut libc::c_void {
-        // SAFETY: a new private anonymous mapping; nothing else refers to it.
-        let host = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(host, libc::MAP_FAILED);
-        host
-    }
+    use crate::memory::test_support::mapping;
 
     #[test]
     fn faults_in_the_pages_named_and_changes_none() {
