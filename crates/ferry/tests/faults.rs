@@ -2,19 +2,35 @@
 //! conversation (by a relay that reads the framing, so it lands at the same protocol point
 //! every run), then a look at both hosts. A VM must never run on both; it may be lost only
 //! where the fault killed the host that held its only usable copy; the copy that runs must
-//! verify its memory with zero errors. Post-copy cut mid-way is carried on (recovery) first.
+//! verify its memory with zero errors, and the two sides' memory checksums at the switch must
+//! agree. Post-copy cut mid-way is carried on (recovery) first. Operators' requests (cancel,
+//! stop by API or SIGTERM, to either side) at each point must get the lifecycle's answer, and
+//! strangers on the destination's migration port must not make a migration fail.
 //!
 //! `make test` runs the short form (one case of each fault); `FERRY_FAULTS=full` runs every
-//! case (258 faults, about 14 minutes here; `make faults`) and writes the table to
-//! `target/faults.md` (the table in docs/faults.md comes from there).
+//! case (`make faults`) and writes the table to `target/faults.md` (the table in
+//! docs/faults.md comes from there). `FERRY_FAULTS_ONLY` picks cases from every case; one that
+//! picks none fails.
 
+#[path = "faults/checksums.rs"]
+mod checksums;
 mod common;
+#[path = "faults/requests.rs"]
+mod requests;
+#[path = "faults/sides.rs"]
+mod sides;
+#[path = "faults/strangers.rs"]
+mod strangers;
 
 use std::time::{Duration, Instant};
 
-use api::MigrationPhase;
+use api::{MigrationPhase, MigrationStatus};
+use checksums::Checksums;
 use common::relay::{Action, Point, Relay};
 use common::*;
+use requests::{Answer, Heard, How, Moment, Request, Side};
+use sides::{Holds, holds, kill};
+use strangers::Strangers;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Fault {
@@ -24,8 +40,13 @@ enum Fault {
     Stall,
     Corrupt,
     Cancel,
+    /// A stop request to one side: `vm.shutdown`, or SIGTERM.
+    Stop(Side, How),
+    /// Idle connections and byte-tricklers on the destination's migration port.
+    Strangers,
 }
 
+/// Tried at every point of every mode.
 const FAULTS: [Fault; 6] = [
     Fault::KillSource,
     Fault::KillDestination,
@@ -34,6 +55,22 @@ const FAULTS: [Fault; 6] = [
     Fault::Corrupt,
     Fault::Cancel,
 ];
+
+/// Tried at every point of `STOP_MODES`: pre-copy's and post-copy's points are every point
+/// of a departure and of an arrival; go-with-state's `Go` comes early.
+const STOPS: [Fault; 4] = [
+    Fault::Stop(Side::Source, How::Api),
+    Fault::Stop(Side::Source, How::Signal),
+    Fault::Stop(Side::Destination, How::Api),
+    Fault::Stop(Side::Destination, How::Signal),
+];
+const STOP_MODES: [&str; 3] = ["precopy", GO_WITH_STATE, "postcopy"];
+
+/// Strangers come at these points of these modes: before the source (setup: first in the
+/// listener's queue, where two connections' extra one must still get in), during the rounds,
+/// at the switch, and during post-copy.
+const STRANGER_MODES: [&str; 3] = ["precopy", TWO_CONNECTIONS, "postcopy"];
+const STRANGER_POINTS: [Point; 4] = [Point::Setup, Point::Round0, Point::Go, Point::Postcopy(50)];
 
 const STALL: Duration = Duration::from_secs(10);
 
@@ -45,7 +82,8 @@ impl Fault {
             Fault::Cut => "link cut",
             Fault::Stall => "link stall 10 s",
             Fault::Corrupt => "corrupted byte",
-            Fault::Cancel => "API cancel",
+            Fault::Strangers => "strangers",
+            Fault::Cancel | Fault::Stop(..) => self.request().map_or("", Request::name),
         }
     }
 
@@ -54,8 +92,29 @@ impl Fault {
             Fault::Cut => Action::Cut,
             Fault::Stall => Action::Stall(STALL),
             Fault::Corrupt => Action::Corrupt,
-            Fault::KillSource | Fault::KillDestination | Fault::Cancel => Action::Hold,
+            _ => Action::Hold,
         }
+    }
+
+    /// The operator's request this fault is, if it is one.
+    fn request(self) -> Option<Request> {
+        match self {
+            Fault::Cancel => Some(Request::Cancel),
+            Fault::Stop(side, how) => Some(Request::Stop(side, how)),
+            _ => None,
+        }
+    }
+
+    /// The faults tried at `point` of `mode`.
+    fn at(mode: &str, point: Point) -> Vec<Fault> {
+        let mut faults = FAULTS.to_vec();
+        if STOP_MODES.contains(&mode) {
+            faults.extend(STOPS);
+        }
+        if STRANGER_MODES.contains(&mode) && STRANGER_POINTS.contains(&point) {
+            faults.push(Fault::Strangers);
+        }
+        faults
     }
 }
 
@@ -79,6 +138,10 @@ enum Outcome {
     Held,
     /// No usable copy is left: the fault killed the host that held the only one.
     Lost,
+    /// The operator stopped the source before it gave the VM up: no copy runs, as asked.
+    Stopped,
+    /// A side's API did not say what it holds, or the sides never settled: never allowed.
+    Unknown,
     /// Both run: never allowed.
     Twice,
 }
@@ -127,11 +190,26 @@ fn mode_args(mode: &str) -> Vec<&str> {
     }
 }
 
+/// Where the switch stands when the frame at `point` is held.
+fn moment(mode: &str, point: Point) -> Moment {
+    match point {
+        Point::Pause | Point::State if mode == GO_WITH_STATE => Moment::AroundGo,
+        Point::Setup | Point::Round0 | Point::RoundK | Point::Pause | Point::State => {
+            Moment::BeforeGo
+        }
+        Point::Go => Moment::GoHeld,
+        Point::Postcopy(_) | Point::Completion => Moment::Runs,
+    }
+}
+
 /// What the design promises for a fault at a point.
 fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
     use Outcome::*;
     let postcopy = matches!(mode, "postcopy" | "hybrid");
     match (point, fault) {
+        // Strangers change nothing.
+        (_, Fault::Strangers) => &[Destination],
+        (_, Fault::Stop(side, _)) => promised_of_stop(moment(mode, point), side),
         // With `--go-with-state`, `Go` may already be written behind the frame that is held:
         // the state, or at the pause the first frame after the rounds (the source writes on
         // into the socket buffers while the relay holds it; seen at 571b1f6, a cancel there
@@ -189,71 +267,45 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
     }
 }
 
+/// A stop asked of the destination before it runs the VM ends the arrival, and the source,
+/// told, runs on; once it runs the VM the stop is refused or deferred. A stop asked of the
+/// source before `Go` stops the VM, as asked; from `Go` on it is refused or deferred until the
+/// switch resolves.
+fn promised_of_stop(at: Moment, side: Side) -> &'static [Outcome] {
+    use Outcome::*;
+    match (side, at) {
+        (Side::Destination, Moment::Runs) => &[Destination],
+        (Side::Destination, _) => &[Source],
+        (Side::Source, Moment::BeforeGo) => &[Stopped],
+        (Side::Source, Moment::AroundGo) => &[Stopped, Destination],
+        (Side::Source, _) => &[Destination],
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Case {
     mode: &'static str,
     point: Point,
     fault: Fault,
 }
 
+impl Case {
+    /// `mode/point/fault`: what `FERRY_FAULTS_ONLY` matches.
+    fn row(&self) -> String {
+        format!("{}/{}/{}", self.mode, self.point.name(), self.fault.name())
+    }
+}
+
 struct Result {
     outcome: Outcome,
-    /// The running copy's verify errors after one more pass.
-    verify_errors: u64,
+    /// The running copy's verify errors after one more pass (0 when none runs); `None` when
+    /// no pass ended.
+    verify_errors: Option<u64>,
+    checksums: Checksums,
+    /// What the operator's request got, for a fault that is one.
+    answer: Option<Answer>,
     reached: bool,
     secs: f64,
-}
-
-/// How a live ferry process holds the VM.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Holds {
-    Nothing,
-    Runs,
-    /// Paused after `Go` (unconfirmed, or post-copy whose destination is gone).
-    Paused(MigrationPhase),
-    /// A destination in post-copy whose source is gone: it waits for pages forever.
-    Stranded,
-}
-
-fn holds(f: &mut Ferry) -> Holds {
-    if !f.is_running() {
-        return Holds::Nothing;
-    }
-    let (Ok(info), Ok(status)) = (f.api().get("vm.info"), f.api().get("vm.migration")) else {
-        return Holds::Nothing;
-    };
-    let state = info["state"].as_str().unwrap_or_default().to_string();
-    let phase: MigrationPhase = serde_json::from_value(status["phase"].clone()).unwrap_or_default();
-    match (state.as_str(), phase) {
-        ("running", MigrationPhase::PostcopyPaused) => Holds::Stranded,
-        ("running", _) => Holds::Runs,
-        ("paused", MigrationPhase::Unconfirmed | MigrationPhase::PostcopyPaused) => {
-            Holds::Paused(phase)
-        }
-        ("paused", _) => Holds::Runs,
-        _ => Holds::Nothing,
-    }
-}
-
-/// Whether a side is still between states (a migration running, a source about to exit).
-fn settling(f: &mut Ferry) -> bool {
-    if !f.is_running() {
-        return false;
-    }
-    // A process may exit between two questions (a source that let go): then it has settled.
-    let (Ok(status), Ok(info)) = (f.api().get("vm.migration"), f.api().get("vm.info")) else {
-        return false;
-    };
-    let phase: MigrationPhase = serde_json::from_value(status["phase"].clone()).unwrap_or_default();
-    let state = info["state"].as_str().unwrap_or_default();
-    state == "migrating"
-        || state == "migrated"
-        || matches!(
-            phase,
-            MigrationPhase::Setup
-                | MigrationPhase::Active
-                | MigrationPhase::Switchover
-                | MigrationPhase::PostcopyActive
-        )
 }
 
 fn run_case(c: &Case) -> Result {
@@ -267,11 +319,61 @@ fn run_case(c: &Case) -> Result {
     let port = free_port();
     let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
     let relay = Relay::start(&format!("127.0.0.1:{port}"), c.point, c.fault.action());
+    // At setup the strangers come first, queued before the source's connection.
+    let early = c.fault == Fault::Strangers && c.point == Point::Setup;
+    let mut strangers = early.then(|| Strangers::start(port));
+    let migrating = start_migration(&src, &relay.url, c.mode);
+    let reached = relay.wait_reached(Duration::from_secs(60));
+    let heard = reached
+        .then(|| inject(c.fault, &mut src, &mut dst))
+        .flatten();
+    if reached && c.fault == Fault::Strangers && strangers.is_none() {
+        strangers = Some(Strangers::start(port));
+    }
+    relay.release();
+    // The report, unless `ferry migrate` died with its source or ran past its 30 s.
+    let report = migrating
+        .join()
+        .ok()
+        .and_then(|out| serde_json::from_slice::<MigrationStatus>(&out.stdout).ok());
+    drop(relay);
+    drop(strangers);
 
+    let recovered = recover_if_cut(&mut src, &mut dst);
+    let outcome = if sides::settle(&mut src, &mut dst) {
+        outcome(c.fault, &mut src, &mut dst, recovered)
+    } else {
+        Outcome::Unknown
+    };
+    let verify_errors = runner(outcome, &src, &dst).map_or(Some(0), sides::one_more_pass);
+    let statuses = [report, status(&src), status(&dst)];
+    let answer = heard.map(|heard| {
+        let expect = c.fault.request().unwrap().expect(moment(c.mode, c.point));
+        let target = side(c.fault.request().unwrap().side(), &mut src, &mut dst);
+        Answer {
+            heard,
+            exited: requests::exited(target, &expect),
+        }
+    });
+    Result {
+        outcome,
+        verify_errors,
+        checksums: checksums::compare(&statuses.into_iter().flatten().collect::<Vec<_>>()),
+        answer,
+        reached,
+        secs: started.elapsed().as_secs_f64(),
+    }
+}
+
+/// `ferry migrate` of `src` to `url` in `mode`, on a thread; its output once it ends.
+fn start_migration(
+    src: &Ferry,
+    url: &str,
+    mode: &'static str,
+) -> std::thread::JoinHandle<std::process::Output> {
     let socket = src.socket.to_str().unwrap().to_string();
-    let url = relay.url.clone();
-    let mode = c.mode;
-    let migrating = std::thread::spawn(move || {
+    let url = url.to_string();
+    std::thread::spawn(move || {
         let mut args = vec!["migrate", "--api-socket", &socket, "--to", &url, "--json"];
         args.extend(mode_args(mode));
         args.extend([
@@ -291,85 +393,38 @@ fn run_case(c: &Case) -> Result {
             args.extend(["--checkpoint-ms", "20"]);
         }
         ferry_output(&args)
-    });
-    let reached = relay.wait_reached(Duration::from_secs(60));
-    if reached {
-        match c.fault {
-            Fault::KillSource => kill(&mut src),
-            Fault::KillDestination => kill(&mut dst),
-            Fault::Cancel => {
-                // Refused once the source has given the VM up (409): that is the point.
-                let _ = src.api().put("vm.cancel-migration", None);
-            }
-            _ => {}
-        }
-    }
-    relay.release();
-    let _ = migrating.join();
-    drop(relay);
+    })
+}
 
-    // Post-copy cut after the switch: carry on over a new connection.
-    let (s, d) = (holds(&mut src), holds(&mut dst));
-    let mut recovered = false;
-    if s == Holds::Paused(MigrationPhase::PostcopyPaused) && d == Holds::Stranded {
-        recovered = recover(&src, &dst);
+/// The fault, while the frame is held; what the side asked said, for a request.
+fn inject(fault: Fault, src: &mut Ferry, dst: &mut Ferry) -> Option<Heard> {
+    match fault {
+        Fault::KillSource => kill(src),
+        Fault::KillDestination => kill(dst),
+        _ => {}
     }
-    wait_for("both sides to settle", Duration::from_secs(60), || {
-        (!settling(&mut src) && !settling(&mut dst)).then_some(())
-    });
+    let request = fault.request()?;
+    Some(request.make(side(request.side(), src, dst)))
+}
 
-    let (s, d) = (holds(&mut src), holds(&mut dst));
-    let outcome = match (s, d) {
-        (Holds::Runs, Holds::Runs | Holds::Stranded) => Outcome::Twice,
-        (Holds::Runs, _) => Outcome::Source,
-        (_, Holds::Runs) if recovered => Outcome::Recovered,
-        (_, Holds::Runs) => Outcome::Destination,
-        // The destination is gone: as its operator, take the VM back (mid post-copy, from
-        // its last checkpoint).
-        (Holds::Paused(phase), Holds::Nothing) => {
-            let call = if phase == MigrationPhase::PostcopyPaused {
-                "migrate-rollback"
-            } else {
-                "migrate-reclaim"
-            };
-            let out = ferry_output(&[call, "--api-socket", src.socket.to_str().unwrap()]);
-            let said = String::from_utf8_lossy(&out.stdout);
-            match (
-                out.status.success() && holds(&mut src) == Holds::Runs,
-                said.contains("from post-copy checkpoint"),
-            ) {
-                (true, true) => Outcome::RolledBack,
-                (true, false) => Outcome::Reclaimed,
-                (false, _) => Outcome::Held,
-            }
-        }
-        _ => Outcome::Lost,
-    };
-    let runner = match outcome {
-        Outcome::Source | Outcome::Reclaimed | Outcome::RolledBack => Some(&src),
-        Outcome::Destination | Outcome::Recovered => Some(&dst),
-        _ => None,
-    };
-    let verify_errors = runner.map_or(0, |f| {
-        let start = f.info().passes;
-        let info = f.wait_info("one more pass", Duration::from_secs(60), |i| {
-            i.passes > start
-        });
-        info.verify_errors
-    });
-    Result {
-        outcome,
-        verify_errors,
-        reached,
-        secs: started.elapsed().as_secs_f64(),
+fn side<'a>(side: Side, src: &'a mut Ferry, dst: &'a mut Ferry) -> &'a mut Ferry {
+    match side {
+        Side::Source => src,
+        Side::Destination => dst,
     }
 }
 
-fn kill(f: &mut Ferry) {
-    if let Some(child) = f.child.as_mut() {
-        let _ = child.kill(); // SIGKILL
-        let _ = child.wait();
-    }
+/// A side's migration status, if it is there to ask.
+fn status(f: &Ferry) -> Option<MigrationStatus> {
+    serde_json::from_value(f.api().get("vm.migration").ok()?).ok()
+}
+
+/// Post-copy cut after the switch: carried on over a new connection; whether it was.
+fn recover_if_cut(src: &mut Ferry, dst: &mut Ferry) -> bool {
+    let now = Duration::ZERO;
+    let cut = sides::holds_within(src, now) == Holds::Paused(MigrationPhase::PostcopyPaused)
+        && sides::holds_within(dst, now) == Holds::Stranded;
+    cut && recover(src, dst)
 }
 
 /// `vm.migrate-resume` on both sides; true once the destination has every page.
@@ -382,89 +437,176 @@ fn recover(src: &Ferry, dst: &Ferry) -> bool {
         })
 }
 
-fn cases(full: bool) -> Vec<Case> {
-    let all = modes().into_iter().flat_map(|(mode, points)| {
-        points.into_iter().flat_map(move |point| {
-            FAULTS
-                .into_iter()
-                .map(move |fault| Case { mode, point, fault })
-        })
-    });
-    if full {
-        return all.collect();
+/// Where the VM is once both sides have settled.
+fn outcome(fault: Fault, src: &mut Ferry, dst: &mut Ferry, recovered: bool) -> Outcome {
+    match (holds(src), holds(dst)) {
+        (Holds::Unknown, _) | (_, Holds::Unknown) => Outcome::Unknown,
+        (Holds::Runs, Holds::Runs | Holds::Stranded) => Outcome::Twice,
+        (Holds::Runs, _) => Outcome::Source,
+        (_, Holds::Runs) if recovered => Outcome::Recovered,
+        (_, Holds::Runs) => Outcome::Destination,
+        // The destination is gone: as its operator, take the VM back.
+        (Holds::Paused(phase), Holds::Nothing) => take_back(src, phase),
+        (Holds::Nothing, Holds::Nothing) if matches!(fault, Fault::Stop(Side::Source, _)) => {
+            Outcome::Stopped
+        }
+        _ => Outcome::Lost,
     }
-    // One case of each fault (two of killing the destination: before the switch, and during
-    // post-copy, where the operator takes the VM back), spread over the modes and points.
-    let short = [
-        ("precopy", Point::RoundK, Fault::KillDestination),
-        ("precopy", Point::Go, Fault::Cut),
-        ("warm", Point::State, Fault::Corrupt),
-        (GO_WITH_STATE, Point::State, Fault::KillDestination),
-        (TWO_CONNECTIONS, Point::RoundK, Fault::Cut),
-        ("hybrid", Point::Pause, Fault::Cancel),
-        ("postcopy", Point::Postcopy(50), Fault::Cut),
-        ("postcopy", Point::Postcopy(10), Fault::KillSource),
-        ("hybrid", Point::Postcopy(50), Fault::KillDestination),
-        ("hybrid", Point::Postcopy(90), Fault::Stall),
-    ];
-    all.filter(|c| short.contains(&(c.mode, c.point, c.fault)))
+}
+
+/// `vm.migrate-rollback` mid post-copy (from its last checkpoint), `vm.migrate-reclaim`
+/// otherwise (from the switch).
+fn take_back(src: &mut Ferry, phase: MigrationPhase) -> Outcome {
+    let call = if phase == MigrationPhase::PostcopyPaused {
+        "migrate-rollback"
+    } else {
+        "migrate-reclaim"
+    };
+    let out = ferry_output(&[call, "--api-socket", src.socket.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&out.stdout);
+    match (
+        out.status.success() && holds(src) == Holds::Runs,
+        said.contains("from post-copy checkpoint"),
+    ) {
+        (true, true) => Outcome::RolledBack,
+        (true, false) => Outcome::Reclaimed,
+        (false, _) => Outcome::Held,
+    }
+}
+
+/// The side whose copy runs after `outcome`.
+fn runner<'a>(outcome: Outcome, src: &'a Ferry, dst: &'a Ferry) -> Option<&'a Ferry> {
+    match outcome {
+        Outcome::Source | Outcome::Reclaimed | Outcome::RolledBack => Some(src),
+        Outcome::Destination | Outcome::Recovered => Some(dst),
+        _ => None,
+    }
+}
+
+/// What is wrong with a case's result; empty when it is as promised.
+fn problems(c: &Case, r: &Result) -> Vec<String> {
+    let mut found = Vec::new();
+    if !r.reached {
+        found.push("NOT REACHED".to_string());
+    }
+    let promise = promised(c.mode, c.point, c.fault);
+    if !promise.contains(&r.outcome) {
+        found.push(format!("promised {promise:?}"));
+    }
+    match r.verify_errors {
+        Some(0) => {}
+        Some(n) => found.push(format!("{n} verify errors")),
+        None => found.push("no pass ended on the running copy".into()),
+    }
+    match (r.checksums, r.outcome) {
+        (Checksums::Differ, _) => found.push("memory checksums differ".into()),
+        (Checksums::Missing, Outcome::Destination | Outcome::Recovered) => {
+            found.push("the moved VM's checksums were never compared".into())
+        }
+        _ => {}
+    }
+    if let (Some(request), Some(answer)) = (c.fault.request(), r.answer) {
+        found.extend(request.expect(moment(c.mode, c.point)).problem(answer));
+    }
+    found
+}
+
+fn all_cases() -> Vec<Case> {
+    modes()
+        .into_iter()
+        .flat_map(|(mode, points)| {
+            points.into_iter().flat_map(move |point| {
+                Fault::at(mode, point)
+                    .into_iter()
+                    .map(move |fault| Case { mode, point, fault })
+            })
+        })
         .collect()
 }
 
-#[test]
-fn fault_matrix() {
-    if !kvm_available() {
-        return;
-    }
-    let full = std::env::var("FERRY_FAULTS").is_ok_and(|v| v == "full");
-    let mut cases = cases(full);
-    // FERRY_FAULTS_ONLY="precopy/completion/kill -9 destination": the cases whose row has
-    // every part (to look at one).
-    if let Ok(only) = std::env::var("FERRY_FAULTS_ONLY") {
-        cases.retain(|c| {
-            let row = format!("{}/{}/{}", c.mode, c.point.name(), c.fault.name());
-            only.split('/').all(|part| row.contains(part))
-        });
-    }
-    let mut rows = Vec::new();
-    let mut broken = Vec::new();
-    for c in &cases {
-        let r = run_case(c);
-        let promise = promised(c.mode, c.point, c.fault);
-        let ok = r.reached && promise.contains(&r.outcome) && r.verify_errors == 0;
-        let line = format!(
-            "| {} | {} | {} | {:?} | {} | {} | {:.1} |",
-            c.mode,
-            c.point.name(),
-            c.fault.name(),
-            r.outcome,
-            r.verify_errors,
-            if !r.reached {
-                "NOT REACHED".to_string()
-            } else if ok {
-                "yes".to_string()
-            } else {
-                format!("NO (promised {promise:?})")
-            },
-            r.secs
-        );
-        eprintln!("{line}");
-        if !ok {
-            broken.push(line.clone());
-        }
-        rows.push((c.mode, r.outcome, line));
-    }
-    let count = |o: Outcome| rows.iter().filter(|(_, x, _)| *x == o).count();
-    let mut table = String::from(
-        "| mode | point | fault | outcome | verify errors | as promised | s |\n|---|---|---|---|---|---|---|\n",
+/// One case of each fault (two of killing the destination: before the switch, and during
+/// post-copy, where the operator takes the VM back), spread over the modes and points.
+const SHORT: [(&str, Point, Fault); 10] = [
+    ("precopy", Point::RoundK, Fault::KillDestination),
+    ("precopy", Point::Go, Fault::Cut),
+    ("warm", Point::State, Fault::Corrupt),
+    (GO_WITH_STATE, Point::State, Fault::KillDestination),
+    (TWO_CONNECTIONS, Point::RoundK, Fault::Cut),
+    ("hybrid", Point::Pause, Fault::Cancel),
+    ("postcopy", Point::Postcopy(50), Fault::Cut),
+    ("postcopy", Point::Postcopy(10), Fault::KillSource),
+    ("hybrid", Point::Postcopy(50), Fault::KillDestination),
+    ("hybrid", Point::Postcopy(90), Fault::Stall),
+];
+
+fn short_cases() -> Vec<Case> {
+    let short: Vec<Case> = all_cases()
+        .into_iter()
+        .filter(|c| SHORT.contains(&(c.mode, c.point, c.fault)))
+        .collect();
+    assert_eq!(
+        short.len(),
+        SHORT.len(),
+        "a short case is not in the matrix"
     );
-    for (_, _, line) in &rows {
+    short
+}
+
+/// The cases to run: the short list, or every case when `full`. A filter (`FERRY_FAULTS_ONLY`,
+/// `/`-separated parts of `mode/point/fault`) picks from every case; one that picks none is
+/// an error naming it.
+fn select(full: bool, only: Option<&str>) -> std::result::Result<Vec<Case>, String> {
+    let Some(only) = only else {
+        return Ok(if full { all_cases() } else { short_cases() });
+    };
+    let picked: Vec<Case> = all_cases()
+        .into_iter()
+        .filter(|c| only.split('/').all(|part| c.row().contains(part)))
+        .collect();
+    if picked.is_empty() {
+        return Err(format!(
+            "FERRY_FAULTS_ONLY={only:?} picks no case of the matrix (a row reads \
+             mode/point/fault, e.g. \"precopy/go/link cut\")"
+        ));
+    }
+    Ok(picked)
+}
+
+/// A row of the table, and what is wrong with it.
+fn row(c: &Case, r: &Result) -> (String, Vec<String>) {
+    let wrong = problems(c, r);
+    let verdict = if wrong.is_empty() {
+        "yes".to_string()
+    } else {
+        format!("NO ({})", wrong.join("; "))
+    };
+    let line = format!(
+        "| {} | {} | {} | {:?} | {} | {} | {} | {verdict} | {:.1} |",
+        c.mode,
+        c.point.name(),
+        c.fault.name(),
+        r.outcome,
+        r.verify_errors.map_or("-".into(), |n| n.to_string()),
+        r.checksums.name(),
+        r.answer.map_or("-".into(), Answer::name),
+        r.secs
+    );
+    (line, wrong)
+}
+
+fn table(rows: &[(String, Outcome)]) -> String {
+    let count = |o: Outcome| rows.iter().filter(|(_, x)| *x == o).count();
+    let mut table = String::from(
+        "| mode | point | fault | outcome | verify errors | checksums | answer | as promised | s |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
+    );
+    for (line, _) in rows {
         table.push_str(line);
         table.push('\n');
     }
     table.push_str(&format!(
         "\n{} faults injected: {} source, {} destination, {} recovered, {} rolled back, {} reclaimed, \
-         {} held, {} lost, {} twice.\n",
+         {} held, {} stopped, {} lost, {} unknown, {} twice.\n",
         rows.len(),
         count(Outcome::Source),
         count(Outcome::Destination),
@@ -472,18 +614,80 @@ fn fault_matrix() {
         count(Outcome::RolledBack),
         count(Outcome::Reclaimed),
         count(Outcome::Held),
+        count(Outcome::Stopped),
         count(Outcome::Lost),
+        count(Outcome::Unknown),
         count(Outcome::Twice),
     ));
-    let out = repo_root()
-        .join("target")
-        .join(if full { "faults.md" } else { "faults-short.md" });
-    let _ = std::fs::write(&out, &table);
+    table
+}
+
+#[test]
+fn fault_matrix() {
+    let full = std::env::var("FERRY_FAULTS").is_ok_and(|v| v == "full");
+    let only = std::env::var("FERRY_FAULTS_ONLY").ok();
+    let cases = select(full, only.as_deref()).unwrap_or_else(|e| panic!("{e}"));
+    if !kvm_available() {
+        return;
+    }
+    let mut rows = Vec::new();
+    let mut broken = Vec::new();
+    for c in &cases {
+        let r = run_case(c);
+        let (line, wrong) = row(c, &r);
+        eprintln!("{line}");
+        if !wrong.is_empty() {
+            broken.push(line.clone());
+        }
+        rows.push((line, r.outcome));
+    }
+    let table = table(&rows);
+    let name = match (full, &only) {
+        (_, Some(_)) => "faults-only.md",
+        (true, None) => "faults.md",
+        (false, None) => "faults-short.md",
+    };
+    let _ = std::fs::write(repo_root().join("target").join(name), &table);
     eprintln!("{table}");
-    assert_eq!(count(Outcome::Twice), 0, "a VM ran twice:\n{table}");
+    assert!(
+        rows.iter().all(|(_, o)| *o != Outcome::Twice),
+        "a VM ran twice:\n{table}"
+    );
     assert!(
         broken.is_empty(),
         "faults with other outcomes than promised:\n{}",
         broken.join("\n")
     );
+}
+
+#[test]
+fn a_filter_picks_from_every_case_and_one_that_picks_none_fails() {
+    let stops = select(false, Some("stop destination (SIGTERM)")).unwrap();
+    assert_eq!(stops.len(), 22, "every point of 3 modes");
+    assert!(
+        stops
+            .iter()
+            .all(|c| !SHORT.contains(&(c.mode, c.point, c.fault)))
+    );
+    let e = select(false, Some("precopy/no such fault")).unwrap_err();
+    assert!(e.contains("precopy/no such fault"), "{e}");
+    assert_eq!(select(false, None).unwrap().len(), SHORT.len());
+    assert_eq!(select(true, None).unwrap().len(), all_cases().len());
+}
+
+#[test]
+fn stop_requests_come_at_every_point_of_a_departure_and_an_arrival() {
+    use Point::*;
+    let every = [Setup, Round0, RoundK, Pause, State, Go, Completion];
+    let postcopy = [Postcopy(10), Postcopy(50), Postcopy(90)];
+    for fault in STOPS {
+        let points: Vec<Point> = all_cases()
+            .iter()
+            .filter(|c| c.fault == fault)
+            .map(|c| c.point)
+            .collect();
+        for p in every.iter().chain(&postcopy) {
+            assert!(points.contains(p), "{} never at {}", fault.name(), p.name());
+        }
+    }
 }

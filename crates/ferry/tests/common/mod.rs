@@ -148,6 +148,23 @@ impl Ferry {
         ferry
     }
 
+    /// Another process in a ferry's place whose API never answers (its socket is never
+    /// made): for tests of the tests, which must not take silence for an answer.
+    pub fn stand_in(mut command: Command) -> Ferry {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("spawn a stand-in");
+        Ferry {
+            child: Some(child),
+            socket: dir.path().join("api.sock"),
+            serial: dir.path().join("serial.log"),
+            _dir: dir,
+        }
+    }
+
     /// A destination waiting for one migration at `url`.
     pub fn incoming(url: &str) -> Ferry {
         Ferry::start(&["--incoming", url])

@@ -1,0 +1,238 @@
+//! Requests an operator makes of a side while a frame is held: cancel the migration, or stop
+//! (the API's `vm.shutdown`, or SIGTERM). What the side answered is part of the row: a
+//! request the lifecycle must refuse is checked refused, not only its outcome looked at (a
+//! source that stops after `Go` in pre-copy leaves the VM on the destination all the same).
+
+use std::time::Duration;
+
+use crate::common::Ferry;
+use crate::sides::{ANSWER_WAIT, poll_until};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Side {
+    Source,
+    Destination,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum How {
+    /// `vm.shutdown`.
+    Api,
+    /// SIGTERM.
+    Signal,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Request {
+    /// `vm.cancel-migration` to the source.
+    Cancel,
+    Stop(Side, How),
+}
+
+/// Where the switch stood when the request came (the frame held).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Moment {
+    /// The source holds the VM: `Go` is not written yet.
+    BeforeGo,
+    /// `Go` may be written behind the frame held, or not (go-with-state at its pause, state).
+    AroundGo,
+    /// The source gave the VM up (`Go` held on its way); the destination has not run it.
+    GoHeld,
+    /// The destination runs the VM (post-copy, or its last word held).
+    Runs,
+}
+
+/// What the side said or did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heard {
+    /// The API's HTTP status.
+    Http(u16),
+    /// The API did not answer.
+    NoAnswer,
+    /// SIGTERM: the process was still there `GRACE` after it took the signal.
+    Stayed,
+    /// SIGTERM: it was gone by then.
+    Gone,
+}
+
+/// What a request got: the answer, and whether its process had exited by the end.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Answer {
+    pub heard: Heard,
+    pub exited: bool,
+}
+
+/// What the lifecycle promises a request gets.
+pub struct Expect {
+    /// Any of these (empty: any).
+    pub heard: &'static [Heard],
+    /// Its process must have exited by the end.
+    pub exits: bool,
+}
+
+/// How long a process that took SIGTERM is watched before the frame goes on: many times its
+/// supervisor's 20 ms poll, so that one which heeds the signal too early is caught at it.
+const GRACE: Duration = Duration::from_secs(1);
+
+impl Request {
+    pub fn name(self) -> &'static str {
+        match self {
+            Request::Cancel => "API cancel",
+            Request::Stop(Side::Source, How::Api) => "stop source (API)",
+            Request::Stop(Side::Source, How::Signal) => "stop source (SIGTERM)",
+            Request::Stop(Side::Destination, How::Api) => "stop destination (API)",
+            Request::Stop(Side::Destination, How::Signal) => "stop destination (SIGTERM)",
+        }
+    }
+
+    /// The side the request goes to.
+    pub fn side(self) -> Side {
+        match self {
+            Request::Cancel => Side::Source,
+            Request::Stop(side, _) => side,
+        }
+    }
+
+    /// Makes the request of its side; returns what it heard.
+    pub fn make(self, target: &mut Ferry) -> Heard {
+        match self {
+            Request::Cancel => put(target, "vm.cancel-migration"),
+            Request::Stop(_, How::Api) => put(target, "vm.shutdown"),
+            Request::Stop(_, How::Signal) => terminate(target),
+        }
+    }
+
+    /// The lifecycle's rule. The source lets a request end the migration (cancel) or the VM
+    /// (stop) until it writes `Go`, and refuses (409) or defers (SIGTERM) both from then until
+    /// the switch resolves. The destination lets a stop end the arrival, and exit, until it
+    /// runs the VM; then it refuses (409) or defers the stop.
+    pub fn expect(self, at: Moment) -> Expect {
+        const ANY: &[Heard] = &[];
+        let before = match self.side() {
+            Side::Source => at == Moment::BeforeGo,
+            Side::Destination => at != Moment::Runs,
+        };
+        let heard: &'static [Heard] = match (self, before) {
+            (Request::Stop(_, How::Signal), true) => ANY,
+            (Request::Stop(_, How::Signal), false) => &[Heard::Stayed],
+            (_, true) => &[Heard::Http(204)],
+            (_, false) if at == Moment::AroundGo => &[Heard::Http(204), Heard::Http(409)],
+            (_, false) => &[Heard::Http(409)],
+        };
+        Expect {
+            heard,
+            exits: before && self.side() == Side::Destination,
+        }
+    }
+}
+
+impl Heard {
+    pub fn name(self) -> String {
+        match self {
+            Heard::Http(code) => code.to_string(),
+            Heard::NoAnswer => "no answer".into(),
+            Heard::Stayed => "stayed".into(),
+            Heard::Gone => "gone".into(),
+        }
+    }
+}
+
+impl Answer {
+    pub fn name(self) -> String {
+        let exited = if self.exited { ", exited" } else { "" };
+        format!("{}{exited}", self.heard.name())
+    }
+}
+
+impl Expect {
+    /// What is wrong with `answer`, if anything.
+    pub fn problem(&self, answer: Answer) -> Option<String> {
+        if !self.heard.is_empty() && !self.heard.contains(&answer.heard) {
+            let names: Vec<String> = self.heard.iter().map(|h| h.name()).collect();
+            return Some(format!(
+                "answered {} (promised {})",
+                answer.heard.name(),
+                names.join(" or ")
+            ));
+        }
+        (self.exits && !answer.exited).then(|| "its process did not exit".to_string())
+    }
+}
+
+/// Whether `f`'s process is gone, given up to `limit` to get there.
+pub fn gone_within(f: &mut Ferry, limit: Duration) -> bool {
+    poll_until(limit, || !f.is_running())
+}
+
+/// Whether the process a promise says exits did, by the end; others are not waited for.
+pub fn exited(f: &mut Ferry, expect: &Expect) -> bool {
+    let limit = if expect.exits {
+        ANSWER_WAIT
+    } else {
+        Duration::ZERO
+    };
+    gone_within(f, limit)
+}
+
+fn put(f: &Ferry, endpoint: &str) -> Heard {
+    match f.api().put(endpoint, None) {
+        Ok(v) if v.is_null() => Heard::Http(204),
+        Ok(_) => Heard::Http(200),
+        Err(api::ClientError::Api { status, .. }) => Heard::Http(status),
+        Err(_) => Heard::NoAnswer,
+    }
+}
+
+/// SIGTERM; once the process has taken it (no longer pending), watches it for `GRACE`.
+fn terminate(f: &mut Ferry) -> Heard {
+    let Some(pid) = f.child.as_ref().map(|c| c.id()) else {
+        return Heard::Gone;
+    };
+    // SAFETY: a signal to our own child, which has not been reaped (we hold its `Child`).
+    unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+    poll_until(ANSWER_WAIT, || !sigterm_pending(pid));
+    if gone_within(f, GRACE) {
+        Heard::Gone
+    } else {
+        Heard::Stayed
+    }
+}
+
+/// Whether SIGTERM still waits to be taken by `pid` (its own or its threads' shared set).
+fn sigterm_pending(pid: u32) -> bool {
+    let bit = 1u64 << (libc::SIGTERM - 1);
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .filter_map(|l| l.strip_prefix("SigPnd:").or(l.strip_prefix("ShdPnd:")))
+        .filter_map(|mask| u64::from_str_radix(mask.trim(), 16).ok())
+        .any(|mask| mask & bit != 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stops_are_refused_from_go_on_source_side_and_once_running_on_destination_side() {
+        let api = Request::Stop(Side::Source, How::Api);
+        assert_eq!(api.expect(Moment::BeforeGo).heard, &[Heard::Http(204)]);
+        assert_eq!(api.expect(Moment::GoHeld).heard, &[Heard::Http(409)]);
+        assert_eq!(
+            Request::Cancel.expect(Moment::Runs).heard,
+            &[Heard::Http(409)]
+        );
+        let signal = Request::Stop(Side::Source, How::Signal);
+        assert_eq!(signal.expect(Moment::GoHeld).heard, &[Heard::Stayed]);
+        let dst = Request::Stop(Side::Destination, How::Api);
+        let e = dst.expect(Moment::GoHeld);
+        assert_eq!((e.heard, e.exits), (&[Heard::Http(204)][..], true));
+        let e = dst.expect(Moment::Runs);
+        assert_eq!((e.heard, e.exits), (&[Heard::Http(409)][..], false));
+        let stayed = Answer {
+            heard: Heard::Http(204),
+            exited: false,
+        };
+        assert!(dst.expect(Moment::BeforeGo).problem(stayed).is_some());
+    }
+}
