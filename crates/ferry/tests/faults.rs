@@ -138,7 +138,8 @@ enum Outcome {
     Held,
     /// No usable copy is left: the fault killed the host that held the only one.
     Lost,
-    /// The operator stopped the source before it gave the VM up: no copy runs, as asked.
+    /// A stop request stopped the VM where it ran (the source before its switch-over, or the
+    /// destination once it had said the VM runs there): no copy runs, as asked.
     Stopped,
     /// A side's API did not say what it holds, or the sides never settled: never allowed.
     Unknown,
@@ -193,12 +194,12 @@ fn mode_args(mode: &str) -> Vec<&str> {
 /// Where the switch stands when the frame at `point` is held.
 fn moment(mode: &str, point: Point) -> Moment {
     match point {
+        Point::Setup | Point::Round0 | Point::RoundK => Moment::Live,
         Point::Pause | Point::State if mode == GO_WITH_STATE => Moment::AroundGo,
-        Point::Setup | Point::Round0 | Point::RoundK | Point::Pause | Point::State => {
-            Moment::BeforeGo
-        }
+        Point::Pause | Point::State => Moment::Paused,
         Point::Go => Moment::GoHeld,
-        Point::Postcopy(_) | Point::Completion => Moment::Runs,
+        Point::Postcopy(_) => Moment::Runs,
+        Point::Completion => Moment::Said,
     }
 }
 
@@ -268,16 +269,17 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
 }
 
 /// A stop asked of the destination before it runs the VM ends the arrival, and the source,
-/// told, runs on; once it runs the VM the stop is refused or deferred. A stop asked of the
-/// source before `Go` stops the VM, as asked; from `Go` on it is refused or deferred until the
-/// switch resolves.
+/// told, runs on; while post-copy pages arrive it is refused or dropped; once the destination
+/// has said the VM runs there, the stop is the VM's own: taken (Stopped) or refused. A stop
+/// asked of the source while the VM runs there stops it, as asked; from its switch-over on it
+/// is refused or deferred until the switch resolves.
 fn promised_of_stop(at: Moment, side: Side) -> &'static [Outcome] {
     use Outcome::*;
     match (side, at) {
+        (Side::Destination, Moment::Said) => &[Destination, Stopped],
         (Side::Destination, Moment::Runs) => &[Destination],
         (Side::Destination, _) => &[Source],
-        (Side::Source, Moment::BeforeGo) => &[Stopped],
-        (Side::Source, Moment::AroundGo) => &[Stopped, Destination],
+        (Side::Source, Moment::Live) => &[Stopped],
         (Side::Source, _) => &[Destination],
     }
 }
@@ -345,6 +347,14 @@ fn run_case(c: &Case) -> Result {
     } else {
         Outcome::Unknown
     };
+    if outcome == Outcome::Unknown {
+        eprintln!(
+            "{}: unknown: source {}; destination {}",
+            c.row(),
+            sides::describe(&mut src),
+            sides::describe(&mut dst)
+        );
+    }
     let verify_errors = runner(outcome, &src, &dst).map_or(Some(0), sides::one_more_pass);
     let statuses = [report, status(&src), status(&dst)];
     let answer = heard.map(|heard| {
@@ -447,9 +457,7 @@ fn outcome(fault: Fault, src: &mut Ferry, dst: &mut Ferry, recovered: bool) -> O
         (_, Holds::Runs) => Outcome::Destination,
         // The destination is gone: as its operator, take the VM back.
         (Holds::Paused(phase), Holds::Nothing) => take_back(src, phase),
-        (Holds::Nothing, Holds::Nothing) if matches!(fault, Fault::Stop(Side::Source, _)) => {
-            Outcome::Stopped
-        }
+        (Holds::Nothing, Holds::Nothing) if matches!(fault, Fault::Stop(..)) => Outcome::Stopped,
         _ => Outcome::Lost,
     }
 }

@@ -29,17 +29,21 @@ pub enum Request {
     Stop(Side, How),
 }
 
-/// Where the switch stood when the request came (the frame held).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// Where the switch stood when the request came (the frame held), in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Moment {
-    /// The source holds the VM: `Go` is not written yet.
-    BeforeGo,
-    /// `Go` may be written behind the frame held, or not (go-with-state at its pause, state).
+    /// The VM runs on the source (setup, rounds).
+    Live,
+    /// The source is switching over: paused, `Go` not written (pause, state).
+    Paused,
+    /// As `Paused`, but `Go` may be written behind the frame held (go-with-state).
     AroundGo,
-    /// The source gave the VM up (`Go` held on its way); the destination has not run it.
+    /// `Go` held on its way: the source gave the VM up; the destination has not run it.
     GoHeld,
-    /// The destination runs the VM (post-copy, or its last word held).
+    /// The destination runs the VM while its pages still arrive (post-copy).
     Runs,
+    /// The destination ran the VM and said so: its last word is held.
+    Said,
 }
 
 /// What the side said or did.
@@ -102,26 +106,32 @@ impl Request {
         }
     }
 
-    /// The lifecycle's rule. The source lets a request end the migration (cancel) or the VM
-    /// (stop) until it writes `Go`, and refuses (409) or defers (SIGTERM) both from then until
-    /// the switch resolves. The destination lets a stop end the arrival, and exit, until it
-    /// runs the VM; then it refuses (409) or defers the stop.
+    /// The lifecycle's rule. A cancel is decided with `Go`: accepted before, refused (409)
+    /// after. The source takes a stop while the VM runs there; from its switch-over (the
+    /// pause) until the switch resolves it refuses (409) or defers (SIGTERM) it. The
+    /// destination ends the arrival and exits on a stop until it runs the VM; while post-copy
+    /// pages still arrive it refuses (409) or drops (SIGTERM) a stop; once it has said the VM
+    /// runs there, a stop is the VM's own (taken or refused).
     pub fn expect(self, at: Moment) -> Expect {
+        use {Heard::*, Moment::*};
         const ANY: &[Heard] = &[];
-        let before = match self.side() {
-            Side::Source => at == Moment::BeforeGo,
-            Side::Destination => at != Moment::Runs,
-        };
-        let heard: &'static [Heard] = match (self, before) {
-            (Request::Stop(_, How::Signal), true) => ANY,
-            (Request::Stop(_, How::Signal), false) => &[Heard::Stayed],
-            (_, true) => &[Heard::Http(204)],
-            (_, false) if at == Moment::AroundGo => &[Heard::Http(204), Heard::Http(409)],
-            (_, false) => &[Heard::Http(409)],
+        let heard: &'static [Heard] = match (self, at) {
+            (Request::Cancel, Live | Paused) => &[Http(204)],
+            (Request::Cancel, AroundGo) => &[Http(204), Http(409)],
+            (Request::Cancel, _) => &[Http(409)],
+            (Request::Stop(Side::Source, How::Api), Live) => &[Http(204)],
+            (Request::Stop(Side::Source, How::Signal), Live) => ANY,
+            (Request::Stop(Side::Source, How::Api), _) => &[Http(409)],
+            (Request::Stop(Side::Source, How::Signal), _) => &[Stayed],
+            (Request::Stop(Side::Destination, How::Api), Runs) => &[Http(409)],
+            (Request::Stop(Side::Destination, How::Signal), Runs) => &[Stayed],
+            (Request::Stop(Side::Destination, How::Api), Said) => &[Http(204), Http(409)],
+            (Request::Stop(Side::Destination, How::Api), _) => &[Http(204)],
+            (Request::Stop(Side::Destination, How::Signal), _) => ANY,
         };
         Expect {
             heard,
-            exits: before && self.side() == Side::Destination,
+            exits: self.side() == Side::Destination && at < Runs,
         }
     }
 }
@@ -214,12 +224,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stops_are_refused_from_go_on_source_side_and_once_running_on_destination_side() {
+    fn stops_are_refused_from_the_switch_on_and_while_pages_arrive() {
         let api = Request::Stop(Side::Source, How::Api);
-        assert_eq!(api.expect(Moment::BeforeGo).heard, &[Heard::Http(204)]);
-        assert_eq!(api.expect(Moment::GoHeld).heard, &[Heard::Http(409)]);
+        assert_eq!(api.expect(Moment::Live).heard, &[Heard::Http(204)]);
+        assert_eq!(api.expect(Moment::Paused).heard, &[Heard::Http(409)]);
         assert_eq!(
-            Request::Cancel.expect(Moment::Runs).heard,
+            Request::Cancel.expect(Moment::Paused).heard,
+            &[Heard::Http(204)]
+        );
+        assert_eq!(
+            Request::Cancel.expect(Moment::GoHeld).heard,
             &[Heard::Http(409)]
         );
         let signal = Request::Stop(Side::Source, How::Signal);
@@ -233,6 +247,6 @@ mod tests {
             heard: Heard::Http(204),
             exited: false,
         };
-        assert!(dst.expect(Moment::BeforeGo).problem(stayed).is_some());
+        assert!(dst.expect(Moment::Live).problem(stayed).is_some());
     }
 }

@@ -78,6 +78,20 @@ fn reading(f: &Ferry) -> Option<Holds> {
     })
 }
 
+/// A side's state and migration phase as its API gives them, for a log.
+pub fn describe(f: &mut Ferry) -> String {
+    if !f.is_running() {
+        return "exited".into();
+    }
+    let (Ok(info), Ok(status)) = (f.api().get("vm.info"), f.api().get("vm.migration")) else {
+        return "alive, no answer".into();
+    };
+    format!(
+        "{} ({}), migration {}",
+        info["state"], status["role"], status["phase"]
+    )
+}
+
 /// Whether a side is still between states (a migration running, a source about to exit).
 fn settling(f: &mut Ferry) -> bool {
     if !f.is_running() {
