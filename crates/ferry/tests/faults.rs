@@ -307,6 +307,8 @@ struct Result {
     /// What the operator's request got, for a fault that is one.
     answer: Option<Answer>,
     reached: bool,
+    /// Both sides' state and migration phase once settled (recovered), before the look.
+    sides: String,
     secs: f64,
 }
 
@@ -341,20 +343,23 @@ fn run_case(c: &Case) -> Result {
     drop(relay);
     drop(strangers);
 
-    let recovered = recover_if_cut(&mut src, &mut dst);
-    let outcome = if sides::settle(&mut src, &mut dst) {
+    // Both sides settle first: a destination may hear of a cut after its source did.
+    let mut settled = sides::settle(&mut src, &mut dst);
+    let recovered = settled && recover_if_cut(&mut src, &mut dst);
+    if recovered {
+        settled = sides::settle(&mut src, &mut dst);
+    }
+    // For the log of a case that goes wrong.
+    let seen = format!(
+        "source {}; destination {}",
+        sides::describe(&mut src),
+        sides::describe(&mut dst)
+    );
+    let outcome = if settled {
         outcome(c.fault, &mut src, &mut dst, recovered)
     } else {
         Outcome::Unknown
     };
-    if outcome == Outcome::Unknown {
-        eprintln!(
-            "{}: unknown: source {}; destination {}",
-            c.row(),
-            sides::describe(&mut src),
-            sides::describe(&mut dst)
-        );
-    }
     let verify_errors = runner(outcome, &src, &dst).map_or(Some(0), sides::one_more_pass);
     let statuses = [report, status(&src), status(&dst)];
     let answer = heard.map(|heard| {
@@ -371,6 +376,7 @@ fn run_case(c: &Case) -> Result {
         checksums: checksums::compare(&statuses.into_iter().flatten().collect::<Vec<_>>()),
         answer,
         reached,
+        sides: seen,
         secs: started.elapsed().as_secs_f64(),
     }
 }
@@ -431,9 +437,8 @@ fn status(f: &Ferry) -> Option<MigrationStatus> {
 
 /// Post-copy cut after the switch: carried on over a new connection; whether it was.
 fn recover_if_cut(src: &mut Ferry, dst: &mut Ferry) -> bool {
-    let now = Duration::ZERO;
-    let cut = sides::holds_within(src, now) == Holds::Paused(MigrationPhase::PostcopyPaused)
-        && sides::holds_within(dst, now) == Holds::Stranded;
+    let cut = holds(src) == Holds::Paused(MigrationPhase::PostcopyPaused)
+        && holds(dst) == Holds::Stranded;
     cut && recover(src, dst)
 }
 
@@ -645,6 +650,7 @@ fn fault_matrix() {
         let (line, wrong) = row(c, &r);
         eprintln!("{line}");
         if !wrong.is_empty() {
+            eprintln!("  {}: {}", c.row(), r.sides);
             broken.push(line.clone());
         }
         rows.push((line, r.outcome));
