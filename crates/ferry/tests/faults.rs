@@ -537,9 +537,17 @@ fn all_cases() -> Vec<Case> {
         .collect()
 }
 
-/// One case of each fault (two of killing the destination: before the switch, and during
-/// post-copy, where the operator takes the VM back), spread over the modes and points.
-const SHORT: [(&str, Point, Fault); 10] = [
+/// One case of each host and link fault (two of killing the destination: before the switch,
+/// and during post-copy, where the operator takes the VM back), spread over the modes and
+/// points, and two stop requests: a SIGTERM the source must defer (at `Go`), and a stop that
+/// ends an arrival (at the state).
+const SHORT: [(&str, Point, Fault); 12] = [
+    ("precopy", Point::Go, Fault::Stop(Side::Source, How::Signal)),
+    (
+        "postcopy",
+        Point::State,
+        Fault::Stop(Side::Destination, How::Api),
+    ),
     ("precopy", Point::RoundK, Fault::KillDestination),
     ("precopy", Point::Go, Fault::Cut),
     ("warm", Point::State, Fault::Corrupt),
