@@ -6,7 +6,10 @@ need=()
 command -v gcc >/dev/null || need+=(gcc)
 command -v g++ >/dev/null || need+=(g++)  # libFuzzer (fuzz/, replayed by make test) is C++
 command -v make >/dev/null || need+=(make)
-command -v qemu-system-x86_64 >/dev/null || need+=(qemu-system-x86)
+# QEMU 10 (the benchmarks' reference: multifd zero pages, mapped-ram, postcopy-preempt), from
+# Debian's bookworm-backports suite; Debian 12's own QEMU is 7.2.
+qemu_major=$(qemu-system-x86_64 --version 2>/dev/null | awk '/version/ {split($4, v, "."); print v[1]; exit}')
+[ "${qemu_major:-0}" -ge 10 ] || need_qemu=1
 command -v ip >/dev/null || need+=(iproute2)
 command -v tc >/dev/null || need+=(iproute2)
 command -v bridge >/dev/null || need+=(iproute2)  # the NIC test reads the bridge's table
@@ -16,15 +19,31 @@ command -v objcopy >/dev/null || need+=(binutils)
 [ -x /usr/bin/python3 ] || need+=(python3)
 /usr/bin/python3 -c 'import matplotlib' 2>/dev/null || need+=(python3-matplotlib)
 
-if [ ${#need[@]} -gt 0 ]; then
+# The suite beside bookworm's, on the mirror apt already uses.
+add_backports() {
+    local list=/etc/apt/sources.list.d/bookworm-backports.sources uri
+    [ -e "$list" ] && return 0
+    uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null)
+    printf 'Types: deb\nURIs: %s\nSuites: bookworm-backports\nComponents: main\nSigned-By: %s\n' \
+        "${uri:-http://deb.debian.org/debian}" /usr/share/keyrings/debian-archive-keyring.gpg >"$list"
+}
+
+if [ ${#need[@]} -gt 0 ] || [ -n "${need_qemu:-}" ]; then
     if [ "$(id -u)" != 0 ]; then
-        echo "ferry: missing packages: ${need[*]}; run as root or install them" >&2
+        echo "ferry: missing packages: ${need[*]} ${need_qemu:+QEMU 10}; run as root or install them" >&2
         exit 1
     fi
-    echo "ferry: installing ${need[*]}"
     export DEBIAN_FRONTEND=noninteractive
+    [ -z "${need_qemu:-}" ] || add_backports
     apt-get update -q
-    apt-get install -y -q "${need[@]}"
+    if [ ${#need[@]} -gt 0 ]; then
+        echo "ferry: installing ${need[*]}"
+        apt-get install -y -q "${need[@]}"
+    fi
+    if [ -n "${need_qemu:-}" ]; then
+        echo "ferry: installing QEMU 10 from bookworm-backports"
+        apt-get install -y -q -t bookworm-backports qemu-system-x86
+    fi
 fi
 
 # A real distribution kernel for the Linux boot-protocol tests (Linux itself cannot run on

@@ -2,9 +2,9 @@
 and link, over QMP, configured three ways:
 
 - `qemu-default`: QEMU as it comes (no migration parameter set: downtime limit 300 ms,
-  bandwidth 128 MiB/s; QEMU 7.2's defaults);
+  bandwidth 128 MiB/s: QEMU's defaults);
 - `qemu`: ferry's limits (the scenario's downtime limit, no bandwidth cap), nothing else;
-- `qemu-best`: ferry's limits and everything QEMU 7.2 offers for speed: pre-copy with multifd
+- `qemu-best`: ferry's limits and what QEMU offers for speed: pre-copy with multifd
   (one channel per core) compressing with zstd, xbzrle (delta encoding) and auto-converge;
   post-copy with postcopy-preempt (page requests on a channel of their own).
 
