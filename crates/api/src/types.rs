@@ -403,6 +403,12 @@ pub struct MigrationStatus {
     /// the time from the migrate request (source) or the first message (destination).
     #[serde(default)]
     pub breakdown: Vec<Stretch>,
+    /// Destination: when the VM ran there, and when it needed nothing more from the source
+    /// (post-copy's last page), in ns since the Unix epoch on the destination's clock.
+    #[serde(default)]
+    pub resumed_at_unix_ns: Option<u64>,
+    #[serde(default)]
+    pub completed_at_unix_ns: Option<u64>,
     pub pages_pushed: u64,
     pub pages_requested: u64,
     pub postcopy_report: Option<PostcopyReport>,

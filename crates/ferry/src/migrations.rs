@@ -187,6 +187,8 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
                 ms: b.ms,
             })
             .collect(),
+        resumed_at_unix_ns: r.resumed_at_unix_ns,
+        completed_at_unix_ns: r.completed_at_unix_ns,
         pages_pushed: p.pages.pushed,
         pages_requested: p.pages.requested,
         postcopy_report: r.postcopy_report.as_ref().map(|c| api::PostcopyReport {

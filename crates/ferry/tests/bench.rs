@@ -61,6 +61,12 @@ fn tiny_profile_writes_every_output() {
         assert!(!run[key].is_null(), "run lacks {key}: {run}");
     }
     assert!(row["summary"]["total_ms"]["median"].as_f64().unwrap() > 0.0);
+    // Bytes are counted on the link, headers and all: never fewer than the VMM sent.
+    assert!(
+        run["wire_bytes"].as_f64().unwrap() >= run["bytes"].as_f64().unwrap(),
+        "{run}"
+    );
+    assert!(run["total_ms_reported"].as_f64().unwrap() > 0.0, "{run}");
     for file in [
         "results.md",
         "precopy_rounds.svg",
@@ -93,6 +99,9 @@ fn qemu_driver_measures_a_qemu_migration() {
     assert_eq!(run["peer"], "qemu");
     assert!(run["total_ms"].as_f64().unwrap() > 0.0, "{run}");
     assert!(run["bytes"].as_f64().unwrap() > 0.0, "{run}");
+    // Timed on the destination's clock (its MIGRATION event), its own figure beside it.
+    assert!(run["total_ms_reported"].as_f64().unwrap() > 0.0, "{run}");
+    assert!(run["wire_bytes"].as_f64().unwrap() > 0.0, "{run}");
 }
 
 /// A WAN-like link (`1gbit+20ms`): a TCP connection's handshake takes at least the round

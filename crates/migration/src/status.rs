@@ -150,6 +150,11 @@ pub struct Report {
     pub cpu: Vec<crate::cpu::WorkCpu>,
     /// Where this side's time went, stretch after stretch on its own clock (see `Laps`).
     pub breakdown: Vec<Stretch>,
+    /// Destination: when the VM ran here, and when it needed nothing more from the source
+    /// (post-copy's last page; otherwise the same), in ns since the Unix epoch on this host's
+    /// clock: what a benchmark reads to time any VMM's move the same way.
+    pub resumed_at_unix_ns: Option<u64>,
+    pub completed_at_unix_ns: Option<u64>,
     // verification aid
     pub memory_checksum_source: Option<u64>,
     pub memory_checksum_destination: Option<u64>,

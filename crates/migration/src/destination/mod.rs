@@ -283,6 +283,7 @@ impl Incoming {
         match result {
             Ok(report) => {
                 s.phase = Phase::Completed;
+                s.report.completed_at_unix_ns = Some(crate::status::now_ns());
                 s.error = None;
                 s.report.memory_checksum_destination = report.memory_checksum;
                 s.report.postcopy_report = Some(report);

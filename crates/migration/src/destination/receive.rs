@@ -450,6 +450,7 @@ impl Receiver<'_> {
             vm.resume()?;
         }
         let resumed_at_ns = now_ns();
+        self.status.report.resumed_at_unix_ns = Some(resumed_at_ns);
         laps.lap("resume", &mut self.status.report);
         let state_to_resume = state_received.elapsed();
         self.status.report.destination_downtime_ms = Some(ms(state_to_resume));
@@ -514,6 +515,7 @@ impl Receiver<'_> {
     }
 
     fn complete(&mut self, started: Instant) {
+        self.status.report.completed_at_unix_ns = Some(now_ns());
         self.status.phase = Phase::Completed;
         self.status.report.total_ms = ms(started.elapsed());
         self.status.report.cpu = self.cpu.uses();
