@@ -1,5 +1,5 @@
-//! The workload guest's page content (`fill=`): migrations keep every page of a random and a
-//! mixed writer, and the content really is as compressible as guest.c says.
+//! The workload guest's page content (`fill=`): migrations keep every page of a random, a
+//! mixed and a fresh writer, and the content really is as compressible as guest.c says.
 
 mod common;
 
@@ -23,6 +23,14 @@ fn random_fill_precopy_keeps_every_page() {
         return;
     }
     precopy_keeps_every_page("write ws=32M seq verify fill=random");
+}
+
+#[test]
+fn fresh_fill_precopy_keeps_every_page() {
+    if !kvm_available() {
+        return;
+    }
+    precopy_keeps_every_page("write ws=16M seq verify fill=fresh");
 }
 
 #[test]
@@ -56,11 +64,19 @@ fn fills_compress_as_documented() {
     let word = snapshot_ratio("word");
     let random = snapshot_ratio("random");
     let mixed = snapshot_ratio("mixed");
-    eprintln!("zlib -1 ratios of a snapshot: word {word:.1}, random {random:.2}, mixed {mixed:.2}");
+    let fresh = snapshot_ratio("fresh");
+    eprintln!(
+        "zlib -1 ratios of a snapshot: word {word:.1}, random {random:.2}, mixed {mixed:.2}, \
+         fresh {fresh:.2}"
+    );
     assert!(word > 20.0, "word pages are a stamp in zeros: {word}");
     assert!(random < 1.05, "random pages do not compress: {random}");
     assert!(
         (1.4..3.0).contains(&mixed),
         "mixed: text (~2.5x for zlib) and random pages: {mixed}"
+    );
+    assert!(
+        (1.3..2.5).contains(&fresh),
+        "fresh: 3/4 text, 1/4 random, no zero page: {fresh}"
     );
 }
