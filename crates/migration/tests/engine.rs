@@ -1248,6 +1248,40 @@ fn open_stream(sock: &std::path::Path, first: &Message) -> std::os::unix::net::U
     s
 }
 
+/// A state sent twice is refused, naming it, not silently overwritten by the second copy.
+#[test]
+fn a_state_sent_twice_is_refused() {
+    let twice = [
+        Message::VcpuState {
+            index: 0,
+            state: vec![1],
+        },
+        Message::DeviceState { state: vec![2] },
+    ];
+    for (i, repeated) in twice.iter().enumerate() {
+        let (_dir, sock, dest) = listening_destination();
+        let hello = Message::Hello {
+            vm: FakeVm::new().descriptor(),
+            mode: StreamMode::Precopy,
+            source: "a test".into(),
+            connections: 1,
+            session: 0,
+        };
+        let mut s = open_stream(&sock, &hello);
+        assert!(matches!(
+            migration::wire::read_message(&mut s).unwrap(),
+            Message::Ready { .. }
+        ));
+        for m in [&twice[i], repeated] {
+            migration::wire::write_message(&mut s, m).unwrap();
+        }
+        match dest.join().unwrap() {
+            Err(e) => assert!(e.to_string().contains("came twice"), "{e}"),
+            Ok(_) => panic!("a repeated {} was taken", repeated.name()),
+        }
+    }
+}
+
 #[test]
 fn only_the_migrations_own_connections_may_join_it() {
     let (_dir, sock, dest) = listening_destination();

@@ -287,9 +287,15 @@ impl Receiver<'_> {
                             descriptor.vcpus
                         ))
                     })?;
-                    *slot = Some(state);
+                    if slot.replace(state).is_some() {
+                        return Err(Error::Protocol(format!("vCPU {index}'s state came twice")));
+                    }
                 }
-                Message::DeviceState { state } => devices = Some(state),
+                Message::DeviceState { state } => {
+                    if devices.replace(state).is_some() {
+                        return Err(Error::Protocol("the device state came twice".into()));
+                    }
+                }
                 Message::Sync { lane_pages } => {
                     // This connection's pages are in place (read in order); the lanes' too,
                     // once their counts reach what the source sent.
