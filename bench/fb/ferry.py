@@ -52,6 +52,16 @@ def all_passed(info):
 BEST = ["--compression", "auto", "--delta-cache-mb", "256", "--auto-converge"]
 
 
+def shape_args(scenario):
+    """The destination's `--memory`/`--vcpus`: the VM built before it arrives, as QEMU's
+    destination is (-m, -smp). An older ferry (a scale kit's `before` build) refuses them
+    with --incoming and builds on arrival."""
+    if "With --incoming" not in subprocess.run([FERRY, "run", "--help"], capture_output=True,
+                                               text=True).stdout:
+        return []
+    return ["--memory", scenario["memory"], "--vcpus", str(scenario["vcpus"])]
+
+
 class FerryPeer:
     def __init__(self, procs, workdir, best=False):
         self.procs = procs
@@ -156,7 +166,10 @@ class FerryPeer:
         port = free_port()
         dst = os.path.join(self.work, f"dst-{time.time_ns()}.sock")
         transport = self.tls_args(link.dst_host) if tls else ["--plain-tcp"]
+        # Started with the VM's shape, as QEMU's destination is: building it is not part of
+        # the move for either VMM.
         dst_proc = self.procs.start([FERRY, "run", "--incoming", f"tcp:{link.dst_host}:{port}",
+                                     *shape_args(scenario),
                                      "--api-socket", dst, "--serial", dst_serial, *transport],
                                     netns=link.ns_dst, side="destination",
                                     stderr=open(os.path.join(self.work, "dst.err"), "ab"))
