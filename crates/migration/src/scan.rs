@@ -23,23 +23,35 @@ const PAGEMAP_CHUNK: usize = 64 * 1024;
 /// shared page it removes the mapping, so the page looks never touched although it holds data
 /// (so does a page written through the file). For such regions the file is asked instead.
 pub fn populated_pages(ram: &GuestRam) -> Result<Bitmap> {
-    let pagemap = File::open("/proc/self/pagemap")?;
     let mut out = Bitmap::new(ram.gfn_end());
+    populated_pages_into(ram, &mut out)?;
+    Ok(out)
+}
+
+/// `populated_pages` into `out`, a bitmap kept from an earlier call (cleared here): one that
+/// is asked often reuses memory already faulted in.
+pub fn populated_pages_into(ram: &GuestRam, out: &mut Bitmap) -> Result<()> {
+    let pagemap = File::open("/proc/self/pagemap")?;
+    if out.pages() == ram.gfn_end() {
+        out.words_mut().fill(0);
+    } else {
+        *out = Bitmap::new(ram.gfn_end());
+    }
     for (range, host, file) in ram.backed_regions() {
         if let Some(fd) = file {
-            mark_file_data(fd, range, &mut out)?;
+            mark_file_data(fd, range, out)?;
             continue;
         }
-        match scan_present(&pagemap, host as u64, range, &mut out) {
+        match scan_present(&pagemap, host as u64, range, out) {
             Ok(()) => {}
             // Kernels before 6.7 lack PAGEMAP_SCAN: read every page's entry instead.
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTTY | libc::EINVAL)) => {
-                read_present(&pagemap, host as u64, range, &mut out)?;
+                read_present(&pagemap, host as u64, range, out)?;
             }
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The same as `scan_present`, one pagemap entry (8 bytes) a page.

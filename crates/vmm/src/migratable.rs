@@ -107,6 +107,12 @@ impl Migratable for Vm {
         Ok(dirty)
     }
 
+    fn take_dirty_into(&self, into: &mut Bitmap) -> migration::Result<()> {
+        self.take_dirty_log_into(into).map_err(vm_err)?;
+        self.drain_vmm_writes(Some(into));
+        Ok(())
+    }
+
     fn stop_dirty_log(&self) -> migration::Result<()> {
         self.set_dirty_logging(false).map_err(vm_err)
     }

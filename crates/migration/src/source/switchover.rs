@@ -62,7 +62,7 @@ impl Session<'_> {
         self.status.report.guest_pages_per_s_during =
             self.vm.guest_progress_rate(start_ns, paused_at_ns);
         if self.dirty_logging {
-            pending.merge(&self.vm.take_dirty()?);
+            self.vm.take_dirty_into(&mut pending)?;
             self.lap("harvest paused");
         }
         self.check_page_data(); // the guest is still
