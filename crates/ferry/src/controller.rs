@@ -12,6 +12,9 @@ use crate::lifecycle::{self, Lifecycle};
 use crate::migrations::{Migrations, Security, api_error};
 use migration::source::Resumed;
 
+/// How long a shutdown waits for the migration it cancelled to end.
+const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Where the VM is in its life, beyond running/paused.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -229,6 +232,31 @@ impl Controller {
         Ok(vm)
     }
 
+    /// A migration still in its rounds is cancelled, and has ended, before the VM stops:
+    /// shutting the VM down under it could let it hand a dying VM over. Refused once `Go` has
+    /// left (the VM may run on the destination), or if the VM moved meanwhile.
+    fn cancel_outgoing(&self) -> Result<(), ApiError> {
+        let outgoing = &self.migrations.outgoing;
+        if let Err(e) = outgoing.cancel()
+            && outgoing.running()
+        {
+            return Err(api_error(e));
+        }
+        let phase = outgoing.wait_ended(CANCEL_WAIT);
+        if self.migrations.board.read().moved_away() {
+            return Err(ApiError::conflict(
+                "the VM moved to the destination as the shutdown came: shut it down there",
+            ));
+        }
+        if phase.is_running() {
+            return Err(ApiError::conflict(format!(
+                "the migration, cancelled, had not ended {} s later: ask again",
+                CANCEL_WAIT.as_secs()
+            )));
+        }
+        Ok(())
+    }
+
     fn corrupt_page(&self, page: u64) -> Result<(), ApiError> {
         let vm = self.require_debug()?;
         let info = vm.info();
@@ -286,6 +314,9 @@ impl Handler for Controller {
                         .incoming
                         .stop_arrival("vm.shutdown")
                         .map_err(api_error)?;
+                }
+                if state == Lifecycle::Migrating {
+                    self.cancel_outgoing()?;
                 }
                 self.set_phase(Phase::ShuttingDown);
                 self.shutdown.store(true, Ordering::Release);

@@ -17,6 +17,7 @@ use vmm::{BootImage, Vm, VmConfig, VmEvent};
 
 use crate::cli::RunArgs;
 use crate::controller::{Controller, Phase};
+use crate::lifecycle::Lifecycle;
 use crate::migrations::Security;
 
 static TERMINATE: AtomicBool = AtomicBool::new(false);
@@ -286,7 +287,11 @@ fn supervise(controller: &Controller) -> i32 {
         // migration to end (kill -9 remains for an operator).
         if TERMINATE.load(Ordering::Acquire) {
             let state = controller.lifecycle();
-            if !state.holds_stop() {
+            // A migration in its rounds is cancelled first; the stop follows once it ended
+            // (or, past `Go`, waits for the switch like any other).
+            if state == Lifecycle::Migrating {
+                let _ = controller.migrations.outgoing.cancel();
+            } else if !state.holds_stop() {
                 break 0;
             }
             if !said_wait {

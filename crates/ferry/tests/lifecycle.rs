@@ -135,3 +135,39 @@ fn a_source_mid_switch_holds_stops_until_the_switch_ends() {
         runs_on_intact(&dst, &format!("{case}: the guest on the destination"));
     }
 }
+
+/// A source asked to stop while its migration is in its rounds cancels the migration first,
+/// and stops once it has ended: the VM is never handed over while it is being shut down, and
+/// the destination never runs it.
+#[test]
+fn a_source_stopped_in_its_rounds_cancels_the_migration_first() {
+    if !kvm_available() {
+        return;
+    }
+    for stop in [Stop::Api, Stop::Signal] {
+        let mut src = Ferry::writer("write ws=64M seq verify");
+        let url = format!("unix:{}", src.scratch("mig.sock").display());
+        let mut dst = Ferry::incoming(&url);
+        // A slow link: the first round takes far longer than the test.
+        let body = serde_json::json!({"destination": url, "max_bandwidth_mbps": 8});
+        src.api()
+            .put("vm.send-migration", Some(&body))
+            .expect("the migration starts");
+        src.wait_for_migration_bytes(1 << 20);
+        stop.send(&src)
+            .unwrap_or_else(|e| panic!("{stop:?}: the stop was refused: {e}"));
+        let exit = src.wait_exit(T);
+        assert!(exit.success(), "{stop:?}: the source exited {exit:?}");
+        let said = dst.stderr_text();
+        let exit = dst.wait_exit(T);
+        assert!(
+            !exit.success(),
+            "{stop:?}: the destination ran the VM: {said}"
+        );
+        assert!(
+            dst.stderr_text().contains("cancelled"),
+            "{stop:?}: {}",
+            dst.stderr_text()
+        );
+    }
+}

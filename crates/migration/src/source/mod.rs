@@ -382,6 +382,16 @@ impl Outgoing {
         Ok(())
     }
 
+    /// Waits up to `limit` for a running migration to end (a cancel is heard within 100 ms
+    /// in its rounds, at once in its handshake); its phase then.
+    pub fn wait_ended(&self, limit: Duration) -> Phase {
+        let deadline = Instant::now() + limit;
+        while self.running() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.board.phase()
+    }
+
     /// Like QEMU's migrate-start-postcopy: the running pre-copy hands over by post-copy at
     /// its next round.
     pub fn start_postcopy(&self) -> Result<()> {
