@@ -10,29 +10,6 @@ use common::*;
 
 const T: Duration = Duration::from_secs(60);
 
-/// `--tls-cert/--tls-key/--tls-ca` for host `name` from a `ferry certs` directory.
-fn tls_args(dir: &std::path::Path, name: &str) -> Vec<String> {
-    let f = |ext: &str| dir.join(format!("{name}.{ext}")).display().to_string();
-    vec![
-        "--tls-cert".into(),
-        f("pem"),
-        "--tls-key".into(),
-        f("key"),
-        "--tls-ca".into(),
-        dir.join("ca.pem").display().to_string(),
-    ]
-}
-
-fn certs(dir: &std::path::Path, names: &[&str]) {
-    let out = dir.display().to_string();
-    let mut args = vec!["certs", "--out", &out];
-    for n in names {
-        args.extend_from_slice(&["--name", n]);
-    }
-    let o = ferry_output(&args);
-    assert!(o.status.success(), "{o:?}");
-}
-
 #[test]
 fn a_verified_guest_moves_over_tls_and_strangers_are_turned_away() {
     if !kvm_available() {

@@ -181,6 +181,11 @@ impl Ferry {
     }
 
     pub fn boot(spec: VmSpec) -> Ferry {
+        Ferry::boot_with(spec, &[])
+    }
+
+    /// `boot` with more `ferry run` arguments (TLS credentials, say).
+    pub fn boot_with(spec: VmSpec, extra: &[&str]) -> Ferry {
         let guest = guest();
         let vcpus = spec.vcpus.to_string();
         let mut args = vec![
@@ -198,6 +203,7 @@ impl Ferry {
         if spec.debug_api {
             args.push("--enable-debug-api");
         }
+        args.extend_from_slice(extra);
         Ferry::start(&args)
     }
 
@@ -236,6 +242,17 @@ impl Ferry {
             let info = self.info();
             pred(&info).then_some(info)
         })
+    }
+
+    /// How many threads and open file descriptors the process has now.
+    pub fn threads_and_fds(&self) -> (usize, usize) {
+        let pid = self.child.as_ref().expect("a running ferry").id();
+        let count = |what: &str| {
+            std::fs::read_dir(format!("/proc/{pid}/{what}"))
+                .map(|d| d.count())
+                .unwrap_or(usize::MAX)
+        };
+        (count("task"), count("fd"))
     }
 
     pub fn wait_exit(&mut self, timeout: Duration) -> ExitStatus {
@@ -414,6 +431,30 @@ pub fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (api::MigrationStatus, 
         String::from_utf8_lossy(&out.stderr)
     );
     (status, out.status.success(), errors)
+}
+
+/// `--tls-cert/--tls-key/--tls-ca` for host `name` from a `ferry certs` directory.
+pub fn tls_args(dir: &Path, name: &str) -> Vec<String> {
+    let f = |ext: &str| dir.join(format!("{name}.{ext}")).display().to_string();
+    vec![
+        "--tls-cert".into(),
+        f("pem"),
+        "--tls-key".into(),
+        f("key"),
+        "--tls-ca".into(),
+        dir.join("ca.pem").display().to_string(),
+    ]
+}
+
+/// `ferry certs`: a CA in `dir` and a certificate it signed for each of `names`.
+pub fn certs(dir: &Path, names: &[&str]) {
+    let out = dir.display().to_string();
+    let mut args = vec!["certs", "--out", &out];
+    for n in names {
+        args.extend_from_slice(&["--name", n]);
+    }
+    let o = ferry_output(&args);
+    assert!(o.status.success(), "{o:?}");
 }
 
 /// A destination listening on TCP behind a relay that injects `fault`.

@@ -3,6 +3,7 @@
 
 pub mod bitmap;
 pub mod codec;
+pub mod deadline;
 pub mod delta;
 pub mod frame;
 pub mod lanefile;

@@ -16,7 +16,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -26,9 +26,14 @@ use rustls::{
 };
 
 use crate::error::{Error, Result};
+use crate::wire::deadline::Within;
 
-/// How long a TLS handshake may take before the peer counts as silent.
+/// How long a connecting side's TLS handshake may take in all before the peer counts as
+/// silent.
 const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
+/// How long the pump goes on sending what is queued for the network once the engine has
+/// closed its end: a peer that stopped reading must not keep the pump (and its sockets) alive.
+const LINGER: Duration = Duration::from_secs(2);
 /// Plaintext the pump holds for the engine before it stops reading the network.
 const PUMP_BUFFER: usize = 1 << 20;
 
@@ -110,6 +115,7 @@ impl Tls {
     }
 
     /// Opens TLS as the connecting side; the destination's certificate must name `host`.
+    /// The handshake has `HANDSHAKE_WAIT` in all.
     pub fn connect(&self, tcp: TcpStream, host: &str) -> Result<Secured> {
         let name = ServerName::try_from(host.to_string()).map_err(|e| {
             Error::Param(format!(
@@ -118,14 +124,15 @@ impl Tls {
         })?;
         let conn = ClientConnection::new(self.client.clone(), name)
             .map_err(|e| Error::Protocol(format!("TLS: {e}")))?;
-        secure(tcp, conn.into())
+        secure(tcp, conn.into(), Instant::now() + HANDSHAKE_WAIT)
     }
 
-    /// Opens TLS as the listening side; the source must present a certificate of our CA.
-    pub fn accept(&self, tcp: TcpStream) -> Result<Secured> {
+    /// Opens TLS as the listening side; the source must present a certificate of our CA
+    /// and finish the handshake by `deadline`.
+    pub fn accept(&self, tcp: TcpStream, deadline: Instant) -> Result<Secured> {
         let conn = ServerConnection::new(self.server.clone())
             .map_err(|e| Error::Protocol(format!("TLS: {e}")))?;
-        secure(tcp, conn.into())
+        secure(tcp, conn.into(), deadline)
     }
 }
 
@@ -135,14 +142,11 @@ pub struct Secured {
     pub wire: Arc<TcpStream>,
 }
 
-fn secure(mut tcp: TcpStream, mut conn: Connection) -> Result<Secured> {
+fn secure(mut tcp: TcpStream, mut conn: Connection, deadline: Instant) -> Result<Secured> {
     let tls_err = |e: std::io::Error| Error::transport("TLS handshake", e);
-    tcp.set_read_timeout(Some(HANDSHAKE_WAIT))
-        .map_err(tls_err)?;
-    tcp.set_write_timeout(Some(HANDSHAKE_WAIT))
-        .map_err(tls_err)?;
     while conn.is_handshaking() {
-        conn.complete_io(&mut tcp).map_err(tls_err)?;
+        conn.complete_io(&mut Within::new(&mut tcp, deadline))
+            .map_err(tls_err)?;
     }
     let (app, pump_end) = UnixStream::pair().map_err(|e| Error::transport("TLS pump", e))?;
     let wire = Arc::new(tcp);
@@ -159,70 +163,167 @@ fn secure(mut tcp: TcpStream, mut conn: Connection) -> Result<Secured> {
 }
 
 /// Moves plaintext between the engine's socket and the TLS connection, and ciphertext between
-/// the TLS connection and the network, until both directions have ended.
-fn pump(mut conn: Connection, tcp: &TcpStream, mut app: UnixStream) -> std::io::Result<()> {
+/// the TLS connection and the network, until both directions have ended, or the engine has
+/// closed its end (then it sends what is queued, for at most `LINGER`, and never waits for
+/// the peer: a silent peer must not keep the pump and its sockets alive).
+fn pump(conn: Connection, tcp: &TcpStream, app: UnixStream) -> std::io::Result<()> {
     tcp.set_read_timeout(None)?;
     tcp.set_write_timeout(None)?;
     tcp.set_nonblocking(true)?;
     app.set_nonblocking(true)?;
+    let mut p = Pump {
+        conn,
+        net: tcp,
+        app,
+        inbound: Vec::with_capacity(PUMP_BUFFER),
+        peer_done: false,
+        app_done: false,
+        hung_up: None,
+    };
     // Plaintext is taken from the engine only when the ciphertext queue is empty, so the
     // queue stays near one chunk; rustls need not bound it.
-    conn.set_buffer_limit(None);
-    let mut net = tcp;
-    // Plaintext received from the peer, not yet taken by the engine.
-    let mut inbound: Vec<u8> = Vec::with_capacity(PUMP_BUFFER);
-    let mut chunk = vec![0u8; 64 * 1024];
+    p.conn.set_buffer_limit(None);
     // The handshake may have read the peer's first records with its last flight: they are
     // decrypted now, or they would wait for more bytes from the network that may never come.
-    let mut peer_done = take_plaintext(&mut conn, &mut inbound)?;
-    let mut app_done = false;
+    p.peer_done = take_plaintext(&mut p.conn, &mut p.inbound)?;
+    let mut chunk = vec![0u8; 64 * 1024];
     loop {
-        // Engine → TLS (only while the ciphertext queue is short).
-        if !app_done && !conn.wants_write() {
-            match app.read(&mut chunk) {
-                Ok(0) => {
-                    app_done = true;
-                    conn.send_close_notify();
-                }
-                Ok(n) => conn.writer().write_all(&chunk[..n])?,
-                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
-                Err(e) => return Err(e),
-            }
+        p.engine_to_tls(&mut chunk)?;
+        p.tls_to_network()?;
+        p.network_to_engine()?;
+        if p.finished() {
+            let _ = p.net.shutdown(std::net::Shutdown::Write);
+            return Ok(());
         }
-        // TLS → network.
-        while conn.wants_write() {
-            match conn.write_tls(&mut net) {
+        p.wait();
+    }
+}
+
+struct Pump<'a> {
+    conn: Connection,
+    net: &'a TcpStream,
+    app: UnixStream,
+    /// Plaintext received from the peer, not yet taken by the engine.
+    inbound: Vec<u8>,
+    /// The peer closed its direction.
+    peer_done: bool,
+    /// The engine closed its sending direction.
+    app_done: bool,
+    /// When the engine closed its end both ways (dropped it).
+    hung_up: Option<Instant>,
+}
+
+impl Pump<'_> {
+    /// Engine → TLS (only while the ciphertext queue is empty).
+    fn engine_to_tls(&mut self, chunk: &mut [u8]) -> std::io::Result<()> {
+        if self.app_done || self.conn.wants_write() {
+            return Ok(());
+        }
+        match self.app.read(chunk) {
+            Ok(0) => {
+                self.app_done = true;
+                self.conn.send_close_notify();
+            }
+            Ok(n) => self.conn.writer().write_all(&chunk[..n])?,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// TLS → network.
+    fn tls_to_network(&mut self) -> std::io::Result<()> {
+        while self.conn.wants_write() {
+            match self.conn.write_tls(&mut self.net) {
                 Ok(_) => {}
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) => return Err(e),
             }
         }
-        // Network → TLS → plaintext for the engine (only while the engine keeps up).
-        if !peer_done && inbound.len() < PUMP_BUFFER {
-            match conn.read_tls(&mut net) {
-                Ok(0) => peer_done = true,
-                Ok(_) => peer_done = take_plaintext(&mut conn, &mut inbound)?,
+        Ok(())
+    }
+
+    /// Network → TLS → plaintext for the engine (only while the engine keeps up, and not
+    /// once it is gone).
+    fn network_to_engine(&mut self) -> std::io::Result<()> {
+        if self.reads_network() {
+            match self.conn.read_tls(&mut self.net) {
+                Ok(0) => self.peer_done = true,
+                Ok(_) => self.peer_done = take_plaintext(&mut self.conn, &mut self.inbound)?,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
         }
-        if !inbound.is_empty() {
-            match app.write(&inbound) {
+        if self.hung_up.is_some() {
+            self.inbound.clear();
+        }
+        if !self.inbound.is_empty() {
+            match self.app.write(&self.inbound) {
                 Ok(n) => {
-                    inbound.drain(..n);
+                    self.inbound.drain(..n);
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(e) => return Err(e),
             }
         }
-        if peer_done && inbound.is_empty() {
-            let _ = app.shutdown(std::net::Shutdown::Write);
+        if self.peer_done && self.inbound.is_empty() {
+            let _ = self.app.shutdown(std::net::Shutdown::Write);
         }
-        if peer_done && app_done && !conn.wants_write() && inbound.is_empty() {
-            let _ = net.shutdown(std::net::Shutdown::Write);
-            return Ok(());
+        Ok(())
+    }
+
+    fn reads_network(&self) -> bool {
+        !self.peer_done && self.hung_up.is_none() && self.inbound.len() < PUMP_BUFFER
+    }
+
+    fn finished(&self) -> bool {
+        let flushed = !self.conn.wants_write();
+        match self.hung_up {
+            Some(at) => (self.app_done && flushed) || at.elapsed() >= LINGER,
+            None => self.peer_done && self.app_done && flushed && self.inbound.is_empty(),
         }
-        wait(&conn, net, &app, &inbound, peer_done, app_done);
+    }
+
+    /// Sleeps until one of the sockets can move data the pump wants to move, and notes when
+    /// the engine's end is closed both ways.
+    fn wait(&mut self) {
+        let mut net_events = 0;
+        if self.conn.wants_write() {
+            net_events |= libc::POLLOUT;
+        }
+        if self.reads_network() {
+            net_events |= libc::POLLIN;
+        }
+        let mut app_events = 0;
+        if !self.inbound.is_empty() {
+            app_events |= libc::POLLOUT;
+        }
+        if !self.app_done && !self.conn.wants_write() {
+            app_events |= libc::POLLIN;
+        }
+        let mut fds = [
+            libc::pollfd {
+                fd: self.net.as_raw_fd(),
+                events: net_events,
+                revents: 0,
+            },
+            libc::pollfd {
+                // Once hung up, the engine's end would report it on every poll.
+                fd: if self.hung_up.is_some() {
+                    -1
+                } else {
+                    self.app.as_raw_fd()
+                },
+                events: app_events,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two pollfds valid for the duration of the call (a negative fd is ignored);
+        // a bounded wait so that a state change this loop did not poll for is still seen.
+        unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
+        if fds[1].revents & libc::POLLHUP != 0 {
+            self.hung_up = Some(Instant::now());
+        }
     }
 }
 
@@ -236,44 +337,4 @@ fn take_plaintext(conn: &mut Connection, inbound: &mut Vec<u8>) -> std::io::Resu
     inbound.resize(start + n, 0);
     conn.reader().read_exact(&mut inbound[start..])?;
     Ok(state.peer_has_closed())
-}
-
-/// Sleeps until one of the pump's sockets can move data it wants to move.
-fn wait(
-    conn: &Connection,
-    net: &TcpStream,
-    app: &UnixStream,
-    inbound: &[u8],
-    peer_done: bool,
-    app_done: bool,
-) {
-    let mut net_events = 0;
-    if conn.wants_write() {
-        net_events |= libc::POLLOUT;
-    }
-    if !peer_done && inbound.len() < PUMP_BUFFER {
-        net_events |= libc::POLLIN;
-    }
-    let mut app_events = 0;
-    if !inbound.is_empty() {
-        app_events |= libc::POLLOUT;
-    }
-    if !app_done && !conn.wants_write() {
-        app_events |= libc::POLLIN;
-    }
-    let mut fds = [
-        libc::pollfd {
-            fd: net.as_raw_fd(),
-            events: net_events,
-            revents: 0,
-        },
-        libc::pollfd {
-            fd: app.as_raw_fd(),
-            events: app_events,
-            revents: 0,
-        },
-    ];
-    // SAFETY: two valid pollfds for the duration of the call; a bounded wait so that a state
-    // change this loop did not poll for is still seen.
-    unsafe { libc::poll(fds.as_mut_ptr(), 2, 100) };
 }

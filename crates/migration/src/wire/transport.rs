@@ -1,11 +1,12 @@
 //! Where a migration goes: `tcp:HOST:PORT`, `unix:PATH`, or a file (snapshots).
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 use crate::wire::lanefile::SnapshotFile;
@@ -64,9 +65,21 @@ pub enum Stream {
 }
 
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a new connection has, in all, to open: its TLS handshake, and on a migration's
+/// listener (see `gate`) its stream header and first message too.
+pub const OPENING_WAIT: Duration = Duration::from_secs(10);
 /// A send queue this short empties in well under a millisecond on the links we target.
 const DRAINED_BYTES: usize = 64 * 1024;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A TCP connection silent this long is probed (keepalive), every `KEEPALIVE_INTERVAL`, and
+/// given up after `KEEPALIVE_PROBES` unanswered probes: a dead peer is noticed even by a side
+/// that only waits to read.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+const KEEPALIVE_PROBES: u32 = 3;
+/// Data sent and not acknowledged this long ends the connection (`TCP_USER_TIMEOUT`): a peer
+/// that died with our data in flight is noticed as soon as a blocked write would be.
+const UNACKED_LIMIT: Duration = IO_TIMEOUT;
 
 impl Endpoint {
     /// Connects; over TCP with `tls`, the connection is TLS and the destination's certificate
@@ -90,7 +103,7 @@ impl Endpoint {
                 let s = connected.ok_or_else(|| {
                     fail(last.unwrap_or_else(|| std::io::Error::other("no address")))
                 })?;
-                s.set_nodelay(true)?;
+                tune_tcp(&s).map_err(fail)?;
                 match tls {
                     Some(tls) => {
                         let secured = tls.connect(s, self.host())?;
@@ -147,9 +160,9 @@ impl std::os::fd::AsRawFd for Listener {
 }
 
 impl Listener {
-    /// Waits for a connection, looking at `stop` every 100 ms; `None` once it says stop.
+    /// Waits for a connection, looking at `stop` every 100 ms; `None` once it says stop. A
+    /// connection has `OPENING_WAIT` in all for its TLS handshake.
     pub fn accept_until(&self, stop: &dyn Fn() -> bool) -> Result<Option<Stream>> {
-        use std::os::fd::AsRawFd;
         let mut poll = libc::pollfd {
             fd: self.as_raw_fd(),
             events: libc::POLLIN,
@@ -164,23 +177,123 @@ impl Listener {
         Ok(None)
     }
 
+    /// Accepts a connection and opens it (TLS, within `OPENING_WAIT` for the whole
+    /// handshake).
     pub fn accept(&self) -> Result<Stream> {
-        let stream = match self {
-            Listener::Tcp(l, tls) => {
-                let (s, _) = l.accept()?;
-                s.set_nodelay(true)?;
-                match tls {
-                    Some(tls) => {
-                        let secured = tls.accept(s)?;
-                        Stream::Tls(secured.app, secured.wire)
-                    }
-                    None => Stream::Tcp(s),
-                }
-            }
-            Listener::Unix(l, _) => Stream::Unix(l.accept()?.0),
-        };
+        let deadline = Instant::now() + OPENING_WAIT;
+        let stream = self.accept_unopened()?.open(self.tls(), deadline)?;
         stream.set_timeouts(Some(IO_TIMEOUT))?;
         Ok(stream)
+    }
+
+    /// Accepts a connection, before any TLS handshake.
+    pub fn accept_unopened(&self) -> Result<Accepted> {
+        Ok(match self {
+            Listener::Tcp(l, _) => {
+                let (s, _) = l.accept()?;
+                tune_tcp(&s)?;
+                Accepted::Tcp(s)
+            }
+            Listener::Unix(l, _) => Accepted::Unix(l.accept()?.0),
+        })
+    }
+
+    /// What a connection must open TLS with, if anything.
+    pub fn tls(&self) -> Option<&Tls> {
+        match self {
+            Listener::Tcp(_, tls) => tls.as_ref(),
+            Listener::Unix(..) => None,
+        }
+    }
+}
+
+/// A connection as accepted, before any TLS handshake.
+pub enum Accepted {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Accepted {
+    /// The peer's address (none for a Unix socket: every peer there is this host).
+    pub fn peer(&self) -> Option<IpAddr> {
+        match self {
+            Accepted::Tcp(s) => s.peer_addr().ok().map(|a| a.ip().to_canonical()),
+            Accepted::Unix(_) => None,
+        }
+    }
+
+    /// A second handle on the socket (to shut it down from elsewhere).
+    pub fn try_clone_socket(&self) -> Result<std::os::fd::OwnedFd> {
+        Ok(match self {
+            Accepted::Tcp(s) => s.try_clone()?.into(),
+            Accepted::Unix(s) => s.try_clone()?.into(),
+        })
+    }
+
+    /// The stream to read and write: with `tls`, once the handshake finished by `deadline`.
+    pub fn open(self, tls: Option<&Tls>, deadline: Instant) -> Result<Stream> {
+        Ok(match (self, tls) {
+            (Accepted::Tcp(s), Some(tls)) => {
+                let secured = tls.accept(s, deadline)?;
+                Stream::Tls(secured.app, secured.wire)
+            }
+            (Accepted::Tcp(s), None) => Stream::Tcp(s),
+            (Accepted::Unix(s), _) => Stream::Unix(s),
+        })
+    }
+}
+
+/// Sets what every migration TCP socket needs, on both sides: no delay (control messages go
+/// at once), keepalive and a limit on unacknowledged data (a dead peer is noticed).
+fn tune_tcp(s: &TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    let fd = s.as_raw_fd();
+    set_int(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE, 1)?;
+    set_int(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPIDLE,
+        secs(KEEPALIVE_IDLE),
+    )?;
+    set_int(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPINTVL,
+        secs(KEEPALIVE_INTERVAL),
+    )?;
+    set_int(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_KEEPCNT,
+        KEEPALIVE_PROBES as i32,
+    )?;
+    set_int(
+        fd,
+        libc::IPPROTO_TCP,
+        libc::TCP_USER_TIMEOUT,
+        UNACKED_LIMIT.as_millis() as i32,
+    )
+}
+
+fn secs(d: Duration) -> i32 {
+    d.as_secs() as i32
+}
+
+fn set_int(fd: RawFd, level: i32, name: i32, value: i32) -> std::io::Result<()> {
+    // SAFETY: an int option on a socket we hold, read from a local of the size given.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            level,
+            name,
+            (&value as *const i32).cast(),
+            std::mem::size_of::<i32>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -220,7 +333,6 @@ impl Stream {
 
     /// Bytes written but not yet sent by the kernel (socket send queue); 0 for files.
     pub fn unsent(&self) -> usize {
-        use std::os::fd::AsRawFd;
         let queued = |fd: std::os::fd::RawFd| {
             let mut n: libc::c_int = 0;
             // SAFETY: TIOCOUTQ writes one int for a socket we own.
@@ -242,7 +354,6 @@ impl Stream {
     /// per second and the lowest round-trip time seen. None for a stream that is not TCP, or a
     /// kernel that does not say (before 4.9), or no round trip measured yet.
     pub fn tcp_path(&self) -> Option<(u64, Duration)> {
-        use std::os::fd::AsRawFd;
         // Offsets in struct tcp_info (include/uapi/linux/tcp.h): not all of it is in `libc`.
         const MIN_RTT_US: usize = 148;
         const DELIVERY_RATE: usize = 160;
@@ -398,6 +509,43 @@ mod tests {
         ] {
             let e = bad.parse::<Endpoint>().unwrap_err().to_string();
             assert!(e.contains("not a migration address"), "{bad}: {e}");
+        }
+    }
+
+    fn int_option(fd: RawFd, level: i32, name: i32) -> i32 {
+        let mut v: i32 = -1;
+        let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+        // SAFETY: an int option read into a local of the size given.
+        let r = unsafe { libc::getsockopt(fd, level, name, (&mut v as *mut i32).cast(), &mut len) };
+        assert_eq!(r, 0, "{}", std::io::Error::last_os_error());
+        v
+    }
+
+    /// Both ends of a migration's TCP connection notice a dead peer: keepalive probes, and a
+    /// limit on unacknowledged data.
+    #[test]
+    fn both_ends_of_a_tcp_migration_keep_alive() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let endpoint: Endpoint = format!("tcp:127.0.0.1:{port}").parse().unwrap();
+        let listener = endpoint.listen(None).unwrap();
+        let connected = endpoint.connect(None).unwrap();
+        let accepted = listener.accept().unwrap();
+        for s in [&connected, &accepted] {
+            let Stream::Tcp(s) = s else {
+                panic!("a plain TCP stream")
+            };
+            let fd = s.as_raw_fd();
+            assert_eq!(int_option(fd, libc::SOL_SOCKET, libc::SO_KEEPALIVE), 1);
+            assert_eq!(int_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPIDLE), 10);
+            assert_eq!(int_option(fd, libc::IPPROTO_TCP, libc::TCP_KEEPCNT), 3);
+            assert_eq!(
+                int_option(fd, libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT),
+                UNACKED_LIMIT.as_millis() as i32
+            );
         }
     }
 
