@@ -11,14 +11,13 @@ use std::time::{Duration, Instant};
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
+use crate::wire::gate::Gate;
 use crate::wire::pages::{MAX_CONNECTIONS, PageReceiver};
 use crate::wire::transport::{IO_TIMEOUT, Listener, Stream};
 use crate::wire::{self, Frame, Message};
 
 /// How long the source has to open all its extra connections once `Ready` is sent.
 const JOIN_WAIT: Duration = Duration::from_secs(10);
-/// Strangers refused while waiting for the lanes, at most.
-const MAX_STRANGERS: u32 = 64;
 
 pub(super) struct LaneReceivers {
     /// Each lane's reader, in lane order. Every one is joined before this value is gone: a
@@ -58,34 +57,21 @@ pub(super) fn accept(
     let mut joined = LaneReceivers::new(lanes, cpu);
     let mut taken = vec![false; lanes as usize];
     taken[0] = true; // the main connection
-    let mut strangers = 0;
+    let gate = Gate::new(listener)?;
     while joined.threads.len() + 1 < lanes as usize {
-        let stream = listener.accept_until(&|| Instant::now() >= deadline);
-        let mut stream = match stream {
-            Ok(Some(s)) => s,
-            Ok(None) => {
-                return Err(Error::Protocol(format!(
-                    "only {} of {lanes} connections joined within {} s",
-                    joined.threads.len() + 1,
-                    JOIN_WAIT.as_secs()
-                )));
-            }
-            Err(e) => {
-                tracing::warn!("refused a connection while lanes joined: {e}");
-                strangers += 1;
-                if strangers > MAX_STRANGERS {
-                    return Err(e);
-                }
-                continue;
-            }
+        let Some(opened) = gate.next(&|| Instant::now() >= deadline)? else {
+            return Err(Error::Protocol(format!(
+                "only {} of {lanes} connections joined within {} s",
+                joined.threads.len() + 1,
+                JOIN_WAIT.as_secs()
+            )));
         };
-        let join =
-            wire::read_stream_header(&mut stream).and_then(|()| wire::read_message(&mut stream));
-        let why = match join {
-            Ok(Message::Join { session: s, lane }) if s == session => {
+        let why = match opened.first {
+            Message::Join { session: s, lane } if s == session => {
                 match taken.get_mut(lane as usize) {
                     Some(t) if !*t => {
                         *t = true;
+                        let (stream, _) = opened.admit();
                         joined.start(stream, lane, lanes, ram, pages, main)?;
                         continue;
                     }
@@ -96,29 +82,13 @@ pub(super) fn accept(
                     ),
                 }
             }
-            Ok(Message::Join { .. }) => "not a connection of the migration running here".into(),
-            Ok(other) => format!(
+            Message::Join { .. } => "not a connection of the migration running here".into(),
+            ref other => format!(
                 "a migration is running here; a connection opened with {}",
                 other.name()
             ),
-            Err(e) => e.to_string(),
         };
-        tracing::warn!("refused a connection while lanes joined: {why}");
-        strangers += 1;
-        let _ = stream.set_timeouts(Some(Duration::from_millis(200)));
-        let _ = wire::write_message(
-            &mut stream,
-            &Message::Abort {
-                reason: why.clone(),
-            },
-        );
-        stream.close_after_last_word(Duration::from_millis(300));
-        if strangers > MAX_STRANGERS {
-            return Err(Error::Protocol(format!(
-                "gave up waiting for this migration's connections after {MAX_STRANGERS} \
-                 strangers (last: {why})"
-            )));
-        }
+        opened.refuse(why);
     }
     Ok(joined)
 }

@@ -26,54 +26,41 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::{Migratable, VmDescriptor};
+use crate::wire::gate::Gate;
 use crate::wire::lanefile::SnapshotFile;
 use crate::wire::tls::Tls;
 use crate::wire::transport::{Endpoint, Listener, Stream};
 use crate::wire::{self, Message, StreamMode};
 
-/// How long a new connection has to open a migration before it is dropped.
-const HANDSHAKE_WAIT: Duration = Duration::from_secs(10);
 /// How long a cancelled resume may take to hand the interrupted post-copy back (one poll).
 const RESUME_HANDBACK_WAIT: Duration = Duration::from_secs(2);
-/// Connections skipped before the listener gives up (someone is probing it).
-const MAX_STRAY_CONNECTIONS: u32 = 1000;
 
-/// Accepts connections until one opens a live migration: the stream header and a `Hello`
-/// that is not a snapshot. Others are told why and closed.
+/// Waits for the first connection that opens a live migration: the stream header and a
+/// `Hello` that is not a snapshot. Connections open off this thread (see `wire::gate`); others
+/// are told why and closed, and the wait goes on until `stop` says so.
 fn first_live_stream(
     listener: &Listener,
     stop: &dyn Fn() -> bool,
 ) -> Result<Option<(Stream, Result<Message>)>> {
-    for _ in 0..MAX_STRAY_CONNECTIONS {
-        let mut s = match listener.accept_until(stop) {
-            Ok(Some(s)) => s,
-            Ok(None) => return Ok(None),
-            // A peer that failed the TLS handshake (no certificate of our CA, or silent).
-            Err(e) => {
-                tracing::warn!("refused an incoming connection: {e}");
-                continue;
-            }
+    let gate = Gate::new(listener)?;
+    loop {
+        let Some(opened) = gate.next(stop)? else {
+            return Ok(None);
         };
-        s.set_timeouts(Some(HANDSHAKE_WAIT))?;
-        let hello = wire::read_stream_header(&mut s).and_then(|()| wire::read_message(&mut s));
-        let why = match &hello {
-            Ok(Message::Hello { mode, .. }) if *mode != StreamMode::Snapshot => {
-                return Ok(Some((s, hello)));
+        match &opened.first {
+            Message::Hello { mode, .. } if *mode != StreamMode::Snapshot => {
+                let (s, hello) = opened.admit();
+                return Ok(Some((s, Ok(hello))));
             }
-            Ok(Message::Hello { .. }) => {
-                "a snapshot stream on a migration listener (use ferry run --restore)".to_string()
+            Message::Hello { .. } => opened.refuse(
+                "a snapshot stream on a migration listener (use ferry run --restore)".into(),
+            ),
+            other => {
+                let why = format!("a connection opened with {} instead of Hello", other.name());
+                opened.refuse(why);
             }
-            Ok(other) => format!("a connection opened with {} instead of Hello", other.name()),
-            Err(e) => e.to_string(),
-        };
-        tracing::warn!("ignored an incoming connection: {why}");
-        let _ = s.set_timeouts(Some(Duration::from_millis(200)));
-        let _ = wire::write_message(&mut s, &Message::Abort { reason: why });
-        s.close_after_last_word(Duration::from_millis(300));
+        }
     }
-    Err(Error::Protocol(format!(
-        "gave up after {MAX_STRAY_CONNECTIONS} connections that were not a ferry migration"
-    )))
 }
 pub use receive::Expect;
 use receive::{Arrived, Receiver};
@@ -143,7 +130,7 @@ impl Incoming {
     /// runs; the status says `postcopy-paused`, and `resume` carries on).
     ///
     /// A listener skips connections that do not open a live ferry migration within
-    /// `HANDSHAKE_WAIT` (an idle or foreign peer, a snapshot replayed over the network), telling
+    /// `OPENING_WAIT` (an idle or foreign peer, a snapshot replayed over the network), telling
     /// such a peer why, and keeps waiting; it stops waiting (`Ok(None)`) once `stop` (a stop
     /// signal) or `stop_arrival` says so. Once a VM arrives, either ends the arrival with
     /// `Error::Stopped` up to the moment the VM would run here (see `handover`).

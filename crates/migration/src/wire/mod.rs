@@ -6,6 +6,7 @@ pub mod codec;
 pub mod deadline;
 pub mod delta;
 pub mod frame;
+pub mod gate;
 pub mod lanefile;
 pub mod message;
 pub(crate) mod packers;
