@@ -3,9 +3,10 @@
 //! whatever a client announced — a `Content-Length` of 100 GB aborted the process, and the VM
 //! with it. Here every limit is checked before anything is read or allocated: the header is at
 //! most 16 KiB, a body at most 1 MiB (a larger one is answered 413 unread), each connection
-//! has 10 s to send its request and carries one request. Each connection is served on its own
-//! thread, so a long operation (a migration's setup, a snapshot) never blocks a status query,
-//! but at most 64 at once: idle clients cannot pile up threads, and past the cap a connection
+//! has 10 s in all (not per read) to send its request and carries one request. Each
+//! connection is served on its own thread, so a long operation (a migration's setup, a
+//! snapshot) never blocks a status query, but at most 64 at once: idle or trickling clients
+//! cannot pile up threads or hold a place for longer than 10 s, and past the cap a connection
 //! gets 503 at once.
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -13,7 +14,9 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use migration::wire::deadline::Within;
 
 use serde_json::Value;
 
@@ -64,7 +67,7 @@ pub struct ApiServer {
 
 const MAX_BODY: usize = 1 << 20;
 const MAX_HEADER: usize = 16 << 10;
-/// How long a client has to send its request, and to take the answer.
+/// How long a client has to send its whole request, and to take the answer.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once; past this a new one is answered 503.
 const MAX_CONNECTIONS: usize = 64;
@@ -124,9 +127,12 @@ fn accept(listener: &UnixListener, handler: Arc<dyn Handler>) {
 }
 
 fn serve(mut conn: UnixStream, handler: &dyn Handler) {
-    let _ = conn.set_read_timeout(Some(CLIENT_TIMEOUT));
+    // One deadline for the whole request: a timeout per read would let a client sending a
+    // byte now and then hold its connection (one of `MAX_CONNECTIONS`) for good.
+    let deadline = Instant::now() + CLIENT_TIMEOUT;
+    let outcome = parse_request(&mut Within::new(&mut conn, deadline));
+    let outcome = outcome.and_then(|r| handler.handle(r));
     let _ = conn.set_write_timeout(Some(CLIENT_TIMEOUT));
-    let outcome = parse_request(&mut conn).and_then(|r| handler.handle(r));
     let _ = respond(&mut conn, &outcome);
 }
 
@@ -300,6 +306,34 @@ mod tests {
         raw.extend_from_slice(body);
         let ok = ask(&path, &raw);
         assert!(ok.contains("Snapshot"), "{ok}");
+    }
+
+    /// A client sending its request a byte every 500 ms (each well inside a timeout per
+    /// read) is cut off when its 10 s are up, not served whenever it finishes.
+    #[test]
+    fn a_trickled_request_has_10_s_in_all() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("api.sock");
+        let _server = ApiServer::start(&path, Arc::new(Echo)).unwrap();
+        let mut c = UnixStream::connect(&path).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(40))).unwrap();
+        let mut writer = c.try_clone().unwrap();
+        let start = Instant::now();
+        let trickler = std::thread::spawn(move || {
+            for b in b"GET /api/v1/vm.info HTTP/1.1\r\nHost: x\r\n\r\n" {
+                if writer.write_all(&[*b]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(500));
+            }
+        });
+        let mut out = String::new();
+        let _ = c.read_to_string(&mut out);
+        let took = start.elapsed();
+        assert!(out.starts_with("HTTP/1.1 400"), "{out}");
+        assert!(took < Duration::from_secs(15), "answered after {took:?}");
+        drop(c);
+        trickler.join().unwrap();
     }
 
     #[test]

@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use crate::wire::transport::Stream;
@@ -14,6 +15,13 @@ pub trait Timed {
 }
 
 impl Timed for TcpStream {
+    fn set_io_timeout(&self, t: Duration) -> std::io::Result<()> {
+        self.set_read_timeout(Some(t))?;
+        self.set_write_timeout(Some(t))
+    }
+}
+
+impl Timed for UnixStream {
     fn set_io_timeout(&self, t: Duration) -> std::io::Result<()> {
         self.set_read_timeout(Some(t))?;
         self.set_write_timeout(Some(t))
