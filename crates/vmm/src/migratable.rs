@@ -16,12 +16,15 @@ fn vm_err(e: crate::error::Error) -> migration::Error {
     migration::Error::vm(format!("the KVM VM: {e}"))
 }
 
-fn encode<T: Serialize>(value: &T) -> migration::Result<Vec<u8>> {
+/// A vCPU's or the devices' state as it travels (`VcpuState`, `DeviceState`); public for the
+/// fuzz targets, which make and read it without KVM.
+pub fn encode<T: Serialize>(value: &T) -> migration::Result<Vec<u8>> {
     bincode::serialize(&(STATE_VERSION, value))
         .map_err(|e| migration::Error::vm_caused("encoding VM state", e))
 }
 
-fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> migration::Result<T> {
+/// The state `encode` wrote (`what` names it in an error): what `load_state` reads first.
+pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> migration::Result<T> {
     let (version, value): (u32, T) = bincode::deserialize(bytes)
         .map_err(|e| migration::Error::Protocol(format!("undecodable {what} state: {e}")))?;
     if version != STATE_VERSION {
