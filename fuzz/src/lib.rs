@@ -10,13 +10,22 @@
 //! - `snapshot`: a whole restore (`Incoming::receive` of a snapshot file) into a VM of plain
 //!   memory: a refused file must never resume the VM.
 //! - `api`: one HTTP request on the API socket, up to the typed request a handler gets.
+//! - `live_destination`: a live migration's conversation on the destination, from what the
+//!   source sends on its connections (`live`): a refused stream must never resume the VM.
+//! - `source`: a migration's source hearing a hostile destination's answers (`source`): it
+//!   never panics, an error says what went wrong, and without `Go` the VM runs here again.
+//! - `vm_state`: the vCPU and device state a KVM destination loads (`state`).
 //!
 //! Every frame of a stream carries a CRC, so a mutated input would almost always stop at the
 //! first checksum. The stream and snapshot targets therefore rewrite each frame's trailer to
 //! the right CRC before parsing (`with_valid_checksums`); the fuzzer then reaches what lies
-//! behind the checksum, which is what a hostile peer (who can compute a CRC) reaches too.
+//! behind the checksum, which is what a hostile peer (who can compute a CRC) reaches too; so do
+//! the `live_destination` and `source` targets, on each connection's frames.
 
+mod live;
 mod plain_vm;
+mod source;
+mod state;
 
 use std::io::{Seek, Write};
 use std::os::fd::FromRawFd;
@@ -28,24 +37,32 @@ use migration::wire::lanefile::{LANES_MAGIC, SnapshotFile};
 use migration::wire::pages::{FrameBuffers, PageReceiver, read_page_frame};
 use migration::wire::transport::Stream;
 use migration::wire::{self, Frame, Message};
-use migration::{Incoming, Migratable, PAGE_SIZE, StatusBoard};
+use migration::{Incoming, Migratable, PAGE_SIZE, StatusBoard, VmDescriptor};
 
+pub use live::{LANE_MARK, live_destination};
 pub use plain_vm::PlainVm;
+pub use source::{params_from, source};
+pub use state::vm_state;
 
 /// Frames read from one input, at most (a corpus entry of many tiny frames stays fast).
 const MAX_FRAMES: usize = 4096;
 
-/// `data` with every frame's CRC trailer set to what the reader computes: over the 8 header
-/// bytes and the payload, or, for a page frame flagged `PAGE_DATA_UNCHECKED`, over the header,
-/// the count, the descriptors and the page CRCs that follow them. Bytes past the last whole
-/// frame are kept as they are.
+/// `data` with every frame's CRC trailer set to what the reader computes (see
+/// `repair_frames`): a stream, its frames after the stream header. A snapshot of several
+/// writers holds its frames in chunks: it is left as it is.
 pub fn with_valid_checksums(data: &[u8]) -> Vec<u8> {
     let mut out = data.to_vec();
-    // A snapshot of several writers holds its frames in chunks: left as it is.
-    if out.starts_with(LANES_MAGIC) {
-        return out;
+    if !out.starts_with(LANES_MAGIC) {
+        repair_frames(&mut out, STREAM_HEADER_LEN);
     }
-    let mut at = STREAM_HEADER_LEN;
+    out
+}
+
+/// Sets the CRC trailer of every frame that starts at `at` or after it, one after the other, to
+/// what the reader computes: over the 8 header bytes and the payload, or, for a page frame
+/// flagged `PAGE_DATA_UNCHECKED`, over the header, the count, the descriptors and the page CRCs
+/// that follow them. Bytes past the last whole frame are kept as they are.
+pub fn repair_frames(out: &mut [u8], mut at: usize) {
     while let Some(header) = out.get(at..at + 8) {
         let len = u32::from_le_bytes(header[4..8].try_into().unwrap()) as usize;
         let end = at + 8 + len;
@@ -64,7 +81,6 @@ pub fn with_valid_checksums(data: &[u8]) -> Vec<u8> {
         out[end..end + 4].copy_from_slice(&crc.to_le_bytes());
         at = end + 4;
     }
-    out
 }
 
 pub fn stream(data: &[u8]) {
@@ -139,25 +155,46 @@ pub fn snapshot(data: &[u8]) {
     let Ok(file) = SnapshotFile::open(memfd_with(&bytes)) else {
         return;
     };
-    let built: Arc<Mutex<Option<Arc<PlainVm>>>> = Arc::default();
-    let keep = built.clone();
+    let built = Built::default();
     let result = Incoming::new(StatusBoard::default(), None).receive(
         Source::Snapshot(Stream::File(file)),
         &|| false,
+        built.builder(),
+        |_| {},
+    );
+    assert!(
+        !matches!(result, Ok(None)),
+        "a snapshot restore ended without a VM and without an error"
+    );
+    built.check(&result, "snapshot");
+}
+
+/// The VM a receive built (if it got that far), kept to look at once the receive ended.
+#[derive(Default)]
+struct Built(Arc<Mutex<Option<Arc<PlainVm>>>>);
+
+impl Built {
+    /// What `Incoming::receive` calls to build the VM a stream describes.
+    fn builder(&self) -> impl FnOnce(&VmDescriptor) -> migration::Result<Arc<PlainVm>> + use<> {
+        let keep = self.0.clone();
         move |descriptor| {
             let vm = Arc::new(PlainVm::build(descriptor)?);
             *keep.lock().unwrap() = Some(vm.clone());
             Ok(vm)
-        },
-        |_| {},
-    );
-    let vm = built.lock().unwrap().take();
-    match result {
-        Ok(Some(restored)) => assert!(vm.is_some_and(|vm| Arc::ptr_eq(&vm, &restored))),
-        Ok(None) => panic!("a snapshot restore ended without a VM and without an error"),
-        Err(_) => {
-            if let Some(vm) = vm {
-                assert!(!vm.ever_resumed(), "a refused snapshot resumed its VM");
+        }
+    }
+
+    /// A VM that arrived is the one built; one refused (`what`: the kind of stream) never ran.
+    fn check(&self, result: &migration::Result<Option<Arc<PlainVm>>>, what: &str) {
+        let vm = self.0.lock().unwrap().take();
+        match result {
+            Ok(Some(arrived)) => assert!(vm.is_some_and(|vm| Arc::ptr_eq(&vm, arrived))),
+            Ok(None) => {}
+            Err(e) => {
+                assert!(!e.to_string().is_empty(), "an error that says nothing");
+                if let Some(vm) = vm {
+                    assert!(!vm.ever_resumed(), "a refused {what} resumed its VM: {e}");
+                }
             }
         }
     }
@@ -188,7 +225,7 @@ fn full_pages_named(payload: &[u8], ram: &migration::GuestRam) -> Vec<u64> {
 }
 
 /// An anonymous in-memory file holding `bytes`, read from its start.
-fn memfd_with(bytes: &[u8]) -> std::fs::File {
+pub(crate) fn memfd_with(bytes: &[u8]) -> std::fs::File {
     // SAFETY: a plain syscall with a NUL-terminated name; the fd is checked before use.
     let fd = unsafe { libc::memfd_create(c"fuzz-snapshot".as_ptr(), libc::MFD_CLOEXEC) };
     assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
@@ -230,6 +267,21 @@ mod tests {
     #[test]
     fn api_corpus() {
         replay("api", super::api);
+    }
+
+    #[test]
+    fn live_destination_corpus() {
+        replay("live_destination", super::live_destination);
+    }
+
+    #[test]
+    fn source_corpus() {
+        replay("source", super::source);
+    }
+
+    #[test]
+    fn vm_state_corpus() {
+        replay("vm_state", super::vm_state);
     }
 
     #[test]

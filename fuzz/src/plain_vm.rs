@@ -2,7 +2,6 @@
 //! stream asks for (within limits a real destination would also set) and remembers whether it
 //! was ever resumed.
 
-use std::alloc::{Layout, alloc_zeroed, dealloc};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use migration::wire::bitmap::Bitmap;
@@ -17,16 +16,43 @@ const MAX_GPA_END: u64 = 64 << 30;
 /// As ferry's VMM (`vmm::vm::MAX_VCPUS`).
 const MAX_VCPUS: u32 = 16;
 
-/// One zeroed, page-aligned allocation.
+/// One region of fresh anonymous memory, mapped as a VMM maps guest RAM: no page is there
+/// before something writes it (post-copy's userfaultfd fills missing pages only).
 struct Block {
     ptr: *mut u8,
-    layout: Layout,
+    len: usize,
+}
+
+impl Block {
+    fn map(len: usize) -> Result<Self> {
+        // SAFETY: a new private anonymous mapping; nothing else refers to it.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(Error::vm_caused(
+                "mapping guest RAM",
+                std::io::Error::last_os_error(),
+            ));
+        }
+        Ok(Self {
+            ptr: ptr.cast(),
+            len,
+        })
+    }
 }
 
 impl Drop for Block {
     fn drop(&mut self) {
-        // SAFETY: allocated with this layout in `PlainVm::with_ranges`, freed once.
-        unsafe { dealloc(self.ptr, self.layout) };
+        // SAFETY: mapped with this length in `Block::map`, unmapped once.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
 
@@ -87,15 +113,9 @@ impl PlainVm {
         let mut blocks = Vec::new();
         let mut regions = Vec::new();
         for r in ranges {
-            let layout = Layout::from_size_align(r.len.max(1) as usize, PAGE_SIZE)
-                .map_err(|e| Error::vm(e.to_string()))?;
-            // SAFETY: a non-zero size (`max(1)`) with a valid alignment.
-            let ptr = unsafe { alloc_zeroed(layout) };
-            if ptr.is_null() {
-                return Err(Error::vm("out of memory"));
-            }
-            blocks.push(Block { ptr, layout });
-            regions.push((*r, ptr));
+            let block = Block::map((r.len as usize).max(PAGE_SIZE))?;
+            regions.push((*r, block.ptr));
+            blocks.push(block);
         }
         // SAFETY: each block is `len` bytes long and lives as long as the VM that holds the
         // `GuestRam`.

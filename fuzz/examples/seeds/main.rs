@@ -1,6 +1,11 @@
 //! Writes the seed corpus (`fuzz/corpus/<target>/`): real streams made by ferry's own sender,
-//! so that the fuzzer starts from every kind of frame. Run it again after a change of the
+//! so that the fuzzer starts from every kind of frame; live migrations between two VMs of
+//! plain memory, recorded on their way (what the source sent on each connection, what the
+//! destination answered); and VM state as a KVM VM encodes it. Run it again after a change of the
 //! wire format: `cargo run --manifest-path fuzz/Cargo.toml --example seeds`.
+
+mod live;
+mod state;
 
 use std::path::Path;
 
@@ -160,6 +165,8 @@ fn main() {
     ] {
         write("api", &format!("{name}.http"), request.as_bytes());
     }
+    live::seeds(&write);
+    state::seeds(&write);
 }
 
 /// A snapshot file of `vm`, as `vm.snapshot` writes it.

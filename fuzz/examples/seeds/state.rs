@@ -1,0 +1,93 @@
+//! Seeds of the `vm_state` target: a vCPU's state and the devices', as a KVM VM encodes them
+//! (`vmm::migratable::encode`), each behind the byte that says which it is.
+
+use kvm_bindings::{kvm_cpuid_entry2, kvm_msr_entry};
+use vmm::devices::heartbeat::HeartbeatState;
+use vmm::devices::virtio::mmio::{QueueSnapshot, TransportState};
+use vmm::migratable::encode;
+use vmm::state::{DeviceState, IrqchipState, VIRTIO_STATE_VERSION, VcpuState, VirtioState};
+
+pub fn seeds(write: &dyn Fn(&str, &str, &[u8])) {
+    let with = |which: u8, state: Vec<u8>| [vec![which], state].concat();
+    write("vm_state", "vcpu.bin", &with(0, encode(&vcpu()).unwrap()));
+    write(
+        "vm_state",
+        "devices.bin",
+        &with(1, encode(&devices(0)).unwrap()),
+    );
+    write(
+        "vm_state",
+        "devices-disk.bin",
+        &with(1, encode(&devices(1)).unwrap()),
+    );
+}
+
+fn vcpu() -> VcpuState {
+    VcpuState {
+        regs: Default::default(),
+        sregs: Default::default(),
+        xsave: Default::default(),
+        xcrs: Default::default(),
+        msrs: vec![kvm_msr_entry {
+            index: 0x6e0,
+            data: 1 << 40,
+            ..Default::default()
+        }],
+        lapic: Default::default(),
+        events: Default::default(),
+        mp_state: Default::default(),
+        debugregs: Default::default(),
+        cpuid: [0x1, 0x7, 0xd, 0x8000_0001]
+            .into_iter()
+            .map(|function| kvm_cpuid_entry2 {
+                function,
+                ecx: 0x1111_0000,
+                edx: 0x0000_1111,
+                ..Default::default()
+            })
+            .collect(),
+        tsc_khz: Some(2_000_000),
+    }
+}
+
+/// The devices of a VM with `disks` disks.
+fn devices(disks: usize) -> DeviceState {
+    let queue = QueueSnapshot {
+        max_size: 256,
+        size: 256,
+        ready: true,
+        next_avail: 7,
+        next_used: 7,
+        event_idx: true,
+        desc_table: 0x10_0000,
+        avail_ring: 0x10_1000,
+        used_ring: 0x10_2000,
+    };
+    DeviceState {
+        irqchip: IrqchipState {
+            pic_master: Default::default(),
+            pic_slave: Default::default(),
+            ioapic: Default::default(),
+        },
+        pit: Default::default(),
+        clock: Default::default(),
+        serial: Default::default(),
+        heartbeat: HeartbeatState {
+            vcpus: vec![Default::default(); 2],
+            verify_error_pages: vec![3],
+            ..Default::default()
+        },
+        virtio: (0..disks)
+            .map(|_| VirtioState {
+                version: VIRTIO_STATE_VERSION,
+                transport: TransportState {
+                    device_type: 2,
+                    status: 15,
+                    queues: vec![queue],
+                    ..Default::default()
+                },
+                device: Vec::new(),
+            })
+            .collect(),
+    }
+}
