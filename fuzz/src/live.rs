@@ -3,14 +3,14 @@
 //! frames), then, after each `LANE_MARK`, what it sends on one extra connection after its
 //! `Join` (the harness opens the extra connections the `Hello` asks for, each with the right
 //! `Join`, so that the fuzzer spends its time on what follows). Each connection is a `unix:`
-//! socket to the destination's listener, fed by its own thread, which then reads whatever the
-//! destination answers until it hangs up.
+//! socket to the destination's listener, fed by a thread of its own while another reads
+//! whatever the destination answers until it hangs up.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Once, OnceLock};
+use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -38,18 +38,20 @@ pub fn live_destination(data: &[u8]) {
     let listener = Endpoint::Unix(path.clone())
         .listen(None)
         .expect("a listener in this process's own directory");
-    let mut peers = Peers::default();
+    let lanes = match lanes_asked(&main) {
+        Some((session, n)) => (1..n)
+            .map(|lane| {
+                let part = parts.get(lane as usize - 1).copied().unwrap_or_default();
+                let mut payload = part.to_vec();
+                repair_frames(&mut payload, 0);
+                joined(session, lane, &payload)
+            })
+            .collect(),
+        None => Vec::new(),
+    };
+    let peers = Arc::new(Peers::default());
     // The listener stops waiting once the destination hung up on the main connection.
-    let hung_up = peers.open(&path, main.clone(), true);
-    if let Some((session, lanes)) = lanes_asked(&main) {
-        for lane in 1..lanes {
-            let mut payload = parts
-                .get(lane as usize - 1)
-                .map_or(Vec::new(), |p| p.to_vec());
-            repair_frames(&mut payload, 0);
-            peers.open(&path, joined(session, lane, &payload), false);
-        }
-    }
+    let hung_up = peers.open(&path, main, lanes);
     let built = Built::default();
     let incoming = Incoming::new(StatusBoard::default(), None);
     let result = incoming.receive(
@@ -126,57 +128,80 @@ pub(crate) fn ignore_sigpipe() {
     });
 }
 
-/// The source's connections, each fed by its own thread.
+/// The source's connections, each fed by its own threads.
 #[derive(Default)]
 struct Peers {
-    sockets: Vec<UnixStream>,
-    threads: Vec<JoinHandle<()>>,
+    sockets: Mutex<Vec<UnixStream>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Peers {
-    /// Connects to `path` and sends `bytes`, then reads what comes back until the destination
-    /// hangs up; the flag returned says it did. With `wake`, a connection made then and dropped
-    /// wakes a listener still waiting for a migration (it looks at its stop flag on each).
-    fn open(&mut self, path: &Path, bytes: Vec<u8>, wake: bool) -> Arc<AtomicBool> {
+    /// Connects to `path` and sends `bytes`, reading what comes back until the destination
+    /// hangs up; the flag returned says it did. Once the destination first answers (it took
+    /// this connection as its migration: a source opens its extra connections after `Ready`),
+    /// opens one connection for each of `lanes` and sends it. Once hung up, a connection made
+    /// and dropped wakes a listener still waiting for a migration (it looks at its stop flag).
+    fn open(self: &Arc<Self>, path: &Path, bytes: Vec<u8>, lanes: Vec<Vec<u8>>) -> Arc<AtomicBool> {
         let hung_up = Arc::new(AtomicBool::new(false));
-        let Ok(socket) = UnixStream::connect(path) else {
+        let Some(socket) = self.connect(path, bytes) else {
             hung_up.store(true, Ordering::Release);
             return hung_up;
         };
-        let kept = socket.try_clone().expect("a second handle on a socket");
-        let (flag, path) = (hung_up.clone(), path.to_path_buf());
+        let (flag, path, peers) = (hung_up.clone(), path.to_path_buf(), self.clone());
+        let mut lanes = Some(lanes);
         let thread = std::thread::spawn(move || {
-            converse(socket, &bytes);
+            read_all(socket, || {
+                for lane in lanes.take().into_iter().flatten() {
+                    peers.connect(&path, lane);
+                }
+            });
             flag.store(true, Ordering::Release);
-            if wake {
-                drop(UnixStream::connect(&path));
-            }
+            drop(UnixStream::connect(&path));
         });
-        self.sockets.push(kept);
-        self.threads.push(thread);
+        self.threads.lock().unwrap().push(thread);
         hung_up
+    }
+
+    /// A connection to `path` whose own thread sends `bytes`, then ends the sending direction.
+    fn connect(&self, path: &Path, bytes: Vec<u8>) -> Option<UnixStream> {
+        let socket = UnixStream::connect(path).ok()?;
+        let _ = socket.set_write_timeout(Some(PEER_WAIT));
+        let _ = socket.set_read_timeout(Some(PEER_WAIT));
+        let mut writer = socket.try_clone().expect("a second handle on a socket");
+        let thread = std::thread::spawn(move || {
+            let _ = writer.write_all(&bytes);
+            let _ = writer.shutdown(std::net::Shutdown::Write);
+        });
+        self.sockets
+            .lock()
+            .unwrap()
+            .push(socket.try_clone().expect("a third handle"));
+        self.threads.lock().unwrap().push(thread);
+        Some(socket)
     }
 
     /// Hangs up every connection (a destination that succeeded keeps its own open for a
     /// moment) and waits for their threads.
-    fn close(self) {
-        for s in &self.sockets {
+    fn close(&self) {
+        for s in self.sockets.lock().unwrap().iter() {
             let _ = s.shutdown(std::net::Shutdown::Both);
         }
-        for t in self.threads {
+        // Joined one at a time: a thread may still add a connection (and its thread).
+        loop {
+            let Some(t) = self.threads.lock().unwrap().pop() else {
+                break;
+            };
             t.join().expect("a connection's thread");
         }
     }
 }
 
-/// Sends `bytes`, ends the sending direction, then reads until the other side hangs up.
-fn converse(mut socket: UnixStream, bytes: &[u8]) {
-    let _ = socket.set_write_timeout(Some(PEER_WAIT));
-    let _ = socket.set_read_timeout(Some(PEER_WAIT));
-    let _ = socket.write_all(bytes);
-    let _ = socket.shutdown(std::net::Shutdown::Write);
+/// Reads until the other side hangs up, calling `answered` once at its first bytes.
+fn read_all(mut socket: UnixStream, mut answered: impl FnMut()) {
     let mut sink = [0u8; 16 * 1024];
-    while matches!(socket.read(&mut sink), Ok(n) if n > 0) {}
+    while matches!(socket.read(&mut sink), Ok(n) if n > 0) {
+        answered();
+    }
 }
 
 #[cfg(test)]
