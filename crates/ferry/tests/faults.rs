@@ -539,10 +539,11 @@ fn all_cases() -> Vec<Case> {
 
 /// One case of each host and link fault (two of killing the destination: before the switch,
 /// and during post-copy, where the operator takes the VM back), spread over the modes and
-/// points, and two stop requests: a SIGTERM the source must defer (at `Go`), and a stop that
-/// ends an arrival (at the state).
-const SHORT: [(&str, Point, Fault); 12] = [
+/// points, two stop requests: a SIGTERM the source must defer (at `Go`), and a stop that
+/// ends an arrival (at the state); and strangers at the door of a two-connection migration.
+const SHORT: [(&str, Point, Fault); 13] = [
     ("precopy", Point::Go, Fault::Stop(Side::Source, How::Signal)),
+    (TWO_CONNECTIONS, Point::Setup, Fault::Strangers),
     (
         "postcopy",
         Point::State,

@@ -2,8 +2,10 @@
 //! first message) on a thread of its own, against one deadline for the whole opening, so a
 //! stranger who connects and says nothing, or trickles bytes, holds one slot for at most
 //! `OPENING_WAIT` and never the accept loop. Slots are bounded in all and per peer address;
-//! a connection past either bound is closed at once. No number of strangers ends the wait:
-//! only the caller's `stop` does.
+//! a connection past either bound takes the place of the oldest one still opening (from that
+//! address, or at all), which is cut: strangers who hold their slots cannot keep a source
+//! out, as its connection opens in a round trip. No number of strangers ends the wait: only
+//! the caller's `stop` does.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -170,6 +172,7 @@ fn open(conn: Accepted, slot: Slot, tls: Option<Tls>, send: &Sender<Opened>, rin
     };
     match read_opening(&mut Within::new(&mut stream, deadline)) {
         Ok(first) => {
+            slot.doors.opened(&slot);
             if stream.set_timeouts(Some(IO_TIMEOUT)).is_ok()
                 && send
                     .send(Opened {
@@ -219,9 +222,49 @@ struct Doors {
 #[derive(Default)]
 struct Slots {
     per_peer: HashMap<IpAddr, usize>,
-    /// A second handle on each opening connection's socket, by slot.
-    open: HashMap<u64, OwnedFd>,
+    /// Each connection holding a slot, by slot (ids grow: the smallest is the oldest).
+    open: HashMap<u64, Door>,
     next: u64,
+}
+
+/// A connection holding a slot.
+struct Door {
+    /// A second handle on its socket, to cut it.
+    socket: OwnedFd,
+    peer: Option<IpAddr>,
+    /// Opened and waiting to be admitted: never cut to make room (it may be the source).
+    opened: bool,
+}
+
+impl Slots {
+    /// Cuts the oldest connection still opening (from `peer`, if given) and frees its slot;
+    /// whether there was one.
+    fn evict_oldest(&mut self, peer: Option<IpAddr>) -> bool {
+        let oldest = self
+            .open
+            .iter()
+            .filter(|(_, d)| !d.opened && (peer.is_none() || d.peer == peer))
+            .map(|(id, _)| *id)
+            .min();
+        let Some(door) = oldest.and_then(|id| self.open.remove(&id)) else {
+            return false;
+        };
+        // SAFETY: shutdown on a socket the door held open; its opening thread stops waiting.
+        unsafe { libc::shutdown(door.socket.as_raw_fd(), libc::SHUT_RDWR) };
+        self.forget_peer(door.peer);
+        true
+    }
+
+    fn forget_peer(&mut self, peer: Option<IpAddr>) {
+        if let Some(p) = peer
+            && let Some(n) = self.per_peer.get_mut(&p)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.per_peer.remove(&p);
+            }
+        }
+    }
 }
 
 /// One connection's place while it opens; given back when dropped.
@@ -240,21 +283,29 @@ impl Doors {
     fn take(self: &Arc<Self>, conn: &Accepted) -> std::result::Result<Slot, String> {
         let peer = conn.peer();
         let mut slots = self.lock();
-        if slots.open.len() >= SLOTS {
-            return Err(format!(
-                "all {SLOTS} slots for opening connections are taken"
-            ));
-        }
         let from_peer = peer.map_or(0, |p| slots.per_peer.get(&p).copied().unwrap_or(0));
-        if let Some(p) = peer.filter(|_| from_peer >= PER_PEER) {
+        if from_peer >= PER_PEER && !slots.evict_oldest(peer) {
             return Err(format!(
-                "{PER_PEER} connections from {p} are opening already"
+                "{PER_PEER} connections from {} have opened and wait to be admitted",
+                peer.map_or("this host".into(), |p| p.to_string())
             ));
         }
-        let handle = conn.try_clone_socket().map_err(|e| e.to_string())?;
+        if slots.open.len() >= SLOTS && !slots.evict_oldest(None) {
+            return Err(format!(
+                "all {SLOTS} slots hold connections that opened and wait to be admitted"
+            ));
+        }
+        let socket = conn.try_clone_socket().map_err(|e| e.to_string())?;
         let id = slots.next;
         slots.next += 1;
-        slots.open.insert(id, handle);
+        slots.open.insert(
+            id,
+            Door {
+                socket,
+                peer,
+                opened: false,
+            },
+        );
         if let Some(p) = peer {
             *slots.per_peer.entry(p).or_default() += 1;
         }
@@ -266,24 +317,26 @@ impl Doors {
         })
     }
 
+    /// Frees a slot (one cut to make room was freed already).
     fn give_back(&self, slot: &Slot) {
         let mut slots = self.lock();
-        slots.open.remove(&slot.id);
-        if let Some(p) = slot.peer
-            && let Some(n) = slots.per_peer.get_mut(&p)
-        {
-            *n -= 1;
-            if *n == 0 {
-                slots.per_peer.remove(&p);
-            }
+        if slots.open.remove(&slot.id).is_some() {
+            slots.forget_peer(slot.peer);
+        }
+    }
+
+    /// The connection of `slot` has opened: from now on it is not cut to make room.
+    fn opened(&self, slot: &Slot) {
+        if let Some(door) = self.lock().open.get_mut(&slot.id) {
+            door.opened = true;
         }
     }
 
     fn shut_all(&self) {
-        for handle in self.lock().open.values() {
+        for door in self.lock().open.values() {
             // SAFETY: shutdown on a socket this map holds open; it ends the connection both
             // ways, so the thread opening it stops waiting.
-            unsafe { libc::shutdown(handle.as_raw_fd(), libc::SHUT_RDWR) };
+            unsafe { libc::shutdown(door.socket.as_raw_fd(), libc::SHUT_RDWR) };
         }
     }
 }
@@ -291,5 +344,42 @@ impl Doors {
 impl Drop for Slot {
     fn drop(&mut self) {
         self.doors.give_back(self);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{TcpListener, TcpStream};
+
+    use super::*;
+
+    /// Strangers from the source's own address, each holding a slot and saying nothing,
+    /// cannot keep the source out: each newcomer cuts the oldest still opening, and the
+    /// source's connection opens within a round trip.
+    #[test]
+    fn strangers_from_the_sources_address_cannot_keep_it_out() {
+        let tcp = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = tcp.local_addr().unwrap();
+        let listener = Listener::Tcp(tcp, None);
+        let gate = Gate::new(&listener).unwrap();
+        // All connected before the source, so it comes last and nothing cuts it.
+        let _strangers: Vec<TcpStream> = (0..4 * PER_PEER)
+            .map(|_| TcpStream::connect(at).unwrap())
+            .collect();
+        let source = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(at).unwrap();
+            wire::write_stream_header(&mut s).unwrap();
+            wire::write_message(&mut s, &Message::Go).unwrap();
+            s
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let opened = gate
+            .next(&|| Instant::now() > deadline)
+            .unwrap()
+            .expect("the source's connection opens");
+        assert!(matches!(opened.first, Message::Go), "{:?}", opened.first);
+        let held = gate.doors.lock().open.len();
+        assert!(held <= PER_PEER, "{held} slots held");
+        source.join().unwrap();
     }
 }
