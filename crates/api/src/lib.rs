@@ -1,6 +1,8 @@
 //! ferry's control API: HTTP/JSON over a Unix socket. Request and response types, the server
-//! (routing and errors; the VMM supplies a `Handler`) and a small client for the CLI.
+//! (routing and errors; the VMM supplies a `Handler`), Cloud Hypervisor's profile (`ch`) and a
+//! small client for the CLI.
 
+pub mod ch;
 pub mod client;
 pub mod request;
 pub mod server;
@@ -8,5 +10,5 @@ pub mod types;
 
 pub use client::{ApiClient, ClientError};
 pub use request::ApiRequest;
-pub use server::{ApiError, ApiServer, Handler};
+pub use server::{ApiError, ApiServer, Handler, Service};
 pub use types::*;

@@ -61,8 +61,34 @@ pub trait Handler: Send + Sync + 'static {
     fn handle(&self, request: ApiRequest) -> Result<Value, ApiError>;
 }
 
+/// A set of endpoints served on a socket, with its own way of saying what went wrong:
+/// ferry's own API (a `Handler` behind `ApiRequest`), or Cloud Hypervisor's profile
+/// (`crate::ch`). The server's limits hold for every service alike.
+pub trait Service: Send + Sync + 'static {
+    /// Answers one request; `Ok(Value::Null)` answers 204 No Content.
+    fn call(&self, method: &str, path: &str, body: &[u8]) -> Result<Value, ApiError>;
+    /// The body of an error answer.
+    fn error_body(&self, e: &ApiError) -> String;
+}
+
+/// ferry's own API: routed by `ApiRequest`, errors as `{"error": "..."}`.
+struct Native(Arc<dyn Handler>);
+
+impl Service for Native {
+    fn call(&self, method: &str, path: &str, body: &[u8]) -> Result<Value, ApiError> {
+        ApiRequest::parse(method, path, body).and_then(|r| self.0.handle(r))
+    }
+    fn error_body(&self, e: &ApiError) -> String {
+        serde_json::to_string(&ErrorBody {
+            error: e.message.clone(),
+        })
+        .unwrap_or_default()
+    }
+}
+
 pub struct ApiServer {
-    path: PathBuf,
+    /// The socket this server made (removed when it stops); none for one it was handed.
+    path: Option<PathBuf>,
 }
 
 const MAX_BODY: usize = 1 << 20;
@@ -83,24 +109,37 @@ impl ApiServer {
 
     /// Binds the socket (mode 0600 from the start) and serves requests on background threads.
     pub fn start(path: &Path, handler: Arc<dyn Handler>) -> std::io::Result<Self> {
+        Self::start_service(path, Arc::new(Native(handler)))
+    }
+
+    /// The same for any service.
+    pub fn start_service(path: &Path, service: Arc<dyn Service>) -> std::io::Result<Self> {
         Self::ensure_available(path)?;
         let listener = migration::wire::unix::bind_private(path)?;
+        let mut server = Self::on_listener(listener, service)?;
+        server.path = Some(path.to_path_buf());
+        Ok(server)
+    }
+
+    /// Serves `service` on a socket someone else bound (handed over as a file descriptor,
+    /// as libvirt does): it is left in place when the server stops.
+    pub fn on_listener(listener: UnixListener, service: Arc<dyn Service>) -> std::io::Result<Self> {
         std::thread::Builder::new()
             .name("api-accept".into())
-            .spawn(move || accept(&listener, handler))?;
-        Ok(Self {
-            path: path.to_path_buf(),
-        })
+            .spawn(move || accept(&listener, service))?;
+        Ok(Self { path: None })
     }
 }
 
 impl Drop for ApiServer {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if let Some(path) = &self.path {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
-fn accept(listener: &UnixListener, handler: Arc<dyn Handler>) {
+fn accept(listener: &UnixListener, handler: Arc<dyn Service>) {
     let open = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
         let Ok(mut conn) = conn else { continue };
@@ -109,6 +148,7 @@ fn accept(listener: &UnixListener, handler: Arc<dyn Handler>) {
             let _ = conn.set_write_timeout(Some(Duration::from_millis(100)));
             let _ = respond(
                 &mut conn,
+                handler.as_ref(),
                 &Err(ApiError::new(503, "the API is busy: try again")),
             );
             continue;
@@ -126,14 +166,14 @@ fn accept(listener: &UnixListener, handler: Arc<dyn Handler>) {
     }
 }
 
-fn serve(mut conn: UnixStream, handler: &dyn Handler) {
+fn serve(mut conn: UnixStream, service: &dyn Service) {
     // One deadline for the whole request: a timeout per read would let a client sending a
     // byte now and then hold its connection (one of `MAX_CONNECTIONS`) for good.
     let deadline = Instant::now() + CLIENT_TIMEOUT;
-    let outcome = parse_request(&mut Within::new(&mut conn, deadline));
-    let outcome = outcome.and_then(|r| handler.handle(r));
+    let outcome = read_request(&mut Within::new(&mut conn, deadline))
+        .and_then(|(method, path, body)| service.call(&method, &path, &body));
     let _ = conn.set_write_timeout(Some(CLIENT_TIMEOUT));
-    let _ = respond(&mut conn, &outcome);
+    let _ = respond(&mut conn, service, &outcome);
 }
 
 /// Reads and parses one request from a client (the whole of what a client can make the API
@@ -205,17 +245,15 @@ fn read_request(conn: &mut impl Read) -> Result<(String, String, Vec<u8>), ApiEr
     Ok((method, path, body))
 }
 
-fn respond(conn: &mut UnixStream, outcome: &Result<Value, ApiError>) -> std::io::Result<()> {
+fn respond(
+    conn: &mut UnixStream,
+    service: &dyn Service,
+    outcome: &Result<Value, ApiError>,
+) -> std::io::Result<()> {
     let (status, text) = match outcome {
         Ok(Value::Null) => (204, String::new()),
         Ok(value) => (200, value.to_string()),
-        Err(e) => (
-            e.status,
-            serde_json::to_string(&ErrorBody {
-                error: e.message.clone(),
-            })
-            .unwrap_or_default(),
-        ),
+        Err(e) => (e.status, service.error_body(e)),
     };
     let reason = match status {
         200 => "OK",
@@ -227,6 +265,7 @@ fn respond(conn: &mut UnixStream, outcome: &Result<Value, ApiError>) -> std::io:
         409 => "Conflict",
         411 => "Length Required",
         413 => "Payload Too Large",
+        500 => "Internal Server Error",
         502 => "Bad Gateway",
         503 => "Service Unavailable",
         _ => "Error",

@@ -49,6 +49,17 @@ pub enum Command {
     MigrateResume(MigrateResumeArgs),
     /// Make a CA and a certificate for each named host, for TLS migrations (--tls-*).
     Certs(CertsArgs),
+    /// Be driven as Cloud Hypervisor is: its flags (--api-socket path=…|fd=N, --kernel,
+    /// --memory size=…, --event-monitor, …), its REST API and its events
+    /// (docs/orchestrators.md). Started as `cloud-hypervisor` (a link), ferry does the same.
+    Ch(ChArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ChArgs {
+    /// Cloud Hypervisor's flags, as it takes them.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    pub args: Vec<String>,
 }
 
 #[derive(Args, Debug)]

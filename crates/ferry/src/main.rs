@@ -1,6 +1,7 @@
 //! The `ferry` command: run a VM, drive and watch it through its API.
 
 mod certs;
+mod ch;
 mod cli;
 mod controller;
 mod dirty_bench;
@@ -21,6 +22,10 @@ fn main() {
         )
         .with_writer(std::io::stderr)
         .init();
+    if ch::invoked_as_ch() {
+        let argv: Vec<String> = std::env::args().skip(1).collect();
+        finish(ch::main(&argv));
+    }
     let args = cli::Cli::parse();
     let result = match args.command {
         cli::Command::Run(run_args) => run::run(run_args),
@@ -35,7 +40,12 @@ fn main() {
         cli::Command::Snapshot(a) => migrate::snapshot(&a),
         cli::Command::MigrateResume(a) => status::migrate_resume(&a),
         cli::Command::Certs(a) => certs::certs(&a),
+        cli::Command::Ch(a) => ch::main(&a.args),
     };
+    finish(result)
+}
+
+fn finish(result: anyhow::Result<i32>) -> ! {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {

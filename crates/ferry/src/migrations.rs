@@ -441,13 +441,17 @@ impl Controller {
         Ok(Value::Null)
     }
 
-    /// Writes the VM to a new file (never an existing one), readable by its owner only; on
-    /// failure removes only the file it created.
+    /// `vm.snapshot`: writes the VM into `--snapshot-dir`.
     pub fn snapshot(&self, req: &SnapshotRequest) -> Result<Value, ApiError> {
+        let path = self.snapshot_path(&req.file)?;
+        self.snapshot_into(&path, req)
+    }
+
+    /// Writes the VM to `path`, a new file (never an existing one) readable by its owner
+    /// only; on failure removes only the file it created.
+    pub fn snapshot_into(&self, path: &Path, req: &SnapshotRequest) -> Result<Value, ApiError> {
         let vm = self.require_live()?.clone();
         let params = snapshot_params(req)?;
-        let path = self.snapshot_path(&req.file)?;
-        let path = path.as_path();
         let file = OpenOptions::new()
             .write(true)
             .create_new(true)

@@ -86,7 +86,7 @@ fn security(args: &RunArgs) -> Result<Security> {
 }
 
 fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
-    let (image, mut cmdline) = match (&args.guest, &args.kernel) {
+    let (image, cmdline) = match (&args.guest, &args.kernel) {
         (Some(guest), None) => {
             check_file("guest", guest)?;
             let cmdline = cmdline_with_vcpus(&args.cmdline, vcpus(args))?;
@@ -107,16 +107,27 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
             bail!("--guest PATH or --kernel PATH is required (or --incoming URL / --restore FILE)")
         }
     };
-    // A guest finds its virtio-mmio devices on its command line, as Linux does.
-    for slot in 0..args.disks.len() + args.nets.len() {
-        cmdline.push_str(&vmm::devices::virtio::cmdline_word(slot));
-    }
     let serial = open_serial(&args.serial)?;
-    let vm = Vm::boot(config_of(args), &image, &cmdline, serial).context("cannot start the VM")?;
+    let vm = boot_vm(config_of(args), &image, &cmdline, serial)?;
     let controller = Controller::with_vm(Arc::new(vm), security);
     configure(&controller, args)?;
     let _server = start_api(&controller, args.api_socket.as_deref())?;
     Ok(supervise(&controller))
+}
+
+/// Boots `image` with `config`: the command line gains the word for each virtio-mmio device
+/// (a guest finds them there, as Linux does). A PVH image's `vcpus=N` word is the caller's.
+pub fn boot_vm(
+    config: VmConfig,
+    image: &BootImage,
+    cmdline: &str,
+    serial: Box<dyn std::io::Write + Send>,
+) -> Result<Vm> {
+    let mut cmdline = cmdline.to_string();
+    for slot in 0..config.disks.len() + config.nets.len() {
+        cmdline.push_str(&vmm::devices::virtio::cmdline_word(slot));
+    }
+    Vm::boot(config, image, &cmdline, serial).context("cannot start the VM")
 }
 
 fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Result<i32> {
@@ -345,7 +356,7 @@ fn on_event(controller: &Controller, event: VmEvent) -> Option<i32> {
     }
 }
 
-fn check_file(what: &str, path: &Path) -> Result<()> {
+pub fn check_file(what: &str, path: &Path) -> Result<()> {
     let meta =
         std::fs::metadata(path).with_context(|| format!("{what} file {}", path.display()))?;
     if !meta.is_file() {
@@ -369,7 +380,7 @@ pub fn cmdline_with_vcpus(cmdline: &str, vcpus: usize) -> Result<String> {
         .to_string())
 }
 
-fn open_serial(target: &str) -> Result<Box<dyn std::io::Write + Send>> {
+pub fn open_serial(target: &str) -> Result<Box<dyn std::io::Write + Send>> {
     if target == "stdout" {
         return Ok(Box::new(std::io::stdout()));
     }
@@ -385,7 +396,12 @@ extern "C" fn on_terminate(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc
     TERMINATE.store(true, Ordering::Release);
 }
 
-fn install_termination_handler() {
+/// Whether SIGTERM or SIGINT came.
+pub fn terminate_requested() -> bool {
+    TERMINATE.load(Ordering::Acquire)
+}
+
+pub fn install_termination_handler() {
     for sig in [libc::SIGINT, libc::SIGTERM] {
         let _ = vmm_sys_util::signal::register_signal_handler(sig, on_terminate);
     }

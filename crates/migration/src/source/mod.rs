@@ -56,7 +56,8 @@ const SETTLE_WAIT: Duration = Duration::from_secs(2);
 pub struct Outgoing {
     board: StatusBoard,
     /// This host's TLS identity: every TCP migration is TLS when it is set.
-    tls: Option<Tls>,
+    /// Replaceable between migrations (Cloud Hypervisor's profile names TLS per request).
+    tls: Mutex<Option<Tls>>,
     controls: Controls,
     busy: Mutex<bool>,
     leftover: Mutex<Option<Leftover>>,
@@ -80,7 +81,7 @@ impl Outgoing {
     pub fn new(board: StatusBoard, tls: Option<Tls>) -> Arc<Self> {
         Arc::new(Self {
             board,
-            tls,
+            tls: Mutex::new(tls),
             controls: Controls::default(),
             busy: Mutex::new(false),
             leftover: Mutex::new(None),
@@ -147,6 +148,15 @@ impl Outgoing {
 
     /// Starts migrating `vm` to `endpoint` in the background, and returns once the
     /// destination answered (a dead address is an error here). `on_done` hears the end.
+    /// The TLS the next migration dials with (none: plain, where the caller allowed it).
+    pub fn set_tls(&self, tls: Option<Tls>) {
+        *self.tls.lock().unwrap_or_else(|e| e.into_inner()) = tls;
+    }
+
+    fn tls(&self) -> Option<Tls> {
+        self.tls.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
     pub fn send(
         self: &Arc<Self>,
         vm: Arc<dyn Migratable>,
@@ -196,7 +206,8 @@ impl Outgoing {
         mut status: Status,
     ) -> Result<()> {
         let began = Instant::now();
-        let stream = match endpoint.connect(self.tls.as_ref()) {
+        let tls = self.tls();
+        let stream = match endpoint.connect(tls.as_ref()) {
             Ok(s) => s,
             Err(e) => {
                 status.phase = Phase::Failed;
@@ -218,7 +229,7 @@ impl Outgoing {
             &self.board,
             status,
         );
-        session.dial = Some(Box::new(|_| endpoint.connect(self.tls.as_ref())));
+        session.dial = Some(Box::new(move |_| endpoint.connect(tls.as_ref())));
         session.began_at(began);
         let was_running = vm.is_running();
         let result = session.run(mode);
@@ -457,10 +468,11 @@ impl Outgoing {
             .name("postcopy-resume".into())
             .spawn(move || {
                 let status = this.board.read();
+                let tls = this.tls();
                 let result = recovery::resume(
                     vm.as_ref(),
                     &endpoint,
-                    this.tls.as_ref(),
+                    tls.as_ref(),
                     &left,
                     &this.board,
                     status,

@@ -1,0 +1,452 @@
+//! Cloud Hypervisor's `VmConfig`, read for what ferry honours. Every field of CH's schema is
+//! known here: one ferry honours is taken; one it lacks is accepted only at CH's default value
+//! (or null), since a client that fills every field in (ch-remote, libvirt) asks for nothing
+//! by it; any other value, and any field CH does not have, is refused naming its path.
+
+use serde_json::{Map, Value, json};
+
+use crate::server::ApiError;
+
+/// How a field ferry lacks may be given: what CH does by default.
+#[derive(Clone, Copy)]
+enum AtDefault {
+    /// Absent, null, or this JSON literal.
+    Is(&'static str),
+    /// Absent, null, an empty array or an empty object.
+    Empty,
+}
+
+/// Where a console (serial or virtio-console) goes, as ferry can do it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ConsoleMode {
+    /// Off or Null: the output is dropped.
+    Off,
+    /// Tty: this process's standard output.
+    Tty,
+    File(String),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Disk {
+    pub path: String,
+    pub readonly: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Net {
+    pub tap: String,
+    /// As given (xx:xx:xx:xx:xx:xx); ferry's NIC parser checks it.
+    pub mac: Option<String>,
+}
+
+/// The part of a `VmConfig` ferry honours.
+#[derive(Clone, Debug, PartialEq)]
+pub struct VmSpec {
+    pub kernel: String,
+    pub cmdline: String,
+    pub initramfs: Option<String>,
+    pub memory_bytes: u64,
+    /// `memory.shared`: guest memory is a memfd mapped shared (ferry's memfd backend).
+    pub shared_memory: bool,
+    pub vcpus: usize,
+    pub disks: Vec<Disk>,
+    pub nets: Vec<Net>,
+    pub serial: ConsoleMode,
+    pub console: ConsoleMode,
+}
+
+/// CH's defaults where the body leaves a field out.
+const DEFAULT_MEMORY: u64 = 512 << 20;
+
+const TOP: &[(&str, AtDefault)] = &[
+    ("rate_limit_groups", AtDefault::Empty),
+    ("rng", AtDefault::Empty),
+    ("balloon", AtDefault::Empty),
+    ("fs", AtDefault::Empty),
+    ("generic_vhost_user", AtDefault::Empty),
+    ("pmem", AtDefault::Empty),
+    ("debug_console", AtDefault::Empty),
+    ("devices", AtDefault::Empty),
+    ("user_devices", AtDefault::Empty),
+    ("vdpa", AtDefault::Empty),
+    ("vsock", AtDefault::Empty),
+    ("numa", AtDefault::Empty),
+    ("iommu", AtDefault::Is("false")),
+    ("watchdog", AtDefault::Is("false")),
+    ("rtc", AtDefault::Empty),
+    ("pvpanic", AtDefault::Is("false")),
+    ("pci_segments", AtDefault::Empty),
+    ("platform", AtDefault::Empty),
+    ("tpm", AtDefault::Empty),
+    ("landlock_enable", AtDefault::Is("false")),
+    ("landlock_rules", AtDefault::Empty),
+];
+const TOP_USED: &[&str] = &[
+    "cpus", "memory", "payload", "disks", "net", "serial", "console",
+];
+
+const PAYLOAD: &[(&str, AtDefault)] = &[
+    ("firmware", AtDefault::Empty),
+    ("igvm", AtDefault::Empty),
+    ("host_data", AtDefault::Empty),
+];
+const PAYLOAD_USED: &[&str] = &["kernel", "cmdline", "initramfs"];
+
+const CPUS: &[(&str, AtDefault)] = &[
+    ("topology", AtDefault::Empty),
+    ("kvm_hyperv", AtDefault::Is("false")),
+    ("max_phys_bits", AtDefault::Empty),
+    ("nested", AtDefault::Is("true")),
+    ("affinity", AtDefault::Empty),
+    ("features", AtDefault::Empty),
+    ("core_scheduling", AtDefault::Is("\"Vm\"")),
+];
+const CPUS_USED: &[&str] = &["boot_vcpus", "max_vcpus"];
+
+const MEMORY: &[(&str, AtDefault)] = &[
+    ("hotplug_size", AtDefault::Is("0")),
+    ("hotplugged_size", AtDefault::Is("0")),
+    ("mergeable", AtDefault::Is("false")),
+    ("hotplug_method", AtDefault::Is("\"Acpi\"")),
+    ("hugepages", AtDefault::Is("false")),
+    ("hugepage_size", AtDefault::Empty),
+    ("prefault", AtDefault::Is("false")),
+    ("reserve", AtDefault::Is("false")),
+    ("thp", AtDefault::Is("true")),
+    ("zones", AtDefault::Empty),
+];
+const MEMORY_USED: &[&str] = &["size", "shared"];
+
+const DISK: &[(&str, AtDefault)] = &[
+    ("direct", AtDefault::Is("false")),
+    ("iommu", AtDefault::Is("false")),
+    ("num_queues", AtDefault::Is("1")),
+    ("queue_size", AtDefault::Is("128")),
+    ("vhost_user", AtDefault::Is("false")),
+    ("vhost_socket", AtDefault::Empty),
+    ("rate_limiter_config", AtDefault::Empty),
+    ("pci_segment", AtDefault::Is("0")),
+    ("pci_device_id", AtDefault::Empty),
+    ("serial", AtDefault::Empty),
+    ("rate_limit_group", AtDefault::Empty),
+    ("queue_affinity", AtDefault::Empty),
+    ("backing_files", AtDefault::Is("false")),
+    ("sparse", AtDefault::Is("true")),
+    ("image_type", AtDefault::Empty),
+    ("lock_granularity", AtDefault::Empty),
+];
+/// `id` names the device; `vm.info` and `vm.counters` name them `_diskN`/`_netN` in order.
+const DISK_USED: &[&str] = &["path", "readonly", "id"];
+
+const NET: &[(&str, AtDefault)] = &[
+    ("ip", AtDefault::Is("\"192.168.249.1\"")),
+    ("mask", AtDefault::Is("\"255.255.255.0\"")),
+    ("host_mac", AtDefault::Empty),
+    ("mtu", AtDefault::Empty),
+    ("iommu", AtDefault::Is("false")),
+    ("num_queues", AtDefault::Is("2")),
+    ("queue_size", AtDefault::Is("256")),
+    ("vhost_user", AtDefault::Is("false")),
+    ("vhost_socket", AtDefault::Empty),
+    ("vhost_mode", AtDefault::Is("\"Client\"")),
+    ("pci_segment", AtDefault::Is("0")),
+    ("pci_device_id", AtDefault::Empty),
+    ("rate_limiter_config", AtDefault::Empty),
+    ("offload_tso", AtDefault::Is("true")),
+    ("offload_ufo", AtDefault::Is("true")),
+    ("offload_csum", AtDefault::Is("true")),
+];
+const NET_USED: &[&str] = &["tap", "mac", "id"];
+
+const CONSOLE: &[(&str, AtDefault)] = &[
+    ("socket", AtDefault::Empty),
+    ("iommu", AtDefault::Is("false")),
+    ("id", AtDefault::Empty),
+    ("pci_segment", AtDefault::Is("0")),
+    ("pci_device_id", AtDefault::Empty),
+];
+const CONSOLE_USED: &[&str] = &["mode", "file"];
+
+fn bad(message: impl Into<String>) -> ApiError {
+    ApiError::bad_request(message)
+}
+
+fn is_default(value: &Value, default: AtDefault) -> bool {
+    match (value, default) {
+        (Value::Null, _) => true,
+        (v, AtDefault::Is(literal)) => {
+            serde_json::from_str::<Value>(literal).is_ok_and(|d| *v == d)
+        }
+        (Value::Array(a), AtDefault::Empty) => a.is_empty(),
+        (Value::Object(o), AtDefault::Empty) => o.is_empty(),
+        _ => false,
+    }
+}
+
+/// `object` at `path` as a map, its fields checked against what ferry takes (`used`) and what
+/// it accepts only at CH's default (`lacks`).
+fn fields<'a>(
+    object: &'a Value,
+    path: &str,
+    used: &[&str],
+    lacks: &[(&str, AtDefault)],
+) -> Result<&'a Map<String, Value>, ApiError> {
+    let map = object
+        .as_object()
+        .ok_or_else(|| bad(format!("{path} must be an object")))?;
+    for (name, value) in map {
+        if used.contains(&name.as_str()) {
+            continue;
+        }
+        let Some((_, default)) = lacks.iter().find(|(n, _)| n == name) else {
+            return Err(bad(format!("{path}.{name}: unknown field")));
+        };
+        if !is_default(value, *default) {
+            return Err(bad(format!(
+                "{path}.{name}={value}: ferry does not support it (leave it out or at \
+                 Cloud Hypervisor's default)"
+            )));
+        }
+    }
+    Ok(map)
+}
+
+fn string(map: &Map<String, Value>, path: &str, name: &str) -> Result<Option<String>, ApiError> {
+    match map.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(other) => Err(bad(format!("{path}.{name} must be a string, not {other}"))),
+    }
+}
+
+fn number(map: &Map<String, Value>, path: &str, name: &str) -> Result<Option<u64>, ApiError> {
+    match map.get(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            bad(format!(
+                "{path}.{name} must be a non-negative integer, not {v}"
+            ))
+        }),
+    }
+}
+
+fn flag(map: &Map<String, Value>, path: &str, name: &str) -> Result<bool, ApiError> {
+    match map.get(name) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(other) => Err(bad(format!("{path}.{name} must be a boolean, not {other}"))),
+    }
+}
+
+fn list<'a>(map: &'a Map<String, Value>, name: &str) -> Result<&'a [Value], ApiError> {
+    match map.get(name) {
+        None | Some(Value::Null) => Ok(&[]),
+        Some(Value::Array(a)) => Ok(a),
+        Some(other) => Err(bad(format!("{name} must be an array, not {other}"))),
+    }
+}
+
+impl VmSpec {
+    /// Reads a `vm.create` body.
+    pub fn from_json(body: &Value) -> Result<Self, ApiError> {
+        let top = fields(body, "VmConfig", TOP_USED, TOP)?;
+        let payload = top
+            .get("payload")
+            .ok_or_else(|| bad("VmConfig.payload is required (payload.kernel)"))?;
+        let payload = fields(payload, "payload", PAYLOAD_USED, PAYLOAD)?;
+        let kernel = string(payload, "payload", "kernel")?.ok_or_else(|| {
+            bad("payload.kernel is required: ferry boots a PVH ELF or a Linux bzImage")
+        })?;
+        let (memory_bytes, shared_memory) = memory(top.get("memory"))?;
+        Ok(Self {
+            kernel,
+            cmdline: string(payload, "payload", "cmdline")?.unwrap_or_default(),
+            initramfs: string(payload, "payload", "initramfs")?,
+            memory_bytes,
+            shared_memory,
+            vcpus: cpus(top.get("cpus"))?,
+            disks: disks(top)?,
+            nets: nets(top)?,
+            serial: console(top.get("serial"), "serial", ConsoleMode::Off)?,
+            console: console(top.get("console"), "console", ConsoleMode::Off)?,
+        })
+    }
+
+    /// The config as `vm.info` shows it: CH's shape, with what ferry fills in said.
+    pub fn to_json(&self) -> Value {
+        let mode = |m: &ConsoleMode| match m {
+            ConsoleMode::Off => json!({"mode": "Off"}),
+            ConsoleMode::Tty => json!({"mode": "Tty"}),
+            ConsoleMode::File(f) => json!({"mode": "File", "file": f}),
+        };
+        json!({
+            "cpus": {"boot_vcpus": self.vcpus, "max_vcpus": self.vcpus},
+            "memory": {"size": self.memory_bytes, "shared": self.shared_memory},
+            "payload": {
+                "kernel": self.kernel,
+                "cmdline": self.cmdline,
+                "initramfs": self.initramfs,
+            },
+            "disks": self.disks.iter().enumerate().map(|(i, d)| json!({
+                "path": d.path, "readonly": d.readonly, "id": format!("_disk{i}"),
+            })).collect::<Vec<_>>(),
+            "net": self.nets.iter().enumerate().map(|(i, n)| json!({
+                "tap": n.tap, "mac": n.mac, "id": format!("_net{i}"),
+            })).collect::<Vec<_>>(),
+            "serial": mode(&self.serial),
+            "console": mode(&self.console),
+        })
+    }
+}
+
+fn memory(memory: Option<&Value>) -> Result<(u64, bool), ApiError> {
+    let Some(memory) = memory.filter(|m| !m.is_null()) else {
+        return Ok((DEFAULT_MEMORY, false));
+    };
+    let map = fields(memory, "memory", MEMORY_USED, MEMORY)?;
+    let size = number(map, "memory", "size")?.unwrap_or(DEFAULT_MEMORY);
+    if size == 0 || size % 4096 != 0 {
+        return Err(bad(format!(
+            "memory.size {size} must be a positive multiple of 4096 bytes"
+        )));
+    }
+    Ok((size, flag(map, "memory", "shared")?))
+}
+
+fn cpus(cpus: Option<&Value>) -> Result<usize, ApiError> {
+    let Some(cpus) = cpus.filter(|c| !c.is_null()) else {
+        return Ok(1);
+    };
+    let map = fields(cpus, "cpus", CPUS_USED, CPUS)?;
+    let boot = number(map, "cpus", "boot_vcpus")?.unwrap_or(1);
+    if boot == 0 || boot > 255 {
+        return Err(bad(format!("cpus.boot_vcpus {boot} must be 1..=255")));
+    }
+    if let Some(max) = number(map, "cpus", "max_vcpus")?
+        && max != boot
+    {
+        return Err(bad(format!(
+            "cpus.max_vcpus={max}: ferry has no vCPU hotplug (give max_vcpus = boot_vcpus)"
+        )));
+    }
+    Ok(boot as usize)
+}
+
+fn disks(top: &Map<String, Value>) -> Result<Vec<Disk>, ApiError> {
+    let mut out = Vec::new();
+    for (i, disk) in list(top, "disks")?.iter().enumerate() {
+        let path = format!("disks[{i}]");
+        let map = fields(disk, &path, DISK_USED, DISK)?;
+        out.push(Disk {
+            path: string(map, &path, "path")?
+                .ok_or_else(|| bad(format!("{path}.path is required")))?,
+            readonly: flag(map, &path, "readonly")?,
+        });
+    }
+    Ok(out)
+}
+
+fn nets(top: &Map<String, Value>) -> Result<Vec<Net>, ApiError> {
+    let mut out = Vec::new();
+    for (i, net) in list(top, "net")?.iter().enumerate() {
+        let path = format!("net[{i}]");
+        let map = fields(net, &path, NET_USED, NET)?;
+        out.push(Net {
+            tap: string(map, &path, "tap")?.ok_or_else(|| {
+                bad(format!(
+                    "{path}.tap is required: ferry attaches a NIC to an existing tap device"
+                ))
+            })?,
+            mac: string(map, &path, "mac")?,
+        });
+    }
+    Ok(out)
+}
+
+fn console(
+    value: Option<&Value>,
+    path: &str,
+    absent: ConsoleMode,
+) -> Result<ConsoleMode, ApiError> {
+    let Some(value) = value.filter(|v| !v.is_null()) else {
+        return Ok(absent);
+    };
+    let map = fields(value, path, CONSOLE_USED, CONSOLE)?;
+    let mode = string(map, path, "mode")?.ok_or_else(|| bad(format!("{path}.mode is required")))?;
+    let file = string(map, path, "file")?;
+    let out = match (mode.as_str(), file) {
+        ("Off" | "Null", None) => ConsoleMode::Off,
+        ("Tty", None) if path == "serial" => ConsoleMode::Tty,
+        ("File", Some(f)) if path == "serial" => ConsoleMode::File(f),
+        ("File", None) => return Err(bad(format!("{path}.mode File needs {path}.file"))),
+        (_, Some(_)) if mode != "File" => {
+            return Err(bad(format!("{path}.file is only for mode File")));
+        }
+        (other, _) if path == "console" => {
+            return Err(bad(format!(
+                "console.mode={other}: ferry has no virtio-console; give Off or Null (the \
+                 guest's output goes to the serial port: serial.mode Tty or File)"
+            )));
+        }
+        (other, _) => {
+            return Err(bad(format!(
+                "serial.mode={other}: ferry's serial port goes to Off, Null, Tty or File"
+            )));
+        }
+    };
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(body: Value) -> Result<VmSpec, String> {
+        VmSpec::from_json(&body).map_err(|e| e.message)
+    }
+
+    #[test]
+    fn takes_what_ferry_honours_and_defaults_of_the_rest() {
+        let s = spec(json!({
+            "payload": {"kernel": "/k", "cmdline": "idle"},
+            "cpus": {"boot_vcpus": 2, "max_vcpus": 2, "kvm_hyperv": false},
+            "memory": {"size": 1073741824u64, "hugepages": false, "thp": true},
+            "disks": [{"path": "/d", "readonly": true, "num_queues": 1, "id": "_disk0"}],
+            "net": [{"tap": "tap0", "mac": "52:54:00:00:00:01"}],
+            "serial": {"mode": "File", "file": "/s"},
+            "console": {"mode": "Off"},
+            "iommu": false,
+            "rng": null
+        }))
+        .unwrap();
+        assert_eq!((s.vcpus, s.memory_bytes), (2, 1 << 30));
+        assert_eq!(s.serial, ConsoleMode::File("/s".into()));
+        assert!(s.disks[0].readonly);
+        let again = spec(s.to_json()).unwrap();
+        assert_eq!(again, s, "vm.info's config is a config ferry takes back");
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_honour_naming_it() {
+        let with = |extra: Value| {
+            let mut body = json!({"payload": {"kernel": "/k"}});
+            for (k, v) in extra.as_object().unwrap() {
+                body[k] = v.clone();
+            }
+            spec(body).unwrap_err()
+        };
+        assert!(with(json!({"frobnicate": 1})).contains("VmConfig.frobnicate: unknown field"));
+        let e = with(json!({"memory": {"size": 4096, "hugepages": true}}));
+        assert!(e.contains("memory.hugepages=true"), "{e}");
+        let e = with(json!({"disks": [{"path": "/d", "direct": true}]}));
+        assert!(e.contains("disks[0].direct=true"), "{e}");
+        let e = with(json!({"cpus": {"boot_vcpus": 1, "max_vcpus": 4}}));
+        assert!(e.contains("cpus.max_vcpus=4"), "{e}");
+        let e = with(json!({"console": {"mode": "Pty"}}));
+        assert!(e.contains("console.mode=Pty"), "{e}");
+        let e = with(json!({"balloon": {"size": 1}}));
+        assert!(e.contains("balloon"), "{e}");
+        let e = spec(json!({"payload": {"firmware": "/fw"}})).unwrap_err();
+        assert!(e.contains("payload.firmware"), "{e}");
+    }
+}

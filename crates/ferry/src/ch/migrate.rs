@@ -1,0 +1,352 @@
+//! Cloud Hypervisor's migration calls on ferry's engine: `vm.send-migration` and
+//! `vm.receive-migration` (TLS from `tls_dir`), `vm.snapshot`/`vm.restore` through a
+//! `file://DIR`, and ferry's additions, progress in libvirt's job-statistics terms and
+//! cancel. The engine, its parameters and its checks are the controller's own.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use api::ch::{
+    CH_TIMEOUT_S, JobStats, ReceiveMigrationData, RestoreConfig, SendMigrationData,
+    VmSnapshotConfig, file_url, memory_mode,
+};
+use api::{ApiError, ApiRequest, Handler, MigrationPhase, MigrationRequest, SnapshotRequest};
+use migration::Endpoint;
+use migration::destination::Source;
+use migration::wire::tls::{Tls, TlsFiles};
+use serde_json::Value;
+use vmm::{Vm, VmConfig};
+
+use super::machine;
+use super::vmm::{ChVmm, Slot, as_ch, not_created, wrong_state};
+use crate::controller::{Controller, Phase};
+use crate::migrations::{Security, api_error, to_api};
+
+/// The file ferry writes in a snapshot's directory.
+const SNAPSHOT_FILE: &str = "ferry.snapshot";
+const PAGE: u64 = 4096;
+
+/// TLS from CH's `tls_dir`: `ca-cert.pem` and this side's `{client,server}-{cert,key}.pem`.
+fn tls(dir: &str, side: &str) -> Result<Tls, ApiError> {
+    let dir = Path::new(dir);
+    Tls::load(&TlsFiles {
+        cert: dir.join(format!("{side}-cert.pem")),
+        key: dir.join(format!("{side}-key.pem")),
+        ca: dir.join("ca-cert.pem"),
+    })
+    .map_err(|e| ApiError::bad_request(format!("tls_dir {}: {e}", dir.display())))
+}
+
+impl ChVmm {
+    /// The TLS a migration to or from `endpoint` uses: `tls_dir` only with TCP, and TCP only
+    /// with `tls_dir` unless ferry was started with `--plain-tcp`.
+    fn migration_tls(
+        &self,
+        endpoint: &Endpoint,
+        tls_dir: Option<&str>,
+        side: &str,
+    ) -> Result<Option<Tls>, ApiError> {
+        let tcp = matches!(endpoint, Endpoint::Tcp(_));
+        match tls_dir {
+            Some(_) if !tcp => Err(ApiError::bad_request(format!(
+                "tls_dir is for tcp: URLs, not {endpoint}"
+            ))),
+            Some(dir) => tls(dir, side).map(Some),
+            None if tcp && !self.plain_tcp => Err(ApiError::bad_request(format!(
+                "{endpoint}: a TCP migration needs tls_dir (or ferry started with --plain-tcp, \
+                 on a trusted network only)"
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    pub fn send_migration(&self, req: &SendMigrationData) -> Result<Value, ApiError> {
+        let c = self.live()?;
+        if c.migrations.running() {
+            return Err(wrong_state("There is already an ongoing migration"));
+        }
+        let endpoint: Endpoint = req.destination_url.parse().map_err(api_error)?;
+        let tls = self.migration_tls(&endpoint, req.tls_dir.as_deref(), "client")?;
+        let postcopy = memory_mode(req.memory_mode.as_deref())?;
+        let request = MigrationRequest {
+            destination: req.destination_url.clone(),
+            mode: postcopy.then(|| "postcopy".into()),
+            max_downtime_ms: Some(req.downtime_ms.unwrap_or(300)),
+            timeout_s: Some(req.timeout_s.unwrap_or(CH_TIMEOUT_S)),
+            connections: req.connections,
+            ..Default::default()
+        };
+        c.migrations.outgoing.set_tls(tls);
+        *self.began() = Some(Instant::now());
+        self.events.emit(
+            "vm",
+            "migration-started",
+            &[("url", req.destination_url.clone())],
+        );
+        if let Err(e) = c.send_migration(&request) {
+            self.events
+                .emit("vm", "migration-failed", &[("error", e.message.clone())]);
+            return Err(as_ch(e));
+        }
+        self.watch_migration(c, Arc::new(AtomicBool::new(false)));
+        Ok(Value::Null)
+    }
+
+    fn began(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.migration_began
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn receive_migration(&self, req: &ReceiveMigrationData) -> Result<Value, ApiError> {
+        let endpoint: Endpoint = req.receiver_url.parse().map_err(api_error)?;
+        let tls = self.migration_tls(&endpoint, req.tls_dir.as_deref(), "server")?;
+        let source = Source::listen(&endpoint, tls.as_ref()).map_err(api_error)?;
+        let security = Security {
+            tls,
+            plain_tcp: self.plain_tcp,
+        };
+        self.events.emit(
+            "vm",
+            "migration-receive-ready",
+            &[("url", req.receiver_url.clone())],
+        );
+        let outcome = self.arrive(source, security);
+        let event = if outcome.is_ok() {
+            "migration-receive-finished"
+        } else {
+            "migration-receive-failed"
+        };
+        self.events.emit("vm", event, &[]);
+        outcome.map(|_| Value::Null)
+    }
+
+    /// Takes a VM from `source` into this empty VMM; it runs here once this returns `Ok`.
+    fn arrive(&self, source: Source, security: Security) -> Result<Arc<Controller>, ApiError> {
+        let controller = Controller::new(Phase::Incoming, security);
+        {
+            let mut slot = self.slot();
+            if !matches!(*slot, Slot::Empty) {
+                return Err(wrong_state("a VM is already here (vm.delete it first)"));
+            }
+            *slot = Slot::Arriving(controller.clone());
+        }
+        *self.began() = Some(Instant::now());
+        let done = Arc::new(AtomicBool::new(false));
+        self.watch_migration(controller.clone(), done.clone());
+        let serial = self.arrival_serial.clone();
+        let received = controller.migrations.incoming.receive(
+            source,
+            &crate::run::terminate_requested,
+            |descriptor| {
+                let config = VmConfig::from_descriptor(descriptor)?;
+                let out = machine::serial(&serial).map_err(|e| migration::Error::vm(e.message))?;
+                Vm::for_restore(config, out)
+                    .map(Arc::new)
+                    .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))
+            },
+            |vm| {
+                controller.set_vm(vm.clone());
+                controller.set_phase(Phase::Live);
+            },
+        );
+        done.store(true, Ordering::Release);
+        match received {
+            Ok(Some(vm)) => {
+                self.go_live(controller.clone(), machine::spec_of(&vm, &serial));
+                Ok(controller)
+            }
+            Ok(None) => {
+                *self.slot() = Slot::Empty;
+                Err(wrong_state("stopped while waiting for the VM"))
+            }
+            Err(e) => {
+                *self.slot() = Slot::Empty;
+                Err(ApiError::internal(format!(
+                    "the VM could not be received: {e}"
+                )))
+            }
+        }
+    }
+
+    /// `vm.snapshot {"destination_url": "file://DIR"}`: the paused VM to `DIR/ferry.snapshot`.
+    pub fn snapshot(&self, req: &VmSnapshotConfig) -> Result<Value, ApiError> {
+        let dir = file_url("destination_url", &req.destination_url)?;
+        let c = self.live()?;
+        if c.vm()?.state() == vmm::VmState::Running {
+            return Err(wrong_state(
+                "the VM must be paused to be snapshotted (vm.pause)",
+            ));
+        }
+        if !dir.is_dir() {
+            return Err(ApiError::bad_request(format!(
+                "{} is not a directory",
+                dir.display()
+            )));
+        }
+        let path = dir.join(SNAPSHOT_FILE);
+        self.events.emit("vm", "snapshotting", &[]);
+        let file = path.display().to_string();
+        c.snapshot_into(
+            &path,
+            &SnapshotRequest {
+                file,
+                compression: None,
+                migration_threads: None,
+                writers: None,
+            },
+        )
+        .map_err(as_ch)?;
+        self.events.emit("vm", "snapshotted", &[]);
+        Ok(Value::Null)
+    }
+
+    /// `vm.restore {"source_url": "file://DIR"}`: the VM of `DIR/ferry.snapshot`, paused
+    /// unless `resume`.
+    pub fn restore(&self, req: &RestoreConfig) -> Result<Value, ApiError> {
+        let dir = file_url("source_url", &req.source_url)?;
+        let source = Source::snapshot(&dir.join(SNAPSHOT_FILE))
+            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        self.events.emit("vm", "restoring", &[]);
+        let c = self.arrive(source, Security::default())?;
+        let vm = c.vm()?;
+        match (req.resume, vm.state() == vmm::VmState::Running) {
+            (false, true) => c.handle(ApiRequest::Pause).map_err(as_ch)?,
+            (true, false) => c.handle(ApiRequest::Resume).map_err(as_ch)?,
+            _ => Value::Null,
+        };
+        self.events.emit("vm", "restored", &[]);
+        Ok(Value::Null)
+    }
+
+    pub fn progress(&self) -> Result<Value, ApiError> {
+        let c = self.controller()?;
+        let status = to_api(&c.migrations.board.read());
+        let began = *self.began();
+        Ok(serde_json::to_value(job_stats(&status, began)).unwrap_or_default())
+    }
+
+    pub fn cancel_migration(&self) -> Result<Value, ApiError> {
+        match &*self.slot() {
+            Slot::Arriving(c) => c
+                .migrations
+                .incoming
+                .stop_arrival("vm.cancel-migration")
+                .map_err(|e| as_ch(api_error(e)))
+                .map(|_| Value::Null),
+            Slot::Live(c, _) => c.handle(ApiRequest::CancelMigration).map_err(as_ch),
+            _ => Err(not_created()),
+        }
+    }
+
+    /// Says the migration's progress on the event stream as its phase or round changes, and
+    /// its end; stops at its end or when `done` (an arrival that ended).
+    fn watch_migration(&self, c: Arc<Controller>, done: Arc<AtomicBool>) {
+        let this = self.me();
+        let _ = std::thread::Builder::new()
+            .name("ch-progress".into())
+            .spawn(move || {
+                let mut last = (MigrationPhase::None, u32::MAX);
+                loop {
+                    let s = to_api(&c.migrations.board.read());
+                    if (s.phase, s.round) != last && s.phase != MigrationPhase::None {
+                        last = (s.phase, s.round);
+                        this.events
+                            .emit("migration", "progress", &progress_properties(&s));
+                    }
+                    if !s.phase.is_running() && s.phase != MigrationPhase::None
+                        || done.load(Ordering::Acquire)
+                    {
+                        this.said_end(&s);
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            });
+    }
+
+    fn said_end(&self, s: &api::MigrationStatus) {
+        if s.role != "source" {
+            return;
+        }
+        let error = s.error.clone().unwrap_or_default();
+        match s.phase {
+            MigrationPhase::Completed => self.events.emit("vm", "migration-finished", &[]),
+            _ => self
+                .events
+                .emit("vm", "migration-failed", &[("error", error)]),
+        }
+    }
+}
+
+fn progress_properties(s: &api::MigrationStatus) -> Vec<(&'static str, String)> {
+    let phase = serde_json::to_value(s.phase)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from));
+    vec![
+        ("role", s.role.clone()),
+        ("phase", phase.unwrap_or_default()),
+        ("round", s.round.to_string()),
+        ("pages_remaining", s.pages_remaining.to_string()),
+        ("dirty_pages_per_s", format!("{:.0}", s.dirty_pages_per_s)),
+        ("throughput_mbps", format!("{:.1}", s.throughput_mbps)),
+        (
+            "expected_downtime_ms",
+            format!("{:.1}", s.expected_downtime_ms),
+        ),
+        (
+            "postcopy_faults",
+            s.postcopy_report
+                .as_ref()
+                .map_or(0, |p| p.network_faults)
+                .to_string(),
+        ),
+    ]
+}
+
+/// The status in libvirt's job-statistics names and units (docs/orchestrators.md).
+pub fn job_stats(s: &api::MigrationStatus, began: Option<Instant>) -> JobStats {
+    use MigrationPhase as P;
+    let job = match s.phase {
+        P::None => "none",
+        P::Setup | P::Active | P::Switchover | P::PostcopyActive => "unbounded",
+        P::Completed => "completed",
+        P::Cancelled => "cancelled",
+        P::Failed | P::Unconfirmed | P::PostcopyPaused => "failed",
+    };
+    let elapsed = match (s.phase.is_running(), began) {
+        (true, Some(at)) => at.elapsed().as_millis() as u64,
+        _ => s.total_ms as u64,
+    };
+    let phase = serde_json::to_value(s.phase)
+        .ok()
+        .and_then(|v| v.as_str().map(String::from));
+    JobStats {
+        job: job.into(),
+        phase: phase.unwrap_or_default(),
+        role: s.role.clone(),
+        time_elapsed: elapsed,
+        setup_time: s.setup_ms as u64,
+        downtime: s
+            .downtime_ms
+            .or(s.destination_downtime_ms)
+            .map(|d| d as u64),
+        memory_total: s.memory_pages * PAGE,
+        memory_processed: s.bytes_on_wire,
+        memory_remaining: s.pages_remaining * PAGE,
+        memory_dirty_rate: s.dirty_pages_per_s as u64,
+        memory_iteration: u64::from(s.round),
+        memory_page_size: PAGE,
+        memory_normal: s.pages_full,
+        memory_normal_bytes: s.pages_full * PAGE,
+        memory_constant: s.pages_zero,
+        memory_bps: (s.throughput_mbps * 1e6 / 8.0) as u64,
+        memory_postcopy_requests: s.pages_requested,
+        disk_total: 0,
+        disk_processed: 0,
+        disk_remaining: 0,
+        error: s.error.clone(),
+    }
+}

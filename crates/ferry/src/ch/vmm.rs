@@ -1,0 +1,379 @@
+//! The VMM as Cloud Hypervisor's API sees it: empty until `vm.create` (or an arriving VM),
+//! then one VM at a time, each run by a ferry `Controller` (the same lifecycle rules, the same
+//! migration engine). Errors answer as CH does: 404 when there is no VM, 500 for a call in the
+//! wrong state, 400 for bad input.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use api::ch::{ChRequest, ConsoleMode, VmSpec, VmmPingResponse};
+use api::{ApiError, ApiRequest, Handler, Service};
+use serde_json::{Value, json};
+use vmm::VmState;
+use vmm::devices::GuestEvent;
+
+use super::events::Events;
+use super::machine;
+use crate::controller::{Controller, Phase};
+use crate::migrations::Security;
+
+pub enum Slot {
+    Empty,
+    /// Created, or shut down (CH keeps the config: `vm.boot` boots it again).
+    Created(VmSpec),
+    /// A VM on its way here (`vm.receive-migration`, `vm.restore`).
+    Arriving(Arc<Controller>),
+    Live(Arc<Controller>, VmSpec),
+}
+
+pub struct ChVmm {
+    me: Weak<ChVmm>,
+    pub slot: Mutex<Slot>,
+    /// Bumped whenever the VM changes, so that a watcher of the old one stops.
+    generation: AtomicU64,
+    pub events: Events,
+    exit: (Mutex<Option<i32>>, Condvar),
+    /// TCP migrations without `tls_dir` allowed (`--plain-tcp`).
+    pub plain_tcp: bool,
+    /// Where an arriving VM's serial port goes.
+    pub arrival_serial: ConsoleMode,
+    /// When the current migration began, on this host's clock.
+    pub migration_began: Mutex<Option<Instant>>,
+}
+
+pub fn not_created() -> ApiError {
+    ApiError::new(404, "VM is not created")
+}
+
+/// A call in the wrong state: CH answers 500.
+pub fn wrong_state(message: impl Into<String>) -> ApiError {
+    ApiError::internal(message)
+}
+
+/// A controller's refusal in CH's terms (its 409s are CH's 500s).
+pub fn as_ch(e: ApiError) -> ApiError {
+    if e.status == 409 {
+        wrong_state(e.message)
+    } else {
+        e
+    }
+}
+
+impl ChVmm {
+    pub fn new(events: Events, plain_tcp: bool, arrival_serial: ConsoleMode) -> Arc<Self> {
+        Arc::new_cyclic(|me| Self {
+            me: me.clone(),
+            slot: Mutex::new(Slot::Empty),
+            generation: AtomicU64::new(0),
+            events,
+            exit: (Mutex::new(None), Condvar::new()),
+            plain_tcp,
+            arrival_serial,
+            migration_began: Mutex::new(None),
+        })
+    }
+
+    pub fn me(&self) -> Arc<Self> {
+        self.me.upgrade().expect("the VMM lives in an Arc")
+    }
+
+    pub fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The VM's controller, when there is one here or arriving.
+    pub fn controller(&self) -> Result<Arc<Controller>, ApiError> {
+        match &*self.slot() {
+            Slot::Live(c, _) | Slot::Arriving(c) => Ok(c.clone()),
+            _ => Err(not_created()),
+        }
+    }
+
+    /// The VM that runs here, with its controller.
+    pub fn live(&self) -> Result<Arc<Controller>, ApiError> {
+        match &*self.slot() {
+            Slot::Live(c, _) => Ok(c.clone()),
+            Slot::Empty => Err(not_created()),
+            Slot::Created(_) => Err(wrong_state("VM is not booted")),
+            Slot::Arriving(_) => Err(wrong_state("the VM is still arriving")),
+        }
+    }
+
+    /// Asks the VMM to exit with `code` (`vmm.shutdown`, the guest ended, the VM moved).
+    pub fn exit(&self, code: i32) {
+        let (lock, cv) = &self.exit;
+        lock.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(code);
+        cv.notify_all();
+    }
+
+    /// Waits for `exit`, or `stop()` (a signal): its code.
+    pub fn wait_exit(&self, stop: &dyn Fn() -> bool) -> i32 {
+        let (lock, cv) = &self.exit;
+        let mut code = lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(c) = *code {
+                return c;
+            }
+            if stop() {
+                return 0;
+            }
+            code = cv
+                .wait_timeout(code, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    /// The VM runs here now, under `controller`: watch it until it changes.
+    pub fn go_live(&self, controller: Arc<Controller>, spec: VmSpec) {
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        *self.slot() = Slot::Live(controller.clone(), spec);
+        let this = self.me();
+        let _ = std::thread::Builder::new()
+            .name("ch-watch".into())
+            .spawn(move || this.watch(&controller, generation));
+    }
+
+    /// Ends the VM here (shutdown, delete, exit): the slot becomes `then`.
+    pub fn end_vm(&self, then: Slot) {
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        let old = std::mem::replace(&mut *self.slot(), then);
+        if let Slot::Live(c, _) = old
+            && let Ok(vm) = c.vm()
+        {
+            vm.shutdown();
+        }
+    }
+
+    /// Follows the guest's end and a migration that took the VM away, as CH's VMM does: it
+    /// exits when the guest ends or once the destination runs the VM.
+    fn watch(&self, controller: &Controller, generation: u64) {
+        let Ok(vm) = controller.vm().cloned() else {
+            return;
+        };
+        while self.generation.load(Ordering::Acquire) == generation {
+            let ended = match vm.next_event(Duration::from_millis(50)) {
+                Some(vmm::VmEvent::Guest(GuestEvent::Finished { failed })) => {
+                    Some(i32::from(failed))
+                }
+                Some(
+                    vmm::VmEvent::Guest(GuestEvent::Fatal(_)) | vmm::VmEvent::VcpuFailed { .. },
+                ) => Some(1),
+                _ => None,
+            };
+            if let Some(code) = ended {
+                self.events.emit("vm", "shutdown", &[]);
+                self.exit(code);
+                return;
+            }
+            if controller.phase() == Phase::Migrated {
+                // The progress and its end were said by the migration's watcher; let a
+                // client read the last figures, then go, as CH's source does.
+                std::thread::sleep(Duration::from_secs(1));
+                self.exit(0);
+                return;
+            }
+        }
+    }
+
+    fn ping(&self) -> Value {
+        let version = env!("CARGO_PKG_VERSION");
+        serde_json::to_value(VmmPingResponse {
+            build_version: format!("ferry-{version}"),
+            version: format!("v54.0-ferry-{version}"),
+            pid: i64::from(std::process::id()),
+            features: vec!["kvm".into()],
+        })
+        .unwrap_or_default()
+    }
+
+    fn create(&self, spec: VmSpec) -> Result<Value, ApiError> {
+        let mut slot = self.slot();
+        if !matches!(*slot, Slot::Empty) {
+            return Err(wrong_state("VM is already created"));
+        }
+        *slot = Slot::Created(spec);
+        drop(slot);
+        self.events.emit("vm", "created", &[]);
+        Ok(Value::Null)
+    }
+
+    pub fn boot(&self) -> Result<Value, ApiError> {
+        let spec = match &*self.slot() {
+            Slot::Empty => return Err(not_created()),
+            Slot::Created(spec) => spec.clone(),
+            Slot::Arriving(_) => return Err(wrong_state("the VM is still arriving")),
+            Slot::Live(c, _) => return self.boot_live(c),
+        };
+        if spec.kernel.is_empty() {
+            return Err(wrong_state(
+                "the VM arrived by migration or restore: it has no payload here to boot",
+            ));
+        }
+        self.events.emit("vm", "booting", &[]);
+        let vm = machine::boot(&spec)?;
+        let security = Security {
+            tls: None,
+            // Each migration's TLS is set per request (tls_dir); `send` checks TCP needs it.
+            plain_tcp: true,
+        };
+        self.go_live(Controller::with_vm(Arc::new(vm), security), spec);
+        self.events.emit("vm", "booted", &[]);
+        Ok(Value::Null)
+    }
+
+    /// `vm.boot` of a booted VM: CH resumes a paused one and refuses a running one.
+    fn boot_live(&self, c: &Controller) -> Result<Value, ApiError> {
+        match c.vm()?.state() {
+            VmState::Running => Err(wrong_state("VM is already booted (running)")),
+            _ => self.change(c, ApiRequest::Resume, "resum"),
+        }
+    }
+
+    /// Pause or resume through the controller's lifecycle rule, refused in CH's way when the
+    /// VM is already so (CH's state machine has no Paused → Paused).
+    fn change(&self, c: &Controller, request: ApiRequest, verb: &str) -> Result<Value, ApiError> {
+        let running = c.vm()?.state() == VmState::Running;
+        match (&request, running) {
+            (ApiRequest::Pause, false) => return Err(wrong_state("VM is not running")),
+            (ApiRequest::Resume, true) => return Err(wrong_state("VM is not paused")),
+            _ => {}
+        }
+        self.events.emit("vm", &format!("{verb}ing"), &[]);
+        c.handle(request).map_err(as_ch)?;
+        self.events.emit("vm", &format!("{verb}ed"), &[]);
+        Ok(Value::Null)
+    }
+
+    fn info(&self) -> Result<Value, ApiError> {
+        let (state, spec, memory) = match &*self.slot() {
+            Slot::Empty | Slot::Arriving(_) => return Err(not_created()),
+            Slot::Created(spec) => ("Created", spec.clone(), spec.memory_bytes),
+            Slot::Live(c, spec) => {
+                let vm = c.vm()?;
+                let state = match c.phase() {
+                    Phase::Live if vm.state() == VmState::Running => "Running",
+                    Phase::Live => "Paused",
+                    _ => "Shutdown",
+                };
+                (state, spec.clone(), vm.config().memory)
+            }
+        };
+        Ok(json!({
+            "config": spec.to_json(),
+            "state": state,
+            "memory_actual_size": memory,
+            "device_tree": {},
+        }))
+    }
+
+    /// CH's counters per device (`_disk0`, `_net0`, …) and ferry's guest workload (`guest`).
+    fn counters(&self) -> Result<Value, ApiError> {
+        let c = self.live()?;
+        let info = c.info();
+        let mut out = serde_json::Map::new();
+        let (mut disks, mut nets) = (0, 0);
+        for d in &info.devices {
+            let id = if d.kind == "virtio-blk" {
+                disks += 1;
+                format!("_disk{}", disks - 1)
+            } else {
+                nets += 1;
+                format!("_net{}", nets - 1)
+            };
+            out.insert(id, json!(d.counters));
+        }
+        out.insert(
+            "guest".into(),
+            json!({
+                "heartbeats": info.heartbeats,
+                "heartbeat_seq": info.heartbeat_seq,
+                "pages_touched": info.pages_touched,
+                "passes": info.passes,
+                "verify_errors": info.verify_errors,
+                "blk_errors": info.blk_errors,
+            }),
+        );
+        Ok(Value::Object(out))
+    }
+
+    /// `vm.shutdown`: the VM stops; its config stays (CH's `vm.info` then says Created).
+    fn shutdown(&self) -> Result<Value, ApiError> {
+        let c = self.live()?;
+        if c.migrations.running() || c.lifecycle().holds_stop() {
+            return Err(wrong_state(format!(
+                "the VM is {}: cancel the migration first (vm.cancel-migration)",
+                c.lifecycle().name()
+            )));
+        }
+        let spec = match &*self.slot() {
+            Slot::Live(_, spec) => spec.clone(),
+            _ => return Err(wrong_state("VM is not booted")),
+        };
+        self.end_vm(Slot::Created(spec));
+        self.events.emit("vm", "shutdown", &[]);
+        Ok(Value::Null)
+    }
+
+    fn reboot(&self) -> Result<Value, ApiError> {
+        self.live()?;
+        self.events.emit("vm", "rebooting", &[]);
+        self.shutdown()?;
+        self.boot()?;
+        self.events.emit("vm", "rebooted", &[]);
+        Ok(Value::Null)
+    }
+
+    fn delete(&self) -> Result<Value, ApiError> {
+        match &*self.slot() {
+            Slot::Arriving(_) => return Err(wrong_state("the VM is still arriving")),
+            Slot::Live(c, _) if c.migrations.running() || c.lifecycle().holds_stop() => {
+                return Err(wrong_state("a migration is running: cancel it first"));
+            }
+            _ => {}
+        }
+        self.end_vm(Slot::Empty);
+        self.events.emit("vm", "deleted", &[]);
+        Ok(Value::Null)
+    }
+
+    pub fn handle(&self, request: ChRequest) -> Result<Value, ApiError> {
+        match request {
+            ChRequest::VmmPing => Ok(self.ping()),
+            ChRequest::VmmShutdown => {
+                self.exit(0);
+                Ok(Value::Null)
+            }
+            ChRequest::Create(spec) => self.create(*spec),
+            ChRequest::Boot => self.boot(),
+            ChRequest::Info => self.info(),
+            ChRequest::Counters => self.counters(),
+            ChRequest::Pause => self.change(&*self.live()?, ApiRequest::Pause, "paus"),
+            ChRequest::Resume => self.change(&*self.live()?, ApiRequest::Resume, "resum"),
+            ChRequest::Shutdown => self.shutdown(),
+            ChRequest::Reboot => self.reboot(),
+            ChRequest::PowerButton => Err(ApiError::bad_request(
+                "vm.power-button: ferry has no ACPI power button; use vm.shutdown",
+            )),
+            ChRequest::Delete => self.delete(),
+            ChRequest::Snapshot(r) => self.snapshot(&r),
+            ChRequest::Restore(r) => self.restore(&r),
+            ChRequest::SendMigration(r) => self.send_migration(&r),
+            ChRequest::ReceiveMigration(r) => self.receive_migration(&r),
+            ChRequest::MigrationProgress => self.progress(),
+            ChRequest::CancelMigration => self.cancel_migration(),
+        }
+    }
+}
+
+impl Service for ChVmm {
+    fn call(&self, method: &str, path: &str, body: &[u8]) -> Result<Value, ApiError> {
+        self.handle(ChRequest::parse(method, path, body)?)
+    }
+    fn error_body(&self, e: &ApiError) -> String {
+        api::ch::error_body(e)
+    }
+}

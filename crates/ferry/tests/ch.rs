@@ -1,0 +1,269 @@
+//! Cloud Hypervisor's control contract end to end, through the profile only: two `ferry ch`
+//! VMMs, driven by CH's REST calls, a live migration between them, and the event stream.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{FERRY, guest, kvm_available, wait_for};
+use serde_json::{Value, json};
+
+/// A `ferry ch` VMM, killed when dropped.
+struct Vmm {
+    child: Child,
+    socket: PathBuf,
+    events: PathBuf,
+}
+
+impl Vmm {
+    fn start(dir: &Path, name: &str) -> Vmm {
+        let socket = dir.join(format!("{name}.sock"));
+        let events = dir.join(format!("{name}.events"));
+        let child = Command::new(FERRY)
+            .arg("ch")
+            .arg("--api-socket")
+            .arg(format!("path={}", socket.display()))
+            .arg("--event-monitor")
+            .arg(format!("path={}", events.display()))
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn ferry ch");
+        let vmm = Vmm {
+            child,
+            socket,
+            events,
+        };
+        wait_for("the API", Duration::from_secs(10), || {
+            (vmm.call("GET", "vmm.ping", None).0 == 200).then_some(())
+        });
+        vmm
+    }
+
+    fn call(&self, method: &str, endpoint: &str, body: Option<Value>) -> (u16, Value) {
+        call(&self.socket, method, endpoint, body)
+    }
+
+    fn ok(&self, method: &str, endpoint: &str, body: Option<Value>) -> Value {
+        let (status, answer) = self.call(method, endpoint, body);
+        assert!(
+            status == 200 || status == 204,
+            "{endpoint}: {status} {answer}"
+        );
+        answer
+    }
+
+    /// The events so far, each line parsed on its own.
+    fn events(&self) -> Vec<(String, String)> {
+        std::fs::read_to_string(&self.events)
+            .unwrap()
+            .lines()
+            .map(|line| {
+                let e: Value = serde_json::from_str(line).expect("one JSON object per line");
+                assert!(e["timestamp"]["secs"].is_u64(), "{line}");
+                let s = |k: &str| e[k].as_str().unwrap().to_string();
+                (s("source"), s("event"))
+            })
+            .collect()
+    }
+
+    fn said(&self, event: &str) -> bool {
+        self.events().iter().any(|(_, e)| e == event)
+    }
+}
+
+impl Drop for Vmm {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// One request: its status and its body (JSON, or null when empty).
+fn call(socket: &Path, method: &str, endpoint: &str, body: Option<Value>) -> (u16, Value) {
+    let Ok(mut s) = UnixStream::connect(socket) else {
+        return (0, Value::Null);
+    };
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    let request = format!(
+        "{method} /api/v1/{endpoint} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(request.as_bytes()).unwrap();
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).unwrap();
+    let status = answer[9..12].parse().unwrap();
+    let text = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, serde_json::from_str(text).unwrap_or(Value::Null))
+}
+
+fn config(cmdline: &str) -> Value {
+    json!({
+        "payload": {"kernel": guest(), "cmdline": cmdline},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 512u64 << 20, "thp": true},
+        "serial": {"mode": "Null"},
+        "console": {"mode": "Off"},
+    })
+}
+
+fn assert_error(answer: (u16, Value), status: u16, words: &str) {
+    assert_eq!(answer.0, status, "{}", answer.1);
+    let text = answer.1.to_string();
+    assert!(answer.1.is_array() && text.contains(words), "{text}");
+}
+
+#[test]
+fn lifecycle_and_live_migration_through_the_profile() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src = Vmm::start(dir.path(), "src");
+    assert_error(src.call("GET", "vm.info", None), 404, "not created");
+    assert_error(src.call("PUT", "vm.boot", None), 404, "not created");
+
+    // Bad input: unknown fields, what ferry lacks, all named; nothing is created.
+    let mut bad = config("idle");
+    bad["frobnicate"] = json!(1);
+    assert_error(src.call("PUT", "vm.create", Some(bad)), 400, "frobnicate");
+    let mut bad = config("idle");
+    bad["memory"]["hugepages"] = json!(true);
+    assert_error(
+        src.call("PUT", "vm.create", Some(bad)),
+        400,
+        "memory.hugepages",
+    );
+    assert_error(
+        src.call("PUT", "vm.resize", Some(json!({}))),
+        400,
+        "hotplug",
+    );
+    assert_error(src.call("GET", "vm.nope", None), 404, "no such endpoint");
+
+    src.ok("PUT", "vm.create", Some(config("write ws=64M seq verify")));
+    assert_eq!(src.ok("GET", "vm.info", None)["state"], "Created");
+    assert_error(
+        src.call("PUT", "vm.create", Some(config("idle"))),
+        500,
+        "already created",
+    );
+    src.ok("PUT", "vm.boot", None);
+    assert_error(src.call("PUT", "vm.boot", None), 500, "already booted");
+    let info = src.ok("GET", "vm.info", None);
+    assert_eq!(info["state"], "Running");
+    assert_eq!(info["memory_actual_size"], 512u64 << 20);
+    assert_eq!(
+        info["config"]["payload"]["cmdline"],
+        "write ws=64M seq verify"
+    );
+    wait_for("a first pass", Duration::from_secs(60), || {
+        (src.ok("GET", "vm.counters", None)["guest"]["passes"].as_u64() >= Some(1)).then_some(())
+    });
+    src.ok("PUT", "vm.pause", None);
+    assert_eq!(src.ok("GET", "vm.info", None)["state"], "Paused");
+    assert_error(src.call("PUT", "vm.pause", None), 500, "not running");
+    src.ok("PUT", "vm.resume", None);
+    assert_error(
+        src.call("PUT", "vm.power-button", None),
+        400,
+        "power button",
+    );
+    let bad = json!({"destination_url": "unix:/nowhere", "local": true});
+    assert_error(
+        src.call("PUT", "vm.send-migration", Some(bad)),
+        400,
+        "local=true",
+    );
+    let tcp = json!({"destination_url": "tcp:127.0.0.1:1"});
+    assert_error(
+        src.call("PUT", "vm.send-migration", Some(tcp)),
+        400,
+        "tls_dir",
+    );
+
+    // A live migration: the destination waits in vm.receive-migration, the source sends.
+    let dst = Vmm::start(dir.path(), "dst");
+    let url = format!("unix:{}", dir.path().join("migration.sock").display());
+    let receiver = {
+        let (socket, url) = (dst.socket.clone(), url.clone());
+        std::thread::spawn(move || {
+            let body = json!({"receiver_url": url});
+            call(&socket, "PUT", "vm.receive-migration", Some(body))
+        })
+    };
+    wait_for("the destination to listen", Duration::from_secs(10), || {
+        dst.said("migration-receive-ready").then_some(())
+    });
+    let send = json!({"destination_url": url, "connections": 2, "downtime_ms": 300});
+    src.ok("PUT", "vm.send-migration", Some(send));
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
+    let stats = src.ok("GET", "vm.migration-progress", None);
+    assert_eq!(stats["role"], "source");
+    assert_eq!(stats["memory_total"], 512u64 << 20);
+    assert_eq!(stats["memory_page_size"], 4096);
+    assert_eq!(dst.ok("GET", "vm.info", None)["state"], "Running");
+    let passes = dst.ok("GET", "vm.counters", None)["guest"]["passes"]
+        .as_u64()
+        .unwrap();
+    wait_for(
+        "the guest to verify its memory here",
+        Duration::from_secs(60),
+        || {
+            let g = dst.ok("GET", "vm.counters", None)["guest"].clone();
+            assert_eq!(
+                g["verify_errors"], 0,
+                "the guest found its memory wrong: {g}"
+            );
+            (g["passes"].as_u64().unwrap() >= passes + 2).then_some(())
+        },
+    );
+    let dst_stats = dst.ok("GET", "vm.migration-progress", None);
+    assert_eq!(
+        (dst_stats["job"].as_str(), dst_stats["role"].as_str()),
+        (Some("completed"), Some("destination"))
+    );
+
+    // The source's VMM exits once the destination runs the VM, as CH's does.
+    let mut src = src;
+    let status = wait_for("the source to exit", Duration::from_secs(20), || {
+        src.child.try_wait().unwrap()
+    });
+    assert!(status.success());
+    let said: Vec<String> = src.events().into_iter().map(|(_, e)| e).collect();
+    for e in [
+        "starting",
+        "created",
+        "booted",
+        "paused",
+        "resumed",
+        "migration-started",
+        "migration-finished",
+    ] {
+        assert!(said.iter().any(|s| s == e), "{e} not in {said:?}");
+    }
+    assert!(
+        src.events()
+            .iter()
+            .any(|(s, e)| s == "migration" && e == "progress")
+    );
+
+    // Shutdown keeps the config (CH: Created again); delete forgets it.
+    dst.ok("PUT", "vm.shutdown", None);
+    assert_eq!(dst.ok("GET", "vm.info", None)["state"], "Created");
+    dst.ok("PUT", "vm.delete", None);
+    assert_error(dst.call("GET", "vm.info", None), 404, "not created");
+    dst.ok("PUT", "vmm.shutdown", None);
+    for e in [
+        "migration-receive-ready",
+        "migration-receive-finished",
+        "shutdown",
+        "deleted",
+    ] {
+        assert!(dst.said(e), "{e} not in {:?}", dst.events());
+    }
+}
