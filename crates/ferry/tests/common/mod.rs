@@ -335,6 +335,11 @@ impl Drop for Ferry {
 
 /// Runs ferry to completion with `args` (for commands that must fail fast).
 pub fn ferry_output(args: &[&str]) -> Output {
+    ferry_output_within(args, Duration::from_secs(30))
+}
+
+/// The same, for a command that may take up to `limit` (a whole migration on a busy host).
+pub fn ferry_output_within(args: &[&str], limit: Duration) -> Output {
     let mut child = Command::new(FERRY)
         .args(args)
         .stdin(Stdio::null())
@@ -355,14 +360,14 @@ pub fn ferry_output(args: &[&str]) -> Output {
     };
     let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
     let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + limit;
     let status = loop {
         if let Some(status) = child.try_wait().expect("ferry's status") {
             break status;
         }
         if Instant::now() > deadline {
             let _ = child.kill();
-            panic!("ferry {args:?} did not exit within 30 s");
+            panic!("ferry {args:?} did not exit within {limit:?}");
         }
         std::thread::sleep(Duration::from_millis(20));
     };
@@ -418,11 +423,15 @@ pub fn assert_every_page_arrived(
     info
 }
 
+/// How long `migrate` lets a whole migration take: the largest (4 GiB written across the
+/// hole) took over 30 s on two cores shared with other work.
+const MIGRATE_LIMIT: Duration = Duration::from_secs(180);
+
 pub fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (api::MigrationStatus, bool, String) {
     let socket = src.socket.to_str().unwrap().to_string();
     let mut args = vec!["migrate", "--api-socket", &socket, "--to", to, "--json"];
     args.extend_from_slice(extra);
-    let out = ferry_output(&args);
+    let out = ferry_output_within(&args, MIGRATE_LIMIT);
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
     let status: api::MigrationStatus = serde_json::from_str(&stdout).unwrap_or_default();
     let errors = format!(
