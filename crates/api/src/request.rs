@@ -74,7 +74,7 @@ fn optional<T: DeserializeOwned + Default>(endpoint: &str, body: &[u8]) -> Resul
     json(endpoint, body)
 }
 
-fn json<T: DeserializeOwned>(endpoint: &str, body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn json<T: DeserializeOwned>(endpoint: &str, body: &[u8]) -> Result<T, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::bad_request(format!(
             "{endpoint} needs a JSON body"

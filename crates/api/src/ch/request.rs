@@ -1,12 +1,11 @@
 //! Cloud Hypervisor's endpoints: method + path + body to a typed call, with CH's answers to
 //! a bad one (404 for an endpoint it does not have, 400 for a wrong method or body).
 
-use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::config::VmSpec;
 use super::types::{ReceiveMigrationData, RestoreConfig, SendMigrationData, VmSnapshotConfig};
-use crate::request::PREFIX;
+use crate::request::{PREFIX, json};
 use crate::server::ApiError;
 
 #[derive(Clone, Debug, PartialEq)]
@@ -108,16 +107,6 @@ impl ChRequest {
         }
         Ok(request)
     }
-}
-
-fn json<T: DeserializeOwned>(endpoint: &str, body: &[u8]) -> Result<T, ApiError> {
-    if body.iter().all(u8::is_ascii_whitespace) {
-        return Err(ApiError::bad_request(format!(
-            "{endpoint} needs a JSON body"
-        )));
-    }
-    serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("{endpoint}: malformed JSON body: {e}")))
 }
 
 #[cfg(test)]
