@@ -28,6 +28,18 @@ fn checkpoint_seq(f: &Ferry) -> u64 {
 
 #[test]
 fn rollback_runs_the_vm_from_the_last_checkpoint_after_the_destination_died() {
+    takes_the_vm_back_from_the_last_checkpoint("migrate-rollback");
+}
+
+/// `migrate-reclaim` after a broken post-copy with checkpoints does the same, and says so
+/// (it used to say "from the switch").
+#[test]
+fn reclaim_after_a_broken_postcopy_says_which_checkpoint_it_ran_from() {
+    takes_the_vm_back_from_the_last_checkpoint("migrate-reclaim");
+}
+
+/// The destination dies in post-copy; `command` runs the VM on from the last checkpoint.
+fn takes_the_vm_back_from_the_last_checkpoint(command: &str) {
     if !kvm_available() {
         return;
     }
@@ -73,11 +85,7 @@ fn rollback_runs_the_vm_from_the_last_checkpoint_after_the_destination_died() {
         "nothing runs before the operator says so"
     );
 
-    let out = ferry_output(&[
-        "migrate-rollback",
-        "--api-socket",
-        src.socket.to_str().unwrap(),
-    ]);
+    let out = ferry_output(&[command, "--api-socket", src.socket.to_str().unwrap()]);
     let said = String::from_utf8_lossy(&out.stdout).to_string();
     assert!(out.status.success(), "{out:?}");
     let from: u64 = said
