@@ -31,14 +31,14 @@ for t in $targets; do
     status=0
     # The live conversations leave the engine's detached threads (post-copy's fault handler,
     # the guest report, the source's migration thread) ending after the input returns:
-    # LeakSanitizer's check after each input reports their thread-local data as leaks.
+    # LeakSanitizer's check after each input, and at exit, reports their data as leaks.
     leaks=1
     case $t in live_destination | source) leaks=0 ;; esac
-    cargo +nightly fuzz run -O "$t" "target/fuzz-work/$t" "fuzz/corpus/$t" -- \
+    ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=$leaks cargo +nightly fuzz run -O "$t" "target/fuzz-work/$t" "fuzz/corpus/$t" -- \
         -max_total_time="$seconds" -timeout=120 -rss_limit_mb=4096 -detect_leaks=$leaks \
         -print_final_stats=1 >"$log" 2>&1 || status=$?
     took=$(($(date +%s) - started))
-    runs=$(awk '/stat::number_of_executed_units/ {print $2}' "$log")
+    runs=$(awk '/stat::number_of_executed_units/ {print $2}' "$log" | tail -1)
     corpus=$(cat "target/fuzz-work/$t"/* "fuzz/corpus/$t"/* 2>/dev/null | wc -c)
     files=$(find "target/fuzz-work/$t" "fuzz/corpus/$t" -type f | wc -l)
     found=$(($(ls "fuzz/artifacts/$t" | wc -l) - before))
