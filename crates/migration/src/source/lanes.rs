@@ -42,6 +42,9 @@ pub(super) struct RoundShare<'r> {
     pub cancel: &'r AtomicBool,
     /// Pages the extra lanes have sent this round (for the live status).
     pub done: &'r AtomicU64,
+    /// Bytes the extra lanes have put on the wire, this round and before: while a round
+    /// runs their senders are theirs, not the session's (for the live status).
+    pub lane_bytes: &'r AtomicU64,
     /// Where each lane's sender counts its CPU time.
     pub cpu: &'r CpuMeter,
 }
@@ -58,6 +61,7 @@ impl Lane {
 
     fn send_pages(&mut self, lane: u32, share: &RoundShare<'_>) -> Result<()> {
         let mut sent = 0u64;
+        let mut bytes = self.pages.counters.bytes;
         for gfn in share
             .set
             .iter()
@@ -68,6 +72,9 @@ impl Lane {
             sent += 1;
             if sent.is_multiple_of(STOP_EVERY_PAGES) {
                 share.done.fetch_add(STOP_EVERY_PAGES, Ordering::Relaxed);
+                let now = self.pages.counters.bytes;
+                share.lane_bytes.fetch_add(now - bytes, Ordering::Relaxed);
+                bytes = now;
                 if share.cancel.load(Ordering::Acquire) {
                     return Err(Error::Cancelled);
                 }
@@ -117,6 +124,7 @@ impl Session<'_> {
         let mut lanes = std::mem::take(&mut self.lanes);
         let (ram, cpu) = (self.ram.clone(), self.cpu.clone());
         let (stop, done) = (AtomicBool::new(false), AtomicU64::new(0));
+        let lane_bytes = AtomicU64::new(lanes.iter().map(|l| l.pages.counters.bytes).sum());
         let share = RoundShare {
             set,
             ram: &ram,
@@ -124,6 +132,7 @@ impl Session<'_> {
             stop: &stop,
             cancel: &self.controls.cancel,
             done: &done,
+            lane_bytes: &lane_bytes,
             cpu: &cpu,
         };
         let result = std::thread::scope(|scope| {

@@ -207,7 +207,7 @@ impl Session<'_> {
             round,
             pages: total,
         })?;
-        self.count_sent(began, before.bytes);
+        self.count_sent(began, before.bytes, 0);
         self.lap(format!("round {round}"));
         let after = self.sent();
         let p = &mut self.status.progress;
@@ -257,7 +257,8 @@ impl Session<'_> {
                 let c = self.pages.counters;
                 let done = c.full + c.zero + share.done.load(Ordering::Relaxed);
                 self.status.progress.pages_remaining = total.saturating_sub(done);
-                self.count_sent(began, bytes_before);
+                let lanes = share.lane_bytes.load(Ordering::Relaxed);
+                self.count_sent(began, bytes_before, lanes);
                 self.publish();
             }
         }
@@ -265,11 +266,14 @@ impl Session<'_> {
             .flush(&mut self.stream, &self.ram, &mut self.limiter)
     }
 
-    /// Copies the page sender's counters into the status, with the throughput since `began`.
-    pub(super) fn count_sent(&mut self, began: Instant, bytes_before: u64) {
+    /// Copies the page senders' counters into the status, with the throughput since `began`.
+    /// `lane_bytes`: what the extra lanes sent, while a round holds their senders.
+    pub(super) fn count_sent(&mut self, began: Instant, bytes_before: u64, lane_bytes: u64) {
         let c = self.publish_counters();
         let p = &mut self.status.progress;
-        p.throughput_mbps =
-            (c.bytes - bytes_before) as f64 * 8.0 / began.elapsed().as_secs_f64().max(1e-9) / 1e6;
+        p.bytes_on_wire = c.bytes + lane_bytes;
+        p.throughput_mbps = p.bytes_on_wire.saturating_sub(bytes_before) as f64 * 8.0
+            / began.elapsed().as_secs_f64().max(1e-9)
+            / 1e6;
     }
 }
