@@ -5,11 +5,11 @@
 //! (faults and pages after the switch) → `recovery` (carrying on over a new connection).
 //! `machine` is the conversation's rules.
 
+mod arrival;
 mod checkpoints;
 mod handover;
 mod install;
 mod lanes;
-pub mod machine;
 pub mod postcopy;
 mod prefault;
 mod receive;

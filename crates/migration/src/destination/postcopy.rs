@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 use userfaultfd::{Event, Uffd, UffdBuilder};
 
 use super::checkpoints::Checkpointer;
-use super::machine::{DestinationState, Incoming};
 use crate::PAGE_SIZE;
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
@@ -302,46 +301,41 @@ impl Postcopy {
     pub fn receive_pages(&self, stream: &mut Stream) -> Result<PostcopyReport> {
         let mut scratch = FrameBuffers::default();
         let want = self.pending.count();
-        let mut state = DestinationState::Postcopy;
-        while state != DestinationState::Done {
-            match wire::read_frame(stream)? {
+        loop {
+            let m = match wire::read_frame(stream)? {
                 Frame::Pages { header, len } => {
-                    state = state.next(Incoming::Pages, true)?;
                     let pages = read_page_frame(stream, &self.ram, &header, len, &mut scratch)?;
-                    for (gfn, data) in pages {
-                        let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
-                        if !self.pending.get(gfn) || self.present.get(gfn) {
-                            p.duplicates += 1;
-                            continue;
-                        }
-                        self.install(gfn, data)?;
-                        p.pages += 1;
-                        if let (Some(sum), Some(d)) = (p.checksum.as_mut(), data) {
-                            *sum = sum.wrapping_add(page_digest(gfn, d));
-                        }
+                    self.install_arrived(pages)?;
+                    continue;
+                }
+                Frame::Message(m) => m,
+            };
+            match m {
+                Message::CheckpointTaken { seq } => {
+                    let c = self.checkpointer.lock().unwrap_or_else(|e| e.into_inner());
+                    if let Some(c) = c.as_ref() {
+                        c.confirmed(seq);
                     }
                 }
-                Frame::Message(m) => {
-                    state = state.next(Incoming::Message(&m), true)?;
-                    if let Message::CheckpointTaken { seq } = m {
-                        let c = self.checkpointer.lock().unwrap_or_else(|e| e.into_inner());
-                        if let Some(c) = c.as_ref() {
-                            c.confirmed(seq);
-                        }
-                        continue;
-                    }
-                    let installed = self
-                        .progress
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .pages;
-                    if installed != want {
-                        return Err(Error::Protocol(format!(
-                            "post-copy ended with {installed} of {want} pages installed"
-                        )));
-                    }
+                Message::PostcopyDone { .. } => break,
+                Message::Abort { reason } => return Err(Error::Peer(reason)),
+                m => {
+                    return Err(Error::Protocol(format!(
+                        "unexpected {} while the destination was in Postcopy",
+                        m.name()
+                    )));
                 }
             }
+        }
+        let installed = self
+            .progress
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pages;
+        if installed != want {
+            return Err(Error::Protocol(format!(
+                "post-copy ended with {installed} of {want} pages installed"
+            )));
         }
         // Every page is here: the source's copy is of no more use.
         let checkpointer = self
@@ -392,6 +386,27 @@ impl Postcopy {
             memory_checksum: p.checksum,
             timeline_10ms: log.timeline.0.clone(),
         }
+    }
+
+    /// Installs the pages of one frame that are still missing; a copy of a page already
+    /// here (a fault answered, a push that crossed it) counts as a duplicate.
+    fn install_arrived<'d>(
+        &self,
+        pages: impl IntoIterator<Item = (u64, Option<&'d [u8]>)>,
+    ) -> Result<()> {
+        for (gfn, data) in pages {
+            let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+            if !self.pending.get(gfn) || self.present.get(gfn) {
+                p.duplicates += 1;
+                continue;
+            }
+            self.install(gfn, data)?;
+            p.pages += 1;
+            if let (Some(sum), Some(d)) = (p.checksum.as_mut(), data) {
+                *sum = sum.wrapping_add(page_digest(gfn, d));
+            }
+        }
+        Ok(())
     }
 
     fn install(&self, pfn: u64, data: Option<&[u8]>) -> Result<()> {

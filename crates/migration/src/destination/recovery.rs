@@ -2,7 +2,6 @@
 //! `source::recovery`): wait for the source on a new listener, tell it which pages are here,
 //! receive the rest.
 
-use super::machine::{DestinationState, Incoming};
 use super::postcopy::Postcopy;
 use crate::error::{Error, Result};
 use crate::wire::transport::{Listener, Stream};
@@ -53,13 +52,15 @@ fn open_resume(stream: &mut Stream) -> Result<()> {
             return Err(Error::Protocol("a new connection began with pages".into()));
         }
     };
-    if DestinationState::AwaitHello.next(Incoming::Message(&first), true)?
-        != DestinationState::Postcopy
-    {
-        return Err(Error::Protocol(format!(
-            "expected ResumePostcopy on the new connection, got {}",
-            first.name()
-        )));
+    match first {
+        Message::ResumePostcopy => {}
+        Message::Abort { reason } => return Err(Error::Peer(reason)),
+        m => {
+            return Err(Error::Protocol(format!(
+                "expected ResumePostcopy on the new connection, got {}",
+                m.name()
+            )));
+        }
     }
     Ok(())
 }
