@@ -14,6 +14,7 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v tc >/dev/null || need+=(iproute2)
 command -v bridge >/dev/null || need+=(iproute2)  # the NIC test reads the bridge's table
 command -v curl >/dev/null || need+=(curl)
+command -v promtool >/dev/null || need+=(prometheus)  # promtool checks the metrics exposition
 command -v objcopy >/dev/null || need+=(binutils)
 [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/x86_64-linux-gnu/libclang*.so >/dev/null 2>&1 || need+=(libclang-dev)
 [ -x /usr/bin/python3 ] || need+=(python3)

@@ -232,6 +232,10 @@ pub struct RunArgs {
     /// Serve the control API on this Unix socket.
     #[arg(long)]
     pub api_socket: Option<PathBuf>,
+    /// Serve OpenMetrics (Prometheus) figures of the VM and its migrations at GET /metrics
+    /// on tcp:HOST:PORT (or HOST:PORT) or unix:PATH (see docs/metrics.md).
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<crate::metrics::MetricsAddr>,
     /// Wait for one incoming migration (tcp:HOST:PORT or unix:PATH) instead of booting.
     #[arg(long, conflicts_with_all = ["guest", "kernel", "cmdline", "restore"])]
     pub incoming: Option<String>,

@@ -6,6 +6,7 @@ mod cli;
 mod controller;
 mod dirty_bench;
 mod lifecycle;
+mod metrics;
 mod migrate;
 mod migrations;
 mod report;

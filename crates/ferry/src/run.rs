@@ -18,6 +18,7 @@ use vmm::{BootImage, Vm, VmConfig, VmEvent};
 use crate::cli::RunArgs;
 use crate::controller::{Controller, Phase};
 use crate::lifecycle::Lifecycle;
+use crate::metrics::{self, MetricsServer};
 use crate::migrations::Security;
 
 static TERMINATE: AtomicBool = AtomicBool::new(false);
@@ -111,7 +112,7 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
     let vm = boot_vm(config_of(args), &image, &cmdline, serial)?;
     let controller = Controller::with_vm(Arc::new(vm), security);
     configure(&controller, args)?;
-    let _server = start_api(&controller, args.api_socket.as_deref())?;
+    let _servers = start_servers(&controller, args)?;
     Ok(supervise(&controller))
 }
 
@@ -141,7 +142,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
     };
     let controller = Controller::new(Phase::Incoming, security);
     configure(&controller, args)?;
-    let _server = start_api(&controller, args.api_socket.as_deref())?;
+    let _servers = start_servers(&controller, args)?;
     let arrival = Arrival::new(args)?;
     let received = controller.migrations.incoming.receive(
         source,
@@ -268,11 +269,20 @@ fn configure(controller: &Controller, args: &RunArgs) -> Result<()> {
     Ok(())
 }
 
-fn start_api(controller: &Arc<Controller>, socket: Option<&Path>) -> Result<Option<ApiServer>> {
-    Ok(match socket {
+/// The control API and the metrics endpoint, each if asked for; they serve until dropped.
+fn start_servers(
+    controller: &Arc<Controller>,
+    args: &RunArgs,
+) -> Result<(Option<ApiServer>, Option<MetricsServer>)> {
+    let api = match &args.api_socket {
         Some(path) => Some(ApiServer::start(path, controller.clone())?),
         None => None,
-    })
+    };
+    let metrics = match &args.metrics {
+        Some(addr) => Some(metrics::start(addr, controller.clone())?),
+        None => None,
+    };
+    Ok((api, metrics))
 }
 
 /// Runs until the VM ends, is shut down, or has migrated away; returns the exit status.

@@ -18,6 +18,7 @@ pub mod ratelimit;
 pub mod scan;
 pub mod source;
 pub mod status;
+pub mod totals;
 pub mod vm;
 pub mod wire;
 

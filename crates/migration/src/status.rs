@@ -3,10 +3,15 @@
 //! readers (the API) only read. Every duration is measured on one host's clock; the report
 //! says whose.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use crate::totals::{FaultLatency, Totals};
 use crate::wire::PostcopyReport;
+
+/// The next migration's `Status::run` (0 is the empty status a board starts with).
+static NEXT_RUN: AtomicU64 = AtomicU64::new(1);
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Phase {
@@ -186,6 +191,10 @@ pub struct Status {
     pub error: Option<String>,
     /// Post-copy checkpoints, when asked for (kept by the board: see `StatusBoard`).
     pub checkpoints: Option<CheckpointStats>,
+    /// Which migration of this process this is (each `Status::new` takes the next).
+    pub run: u64,
+    /// How long post-copy's network faults waited here (destination).
+    pub fault_latency: FaultLatency,
 }
 
 /// Post-copy checkpoints: the VM as it runs on the destination, sent back to the source at
@@ -216,6 +225,7 @@ impl Status {
             mode: mode.into(),
             peer,
             zero_page_check: crate::wire::zero::implementation().into(),
+            run: NEXT_RUN.fetch_add(1, Ordering::Relaxed),
             ..Default::default()
         }
     }
@@ -234,11 +244,37 @@ impl Status {
 pub struct StatusBoard {
     status: Arc<Mutex<Status>>,
     checkpoints: Arc<Mutex<Option<CheckpointStats>>>,
+    /// Taken after `status`, under it: a reader of both sees a run in one or the other.
+    totals: Arc<Mutex<Totals>>,
 }
 
 impl StatusBoard {
     pub fn publish(&self, s: &Status) {
-        *self.status.lock().unwrap_or_else(|e| e.into_inner()) = s.clone();
+        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        self.totals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .count(s);
+        *status = s.clone();
+    }
+
+    /// The status, and the totals of the migrations that ended, read together: a migration
+    /// that just ended shows in the totals and as the (ended) status, never twice as running.
+    pub fn read_with_totals(&self) -> (Status, Totals) {
+        let status = self.status.lock().unwrap_or_else(|e| e.into_inner());
+        let totals = self
+            .totals
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut s = status.clone();
+        drop(status);
+        s.checkpoints = self
+            .checkpoints
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        (s, totals)
     }
 
     pub fn read(&self) -> Status {

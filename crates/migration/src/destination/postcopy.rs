@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::scan::{memory_checksum_of, page_digest, populated_pages};
 use crate::status::StatusBoard;
+use crate::totals::FaultLatency;
 use crate::vm::Migratable;
 use crate::wire::bitmap::{AtomicBitmap, Bitmap};
 use crate::wire::pages::{FrameBuffers, read_page_frame};
@@ -366,6 +367,16 @@ impl Postcopy {
             Some(s) => wire::write_message(s, msg),
             None => Err(Error::Protocol("no connection to the source".into())),
         }
+    }
+
+    /// How long the network faults so far waited, for metrics.
+    pub fn fault_latency(&self) -> FaultLatency {
+        let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let mut f = FaultLatency::default();
+        for ms in &log.latencies_ms {
+            f.0.observe(ms / 1e3);
+        }
+        f
     }
 
     fn report(&self) -> PostcopyReport {

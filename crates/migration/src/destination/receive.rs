@@ -369,7 +369,9 @@ impl Receiver<'_> {
             self.start_checkpoints(&vm, &dest, every_ms);
         }
         spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Postcopy(dest.clone()));
-        match dest.receive_pages(stream) {
+        let received = dest.receive_pages(stream);
+        self.status.fault_latency = dest.fault_latency();
+        match received {
             Ok(report) => {
                 self.status.report.memory_checksum_destination = report.memory_checksum;
                 self.status.report.postcopy_report = Some(report);

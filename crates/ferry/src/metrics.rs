@@ -1,0 +1,476 @@
+//! The opt-in OpenMetrics endpoint (`ferry run --metrics`): the VM and its migrations as a
+//! Prometheus server scrapes them. Every figure is read at the scrape from what the API
+//! reads, so the two never disagree. Counters add up every migration of this process (the
+//! status board keeps the totals of those that ended; the running one adds its progress),
+//! so they only grow; gauges show the migration now. Served by a small reader of its own
+//! that answers `GET /metrics` only, with the same whole-request deadline as the API.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use migration::status::{Phase, Role, Status};
+use migration::totals::{Buckets, Totals, has_ended};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::controller::Controller;
+
+/// How long a scraper has to send its request and take the answer.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest request taken (a scrape's is a few hundred bytes).
+const MAX_REQUEST: usize = 8 << 10;
+/// Scrapes served at once; past this a connection is closed unanswered.
+const MAX_CONNECTIONS: usize = 8;
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Where the endpoint listens: `tcp:HOST:PORT` (or `HOST:PORT`) or `unix:PATH`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetricsAddr {
+    Tcp(String),
+    Unix(PathBuf),
+}
+
+impl FromStr for MetricsAddr {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        if let Some(path) = s.strip_prefix("unix:") {
+            return match path {
+                "" => Err("unix: needs a path".into()),
+                p => Ok(Self::Unix(p.into())),
+            };
+        }
+        let hostport = s.strip_prefix("tcp:").unwrap_or(s);
+        match hostport.rsplit_once(':') {
+            Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+                Ok(Self::Tcp(hostport.into()))
+            }
+            _ => Err(format!(
+                "{s}: expected tcp:HOST:PORT, HOST:PORT or unix:PATH"
+            )),
+        }
+    }
+}
+
+/// The endpoint while it serves; a Unix socket it made is removed when it is dropped.
+pub struct MetricsServer {
+    path: Option<PathBuf>,
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        if let Some(p) = &self.path {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener),
+}
+
+/// Starts serving `controller`'s metrics at `addr`.
+pub fn start(addr: &MetricsAddr, controller: Arc<Controller>) -> Result<MetricsServer> {
+    let (listener, path) = match addr {
+        MetricsAddr::Tcp(a) => (
+            Listener::Tcp(TcpListener::bind(a).with_context(|| format!("--metrics {a}"))?),
+            None,
+        ),
+        MetricsAddr::Unix(p) => {
+            migration::wire::unix::remove_stale_socket(p)
+                .with_context(|| format!("--metrics unix:{}", p.display()))?;
+            let l = migration::wire::unix::bind_private(p)
+                .with_context(|| format!("--metrics unix:{}", p.display()))?;
+            (Listener::Unix(l), Some(p.clone()))
+        }
+    };
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Exposition { controller }));
+    let registry = Arc::new(registry);
+    std::thread::Builder::new()
+        .name("metrics-accept".into())
+        .spawn(move || accept(listener, registry))?;
+    Ok(MetricsServer { path })
+}
+
+fn accept(listener: Listener, registry: Arc<Registry>) {
+    let open = Arc::new(AtomicUsize::new(0));
+    loop {
+        let conn: Box<dyn Conn> = match &listener {
+            Listener::Tcp(l) => match l.accept() {
+                Ok((c, _)) => Box::new(c),
+                Err(_) => continue,
+            },
+            Listener::Unix(l) => match l.accept() {
+                Ok((c, _)) => Box::new(c),
+                Err(_) => continue,
+            },
+        };
+        if open.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            open.fetch_sub(1, Ordering::AcqRel);
+            continue; // dropped: the scraper retries at its next interval
+        }
+        let (mine, registry) = (open.clone(), registry.clone());
+        let spawned = std::thread::Builder::new()
+            .name("metrics-scrape".into())
+            .spawn(move || {
+                serve(conn, &registry);
+                mine.fetch_sub(1, Ordering::AcqRel);
+            });
+        if spawned.is_err() {
+            open.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+/// A scraper's connection, over TCP or a Unix socket.
+trait Conn: Read + Write + Send {
+    fn set_timeout(&self, t: Duration);
+}
+
+impl Conn for std::net::TcpStream {
+    fn set_timeout(&self, t: Duration) {
+        let _ = self.set_read_timeout(Some(t));
+        let _ = self.set_write_timeout(Some(t));
+    }
+}
+
+impl Conn for std::os::unix::net::UnixStream {
+    fn set_timeout(&self, t: Duration) {
+        let _ = self.set_read_timeout(Some(t));
+        let _ = self.set_write_timeout(Some(t));
+    }
+}
+
+fn serve(mut conn: Box<dyn Conn>, registry: &Registry) {
+    let (status, content_type, body) = match read_request_head(conn.as_mut()) {
+        Ok(head) => answer(&head, registry),
+        Err(e) => ("400 Bad Request", PLAIN, format!("{e}\n")),
+    };
+    let head = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
+         Connection: close\r\n\r\n",
+        body.len()
+    );
+    let _ = conn.write_all(head.as_bytes());
+    let _ = conn.write_all(body.as_bytes());
+}
+
+const PLAIN: &str = "text/plain; charset=utf-8";
+
+/// What a request gets: the exposition for `GET /metrics` (OpenMetrics when its `Accept`
+/// asks for it, else Prometheus's text format), a refusal for anything else.
+fn answer(head: &str, registry: &Registry) -> (&'static str, &'static str, String) {
+    let mut words = head.lines().next().unwrap_or_default().split_whitespace();
+    match (words.next(), words.next()) {
+        (Some("GET"), Some("/metrics")) => {
+            let mut body = String::new();
+            if let Err(e) = prometheus_client::encoding::text::encode(&mut body, registry) {
+                return ("500 Internal Server Error", PLAIN, format!("{e}\n"));
+            }
+            let openmetrics = head.lines().any(|l| {
+                let l = l.to_ascii_lowercase();
+                l.starts_with("accept:") && l.contains("application/openmetrics-text")
+            });
+            match openmetrics {
+                true => ("200 OK", OPENMETRICS, body),
+                false => ("200 OK", PROMETHEUS_TEXT, to_prometheus_text(&body)),
+            }
+        }
+        (Some("GET"), Some(path)) => (
+            "404 Not Found",
+            PLAIN,
+            format!("no {path} here: GET /metrics\n"),
+        ),
+        (Some(_), Some(_)) => (
+            "405 Method Not Allowed",
+            PLAIN,
+            "GET /metrics only\n".into(),
+        ),
+        _ => (
+            "400 Bad Request",
+            PLAIN,
+            "not an HTTP request line\n".into(),
+        ),
+    }
+}
+
+/// The same exposition in Prometheus's text format (0.0.4), for scrapers that do not ask
+/// for OpenMetrics: a counter's family is named as its sample (`…_total`), and no `# EOF`.
+fn to_prometheus_text(openmetrics: &str) -> String {
+    let counters: Vec<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines().filter(|&l| l != "# EOF") {
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let (name, rest) = line.strip_prefix(prefix)?.split_once(' ')?;
+            counters
+                .contains(&name)
+                .then(|| format!("{prefix}{name}_total {rest}"))
+        });
+        out.push_str(renamed.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
+}
+
+/// Reads the request's head (at most `MAX_REQUEST` bytes, all of it within
+/// `CLIENT_TIMEOUT`).
+fn read_request_head(conn: &mut dyn Conn) -> std::io::Result<String> {
+    let deadline = Instant::now() + CLIENT_TIMEOUT;
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 512];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || head.len() >= MAX_REQUEST {
+            return Err(std::io::Error::other("no whole request in time"));
+        }
+        conn.set_timeout(left);
+        match conn.read(&mut buf)? {
+            0 => return Err(std::io::Error::other("the request ended early")),
+            n => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    Ok(String::from_utf8_lossy(&head).into_owned())
+}
+
+/// What a scrape reads: the controller's VM and migrations.
+struct Exposition {
+    controller: Arc<Controller>,
+}
+
+impl std::fmt::Debug for Exposition {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Exposition")
+    }
+}
+
+impl Collector for Exposition {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        encode_vm(&self.controller, &mut enc)?;
+        let (status, totals) = self.controller.migrations.board.read_with_totals();
+        encode_counters(&status, &totals, &mut enc)?;
+        encode_gauges(&status, &mut enc)?;
+        histogram(
+            &mut enc,
+            "ferry_migration_downtime_seconds",
+            "Downtime of each completed migration, on this host's clock.",
+            &totals.downtime,
+        )?;
+        histogram(
+            &mut enc,
+            "ferry_migration_postcopy_fault_latency_seconds",
+            "How long each post-copy fault waited for its page from the source (destination).",
+            &totals.fault_latency,
+        )
+    }
+}
+
+fn encode_vm(c: &Controller, enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let info = c.info();
+    let mut m = enc.encode_descriptor(
+        "ferry_vm_state",
+        "The VM's state: 1 for the state it is in.",
+        None,
+        MetricType::Gauge,
+    )?;
+    m.encode_family(&[("state", info.state.as_str())])?
+        .encode_gauge(&1i64)?;
+    gauge(enc, "ferry_vm_vcpus", "vCPUs of the VM.", info.vcpus as i64)?;
+    gauge(
+        enc,
+        "ferry_vm_memory_bytes",
+        "Guest memory of the VM.",
+        info.memory_bytes as i64,
+    )
+}
+
+/// Counters: the ended migrations' totals, plus the running one's progress.
+fn encode_counters(
+    s: &Status,
+    t: &Totals,
+    enc: &mut DescriptorEncoder,
+) -> Result<(), std::fmt::Error> {
+    let running = !has_ended(s.phase);
+    let now = |v: u64| if running { v } else { 0 };
+    let p = &s.progress;
+    let mut m = enc.encode_descriptor(
+        "ferry_migration_pages",
+        "Pages moved, by kind: full (data), zero, skipped (never populated).",
+        None,
+        MetricType::Counter,
+    )?;
+    for (kind, total, current) in [
+        ("full", t.pages_full, p.pages.full),
+        ("zero", t.pages_zero, p.pages.zero),
+        ("skipped", t.pages_skipped, p.pages.skipped_unpopulated),
+    ] {
+        m.encode_family(&[("kind", kind)])?
+            .encode_counter::<NoLabelSet, _, u64>(&(total + now(current)), None)?;
+    }
+    counter(
+        enc,
+        "ferry_migration_bytes",
+        "Bytes this host put on the wire for migrations.",
+        t.bytes_on_wire + now(p.bytes_on_wire),
+    )?;
+    counter(
+        enc,
+        "ferry_migration_rounds",
+        "Pre-copy rounds.",
+        t.rounds + now(p.rounds.len() as u64),
+    )?;
+    let mut m = enc.encode_descriptor(
+        "ferry_migrations",
+        "Migrations that ended, by role and outcome.",
+        None,
+        MetricType::Counter,
+    )?;
+    for ((role, phase), n) in &t.ended {
+        m.encode_family(&[("role", role_name(*role)), ("outcome", phase.name())])?
+            .encode_counter::<NoLabelSet, _, u64>(n, None)?;
+    }
+    Ok(())
+}
+
+/// Gauges: the migration as it stands now.
+fn encode_gauges(s: &Status, enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(
+        "ferry_migration_phase",
+        "The last migration's phase: 1 for the phase it is in.",
+        None,
+        MetricType::Gauge,
+    )?;
+    m.encode_family(&[("role", role_name(s.role)), ("phase", s.phase.name())])?
+        .encode_gauge(&1i64)?;
+    let p = &s.progress;
+    let active = s.phase.is_running() || s.phase == Phase::PostcopyPaused;
+    let live = |v: f64| if active { v } else { 0.0 };
+    gauge(
+        enc,
+        "ferry_migration_round",
+        "The round now.",
+        i64::from(p.round),
+    )?;
+    gauge(
+        enc,
+        "ferry_migration_remaining_pages",
+        "Pages left to send in this round.",
+        p.pages_remaining as i64,
+    )?;
+    gauge_f(
+        enc,
+        "ferry_migration_dirty_rate_pages_per_second",
+        "The guest's dirty rate, as the last round measured it.",
+        live(p.dirty_pages_per_s),
+    )?;
+    gauge_f(
+        enc,
+        "ferry_migration_throughput_bytes_per_second",
+        "What the pages move at now.",
+        live(p.throughput_mbps * 1e6 / 8.0),
+    )?;
+    gauge_f(
+        enc,
+        "ferry_migration_expected_downtime_seconds",
+        "The downtime a switch now would cost, as the policy expects it.",
+        live(p.expected_downtime_ms / 1e3),
+    )
+}
+
+fn role_name(r: Role) -> &'static str {
+    match r {
+        Role::Source => "source",
+        Role::Destination => "destination",
+    }
+}
+
+fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: i64) -> std::fmt::Result {
+    enc.encode_descriptor(name, help, None, MetricType::Gauge)?
+        .encode_gauge(&v)
+}
+
+fn gauge_f(enc: &mut DescriptorEncoder, name: &str, help: &str, v: f64) -> std::fmt::Result {
+    enc.encode_descriptor(name, help, None, MetricType::Gauge)?
+        .encode_gauge(&v)
+}
+
+fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> std::fmt::Result {
+    enc.encode_descriptor(name, help, None, MetricType::Counter)?
+        .encode_counter::<NoLabelSet, _, u64>(&v, None)
+}
+
+fn histogram(enc: &mut DescriptorEncoder, name: &str, help: &str, b: &Buckets) -> std::fmt::Result {
+    enc.encode_descriptor(name, help, None, MetricType::Histogram)?
+        .encode_histogram::<NoLabelSet>(b.sum, b.count, &b.cumulative(), None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_name_tcp_or_unix() {
+        assert_eq!(
+            "tcp:127.0.0.1:9400".parse(),
+            Ok(MetricsAddr::Tcp("127.0.0.1:9400".into()))
+        );
+        assert_eq!(
+            "[::1]:9400".parse(),
+            Ok(MetricsAddr::Tcp("[::1]:9400".into()))
+        );
+        assert_eq!(
+            "unix:/run/ferry/m.sock".parse(),
+            Ok(MetricsAddr::Unix("/run/ferry/m.sock".into()))
+        );
+        for bad in ["", "9400", "unix:", "tcp:host", "host:port", ":9400"] {
+            let e = bad.parse::<MetricsAddr>().unwrap_err();
+            assert!(
+                e.contains("expected") || e.contains("needs a path"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn prometheus_text_names_counter_families_by_their_samples() {
+        let om = "# HELP a_bytes Bytes.\n# TYPE a_bytes counter\na_bytes_total 3\n\
+                  # HELP g A gauge.\n# TYPE g gauge\ng 1\n# EOF\n";
+        assert_eq!(
+            to_prometheus_text(om),
+            "# HELP a_bytes_total Bytes.\n# TYPE a_bytes_total counter\na_bytes_total 3\n\
+             # HELP g A gauge.\n# TYPE g gauge\ng 1\n"
+        );
+    }
+
+    #[test]
+    fn only_get_metrics_is_served() {
+        let registry = Registry::default();
+        let (status, kind, body) = answer("GET /metrics HTTP/1.1\r\nHost: x", &registry);
+        assert_eq!((status, kind), ("200 OK", PROMETHEUS_TEXT));
+        assert!(!body.contains("# EOF"));
+        let asked = "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0";
+        let (status, kind, body) = answer(asked, &registry);
+        assert_eq!((status, kind), ("200 OK", OPENMETRICS));
+        assert!(body.ends_with("# EOF\n"));
+        assert_eq!(answer("GET / HTTP/1.1", &registry).0, "404 Not Found");
+        assert_eq!(
+            answer("POST /metrics HTTP/1.1", &registry).0,
+            "405 Method Not Allowed"
+        );
+        assert_eq!(answer("", &registry).0, "400 Bad Request");
+    }
+}

@@ -1,0 +1,192 @@
+//! The OpenMetrics endpoint (`ferry run --metrics`): scraped while a migration runs, after it
+//! is cancelled and after one completes, on both hosts; every scrape must pass
+//! `promtool check metrics`.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+
+const T: Duration = Duration::from_secs(60);
+
+/// One scrape of the endpoint at `socket`: the body, after checking the answer's head.
+fn scrape(socket: &Path) -> String {
+    let mut conn = UnixStream::connect(socket).expect("connect to the metrics socket");
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: ferry\r\n\r\n")
+        .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
+    assert!(head.starts_with("HTTP/1.1 200 OK"), "{head}");
+    assert!(head.contains("text/plain; version=0.0.4"), "{head}");
+    check_with_promtool(body);
+    body.to_string()
+}
+
+/// `promtool check metrics` must accept the exposition (CI installs promtool; elsewhere a
+/// missing promtool is said, not taken for a pass).
+fn check_with_promtool(body: &str) {
+    let Ok(mut child) = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "promtool is missing (scripts/install-deps.sh installs it)"
+        );
+        eprintln!("promtool missing: the exposition was not checked by it");
+        return;
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}\n{body}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The value of `series` (a name with its labels, as the exposition writes them).
+fn value(body: &str, series: &str) -> Option<f64> {
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+fn must(body: &str, series: &str) -> f64 {
+    value(body, series).unwrap_or_else(|| panic!("no {series} in\n{body}"))
+}
+
+#[test]
+fn migrations_show_in_metrics_on_both_hosts() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (src_metrics, dst_metrics) = (dir.path().join("src.sock"), dir.path().join("dst.sock"));
+    let arg = |p: &Path| format!("unix:{}", p.display());
+    let src = Ferry::boot_with(
+        VmSpec {
+            cmdline: "write ws=64M seq verify",
+            ..Default::default()
+        },
+        &["--metrics", &arg(&src_metrics)],
+    );
+    src.wait_info("a first pass", T, |i| i.passes >= 1);
+    let before = scrape(&src_metrics);
+    assert_eq!(must(&before, r#"ferry_vm_state{state="running"}"#), 1.0);
+    assert_eq!(must(&before, "ferry_vm_vcpus"), 1.0);
+    assert_eq!(must(&before, "ferry_vm_memory_bytes"), (1u64 << 30) as f64);
+    assert_eq!(must(&before, "ferry_migration_bytes_total"), 0.0);
+
+    // A slow migration: its counters move between two scrapes.
+    let url = format!("unix:{}", dir.path().join("mig1.sock").display());
+    let _first = Ferry::incoming(&url);
+    src.api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
+        )
+        .expect("start");
+    src.wait_for_migration_bytes(1 << 20);
+    let during = scrape(&src_metrics);
+    assert_eq!(
+        must(
+            &during,
+            r#"ferry_migration_phase{role="source",phase="active"}"#
+        ),
+        1.0
+    );
+    let moved = must(&during, "ferry_migration_bytes_total");
+    assert!(moved >= (1 << 20) as f64, "{moved}");
+    wait_for("the bytes counter to move", T, || {
+        (must(&scrape(&src_metrics), "ferry_migration_bytes_total") > moved).then_some(())
+    });
+    src.put("vm.cancel-migration");
+    src.wait_migration_end();
+    let cancelled = scrape(&src_metrics);
+    assert_eq!(
+        must(
+            &cancelled,
+            r#"ferry_migrations_total{role="source",outcome="cancelled"}"#
+        ),
+        1.0
+    );
+    let after_cancel = must(&cancelled, "ferry_migration_bytes_total");
+    assert!(after_cancel > moved, "a counter never goes down");
+
+    // A whole migration: both hosts count it; the source's downtime is observed.
+    let url = format!("unix:{}", dir.path().join("mig2.sock").display());
+    let dst = Ferry::start(&["--incoming", &url, "--metrics", &arg(&dst_metrics)]);
+    let (report, ok, errors) = migrate(&src, &url, &[]);
+    assert!(ok, "{errors}\n{report:?}");
+    let done = scrape(&src_metrics);
+    assert_eq!(
+        must(
+            &done,
+            r#"ferry_migrations_total{role="source",outcome="completed"}"#
+        ),
+        1.0
+    );
+    assert!(must(&done, "ferry_migration_bytes_total") > after_cancel);
+    assert_eq!(must(&done, "ferry_migration_downtime_seconds_count"), 1.0);
+    assert!(must(&done, r#"ferry_migration_pages_total{kind="full"}"#) >= 16384.0);
+    let arrived = scrape(&dst_metrics);
+    assert_eq!(
+        must(
+            &arrived,
+            r#"ferry_migrations_total{role="destination",outcome="completed"}"#
+        ),
+        1.0
+    );
+    assert_eq!(must(&arrived, r#"ferry_vm_state{state="running"}"#), 1.0);
+    assert_eq!(
+        must(&arrived, r#"ferry_migration_pages_total{kind="full"}"#),
+        dst.migration_status().pages_full as f64,
+        "metrics and the API agree"
+    );
+    assert_eq!(
+        must(&arrived, "ferry_migration_downtime_seconds_count"),
+        1.0
+    );
+    assert_eq!(dst.info().verify_errors, 0);
+}
+
+#[test]
+fn the_endpoint_answers_only_get_metrics_and_bad_addresses_are_refused() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("m.sock");
+    let arg = format!("unix:{}", socket.display());
+    let _vm = Ferry::boot_with(VmSpec::default(), &["--metrics", &arg]);
+    let ask = |request: &[u8]| {
+        let mut conn = UnixStream::connect(&socket).unwrap();
+        conn.write_all(request).unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    assert!(ask(b"GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+    assert!(ask(b"DELETE /metrics HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 405"));
+    assert!(ask(b"\x00\x01\r\n\r\n").starts_with("HTTP/1.1 400"));
+    let out = ferry_output(&["run", "--guest", "x", "--metrics", "nowhere"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("expected tcp:HOST:PORT"), "{stderr}");
+}

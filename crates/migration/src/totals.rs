@@ -1,0 +1,195 @@
+//! What the migrations a status board saw end add up to: figures that only grow, for
+//! metrics that count (a Prometheus counter must never go down, although each migration's
+//! own progress starts again from zero). Each run counts once, when it first ends.
+
+use crate::status::{Phase, Role, Status};
+
+/// Upper bounds (seconds) of the downtime histogram's buckets.
+pub const DOWNTIME_BUCKETS_S: [f64; 12] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0,
+];
+
+/// Upper bounds (seconds) of the post-copy fault latency histogram's buckets.
+pub const FAULT_LATENCY_BUCKETS_S: [f64; 12] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+/// Observations sorted into fixed buckets (each counts the values at most its bound; values
+/// above the last bound count only in `count` and `sum`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Buckets {
+    pub bounds: &'static [f64],
+    pub counts: Vec<u64>,
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Buckets {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    pub fn observe(&mut self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    /// Adds `other`'s observations (same bounds).
+    pub fn add(&mut self, other: &Buckets) {
+        debug_assert_eq!(self.bounds, other.bounds);
+        for (c, o) in self.counts.iter_mut().zip(&other.counts) {
+            *c += o;
+        }
+        self.sum += other.sum;
+        self.count += other.count;
+    }
+
+    /// (bound, observations at most the bound), as an exposition lists them.
+    pub fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut running = 0;
+        self.bounds
+            .iter()
+            .zip(&self.counts)
+            .map(|(&b, &c)| {
+                running += c;
+                (b, running)
+            })
+            .collect()
+    }
+}
+
+/// How long post-copy's network faults waited, in `FAULT_LATENCY_BUCKETS_S`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FaultLatency(pub Buckets);
+
+impl Default for FaultLatency {
+    fn default() -> Self {
+        Self(Buckets::new(&FAULT_LATENCY_BUCKETS_S))
+    }
+}
+
+/// Figures summed over every migration that ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Totals {
+    /// Migrations that ended, by role and outcome (completed, failed, cancelled).
+    pub ended: Vec<((Role, Phase), u64)>,
+    pub pages_full: u64,
+    pub pages_zero: u64,
+    pub pages_skipped: u64,
+    pub bytes_on_wire: u64,
+    pub rounds: u64,
+    /// Each completed migration's downtime on this host's clock.
+    pub downtime: Buckets,
+    /// Post-copy faults that waited for the network (destination).
+    pub fault_latency: Buckets,
+    /// The last run counted (see `Status::run`).
+    last_run: u64,
+}
+
+impl Default for Totals {
+    fn default() -> Self {
+        Self {
+            ended: Vec::new(),
+            pages_full: 0,
+            pages_zero: 0,
+            pages_skipped: 0,
+            bytes_on_wire: 0,
+            rounds: 0,
+            downtime: Buckets::new(&DOWNTIME_BUCKETS_S),
+            fault_latency: Buckets::new(&FAULT_LATENCY_BUCKETS_S),
+            last_run: 0,
+        }
+    }
+}
+
+/// Whether a migration in `phase` is over for good.
+pub fn has_ended(phase: Phase) -> bool {
+    matches!(phase, Phase::Completed | Phase::Failed | Phase::Cancelled)
+}
+
+impl Totals {
+    /// Counts `s` if its run just ended and was not counted yet.
+    pub fn count(&mut self, s: &Status) {
+        if !has_ended(s.phase) || s.run == self.last_run {
+            return;
+        }
+        self.last_run = s.run;
+        let key = (s.role, s.phase);
+        match self.ended.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, n)) => *n += 1,
+            None => self.ended.push((key, 1)),
+        }
+        let p = &s.progress;
+        self.pages_full += p.pages.full;
+        self.pages_zero += p.pages.zero;
+        self.pages_skipped += p.pages.skipped_unpopulated;
+        self.bytes_on_wire += p.bytes_on_wire;
+        self.rounds += p.rounds.len() as u64;
+        let downtime = match s.role {
+            Role::Source => s.report.downtime_ms,
+            Role::Destination => s.report.destination_downtime_ms,
+        };
+        if let (Phase::Completed, Some(ms)) = (s.phase, downtime) {
+            self.downtime.observe(ms / 1e3);
+        }
+        self.fault_latency.add(&s.fault_latency.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ended(run: u64, phase: Phase, pages: u64, downtime_ms: f64) -> Status {
+        let mut s = Status::new(Role::Source, "precopy", "peer".into());
+        s.run = run;
+        s.phase = phase;
+        s.progress.pages.full = pages;
+        s.progress.bytes_on_wire = pages * 4096;
+        s.report.downtime_ms = Some(downtime_ms);
+        s
+    }
+
+    #[test]
+    fn each_run_counts_once_when_it_ends() {
+        let mut t = Totals::default();
+        let mut running = ended(1, Phase::Active, 10, 3.0);
+        t.count(&running);
+        assert_eq!(t.pages_full, 0, "a running migration is not counted");
+        running.phase = Phase::Completed;
+        t.count(&running);
+        t.count(&running);
+        assert_eq!((t.pages_full, t.bytes_on_wire), (10, 40960));
+        t.count(&ended(2, Phase::Failed, 5, 1.0));
+        assert_eq!(t.pages_full, 15);
+        assert_eq!(
+            t.ended,
+            vec![
+                ((Role::Source, Phase::Completed), 1),
+                ((Role::Source, Phase::Failed), 1)
+            ]
+        );
+        // Only a completed migration had a downtime.
+        assert_eq!(t.downtime.count, 1);
+        assert_eq!(t.downtime.cumulative()[2], (0.002, 0));
+        assert_eq!(t.downtime.cumulative()[3], (0.005, 1));
+    }
+
+    #[test]
+    fn buckets_keep_values_above_the_last_bound_in_count_and_sum() {
+        let mut b = Buckets::new(&FAULT_LATENCY_BUCKETS_S);
+        b.observe(0.0001);
+        b.observe(7.0);
+        assert_eq!(b.count, 2);
+        assert_eq!(b.cumulative().last(), Some(&(1.0, 1)));
+        assert!((b.sum - 7.0001).abs() < 1e-9);
+    }
+}
