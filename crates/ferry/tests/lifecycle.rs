@@ -171,3 +171,29 @@ fn a_source_stopped_in_its_rounds_cancels_the_migration_first() {
         );
     }
 }
+
+/// The same when the source is blocked writing round 0 to a destination that reads nothing
+/// (a relay holds it): the cancel cannot be heard between pages, so the source closes the
+/// connection under the write instead of waiting out its timeout, and stops.
+#[test]
+fn a_source_blocked_on_a_destination_that_reads_nothing_still_stops() {
+    if !kvm_available() {
+        return;
+    }
+    for stop in [Stop::Api, Stop::Signal] {
+        let mut src = Ferry::writer("write ws=64M seq verify");
+        let (mut dst, relay) = destination_behind(Point::Round0, Action::Hold);
+        send_migration(&src, &relay.url, "precopy");
+        assert!(relay.wait_reached(T), "the migration never reached round 0");
+        stop.send(&src)
+            .unwrap_or_else(|e| panic!("{stop:?}: the stop was refused: {e}"));
+        let exit = src.wait_exit(T);
+        assert!(exit.success(), "{stop:?}: the source exited {exit:?}");
+        relay.release();
+        assert!(
+            !dst.wait_exit(T).success(),
+            "{stop:?}: the destination ran the VM: {}",
+            dst.stderr_text()
+        );
+    }
+}

@@ -104,6 +104,7 @@ impl Session<'_> {
             let mut stream = dial(lane)?;
             wire::write_stream_header(&mut stream)?;
             wire::write_message(&mut stream, &Message::Join { session, lane })?;
+            self.cancel_closes(&stream);
             let (pages, limiter) = page_sender(self.params, lane, &stream, &self.cpu);
             self.lanes.push(Lane {
                 stream,

@@ -41,10 +41,16 @@ pub struct Controls {
     /// The connection while the source waits for the destination's first answer: a cancel
     /// closes it, as a silent peer would otherwise hold the wait for `IO_TIMEOUT`.
     pub handshake: Mutex<Option<Stream>>,
+    /// The migration's connections until `Go`: `wait_ended` shuts them down when a cancelled
+    /// migration does not end, blocked in a write to a peer that reads nothing.
+    pub connections: Mutex<Vec<Stream>>,
     /// Set as `Go` leaves, under this lock: a cancel either comes first (and `Go` never
     /// leaves) or finds it set and is refused (the VM may run on the destination already).
     pub go_sent: Mutex<bool>,
 }
+
+/// How long `wait_ended` lets a cancelled migration end by itself.
+const CLOSE_AFTER: Duration = Duration::from_secs(1);
 
 /// How long `send` waits to learn whether the destination answered.
 const SETUP_WAIT: Duration = Duration::from_secs(15);
@@ -395,9 +401,29 @@ impl Outgoing {
 
     /// Waits up to `limit` for a running migration to end (a cancel is heard within 100 ms
     /// in its rounds, at once in its handshake); its phase then.
+    ///
+    /// A cancelled migration hears the cancel within 100 ms, unless it is blocked in a write
+    /// to a peer that reads nothing: after `CLOSE_AFTER` its connections are shut down (its
+    /// destination then learns of it as a lost connection, not as a cancel).
     pub fn wait_ended(&self, limit: Duration) -> Phase {
-        let deadline = Instant::now() + limit;
-        while self.running() && Instant::now() < deadline {
+        let began = Instant::now();
+        let mut closed = false;
+        while self.running() && began.elapsed() < limit {
+            if !closed
+                && began.elapsed() >= CLOSE_AFTER
+                && self.controls.cancel.load(Ordering::Acquire)
+            {
+                closed = true;
+                for s in self
+                    .controls
+                    .connections
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                {
+                    s.shutdown();
+                }
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
         self.board.phase()

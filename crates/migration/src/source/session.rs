@@ -73,7 +73,30 @@ pub(crate) struct Session<'a> {
     laps: Laps,
 }
 
+impl Drop for Session<'_> {
+    fn drop(&mut self) {
+        // The clones a cancel would shut down end with the session, and their fds with them.
+        self.controls
+            .connections
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+}
+
 impl<'a> Session<'a> {
+    /// Lets a cancelled migration's `stream` be shut down, until `Go` (see
+    /// `Controls::connections`).
+    pub(super) fn cancel_closes(&self, stream: &Stream) {
+        if let Ok(clone) = stream.try_clone() {
+            self.controls
+                .connections
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(clone);
+        }
+    }
+
     pub fn new(
         vm: &'a dyn Migratable,
         stream: Stream,
@@ -208,6 +231,7 @@ impl<'a> Session<'a> {
                 .handshake
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) = None;
+            self.cancel_closes(&self.stream);
             if let Message::Ready { postcopy } = ready? {
                 self.peer_postcopy = postcopy;
                 self.status.destination_supports_postcopy = Some(postcopy);
@@ -335,9 +359,8 @@ impl<'a> Session<'a> {
 
     /// A send that failed because the peer gave up: fetch the peer's reason if it sent one.
     fn explain(&mut self, e: Error) -> Error {
-        // A cancel during the handshake closed the connection under the read.
-        if self.state == SourceState::AwaitReady
-            && self.controls.cancel.load(Ordering::Acquire)
+        // A cancel closed the connection under the read or the write.
+        if self.controls.cancel.load(Ordering::Acquire)
             && matches!(e, Error::Transport { .. } | Error::Protocol(_))
         {
             return Error::Cancelled;

@@ -169,6 +169,12 @@ impl Session<'_> {
             let mut go_sent = controls.go_sent.lock().unwrap_or_else(|e| e.into_inner());
             self.check_continue()?;
             *go_sent = true;
+            // No cancel is taken from here on: nothing may close the connections under `Go`.
+            controls
+                .connections
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clear();
         }
         self.send(&Message::Go)?;
         self.step(Event::GoSent { postcopy })
