@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use migration::wire::deadline::Within;
+use sockets::deadline::Within;
 
 use serde_json::Value;
 
@@ -102,7 +102,7 @@ impl ApiServer {
     /// Fails if another process serves `path` or a file that is not a socket is there; removes
     /// a stale socket left behind by a process that died.
     pub fn ensure_available(path: &Path) -> std::io::Result<()> {
-        migration::wire::unix::remove_stale_socket(path).map_err(|e| {
+        sockets::unix::remove_stale_socket(path).map_err(|e| {
             std::io::Error::new(e.kind(), format!("API socket {}: {e}", path.display()))
         })
     }
@@ -115,7 +115,7 @@ impl ApiServer {
     /// The same for any service.
     pub fn start_service(path: &Path, service: Arc<dyn Service>) -> std::io::Result<Self> {
         Self::ensure_available(path)?;
-        let listener = migration::wire::unix::bind_private(path)?;
+        let listener = sockets::unix::bind_private(path)?;
         let mut server = Self::on_listener(listener, service)?;
         server.path = Some(path.to_path_buf());
         Ok(server)

@@ -88,9 +88,9 @@ pub fn start(addr: &MetricsAddr, controller: Arc<Controller>) -> Result<MetricsS
             None,
         ),
         MetricsAddr::Unix(p) => {
-            migration::wire::unix::remove_stale_socket(p)
+            sockets::unix::remove_stale_socket(p)
                 .with_context(|| format!("--metrics unix:{}", p.display()))?;
-            let l = migration::wire::unix::bind_private(p)
+            let l = sockets::unix::bind_private(p)
                 .with_context(|| format!("--metrics unix:{}", p.display()))?;
             (Listener::Unix(l), Some(p.clone()))
         }

@@ -17,8 +17,9 @@ use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use sockets::deadline::Within;
+
 use crate::error::{Error, Result};
-use crate::wire::deadline::Within;
 use crate::wire::frame::{self, FRAME_HEADER_LEN};
 use crate::wire::tls::Tls;
 use crate::wire::transport::{Accepted, IO_TIMEOUT, Listener, OPENING_WAIT, Stream};

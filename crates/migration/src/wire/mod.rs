@@ -3,7 +3,6 @@
 
 pub mod bitmap;
 pub mod codec;
-pub mod deadline;
 pub mod delta;
 pub mod frame;
 pub mod gate;
@@ -13,7 +12,6 @@ pub(crate) mod packers;
 pub mod pages;
 pub mod tls;
 pub mod transport;
-pub mod unix;
 pub mod zero;
 
 pub use frame::{

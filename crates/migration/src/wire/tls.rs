@@ -24,9 +24,9 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{
     ClientConfig, ClientConnection, Connection, RootCertStore, ServerConfig, ServerConnection,
 };
+use sockets::deadline::Within;
 
 use crate::error::{Error, Result};
-use crate::wire::deadline::Within;
 
 /// How long a connecting side's TLS handshake may take in all before the peer counts as
 /// silent.

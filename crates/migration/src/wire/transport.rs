@@ -8,10 +8,12 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::{Duration, Instant};
 
+use sockets::deadline::Timed;
+use sockets::unix::{bind_private, remove_stale_socket};
+
 use crate::error::{Error, Result};
 use crate::wire::lanefile::SnapshotFile;
 use crate::wire::tls::Tls;
-use crate::wire::unix::{bind_private, remove_stale_socket};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {
@@ -441,6 +443,12 @@ impl Stream {
             }
             Stream::File(_) => {}
         }
+    }
+}
+
+impl Timed for Stream {
+    fn set_io_timeout(&self, t: Duration) -> std::io::Result<()> {
+        self.set_timeouts(Some(t)).map_err(std::io::Error::other)
     }
 }
 

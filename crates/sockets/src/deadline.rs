@@ -7,8 +7,6 @@ use std::net::TcpStream;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
-use crate::wire::transport::Stream;
-
 /// A socket whose reads and writes can be given a timeout.
 pub trait Timed {
     fn set_io_timeout(&self, t: Duration) -> std::io::Result<()>;
@@ -25,12 +23,6 @@ impl Timed for UnixStream {
     fn set_io_timeout(&self, t: Duration) -> std::io::Result<()> {
         self.set_read_timeout(Some(t))?;
         self.set_write_timeout(Some(t))
-    }
-}
-
-impl Timed for Stream {
-    fn set_io_timeout(&self, t: Duration) -> std::io::Result<()> {
-        self.set_timeouts(Some(t)).map_err(std::io::Error::other)
     }
 }
 
