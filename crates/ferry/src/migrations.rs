@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use api::{ApiError, MigrateResumeRequest, MigrationRequest, SnapshotRequest};
+use migration::io::tls::Tls;
 use migration::status::Role;
-use migration::wire::tls::Tls;
 use migration::{Compression, Migratable, Strategy};
 use migration::{Endpoint, ErrorKind, Incoming, MigrationParams, Outgoing, Phase, StatusBoard};
 use serde_json::Value;

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use api::MigrationPhase;
 use common::*;
-use migration::wire::tls::{Tls, TlsFiles};
+use migration::io::tls::{Tls, TlsFiles};
 
 const T: Duration = Duration::from_secs(60);
 

@@ -1,7 +1,8 @@
 //! ferry's migration engine, by side: `source` (rounds, switch-over, post-copy serving,
-//! recovery), `destination` (receive state machine, post-copy faults, recovery), and `wire`
-//! (framing, messages, page frames, bitmaps, zero check, transports), which both sides use
-//! and which uses neither. Beside them the pure parts: `policy`, `prepaging`, `ratelimit`;
+//! recovery), `destination` (receive state machine, post-copy faults, recovery), and what
+//! both sides use and which uses neither: `wire` (framing, messages, page frames, bitmaps,
+//! zero check) and `io` (transports, TLS, the gate, snapshot files). Beside them the pure
+//! parts: `policy`, `prepaging`, `ratelimit`;
 //! and what both sides share: guest `memory`, `scan`, `params`, `status`, the `vm` trait.
 //!
 //! It knows nothing of KVM: it drives a VM through the `Migratable` trait, which the KVM VM
@@ -10,6 +11,7 @@
 pub mod cpu;
 pub mod destination;
 pub mod error;
+pub mod io;
 pub mod memory;
 pub mod params;
 pub mod policy;
@@ -24,12 +26,12 @@ pub mod wire;
 
 pub use destination::Incoming;
 pub use error::{Error, ErrorKind, Result};
+pub use io::transport::Endpoint;
 pub use memory::{GuestRam, RamRange};
 pub use params::{AutoConverge, Compression, MigrationParams, Mode, Strategy};
 pub use source::Outgoing;
 pub use status::{Phase, Role, Status, StatusBoard};
 pub use vm::{GuestReport, Migratable, VmDescriptor};
-pub use wire::transport::Endpoint;
 
 pub const PAGE_SIZE: usize = 4096;
 pub const PAGE_SHIFT: u32 = 12;

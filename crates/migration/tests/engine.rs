@@ -887,7 +887,7 @@ fn a_snapshot_written_by_several_writers_restores_the_same_memory() {
     // A file of two writers whose stream says it had one: refused, not read as one stream.
     let forged = dir.path().join("forged.ferry");
     let mut w =
-        migration::wire::lanefile::LaneWriter::create(std::fs::File::create(&forged).unwrap(), 2)
+        migration::io::lanefile::LaneWriter::create(std::fs::File::create(&forged).unwrap(), 2)
             .unwrap();
     migration::wire::write_stream_header(&mut w).unwrap();
     let hello = Message::Hello {
@@ -905,7 +905,7 @@ fn a_snapshot_written_by_several_writers_restores_the_same_memory() {
 /// A fake destination on a fresh Unix socket: it takes the handshake, reads up to `StateEnd`
 /// (an untouched VM sends no pages) and then does `then`. Returns where it listens.
 fn fake_destination(
-    then: impl FnOnce(&mut migration::wire::transport::Stream) + Send + 'static,
+    then: impl FnOnce(&mut migration::io::transport::Stream) + Send + 'static,
 ) -> (tempfile::TempDir, Endpoint, JoinHandle<()>) {
     use migration::wire::{self, Frame, Message};
     let dir = tempfile::tempdir().unwrap();
@@ -1129,11 +1129,11 @@ fn credentials(
     dir: &std::path::Path,
     ca: &rcgen::CertifiedKey,
     name: &str,
-) -> migration::wire::tls::TlsFiles {
+) -> migration::io::tls::TlsFiles {
     let key = rcgen::KeyPair::generate().unwrap();
     let params = rcgen::CertificateParams::new(vec![name.to_string()]).unwrap();
     let cert = params.signed_by(&key, &ca.cert, &ca.key_pair).unwrap();
-    let files = migration::wire::tls::TlsFiles {
+    let files = migration::io::tls::TlsFiles {
         cert: dir.join(format!("{name}.pem")),
         key: dir.join(format!("{name}.key")),
         ca: dir.join(format!("{name}-ca.pem")),
@@ -1160,7 +1160,7 @@ fn new_ca() -> rcgen::CertifiedKey {
 /// TLS, are turned away, and the destination keeps waiting for the real one.
 #[test]
 fn tls_admits_only_a_source_of_the_same_ca() {
-    use migration::wire::tls::Tls;
+    use migration::io::tls::Tls;
     let dir = tempfile::tempdir().unwrap();
     let ca = new_ca();
     let dest_tls = Tls::load(&credentials(dir.path(), &ca, "127.0.0.1")).unwrap();

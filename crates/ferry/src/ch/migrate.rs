@@ -15,7 +15,7 @@ use api::ch::{
 use api::{ApiError, ApiRequest, Handler, MigrationPhase, MigrationRequest, SnapshotRequest};
 use migration::Endpoint;
 use migration::destination::Source;
-use migration::wire::tls::{Tls, TlsFiles};
+use migration::io::tls::{Tls, TlsFiles};
 use serde_json::Value;
 use vmm::{Vm, VmConfig};
 

@@ -17,7 +17,7 @@ use crate::memory::GuestRam;
 use crate::vm::VmDescriptor;
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageReceiver;
-use crate::wire::transport::{Listener, Stream};
+use crate::io::transport::{Listener, Stream};
 use crate::wire::{self, Frame, Message, StreamMode};
 
 /// What a `Hello` promises, checked against what this destination was asked to take.

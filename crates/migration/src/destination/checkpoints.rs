@@ -15,13 +15,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::Result;
+use crate::io::transport::Stream;
 use crate::memory::ShadowRam;
 use crate::ratelimit::RateLimiter;
 use crate::status::{StatusBoard, ms};
 use crate::vm::Migratable;
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
-use crate::wire::transport::Stream;
 use crate::wire::{self, Message};
 
 /// Pages per frame: the connection is shared with page requests, which wait at most one

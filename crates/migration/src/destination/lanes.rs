@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
+use crate::io::gate::Gate;
+use crate::io::transport::{IO_TIMEOUT, Listener, Stream};
 use crate::memory::GuestRam;
-use crate::wire::gate::Gate;
 use crate::wire::pages::{MAX_CONNECTIONS, PageReceiver};
-use crate::wire::transport::{IO_TIMEOUT, Listener, Stream};
 use crate::wire::{self, Frame, Message};
 
 /// How long the source has to open all its extra connections once `Ready` is sent.

@@ -24,19 +24,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::io::gate::Gate;
+use crate::io::lanefile::SnapshotFile;
+use crate::io::tls::Tls;
+use crate::io::transport::{Endpoint, Listener, Stream};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::{Migratable, VmDescriptor};
-use crate::wire::gate::Gate;
-use crate::wire::lanefile::SnapshotFile;
-use crate::wire::tls::Tls;
-use crate::wire::transport::{Endpoint, Listener, Stream};
 use crate::wire::{self, Message, StreamMode};
 
 /// How long a cancelled resume may take to hand the interrupted post-copy back (one poll).
 const RESUME_HANDBACK_WAIT: Duration = Duration::from_secs(2);
 
 /// Waits for the first connection that opens a live migration: the stream header and a
-/// `Hello` that is not a snapshot. Connections open off this thread (see `wire::gate`); others
+/// `Hello` that is not a snapshot. Connections open off this thread (see `io::gate`); others
 /// are told why and closed, and the wait goes on until `stop` says so.
 fn first_live_stream(
     listener: &Listener,

@@ -16,6 +16,7 @@ use userfaultfd::{Event, Uffd, UffdBuilder};
 use super::checkpoints::Checkpointer;
 use crate::PAGE_SIZE;
 use crate::error::{Error, Result};
+use crate::io::transport::Stream;
 use crate::memory::GuestRam;
 use crate::scan::{memory_checksum_of, page_digest, populated_pages};
 use crate::status::StatusBoard;
@@ -23,7 +24,6 @@ use crate::totals::FaultLatency;
 use crate::vm::Migratable;
 use crate::wire::bitmap::{AtomicBitmap, Bitmap};
 use crate::wire::pages::{FrameBuffers, read_page_frame};
-use crate::wire::transport::Stream;
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Whether this host can serve post-copy (userfaultfd with kernel-mode faults, as KVM needs).

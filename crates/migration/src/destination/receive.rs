@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::scan::memory_checksum;
 use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
 use crate::vm::{Migratable, VmDescriptor};
-use crate::wire::transport::{Listener, Stream};
+use crate::io::transport::{Listener, Stream};
 use crate::wire::{self, Message};
 
 /// The destination measures the guest's work rate over this window after resuming, then
@@ -116,7 +116,7 @@ impl Receiver<'_> {
     ) -> Result<Arrived<V>> {
         // The stream header and the first message were read by whoever accepted the stream.
         let mut laps = Laps::starting(started);
-        stream.set_timeouts(Some(crate::wire::transport::IO_TIMEOUT))?;
+        stream.set_timeouts(Some(crate::io::transport::IO_TIMEOUT))?;
         let hello = Hello::parse(first, self.expect)?;
         let vm = self.build(&hello, build, started)?;
         if hello.live() {

@@ -4,7 +4,7 @@
 
 use super::postcopy::Postcopy;
 use crate::error::{Error, Result};
-use crate::wire::transport::{Listener, Stream};
+use crate::io::transport::{Listener, Stream};
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Waits for the source until `stop` says so (a deadline, a cancel, a later listen); a

@@ -14,12 +14,12 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::error::{Error, Result};
+use crate::io::transport::Stream;
 use crate::memory::{GuestRam, ShadowRam};
 use crate::status::{CheckpointStats, StatusBoard, ms};
 use crate::wire::bitmap::Bitmap;
 use crate::wire::frame::FRAME_HEADER_LEN;
 use crate::wire::pages::{FrameBuffers, read_page_frame};
-use crate::wire::transport::Stream;
 
 /// The newest checkpoint applied: with the source's memory, a whole VM.
 #[derive(Clone, Debug)]

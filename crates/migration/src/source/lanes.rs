@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use super::session::{DEFAULT_BATCH_PAGES, Session};
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
+use crate::io::transport::Stream;
 use crate::memory::GuestRam;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
@@ -18,7 +19,6 @@ use crate::wire::bitmap::Bitmap;
 use crate::wire::codec::Codec;
 pub use crate::wire::pages::MAX_CONNECTIONS;
 use crate::wire::pages::{PageSender, SendCounters, lane_of};
-use crate::wire::transport::Stream;
 use crate::wire::{self, Message};
 
 /// A lane checks for a stop (cancel, or another lane failed) this often.

@@ -21,13 +21,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+use crate::io::lanefile::{LaneWriter, SnapshotFile};
+use crate::io::tls::Tls;
+use crate::io::transport::{Endpoint, Stream};
 use crate::params::{MigrationParams, Mode};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::Migratable;
 use crate::wire::StreamMode;
-use crate::wire::lanefile::{LaneWriter, SnapshotFile};
-use crate::wire::tls::Tls;
-use crate::wire::transport::{Endpoint, Stream};
 pub use lanes::MAX_CONNECTIONS;
 use recovery::Leftover;
 use session::Session;

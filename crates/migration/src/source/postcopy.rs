@@ -12,13 +12,13 @@ use super::recovery::Leftover;
 use super::session::Session;
 use super::switchover::GUEST_REPORT_WAIT;
 use crate::error::{Error, Result};
+use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
 use crate::prepaging::{Planner, Strategy};
 use crate::ratelimit::RateLimiter;
 use crate::status::{RoundStats, ms};
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
-use crate::wire::transport::{IO_TIMEOUT, Stream};
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Pages pushed between two looks at the request queue.

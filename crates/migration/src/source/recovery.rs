@@ -6,14 +6,14 @@ use std::sync::Arc;
 
 use super::checkpoints::Checkpoints;
 use crate::error::{Error, Result};
+use crate::io::tls::Tls;
+use crate::io::transport::Endpoint;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::{Phase, Status, StatusBoard};
 use crate::vm::Migratable;
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
-use crate::wire::tls::Tls;
-use crate::wire::transport::Endpoint;
 use crate::wire::{self, Message};
 
 use super::postcopy::{serve, spawn_reader};

@@ -16,6 +16,7 @@ use super::machine::{Event, SourceState};
 use super::recovery::Leftover;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
+use crate::io::transport::Stream;
 use crate::memory::GuestRam;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
@@ -23,7 +24,6 @@ use crate::status::{Laps, Phase, Status, StatusBoard, ms, now_ns};
 use crate::vm::Migratable;
 use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
-use crate::wire::transport::Stream;
 use crate::wire::{self, Frame, Message, StreamMode};
 
 pub(crate) const DEFAULT_BATCH_PAGES: usize = 256;

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use crate::PAGE_SIZE;
 use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
+use crate::io::transport::Stream;
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
 use crate::wire::bitmap::Bitmap;
@@ -19,7 +20,6 @@ use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
 };
 use crate::wire::packers::{FrameBufs, Packed, Packers, pack};
-use crate::wire::transport::Stream;
 use crate::wire::zero::is_zero_page;
 
 /// A send queue holding this much is busy: the link, not the sender, sets the pace.

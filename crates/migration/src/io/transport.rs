@@ -12,8 +12,8 @@ use sockets::deadline::Timed;
 use sockets::unix::{bind_private, remove_stale_socket};
 
 use crate::error::{Error, Result};
-use crate::wire::lanefile::SnapshotFile;
-use crate::wire::tls::Tls;
+use crate::io::lanefile::SnapshotFile;
+use crate::io::tls::Tls;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Endpoint {

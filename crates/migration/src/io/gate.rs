@@ -20,9 +20,9 @@ use std::time::{Duration, Instant};
 use sockets::deadline::Within;
 
 use crate::error::{Error, Result};
+use crate::io::tls::Tls;
+use crate::io::transport::{Accepted, IO_TIMEOUT, Listener, OPENING_WAIT, Stream};
 use crate::wire::frame::{self, FRAME_HEADER_LEN};
-use crate::wire::tls::Tls;
-use crate::wire::transport::{Accepted, IO_TIMEOUT, Listener, OPENING_WAIT, Stream};
 use crate::wire::{self, Message};
 
 /// Connections opening at once, in all.
