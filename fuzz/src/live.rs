@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use migration::destination::Source;
 use migration::wire::frame::STREAM_HEADER_LEN;
-use migration::wire::pages::MAX_CONNECTIONS;
+use migration::wire::lanes::MAX_CONNECTIONS;
 use migration::wire::{self, Message, StreamMode};
 use migration::{Endpoint, Incoming, StatusBoard};
 

@@ -236,7 +236,7 @@ fn migration_threads(asked: Option<i64>) -> Result<Option<u32>, ApiError> {
 /// A snapshot's parameters: its writers (each a lane of the file, as a migration's
 /// connections are), compressed as the body asks.
 pub fn snapshot_params(req: &SnapshotRequest) -> Result<MigrationParams, ApiError> {
-    let most = migration::source::MAX_CONNECTIONS;
+    let most = migration::wire::lanes::MAX_CONNECTIONS;
     let writers = match req.writers {
         None => 1,
         Some(n) if (1..=i64::from(most)).contains(&n) => n as u32,

@@ -210,7 +210,7 @@ impl MigrationParams {
                 )));
             }
         }
-        let most = crate::source::MAX_CONNECTIONS;
+        let most = crate::wire::lanes::MAX_CONNECTIONS;
         if !(1..=most).contains(&self.connections) {
             return Err(Error::Param(format!(
                 "connections must be 1..={most} (got {})",

@@ -301,7 +301,7 @@ impl LaneReader {
                 "the snapshot file's header has bytes 12..16 set (a later format?)",
             ));
         }
-        let most = crate::wire::pages::MAX_CONNECTIONS;
+        let most = crate::wire::lanes::MAX_CONNECTIONS;
         if !(2..=most).contains(&lanes) {
             return Err(corrupt(format!(
                 "the snapshot file says it has {lanes} writers (2..={most} can write one)"

@@ -1,5 +1,5 @@
 //! Extra connections of one migration (`connections > 1`), each a "lane" with its own sender
-//! thread per round. Pages are shared out by 2 MiB chunk (`wire::pages::lane_of`), so a page
+//! thread per round. Pages are shared out by 2 MiB chunk (`wire::lanes::lane_of`), so a page
 //! always travels on the same connection: the newest copy of a page is always the last one to
 //! arrive, with no barrier between rounds. The main connection is lane 0 and also carries the
 //! conversation; after the switch every lane ends with `LaneEnd`, before the VM state.
@@ -17,8 +17,8 @@ use crate::ratelimit::RateLimiter;
 use crate::status::CompressionCounts;
 use crate::wire::bitmap::Bitmap;
 use crate::wire::codec::Codec;
-pub use crate::wire::pages::MAX_CONNECTIONS;
-use crate::wire::pages::{PageSender, SendCounters, lane_of};
+use crate::wire::lanes::lane_of;
+use crate::wire::pages::{PageSender, SendCounters};
 use crate::wire::{self, Message};
 
 /// A lane checks for a stop (cancel, or another lane failed) this often.

@@ -28,7 +28,6 @@ use crate::params::{MigrationParams, Mode};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::Migratable;
 use crate::wire::StreamMode;
-pub use lanes::MAX_CONNECTIONS;
 use recovery::Leftover;
 use session::Session;
 

@@ -12,7 +12,7 @@ use crate::policy::{self, Decision, FULL_PAGE_WIRE_BYTES, Limits, Measured};
 use crate::scan::populated_pages;
 use crate::status::{RoundStats, ms};
 use crate::wire::bitmap::Bitmap;
-use crate::wire::pages::lane_of;
+use crate::wire::lanes::lane_of;
 use crate::wire::{Message, StreamMode};
 
 /// Rounds without progress before pre-copy gives up iterating (see `policy`).

@@ -5,6 +5,7 @@ pub mod bitmap;
 pub mod codec;
 pub mod delta;
 pub mod frame;
+pub mod lanes;
 pub mod message;
 pub(crate) mod packers;
 pub mod pages;

@@ -19,6 +19,7 @@ use crate::wire::delta::{self, DeltaCache, MAX_DELTA};
 use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
 };
+use crate::wire::lanes::lane_of;
 use crate::wire::packers::{FrameBufs, Packed, Packers, pack};
 use crate::wire::zero::is_zero_page;
 
@@ -28,17 +29,6 @@ const BUSY_QUEUE: u64 = 256 * 1024;
 const PREFIX_LEN: usize = 8;
 /// A page read while the guest runs travels with its CRC-32 (see `PAGE_DATA_UNCHECKED`).
 const DIGEST_LEN: usize = 4;
-/// Most connections one migration may use.
-pub const MAX_CONNECTIONS: u32 = 16;
-/// Pages of one 2 MiB chunk travel on the same connection (see `lane_of`).
-const LANE_CHUNK_PAGES: u64 = 512;
-
-/// The connection (0..lanes) that carries page `pfn` when a migration uses `lanes` of them:
-/// always the same one, so a page's copies arrive in the order they were sent.
-pub fn lane_of(pfn: u64, lanes: u32) -> u32 {
-    ((pfn / LANE_CHUNK_PAGES) % u64::from(lanes.max(1))) as u32
-}
-
 /// What a sender has put on the wire so far.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SendCounters {
