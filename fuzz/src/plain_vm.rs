@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use migration::wire::bitmap::Bitmap;
+use migration::bitmap::Bitmap;
 use migration::{
     Error, GuestRam, GuestReport, Migratable, PAGE_SIZE, RamRange, Result, VmDescriptor,
 };

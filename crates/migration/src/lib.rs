@@ -1,13 +1,14 @@
 //! ferry's migration engine, by side: `source` (rounds, switch-over, post-copy serving,
 //! recovery), `destination` (receive state machine, post-copy faults, recovery), and what
-//! both sides use and which uses neither: `wire` (framing, messages, page frames, bitmaps,
-//! zero check) and `io` (transports, TLS, the gate, snapshot files). Beside them the pure
-//! parts: `policy`, `prepaging`, `ratelimit`;
-//! and what both sides share: guest `memory`, `scan`, `params`, `status`, the `vm` trait.
+//! both sides use and which uses neither: `wire` (framing, messages, page frames) and `io`
+//! (transports, TLS, the gate, snapshot files). Beside them the pure parts: `policy`,
+//! `prepaging`, `ratelimit`; and what both sides share: guest `memory`, page sets (`bitmap`),
+//! the `zero` check, `scan`, `params`, `status`, the `vm` trait.
 //!
 //! It knows nothing of KVM: it drives a VM through the `Migratable` trait, which the KVM VM
 //! implements and tests implement with plain memory.
 
+pub mod bitmap;
 pub mod cpu;
 pub mod destination;
 pub mod error;
@@ -23,6 +24,7 @@ pub mod status;
 pub mod totals;
 pub mod vm;
 pub mod wire;
+pub mod zero;
 
 pub use destination::Incoming;
 pub use error::{Error, ErrorKind, Result};

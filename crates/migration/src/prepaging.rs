@@ -6,7 +6,7 @@
 //! next. Either way each page leaves at most once: `take` claims a page for a request and the
 //! planner never yields a claimed page.
 
-use crate::wire::bitmap::Bitmap;
+use crate::bitmap::Bitmap;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -6,10 +6,10 @@ use std::os::fd::RawFd;
 use std::os::unix::fs::FileExt;
 
 use crate::PAGE_SIZE;
+use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::memory::{GuestRam, RamRange};
-use crate::wire::bitmap::Bitmap;
-use crate::wire::zero::is_zero_page;
+use crate::zero::is_zero_page;
 
 const PM_PRESENT: u64 = 1 << 63;
 const PM_SWAPPED: u64 = 1 << 62;

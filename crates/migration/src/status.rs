@@ -224,7 +224,7 @@ impl Status {
             role,
             mode: mode.into(),
             peer,
-            zero_page_check: crate::wire::zero::implementation().into(),
+            zero_page_check: crate::zero::implementation().into(),
             run: NEXT_RUN.fetch_add(1, Ordering::Relaxed),
             ..Default::default()
         }

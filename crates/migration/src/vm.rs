@@ -1,8 +1,8 @@
 //! What the engine needs from a VM.
 
+use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::memory::{GuestRam, RamRange};
-use crate::wire::bitmap::Bitmap;
 
 /// The shape a destination must build before any page arrives.
 #[derive(Clone, Debug, PartialEq, Eq)]

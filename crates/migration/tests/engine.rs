@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use migration::bitmap::Bitmap;
 use migration::destination::{FaultIn, Source};
-use migration::wire::bitmap::Bitmap;
 use migration::wire::{Message, StreamMode};
 use migration::{
     AutoConverge, Compression, Endpoint, GuestRam, GuestReport, Incoming, Migratable,

@@ -1,6 +1,6 @@
 //! The KVM VM as the migration engine sees it.
 
-use migration::wire::bitmap::Bitmap;
+use migration::bitmap::Bitmap;
 use migration::{GuestRam, Migratable, VmDescriptor};
 use serde::{Serialize, de::DeserializeOwned};
 

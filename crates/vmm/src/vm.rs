@@ -9,7 +9,7 @@ use kvm_bindings::{
     kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use migration::wire::bitmap::Bitmap;
+use migration::bitmap::Bitmap;
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 

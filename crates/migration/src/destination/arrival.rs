@@ -11,13 +11,13 @@ use super::lanes::{self, LaneReceivers};
 use super::postcopy;
 use super::prefault::{self, FaultIn, Plan, Prefaulter};
 use super::receive::Expect;
+use crate::bitmap::Bitmap;
 use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
+use crate::io::transport::{Listener, Stream};
 use crate::memory::GuestRam;
 use crate::vm::VmDescriptor;
-use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageReceiver;
-use crate::io::transport::{Listener, Stream};
 use crate::wire::{self, Frame, Message, StreamMode};
 
 /// What a `Hello` promises, checked against what this destination was asked to take.

@@ -14,13 +14,13 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::io::transport::Stream;
 use crate::memory::ShadowRam;
 use crate::ratelimit::RateLimiter;
 use crate::status::{StatusBoard, ms};
 use crate::vm::Migratable;
-use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
 use crate::wire::{self, Message};
 

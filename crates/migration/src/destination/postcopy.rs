@@ -15,6 +15,7 @@ use userfaultfd::{Event, Uffd, UffdBuilder};
 
 use super::checkpoints::Checkpointer;
 use crate::PAGE_SIZE;
+use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::GuestRam;
@@ -22,7 +23,6 @@ use crate::scan::{memory_checksum_of, page_digest, populated_pages};
 use crate::status::StatusBoard;
 use crate::totals::FaultLatency;
 use crate::vm::Migratable;
-use crate::wire::bitmap::{AtomicBitmap, Bitmap};
 use crate::wire::pages::{FrameBuffers, read_page_frame};
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
@@ -442,7 +442,7 @@ impl Postcopy {
                 let here = self.ram.page(pfn)?;
                 let same = match data {
                     Some(d) => here == d,
-                    None => crate::wire::zero::is_zero_page(here),
+                    None => crate::zero::is_zero_page(here),
                 };
                 if !same {
                     return Err(Error::vm(format!(

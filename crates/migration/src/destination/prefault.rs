@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::thread::JoinHandle;
 
 use crate::PAGE_SIZE;
+use crate::bitmap::Bitmap;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::memory::GuestRam;
-use crate::wire::bitmap::Bitmap;
 
 /// Pages a thread takes at a time (2 MiB, one call or a few): small enough that a stop is
 /// heard within ~1 ms.

@@ -11,10 +11,10 @@ use super::postcopy::{self, Postcopy};
 use super::prefault::FaultIn;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
+use crate::io::transport::{Listener, Stream};
 use crate::scan::memory_checksum;
 use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
 use crate::vm::{Migratable, VmDescriptor};
-use crate::io::transport::{Listener, Stream};
 use crate::wire::{self, Message};
 
 /// The destination measures the guest's work rate over this window after resuming, then

@@ -13,11 +13,11 @@
 use std::sync::Mutex;
 use std::time::Instant;
 
+use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::{GuestRam, ShadowRam};
 use crate::status::{CheckpointStats, StatusBoard, ms};
-use crate::wire::bitmap::Bitmap;
 use crate::wire::frame::FRAME_HEADER_LEN;
 use crate::wire::pages::{FrameBuffers, read_page_frame};
 

@@ -8,6 +8,7 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use super::session::{DEFAULT_BATCH_PAGES, Session};
+use crate::bitmap::Bitmap;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
@@ -15,7 +16,6 @@ use crate::memory::GuestRam;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::CompressionCounts;
-use crate::wire::bitmap::Bitmap;
 use crate::wire::codec::Codec;
 use crate::wire::lanes::lane_of;
 use crate::wire::pages::{PageSender, SendCounters};

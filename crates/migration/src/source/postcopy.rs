@@ -11,13 +11,13 @@ use super::machine::Event;
 use super::recovery::Leftover;
 use super::session::Session;
 use super::switchover::GUEST_REPORT_WAIT;
+use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
 use crate::prepaging::{Planner, Strategy};
 use crate::ratelimit::RateLimiter;
 use crate::status::{RoundStats, ms};
-use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
 use crate::wire::{self, Frame, Message, PostcopyReport};
 

@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use super::checkpoints::Checkpoints;
+use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::io::tls::Tls;
 use crate::io::transport::Endpoint;
@@ -12,7 +13,6 @@ use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::{Phase, Status, StatusBoard};
 use crate::vm::Migratable;
-use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
 use crate::wire::{self, Message};
 

@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use super::lanes::RoundShare;
 use super::session::Session;
+use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::params::{AutoConverge, Mode};
 use crate::policy::{self, Decision, FULL_PAGE_WIRE_BYTES, Limits, Measured};
 use crate::scan::populated_pages;
 use crate::status::{RoundStats, ms};
-use crate::wire::bitmap::Bitmap;
 use crate::wire::lanes::lane_of;
 use crate::wire::{Message, StreamMode};
 

@@ -14,6 +14,7 @@ use super::checkpoints::Checkpoints;
 use super::lanes::{self, Lane};
 use super::machine::{Event, SourceState};
 use super::recovery::Leftover;
+use crate::bitmap::Bitmap;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
@@ -22,7 +23,6 @@ use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::{Laps, Phase, Status, StatusBoard, ms, now_ns};
 use crate::vm::Migratable;
-use crate::wire::bitmap::Bitmap;
 use crate::wire::pages::PageSender;
 use crate::wire::{self, Frame, Message, StreamMode};
 

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 use super::checkpoints::Checkpoints;
 use super::machine::{Event, SourceState};
 use super::session::Session;
+use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::io::transport::Stream;
 use crate::scan::memory_checksum;
 use crate::status::{Phase, ms};
 use crate::wire::Message;
-use crate::wire::bitmap::Bitmap;
 
 /// The longest the source waits for its send queue to empty before pausing the guest.
 const SWITCH_DRAIN_LIMIT: Duration = Duration::from_secs(2);

@@ -1,7 +1,6 @@
-//! Everything that crosses the wire: framing and messages, page frames, page bitmaps and the
-//! zero check. Both sides use this module; neither side uses the other.
+//! The format of what crosses the wire: framing and messages, page frames and their
+//! encodings. Both sides use this module; neither side uses the other.
 
-pub mod bitmap;
 pub mod codec;
 pub mod delta;
 pub mod frame;
@@ -9,7 +8,6 @@ pub mod lanes;
 pub mod message;
 pub(crate) mod packers;
 pub mod pages;
-pub mod zero;
 
 pub use frame::{
     Frame, read_frame, read_message, read_stream_header, write_message, write_stream_header,

@@ -6,12 +6,12 @@ use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::PAGE_SIZE;
+use crate::bitmap::Bitmap;
 use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
-use crate::wire::bitmap::Bitmap;
 use crate::wire::codec::{
     BatchCost, Chooser, Codec, CodecMeasures, Compression, Contexts, SAMPLE_SHARE,
 };
@@ -21,7 +21,7 @@ use crate::wire::frame::{
 };
 use crate::wire::lanes::lane_of;
 use crate::wire::packers::{FrameBufs, Packed, Packers, pack};
-use crate::wire::zero::is_zero_page;
+use crate::zero::is_zero_page;
 
 /// A send queue holding this much is busy: the link, not the sender, sets the pace.
 const BUSY_QUEUE: u64 = 256 * 1024;

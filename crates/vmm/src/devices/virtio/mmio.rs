@@ -395,7 +395,7 @@ fn fresh_queues(device: &dyn VirtioDevice) -> Vec<Queue> {
 mod tests {
     use super::*;
     use crate::devices::virtio::block::{Block, DiskConfig};
-    use migration::wire::bitmap::Bitmap;
+    use migration::bitmap::Bitmap;
     use virtio_bindings::virtio_blk::VIRTIO_BLK_T_OUT;
     use vm_memory::{Bytes, GuestAddress};
 
