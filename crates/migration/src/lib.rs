@@ -1,7 +1,8 @@
 //! ferry's migration engine, by side: `source` (rounds, switch-over, post-copy serving,
 //! recovery), `destination` (receive state machine, post-copy faults, recovery), and what
-//! both sides use and which uses neither: `wire` (framing, messages, page frames) and `io`
-//! (transports, TLS, the gate, snapshot files). Beside them the pure parts: `policy`,
+//! both sides use and which uses neither: `wire` (framing, messages, page frames), `pages`
+//! (the page pipeline: sender, receiver, compression, deltas) and `io` (transports, TLS, the
+//! gate, snapshot files). Beside them the pure parts: `policy`,
 //! `prepaging`, `ratelimit`; and what both sides share: guest `memory`, page sets (`bitmap`),
 //! the `zero` check, `scan`, `params`, `status`, the `vm` trait.
 //!
@@ -14,6 +15,7 @@ pub mod destination;
 pub mod error;
 pub mod io;
 pub mod memory;
+pub mod pages;
 pub mod params;
 pub mod policy;
 pub mod prepaging;

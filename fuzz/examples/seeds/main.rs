@@ -10,8 +10,8 @@ mod state;
 use std::path::Path;
 
 use ferry_fuzz::PlainVm;
+use migration::pages::PageSender;
 use migration::ratelimit::RateLimiter;
-use migration::wire::pages::PageSender;
 use migration::wire::{self, Message};
 use migration::{Compression, Migratable, MigrationParams, Outgoing, PAGE_SIZE, StatusBoard};
 

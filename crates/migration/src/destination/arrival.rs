@@ -16,8 +16,8 @@ use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
 use crate::io::transport::{Listener, Stream};
 use crate::memory::GuestRam;
+use crate::pages::PageReceiver;
 use crate::vm::VmDescriptor;
-use crate::wire::pages::PageReceiver;
 use crate::wire::{self, Frame, Message, StreamMode};
 
 /// What a `Hello` promises, checked against what this destination was asked to take.

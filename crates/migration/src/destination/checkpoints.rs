@@ -18,10 +18,10 @@ use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::io::transport::Stream;
 use crate::memory::ShadowRam;
+use crate::pages::PageSender;
 use crate::ratelimit::RateLimiter;
 use crate::status::{StatusBoard, ms};
 use crate::vm::Migratable;
-use crate::wire::pages::PageSender;
 use crate::wire::{self, Message};
 
 /// Pages per frame: the connection is shared with page requests, which wait at most one

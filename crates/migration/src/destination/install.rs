@@ -23,7 +23,7 @@ use super::postcopy::each_fault;
 use crate::PAGE_SIZE;
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
-use crate::wire::pages::PagePlacer;
+use crate::pages::PagePlacer;
 
 /// Installing round 0's pages: it ends with `finish` (or on drop); its zero filler runs until
 /// this is dropped, which must come after every receiver has ended.

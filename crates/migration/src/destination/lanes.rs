@@ -13,8 +13,8 @@ use crate::error::{Error, Result};
 use crate::io::gate::Gate;
 use crate::io::transport::{IO_TIMEOUT, Listener, Stream};
 use crate::memory::GuestRam;
+use crate::pages::PageReceiver;
 use crate::wire::lanes::MAX_CONNECTIONS;
-use crate::wire::pages::PageReceiver;
 use crate::wire::{self, Frame, Message};
 
 /// How long the source has to open all its extra connections once `Ready` is sent.

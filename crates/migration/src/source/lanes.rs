@@ -13,12 +13,12 @@ use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::GuestRam;
+use crate::pages::{PageSender, SendCounters};
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::CompressionCounts;
 use crate::wire::codec::Codec;
 use crate::wire::lanes::lane_of;
-use crate::wire::pages::{PageSender, SendCounters};
 use crate::wire::{self, Message};
 
 /// A lane checks for a stop (cancel, or another lane failed) this often.

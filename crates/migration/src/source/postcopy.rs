@@ -15,10 +15,10 @@ use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
+use crate::pages::PageSender;
 use crate::prepaging::{Planner, Strategy};
 use crate::ratelimit::RateLimiter;
 use crate::status::{RoundStats, ms};
-use crate::wire::pages::PageSender;
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Pages pushed between two looks at the request queue.

@@ -9,11 +9,11 @@ use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::io::tls::Tls;
 use crate::io::transport::Endpoint;
+use crate::pages::PageSender;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::{Phase, Status, StatusBoard};
 use crate::vm::Migratable;
-use crate::wire::pages::PageSender;
 use crate::wire::{self, Message};
 
 use super::postcopy::{serve, spawn_reader};

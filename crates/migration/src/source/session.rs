@@ -19,11 +19,11 @@ use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::GuestRam;
+use crate::pages::PageSender;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::{Laps, Phase, Status, StatusBoard, ms, now_ns};
 use crate::vm::Migratable;
-use crate::wire::pages::PageSender;
 use crate::wire::{self, Frame, Message, StreamMode};
 
 pub(crate) const DEFAULT_BATCH_PAGES: usize = 256;

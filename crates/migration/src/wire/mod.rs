@@ -6,8 +6,6 @@ pub mod delta;
 pub mod frame;
 pub mod lanes;
 pub mod message;
-pub(crate) mod packers;
-pub mod pages;
 
 pub use frame::{
     Frame, read_frame, read_message, read_stream_header, write_message, write_stream_header,

@@ -1,5 +1,7 @@
-//! Pages on the wire: the sender batches pages into frames written with one vectored write
+//! The page pipeline: the sender batches pages into frames written with one vectored write
 //! straight from guest memory; the receiver reads page data straight into guest memory.
+
+mod packers;
 
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::sync::{Arc, OnceLock};
@@ -20,8 +22,8 @@ use crate::wire::frame::{
     self as protocol, FRAME_HEADER_LEN, KIND_PAGES, PAGE_DATA_UNCHECKED, PageEncoding,
 };
 use crate::wire::lanes::lane_of;
-use crate::wire::packers::{FrameBufs, Packed, Packers, pack};
 use crate::zero::is_zero_page;
+use packers::{FrameBufs, Packed, Packers, pack};
 
 /// A send queue holding this much is busy: the link, not the sender, sets the pace.
 const BUSY_QUEUE: u64 = 256 * 1024;
