@@ -34,8 +34,9 @@ use std::sync::{Arc, Mutex};
 use migration::destination::Source;
 use migration::io::lanefile::{LANES_MAGIC, SnapshotFile};
 use migration::io::transport::Stream;
-use migration::pages::{FrameBuffers, PageReceiver, read_page_frame};
+use migration::pages::PageReceiver;
 use migration::wire::frame::{KIND_PAGES, PAGE_DATA_UNCHECKED, STREAM_HEADER_LEN};
+use migration::wire::page_frame::{FrameBuffers, read_page_frame};
 use migration::wire::{self, Frame, Message};
 use migration::{Incoming, Migratable, PAGE_SIZE, StatusBoard, VmDescriptor};
 

@@ -19,11 +19,11 @@ use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::GuestRam;
-use crate::pages::{FrameBuffers, read_page_frame};
 use crate::scan::{memory_checksum_of, page_digest, populated_pages};
 use crate::status::StatusBoard;
 use crate::totals::FaultLatency;
 use crate::vm::Migratable;
+use crate::wire::page_frame::{FrameBuffers, read_page_frame};
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Whether this host can serve post-copy (userfaultfd with kernel-mode faults, as KVM needs).

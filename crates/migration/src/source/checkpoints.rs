@@ -17,9 +17,9 @@ use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::{GuestRam, ShadowRam};
-use crate::pages::{FrameBuffers, read_page_frame};
 use crate::status::{CheckpointStats, StatusBoard, ms};
 use crate::wire::frame::FRAME_HEADER_LEN;
+use crate::wire::page_frame::{FrameBuffers, read_page_frame};
 
 /// The newest checkpoint applied: with the source's memory, a whole VM.
 #[derive(Clone, Debug)]

@@ -6,6 +6,7 @@ pub mod delta;
 pub mod frame;
 pub mod lanes;
 pub mod message;
+pub mod page_frame;
 
 pub use frame::{
     Frame, read_frame, read_message, read_stream_header, write_message, write_stream_header,
