@@ -16,10 +16,7 @@ use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::wire::codec::{Codec, Contexts};
 use crate::wire::frame::PageEncoding;
-
-/// Fills a frame's header for its pages, flags and data length (the page sender's, passed in
-/// so that this module needs nothing of it).
-pub(crate) type HeadBuilder = fn(&mut Vec<u8>, &[(u64, PageEncoding)], u8, usize) -> usize;
+use crate::wire::page_frame::build_head;
 
 /// One frame's buffers: its pages, their data as gathered, the header, the compressed data.
 /// They travel to a packer and back, and are reused for later frames.
@@ -52,13 +49,8 @@ impl Packed {
 }
 
 /// Compresses a gathered frame with `codec` (keeping it plain if that does not shrink it) and
-/// builds its header (with `head_of`) and checksum trailer.
-pub(crate) fn pack(
-    mut bufs: FrameBufs,
-    codec: Codec,
-    ctx: &mut Contexts,
-    head_of: HeadBuilder,
-) -> Result<Packed> {
+/// builds its header and checksum trailer.
+pub(crate) fn pack(mut bufs: FrameBufs, codec: Codec, ctx: &mut Contexts) -> Result<Packed> {
     ctx.prepare(codec)?;
     let started = Instant::now();
     let used = if codec == Codec::None {
@@ -78,7 +70,7 @@ pub(crate) fn pack(
         &bufs.packed
     };
     let data_len = data.len();
-    head_of(&mut bufs.head, &bufs.pfns, used.flag_bits(), data_len);
+    build_head(&mut bufs.head, &bufs.pfns, used.flag_bits(), data_len);
     let mut crc = crc32fast::Hasher::new();
     crc.update(&bufs.head);
     crc.update(data);
@@ -100,7 +92,6 @@ struct Job {
 /// A sender's packer threads and the frames they are working on, oldest first.
 pub(crate) struct Packers {
     threads: usize,
-    head_of: HeadBuilder,
     jobs: Option<Sender<Job>>,
     running: Vec<JoinHandle<()>>,
     waiting: VecDeque<Receiver<Result<Packed>>>,
@@ -109,12 +100,10 @@ pub(crate) struct Packers {
 }
 
 impl Packers {
-    /// `threads` packers (started at the first frame) for frames headed by `head_of`, each
-    /// counting its CPU time in `cpu`.
-    pub fn new(threads: usize, head_of: HeadBuilder, cpu: &CpuMeter) -> Self {
+    /// `threads` packers (started at the first frame), each counting its CPU time in `cpu`.
+    pub fn new(threads: usize, cpu: &CpuMeter) -> Self {
         Self {
             threads: threads.max(1),
-            head_of,
             jobs: None,
             running: Vec::new(),
             waiting: VecDeque::new(),
@@ -161,7 +150,7 @@ impl Packers {
         let queue = Arc::new(Mutex::new(queue));
         for i in 0..self.threads {
             let queue = Arc::clone(&queue);
-            let (head_of, cpu) = (self.head_of, self.cpu.clone());
+            let cpu = self.cpu.clone();
             let t = std::thread::Builder::new()
                 .name(format!("ferry-pack-{i}"))
                 .spawn(move || {
@@ -176,7 +165,7 @@ impl Packers {
                         let Ok(Job { bufs, codec, reply }) = job else {
                             return; // the sender is done
                         };
-                        let _ = reply.send(pack(bufs, codec, &mut ctx, head_of));
+                        let _ = reply.send(pack(bufs, codec, &mut ctx));
                     }
                 })
                 .map_err(|e| Error::vm_caused("cannot start a compressing thread", e))?;
