@@ -2,7 +2,7 @@
 
 use crate::error::{Error, Result};
 pub use crate::prepaging::Strategy;
-pub use crate::wire::codec::Compression;
+use crate::wire::codec::Codec;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -270,6 +270,40 @@ impl MigrationParams {
 
 /// Most threads one migration may compress on.
 pub const MAX_MIGRATION_THREADS: u32 = 64;
+
+/// What `--compression` asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Compression {
+    #[default]
+    None,
+    Fixed(Codec),
+    Auto,
+}
+
+impl std::str::FromStr for Compression {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "none" => Ok(Compression::None),
+            "lz4" => Ok(Compression::Fixed(Codec::Lz4)),
+            "zstd" => Ok(Compression::Fixed(Codec::Zstd)),
+            "auto" => Ok(Compression::Auto),
+            other => Err(Error::Param(format!(
+                "unknown compression '{other}' (use none, lz4, zstd or auto)"
+            ))),
+        }
+    }
+}
+
+impl Compression {
+    pub fn name(self) -> &'static str {
+        match self {
+            Compression::None => "none",
+            Compression::Fixed(c) => c.name(),
+            Compression::Auto => "auto",
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {

@@ -4,10 +4,11 @@
 
 use std::time::Instant;
 
+use super::policy::{Chooser, SAMPLE_SHARE};
 use crate::error::Result;
 use crate::io::transport::Stream;
 use crate::memory::GuestRam;
-use crate::wire::codec::{Chooser, Codec, Contexts, SAMPLE_SHARE};
+use crate::wire::codec::{Codec, Contexts};
 
 /// A send queue holding this much is busy: the link, not the sender, sets the pace.
 const BUSY_QUEUE: u64 = 256 * 1024;

@@ -6,11 +6,12 @@
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::time::{Duration, Instant};
 
+use super::policy::BatchCost;
 use crate::PAGE_SIZE;
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::ratelimit::RateLimiter;
-use crate::wire::codec::{BatchCost, Codec};
+use crate::wire::codec::Codec;
 use crate::wire::frame::{self as protocol, FRAME_HEADER_LEN, PAGE_DATA_UNCHECKED, PageEncoding};
 use crate::wire::page_frame::{DIGEST_LEN, build_head};
 

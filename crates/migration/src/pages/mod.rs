@@ -3,12 +3,13 @@
 //! frames look like on the wire is `wire::page_frame`.
 //!
 //! Files by job: `sender` and `receiver`; `in_place` (frames straight between guest memory and
-//! the socket); `packers` (threads that compress a sender's frames); `auto` (what `auto`'s
-//! codec choice learns from beside the frames).
+//! the socket); `packers` (threads that compress a sender's frames); `policy` (`auto`'s choice
+//! of a codec for each frame) and `auto` (what it learns from beside the frames).
 
 mod auto;
 mod in_place;
 mod packers;
+pub mod policy;
 mod receiver;
 mod sender;
 #[cfg(test)]

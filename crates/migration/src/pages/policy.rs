@@ -1,0 +1,563 @@
+//! `auto`: the choice of the codec that moves a batch of pages soonest over this link with the
+//! cores this sender may use, learned from the batches sent, samples and the link's drain
+//! rate. The codecs come from the field (`wire::codec`); only the choice is ours: no library
+//! picks a codec by link and data.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::wire::codec::Codec;
+
+/// One batch's outcome, as `Chooser` learns from it.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchCost {
+    pub codec: Codec,
+    pub raw_bytes: usize,
+    pub packed_bytes: usize,
+    pub compress_time: Duration,
+    /// Time the write (and the rate limiter) held the sender: how fast the link drains.
+    pub write_time: Duration,
+}
+
+/// Learns each codec's speed per core and ratio on this data, and the link's rate, and picks
+/// the codec with the smallest expected time per batch:
+/// `max(raw / (speed · cores), raw · ratio / link)` (no codec: `raw / link`): the socket
+/// buffer lets the link send one batch while the next ones are compressed, so the slower of
+/// the two sets the pace; `cores` threads compress side by side (`--migration-threads`), or
+/// a connection's share of the host's cores where the migration's compressing threads
+/// outnumber them.
+/// Of the picks expected to take at most `NEAR_EQUAL` longer than the soonest, the one that
+/// moves the fewest bytes wins.
+/// Every `PROBE_EVERY` batches (every `WARM_PROBE_EVERY` until each codec has
+/// `WARM_MEASURES` measures) it tries the codec it has measured least recently (at first: the
+/// least often), so a change in the data or the link is seen, and no first batch unlike the
+/// data decides for long: on the whole batch, except while plain is its pick (the
+/// link is faster than the codecs, or the data does not shrink): then on a sample of the
+/// batch's pages (`SAMPLE_SHARE`), and the batch goes plain. Whole batches tried cost `auto`
+/// a third more time than plain on a link faster than every codec; where a codec is the
+/// pick, a whole batch costs little and measures exactly (a 16 KiB sample misjudged zstd's
+/// ratio: 0.59 against 0.49 on whole batches of `fill=mixed`).
+///
+/// The codecs' measures and the tries are shared by the connections of one migration
+/// (`CodecMeasures`); the link's rate and the cores are each connection's own.
+#[derive(Debug, Default)]
+pub struct Chooser {
+    measures: CodecMeasures,
+    /// Bytes per second the link took: EWMA of what the send queue drained while it stayed
+    /// busy (`learn_link`), or, without such samples, of bytes written ÷ time the write held
+    /// the sender (which a large socket buffer hides at first).
+    link: Option<f64>,
+    drained_samples: bool,
+    /// Cores compressing this sender's batches side by side (0: one, the sender itself); less
+    /// than one where the migration's threads outnumber the host's cores.
+    cores: f64,
+    /// The best pick at the last batch (its changes are logged).
+    last_best: Option<Codec>,
+}
+
+/// What `auto` has measured of each codec on one migration's pages, shared by its
+/// connections. A codec's speed per core and its ratio belong to the data and the CPU, not to
+/// a connection, so one connection's try serves them all, and the re-tries come every
+/// `PROBE_EVERY` batches of the whole migration: on a 16-core loopback, 8 connections each
+/// trying each codec on whole batches took 101 ms to move 256 MiB that plain moved in 20.
+#[derive(Clone, Debug, Default)]
+pub struct CodecMeasures(Arc<Mutex<Measures>>);
+
+#[derive(Debug, Default)]
+struct Measures {
+    /// Per codec: input bytes per second while compressing, on one core (`average`).
+    speed: [Option<f64>; 3],
+    /// Per codec: packed ÷ raw (`average`).
+    ratio: [Option<f64>; 3],
+    /// Per codec: how many batches or samples its averages hold.
+    measured: [u32; 3],
+    /// Whether each codec has been picked yet, and the batch it was last picked for.
+    tried: [bool; 3],
+    last_used: [u64; 3],
+    /// Batches picked for, on every connection.
+    batches: u64,
+}
+
+impl Measures {
+    /// While a codec has fewer than `WARM_MEASURES` measures, the one with the fewest
+    /// (the least recently used of those): a first batch may be unlike the data
+    /// (incompressible pages, where the memory after them shrinks by half), and the pick
+    /// should not rest on it for long.
+    fn warming(&self) -> Option<Codec> {
+        Codec::ALL
+            .into_iter()
+            .filter(|c| self.measured[c.index()] < WARM_MEASURES)
+            .min_by_key(|c| (self.measured[c.index()], self.last_used[c.index()]))
+    }
+}
+
+impl CodecMeasures {
+    fn lock(&self) -> MutexGuard<'_, Measures> {
+        // A panicked sender leaves numbers, never a broken invariant: use them.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// What `auto` does with the next batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Pick {
+    /// The codec the batch goes with.
+    pub send: Codec,
+    /// A codec to measure on a sample of the batch's pages, if one is due.
+    pub sample: Option<Codec>,
+}
+
+const PROBE_EVERY: u64 = 16;
+/// Until each codec has this many measures, one is tried every `WARM_PROBE_EVERY` batches.
+const WARM_MEASURES: u32 = 4;
+const WARM_PROBE_EVERY: u64 = 2;
+/// A codec expected within this share of the pick's time is tried every `CLOSE_PROBE_EVERY`
+/// batches: which of two such wins is what a few measures of memory that differs from one
+/// MiB to the next cannot settle, and a try of one costs little.
+const CLOSE: f64 = 0.3;
+const CLOSE_PROBE_EVERY: u64 = 4;
+/// A sample is one page in this many of a batch (at least one page), from all over it: a
+/// sixteenth of the cost of packing the batch.
+pub const SAMPLE_SHARE: usize = 16;
+/// Picks expected to take at most this share longer than the soonest count as equally soon,
+/// and the one that moves the fewest bytes wins: the estimates cannot tell them apart. Connections that
+/// share a link each measure more than their share (two on a 1 Gbit link: 64–82 MB/s each),
+/// which there made lz4 look as soon as zstd while it moved over a quarter more bytes and
+/// took longer.
+const NEAR_EQUAL: f64 = 0.15;
+/// Weight of the newest sample in every average.
+const EWMA_NEW: f64 = 0.25;
+
+fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |o| o + EWMA_NEW * (new - o)))
+}
+
+/// The `n`th measure into an average: the plain mean of the first few (the first does not
+/// outweigh the next ones), then an EWMA.
+fn average(old: Option<f64>, new: f64, n: u32) -> Option<f64> {
+    let weight = (1.0 / f64::from(n.max(1))).max(EWMA_NEW);
+    Some(old.map_or(new, |o| o + weight * (new - o)))
+}
+
+impl Chooser {
+    /// A chooser for a sender whose batches `cores` cores compress side by side: a codec's
+    /// speed per core counts that many times.
+    pub fn on_cores(mut self, cores: f64) -> Self {
+        self.cores = cores;
+        self
+    }
+
+    /// A chooser that learns the codecs with (and from) every other chooser on `measures`.
+    pub fn sharing(mut self, measures: &CodecMeasures) -> Self {
+        self.measures = measures.clone();
+        self
+    }
+
+    /// The codecs' measures this chooser learns into, for the migration's other connections.
+    pub fn measures(&self) -> &CodecMeasures {
+        &self.measures
+    }
+
+    /// The codec for the next batch, and one to measure on a sample of it (only when
+    /// `may_sample`: the batch has page data, and no one waits for it alone).
+    pub fn pick(&mut self, may_sample: bool) -> Pick {
+        let mut m = self.measures.lock();
+        m.batches += 1;
+        // Measure every codec once first, then keep each estimate fresh. A pick counts as a
+        // use at once: with packer threads it is learned from only batches later.
+        let best = self.best_of(&m);
+        let c = if let Some(&c) = Codec::ALL.iter().find(|c| !m.tried[c.index()]) {
+            c
+        } else if let Some(c) = m
+            .warming()
+            .filter(|_| m.batches.is_multiple_of(WARM_PROBE_EVERY))
+        {
+            c
+        } else if m.batches.is_multiple_of(PROBE_EVERY) {
+            *Codec::ALL
+                .iter()
+                .min_by_key(|c| m.last_used[c.index()])
+                .expect("three codecs")
+        } else if let Some(c) = self
+            .close_second(&m, best)
+            .filter(|_| m.batches.is_multiple_of(CLOSE_PROBE_EVERY))
+        {
+            c
+        } else {
+            best
+        };
+        // A re-try while plain wins is a sample (the batch goes plain); every other pick,
+        // a first try included, sends the batch with it.
+        let retry_on_sample = c != best && m.tried[c.index()] && best == Codec::None;
+        let pick = if retry_on_sample {
+            Pick {
+                send: Codec::None,
+                sample: may_sample.then_some(c),
+            }
+        } else {
+            Pick {
+                send: c,
+                sample: None,
+            }
+        };
+        let batch = m.batches;
+        for c in [Some(pick.send), pick.sample].into_iter().flatten() {
+            m.tried[c.index()] = true;
+            m.last_used[c.index()] = batch;
+        }
+        if self.last_best.replace(best) != Some(best) {
+            tracing::debug!(
+                "auto: now {} (link {:.0} MB/s; MB/s per core and ratio: lz4 {:?} {:?}, \
+                 zstd {:?} {:?})",
+                best.name(),
+                self.link.unwrap_or(f64::INFINITY) / 1e6,
+                m.speed[1].map(|s| (s / 1e6).round()),
+                m.ratio[1],
+                m.speed[2].map(|s| (s / 1e6).round()),
+                m.ratio[2],
+            );
+        }
+        pick
+    }
+
+    /// The codec with the smallest expected time per raw byte, or one within `NEAR_EQUAL` of
+    /// it that moves fewer bytes (the first of equals: plain).
+    pub fn best(&self) -> Codec {
+        self.best_of(&self.measures.lock())
+    }
+
+    /// Expected time per raw byte with `c`.
+    fn cost(&self, m: &Measures, c: Codec) -> f64 {
+        let link = self.link.unwrap_or(f64::INFINITY).max(1.0);
+        let ratio = m.ratio[c.index()].unwrap_or(1.0);
+        let compress = match (c, m.speed[c.index()]) {
+            (Codec::None, _) => 0.0,
+            (_, Some(s)) if s > 0.0 => {
+                let cores = if self.cores > 0.0 { self.cores } else { 1.0 };
+                1.0 / (s * cores)
+            }
+            _ => f64::INFINITY,
+        };
+        f64::max(compress, ratio / link)
+    }
+
+    /// The codec after `best` in expected time, if it is expected within `CLOSE` of it.
+    fn close_second(&self, m: &Measures, best: Codec) -> Option<Codec> {
+        let limit = self.cost(m, best) * (1.0 + CLOSE);
+        Codec::ALL
+            .into_iter()
+            .filter(|&c| c != best)
+            .map(|c| (c, self.cost(m, c)))
+            .filter(|&(_, t)| t <= limit)
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map(|(c, _)| c)
+    }
+
+    fn best_of(&self, m: &Measures) -> Codec {
+        let cost = |c: Codec| self.cost(m, c);
+        let soonest = Codec::ALL
+            .into_iter()
+            .map(cost)
+            .fold(f64::INFINITY, f64::min);
+        // Among picks as good as the soonest, the one that puts the fewest bytes on the wire.
+        let ratio = |c: Codec| m.ratio[c.index()].unwrap_or(1.0);
+        Codec::ALL
+            .into_iter()
+            .filter(|&c| cost(c) <= soonest * (1.0 + NEAR_EQUAL))
+            .min_by(|a, b| ratio(*a).total_cmp(&ratio(*b)))
+            .expect("the soonest is among them")
+    }
+
+    /// A batch that went on the wire: the codec's ratio and speed, and the link's rate.
+    pub fn learn(&mut self, b: BatchCost) {
+        if b.raw_bytes == 0 {
+            return;
+        }
+        self.learn_codec(b.codec, b.raw_bytes, b.packed_bytes, b.compress_time);
+        if !self.drained_samples {
+            let w = b.write_time.as_secs_f64().max(1e-7);
+            self.link = ewma(self.link, b.packed_bytes as f64 / w);
+        }
+    }
+
+    /// `codec` packed a sample of `raw` bytes into `packed` in `took` (nothing was sent).
+    pub fn learn_sample(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
+        if raw > 0 {
+            // A codec that did not shrink the sample would have sent it plain: a ratio of 1.
+            self.learn_codec(codec, raw, packed.min(raw), took);
+        }
+    }
+
+    fn learn_codec(&mut self, codec: Codec, raw: usize, packed: usize, took: Duration) {
+        let i = codec.index();
+        tracing::trace!(
+            "auto: {} packed {raw} bytes into {packed} in {took:?}",
+            codec.name()
+        );
+        let mut m = self.measures.lock();
+        m.measured[i] = m.measured[i].saturating_add(1);
+        let n = m.measured[i];
+        m.ratio[i] = average(m.ratio[i], packed as f64 / raw as f64, n);
+        if codec != Codec::None {
+            let t = took.as_secs_f64().max(1e-7);
+            m.speed[i] = average(m.speed[i], raw as f64 / t, n);
+        }
+    }
+
+    /// A measured drain rate of the link (bytes/s), taken while data waited in the send queue.
+    pub fn learn_link(&mut self, bytes_per_s: f64) {
+        if !self.drained_samples {
+            self.drained_samples = true;
+            self.link = None;
+        }
+        self.link = ewma(self.link, bytes_per_s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cost(codec: Codec, ratio: f64, speed_mb: f64, link_mb: f64) -> BatchCost {
+        let raw = 4 << 20;
+        let packed = (raw as f64 * ratio) as usize;
+        BatchCost {
+            codec,
+            raw_bytes: raw,
+            packed_bytes: packed,
+            compress_time: if codec == Codec::None {
+                Duration::ZERO
+            } else {
+                Duration::from_secs_f64(raw as f64 / (speed_mb * 1e6))
+            },
+            write_time: Duration::from_secs_f64(packed as f64 / (link_mb * 1e6)),
+        }
+    }
+
+    #[test]
+    fn auto_compresses_on_a_slow_link_and_not_on_a_fast_one() {
+        // A 1 Gbit link (125 MB/s), text-like data: per MB, zstd (ratio 0.3 at 400 MB/s)
+        // paces at max(2.5, 2.4) ms, lz4 (0.45 at 900 MB/s) at max(1.1, 3.6), raw at 8 ms.
+        let text = [(0.45, 900.0), (0.3, 400.0)];
+        assert_eq!(trained(125.0, text).best(), Codec::Zstd);
+        // A link faster than either codec: sending raw wins.
+        assert_eq!(trained(5000.0, text).best(), Codec::None);
+        // Incompressible data on the slow link: compression only costs time.
+        assert_eq!(
+            trained(125.0, [(1.0, 2000.0), (1.0, 800.0)]).best(),
+            Codec::None
+        );
+        // The send queue's drain rate overrides write times (which a socket buffer makes
+        // look like an infinitely fast link).
+        let mut buffered = trained(5000.0, text);
+        buffered.learn_link(125e6);
+        assert_eq!(buffered.best(), Codec::Zstd);
+    }
+
+    /// With packer threads a batch is learned from only batches after it was picked: the
+    /// first batches still try each codec once, and a re-try does not repeat the codec it
+    /// just tried while that one is in the works.
+    #[test]
+    fn auto_learning_late_still_tries_each_codec_once() {
+        let mut c = Chooser::default().on_cores(4.0);
+        let first: std::collections::HashSet<Codec> = (0..3).map(|_| c.pick(true).send).collect();
+        assert_eq!(first.len(), 3, "each codec once before any is learned");
+        let tries: Vec<Codec> = (3..PROBE_EVERY * 3)
+            .filter_map(|_| c.pick(true).sample)
+            .collect();
+        assert!(tries.len() >= 3, "{tries:?}");
+        assert!(
+            tries.windows(2).all(|w| w[0] != w[1]),
+            "unlearned re-tries go round the codecs: {tries:?}"
+        );
+    }
+
+    /// A first batch unlike the data (zstd's landed on pages that do not shrink, lz4's on
+    /// memory that shrinks a little) is not what the pick rests on for long: until each codec
+    /// has `WARM_MEASURES` measures one is tried every `WARM_PROBE_EVERY` batches, and the
+    /// first measures count alike. (Without, zstd was tried again every 16 batches and its
+    /// first ratio weighed on: with the measures shared by two connections on 1 Gbit, lz4
+    /// stayed the pick for most of the move, which then took 1.8× as long.)
+    #[test]
+    fn a_first_batch_unlike_the_data_is_soon_outweighed() {
+        let mut c = Chooser::default();
+        c.learn_link(60e6);
+        for _ in 0..3 {
+            c.pick(true);
+        }
+        c.learn(cost(Codec::None, 1.0, 0.0, 60.0));
+        c.learn(cost(Codec::Lz4, 0.9, 300.0, 60.0));
+        c.learn(cost(Codec::Zstd, 1.0, 150.0, 60.0));
+        assert_eq!(c.best(), Codec::Lz4);
+        // From here on zstd halves the data and lz4 leaves 0.62 of it: per MB on 60 MB/s,
+        // zstd paces at max(6.7, 8.3) ms, lz4 at max(3.3, 10.3), plain at 16.7.
+        let mut batches = 0;
+        while c.best() != Codec::Zstd && batches < 4 * PROBE_EVERY {
+            let p = c.pick(true);
+            batches += 1;
+            let learned = |codec| match codec {
+                Codec::None => cost(Codec::None, 1.0, 0.0, 60.0),
+                Codec::Lz4 => cost(Codec::Lz4, 0.62, 300.0, 60.0),
+                Codec::Zstd => cost(Codec::Zstd, 0.5, 150.0, 60.0),
+            };
+            c.learn(learned(p.send));
+            if let Some(s) = p.sample {
+                let b = learned(s);
+                c.learn_sample(s, b.raw_bytes, b.packed_bytes, b.compress_time);
+            }
+        }
+        assert!(batches <= 8, "zstd the pick only after {batches} batches");
+    }
+
+    #[test]
+    fn auto_weighs_a_codec_by_the_cores_that_run_it() {
+        // A 1 GB/s link, text-like data: per MB, plain takes 1 ms; on one core zstd
+        // (0.3 at 400 MB/s) paces at 2.5 ms and lz4 (0.45 at 700 MB/s) at 1.4 ms; on four,
+        // lz4 at max(0.36, 0.45) beats zstd's max(0.63, 0.3); on eight, zstd's 0.31 wins.
+        let text = [(0.45, 700.0), (0.3, 400.0)];
+        assert_eq!(trained(1000.0, text).best(), Codec::None);
+        assert_eq!(trained(1000.0, text).on_cores(4.0).best(), Codec::Lz4);
+        assert_eq!(trained(1000.0, text).on_cores(8.0).best(), Codec::Zstd);
+    }
+
+    /// Picks the estimates cannot tell apart go to the one that moves fewer bytes.
+    #[test]
+    fn of_picks_about_as_soon_the_one_with_fewer_bytes_wins() {
+        // A connection's share of 1 Gbit, measured at 78 MB/s: per MB lz4 (0.63 at 200 MB/s)
+        // paces at max(5.0, 8.1) ms, zstd (0.49 at 115 MB/s) at max(8.7, 6.3): 7 % apart.
+        assert_eq!(
+            trained(78.0, [(0.63, 200.0), (0.49, 115.0)]).best(),
+            Codec::Zstd
+        );
+        // zstd on half the speed (17.4 ms) is not as soon: lz4.
+        assert_eq!(
+            trained(78.0, [(0.63, 200.0), (0.49, 57.5)]).best(),
+            Codec::Lz4
+        );
+    }
+
+    /// The connections of one migration share the codecs' measures: each codec is tried once
+    /// in all, what one connection learns the others pick by, and the re-tries come every
+    /// `PROBE_EVERY` batches of them all, not of each.
+    #[test]
+    fn connections_share_the_tries_and_what_they_learn() {
+        let measures = CodecMeasures::default();
+        let mut lanes: Vec<Chooser> = (0..4)
+            .map(|_| Chooser::default().sharing(&measures))
+            .collect();
+        let first: Vec<Codec> = lanes.iter_mut().map(|c| c.pick(true).send).collect();
+        assert_eq!(
+            first.iter().filter(|&&c| c != Codec::None).count(),
+            2,
+            "each codec on one whole batch in all: {first:?}"
+        );
+        for lane in &mut lanes {
+            lane.learn_link(125e6);
+        }
+        for _ in 0..WARM_MEASURES {
+            lanes[0].learn(cost(Codec::None, 1.0, 0.0, 125.0));
+            lanes[1].learn(cost(Codec::Lz4, 0.45, 900.0, 125.0));
+            lanes[2].learn(cost(Codec::Zstd, 0.3, 400.0, 125.0));
+        }
+        assert_eq!(
+            lanes[3].best(),
+            Codec::Zstd,
+            "learned on another connection"
+        );
+        let picks: Vec<Pick> = (0..PROBE_EVERY as usize * 4)
+            .map(|i| lanes[i % 4].pick(true))
+            .collect();
+        let tries: Vec<&Pick> = picks.iter().filter(|p| p.send != Codec::Zstd).collect();
+        assert_eq!(tries.len(), 4, "{picks:?}");
+        // A chooser on measures of its own, on the same link, learned nothing of the codecs.
+        let mut alone = Chooser::default();
+        alone.learn_link(125e6);
+        assert_eq!(alone.best(), Codec::None);
+    }
+
+    /// A chooser that has seen four batches of each codec: (ratio, MB/s) for lz4 and zstd.
+    fn trained(link_mb: f64, codecs: [(f64, f64); 2]) -> Chooser {
+        let mut c = Chooser::default();
+        for _ in 0..4 {
+            c.learn(cost(Codec::None, 1.0, 0.0, link_mb));
+            for (codec, (ratio, speed)) in [Codec::Lz4, Codec::Zstd].into_iter().zip(codecs) {
+                c.learn(cost(codec, ratio, speed, link_mb));
+            }
+        }
+        c
+    }
+
+    /// Each codec on a whole batch first; once each has `WARM_MEASURES` measures, every
+    /// `PROBE_EVERY` batches, the one used least recently: on a sample while plain is the pick (the batch goes plain), on a whole
+    /// batch while a codec is (plain included); a probe's batch with nothing to sample goes
+    /// plain and tries nothing.
+    #[test]
+    fn auto_tries_on_samples_while_plain_wins_and_on_batches_while_a_codec_does() {
+        let mut c = Chooser::default();
+        let first: std::collections::HashSet<Codec> = (0..3).map(|_| c.pick(true).send).collect();
+        assert_eq!(first.len(), 3, "each codec on a whole batch first");
+        // A fast link and data that does not shrink: plain wins, codecs are tried on samples.
+        for _ in 0..WARM_MEASURES {
+            for codec in Codec::ALL {
+                c.learn(cost(codec, 1.0, 500.0, 5000.0));
+            }
+        }
+        let plain = Pick {
+            send: Codec::None,
+            sample: None,
+        };
+        let picks: Vec<Pick> = (0..PROBE_EVERY * 4).map(|_| c.pick(true)).collect();
+        let tries: Vec<&Pick> = picks.iter().filter(|p| **p != plain).collect();
+        assert_eq!(tries.len(), 4, "{picks:?}");
+        assert!(
+            tries
+                .iter()
+                .all(|p| p.send == Codec::None && p.sample.is_some())
+        );
+        assert!(tries.windows(2).all(|w| w[0] != w[1]), "{tries:?}");
+        let quiet: Vec<Pick> = (0..PROBE_EVERY).map(|_| c.pick(false)).collect();
+        assert!(quiet.iter().all(|p| *p == plain), "{quiet:?}");
+        // A slow link and text-like data: a codec wins; the others go on whole batches.
+        c.learn_link(125e6);
+        for _ in 0..4 {
+            c.learn(cost(Codec::Lz4, 0.45, 900.0, 125.0));
+            c.learn_sample(Codec::Zstd, 1 << 20, 315_000, Duration::from_micros(6000));
+        }
+        let winner = c.best();
+        assert_ne!(winner, Codec::None);
+        let picks: Vec<Pick> = (0..PROBE_EVERY * 4).map(|_| c.pick(true)).collect();
+        assert!(picks.iter().all(|p| p.sample.is_none()), "{picks:?}");
+        let tried: std::collections::HashSet<Codec> = picks
+            .iter()
+            .map(|p| p.send)
+            .filter(|&s| s != winner)
+            .collect();
+        assert_eq!(tried.len(), 2, "both others on whole batches: {picks:?}");
+    }
+
+    /// A second pick expected within `CLOSE` of the first is tried every
+    /// `CLOSE_PROBE_EVERY` batches (a few measures cannot settle which wins); the third still
+    /// every `PROBE_EVERY`.
+    #[test]
+    fn a_close_second_is_tried_often() {
+        // As in the test above: zstd the pick (fewer bytes), lz4 7 % sooner by the estimates.
+        let mut c = trained(78.0, [(0.63, 200.0), (0.49, 115.0)]);
+        c.learn_link(78e6);
+        assert_eq!(c.best(), Codec::Zstd);
+        let sent: Vec<Codec> = (0..PROBE_EVERY * 4).map(|_| c.pick(true).send).collect();
+        let count = |codec| sent.iter().filter(|&&s| s == codec).count();
+        assert!(count(Codec::Lz4) >= 12, "{sent:?}");
+        assert!(count(Codec::None) >= 1, "{sent:?}");
+        // Far apart, the second waits its turn like the third.
+        let mut far = trained(78.0, [(0.63, 200.0), (0.49, 57.5)]);
+        far.learn_link(78e6);
+        for _ in 0..3 {
+            far.pick(true); // the first try of each
+        }
+        let sent: Vec<Codec> = (0..PROBE_EVERY * 4).map(|_| far.pick(true).send).collect();
+        assert!(
+            sent.iter().filter(|&&s| s != Codec::Lz4).count() <= 4,
+            "{sent:?}"
+        );
+    }
+}
