@@ -3,10 +3,12 @@
 //! frames look like on the wire is `wire::page_frame`.
 //!
 //! Files by job: `sender` and `receiver`; `in_place` (frames straight between guest memory and
-//! the socket); `packers` (threads that compress a sender's frames); `policy` (`auto`'s choice
-//! of a codec for each frame) and `auto` (what it learns from beside the frames).
+//! the socket); `packers` (threads that compress a sender's frames); `deltas` (the copies a
+//! sender sent last, for delta encoding); `policy` (`auto`'s choice of a codec for each frame)
+//! and `auto` (what it learns from beside the frames).
 
 mod auto;
+pub mod deltas;
 mod in_place;
 mod packers;
 pub mod policy;

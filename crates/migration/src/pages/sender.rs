@@ -8,6 +8,7 @@ use std::io::{IoSlice, Write};
 use std::time::Instant;
 
 use super::auto::{QueueProbe, Sample};
+use super::deltas::DeltaCache;
 use super::in_place::{full_pages, write_in_place};
 use super::packers::{FrameBufs, Packed, Packers, pack};
 use super::policy::{BatchCost, Chooser, CodecMeasures};
@@ -19,7 +20,6 @@ use crate::memory::GuestRam;
 use crate::params::Compression;
 use crate::ratelimit::RateLimiter;
 use crate::wire::codec::{Codec, Contexts};
-use crate::wire::delta::{self, DeltaCache};
 use crate::wire::frame::{self as protocol, FRAME_HEADER_LEN, PageEncoding};
 use crate::wire::page_frame::PREFIX_LEN;
 use crate::zero::is_zero_page;
@@ -78,7 +78,6 @@ pub struct PageSender {
     packers: Option<Packers>,
     /// The copies sent last, for delta encoding (`None`: off).
     delta: Option<DeltaCache>,
-    scratch: Vec<u8>,
     /// `auto`'s sample of a frame's pages.
     sample: Sample,
     /// For `auto`: how fast the connection's send queue drains.
@@ -100,7 +99,6 @@ impl PageSender {
             spare: Vec::new(),
             packers: None,
             delta: None,
-            scratch: Vec::new(),
             sample: Sample::default(),
             queue: None,
         }
@@ -358,22 +356,11 @@ impl PageSender {
             let Some(cache) = self.delta.as_mut() else {
                 continue;
             };
-            let page = &raw[at..at + PAGE_SIZE];
-            let mut delta = std::mem::take(&mut self.scratch);
-            delta.clear();
-            let encoded = cache
-                .get(*pfn)
-                .and_then(|old| delta::encode(old, page, &mut delta));
-            cache.put(*pfn, page);
-            if let Some(n) = encoded {
-                raw.truncate(at);
-                raw.extend_from_slice(&(n as u16).to_le_bytes());
-                raw.extend_from_slice(&delta);
+            if let Some(n) = cache.shrink(*pfn, raw, at) {
                 *enc = PageEncoding::Delta;
                 self.counters.delta_pages += 1;
                 self.counters.delta_saved += (PAGE_SIZE - 2 - n) as u64;
             }
-            self.scratch = delta;
         }
         Ok(bufs)
     }

@@ -1,13 +1,12 @@
 //! Delta encoding of re-sent pages (the idea of QEMU's XBZRLE): the sender keeps the copies
-//! it sent last in a bounded cache; a page sent again whose bytes changed little goes as the
-//! runs of bytes that differ, XOR-ed with the copy the destination already holds.
+//! it sent last in a bounded cache (`pages::deltas`); a page sent again whose bytes changed
+//! little goes as the runs of bytes that differ, XOR-ed with the copy the destination already
+//! holds.
 //!
 //! Written here: no maintained crate encodes page deltas for a stream whose receiver applies
 //! them in place. The format is ours (docs/protocol.md): a sequence of runs, each
 //! `skip u16 | count u16 | count bytes`, where `skip` bytes are unchanged and the next `count`
 //! bytes are XOR-ed with the given ones.
-
-use std::collections::HashMap;
 
 use crate::PAGE_SIZE;
 use crate::error::{Error, Result};
@@ -105,62 +104,6 @@ pub fn apply(page: &mut [u8], mut delta: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// The copies a sender sent last, at most `capacity` pages, the oldest replaced first.
-pub struct DeltaCache {
-    data: Vec<u8>,
-    slot_of: HashMap<u64, usize>,
-    owner: Vec<Option<u64>>,
-    next: usize,
-}
-
-impl DeltaCache {
-    pub fn new(capacity_pages: usize) -> Self {
-        let capacity = capacity_pages.max(1);
-        Self {
-            data: vec![0; capacity * PAGE_SIZE],
-            slot_of: HashMap::with_capacity(capacity),
-            owner: vec![None; capacity],
-            next: 0,
-        }
-    }
-
-    /// The copy of `pfn` sent last, if it is still here.
-    pub fn get(&self, pfn: u64) -> Option<&[u8]> {
-        self.slot_of
-            .get(&pfn)
-            .map(|&s| &self.data[s * PAGE_SIZE..(s + 1) * PAGE_SIZE])
-    }
-
-    /// Remembers `page` as what was sent for `pfn`.
-    pub fn put(&mut self, pfn: u64, page: &[u8]) {
-        let slot = match self.slot_of.get(&pfn) {
-            Some(&s) => s,
-            None => {
-                let s = self.next;
-                self.next = (self.next + 1) % self.owner.len();
-                if let Some(old) = self.owner[s].replace(pfn) {
-                    self.slot_of.remove(&old);
-                }
-                self.slot_of.insert(pfn, s);
-                s
-            }
-        };
-        self.data[slot * PAGE_SIZE..(slot + 1) * PAGE_SIZE].copy_from_slice(page);
-    }
-
-    /// Forgets `pfn` (it was sent as a zero page, or dropped on the destination).
-    pub fn forget(&mut self, pfn: u64) {
-        if let Some(s) = self.slot_of.remove(&pfn) {
-            self.owner[s] = None;
-        }
-    }
-
-    pub fn clear(&mut self) {
-        self.slot_of.clear();
-        self.owner.fill(None);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -215,20 +158,5 @@ mod tests {
             let e = apply(&mut p, &delta).unwrap_err();
             assert!(e.to_string().contains(why), "{why}: {e}");
         }
-    }
-
-    #[test]
-    fn the_cache_keeps_the_newest_copies_within_its_size() {
-        let mut c = DeltaCache::new(2);
-        c.put(1, &page(1));
-        c.put(2, &page(2));
-        c.put(1, &page(11)); // an update keeps its slot
-        assert!(c.get(1).unwrap() == page(11).as_slice());
-        c.put(3, &page(3)); // replaces the oldest slot: page 1's
-        assert!(c.get(1).is_none() && c.get(2).is_some() && c.get(3).is_some());
-        c.forget(2);
-        assert!(c.get(2).is_none());
-        c.clear();
-        assert!(c.get(3).is_none());
     }
 }
