@@ -150,71 +150,81 @@ pub enum Message {
     Populated { pages: u64, words: Vec<u64> },
 }
 
-impl Message {
-    /// The message's tag on the wire. Never reuse or renumber one.
-    pub fn tag(&self) -> u16 {
-        match self {
-            Message::Hello { .. } => 1,
-            Message::Ready { .. } => 2,
-            Message::RoundEnd { .. } => 3,
-            Message::VcpuState { .. } => 4,
-            Message::DeviceState { .. } => 5,
-            Message::StateEnd { .. } => 6,
-            Message::Loaded { .. } => 7,
-            Message::Go => 8,
-            Message::Resumed { .. } => 9,
-            Message::GuestReport { .. } => 10,
-            Message::Abort { .. } => 11,
-            Message::PostcopyPending { .. } => 12,
-            Message::PageRequest { .. } => 13,
-            Message::PostcopyDone { .. } => 14,
-            Message::PostcopyComplete(_) => 15,
-            Message::ResumePostcopy => 16,
-            Message::ResumeFrom { .. } => 17,
-            Message::Join { .. } => 18,
-            Message::LaneEnd { .. } => 19,
-            Message::Stale { .. } => 20,
-            Message::StaleDropped => 21,
-            Message::Sync { .. } => 22,
-            Message::Synced => 23,
-            Message::Checkpoints { .. } => 24,
-            Message::Checkpoint { .. } => 25,
-            Message::CheckpointTaken { .. } => 26,
-            Message::Populated { .. } => 27,
+/// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
+/// dispatch of `decode` come from it. Never reuse or renumber a tag.
+macro_rules! catalogue {
+    ($($tag:literal => $variant:ident,)*) => {
+        /// A message's kind: its variant, numbered by its tag.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        #[repr(u16)]
+        enum Kind {
+            $($variant = $tag,)*
         }
+
+        impl Kind {
+            fn of_tag(tag: u16) -> Result<Self> {
+                match tag {
+                    $($tag => Ok(Kind::$variant),)*
+                    other => Err(Error::Protocol(format!("unknown message tag {other}"))),
+                }
+            }
+
+            fn name(self) -> &'static str {
+                match self {
+                    $(Kind::$variant => stringify!($variant),)*
+                }
+            }
+        }
+
+        impl Message {
+            fn kind(&self) -> Kind {
+                match self {
+                    $(Message::$variant { .. } => Kind::$variant,)*
+                }
+            }
+        }
+    };
+}
+
+catalogue! {
+    1 => Hello,
+    2 => Ready,
+    3 => RoundEnd,
+    4 => VcpuState,
+    5 => DeviceState,
+    6 => StateEnd,
+    7 => Loaded,
+    8 => Go,
+    9 => Resumed,
+    10 => GuestReport,
+    11 => Abort,
+    12 => PostcopyPending,
+    13 => PageRequest,
+    14 => PostcopyDone,
+    15 => PostcopyComplete,
+    16 => ResumePostcopy,
+    17 => ResumeFrom,
+    18 => Join,
+    19 => LaneEnd,
+    20 => Stale,
+    21 => StaleDropped,
+    22 => Sync,
+    23 => Synced,
+    24 => Checkpoints,
+    25 => Checkpoint,
+    26 => CheckpointTaken,
+    27 => Populated,
+}
+
+impl Message {
+    /// The message's tag on the wire (see `catalogue!`).
+    pub fn tag(&self) -> u16 {
+        self.kind() as u16
     }
 
     /// A short name for errors ("expected Loaded, got Go").
     pub fn name(&self) -> &'static str {
-        match self {
-            Message::Hello { .. } => "Hello",
-            Message::Ready { .. } => "Ready",
-            Message::RoundEnd { .. } => "RoundEnd",
-            Message::VcpuState { .. } => "VcpuState",
-            Message::DeviceState { .. } => "DeviceState",
-            Message::StateEnd { .. } => "StateEnd",
-            Message::Loaded { .. } => "Loaded",
-            Message::Go => "Go",
-            Message::Resumed { .. } => "Resumed",
-            Message::GuestReport { .. } => "GuestReport",
-            Message::Abort { .. } => "Abort",
-            Message::PostcopyPending { .. } => "PostcopyPending",
-            Message::PageRequest { .. } => "PageRequest",
-            Message::PostcopyDone { .. } => "PostcopyDone",
-            Message::PostcopyComplete(_) => "PostcopyComplete",
-            Message::ResumePostcopy => "ResumePostcopy",
-            Message::ResumeFrom { .. } => "ResumeFrom",
-            Message::Join { .. } => "Join",
-            Message::LaneEnd { .. } => "LaneEnd",
-            Message::Stale { .. } => "Stale",
-            Message::StaleDropped => "StaleDropped",
-            Message::Sync { .. } => "Sync",
-            Message::Synced => "Synced",
-            Message::Checkpoints { .. } => "Checkpoints",
-            Message::Checkpoint { .. } => "Checkpoint",
-            Message::CheckpointTaken { .. } => "CheckpointTaken",
-            Message::Populated { .. } => "Populated",
-        }
+        self.kind().name()
     }
 
     /// Tag (u16) followed by the fields.
@@ -229,15 +239,7 @@ impl Message {
                 connections,
                 session,
             } => {
-                e.u64(vm.memory_bytes);
-                e.u32(vm.ranges.len() as u32);
-                for r in &vm.ranges {
-                    e.u64(r.gpa);
-                    e.u64(r.len);
-                }
-                e.u32(vm.vcpus);
-                e.str(&vm.memory_backend);
-                e.bool(vm.running);
+                e.vm(vm);
                 e.u8(mode.tag());
                 e.str(source);
                 e.u32(*connections);
@@ -279,21 +281,7 @@ impl Message {
             }
             Message::PageRequest { gfn } => e.u64(*gfn),
             Message::PostcopyDone { pages_sent } => e.u64(*pages_sent),
-            Message::PostcopyComplete(r) => {
-                e.u64(r.network_faults);
-                e.u64(r.zero_faults);
-                e.u64(r.pages_before_access);
-                e.u64(r.duplicates);
-                e.opt_f64(r.fault_latency_p50_ms);
-                e.opt_f64(r.fault_latency_p99_ms);
-                e.opt_f64(r.fault_latency_max_ms);
-                e.f64(r.resume_ms);
-                e.opt_u64(r.memory_checksum);
-                e.u32(r.timeline_10ms.len() as u32);
-                for b in &r.timeline_10ms {
-                    b.iter().for_each(|&v| e.u32(v));
-                }
-            }
+            Message::PostcopyComplete(r) => e.report(r),
             Message::ResumeFrom { words } => e.bitmap(words),
             Message::Sync { lane_pages } => e.words(lane_pages),
             Message::Join { session, lane } => {
@@ -321,109 +309,71 @@ impl Message {
 
     pub fn decode(payload: &[u8]) -> Result<Self> {
         let mut d = Decoder { buf: payload };
-        let tag = d.u16()?;
-        let msg = match tag {
-            1 => {
-                let memory_bytes = d.u64()?;
-                let n = d.count(16)?;
-                let mut ranges = Vec::with_capacity(n);
-                for _ in 0..n {
-                    ranges.push(RamRange {
-                        gpa: d.u64()?,
-                        len: d.u64()?,
-                    });
-                }
-                let vm = VmDescriptor {
-                    memory_bytes,
-                    ranges,
-                    vcpus: d.u32()?,
-                    memory_backend: d.string()?,
-                    running: d.bool()?,
-                };
-                Message::Hello {
-                    vm,
-                    mode: StreamMode::from_tag(d.u8()?)?,
-                    source: d.string()?,
-                    connections: d.u32()?,
-                    session: d.u64()?,
-                }
-            }
-            2 => Message::Ready {
+        let msg = match Kind::of_tag(d.u16()?)? {
+            Kind::Hello => Message::Hello {
+                vm: d.vm()?,
+                mode: StreamMode::from_tag(d.u8()?)?,
+                source: d.string()?,
+                connections: d.u32()?,
+                session: d.u64()?,
+            },
+            Kind::Ready => Message::Ready {
                 postcopy: d.bool()?,
             },
-            3 => Message::RoundEnd {
+            Kind::RoundEnd => Message::RoundEnd {
                 round: d.u32()?,
                 pages: d.u64()?,
             },
-            4 => Message::VcpuState {
+            Kind::VcpuState => Message::VcpuState {
                 index: d.u32()?,
                 state: d.bytes()?,
             },
-            5 => Message::DeviceState { state: d.bytes()? },
-            6 => Message::StateEnd {
+            Kind::DeviceState => Message::DeviceState { state: d.bytes()? },
+            Kind::StateEnd => Message::StateEnd {
                 pages_sent: d.u64()?,
                 memory_checksum: d.opt_u64()?,
             },
-            7 => Message::Loaded {
+            Kind::Loaded => Message::Loaded {
                 memory_checksum: d.opt_u64()?,
             },
-            8 => Message::Go,
-            9 => Message::Resumed {
+            Kind::Go => Message::Go,
+            Kind::Resumed => Message::Resumed {
                 state_to_resume_ns: d.u64()?,
             },
-            10 => Message::GuestReport {
+            Kind::GuestReport => Message::GuestReport {
                 observed_downtime_ns: d.opt_u64()?,
                 pages_per_s_after: d.opt_f64()?,
             },
-            11 => Message::Abort {
+            Kind::Abort => Message::Abort {
                 reason: d.string()?,
             },
-            12 => Message::PostcopyPending {
+            Kind::PostcopyPending => Message::PostcopyPending {
                 pages: d.u64()?,
                 words: d.bitmap()?,
             },
-            13 => Message::PageRequest { gfn: d.u64()? },
-            14 => Message::PostcopyDone {
+            Kind::PageRequest => Message::PageRequest { gfn: d.u64()? },
+            Kind::PostcopyDone => Message::PostcopyDone {
                 pages_sent: d.u64()?,
             },
-            15 => {
-                let mut r = PostcopyReport {
-                    network_faults: d.u64()?,
-                    zero_faults: d.u64()?,
-                    pages_before_access: d.u64()?,
-                    duplicates: d.u64()?,
-                    fault_latency_p50_ms: d.opt_f64()?,
-                    fault_latency_p99_ms: d.opt_f64()?,
-                    fault_latency_max_ms: d.opt_f64()?,
-                    resume_ms: d.f64()?,
-                    memory_checksum: d.opt_u64()?,
-                    timeline_10ms: Vec::new(),
-                };
-                let n = d.count(12)?;
-                r.timeline_10ms.reserve(n);
-                for _ in 0..n {
-                    r.timeline_10ms.push([d.u32()?, d.u32()?, d.u32()?]);
-                }
-                Message::PostcopyComplete(r)
-            }
-            16 => Message::ResumePostcopy,
-            17 => Message::ResumeFrom { words: d.bitmap()? },
-            18 => Message::Join {
+            Kind::PostcopyComplete => Message::PostcopyComplete(d.report()?),
+            Kind::ResumePostcopy => Message::ResumePostcopy,
+            Kind::ResumeFrom => Message::ResumeFrom { words: d.bitmap()? },
+            Kind::Join => Message::Join {
                 session: d.u64()?,
                 lane: d.u32()?,
             },
-            19 => Message::LaneEnd { pages: d.u64()? },
-            20 => Message::Stale {
+            Kind::LaneEnd => Message::LaneEnd { pages: d.u64()? },
+            Kind::Stale => Message::Stale {
                 pages: d.u64()?,
                 words: d.bitmap()?,
             },
-            21 => Message::StaleDropped,
-            22 => Message::Sync {
+            Kind::StaleDropped => Message::StaleDropped,
+            Kind::Sync => Message::Sync {
                 lane_pages: d.words()?,
             },
-            23 => Message::Synced,
-            24 => Message::Checkpoints { every_ms: d.u32()? },
-            25 => {
+            Kind::Synced => Message::Synced,
+            Kind::Checkpoints => Message::Checkpoints { every_ms: d.u32()? },
+            Kind::Checkpoint => {
                 let (seq, pages) = (d.u64()?, d.u64()?);
                 let n = d.count(4)?;
                 let vcpus = (0..n).map(|_| d.bytes()).collect::<Result<_>>()?;
@@ -434,12 +384,11 @@ impl Message {
                     devices: d.bytes()?,
                 }
             }
-            26 => Message::CheckpointTaken { seq: d.u64()? },
-            27 => Message::Populated {
+            Kind::CheckpointTaken => Message::CheckpointTaken { seq: d.u64()? },
+            Kind::Populated => Message::Populated {
                 pages: d.u64()?,
                 words: d.bitmap()?,
             },
-            other => return Err(Error::Protocol(format!("unknown message tag {other}"))),
         };
         if !d.buf.is_empty() {
             return Err(Error::Protocol(format!(
@@ -492,6 +441,32 @@ impl Encoder {
     fn words(&mut self, v: &[u64]) {
         self.u32(v.len() as u32);
         v.iter().for_each(|&w| self.u64(w));
+    }
+    fn vm(&mut self, vm: &VmDescriptor) {
+        self.u64(vm.memory_bytes);
+        self.u32(vm.ranges.len() as u32);
+        for r in &vm.ranges {
+            self.u64(r.gpa);
+            self.u64(r.len);
+        }
+        self.u32(vm.vcpus);
+        self.str(&vm.memory_backend);
+        self.bool(vm.running);
+    }
+    fn report(&mut self, r: &PostcopyReport) {
+        self.u64(r.network_faults);
+        self.u64(r.zero_faults);
+        self.u64(r.pages_before_access);
+        self.u64(r.duplicates);
+        self.opt_f64(r.fault_latency_p50_ms);
+        self.opt_f64(r.fault_latency_p99_ms);
+        self.opt_f64(r.fault_latency_max_ms);
+        self.f64(r.resume_ms);
+        self.opt_u64(r.memory_checksum);
+        self.u32(r.timeline_10ms.len() as u32);
+        for b in &r.timeline_10ms {
+            b.iter().for_each(|&v| self.u32(v));
+        }
     }
     /// A page bitmap as runs: guest memory is populated, dirtied and sent in long stretches,
     /// so a 64 GiB guest's 2 MiB bitmap takes a few hundred bytes, and a switch's pause (which
@@ -606,6 +581,45 @@ impl<'a> Decoder<'a> {
     fn words(&mut self) -> Result<Vec<u64>> {
         let n = self.count(8)?;
         (0..n).map(|_| self.u64()).collect()
+    }
+    fn vm(&mut self) -> Result<VmDescriptor> {
+        let memory_bytes = self.u64()?;
+        let n = self.count(16)?;
+        let mut ranges = Vec::with_capacity(n);
+        for _ in 0..n {
+            ranges.push(RamRange {
+                gpa: self.u64()?,
+                len: self.u64()?,
+            });
+        }
+        Ok(VmDescriptor {
+            memory_bytes,
+            ranges,
+            vcpus: self.u32()?,
+            memory_backend: self.string()?,
+            running: self.bool()?,
+        })
+    }
+    fn report(&mut self) -> Result<PostcopyReport> {
+        let mut r = PostcopyReport {
+            network_faults: self.u64()?,
+            zero_faults: self.u64()?,
+            pages_before_access: self.u64()?,
+            duplicates: self.u64()?,
+            fault_latency_p50_ms: self.opt_f64()?,
+            fault_latency_p99_ms: self.opt_f64()?,
+            fault_latency_max_ms: self.opt_f64()?,
+            resume_ms: self.f64()?,
+            memory_checksum: self.opt_u64()?,
+            timeline_10ms: Vec::new(),
+        };
+        let n = self.count(12)?;
+        r.timeline_10ms.reserve(n);
+        for _ in 0..n {
+            r.timeline_10ms
+                .push([self.u32()?, self.u32()?, self.u32()?]);
+        }
+        Ok(r)
     }
     fn bitmap(&mut self) -> Result<Vec<u64>> {
         let n = self.u32()? as usize;
