@@ -4,9 +4,13 @@
 //!
 //! Files in the order data flows: `session` (handshake, outcome) → `rounds` (pre-copy) →
 //! `switchover` (pause, state, Go) → `postcopy` (serving pages after the switch) →
-//! `recovery` (carrying on over a new connection). `machine` is the conversation's rules.
+//! `recovery` (carrying on over a new connection). `machine` is the conversation's rules;
+//! `lanes` runs a session's extra connections, each a `lane`; `controls` is what `Outgoing`
+//! shares with the migration it runs; `checkpoints`, what the destination sends back.
 
 mod checkpoints;
+mod controls;
+mod lane;
 mod lanes;
 pub mod machine;
 mod postcopy;
@@ -28,25 +32,9 @@ use crate::params::{MigrationParams, Mode};
 use crate::status::{Phase, Role, Status, StatusBoard};
 use crate::vm::Migratable;
 use crate::wire::StreamMode;
-use recovery::Leftover;
+pub use controls::Controls;
+use controls::Leftover;
 use session::Session;
-
-/// What others may ask of a running migration.
-#[derive(Default)]
-pub struct Controls {
-    pub cancel: AtomicBool,
-    /// Switch a running pre-copy to post-copy at the next round boundary.
-    pub start_postcopy: AtomicBool,
-    /// The connection while the source waits for the destination's first answer: a cancel
-    /// closes it, as a silent peer would otherwise hold the wait for `IO_TIMEOUT`.
-    pub handshake: Mutex<Option<Stream>>,
-    /// The migration's connections until `Go`: `wait_ended` shuts them down when a cancelled
-    /// migration does not end, blocked in a write to a peer that reads nothing.
-    pub connections: Mutex<Vec<Stream>>,
-    /// Set as `Go` leaves, under this lock: a cancel either comes first (and `Go` never
-    /// leaves) or finds it set and is refused (the VM may run on the destination already).
-    pub go_sent: Mutex<bool>,
-}
 
 /// How long `wait_ended` lets a cancelled migration end by itself.
 const CLOSE_AFTER: Duration = Duration::from_secs(1);

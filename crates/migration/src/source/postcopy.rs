@@ -7,8 +7,8 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
 
 use super::checkpoints::Checkpoints;
+use super::controls::Leftover;
 use super::machine::Event;
-use super::recovery::Leftover;
 use super::session::Session;
 use super::switchover::GUEST_REPORT_WAIT;
 use crate::bitmap::Bitmap;

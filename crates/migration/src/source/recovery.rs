@@ -2,31 +2,18 @@
 //! is `destination::recovery`): connect to the destination's new listener, learn which pages
 //! it has, send the rest.
 
-use std::sync::Arc;
-
-use super::checkpoints::Checkpoints;
+use super::controls::Leftover;
+use super::lane::DEFAULT_BATCH_PAGES;
+use super::postcopy::{serve, spawn_reader};
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::io::tls::Tls;
 use crate::io::transport::Endpoint;
 use crate::pages::PageSender;
-use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
 use crate::status::{Phase, Status, StatusBoard};
 use crate::vm::Migratable;
 use crate::wire::{self, Message};
-
-use super::postcopy::{serve, spawn_reader};
-use super::session::DEFAULT_BATCH_PAGES;
-
-/// What an interrupted post-copy still owes the destination.
-#[derive(Clone)]
-pub struct Leftover {
-    pub pending: Bitmap,
-    pub params: MigrationParams,
-    /// What the destination sent back so far, when it sends checkpoints.
-    pub checkpoints: Option<Arc<Checkpoints>>,
-}
 
 /// Sends the pages of `left` the destination at `endpoint` does not have yet. `status` is
 /// the interrupted migration's, carried on.

@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::lanes::RoundShare;
+use super::lane::RoundShare;
 use super::session::Session;
 use crate::bitmap::Bitmap;
 use crate::error::Result;

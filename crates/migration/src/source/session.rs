@@ -9,11 +9,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::Controls;
 use super::checkpoints::Checkpoints;
-use super::lanes::{self, Lane};
+use super::controls::{Controls, Leftover};
+use super::lane::{self, Lane};
 use super::machine::{Event, SourceState};
-use super::recovery::Leftover;
 use crate::bitmap::Bitmap;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
@@ -26,7 +25,6 @@ use crate::status::{Laps, Phase, Status, StatusBoard, ms, now_ns};
 use crate::vm::Migratable;
 use crate::wire::{self, Frame, Message, StreamMode};
 
-pub(crate) const DEFAULT_BATCH_PAGES: usize = 256;
 /// Window for the guest's progress rate before the migration.
 const RATE_WINDOW_NS: u64 = 2_000_000_000;
 
@@ -108,7 +106,7 @@ impl<'a> Session<'a> {
     ) -> Self {
         let ram = vm.ram();
         let cpu = CpuMeter::default();
-        let (pages, limiter) = lanes::page_sender(params, 0, &stream, &cpu);
+        let (pages, limiter) = lane::page_sender(params, 0, &stream, &cpu);
         Self {
             vm,
             sent_once: Bitmap::new(ram.gfn_end()),
@@ -196,7 +194,7 @@ impl<'a> Session<'a> {
             .map(|lane| self.params.packers_of(lane) as u32)
             .sum();
         let session = if connections > 1 {
-            lanes::session_id()?
+            lane::session_id()?
         } else {
             0
         };
