@@ -4,11 +4,13 @@
 
 pub mod ch;
 pub mod client;
+pub mod error;
 pub mod request;
 pub mod server;
 pub mod types;
 
 pub use client::{ApiClient, ClientError};
+pub use error::ApiError;
 pub use request::ApiRequest;
-pub use server::{ApiError, ApiServer, Handler, Service};
+pub use server::{ApiServer, Handler, Service};
 pub use types::*;

@@ -2,7 +2,7 @@
 
 use serde::de::DeserializeOwned;
 
-use crate::server::ApiError;
+use crate::error::ApiError;
 use crate::types::{
     CorruptPageRequest, DirtyLoggingRequest, MigrateResumeRequest, MigrationRequest,
     SnapshotRequest, TakeBackRequest,

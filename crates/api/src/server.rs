@@ -16,45 +16,12 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use serde_json::Value;
 use sockets::deadline::Within;
 
-use serde_json::Value;
-
+use crate::error::ApiError;
 use crate::request::ApiRequest;
 use crate::types::ErrorBody;
-
-#[derive(Clone, Debug, PartialEq)]
-pub struct ApiError {
-    pub status: u16,
-    pub message: String,
-}
-
-impl ApiError {
-    pub fn new(status: u16, message: impl Into<String>) -> Self {
-        Self {
-            status,
-            message: message.into(),
-        }
-    }
-    pub fn bad_request(message: impl Into<String>) -> Self {
-        Self::new(400, message)
-    }
-    pub fn conflict(message: impl Into<String>) -> Self {
-        Self::new(409, message)
-    }
-    pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(500, message)
-    }
-    pub(crate) fn not_found(path: &str) -> Self {
-        Self::new(404, format!("no such endpoint: {path}"))
-    }
-}
-
-impl std::fmt::Display for ApiError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({})", self.message, self.status)
-    }
-}
 
 /// What the VMM does with a request. `Ok(Value::Null)` answers 204 No Content.
 pub trait Handler: Send + Sync + 'static {

@@ -5,7 +5,7 @@
 
 use serde_json::{Map, Value, json};
 
-use crate::server::ApiError;
+use crate::error::ApiError;
 
 /// How a field ferry lacks may be given: what CH does by default.
 #[derive(Clone, Copy)]

@@ -11,7 +11,7 @@ pub use config::{ConsoleMode, Disk, Net, VmSpec};
 pub use request::ChRequest;
 pub use types::*;
 
-use crate::server::ApiError;
+use crate::error::ApiError;
 
 /// CH's error body: the error chain's messages, outermost first (CH's own first link,
 /// then what ferry says went wrong).

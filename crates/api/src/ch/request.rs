@@ -5,8 +5,8 @@ use serde_json::Value;
 
 use super::config::VmSpec;
 use super::types::{ReceiveMigrationData, RestoreConfig, SendMigrationData, VmSnapshotConfig};
+use crate::error::ApiError;
 use crate::request::{PREFIX, json};
-use crate::server::ApiError;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum ChRequest {

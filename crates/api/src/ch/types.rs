@@ -5,7 +5,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::server::ApiError;
+use crate::error::ApiError;
 
 /// Refuses `value` for `field` unless it is CH's default for it.
 fn only_default(
