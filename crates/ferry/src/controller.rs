@@ -8,24 +8,12 @@ use serde_json::Value;
 use vmm::devices::heartbeat::now_ns;
 use vmm::{Vm, VmState};
 
-use crate::lifecycle::{self, Lifecycle};
+use crate::lifecycle::{self, Lifecycle, Phase};
 use crate::migrations::{Migrations, Security, api_error};
 use migration::source::Resumed;
 
 /// How long a shutdown waits for the migration it cancelled to end.
 const CANCEL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
-
-/// Where the VM is in its life, beyond running/paused.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Phase {
-    /// Waiting for an incoming migration or restoring a snapshot.
-    Incoming,
-    Live,
-    /// The destination runs the VM; this process is about to exit.
-    Migrated,
-    ShuttingDown,
-    Failed(String),
-}
 
 pub struct Controller {
     me: Weak<Controller>,

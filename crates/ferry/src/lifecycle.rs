@@ -1,8 +1,21 @@
 //! One lifecycle per VM, and the rule every API call goes through: which call is allowed in
 //! which state (the table is in docs/api.md). A call refused here gets 409 naming the state.
+//! The state comes from the VM's own phase of life (`Phase`) and its migration's status.
 
 use api::{ApiError, ApiRequest};
 use migration::{Phase as Migration, Role, Status};
+
+/// Where the VM is in its life, beyond running/paused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Waiting for an incoming migration or restoring a snapshot.
+    Incoming,
+    Live,
+    /// The destination runs the VM; this process is about to exit.
+    Migrated,
+    ShuttingDown,
+    Failed(String),
+}
 
 /// Where the VM is, as far as what may be done to it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,8 +81,8 @@ impl Lifecycle {
     }
 
     /// The state from the VM's own phase, whether its vCPUs run, and its migration's status.
-    pub fn of(vm: crate::controller::Phase, running: bool, migration: &Status) -> Self {
-        use crate::controller::Phase as Vm;
+    pub fn of(vm: Phase, running: bool, migration: &Status) -> Self {
+        use Phase as Vm;
         match (vm, (migration.phase, migration.role)) {
             (Vm::Incoming, _) => Lifecycle::Incoming,
             (Vm::ShuttingDown, _) => Lifecycle::ShuttingDown,
@@ -280,7 +293,7 @@ mod tests {
 
     #[test]
     fn the_state_comes_from_the_vm_and_its_migration() {
-        use crate::controller::Phase as Vm;
+        use super::Phase as Vm;
         let of = |vm, running, (phase, role): (Migration, Role)| {
             let mode = if role == Role::Source { "precopy" } else { "" };
             let status = Status {

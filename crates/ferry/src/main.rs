@@ -8,6 +8,7 @@ mod dirty_bench;
 mod lifecycle;
 mod metrics;
 mod migrate;
+mod migration_requests;
 mod migrations;
 mod report;
 mod run;

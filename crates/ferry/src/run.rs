@@ -16,8 +16,9 @@ use vmm::memory::MemorySize;
 use vmm::{BootImage, Vm, VmConfig, VmEvent};
 
 use crate::cli::RunArgs;
-use crate::controller::{Controller, Phase};
+use crate::controller::Controller;
 use crate::lifecycle::Lifecycle;
+use crate::lifecycle::Phase;
 use crate::metrics::{self, MetricsServer};
 use crate::migrations::Security;
 

@@ -21,7 +21,8 @@ use vmm::{Vm, VmConfig};
 
 use super::machine;
 use super::vmm::{ChVmm, Slot, as_ch, not_created, wrong_state};
-use crate::controller::{Controller, Phase};
+use crate::controller::Controller;
+use crate::lifecycle::Phase;
 use crate::migrations::{Security, api_error, to_api};
 
 /// The file ferry writes in a snapshot's directory.

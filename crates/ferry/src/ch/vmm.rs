@@ -15,7 +15,8 @@ use vmm::devices::GuestEvent;
 
 use super::events::Events;
 use super::machine;
-use crate::controller::{Controller, Phase};
+use crate::controller::Controller;
+use crate::lifecycle::Phase;
 use crate::migrations::Security;
 
 pub enum Slot {
