@@ -19,4 +19,5 @@ pub use devices::virtio::block::DiskConfig;
 pub use devices::virtio::net::NetConfig;
 pub use error::{Error, Result};
 pub use memory::{MemoryBackend, MemorySize};
-pub use vm::{BootImage, Vm, VmConfig, VmEvent, VmInfo, VmState};
+pub use vcpu::VmEvent;
+pub use vm::{BootImage, Vm, VmConfig, VmInfo, VmState};

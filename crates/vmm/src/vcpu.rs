@@ -21,7 +21,14 @@ use vmm_sys_util::signal::{Killable, SIGRTMIN, register_signal_handler};
 use crate::devices::{DeviceBus, GuestEvent};
 use crate::error::{Error, Result};
 use crate::memory::GuestMemory;
-use crate::vm::VmEvent;
+
+/// Something the VM tells its owner without being asked; its vCPU threads send it (a guest's
+/// device event comes from a vCPU's exit).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum VmEvent {
+    Guest(GuestEvent),
+    VcpuFailed { cpu: usize, reason: String },
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Wish {

@@ -19,13 +19,13 @@ use crate::devices::virtio::block::{Block, DiskConfig};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::{FIRST_GSI, MAX_SLOTS, SLOT_SIZE, WriteLog};
-use crate::devices::{DeviceBus, GuestEvent, HeartbeatDevice, SerialDevice, serial};
+use crate::devices::{DeviceBus, HeartbeatDevice, SerialDevice, serial};
 use crate::dirty_log::Protect;
 use crate::error::{Error, Result, kvm};
 use crate::layout::DEVICE_WINDOW_START;
 use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory};
 use crate::state::{self, DeviceState, VIRTIO_STATE_VERSION, VcpuState, VirtioState};
-use crate::vcpu::VcpuSet;
+use crate::vcpu::{VcpuSet, VmEvent};
 
 const TSS_ADDRESS: usize = 0xfffb_d000;
 pub const MAX_VCPUS: usize = 16;
@@ -44,6 +44,12 @@ pub enum BootImage {
     },
 }
 
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmState {
+    Running,
+    Paused,
+}
+
 #[derive(Clone, Debug)]
 pub struct VmConfig {
     pub memory: u64,
@@ -53,19 +59,6 @@ pub struct VmConfig {
     pub disks: Vec<DiskConfig>,
     /// virtio-net NICs, in the slots after the disks.
     pub nets: Vec<NetConfig>,
-}
-
-/// Something the VM tells its owner without being asked.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum VmEvent {
-    Guest(GuestEvent),
-    VcpuFailed { cpu: usize, reason: String },
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum VmState {
-    Running,
-    Paused,
 }
 
 /// A virtio device as status displays show it.
