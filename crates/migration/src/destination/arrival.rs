@@ -10,7 +10,6 @@ use super::install::{Installer, Installing};
 use super::lanes::{self, LaneReceivers};
 use super::postcopy;
 use super::prefault::{self, FaultIn, Plan, Prefaulter};
-use super::receive::Expect;
 use crate::bitmap::Bitmap;
 use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
@@ -19,6 +18,15 @@ use crate::memory::GuestRam;
 use crate::pages::PageReceiver;
 use crate::vm::VmDescriptor;
 use crate::wire::{self, Frame, Message, StreamMode};
+
+/// What kind of stream the caller is prepared to take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expect {
+    /// A live migration from a source that answers (pre-copy, warm, post-copy, hybrid).
+    Live,
+    /// A snapshot file.
+    Snapshot,
+}
 
 /// What a `Hello` promises, checked against what this destination was asked to take.
 pub(super) struct Hello {

@@ -62,7 +62,7 @@ fn first_live_stream(
         }
     }
 }
-pub use receive::Expect;
+pub use arrival::Expect;
 use receive::{Arrived, Receiver};
 
 /// Where an incoming VM comes from, opened before anyone may send it.

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::arrival::{Event, Filled, Filling, Hello};
+use super::arrival::{Event, Expect, Filled, Filling, Hello};
 use super::handover::Handover;
 use super::postcopy::{self, Postcopy};
 use super::prefault::FaultIn;
@@ -26,15 +26,6 @@ const LAST_WORD_WAIT: Duration = Duration::from_secs(1);
 
 /// Who asked to stop when a signal did.
 const STOP_SIGNAL: &str = "a stop signal (SIGTERM or SIGINT)";
-
-/// What kind of stream the caller is prepared to take.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Expect {
-    /// A live migration from a source that answers (pre-copy, warm, post-copy, hybrid).
-    Live,
-    /// A snapshot file.
-    Snapshot,
-}
 
 /// How a receive ended while the VM runs here.
 pub(crate) enum Arrived<V> {
