@@ -15,8 +15,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use migration::buckets::Buckets;
 use migration::status::{Phase, Role, Status};
-use migration::totals::{Buckets, Totals, has_ended};
+use migration::totals::{Totals, has_ended};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;

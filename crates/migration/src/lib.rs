@@ -2,14 +2,17 @@
 //! recovery), `destination` (receive state machine, post-copy faults, recovery), and what
 //! both sides use and which uses neither: `wire` (framing, messages, page frames), `pages`
 //! (the page pipeline: sender, receiver, compression, deltas) and `io` (transports, TLS, the
-//! gate, snapshot files). Beside them the pure parts: `policy`,
-//! `prepaging`, `ratelimit`; and what both sides share: guest `memory`, page sets (`bitmap`),
-//! the `zero` check, `scan`, `params`, `status`, the `vm` trait.
+//! gate, snapshot files). Beside them the pure parts: `policy`, `prepaging`, `ratelimit`;
+//! and what both sides share: guest `memory`, page sets (`bitmap`), the `zero` check, `scan`,
+//! `params`, `status` (published on a `board`, summed in `totals`, with `buckets` for
+//! histograms), the `vm` trait.
 //!
 //! It knows nothing of KVM: it drives a VM through the `Migratable` trait, which the KVM VM
 //! implements and tests implement with plain memory.
 
 pub mod bitmap;
+pub mod board;
+pub mod buckets;
 pub mod cpu;
 pub mod destination;
 pub mod error;
@@ -28,13 +31,14 @@ pub mod vm;
 pub mod wire;
 pub mod zero;
 
+pub use board::StatusBoard;
 pub use destination::Incoming;
 pub use error::{Error, ErrorKind, Result};
 pub use io::transport::Endpoint;
 pub use memory::{GuestRam, RamRange};
 pub use params::{AutoConverge, Compression, MigrationParams, Mode, Strategy};
 pub use source::Outgoing;
-pub use status::{Phase, Role, Status, StatusBoard};
+pub use status::{Phase, Role, Status};
 pub use vm::{GuestReport, Migratable, VmDescriptor};
 
 pub const PAGE_SIZE: usize = 4096;

@@ -4,10 +4,9 @@
 //! says whose.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::totals::{FaultLatency, Totals};
+use crate::buckets::FaultLatency;
 use crate::wire::PostcopyReport;
 
 /// The next migration's `Status::run` (0 is the empty status a board starts with).
@@ -234,70 +233,6 @@ impl Status {
     /// after which the VM runs on here) that completed. The VM must not run here again.
     pub fn moved_away(&self) -> bool {
         self.role == Role::Source && self.phase == Phase::Completed && self.mode != "snapshot"
-    }
-}
-
-/// Where the migration task publishes its status and readers read it. Only the task that
-/// runs a migration writes, and only whole snapshots; checkpoint figures, which threads of
-/// their own keep while post-copy runs, live beside it and join it when it is read.
-#[derive(Clone, Debug, Default)]
-pub struct StatusBoard {
-    status: Arc<Mutex<Status>>,
-    checkpoints: Arc<Mutex<Option<CheckpointStats>>>,
-    /// Taken after `status`, under it: a reader of both sees a run in one or the other.
-    totals: Arc<Mutex<Totals>>,
-}
-
-impl StatusBoard {
-    pub fn publish(&self, s: &Status) {
-        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
-        self.totals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .count(s);
-        *status = s.clone();
-    }
-
-    /// The status, and the totals of the migrations that ended, read together: a migration
-    /// that just ended shows in the totals and as the (ended) status, never twice as running.
-    pub fn read_with_totals(&self) -> (Status, Totals) {
-        let status = self.status.lock().unwrap_or_else(|e| e.into_inner());
-        let totals = self
-            .totals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        let mut s = status.clone();
-        drop(status);
-        s.checkpoints = self
-            .checkpoints
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        (s, totals)
-    }
-
-    pub fn read(&self) -> Status {
-        let mut s = self
-            .status
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        s.checkpoints = self
-            .checkpoints
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        s
-    }
-
-    /// Changes the checkpoint figures (`None`: no checkpoints in this migration).
-    pub fn checkpoints(&self, f: impl FnOnce(&mut Option<CheckpointStats>)) {
-        f(&mut self.checkpoints.lock().unwrap_or_else(|e| e.into_inner()));
-    }
-
-    pub fn phase(&self) -> Phase {
-        self.status.lock().unwrap_or_else(|e| e.into_inner()).phase
     }
 }
 

@@ -2,79 +2,8 @@
 //! metrics that count (a Prometheus counter must never go down, although each migration's
 //! own progress starts again from zero). Each run counts once, when it first ends.
 
+use crate::buckets::{Buckets, DOWNTIME_BUCKETS_S, FAULT_LATENCY_BUCKETS_S};
 use crate::status::{Phase, Role, Status};
-
-/// Upper bounds (seconds) of the downtime histogram's buckets.
-pub const DOWNTIME_BUCKETS_S: [f64; 12] = [
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0,
-];
-
-/// Upper bounds (seconds) of the post-copy fault latency histogram's buckets.
-pub const FAULT_LATENCY_BUCKETS_S: [f64; 12] = [
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
-];
-
-/// Observations sorted into fixed buckets (each counts the values at most its bound; values
-/// above the last bound count only in `count` and `sum`).
-#[derive(Clone, Debug, PartialEq)]
-pub struct Buckets {
-    pub bounds: &'static [f64],
-    pub counts: Vec<u64>,
-    pub sum: f64,
-    pub count: u64,
-}
-
-impl Buckets {
-    pub fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            counts: vec![0; bounds.len()],
-            sum: 0.0,
-            count: 0,
-        }
-    }
-
-    pub fn observe(&mut self, v: f64) {
-        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
-            self.counts[i] += 1;
-        }
-        self.sum += v;
-        self.count += 1;
-    }
-
-    /// Adds `other`'s observations (same bounds).
-    pub fn add(&mut self, other: &Buckets) {
-        debug_assert_eq!(self.bounds, other.bounds);
-        for (c, o) in self.counts.iter_mut().zip(&other.counts) {
-            *c += o;
-        }
-        self.sum += other.sum;
-        self.count += other.count;
-    }
-
-    /// (bound, observations at most the bound), as an exposition lists them.
-    pub fn cumulative(&self) -> Vec<(f64, u64)> {
-        let mut running = 0;
-        self.bounds
-            .iter()
-            .zip(&self.counts)
-            .map(|(&b, &c)| {
-                running += c;
-                (b, running)
-            })
-            .collect()
-    }
-}
-
-/// How long post-copy's network faults waited, in `FAULT_LATENCY_BUCKETS_S`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct FaultLatency(pub Buckets);
-
-impl Default for FaultLatency {
-    fn default() -> Self {
-        Self(Buckets::new(&FAULT_LATENCY_BUCKETS_S))
-    }
-}
 
 /// Figures summed over every migration that ended.
 #[derive(Clone, Debug, PartialEq)]
@@ -181,15 +110,5 @@ mod tests {
         assert_eq!(t.downtime.count, 1);
         assert_eq!(t.downtime.cumulative()[2], (0.002, 0));
         assert_eq!(t.downtime.cumulative()[3], (0.005, 1));
-    }
-
-    #[test]
-    fn buckets_keep_values_above_the_last_bound_in_count_and_sum() {
-        let mut b = Buckets::new(&FAULT_LATENCY_BUCKETS_S);
-        b.observe(0.0001);
-        b.observe(7.0);
-        assert_eq!(b.count, 2);
-        assert_eq!(b.cumulative().last(), Some(&(1.0, 1)));
-        assert!((b.sum - 7.0001).abs() < 1e-9);
     }
 }

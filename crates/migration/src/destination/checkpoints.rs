@@ -15,12 +15,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::bitmap::Bitmap;
+use crate::board::StatusBoard;
 use crate::error::Result;
 use crate::io::transport::Stream;
 use crate::memory::ShadowRam;
 use crate::pages::PageSender;
 use crate::ratelimit::RateLimiter;
-use crate::status::{StatusBoard, ms};
+use crate::status::ms;
 use crate::vm::Migratable;
 use crate::wire::{self, Message};
 

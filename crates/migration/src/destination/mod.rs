@@ -23,12 +23,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::board::StatusBoard;
 use crate::error::{Error, Result};
 use crate::io::gate::Gate;
 use crate::io::lanefile::SnapshotFile;
 use crate::io::tls::Tls;
 use crate::io::transport::{Endpoint, Listener, Stream};
-use crate::status::{Phase, Role, Status, StatusBoard};
+use crate::status::{Phase, Role, Status};
 use crate::vm::{Migratable, VmDescriptor};
 use crate::wire::{self, Message, StreamMode};
 

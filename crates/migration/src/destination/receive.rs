@@ -9,11 +9,12 @@ use super::arrival::{Event, Expect, Filled, Filling, Hello};
 use super::handover::Handover;
 use super::postcopy::{self, Postcopy};
 use super::prefault::FaultIn;
+use crate::board::StatusBoard;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::{Listener, Stream};
 use crate::scan::memory_checksum;
-use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, StatusBoard, ms, now_ns};
+use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, ms, now_ns};
 use crate::vm::{Migratable, VmDescriptor};
 use crate::wire::{self, Message};
 

@@ -14,10 +14,11 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::bitmap::Bitmap;
+use crate::board::StatusBoard;
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::{GuestRam, ShadowRam};
-use crate::status::{CheckpointStats, StatusBoard, ms};
+use crate::status::{CheckpointStats, ms};
 use crate::wire::frame::FRAME_HEADER_LEN;
 use crate::wire::page_frame::{FrameBuffers, read_page_frame};
 

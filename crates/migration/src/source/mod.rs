@@ -24,12 +24,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::board::StatusBoard;
 use crate::error::{Error, Result};
 use crate::io::lanefile::{LaneWriter, SnapshotFile};
 use crate::io::tls::Tls;
 use crate::io::transport::{Endpoint, Stream};
 use crate::params::{MigrationParams, Mode};
-use crate::status::{Phase, Role, Status, StatusBoard};
+use crate::status::{Phase, Role, Status};
 use crate::vm::Migratable;
 use crate::wire::StreamMode;
 pub use controls::Controls;

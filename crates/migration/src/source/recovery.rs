@@ -6,12 +6,13 @@ use super::controls::Leftover;
 use super::lane::DEFAULT_BATCH_PAGES;
 use super::postcopy::{serve, spawn_reader};
 use crate::bitmap::Bitmap;
+use crate::board::StatusBoard;
 use crate::error::{Error, Result};
 use crate::io::tls::Tls;
 use crate::io::transport::Endpoint;
 use crate::pages::PageSender;
 use crate::ratelimit::RateLimiter;
-use crate::status::{Phase, Status, StatusBoard};
+use crate::status::{Phase, Status};
 use crate::vm::Migratable;
 use crate::wire::{self, Message};
 

@@ -14,6 +14,7 @@ use super::controls::{Controls, Leftover};
 use super::lane::{self, Lane};
 use super::machine::{Event, SourceState};
 use crate::bitmap::Bitmap;
+use crate::board::StatusBoard;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
@@ -21,7 +22,7 @@ use crate::memory::GuestRam;
 use crate::pages::PageSender;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
-use crate::status::{Laps, Phase, Status, StatusBoard, ms, now_ns};
+use crate::status::{Laps, Phase, Status, ms, now_ns};
 use crate::vm::Migratable;
 use crate::wire::{self, Frame, Message, StreamMode};
 
