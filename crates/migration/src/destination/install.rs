@@ -194,17 +194,14 @@ impl PagePlacer for Installer {
 fn fill_zeros(uffd: &Uffd, ram: &GuestRam, stop: &AtomicBool, touched: &Mutex<Vec<u64>>) {
     each_fault(uffd, stop, |page| {
         // SAFETY: a page of the registered range (the kernel reported a fault there).
-        match unsafe { uffd.zeropage(page, PAGE_SIZE, true) } {
-            Ok(_) => {
-                if let Some(gfn) = ram.gfn_of_host(page as u64) {
-                    touched.lock().unwrap_or_else(|e| e.into_inner()).push(gfn);
-                }
-            }
-            // Installed meanwhile: the waiter only needs waking.
-            Err(_) => {
-                let _ = uffd.wake(page, PAGE_SIZE);
-            }
+        // Noted before the waiter wakes: whoever it tells next finds the page in `touched`.
+        // An error means it was installed meanwhile: the waiter only needs waking.
+        if unsafe { uffd.zeropage(page, PAGE_SIZE, false) }.is_ok()
+            && let Some(gfn) = ram.gfn_of_host(page as u64)
+        {
+            touched.lock().unwrap_or_else(|e| e.into_inner()).push(gfn);
         }
+        let _ = uffd.wake(page, PAGE_SIZE);
     });
 }
 
