@@ -33,7 +33,7 @@ pub fn populated_pages(ram: &GuestRam) -> Result<Bitmap> {
 pub fn populated_pages_into(ram: &GuestRam, out: &mut Bitmap) -> Result<()> {
     let pagemap = File::open("/proc/self/pagemap")?;
     if out.pages() == ram.gfn_end() {
-        out.words_mut().fill(0);
+        out.clear();
     } else {
         *out = Bitmap::new(ram.gfn_end());
     }

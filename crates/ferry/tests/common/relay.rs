@@ -97,9 +97,9 @@ impl Conversation {
                 self.caught_up = true;
                 false
             }
-            (true, Some(Message::PostcopyPending { words, .. })) => {
+            (true, Some(Message::PostcopyPending { map })) => {
                 self.postcopy = true;
-                self.pending = words.iter().map(|w| u64::from(w.count_ones())).sum();
+                self.pending = map.count();
                 point == Point::Pause && !self.caught_up
             }
             (true, Some(Message::VcpuState { index: 0, .. })) => point == Point::State,

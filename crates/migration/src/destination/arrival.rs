@@ -245,14 +245,12 @@ impl Filling {
         }
         match (self.stage, msg) {
             (_, Message::Abort { reason }) => Err(Error::Peer(reason)),
-            (Memory, Message::Populated { pages, words }) => self.on_populated(pages, words),
+            (Memory, Message::Populated { map }) => self.on_populated(map),
             (Memory, Message::RoundEnd { round, pages }) => Ok(self.on_round_end(round, pages)),
             (Memory, Message::Sync { lane_pages }) => self.on_sync(&lane_pages, stream),
-            (Memory, Message::Stale { pages, words }) if self.live => {
-                self.on_stale(pages, words, stream)
-            }
-            (Memory | StaleDropped, Message::PostcopyPending { pages, words }) if self.live => {
-                self.pending = Some(page_map(&self.ram, pages, words)?);
+            (Memory, Message::Stale { map }) if self.live => self.on_stale(map, stream),
+            (Memory | StaleDropped, Message::PostcopyPending { map }) if self.live => {
+                self.pending = Some(page_map(&self.ram, map)?);
                 self.stage = State;
                 Ok(Event::Nothing)
             }
@@ -299,8 +297,8 @@ impl Filling {
     }
 
     /// Round 0's populated pages: install them as they come, or fault them in ahead.
-    fn on_populated(&mut self, n: u64, words: Vec<u64>) -> Result<Event> {
-        let map = page_map(&self.ram, n, words)?;
+    fn on_populated(&mut self, map: Bitmap) -> Result<Event> {
+        let map = page_map(&self.ram, map)?;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         if prefault::plan(self.fault_in, self.connections, cores) == Plan::Install {
             self.installing = Installer::start(self.ram.clone())
@@ -344,9 +342,9 @@ impl Filling {
 
     /// Drops the copies the source will send again by post-copy. Every copy must have
     /// landed before it is dropped.
-    fn on_stale(&mut self, n: u64, words: Vec<u64>, stream: &mut Stream) -> Result<Event> {
+    fn on_stale(&mut self, stale: Bitmap, stream: &mut Stream) -> Result<Event> {
         self.finish_lanes()?;
-        let stale = page_map(&self.ram, n, words)?;
+        let stale = page_map(&self.ram, stale)?;
         postcopy::drop_stale_copies(&self.ram, &stale, &self.pages.present())?;
         self.pages.forget(&stale);
         wire::write_message(stream, &Message::StaleDropped)?;
@@ -445,14 +443,14 @@ impl Filling {
 
 /// Checks a page map (post-copy's pending pages, stale ones, round 0's) against this VM's
 /// RAM: the right length, and no page outside RAM (post-copy could never complete).
-fn page_map(ram: &GuestRam, n: u64, words: Vec<u64>) -> Result<Bitmap> {
-    if n != ram.gfn_end() || words.len() as u64 != n.div_ceil(64) {
+fn page_map(ram: &GuestRam, map: Bitmap) -> Result<Bitmap> {
+    if map.pages() != ram.gfn_end() {
         return Err(Error::Protocol(format!(
-            "a page map of {n} pages for a guest whose pages end at {}",
+            "a page map of {} pages for a guest whose pages end at {}",
+            map.pages(),
             ram.gfn_end()
         )));
     }
-    let map = Bitmap::from_words(words, n);
     if let Some(bad) = map.iter().find(|&gfn| !ram.contains(gfn)) {
         return Err(Error::Protocol(format!(
             "a page map names page {bad:#x}, outside guest RAM"
@@ -570,8 +568,11 @@ mod tests {
         }
     }
 
-    fn map(pages: u64) -> Vec<u64> {
-        vec![(1 << pages) - 1; RAM_PAGES.div_ceil(64) as usize]
+    /// A map of the guest's first `pages` pages.
+    fn map(pages: u64) -> Bitmap {
+        let mut m = Bitmap::new(RAM_PAGES);
+        (0..pages).for_each(|p| m.set(p));
+        m
     }
 
     fn refused(s: &mut Script, m: Message) -> String {
@@ -603,16 +604,10 @@ mod tests {
     #[test]
     fn a_postcopy_stream_keeps_its_pending_pages_and_checkpoints() {
         let mut s = script();
-        s.send_all(vec![Message::Stale {
-            pages: RAM_PAGES,
-            words: map(2),
-        }]);
+        s.send_all(vec![Message::Stale { map: map(2) }]);
         assert!(matches!(s.answer(), Message::StaleDropped));
         s.send_all(vec![
-            Message::PostcopyPending {
-                pages: RAM_PAGES,
-                words: map(3),
-            },
+            Message::PostcopyPending { map: map(3) },
             Message::Checkpoints { every_ms: 100 },
             vcpu(0),
             vcpu(1),
@@ -627,10 +622,7 @@ mod tests {
     #[test]
     fn after_the_stale_copies_go_only_the_switch_to_postcopy_may_come() {
         let mut s = script();
-        s.send_all(vec![Message::Stale {
-            pages: RAM_PAGES,
-            words: map(1),
-        }]);
+        s.send_all(vec![Message::Stale { map: map(1) }]);
         let e = s.page_frame().map(|_| ()).unwrap_err().to_string();
         assert!(
             e.contains("page frame while the destination was in StaleDropped"),
@@ -638,10 +630,7 @@ mod tests {
         );
         for m in [
             Message::Sync { lane_pages: vec![] },
-            Message::Stale {
-                pages: RAM_PAGES,
-                words: map(1),
-            },
+            Message::Stale { map: map(1) },
             vcpu(0),
             Message::RoundEnd { round: 1, pages: 0 },
         ] {
@@ -686,10 +675,7 @@ mod tests {
         );
         for m in [
             Message::RoundEnd { round: 1, pages: 0 },
-            Message::Populated {
-                pages: RAM_PAGES,
-                words: map(1),
-            },
+            Message::Populated { map: map(1) },
         ] {
             let name = m.name();
             let e = refused(&mut s, m);
@@ -726,10 +712,7 @@ mod tests {
         let stages: [Vec<Message>; 4] = [
             vec![],
             vec![Message::RoundEnd { round: 0, pages: 0 }],
-            vec![Message::Stale {
-                pages: RAM_PAGES,
-                words: map(1),
-            }],
+            vec![Message::Stale { map: map(1) }],
             vec![vcpu(0), devices()],
         ];
         for before in stages {
@@ -745,14 +728,8 @@ mod tests {
 
     #[test]
     fn a_silent_source_times_out_in_every_stage() {
-        let stages: [Vec<Message>; 3] = [
-            vec![],
-            vec![Message::Stale {
-                pages: RAM_PAGES,
-                words: map(1),
-            }],
-            vec![vcpu(0)],
-        ];
+        let stages: [Vec<Message>; 3] =
+            [vec![], vec![Message::Stale { map: map(1) }], vec![vcpu(0)]];
         for before in stages {
             let mut s = script();
             s.send_all(before);
@@ -768,14 +745,8 @@ mod tests {
     #[test]
     fn a_snapshot_may_not_ask_for_what_only_a_live_source_can_give() {
         for m in [
-            Message::Stale {
-                pages: RAM_PAGES,
-                words: map(1),
-            },
-            Message::PostcopyPending {
-                pages: RAM_PAGES,
-                words: map(1),
-            },
+            Message::Stale { map: map(1) },
+            Message::PostcopyPending { map: map(1) },
         ] {
             let mut s = script();
             // Opening a snapshot reads its lanes from a file; past that, only `live` differs.

@@ -232,13 +232,13 @@ impl Postcopy {
         *self.requests.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
-    /// The pages that are here (a bitmap, in `Bitmap` word layout).
-    pub fn present_words(&self) -> Vec<u64> {
+    /// The pending pages that are here.
+    pub fn present_map(&self) -> Bitmap {
         let mut b = Bitmap::new(self.ram.gfn_end());
         for pfn in self.pending.iter().filter(|&p| self.present.get(p)) {
             b.set(pfn);
         }
-        b.words().to_vec()
+        b
     }
 
     /// Resolves faults until post-copy ends: zero pages here, the rest requested.

@@ -143,11 +143,11 @@ impl Drop for Prefaulter {
 impl Shared {
     /// Takes chunks in page order until none is left, or a stop.
     fn fault_in(&self) {
-        let words = self.pages.words();
+        let words = self.pages.word_count();
         loop {
             let chunk = self.next_chunk.fetch_add(1, Ordering::Relaxed) as usize;
             let first_word = chunk.saturating_mul(CHUNK_WORDS);
-            if first_word >= words.len() || !self.chunk(first_word) {
+            if first_word >= words || !self.chunk(first_word) {
                 return;
             }
         }
@@ -155,11 +155,12 @@ impl Shared {
 
     /// Faults in the pages of the chunk from `first_word`, in runs; false to stop.
     fn chunk(&self, first_word: usize) -> bool {
-        let words = self.pages.words();
-        let last_word = (first_word + CHUNK_WORDS).min(words.len());
+        let last_word = (first_word + CHUNK_WORDS).min(self.pages.word_count());
         let mut run: Option<(u64, u64)> = None;
-        for (w, &bits) in words[first_word..last_word].iter().enumerate() {
-            let mut bits = bits;
+        for (w, mut bits) in (first_word..last_word)
+            .map(|i| self.pages.word(i))
+            .enumerate()
+        {
             while bits != 0 {
                 let pfn = (first_word + w) as u64 * 64 + u64::from(bits.trailing_zeros());
                 bits &= bits - 1;

@@ -32,7 +32,7 @@ pub(crate) fn resume(
     wire::write_message(
         &mut stream,
         &Message::ResumeFrom {
-            words: dest.present_words(),
+            map: dest.present_map(),
         },
     )?;
     dest.attach(stream.try_clone()?);

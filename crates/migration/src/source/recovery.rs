@@ -31,15 +31,17 @@ pub(crate) fn resume(
     wire::write_stream_header(&mut stream)?;
     wire::write_message(&mut stream, &Message::ResumePostcopy)?;
     let here = match wire::read_message(&mut stream)? {
-        Message::ResumeFrom { words } => {
-            if words.len() as u64 != ram.gfn_end().div_ceil(64) {
+        Message::ResumeFrom { map } => {
+            if map.word_count() as u64 != ram.gfn_end().div_ceil(64) {
                 return Err(Error::Protocol(format!(
                     "the destination's page map has {} words for {} pages",
-                    words.len(),
+                    map.word_count(),
                     ram.gfn_end()
                 )));
             }
-            Bitmap::from_words(words, ram.gfn_end())
+            let mut here = Bitmap::new(ram.gfn_end());
+            here.merge(&map);
+            here
         }
         other => {
             return Err(Error::Protocol(format!(

@@ -47,8 +47,7 @@ impl Session<'_> {
         }
         // Which pages round 0 sends, so that the destination faults them in meanwhile.
         self.send(&Message::Populated {
-            pages: populated.pages(),
-            words: populated.words().to_vec(),
+            map: populated.clone(),
         })?;
         self.lap("populated map");
         self.send_round(0, &populated)?;

@@ -72,8 +72,7 @@ impl Session<'_> {
             self.pages.forget_deltas();
             self.status.postcopy = true;
             self.send(&Message::PostcopyPending {
-                pages: pending.pages(),
-                words: pending.words().to_vec(),
+                map: pending.clone(),
             })?;
             if let Some(every_ms) = self.params.checkpoint_ms {
                 self.checkpoints = Some(Arc::new(Checkpoints::new(
@@ -145,10 +144,7 @@ impl Session<'_> {
     /// drops those it dirties from now on (hybrid's downtime no longer grows with them).
     fn drop_stale_before_pause(&mut self, stale: &Bitmap) -> Result<()> {
         self.end_lanes()?; // every copy must have landed before it is dropped
-        self.send(&Message::Stale {
-            pages: stale.pages(),
-            words: stale.words().to_vec(),
-        })?;
+        self.send(&Message::Stale { map: stale.clone() })?;
         self.step(Event::StaleSent)?;
         self.hear()?;
         self.status.report.stale_pages_dropped_before_pause = Some(stale.count());

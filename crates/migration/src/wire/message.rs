@@ -3,6 +3,7 @@
 //! only when this file does — and then the golden-bytes tests below fail and the stream
 //! version must move (see docs/protocol.md, "Changelog").
 
+use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::memory::RamRange;
 use crate::vm::VmDescriptor;
@@ -102,7 +103,7 @@ pub enum Message {
     Abort { reason: String },
     /// Source → destination, before the state: the switch is to post-copy, and these pages
     /// (a bitmap over guest page numbers) come after the guest resumes; all others are final.
-    PostcopyPending { pages: u64, words: Vec<u64> },
+    PostcopyPending { map: Bitmap },
     /// Destination → source during post-copy: the guest needs this page now.
     PageRequest { gfn: u64 },
     /// Source → destination: every pending page has been sent.
@@ -112,7 +113,7 @@ pub enum Message {
     /// Source → destination, first on a new connection: carry on an interrupted post-copy.
     ResumePostcopy,
     /// Destination → source: the pages already here (a bitmap); send the rest.
-    ResumeFrom { words: Vec<u64> },
+    ResumeFrom { map: Bitmap },
     /// Source → destination, first on an extra connection: it carries the pages of lane
     /// `lane` of migration `session`.
     Join { session: u64, lane: u32 },
@@ -120,7 +121,7 @@ pub enum Message {
     LaneEnd { pages: u64 },
     /// Source → destination, while the guest still runs, before a switch to post-copy after
     /// rounds: these pages (a bitmap) were dirtied since they were sent; make them missing.
-    Stale { pages: u64, words: Vec<u64> },
+    Stale { map: Bitmap },
     /// Destination → source: the stale pages are gone; the source may pause.
     StaleDropped,
     /// Source → destination, while the guest still runs, before a pre-copy pause: answer
@@ -147,7 +148,7 @@ pub enum Message {
     /// Source → destination, before round 0's pages: the pages that round sends (a bitmap
     /// over guest page numbers). The destination faults them in on threads of its own while
     /// they travel, so that its receiver writes into memory that is already there.
-    Populated { pages: u64, words: Vec<u64> },
+    Populated { map: Bitmap },
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -273,16 +274,16 @@ impl Message {
                 e.opt_f64(*pages_per_s_after);
             }
             Message::Abort { reason } => e.str(reason),
-            Message::PostcopyPending { pages, words }
-            | Message::Stale { pages, words }
-            | Message::Populated { pages, words } => {
-                e.u64(*pages);
-                e.bitmap(words);
+            Message::PostcopyPending { map }
+            | Message::Stale { map }
+            | Message::Populated { map } => {
+                e.u64(map.pages());
+                e.bitmap(map);
             }
             Message::PageRequest { gfn } => e.u64(*gfn),
             Message::PostcopyDone { pages_sent } => e.u64(*pages_sent),
             Message::PostcopyComplete(r) => e.report(r),
-            Message::ResumeFrom { words } => e.bitmap(words),
+            Message::ResumeFrom { map } => e.bitmap(map),
             Message::Sync { lane_pages } => e.words(lane_pages),
             Message::Join { session, lane } => {
                 e.u64(*session);
@@ -347,26 +348,22 @@ impl Message {
             Kind::Abort => Message::Abort {
                 reason: d.string()?,
             },
-            Kind::PostcopyPending => Message::PostcopyPending {
-                pages: d.u64()?,
-                words: d.bitmap()?,
-            },
+            Kind::PostcopyPending => Message::PostcopyPending { map: d.page_map()? },
             Kind::PageRequest => Message::PageRequest { gfn: d.u64()? },
             Kind::PostcopyDone => Message::PostcopyDone {
                 pages_sent: d.u64()?,
             },
             Kind::PostcopyComplete => Message::PostcopyComplete(d.report()?),
             Kind::ResumePostcopy => Message::ResumePostcopy,
-            Kind::ResumeFrom => Message::ResumeFrom { words: d.bitmap()? },
+            Kind::ResumeFrom => Message::ResumeFrom {
+                map: d.bitmap(None)?,
+            },
             Kind::Join => Message::Join {
                 session: d.u64()?,
                 lane: d.u32()?,
             },
             Kind::LaneEnd => Message::LaneEnd { pages: d.u64()? },
-            Kind::Stale => Message::Stale {
-                pages: d.u64()?,
-                words: d.bitmap()?,
-            },
+            Kind::Stale => Message::Stale { map: d.page_map()? },
             Kind::StaleDropped => Message::StaleDropped,
             Kind::Sync => Message::Sync {
                 lane_pages: d.words()?,
@@ -385,10 +382,7 @@ impl Message {
                 }
             }
             Kind::CheckpointTaken => Message::CheckpointTaken { seq: d.u64()? },
-            Kind::Populated => Message::Populated {
-                pages: d.u64()?,
-                words: d.bitmap()?,
-            },
+            Kind::Populated => Message::Populated { map: d.page_map()? },
         };
         if !d.buf.is_empty() {
             return Err(Error::Protocol(format!(
@@ -473,35 +467,36 @@ impl Encoder {
     /// carries one) costs no more round trips for a larger guest. The word count, then runs
     /// until it is reached: `RUN_ZEROS len`, `RUN_ONES len`, or `RUN_WORDS len` and `len`
     /// words as they are.
-    fn bitmap(&mut self, v: &[u64]) {
-        self.u32(v.len() as u32);
+    fn bitmap(&mut self, map: &Bitmap) {
+        let n = map.word_count();
+        self.u32(n as u32);
         let mut literal_from = 0;
         let mut i = 0;
-        while i < v.len() {
-            let w = v[i];
+        while i < n {
+            let w = map.word(i);
             let len = if w == 0 || w == u64::MAX {
-                v[i..].iter().take_while(|&&x| x == w).count()
+                (i..n).take_while(|&j| map.word(j) == w).count()
             } else {
                 0
             };
             // A run of one word between literal ones saves nothing: it stays literal.
-            if len < 2 && !(len == 1 && (i == literal_from || i + 1 == v.len())) {
+            if len < 2 && !(len == 1 && (i == literal_from || i + 1 == n)) {
                 i += 1;
                 continue;
             }
-            self.literal_words(&v[literal_from..i]);
+            self.literal_words(map, literal_from..i);
             self.0.push(if w == 0 { RUN_ZEROS } else { RUN_ONES });
             self.u32(len as u32);
             i += len;
             literal_from = i;
         }
-        self.literal_words(&v[literal_from..]);
+        self.literal_words(map, literal_from..n);
     }
-    fn literal_words(&mut self, v: &[u64]) {
-        if !v.is_empty() {
+    fn literal_words(&mut self, map: &Bitmap, words: std::ops::Range<usize>) {
+        if !words.is_empty() {
             self.0.push(RUN_WORDS);
-            self.u32(v.len() as u32);
-            v.iter().for_each(|&w| self.u64(w));
+            self.u32(words.len() as u32);
+            words.for_each(|i| self.u64(map.word(i)));
         }
     }
 }
@@ -621,42 +616,57 @@ impl<'a> Decoder<'a> {
         }
         Ok(r)
     }
-    fn bitmap(&mut self) -> Result<Vec<u64>> {
+    /// A page map: its page count, then its bitmap of exactly as many words.
+    fn page_map(&mut self) -> Result<Bitmap> {
+        let pages = self.u64()?;
+        self.bitmap(Some(pages))
+    }
+    /// A bitmap of `pages` pages (by default, 64 a word): zero runs cost nothing here,
+    /// as they cost nothing in a `Bitmap`.
+    fn bitmap(&mut self, pages: Option<u64>) -> Result<Bitmap> {
         let n = self.u32()? as usize;
         if n > MAX_BITMAP_WORDS {
             return Err(Error::Protocol(format!(
                 "a bitmap of {n} words (at most {MAX_BITMAP_WORDS})"
             )));
         }
-        let mut words = Vec::with_capacity(n);
-        while words.len() < n {
+        let pages = pages.unwrap_or(n as u64 * 64);
+        if pages.div_ceil(64) != n as u64 {
+            return Err(Error::Protocol(format!(
+                "a page map of {pages} pages in {n} words"
+            )));
+        }
+        let mut map = Bitmap::new(pages);
+        let mut at = 0;
+        while at < n {
             let kind = self.u8()?;
             let len = self.u32()? as usize;
-            if len == 0 || len > n - words.len() {
+            if len == 0 || len > n - at {
                 return Err(Error::Protocol(format!(
                     "a bitmap run of {len} words where {} are left",
-                    n - words.len()
+                    n - at
                 )));
             }
             match kind {
-                RUN_ZEROS => words.resize(words.len() + len, 0),
-                RUN_ONES => words.resize(words.len() + len, u64::MAX),
+                RUN_ZEROS => {}
+                RUN_ONES => (at..at + len).for_each(|i| map.or_word(i, u64::MAX)),
                 RUN_WORDS => {
                     if len * 8 > self.buf.len() {
                         return Err(Error::Protocol(format!(
                             "a bitmap run of {len} words does not fit the message"
                         )));
                     }
-                    for _ in 0..len {
-                        words.push(self.u64()?);
+                    for i in at..at + len {
+                        map.or_word(i, self.u64()?);
                     }
                 }
                 other => {
                     return Err(Error::Protocol(format!("unknown bitmap run kind {other}")));
                 }
             }
+            at += len;
         }
-        Ok(words)
+        Ok(map)
     }
 }
 
@@ -735,8 +745,7 @@ mod tests {
             (Message::Abort { reason: "x".into() }, "0b000100000078"),
             (
                 Message::PostcopyPending {
-                    pages: 64,
-                    words: vec![1],
+                    map: Bitmap::from_words(&[1], 64),
                 },
                 "0c00 4000000000000000 01000000 02 01000000 0100000000000000",
             ),
@@ -755,7 +764,12 @@ mod tests {
                  0000000000000000 00 01000000 010000000200000003000000",
             ),
             (Message::ResumePostcopy, "1000"),
-            (Message::ResumeFrom { words: vec![] }, "1100 00000000"),
+            (
+                Message::ResumeFrom {
+                    map: Bitmap::new(0),
+                },
+                "1100 00000000",
+            ),
             (
                 Message::Join {
                     session: 0x55,
@@ -766,8 +780,7 @@ mod tests {
             (Message::LaneEnd { pages: 4 }, "1300 0400000000000000"),
             (
                 Message::Stale {
-                    pages: 64,
-                    words: vec![1],
+                    map: Bitmap::from_words(&[1], 64),
                 },
                 "1400 4000000000000000 01000000 02 01000000 0100000000000000",
             ),
@@ -792,8 +805,7 @@ mod tests {
             (Message::CheckpointTaken { seq: 2 }, "1a00 0200000000000000"),
             (
                 Message::Populated {
-                    pages: 64,
-                    words: vec![1],
+                    map: Bitmap::from_words(&[1], 64),
                 },
                 "1b00 4000000000000000 01000000 02 01000000 0100000000000000",
             ),
@@ -819,7 +831,10 @@ mod tests {
         words.extend([5, 0, 7, u64::MAX, 0, 0, 9]);
         words.resize(262_144, 0);
         words.push(u64::MAX);
-        let msg = Message::PostcopyPending { pages: 1, words };
+        let pages = words.len() as u64 * 64;
+        let msg = Message::PostcopyPending {
+            map: Bitmap::from_words(&words, pages),
+        };
         let bytes = msg.encode();
         assert!(bytes.len() < 100, "{} bytes", bytes.len());
         assert_eq!(Message::decode(&bytes).unwrap(), msg);
@@ -830,9 +845,18 @@ mod tests {
             vec![0, 3, 0],
             vec![u64::MAX, 3, 3],
         ] {
-            let msg = Message::ResumeFrom { words };
+            let map = Bitmap::from_words(&words, words.len() as u64 * 64);
+            let msg = Message::ResumeFrom { map };
             assert_eq!(Message::decode(&msg.encode()).unwrap(), msg);
         }
+        // A page map whose word count is not its page count's is refused.
+        let mut bytes = Message::Populated {
+            map: Bitmap::from_words(&[1], 64),
+        }
+        .encode();
+        bytes[2] = 65; // 65 pages need two words, and one came
+        let e = Message::decode(&bytes).unwrap_err();
+        assert!(e.to_string().contains("65 pages in 1 words"), "{e}");
     }
 
     #[test]
