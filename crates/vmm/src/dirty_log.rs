@@ -72,13 +72,14 @@ pub fn enable_manual_protect(vm: &VmFd) -> Protect {
     Protect::OnRead
 }
 
-/// Clears the bits of `bitmap` (pages `0..pages` of `slot`) in KVM's log and write-protects
-/// those pages again, so that a later write marks them dirty anew.
-pub fn clear(vm: &VmFd, slot: u32, pages: u64, bitmap: &mut [u64]) -> std::io::Result<()> {
+/// Clears the bits of `bitmap` (the slot's pages from `first_page`, a multiple of 64, up to
+/// the bitmap's end or the slot's) in KVM's log and write-protects those pages again, so
+/// that a later write marks them dirty anew.
+pub fn clear(vm: &VmFd, slot: u32, first_page: u64, bitmap: &mut [u64]) -> std::io::Result<()> {
     let range = kvm_clear_dirty_log {
         slot,
-        num_pages: pages as u32,
-        first_page: 0,
+        num_pages: bitmap.len() as u32 * 64,
+        first_page,
         __bindgen_anon_1: kvm_clear_dirty_log__bindgen_ty_1 {
             dirty_bitmap: bitmap.as_mut_ptr() as *mut libc::c_void,
         },

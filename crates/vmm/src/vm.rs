@@ -186,6 +186,7 @@ impl Vm {
         }
         let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
         parts.bus.spawn_io_threads(&parts.memory)?;
+        let buffers = dirty_buffers(&regions_of(&parts.memory));
         Ok(Self {
             fd: parts.fd,
             memory: parts.memory,
@@ -198,7 +199,7 @@ impl Vm {
             running: AtomicBool::new(!paused),
             transition: Mutex::new(()),
             events: Mutex::new(rx),
-            dirty_buffers: Mutex::new(Vec::new()),
+            dirty_buffers: Mutex::new(buffers),
             populated: Mutex::new(Bitmap::new(0)),
         })
     }
@@ -341,13 +342,14 @@ impl Vm {
         }
         if on && self.dirty_protect == Protect::ManualInitiallySet {
             // Every bit starts set and nothing is protected: protect what holds data now (what
-            // the first round sends); the bits of pages never touched stay set (`take_dirty_log`).
-            let mut populated = self.populated()?;
-            let regions = self.ram_regions();
-            for (slot, (range, _)) in regions.into_iter().enumerate() {
-                let words = slot_words(&mut populated, range);
-                crate::dirty_log::clear(&self.fd, slot as u32, range.pages(), words)
-                    .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
+            // the first round sends), chunk by chunk; the bits of pages never touched stay set
+            // (`take_dirty_log`).
+            let populated = self.populated()?;
+            for (slot, (range, _)) in self.ram_regions().into_iter().enumerate() {
+                each_chunk_in(&populated, range, |first_page, words| {
+                    crate::dirty_log::clear(&self.fd, slot as u32, first_page, words)
+                })
+                .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
             }
         }
         Ok(())
@@ -370,24 +372,23 @@ impl Vm {
     /// `take_dirty_log`, added to `dirty` (a bitmap of every guest page).
     pub fn take_dirty_log_into(&self, dirty: &mut Bitmap) -> Result<()> {
         let regions = self.ram_regions();
-        let mut populated = match self.dirty_protect {
+        let populated = match self.dirty_protect {
             Protect::ManualInitiallySet => Some(self.populated()?),
             _ => None,
         };
         let mut buffers = self.dirty_buffers.lock().unwrap_or_else(|e| e.into_inner());
-        buffers.resize_with(regions.len(), Vec::new);
+        if buffers.len() != regions.len() {
+            *buffers = dirty_buffers(&regions);
+        }
         for (slot, ((range, _), bitmap)) in regions.into_iter().zip(buffers.iter_mut()).enumerate()
         {
-            bitmap.resize(range.pages().div_ceil(64) as usize, 0);
             crate::dirty_log::get(&self.fd, slot as u32, bitmap)
                 .map_err(|e| Error::State(format!("KVM_GET_DIRTY_LOG: {e}")))?;
-            if let Some(populated) = populated.as_mut() {
-                for (bit, held) in bitmap.iter_mut().zip(slot_words(populated, range)) {
-                    *bit &= *held;
-                }
+            if let Some(populated) = populated.as_ref() {
+                populated.mask((range.first_gfn() / 64) as usize, bitmap);
             }
             if self.dirty_protect != Protect::OnRead {
-                crate::dirty_log::clear(&self.fd, slot as u32, range.pages(), bitmap)
+                crate::dirty_log::clear(&self.fd, slot as u32, 0, bitmap)
                     .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
             }
             dirty.merge_words_at(range.first_gfn(), bitmap);
@@ -757,13 +758,38 @@ fn set_fpu_defaults(vcpu: &VcpuFd) -> Result<()> {
     vcpu.set_fpu(&fpu).map_err(kvm("KVM_SET_FPU"))
 }
 
-/// The words of `map` that cover `range` (its first page is a multiple of 64, as every RAM
-/// range starts on a 2 MiB boundary).
-fn slot_words(map: &mut Bitmap, range: migration::RamRange) -> &mut [u64] {
+/// Calls `f(first page in the slot, words)` for each chunk of `map` inside `range` that has a
+/// bit set (a range's first page is a multiple of 64, as every RAM range starts on a 2 MiB
+/// boundary): what KVM is told costs what the map holds, not what the range spans.
+fn each_chunk_in(
+    map: &Bitmap,
+    range: migration::RamRange,
+    mut f: impl FnMut(u64, &mut [u64]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     let first = (range.first_gfn() / 64) as usize;
-    let words = map.words_mut();
-    let last = (first + range.pages().div_ceil(64) as usize).min(words.len());
-    &mut words[first.min(last)..last]
+    let end = first + range.pages().div_ceil(64) as usize;
+    for (start, chunk) in map.chunks() {
+        let (lo, hi) = (start.max(first), (start + chunk.len()).min(end));
+        if lo < hi && chunk[lo - start..hi - start].iter().any(|&w| w != 0) {
+            let mut words = chunk[lo - start..hi - start].to_vec();
+            f((lo - first) as u64 * 64, &mut words)?;
+        }
+    }
+    Ok(())
+}
+
+/// A buffer per slot for KVM's dirty log (one bit per page), made and faulted in with the
+/// VM: a migration then reads the log into memory that is already there.
+fn dirty_buffers(regions: &[(migration::RamRange, *mut u8)]) -> Vec<Vec<u64>> {
+    regions
+        .iter()
+        .map(|(range, _)| {
+            let mut words = vec![0u64; range.pages().div_ceil(64) as usize];
+            // Write one word a page: `vec!` of zeros leaves the pages untouched.
+            words.iter_mut().step_by(512).for_each(|w| *w = 0);
+            words
+        })
+        .collect()
 }
 
 #[cfg(test)]
