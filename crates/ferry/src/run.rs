@@ -141,10 +141,12 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
         }
         Incoming::Snapshot(path) => Source::snapshot(path)?,
     };
+    // The VM asked for with --memory is built before the API answers too: "API up" means
+    // the build is not part of the move.
+    let arrival = Arrival::new(args)?;
     let controller = Controller::new(Phase::Incoming, security);
     configure(&controller, args)?;
     let _servers = start_servers(&controller, args)?;
-    let arrival = Arrival::new(args)?;
     let received = controller.migrations.incoming.receive(
         source,
         &|| TERMINATE.load(Ordering::Acquire),
