@@ -94,15 +94,7 @@ fn migrations_show_in_metrics_on_both_hosts() {
     assert_eq!(must(&before, "ferry_migration_bytes_total"), 0.0);
 
     // A slow migration: its counters move between two scrapes.
-    let url = format!("unix:{}", dir.path().join("mig1.sock").display());
-    let _first = Ferry::incoming(&url);
-    src.api()
-        .put(
-            "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
-        )
-        .expect("start");
-    src.wait_for_migration_bytes(1 << 20);
+    let _first = start_slow_migration(&src);
     let during = scrape(&src_metrics);
     assert_eq!(
         must(

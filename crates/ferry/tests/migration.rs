@@ -682,21 +682,6 @@ fn bad_migration_requests_are_refused_clearly() {
     assert_source_keeps_running(&src);
 }
 
-/// Starts a migration slow enough (64 Mbit/s) to be interrupted mid-round, once a first
-/// MiB is on its way; returns the destination.
-fn start_slow_migration(src: &Ferry) -> Ferry {
-    let url = unix_url(src, "mig1.sock");
-    let dst = Ferry::incoming(&url);
-    src.api()
-        .put(
-            "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
-        )
-        .expect("start");
-    src.wait_for_migration_bytes(1 << 20);
-    dst
-}
-
 fn assert_source_keeps_running(src: &Ferry) {
     let info = src.info();
     assert_eq!(info.state, "running", "{info:?}");

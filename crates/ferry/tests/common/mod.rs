@@ -333,6 +333,21 @@ impl Drop for Ferry {
     }
 }
 
+/// Starts a migration from `src` slow enough (64 Mbit/s) to be interrupted mid-round, once a
+/// first MiB is on its way; returns the destination.
+pub fn start_slow_migration(src: &Ferry) -> Ferry {
+    let url = format!("unix:{}", src.scratch("mig1.sock").display());
+    let dst = Ferry::incoming(&url);
+    src.api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
+        )
+        .expect("start");
+    src.wait_for_migration_bytes(1 << 20);
+    dst
+}
+
 /// Runs ferry to completion with `args` (for commands that must fail fast).
 pub fn ferry_output(args: &[&str]) -> Output {
     ferry_output_within(args, Duration::from_secs(30))
