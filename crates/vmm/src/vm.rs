@@ -9,7 +9,7 @@ use kvm_bindings::{
     kvm_userspace_memory_region,
 };
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
-use migration::bitmap::Bitmap;
+use migration::bitmap::{Bitmap, CHUNK_WORDS};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
@@ -388,8 +388,15 @@ impl Vm {
                 populated.mask((range.first_gfn() / 64) as usize, bitmap);
             }
             if self.dirty_protect != Protect::OnRead {
-                crate::dirty_log::clear(&self.fd, slot as u32, 0, bitmap)
-                    .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
+                // Only the stretches that hold dirty bits: KVM reads and walks what it is
+                // given, and a whole slot's log is 8 MiB at 256 GiB.
+                for (i, span) in bitmap.chunks_mut(CHUNK_WORDS).enumerate() {
+                    if span.iter().any(|&w| w != 0) {
+                        let first_page = (i * CHUNK_WORDS * 64) as u64;
+                        crate::dirty_log::clear(&self.fd, slot as u32, first_page, span)
+                            .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
+                    }
+                }
             }
             dirty.merge_words_at(range.first_gfn(), bitmap);
         }
