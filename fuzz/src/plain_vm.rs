@@ -192,4 +192,5 @@ impl Migratable for PlainVm {
     fn guest_report(&self, _: u64, _: u64) -> GuestReport {
         GuestReport::default()
     }
+    fn hold_page_discards(&self, _: bool) {}
 }

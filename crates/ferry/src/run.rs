@@ -126,7 +126,7 @@ pub fn boot_vm(
     serial: Box<dyn std::io::Write + Send>,
 ) -> Result<Vm> {
     let mut cmdline = cmdline.to_string();
-    for slot in 0..config.disks.len() + config.nets.len() {
+    for slot in 0..config.virtio_devices() {
         cmdline.push_str(&vmm::devices::virtio::cmdline_word(slot));
     }
     Vm::boot(config, image, &cmdline, serial).context("cannot start the VM")
@@ -201,6 +201,7 @@ fn config_of(args: &RunArgs) -> VmConfig {
         backend: args.memory_backend,
         disks: args.disks.clone(),
         nets: args.nets.clone(),
+        balloon: None,
     }
 }
 
@@ -245,6 +246,7 @@ impl<'a> Arrival<'a> {
                 let config = VmConfig {
                     disks: args.disks.clone(),
                     nets: args.nets.clone(),
+                    balloon: None,
                     ..wanted
                 };
                 Vm::for_restore(config, serial)

@@ -68,4 +68,9 @@ pub trait Migratable: Send + Sync {
     fn guest_progress_rate(&self, from_ns: u64, to_ns: u64) -> Option<f64>;
     /// On a destination, a moment after resuming: what the guest saw of the migration.
     fn guest_report(&self, resumed_at_ns: u64, window_ns: u64) -> GuestReport;
+    /// Post-copy registered guest memory for missing-page faults (`true`), or let go of it
+    /// (`false`). Meanwhile the VMM must give no guest page back to the host (a balloon's
+    /// discard would make a page the engine installed missing again, and its next touch would
+    /// wait for an answer that never comes); it may give them back once let go.
+    fn hold_page_discards(&self, hold: bool);
 }

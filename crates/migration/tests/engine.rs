@@ -73,6 +73,8 @@ struct FakeVm {
     saved: Mutex<(u64, Vec<Option<Vec<u8>>>)>,
     /// Its devices were let go for the switch (and not taken back by a resume).
     released: AtomicBool,
+    /// Every `hold_page_discards`, in order.
+    holds: Mutex<Vec<bool>>,
 }
 
 impl FakeVm {
@@ -90,6 +92,7 @@ impl FakeVm {
             throttle_max: AtomicU64::new(0),
             saved: Mutex::new((0, Vec::new())),
             released: AtomicBool::new(false),
+            holds: Mutex::new(Vec::new()),
         })
     }
 
@@ -263,6 +266,9 @@ impl Migratable for FakeVm {
     }
     fn guest_report(&self, _: u64, _: u64) -> GuestReport {
         GuestReport::default()
+    }
+    fn hold_page_discards(&self, hold: bool) {
+        self.holds.lock().unwrap().push(hold);
     }
 }
 
@@ -634,6 +640,12 @@ fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
             src.memory() == dest.memory(),
             "{mode:?}: every page arrived"
         );
+        assert_eq!(
+            *dest.holds.lock().unwrap(),
+            [true, false],
+            "{mode:?}: no page given back while post-copy held memory, and only then"
+        );
+        assert!(src.holds.lock().unwrap().is_empty(), "{mode:?}");
         let s = run.source_status;
         assert!(s.postcopy, "{mode:?}");
         assert_eq!(s.phase, Phase::Completed);

@@ -118,6 +118,90 @@ pub fn create_guest_memory(size: u64, backend: MemoryBackend) -> Result<GuestMem
     GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))
 }
 
+/// Pages asked about per `mincore` call in `discard` (the answer is a byte a page).
+const RESIDENCY_CHUNK: usize = 4096;
+
+/// Gives `len` bytes of guest RAM from `gpa` (page-aligned, inside one region) back to the
+/// host: they take no memory and read as zeros, as pages never touched do, so a migration
+/// skips them. A memfd's pages are punched out of the file (unmapping them would leave their
+/// content there). `held` hears each run of pages (address, bytes) that held data just before
+/// (in RAM, as `mincore` sees it; a page only read since it was given back maps the host's
+/// zero page, and counts too): their content has changed, to zeros.
+pub fn discard(
+    memory: &GuestMemory,
+    gpa: u64,
+    len: u64,
+    held: &mut dyn FnMut(u64, u64),
+) -> std::io::Result<()> {
+    use vm_memory::{GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+    let outside = || std::io::Error::other(format!("{len} bytes at {gpa:#x} are not guest RAM"));
+    let region = memory.find_region(GuestAddress(gpa)).ok_or_else(outside)?;
+    let offset = gpa - region.start_addr().0;
+    if !gpa.is_multiple_of(PAGE) || !len.is_multiple_of(PAGE) || offset + len > region.len() {
+        return Err(outside());
+    }
+    let host = region
+        .get_host_address(MemoryRegionAddress(offset))
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
+    report_resident(host, gpa, len, held)?;
+    let advice = match region.file_offset() {
+        Some(_) => libc::MADV_REMOVE,
+        None => libc::MADV_DONTNEED,
+    };
+    // SAFETY: `len` bytes of our own guest mapping (checked above); the guest gave them up.
+    if unsafe { libc::madvise(host.cast(), len as usize, advice) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+const PAGE: u64 = 4096;
+
+/// Tells `held` the runs of the `len` bytes mapped at `host` (guest address `gpa`) that are in
+/// RAM.
+fn report_resident(
+    host: *mut u8,
+    gpa: u64,
+    len: u64,
+    held: &mut dyn FnMut(u64, u64),
+) -> std::io::Result<()> {
+    let mut vec = [0u8; RESIDENCY_CHUNK];
+    let pages = len / PAGE;
+    let mut run: Option<(u64, u64)> = None; // first page, pages
+    let mut done = 0u64;
+    while done < pages {
+        let n = (pages - done).min(RESIDENCY_CHUNK as u64);
+        // SAFETY: `n` pages of our own mapping from `host` (the caller checked the range);
+        // `vec` holds a byte for each.
+        let rc = unsafe {
+            libc::mincore(
+                host.add((done * PAGE) as usize).cast(),
+                (n * PAGE) as usize,
+                vec.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        for (i, b) in vec[..n as usize].iter().enumerate() {
+            let page = done + i as u64;
+            run = match (run, b & 1 != 0) {
+                (Some((first, k)), true) if first + k == page => Some((first, k + 1)),
+                (Some((first, k)), resident) => {
+                    held(gpa + first * PAGE, k * PAGE);
+                    resident.then_some((page, 1))
+                }
+                (None, resident) => resident.then_some((page, 1)),
+            };
+        }
+        done += n;
+    }
+    if let Some((first, k)) = run {
+        held(gpa + first * PAGE, k * PAGE);
+    }
+    Ok(())
+}
+
 fn memfd(size: u64) -> Result<std::fs::File> {
     use std::os::fd::FromRawFd;
     // SAFETY: memfd_create takes a NUL-terminated name and returns a new fd or -1.
@@ -152,6 +236,39 @@ mod tests {
                 .contains("not a size")
         );
         assert!("99999999999T".parse::<MemorySize>().is_err());
+    }
+
+    /// A discarded page reads as zeros and takes no memory; the pages that held data are
+    /// named (a page never touched is not), for both backends; a range outside RAM is refused.
+    #[test]
+    fn discarded_pages_read_zero_and_those_that_held_data_are_named() {
+        use vm_memory::Bytes;
+        for backend in [MemoryBackend::Anonymous, MemoryBackend::Memfd] {
+            let m = create_guest_memory(MIN_MEMORY, backend).unwrap();
+            for page in [3u64, 4, 9] {
+                m.write_obj(0xabu64, GuestAddress(page * 4096)).unwrap();
+            }
+            let mut held = Vec::new();
+            discard(&m, 2 * 4096, 10 * 4096, &mut |gpa, len| {
+                held.push((gpa, len))
+            })
+            .unwrap();
+            assert_eq!(
+                held,
+                vec![(3 * 4096, 2 * 4096), (9 * 4096, 4096)],
+                "{backend:?}"
+            );
+            let mut again = Vec::new();
+            discard(&m, 2 * 4096, 10 * 4096, &mut |g, l| again.push((g, l))).unwrap();
+            assert!(
+                again.is_empty(),
+                "nothing held data the second time: {again:?}"
+            );
+            assert_eq!(m.read_obj::<u64>(GuestAddress(3 * 4096)).unwrap(), 0);
+            assert!(discard(&m, MIN_MEMORY, 4096, &mut |_, _| {}).is_err());
+            assert!(discard(&m, MIN_MEMORY - 4096, 8192, &mut |_, _| {}).is_err());
+            assert!(discard(&m, 100, 4096, &mut |_, _| {}).is_err());
+        }
     }
 
     #[test]

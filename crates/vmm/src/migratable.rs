@@ -62,6 +62,7 @@ impl VmConfig {
         Ok(Self {
             disks: Vec::new(),
             nets: Vec::new(),
+            balloon: None,
             memory: d.memory_bytes,
             vcpus: d.vcpus as usize,
             backend: d
@@ -160,5 +161,9 @@ impl Migratable for Vm {
 
     fn guest_progress_rate(&self, from_ns: u64, to_ns: u64) -> Option<f64> {
         self.heartbeat().pages_per_second(from_ns, to_ns)
+    }
+
+    fn hold_page_discards(&self, hold: bool) {
+        Vm::hold_page_discards(self, hold);
     }
 }

@@ -1,5 +1,7 @@
 //! One VM: KVM objects, guest memory, vCPU threads and devices, and what can be done to it.
 
+mod balloon;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -15,6 +17,7 @@ use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 use crate::boot;
 use crate::devices::virtio::VirtioDevice;
+use crate::devices::virtio::balloon::{Balloon, BalloonConfig};
 use crate::devices::virtio::block::{Block, DiskConfig};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::{Net, NetConfig};
@@ -59,6 +62,15 @@ pub struct VmConfig {
     pub disks: Vec<DiskConfig>,
     /// virtio-net NICs, in the slots after the disks.
     pub nets: Vec<NetConfig>,
+    /// A virtio-balloon, in the slot after the NICs.
+    pub balloon: Option<BalloonConfig>,
+}
+
+impl VmConfig {
+    /// virtio-mmio devices, one slot each.
+    pub fn virtio_devices(&self) -> usize {
+        self.disks.len() + self.nets.len() + usize::from(self.balloon.is_some())
+    }
 }
 
 /// A virtio device as status displays show it.
@@ -479,7 +491,8 @@ impl Vm {
         *self.heartbeat() = HeartbeatDevice::restore(devices.heartbeat.clone(), true);
         if devices.virtio.len() != self.bus.virtio.len() {
             return Err(Error::State(format!(
-                "the VM arrived with {} virtio devices, this one was given {} (--disk)",
+                "the VM arrived with {} virtio devices, this one was given {} (--disk, --net, \
+                 --balloon)",
                 devices.virtio.len(),
                 self.bus.virtio.len()
             )));
@@ -619,10 +632,10 @@ impl Parts {
         let irq = EventFd::new(EFD_NONBLOCK)?;
         fd.register_irqfd(&irq, serial::IRQ)
             .map_err(kvm("KVM_IRQFD"))?;
-        if config.disks.len() + config.nets.len() > MAX_SLOTS {
+        if config.virtio_devices() > MAX_SLOTS {
             return Err(Error::Config(format!(
-                "at most {MAX_SLOTS} devices (disks and NICs), not {}",
-                config.disks.len() + config.nets.len()
+                "at most {MAX_SLOTS} devices (disks, NICs and a balloon), not {}",
+                config.virtio_devices()
             )));
         }
         let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
@@ -635,6 +648,9 @@ impl Parts {
             devices.push(Box::new(
                 Net::open(net, claim_disks).map_err(Error::Config)?,
             ));
+        }
+        if let Some(balloon) = &config.balloon {
+            devices.push(Box::new(Balloon::new(balloon).map_err(Error::Config)?));
         }
         let mut virtio = Vec::new();
         let mut notifiers = Vec::new();
@@ -833,6 +849,7 @@ mod tests {
             backend: MemoryBackend::Anonymous,
             disks: Vec::new(),
             nets: Vec::new(),
+            balloon: None,
         };
         let src = Vm::for_restore(config.clone(), Box::new(std::io::sink())).unwrap();
         let deadline = 1u64 << 50;

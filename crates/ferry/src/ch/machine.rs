@@ -73,6 +73,7 @@ fn config(spec: &VmSpec) -> Result<VmConfig, ApiError> {
             })
             .collect(),
         nets,
+        balloon: None,
     })
 }
 

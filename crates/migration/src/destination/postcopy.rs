@@ -81,6 +81,8 @@ pub struct Postcopy {
     present: Arc<AtomicBitmap>,
     faults: Arc<Mutex<FaultLog>>,
     checkpointer: Mutex<Option<Checkpointer>>,
+    /// The VM, told while its memory is registered (`Migratable::hold_page_discards`).
+    vm: Arc<dyn Migratable>,
 }
 
 impl Drop for Postcopy {
@@ -156,8 +158,14 @@ impl Timeline {
 
 impl Postcopy {
     /// Drops stale copies of pending pages (those in `received`) and registers guest memory
-    /// for missing-page faults. The vCPUs must still be parked.
-    pub fn arm(ram: GuestRam, pending: Bitmap, received: &Bitmap, checksum: bool) -> Result<Self> {
+    /// of `vm` for missing-page faults. The vCPUs must still be parked.
+    pub fn arm(
+        vm: Arc<dyn Migratable>,
+        pending: Bitmap,
+        received: &Bitmap,
+        checksum: bool,
+    ) -> Result<Self> {
+        let ram = vm.ram();
         drop_stale_copies(&ram, &pending, received)?;
         let base_checksum = if checksum {
             let mut here = populated_pages(&ram)?;
@@ -169,6 +177,7 @@ impl Postcopy {
             None
         };
         let uffd = new_uffd()?;
+        vm.hold_page_discards(true);
         for (range, host) in ram.host_regions() {
             uffd.register(host as *mut libc::c_void, range.len as usize)
                 .map_err(|e| Error::vm_caused("userfaultfd register", e))?;
@@ -188,6 +197,7 @@ impl Postcopy {
             pending: Arc::new(pending),
             faults: Arc::new(Mutex::new(FaultLog::default())),
             checkpointer: Mutex::new(None),
+            vm,
         })
     }
 
@@ -353,6 +363,7 @@ impl Postcopy {
                 .uffd
                 .unregister(host as *mut libc::c_void, range.len as usize);
         }
+        self.vm.hold_page_discards(false);
         let report = self.report();
         // Through the shared writer: a request or the guest report never interleaves with it.
         // The connection stays attached for the guest report that may still follow.

@@ -226,7 +226,7 @@ impl Receiver<'_> {
 
     /// Loads the state into the VM and checks its memory: everything that can fail is done
     /// here, before `Go` can come. Post-copy's fault handler is armed and running.
-    fn load<V: Migratable>(
+    fn load<V: Migratable + 'static>(
         &mut self,
         vm: &Arc<V>,
         filled: Filled,
@@ -239,7 +239,7 @@ impl Receiver<'_> {
         let present = filled.pages.present();
         let postcopy = match filled.pending {
             Some(p) => Some(Postcopy::arm(
-                ram.clone(),
+                vm.clone(),
                 p,
                 &present,
                 source_checksum.is_some(),

@@ -368,6 +368,10 @@ impl VirtioDevice for Block {
         }
     }
 
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
     fn backing(&self) -> Option<&Path> {
         Some(&self.path)
     }

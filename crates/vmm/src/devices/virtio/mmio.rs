@@ -125,13 +125,15 @@ impl MmioTransport {
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) {
-        // Configuration space is read-only here; registers are 32 bits wide.
+        // Configuration space is the device's to take (or ignore); registers are 32 bits wide.
+        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
+            self.device
+                .write_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
+            return;
+        }
         let Ok(bytes) = <[u8; 4]>::try_from(data) else {
             return;
         };
-        if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
-            return;
-        }
         let v = u32::from_le_bytes(bytes);
         match offset as u32 {
             VIRTIO_MMIO_DEVICE_FEATURES_SEL => self.regs.device_features_sel = v,
@@ -242,6 +244,8 @@ impl MmioTransport {
             // Refused by leaving the bit clear, as the spec says; the driver reads it back.
             if asked & !offered != 0 || asked & (1 << VIRTIO_F_VERSION_1) == 0 {
                 status &= !VIRTIO_CONFIG_S_FEATURES_OK;
+            } else {
+                self.device.set_driver_features(asked);
             }
         }
         if new & VIRTIO_CONFIG_S_DRIVER_OK != 0 && status & VIRTIO_CONFIG_S_FEATURES_OK == 0 {
@@ -259,6 +263,7 @@ impl MmioTransport {
     }
 
     fn reset(&mut self) {
+        self.device.reset();
         self.queues = fresh_queues(self.device.as_ref());
         self.regs = TransportState {
             device_type: self.device.device_type(),
@@ -299,6 +304,16 @@ impl MmioTransport {
             }
             Ok(false) => {}
             Err(e) => self.needs_reset(format!("{what}: {}", e.0)),
+        }
+    }
+
+    /// The device changed its configuration space (a balloon's target): the driver sees a new
+    /// generation, and a running driver gets a configuration-change interrupt.
+    pub fn config_changed(&mut self) {
+        self.regs.config_generation = self.regs.config_generation.wrapping_add(1);
+        if self.running() {
+            self.regs.interrupt_status |= VIRTIO_MMIO_INT_CONFIG;
+            let _ = self.irq.write(1);
         }
     }
 
@@ -348,6 +363,13 @@ impl MmioTransport {
                 self.device.device_type()
             ));
         }
+        let missing = s.driver_features & !self.device.features();
+        if missing != 0 {
+            return Err(format!(
+                "its driver uses features {missing:#x} this device does not offer (another \
+                 configuration on this side?)"
+            ));
+        }
         let max = self.device.queue_max_sizes();
         if s.queues.len() != max.len() {
             return Err(format!(
@@ -379,6 +401,9 @@ impl MmioTransport {
             queues: Vec::new(),
             ..s.clone()
         };
+        let accepted = s.status & VIRTIO_CONFIG_S_FEATURES_OK != 0;
+        self.device
+            .set_driver_features(if accepted { s.driver_features } else { 0 });
         Ok(())
     }
 }

@@ -9,6 +9,7 @@
 //! a device's state at a pause is its registers, its queues' indices and its own few fields —
 //! nothing in flight to carry or re-issue.
 
+pub mod balloon;
 pub mod block;
 pub mod mmio;
 pub mod net;
@@ -150,4 +151,15 @@ pub trait VirtioDevice: Send {
     /// The device's own state beyond the transport's (a NIC's MAC), for a migration.
     fn save(&self) -> Vec<u8>;
     fn load(&mut self, state: &[u8]) -> Result<(), String>;
+    /// Takes a driver's write into configuration space (read-only unless the device says
+    /// otherwise: a balloon's `actual`).
+    fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
+    /// The features the driver accepted (at `FEATURES_OK`); a device whose queues depend on
+    /// them (a balloon's) learns here which it serves.
+    fn set_driver_features(&mut self, _features: u64) {}
+    /// The driver reset the device: what it handed over (a buffer the device holds) is
+    /// forgotten.
+    fn reset(&mut self) {}
+    /// The device as `Any`, for controls of one kind of device (a balloon's target).
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
 }

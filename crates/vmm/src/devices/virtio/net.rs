@@ -390,6 +390,10 @@ impl VirtioDevice for Net {
             .map_err(|_| format!("{} bytes of NIC state, 6 expected", state.len()))?;
         Ok(())
     }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,916 @@
+//! virtio-balloon (`ferry run --balloon`): the guest hands pages back to the host so that
+//! they take no memory and, above all, never cross the wire in a migration.
+//!
+//! - **Inflate and deflate** (queues 0 and 1): the driver gives pages (arrays of 32-bit page
+//!   frame numbers) and takes them back, following the target `num_pages` that ferry's API
+//!   sets (`vm.balloon`) and saying how many it holds in `actual`. An inflated page is
+//!   discarded at once (`MADV_DONTNEED`; for memfd memory `MADV_REMOVE`, which punches it out
+//!   of the file): it reads as never populated, so a migration skips it without reading it.
+//! - **Statistics** (`VIRTIO_BALLOON_F_STATS_VQ`): the driver's buffer of free and total
+//!   memory, swap-ins and faults is read and held; every `stats_s` the device gives it back,
+//!   which asks the driver for fresh figures (`vm.info` shows the last).
+//! - **Free page reporting** (`VIRTIO_BALLOON_F_REPORTING`): the driver names ranges of pages
+//!   it freed, which are discarded like inflated ones, and keeps using them when it likes.
+//! - `VIRTIO_BALLOON_F_DEFLATE_ON_OOM` is offered (the driver may deflate below the target
+//!   when it runs short), and `VIRTIO_BALLOON_F_MUST_TELL_HOST` (it waits for a deflate to be
+//!   served before it reuses the pages).
+//!
+//! A page that held data when it was discarded changed (to zeros): it is logged as written by
+//! the device, so a migration in progress sends it again (as a zero page) and the destination
+//! never keeps a stale copy. While post-copy holds the destination's memory (userfaultfd),
+//! discarding would make a page the engine installed missing again: discards are then held
+//! (`hold_discards`), inflated pages remembered and given back once it lets go, reported ones
+//! left alone.
+
+mod buffers;
+
+use std::time::Duration;
+
+use migration::bitmap::Bitmap;
+use serde::{Deserialize, Serialize};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ids::VIRTIO_ID_BALLOON;
+use virtio_queue::desc::split::Descriptor;
+use virtio_queue::{Queue, QueueT};
+use vm_memory::GuestMemoryBackend;
+use vmm_sys_util::timerfd::TimerFd;
+
+use super::{DriverError, VirtioDevice, WriteLog, complete, read_config_bytes, serve_chains};
+use crate::memory::GuestMemory;
+pub use buffers::GuestStats;
+use buffers::{PAGE, Refused, Runs, pfn_runs, read_stats, report_ranges};
+
+const F_MUST_TELL_HOST: u64 = 1 << 0;
+const F_STATS_VQ: u64 = 1 << 1;
+const F_DEFLATE_ON_OOM: u64 = 1 << 2;
+const F_REPORTING: u64 = 1 << 5;
+const QUEUE_SIZE: u16 = 256;
+/// Version of the balloon's own state (`save`); bump on any change to it.
+const STATE_VERSION: u32 = 1;
+/// Refusals logged per device (a guest that lies often fills no log).
+const WARNINGS: u64 = 8;
+
+/// `--balloon [size=SIZE][,deflate_on_oom=on|off][,free_page_reporting=on|off][,stats_s=N]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BalloonConfig {
+    /// The target at boot, in bytes (default 0: the guest keeps all its memory).
+    pub size: u64,
+    pub deflate_on_oom: bool,
+    pub free_page_reporting: bool,
+    /// How often the guest is asked for fresh statistics, in seconds (0: never again after
+    /// the first).
+    pub stats_s: u32,
+}
+
+impl Default for BalloonConfig {
+    fn default() -> Self {
+        Self {
+            size: 0,
+            deflate_on_oom: true,
+            free_page_reporting: true,
+            stats_s: 1,
+        }
+    }
+}
+
+impl std::str::FromStr for BalloonConfig {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut c = Self::default();
+        let on_off = |v: &str, what: &str| match v {
+            "on" => Ok(true),
+            "off" => Ok(false),
+            _ => Err(format!("{what}={v} in --balloon (use on or off)")),
+        };
+        for part in s.split(',').filter(|p| !p.is_empty()) {
+            match part.split_once('=') {
+                Some(("size", v)) => c.size = crate::memory::MemorySize::from_str(v)?.0,
+                Some(("deflate_on_oom", v)) => c.deflate_on_oom = on_off(v, "deflate_on_oom")?,
+                Some(("free_page_reporting", v)) => {
+                    c.free_page_reporting = on_off(v, "free_page_reporting")?
+                }
+                Some(("stats_s", v)) => {
+                    c.stats_s = v
+                        .parse()
+                        .map_err(|_| format!("stats_s={v} in --balloon is not a number"))?
+                }
+                _ => {
+                    return Err(format!(
+                        "'{part}' in --balloon '{s}' (use size=SIZE, deflate_on_oom=on|off, \
+                         free_page_reporting=on|off, stats_s=N)"
+                    ));
+                }
+            }
+        }
+        if !c.size.is_multiple_of(PAGE) {
+            return Err(format!("--balloon size={} is not whole pages", c.size));
+        }
+        Ok(c)
+    }
+}
+
+/// What the balloon did, since the VM booted (it moves with the VM).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BalloonCounters {
+    pub inflated_pages: u64,
+    pub deflated_pages: u64,
+    pub reported_pages: u64,
+    /// Bytes given back to the host that held data (the rest of what was inflated or reported
+    /// had never been touched, or was given back already).
+    pub freed_bytes: u64,
+    /// Page numbers, report ranges and buffers refused: outside RAM or malformed.
+    pub refused: u64,
+    pub stats_updates: u64,
+}
+
+/// The balloon as `vm.info` shows it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BalloonInfo {
+    pub target_pages: u32,
+    /// As the driver says (`actual`).
+    pub actual_pages: u32,
+    pub deflate_on_oom: bool,
+    pub free_page_reporting: bool,
+    pub counters: BalloonCounters,
+    pub stats: GuestStats,
+}
+
+/// A queue's job, by its index and the features the driver took (the statistics and
+/// reporting queues exist only when negotiated, and each takes the next index).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Role {
+    Inflate,
+    Deflate,
+    Stats,
+    Report,
+}
+
+/// What moves with the VM besides the transport's registers.
+#[derive(Serialize, Deserialize)]
+struct State {
+    target: u32,
+    actual: u32,
+    stats_head: Option<u16>,
+    stats: GuestStats,
+    counters: BalloonCounters,
+}
+
+pub struct Balloon {
+    config: BalloonConfig,
+    target: u32,
+    actual: u32,
+    /// What the driver accepted.
+    features: u64,
+    /// The statistics buffer the device holds, to give back when it wants fresh figures.
+    stats_head: Option<u16>,
+    stats: GuestStats,
+    /// Fires when fresh statistics are due (armed while a buffer is held).
+    timer: TimerFd,
+    /// While discards are held: the pages inflated meanwhile (`None`: not held).
+    held: Option<Bitmap>,
+    counters: BalloonCounters,
+}
+
+impl Balloon {
+    pub fn new(config: &BalloonConfig) -> Result<Self, String> {
+        let timer = TimerFd::new().map_err(|e| format!("balloon timer: {e}"))?;
+        Ok(Self {
+            target: (config.size / PAGE).min(u64::from(u32::MAX)) as u32,
+            config: config.clone(),
+            actual: 0,
+            features: 0,
+            stats_head: None,
+            stats: GuestStats::default(),
+            timer,
+            held: None,
+            counters: BalloonCounters::default(),
+        })
+    }
+
+    /// Asks the driver for `pages` pages (the caller tells the driver the configuration
+    /// changed).
+    pub fn set_target(&mut self, pages: u32) {
+        self.target = pages;
+    }
+
+    pub fn info(&self) -> BalloonInfo {
+        BalloonInfo {
+            target_pages: self.target,
+            actual_pages: self.actual,
+            deflate_on_oom: self.config.deflate_on_oom,
+            free_page_reporting: self.config.free_page_reporting,
+            counters: self.counters,
+            stats: self.stats,
+        }
+    }
+
+    /// Holds discards (`true`: post-copy holds guest memory; pages inflated meanwhile are
+    /// remembered) or lets them go (`false`: the pages still inflated are discarded now, those
+    /// that held data logged to `log`).
+    pub fn hold_discards(&mut self, hold: bool, memory: &GuestMemory, log: &mut dyn WriteLog) {
+        if hold {
+            let pages = memory.last_addr().0 / PAGE + 1;
+            self.held.get_or_insert_with(|| Bitmap::new(pages));
+            return;
+        }
+        let Some(held) = self.held.take() else {
+            return;
+        };
+        let mut runs = Runs::default();
+        let mut found = Vec::new();
+        for gfn in held.iter() {
+            let gpa = gfn * PAGE;
+            if let Some(end) = buffers::region_end(memory, gpa) {
+                runs.add(gpa, end, &mut |g, l| found.push((g, l)));
+            }
+        }
+        runs.flush(&mut |g, l| found.push((g, l)));
+        for (gpa, len) in found {
+            self.give_back(gpa, len, memory, log);
+        }
+    }
+
+    fn role(&self, index: usize) -> Option<Role> {
+        let stats = self.features & F_STATS_VQ != 0;
+        let report = self.features & F_REPORTING != 0;
+        match (index, stats, report) {
+            (0, ..) => Some(Role::Inflate),
+            (1, ..) => Some(Role::Deflate),
+            (2, true, _) => Some(Role::Stats),
+            (2, false, true) | (3, true, true) => Some(Role::Report),
+            _ => None,
+        }
+    }
+
+    fn stats_queue(&self) -> Option<usize> {
+        (self.features & F_STATS_VQ != 0).then_some(2)
+    }
+
+    /// A refusal: counted, and logged while there have been few.
+    fn refuse(&mut self, n: u64, why: &str) {
+        if n == 0 {
+            return;
+        }
+        if self.counters.refused < WARNINGS {
+            tracing::warn!("virtio-balloon: refused {why}");
+        }
+        self.counters.refused += n;
+    }
+
+    /// Discards guest pages; those that held data are logged as written (now zeros).
+    fn give_back(&mut self, gpa: u64, len: u64, memory: &GuestMemory, log: &mut dyn WriteLog) {
+        let mut freed = 0;
+        let done = crate::memory::discard(memory, gpa, len, &mut |g, l| {
+            log.wrote(g, l as usize);
+            freed += l;
+        });
+        self.counters.freed_bytes += freed;
+        if let Err(e) = done {
+            tracing::warn!("virtio-balloon: cannot give {len} bytes at {gpa:#x} back: {e}");
+        }
+    }
+
+    fn inflate(&mut self, gpa: u64, len: u64, memory: &GuestMemory, log: &mut dyn WriteLog) {
+        self.counters.inflated_pages += len / PAGE;
+        match &mut self.held {
+            // Discarded when post-copy lets go, unless deflated first. Without
+            // MUST_TELL_HOST the driver may reuse a page before its deflate is served: then
+            // it is never discarded.
+            Some(held) if self.features & F_MUST_TELL_HOST != 0 => {
+                for gfn in gpa / PAGE..(gpa + len) / PAGE {
+                    held.set(gfn);
+                }
+            }
+            Some(_) => {}
+            None => self.give_back(gpa, len, memory, log),
+        }
+    }
+
+    fn deflate(&mut self, gpa: u64, len: u64) {
+        self.counters.deflated_pages += len / PAGE;
+        if let Some(held) = &mut self.held {
+            for gfn in gpa / PAGE..(gpa + len) / PAGE {
+                held.unset(gfn);
+            }
+        }
+    }
+
+    fn report(&mut self, gpa: u64, len: u64, memory: &GuestMemory, log: &mut dyn WriteLog) {
+        self.counters.reported_pages += len / PAGE;
+        // While held, a reported page stays: the driver may take it back without a word.
+        if self.held.is_none() {
+            self.give_back(gpa, len, memory, log);
+        }
+    }
+
+    /// Serves one inflate, deflate or report buffer (given back empty).
+    fn serve(
+        &mut self,
+        role: Role,
+        descs: &[Descriptor],
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) {
+        let refused = match role {
+            Role::Inflate => pfn_runs(descs, memory, &mut |g, l| self.inflate(g, l, memory, log)),
+            Role::Deflate => pfn_runs(descs, memory, &mut |g, l| self.deflate(g, l)),
+            Role::Report => Ok(report_ranges(descs, memory, &mut |g, l| {
+                self.report(g, l, memory, log)
+            })),
+            Role::Stats => Ok(0),
+        };
+        match refused {
+            Ok(n) => self.refuse(n, &format!("{n} pages or ranges outside RAM ({role:?})")),
+            Err(Refused(why)) => self.refuse(1, &format!("{why} ({role:?})")),
+        }
+    }
+
+    /// Reads each statistics buffer the driver posted and holds the newest (an older one is
+    /// given back); fresh figures are asked for `stats_s` later.
+    fn take_stats(
+        &mut self,
+        queue: &mut Queue,
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError> {
+        let mut used = false;
+        for _ in 0..queue.size() {
+            let Some(chain) = queue.pop_descriptor_chain(memory) else {
+                break;
+            };
+            let head = chain.head_index();
+            let descs: Vec<Descriptor> = chain.collect();
+            if let Some(older) = self.stats_head.replace(head) {
+                complete(queue, memory, older, 0, log)?;
+                used = true;
+            }
+            match read_stats(&descs, memory, &mut self.stats) {
+                Ok(()) => self.counters.stats_updates += 1,
+                Err(Refused(why)) => self.refuse(1, &format!("{why} (statistics)")),
+            }
+            self.arm_timer();
+        }
+        Ok(used)
+    }
+
+    fn arm_timer(&mut self) {
+        if self.config.stats_s > 0 && self.stats_head.is_some() {
+            let every = Duration::from_secs(u64::from(self.config.stats_s));
+            if let Err(e) = self.timer.reset(every, None) {
+                tracing::warn!("virtio-balloon: statistics timer: {e}");
+            }
+        }
+    }
+}
+
+impl VirtioDevice for Balloon {
+    fn device_type(&self) -> u32 {
+        VIRTIO_ID_BALLOON
+    }
+
+    fn features(&self) -> u64 {
+        let mut f = (1 << VIRTIO_F_VERSION_1) | F_MUST_TELL_HOST | F_STATS_VQ;
+        if self.config.deflate_on_oom {
+            f |= F_DEFLATE_ON_OOM;
+        }
+        if self.config.free_page_reporting {
+            f |= F_REPORTING;
+        }
+        f
+    }
+
+    fn queue_max_sizes(&self) -> &[u16] {
+        &[QUEUE_SIZE; 4]
+    }
+
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        // virtio_balloon_config: num_pages, actual (le32 each); hinting and poisoning are not
+        // offered.
+        let mut config = [0u8; 8];
+        config[..4].copy_from_slice(&self.target.to_le_bytes());
+        config[4..].copy_from_slice(&self.actual.to_le_bytes());
+        read_config_bytes(&config, offset, data);
+    }
+
+    fn write_config(&mut self, offset: u64, data: &[u8]) {
+        // Only `actual` is the driver's to write.
+        if let (4, Ok(v)) = (offset, <[u8; 4]>::try_from(data)) {
+            self.actual = u32::from_le_bytes(v);
+        }
+    }
+
+    fn set_driver_features(&mut self, features: u64) {
+        self.features = features;
+    }
+
+    fn reset(&mut self) {
+        self.features = 0;
+        self.actual = 0;
+        self.stats_head = None;
+        let _ = self.timer.clear();
+        // The driver owns every page again: none inflated meanwhile may be discarded later.
+        if let Some(held) = &mut self.held {
+            held.clear();
+        }
+    }
+
+    fn process(
+        &mut self,
+        index: usize,
+        queues: &mut [Queue],
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError> {
+        let (Some(role), Some(queue)) = (self.role(index), queues.get_mut(index)) else {
+            return Ok(false);
+        };
+        if role == Role::Stats {
+            return self.take_stats(queue, memory, log);
+        }
+        serve_chains(queue, memory, log, |descs, log| {
+            self.serve(role, descs, memory, log);
+            Ok(0)
+        })
+    }
+
+    fn release(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn claim(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+
+    fn counters(&self) -> Vec<(&'static str, u64)> {
+        let c = &self.counters;
+        let s = &self.stats;
+        let mut v = vec![
+            ("target_pages", u64::from(self.target)),
+            ("actual_pages", u64::from(self.actual)),
+            ("inflated_pages", c.inflated_pages),
+            ("deflated_pages", c.deflated_pages),
+            ("reported_pages", c.reported_pages),
+            ("freed_bytes", c.freed_bytes),
+            ("refused", c.refused),
+            ("stats_updates", c.stats_updates),
+        ];
+        for (name, value) in [
+            ("guest_free_bytes", s.free_bytes),
+            ("guest_total_bytes", s.total_bytes),
+            ("guest_available_bytes", s.available_bytes),
+            ("guest_swap_in_bytes", s.swap_in_bytes),
+        ] {
+            if let Some(value) = value {
+                v.push((name, value));
+            }
+        }
+        v
+    }
+
+    fn backing(&self) -> Option<&std::path::Path> {
+        None
+    }
+
+    fn describe(&self) -> String {
+        let mib = |pages: u32| (u64::from(pages) * PAGE) >> 20;
+        format!(
+            "balloon: target {} MiB, actual {} MiB{}{}",
+            mib(self.target),
+            mib(self.actual),
+            if self.config.deflate_on_oom {
+                ", deflate on OOM"
+            } else {
+                ""
+            },
+            if self.config.free_page_reporting {
+                ", free page reporting"
+            } else {
+                ""
+            },
+        )
+    }
+
+    fn writable(&self) -> bool {
+        false
+    }
+
+    fn input_fd(&self) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        Some(self.timer.as_raw_fd())
+    }
+
+    /// The statistics timer fired: the held buffer goes back, asking for fresh figures.
+    fn input(
+        &mut self,
+        queues: &mut [Queue],
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError> {
+        let _ = self.timer.clear();
+        let (Some(index), Some(head)) = (self.stats_queue(), self.stats_head) else {
+            return Ok(false);
+        };
+        let Some(queue) = queues.get_mut(index) else {
+            return Ok(false);
+        };
+        self.stats_head = None;
+        complete(queue, memory, head, 0, log)?;
+        Ok(true)
+    }
+
+    fn input_pending(&self) -> bool {
+        false
+    }
+
+    fn save(&self) -> Vec<u8> {
+        let state = State {
+            target: self.target,
+            actual: self.actual,
+            stats_head: self.stats_head,
+            stats: self.stats,
+            counters: self.counters,
+        };
+        bincode::serialize(&(STATE_VERSION, state)).unwrap_or_default()
+    }
+
+    fn load(&mut self, state: &[u8]) -> Result<(), String> {
+        let (version, s): (u32, State) =
+            bincode::deserialize(state).map_err(|e| format!("undecodable balloon state: {e}"))?;
+        if version != STATE_VERSION {
+            return Err(format!(
+                "balloon state version {version}, this ferry reads {STATE_VERSION}"
+            ));
+        }
+        self.target = s.target;
+        self.actual = s.actual;
+        self.stats_head = s.stats_head;
+        self.stats = s.stats;
+        self.counters = s.counters;
+        self.arm_timer();
+        Ok(())
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// The balloon of a VM's devices, if it has one (through `as_any_mut`).
+pub fn of(device: &mut dyn VirtioDevice) -> Option<&mut Balloon> {
+    device.as_any_mut().downcast_mut::<Balloon>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::mmio::MmioTransport;
+    use crate::memory::{MIN_MEMORY, MemoryBackend, create_guest_memory};
+    use virtio_bindings::virtio_mmio::*;
+    use vm_memory::{Bytes, GuestAddress};
+    use vmm_sys_util::eventfd::EventFd;
+
+    const WRITE: u16 = 2;
+    const NEXT: u16 = 1;
+    /// Where the test puts what the driver hands over.
+    const BUF: u64 = 0x80000;
+    /// Pages the guest gives away in the tests.
+    const FIRST: u64 = 0x300;
+    const ALL: u64 = F_MUST_TELL_HOST | F_STATS_VQ | F_REPORTING | F_DEFLATE_ON_OOM;
+
+    /// A driver's view: the transport, guest memory, the device's write log, and per queue how
+    /// many buffers were offered.
+    struct Rig {
+        t: MmioTransport,
+        m: GuestMemory,
+        log: Bitmap,
+        offered: [u16; 4],
+    }
+
+    fn desc_table(q: usize) -> u64 {
+        0x10000 + q as u64 * 0x4000
+    }
+
+    impl Rig {
+        fn new(features: u64) -> Rig {
+            let balloon = Balloon::new(&BalloonConfig::default()).unwrap();
+            let m = create_guest_memory(MIN_MEMORY, MemoryBackend::Anonymous).unwrap();
+            let t = MmioTransport::new(Box::new(balloon), EventFd::new(0).unwrap());
+            let mut r = Rig {
+                t,
+                log: Bitmap::new(MIN_MEMORY / PAGE),
+                m,
+                offered: [0; 4],
+            };
+            r.w(VIRTIO_MMIO_STATUS, 1 | 2);
+            for (sel, word) in [(0, features as u32), (1, 1)] {
+                r.w(VIRTIO_MMIO_DRIVER_FEATURES_SEL, sel);
+                r.w(VIRTIO_MMIO_DRIVER_FEATURES, word);
+            }
+            r.w(VIRTIO_MMIO_STATUS, 1 | 2 | 8);
+            for q in 0..4 {
+                let d = desc_table(q) as u32;
+                r.w(VIRTIO_MMIO_QUEUE_SEL, q as u32);
+                r.w(VIRTIO_MMIO_QUEUE_NUM, 16);
+                r.w(VIRTIO_MMIO_QUEUE_DESC_LOW, d);
+                r.w(VIRTIO_MMIO_QUEUE_AVAIL_LOW, d + 0x1000);
+                r.w(VIRTIO_MMIO_QUEUE_USED_LOW, d + 0x2000);
+                r.w(VIRTIO_MMIO_QUEUE_READY, 1);
+            }
+            r.w(VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
+            r
+        }
+
+        fn w(&mut self, reg: u32, v: u32) {
+            self.t
+                .write(u64::from(reg), &v.to_le_bytes(), &self.m, &mut self.log);
+        }
+
+        fn balloon(&mut self) -> &mut Balloon {
+            of(self.t.device_mut()).unwrap()
+        }
+
+        /// Offers a chain of buffers (address, length, device-writable) on queue `q` and
+        /// notifies it.
+        fn offer(&mut self, q: usize, bufs: &[(u64, u32, bool)]) {
+            for (i, &(addr, len, writable)) in bufs.iter().enumerate() {
+                let d = desc_table(q) + 16 * i as u64;
+                let more = if i + 1 < bufs.len() { NEXT } else { 0 };
+                let flags = more | if writable { WRITE } else { 0 };
+                self.m.write_obj(addr, GuestAddress(d)).unwrap();
+                self.m.write_obj(len, GuestAddress(d + 8)).unwrap();
+                self.m.write_obj(flags, GuestAddress(d + 12)).unwrap();
+                self.m
+                    .write_obj(i as u16 + 1, GuestAddress(d + 14))
+                    .unwrap();
+            }
+            let avail = desc_table(q) + 0x1000;
+            let idx = self.offered[q];
+            self.m
+                .write_obj(0u16, GuestAddress(avail + 4 + 2 * u64::from(idx % 16)))
+                .unwrap();
+            self.offered[q] = idx + 1;
+            self.m.write_obj(idx + 1, GuestAddress(avail + 2)).unwrap();
+            self.w(VIRTIO_MMIO_QUEUE_NOTIFY, q as u32);
+        }
+
+        /// Offers an array of page numbers.
+        fn pfns(&mut self, q: usize, pfns: &[u32]) {
+            let bytes: Vec<u8> = pfns.iter().flat_map(|p| p.to_le_bytes()).collect();
+            self.m.write_slice(&bytes, GuestAddress(BUF)).unwrap();
+            self.offer(q, &[(BUF, bytes.len() as u32, false)]);
+        }
+
+        fn used(&self, q: usize) -> u16 {
+            self.m
+                .read_obj(GuestAddress(desc_table(q) + 0x2002))
+                .unwrap()
+        }
+
+        fn stamp(&self, pages: std::ops::Range<u64>) {
+            for p in pages {
+                self.m
+                    .write_obj(p | 1 << 40, GuestAddress(p * PAGE))
+                    .unwrap();
+            }
+        }
+
+        fn word(&self, page: u64) -> u64 {
+            self.m.read_obj(GuestAddress(page * PAGE)).unwrap()
+        }
+
+        fn counters(&mut self) -> BalloonCounters {
+            self.balloon().info().counters
+        }
+    }
+
+    fn pfns(pages: std::ops::Range<u64>) -> Vec<u32> {
+        pages.map(|p| p as u32).collect()
+    }
+
+    #[test]
+    fn inflated_pages_are_given_back_and_those_that_held_data_logged() {
+        let mut r = Rig::new(ALL);
+        r.stamp(FIRST..FIRST + 4);
+        // Eight pages (four never touched), and one far outside RAM.
+        let mut given = pfns(FIRST..FIRST + 8);
+        given.push(0xf_0000);
+        r.pfns(0, &given);
+        assert_eq!(r.used(0), 1, "the buffer came back");
+        assert!(
+            (FIRST..FIRST + 8).all(|p| r.word(p) == 0),
+            "they read as zeros"
+        );
+        let logged: Vec<u64> = r.log.iter().filter(|&p| p >= FIRST).collect();
+        assert_eq!(logged, (FIRST..FIRST + 4).collect::<Vec<_>>());
+        let c = r.counters();
+        assert_eq!(
+            (c.inflated_pages, c.refused, c.freed_bytes),
+            (8, 1, 4 * PAGE)
+        );
+        r.pfns(1, &pfns(FIRST..FIRST + 2));
+        assert_eq!(r.counters().deflated_pages, 2);
+        assert!(r.t.broken().is_none());
+    }
+
+    /// Buffers of the wrong shape are refused whole and given back; the device serves on.
+    #[test]
+    fn malformed_buffers_are_refused_and_nothing_is_lost() {
+        let mut r = Rig::new(ALL);
+        r.stamp(FIRST..FIRST + 2);
+        let bytes: Vec<u8> = pfns(FIRST..FIRST + 2)
+            .iter()
+            .flat_map(|p| p.to_le_bytes())
+            .collect();
+        r.m.write_slice(&bytes, GuestAddress(BUF)).unwrap();
+        r.offer(0, &[(BUF, 8, true)]); // one the device may only write
+        r.offer(0, &[(BUF, 7, false)]); // not whole page numbers
+        r.offer(0, &[(MIN_MEMORY - 4, 8, false)]); // past the end of RAM
+        assert_eq!(r.used(0), 3);
+        assert_eq!(r.counters().refused, 3);
+        assert_eq!(r.word(FIRST), FIRST | 1 << 40, "nothing was given back");
+        assert!(r.t.broken().is_none());
+        r.pfns(0, &pfns(FIRST..FIRST + 2));
+        assert_eq!(r.word(FIRST), 0, "a good buffer still works");
+    }
+
+    #[test]
+    fn reported_ranges_are_given_back_and_bad_ones_refused() {
+        let mut r = Rig::new(ALL);
+        r.stamp(FIRST..FIRST + 8);
+        let at = |p: u64| p * PAGE;
+        r.offer(
+            3,
+            &[
+                (at(FIRST), 4 * PAGE as u32, true),
+                (at(FIRST + 4) + 8, PAGE as u32, true), // not page-aligned
+                (at(FIRST + 5), 100, true),             // not whole pages
+                (MIN_MEMORY - PAGE, 2 * PAGE as u32, true), // past the end of RAM
+                (at(FIRST + 6), 0, true),               // empty
+            ],
+        );
+        assert_eq!(r.used(3), 1);
+        let c = r.counters();
+        assert_eq!(
+            (c.reported_pages, c.refused, c.freed_bytes),
+            (4, 4, 4 * PAGE)
+        );
+        // Reported twice: nothing more held data, nothing more is logged.
+        r.log.clear();
+        r.offer(3, &[(at(FIRST), 4 * PAGE as u32, false)]);
+        assert_eq!(r.counters().reported_pages, 8);
+        assert_eq!(r.counters().freed_bytes, 4 * PAGE);
+        assert_eq!(r.log.iter().filter(|&p| p >= FIRST).count(), 0);
+        assert!((FIRST..FIRST + 4).all(|p| r.word(p) == 0));
+        assert_ne!(r.word(FIRST + 4), 0, "a refused range keeps its data");
+    }
+
+    /// Without the statistics queue, the reporting queue takes index 2 (queues exist only when
+    /// negotiated, each at the next index).
+    #[test]
+    fn queues_follow_the_negotiated_features() {
+        let mut r = Rig::new(F_REPORTING);
+        r.stamp(FIRST..FIRST + 1);
+        r.offer(2, &[(FIRST * PAGE, PAGE as u32, true)]);
+        assert_eq!(r.word(FIRST), 0);
+        assert_eq!(r.counters().reported_pages, 1);
+        r.offer(3, &[(FIRST * PAGE, PAGE as u32, true)]);
+        assert_eq!(r.used(3), 0, "no fourth queue without statistics");
+    }
+
+    fn stat(tag: u16, value: u64) -> Vec<u8> {
+        let mut v = tag.to_le_bytes().to_vec();
+        v.extend_from_slice(&value.to_le_bytes());
+        v
+    }
+
+    #[test]
+    fn statistics_are_read_held_and_asked_for_again() {
+        let mut r = Rig::new(ALL);
+        let stats: Vec<u8> = [
+            stat(4, 100 << 20),
+            stat(5, 1 << 30),
+            stat(0, 7),
+            stat(99, 1),
+        ]
+        .concat();
+        r.m.write_slice(&stats, GuestAddress(BUF)).unwrap();
+        r.offer(2, &[(BUF, stats.len() as u32, false)]);
+        assert_eq!(r.used(2), 0, "the buffer is held");
+        let s = r.balloon().info().stats;
+        assert_eq!(s.free_bytes, Some(100 << 20));
+        assert_eq!(s.total_bytes, Some(1 << 30));
+        assert_eq!(s.swap_in_bytes, Some(7));
+        assert_eq!(s.available_bytes, None, "never given");
+        // The timer fired: the buffer goes back, asking for fresh figures.
+        assert!(r.t.input(&r.m, &mut r.log));
+        assert_eq!(r.used(2), 1);
+        assert!(
+            !r.t.input(&r.m, &mut r.log),
+            "nothing held: nothing to give back"
+        );
+        // 15 bytes: not whole statistics.
+        r.offer(2, &[(BUF, 15, false)]);
+        assert_eq!(r.counters().refused, 1);
+        assert_eq!(r.counters().stats_updates, 1);
+    }
+
+    #[test]
+    fn the_target_and_actual_travel_through_config_space() {
+        let mut r = Rig::new(ALL);
+        let generation = |r: &Rig| {
+            let mut b = [0u8; 4];
+            r.t.read(u64::from(VIRTIO_MMIO_CONFIG_GENERATION), &mut b);
+            u32::from_le_bytes(b)
+        };
+        let before = generation(&r);
+        r.balloon().set_target(1234);
+        r.t.config_changed();
+        assert_eq!(generation(&r), before + 1);
+        let mut b = [0u8; 4];
+        r.t.read(u64::from(VIRTIO_MMIO_CONFIG), &mut b);
+        assert_eq!(u32::from_le_bytes(b), 1234);
+        let mut actual = 1000u32.to_le_bytes();
+        r.t.write(u64::from(VIRTIO_MMIO_CONFIG) + 4, &actual, &r.m, &mut r.log);
+        // num_pages is the device's: a driver's write is ignored.
+        actual = 5u32.to_le_bytes();
+        r.t.write(u64::from(VIRTIO_MMIO_CONFIG), &actual, &r.m, &mut r.log);
+        let i = r.balloon().info();
+        assert_eq!((i.target_pages, i.actual_pages), (1234, 1000));
+    }
+
+    /// While post-copy holds memory nothing is given back; when it lets go, the pages still
+    /// inflated are, those deflated meanwhile are not, and reported ones were left alone.
+    #[test]
+    fn held_discards_wait_for_post_copy_to_let_go() {
+        let mut r = Rig::new(ALL);
+        r.stamp(FIRST..FIRST + 8);
+        let m = r.m.clone();
+        r.balloon().hold_discards(true, &m, &mut Bitmap::new(0));
+        r.pfns(0, &pfns(FIRST..FIRST + 4));
+        r.offer(3, &[((FIRST + 6) * PAGE, 2 * PAGE as u32, true)]);
+        assert!(
+            (FIRST..FIRST + 8).all(|p| r.word(p) != 0),
+            "nothing given back"
+        );
+        r.pfns(1, &pfns(FIRST + 1..FIRST + 2));
+        let mut log = Bitmap::new(MIN_MEMORY / PAGE);
+        r.balloon().hold_discards(false, &m, &mut log);
+        let gone: Vec<u64> = (FIRST..FIRST + 8).filter(|&p| r.word(p) == 0).collect();
+        assert_eq!(gone, vec![FIRST, FIRST + 2, FIRST + 3]);
+        assert_eq!(log.iter().collect::<Vec<_>>(), gone, "and logged");
+    }
+
+    #[test]
+    fn state_moves_to_a_twin_and_a_stranger_is_refused() {
+        let mut r = Rig::new(ALL);
+        r.balloon().set_target(77);
+        r.pfns(0, &pfns(FIRST..FIRST + 3));
+        let stats = stat(4, 5);
+        r.m.write_slice(&stats, GuestAddress(BUF)).unwrap();
+        r.offer(2, &[(BUF, 10, false)]);
+        let (transport, device) = (r.t.save(), r.t.device().save());
+        let mut twin = Rig::new(0);
+        twin.t.load(&transport).unwrap();
+        twin.t.device_mut().load(&device).unwrap();
+        assert_eq!(twin.balloon().info(), r.balloon().info());
+        // The held statistics buffer moved too: the twin gives it back.
+        twin.m = r.m.clone();
+        assert!(twin.t.input(&twin.m, &mut twin.log));
+        assert!(
+            Balloon::new(&BalloonConfig::default())
+                .unwrap()
+                .load(&[1, 2, 3])
+                .is_err()
+        );
+        // A driver that took free page reporting cannot land on a balloon without it.
+        let config = BalloonConfig {
+            free_page_reporting: false,
+            ..Default::default()
+        };
+        let plain = Balloon::new(&config).unwrap();
+        let mut t = MmioTransport::new(Box::new(plain), EventFd::new(0).unwrap());
+        assert!(t.load(&transport).unwrap_err().contains("does not offer"));
+    }
+
+    #[test]
+    fn options_parse_and_refuse_with_a_reason() {
+        let c: BalloonConfig = "size=256M,deflate_on_oom=off,stats_s=5".parse().unwrap();
+        assert_eq!((c.size, c.deflate_on_oom, c.stats_s), (256 << 20, false, 5));
+        assert!(c.free_page_reporting);
+        assert_eq!(
+            "".parse::<BalloonConfig>().unwrap(),
+            BalloonConfig::default()
+        );
+        for (bad, why) in [
+            ("size=lots", "not a size"),
+            ("free_page_reporting=yes", "use on or off"),
+            ("stats_s=-1", "not a number"),
+            ("hint=on", "use size=SIZE"),
+            ("size=5000", "whole pages"),
+        ] {
+            let e = bad.parse::<BalloonConfig>().unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
+}

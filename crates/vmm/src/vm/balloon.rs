@@ -1,0 +1,66 @@
+//! The VM's balloon, as ferry's API and the migration engine drive it: its target, what it
+//! holds, and holding its discards while post-copy owns guest memory.
+
+use std::sync::Mutex;
+
+use virtio_bindings::virtio_ids::VIRTIO_ID_BALLOON;
+
+use super::Vm;
+use crate::devices::virtio::balloon::{self, Balloon, BalloonInfo};
+use crate::devices::virtio::mmio::MmioTransport;
+use crate::error::{Error, Result};
+
+impl Vm {
+    /// The balloon's slot, if the VM has one.
+    fn balloon_slot(&self) -> Option<&Mutex<MmioTransport>> {
+        self.bus.virtio.iter().find(|d| {
+            let d = d.lock().unwrap_or_else(|e| e.into_inner());
+            d.device().device_type() == VIRTIO_ID_BALLOON
+        })
+    }
+
+    /// Runs `f` on the balloon and its transport, if the VM has one.
+    fn with_balloon<R>(&self, f: impl FnOnce(&mut Balloon) -> R) -> Option<R> {
+        let slot = self.balloon_slot()?;
+        let mut t = slot.lock().unwrap_or_else(|e| e.into_inner());
+        balloon::of(t.device_mut()).map(f)
+    }
+
+    /// Asks the guest's balloon driver to hold `pages` pages (4 KiB); refused without a
+    /// balloon (`ferry run --balloon`) or for more pages than the VM has.
+    pub fn set_balloon_target(&self, pages: u64) -> Result<()> {
+        let ram = self.config.memory / 4096;
+        if pages > ram {
+            return Err(Error::Config(format!(
+                "a balloon of {pages} pages is larger than the VM's memory ({ram} pages)"
+            )));
+        }
+        let slot = self
+            .balloon_slot()
+            .ok_or_else(|| Error::Config("the VM has no balloon (ferry run --balloon)".into()))?;
+        let mut t = slot.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = balloon::of(t.device_mut()) {
+            b.set_target(pages as u32);
+        }
+        t.config_changed();
+        Ok(())
+    }
+
+    /// The balloon's target, what the guest says it holds, what it did, and the guest's last
+    /// memory statistics; `None` without a balloon.
+    pub fn balloon_info(&self) -> Option<BalloonInfo> {
+        self.with_balloon(|b| b.info())
+    }
+
+    /// While post-copy holds guest memory (`hold`), the balloon gives no page back to the
+    /// host; when it lets go, the pages inflated meanwhile are given back (and those that held
+    /// data logged as written).
+    pub fn hold_page_discards(&self, hold: bool) {
+        let memory = self.memory.clone();
+        let bus = self.bus.clone();
+        self.with_balloon(|b| {
+            let mut written = bus.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+            b.hold_discards(hold, &memory, &mut *written);
+        });
+    }
+}
