@@ -4,8 +4,8 @@ use serde::de::DeserializeOwned;
 
 use crate::error::ApiError;
 use crate::types::{
-    CorruptPageRequest, DirtyLoggingRequest, MigrateResumeRequest, MigrationRequest,
-    SnapshotRequest, TakeBackRequest,
+    BalloonRequest, CorruptPageRequest, DirtyLoggingRequest, MigrateResumeRequest,
+    MigrationRequest, SnapshotRequest, TakeBackRequest,
 };
 
 pub const PREFIX: &str = "/api/v1/";
@@ -29,6 +29,8 @@ pub enum ApiRequest {
     MigrateRollback(TakeBackRequest),
     MigrateResume(MigrateResumeRequest),
     Snapshot(SnapshotRequest),
+    /// Set the balloon's target.
+    Balloon(BalloonRequest),
 }
 
 impl ApiRequest {
@@ -54,6 +56,7 @@ impl ApiRequest {
             ),
             "vm.migrate-resume" => ("PUT", ApiRequest::MigrateResume(json(endpoint, body)?)),
             "vm.snapshot" => ("PUT", ApiRequest::Snapshot(json(endpoint, body)?)),
+            "vm.balloon" => ("PUT", ApiRequest::Balloon(json(endpoint, body)?)),
             _ => return Err(ApiError::not_found(path)),
         };
         if method != want {

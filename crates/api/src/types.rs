@@ -65,8 +65,63 @@ pub struct VmInfo {
     pub net_errors: u64,
     /// virtio devices.
     pub devices: Vec<DeviceInfo>,
+    /// The balloon (`ferry run --balloon`), when the VM has one.
+    #[serde(default)]
+    pub balloon: Option<BalloonStatus>,
     /// Why the VM failed, when `state` is failed.
     pub error: Option<String>,
+}
+
+/// The balloon as `vm.info` shows it: its target (`vm.balloon`), what the guest says it holds,
+/// what it did since the VM booted, and the guest's last memory statistics (absent until the
+/// guest gives them).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct BalloonStatus {
+    pub target_pages: u64,
+    /// As the guest's driver says.
+    pub actual_pages: u64,
+    pub deflate_on_oom: bool,
+    pub free_page_reporting: bool,
+    pub inflated_pages: u64,
+    pub deflated_pages: u64,
+    /// Pages the guest reported free (free page reporting), and given back.
+    pub reported_pages: u64,
+    /// What was given back to the host that held data.
+    pub freed_bytes: u64,
+    /// Page numbers, ranges and buffers refused: outside RAM or malformed.
+    pub refused: u64,
+    pub stats_updates: u64,
+    pub guest_free_bytes: Option<u64>,
+    pub guest_total_bytes: Option<u64>,
+    pub guest_available_bytes: Option<u64>,
+    pub guest_swap_in_bytes: Option<u64>,
+    pub guest_swap_out_bytes: Option<u64>,
+    pub guest_major_faults: Option<u64>,
+    pub guest_minor_faults: Option<u64>,
+}
+
+/// Body of `PUT /api/v1/vm.balloon`: the balloon's target, in MiB or in 4 KiB pages (one of
+/// them).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BalloonRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_mib: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_pages: Option<u64>,
+}
+
+impl BalloonRequest {
+    /// The target in pages; refused unless exactly one unit is given.
+    pub fn pages(&self) -> Result<u64, String> {
+        match (self.target_mib, self.target_pages) {
+            (Some(mib), None) => mib
+                .checked_mul(256)
+                .ok_or_else(|| format!("target_mib {mib} is too large")),
+            (None, Some(pages)) => Ok(pages),
+            _ => Err("vm.balloon takes one of target_mib and target_pages".into()),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

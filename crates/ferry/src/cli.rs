@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+use vmm::devices::virtio::balloon::BalloonConfig;
 use vmm::{DiskConfig, MemoryBackend, MemorySize, NetConfig};
 
 #[derive(Parser, Debug)]
@@ -49,6 +50,9 @@ pub enum Command {
     MigrateResume(MigrateResumeArgs),
     /// Make a CA and a certificate for each named host, for TLS migrations (--tls-*).
     Certs(CertsArgs),
+    /// Set the balloon's target (PUT vm.balloon): the memory the guest is asked to give back
+    /// (`ferry run --balloon`).
+    Balloon(BalloonArgs),
     /// Be driven as Cloud Hypervisor is: its flags (--api-socket path=…|fd=N, --kernel,
     /// --memory size=…, --event-monitor, …), its REST API and its events
     /// (docs/orchestrators.md). Started as `cloud-hypervisor` (a link), ferry does the same.
@@ -170,6 +174,17 @@ pub struct SnapshotArgs {
 }
 
 #[derive(Args, Debug)]
+pub struct BalloonArgs {
+    /// The Unix socket of the VM's control API.
+    #[arg(long)]
+    pub api_socket: PathBuf,
+    /// The balloon's target: a size (512M, 1G) or a number of MiB; 0 gives the guest all its
+    /// memory back.
+    #[arg(value_name = "TARGET", value_parser = crate::balloon::parse_target)]
+    pub target_mib: u64,
+}
+
+#[derive(Args, Debug)]
 pub struct TakeBackArgs {
     /// The Unix socket of the VM's control API.
     #[arg(long)]
@@ -226,6 +241,20 @@ pub struct RunArgs {
     /// it there (RARP) so that the network learns where it went.
     #[arg(long = "net", value_name = "tap=NAME[,mac=MAC]")]
     pub nets: Vec<NetConfig>,
+    /// A virtio-balloon: the guest gives memory back (inflating to the target `ferry
+    /// balloon` sets, and on its own), reports the pages it frees and its memory statistics;
+    /// pages given back never cross the wire in a migration. Options: size=SIZE (the target
+    /// at boot, default 0), deflate_on_oom=on|off, free_page_reporting=on|off (both on),
+    /// stats_s=N (how often fresh statistics are asked for, default 1; 0: once). A VM
+    /// arriving by migration is given --balloon too.
+    #[arg(
+        long,
+        value_name = "OPTIONS",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = ""
+    )]
+    pub balloon: Option<BalloonConfig>,
     /// Where the guest's serial console goes: a file path, or "stdout".
     #[arg(long, default_value = "stdout")]
     pub serial: String,

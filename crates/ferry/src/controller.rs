@@ -169,6 +169,7 @@ impl Controller {
             net_rx: i.total.net_rx,
             net_tx: i.total.net_tx,
             net_errors: i.total.net_errors,
+            balloon: vm.balloon_info().map(crate::balloon::status),
             devices: vm
                 .device_info()
                 .into_iter()
@@ -178,6 +179,7 @@ impl Controller {
                     kind: match d.kind {
                         1 => "virtio-net".into(),
                         2 => "virtio-blk".into(),
+                        5 => "virtio-balloon".into(),
                         other => format!("virtio-{other}"),
                     },
                     attached_to: d.describe,
@@ -354,6 +356,10 @@ impl Handler for Controller {
             }
             ApiRequest::MigrateResume(req) => self.migrate_resume(&req),
             ApiRequest::Snapshot(req) => self.snapshot(&req),
+            ApiRequest::Balloon(req) => {
+                crate::balloon::set_target(self.vm()?, &req)?;
+                Ok(Value::Null)
+            }
         }
     }
 }

@@ -136,6 +136,8 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
         ApiRequest::CorruptPage(_) | ApiRequest::DirtyLogging(_) => {
             matches!(state, Running | Paused)
         }
+        // A migration skips what the guest gives back meanwhile.
+        ApiRequest::Balloon(_) => matches!(state, Running | Paused | Migrating),
     };
     if ok {
         return Ok(());

@@ -1,5 +1,6 @@
 //! The `ferry` command: run a VM, drive and watch it through its API.
 
+mod balloon;
 mod certs;
 mod ch;
 mod cli;
@@ -42,6 +43,7 @@ fn main() {
         cli::Command::Snapshot(a) => migrate::snapshot(&a),
         cli::Command::MigrateResume(a) => status::migrate_resume(&a),
         cli::Command::Certs(a) => certs::certs(&a),
+        cli::Command::Balloon(a) => status::balloon(&a),
         cli::Command::Ch(a) => ch::main(&a.args),
     };
     finish(result)

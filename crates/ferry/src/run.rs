@@ -201,7 +201,7 @@ fn config_of(args: &RunArgs) -> VmConfig {
         backend: args.memory_backend,
         disks: args.disks.clone(),
         nets: args.nets.clone(),
-        balloon: None,
+        balloon: args.balloon.clone(),
     }
 }
 
@@ -246,7 +246,7 @@ impl<'a> Arrival<'a> {
                 let config = VmConfig {
                     disks: args.disks.clone(),
                     nets: args.nets.clone(),
-                    balloon: None,
+                    balloon: args.balloon.clone(),
                     ..wanted
                 };
                 Vm::for_restore(config, serial)

@@ -5,7 +5,7 @@ use std::io::Write;
 use anyhow::Result;
 use api::ApiClient;
 
-use crate::cli::{ApiArgs, MigrateResumeArgs, TakeBackArgs};
+use crate::cli::{ApiArgs, BalloonArgs, MigrateResumeArgs, TakeBackArgs};
 
 pub fn status(args: &ApiArgs) -> Result<i32> {
     let info = ApiClient::new(&args.api_socket).get("vm.info")?;
@@ -30,6 +30,16 @@ pub fn take_back(args: &TakeBackArgs, endpoint: &str) -> Result<i32> {
         Some(seq) => println!("the VM runs here again from post-copy checkpoint {seq}"),
         None => println!("the VM runs here again from the switch"),
     }
+    Ok(0)
+}
+
+/// `vm.balloon`: sets the balloon's target.
+pub fn balloon(args: &BalloonArgs) -> Result<i32> {
+    let body = api::BalloonRequest {
+        target_mib: Some(args.target_mib),
+        target_pages: None,
+    };
+    ApiClient::new(&args.api_socket).put("vm.balloon", Some(&serde_json::to_value(body)?))?;
     Ok(0)
 }
 
