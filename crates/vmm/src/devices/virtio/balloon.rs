@@ -554,6 +554,10 @@ impl VirtioDevice for Balloon {
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
+
+    fn serve_on_vcpu(&self) -> bool {
+        true
+    }
 }
 
 /// The balloon of a VM's devices, if it has one (through `as_any_mut`).
