@@ -2,8 +2,20 @@
  * ferry's workload guest: touches one 8-byte word per 4 KiB page of a working set, forever,
  * and reports progress through heartbeats. It polls; it needs no interrupts or timers.
  * Command line words (PVH start_info cmdline):
- *   idle | write | read          workload (default idle)
- *   ws=SIZE                      working set, e.g. 64M, 1G (default 64M)
+ *   idle | write | read | churn  workload (default idle); churn: a working set that grows
+ *                                and shrinks, page by page from an allocator (see "the churn
+ *                                workload" below)
+ *   ws=SIZE                      working set, e.g. 64M, 1G (default 64M); with churn its
+ *                                largest size (it shrinks to a quarter of it)
+ *   peak=SIZE                    churn: the first cycle grows to SIZE instead (memory the
+ *                                guest touched once and then freed)
+ *   balloon                      drive the virtio-balloon: follow the host's target, report
+ *                                freed pages, give memory statistics (see "the balloon")
+ *   dsb                          dynamic self-ballooning (implies balloon): every dsb_ms
+ *                                inflate with dsb_pct % of free memory, deflate at once when
+ *                                the allocator runs short
+ *   dsb_ms=N                     the balloon's period in ms (default 5000)
+ *   dsb_pct=N                    the share of free memory DSB inflates with (default 95)
  *   seq | random                 page order (default seq)
  *   verify                       stamp every page, check every stamp
  *   fill=word|random|mixed|fresh page content (default word), see "page content" below
@@ -49,7 +61,7 @@ struct hvm_memmap_entry {
     u32 type, reserved;
 };
 
-enum mode { MODE_IDLE, MODE_WRITE, MODE_READ };
+enum mode { MODE_IDLE, MODE_WRITE, MODE_READ, MODE_CHURN };
 enum fill { FILL_WORD, FILL_RANDOM, FILL_MIXED, FILL_FRESH };
 
 struct config {
@@ -70,6 +82,11 @@ struct config {
     u64 mmio[8];      /* virtio-mmio register windows, from virtio_mmio.device= words */
     u64 mmio_count;
     u64 tick_ms;      /* empty serial lines every tick_ms (0: none) */
+    u64 peak_bytes;   /* churn: the first cycle's largest working set (0: ws) */
+    int balloon;      /* drive the virtio-balloon */
+    int dsb;          /* dynamic self-ballooning */
+    u64 dsb_ms;
+    u64 dsb_pct;
 };
 
 extern char __image_end[];
@@ -89,6 +106,7 @@ struct segment {
 static struct segment segments[MAX_SEGMENTS];
 static u64 nsegments;
 static volatile u32 aps_up;             /* APs that reached secondary_main */
+static u64 ram_bytes;                   /* RAM in the memory map, all of it */
 
 static struct config cfg;
 static struct hb_block blocks[MAX_CPUS] __attribute__((aligned(64)));
@@ -280,7 +298,8 @@ static void parse_word(const char *w, u64 len)
     struct { const char *key; u64 *dst; int suffix; } numbers[] = {
         {"ws=", &cfg.ws_bytes, 1}, {"rate=", &cfg.rate, 0}, {"vcpus=", &cfg.vcpus, 0},
         {"passes=", &cfg.passes, 0}, {"hb_us=", &cfg.hb_us, 0}, {"serial_ms=", &cfg.serial_ms, 0},
-        {"tick_ms=", &cfg.tick_ms, 0},
+        {"tick_ms=", &cfg.tick_ms, 0}, {"peak=", &cfg.peak_bytes, 1},
+        {"dsb_ms=", &cfg.dsb_ms, 0}, {"dsb_pct=", &cfg.dsb_pct, 0},
         {"blk_sectors=", &cfg.blk_sectors, 0}, {"blk_rate=", &cfg.blk_rate, 0},
     };
     for (unsigned k = 0; k < sizeof(numbers) / sizeof(numbers[0]); k++) {
@@ -296,6 +315,9 @@ static void parse_word(const char *w, u64 len)
     if (word_is(w, len, "idle")) cfg.mode = MODE_IDLE;
     else if (word_is(w, len, "write")) cfg.mode = MODE_WRITE;
     else if (word_is(w, len, "read")) cfg.mode = MODE_READ;
+    else if (word_is(w, len, "churn")) cfg.mode = MODE_CHURN;
+    else if (word_is(w, len, "balloon")) cfg.balloon = 1;
+    else if (word_is(w, len, "dsb")) cfg.balloon = cfg.dsb = 1;
     else if (word_is(w, len, "seq")) cfg.random = 0;
     else if (word_is(w, len, "random")) cfg.random = 1;
     else if (word_is(w, len, "verify")) cfg.verify = 1;
@@ -314,7 +336,7 @@ static void parse_word(const char *w, u64 len)
 static void parse_cmdline(const char *s)
 {
     cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD,
-                          0, 2048, 2000, 0, {0}, 0, 0};
+                          0, 2048, 2000, 0, {0}, 0, 0, 0, 0, 0, 5000, 95};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -330,6 +352,10 @@ static void parse_cmdline(const char *s)
         fatal("hb_us must be positive", "");
     if (cfg.mode != MODE_IDLE && cfg.ws_bytes < PAGE_SIZE * cfg.vcpus)
         fatal("working set smaller than one page per vCPU", "");
+    if (cfg.dsb_ms == 0 || cfg.dsb_pct == 0 || cfg.dsb_pct > 100)
+        fatal("dsb_ms must be positive and dsb_pct 1..100", "");
+    if (cfg.mode == MODE_CHURN && cfg.fill != FILL_WORD)
+        fatal("churn writes one stamp a page: fill=word only", "");
 }
 
 /* ---- memory layout ---- */
@@ -347,6 +373,8 @@ static void read_memory_map(const struct hvm_start_info *si, u64 from)
         put_str("-");
         put_hex(end - 1);
         put_str(map[i].type == E820_RAM ? " ram\n" : " reserved\n");
+        if (map[i].type == E820_RAM)
+            ram_bytes += map[i].size;
         if (map[i].type != E820_RAM || end <= from)
             continue;
         if (nsegments == MAX_SEGMENTS)
@@ -406,27 +434,194 @@ static u64 page_addr(u64 page)
     return 0;
 }
 
+/* RAM pages the segments hold now. */
+static u64 ram_room(void)
+{
+    u64 room = 0;
+    for (u64 i = 0; i < nsegments; i++)
+        room += segments[i].pages;
+    return room;
+}
+
+/*
+ * ---- the page allocator: the guest's free RAM, page by page ----
+ *
+ * What churn allocates and the balloon gives away: every RAM page past the static working set
+ * (pages numbered as page_addr numbers them, from pa.first). Three bitmaps, carved like the
+ * verify table (fresh RAM reads zero, and they migrate with the rest of memory): free pages,
+ * free pages not yet reported to the balloon (freed by the workload since), and pages in the
+ * balloon. Pages are taken next-fit from a cursor, so a working set that grows takes
+ * ascending addresses and one that shrinks frees runs of them: reports and the host's
+ * discards then cover long ranges.
+ */
+#define NO_PAGE (~0ull)
+
+static struct {
+    u64 first, pages;      /* page_addr numbers of allocator page 0, and how many */
+    u64 *free_map, *unreported, *ballooned;
+    u64 free, unreported_count, cursor;
+} pa;
+
+static inline int bit_get(const u64 *map, u64 i) { return (int)((map[i / 64] >> (i % 64)) & 1); }
+static inline void bit_set(u64 *map, u64 i) { map[i / 64] |= 1ull << (i % 64); }
+static inline void bit_clear(u64 *map, u64 i) { map[i / 64] &= ~(1ull << (i % 64)); }
+
+/* The first set bit of map[from..n); NO_PAGE if none. */
+static u64 next_set(const u64 *map, u64 n, u64 from)
+{
+    for (u64 wi = from / 64; wi * 64 < n; wi++) {
+        u64 w = map[wi];
+        if (wi == from / 64)
+            w &= ~0ull << (from % 64);
+        if (w)
+            return wi * 64 + (u64)__builtin_ctzll(w);
+    }
+    return NO_PAGE;
+}
+
+/* The first set bit of map[0..n) at or after `from`, wrapping around; NO_PAGE if none. */
+static u64 find_set(const u64 *map, u64 n, u64 from)
+{
+    u64 a = next_set(map, n, from);
+    return a != NO_PAGE ? a : next_set(map, n, 0);
+}
+
+/* Where the run of set bits from a (set) ends, at most at `limit`. */
+static u64 run_end(const u64 *map, u64 a, u64 limit)
+{
+    u64 end = a + 1;
+    while (end < limit) {
+        if (end % 64 == 0 && end + 64 <= limit && map[end / 64] == ~0ull)
+            end += 64;
+        else if (bit_get(map, end))
+            end++;
+        else
+            break;
+    }
+    return end;
+}
+
+static void bits_clear(u64 *map, u64 from, u64 end)
+{
+    for (u64 i = from; i < end;) {
+        if (i % 64 == 0 && i + 64 <= end) {
+            map[i / 64] = 0;
+            i += 64;
+        } else {
+            bit_clear(map, i++);
+        }
+    }
+}
+
+/* Carves the allocator's bitmaps for at most `room` pages. */
+static void pa_carve(u64 room)
+{
+    u64 bytes = (room + 63) / 64 * 8;
+    pa.free_map = (u64 *)carve(bytes);
+    pa.unreported = (u64 *)carve(bytes);
+    pa.ballooned = (u64 *)carve(bytes);
+}
+
+/* Every page from page_addr number `first` up to `room` is free. */
+static void pa_setup(u64 first, u64 room)
+{
+    pa.first = first;
+    pa.pages = room - first;
+    for (u64 i = 0; i < pa.pages / 64; i++)
+        pa.free_map[i] = ~0ull;
+    for (u64 i = pa.pages / 64 * 64; i < pa.pages; i++)
+        bit_set(pa.free_map, i);
+    pa.free = pa.pages;
+}
+
+/* A free page (allocator number), or NO_PAGE. */
+static u64 pa_take(void)
+{
+    if (!pa.free)
+        return NO_PAGE;
+    u64 a = find_set(pa.free_map, pa.pages, pa.cursor);
+    bit_clear(pa.free_map, a);
+    if (pa.unreported_count && bit_get(pa.unreported, a)) {
+        bit_clear(pa.unreported, a);
+        pa.unreported_count--;
+    }
+    pa.free--;
+    pa.cursor = a + 1 == pa.pages ? 0 : a + 1;
+    return a;
+}
+
+/* Frees page a; `report`: its content is the workload's, worth reporting to the balloon. */
+static void pa_put(u64 a, int report)
+{
+    bit_set(pa.free_map, a);
+    pa.free++;
+    if (report) {
+        bit_set(pa.unreported, a);
+        pa.unreported_count++;
+    }
+}
+
+static inline u64 pa_addr(u64 a) { return page_addr(pa.first + a); }
+
+/* Where the segment holding allocator page a ends, as an allocator page number. */
+static u64 pa_segment_end(u64 a)
+{
+    u64 g = pa.first + a, start = 0;
+    for (u64 i = 0; i < nsegments; i++) {
+        if (g < start + segments[i].pages)
+            return start + segments[i].pages - pa.first;
+        start += segments[i].pages;
+    }
+    return pa.pages;
+}
+
+/*
+ * ---- the churn workload: state laid out with the memory ----
+ *
+ * The working set is a stack of allocator pages (grown by allocating, shrunk by freeing the
+ * newest), each stamped with its number and a generation the guest keeps per page.
+ */
+static struct {
+    u32 *stack;       /* allocator pages in the working set, oldest first */
+    u32 *gen;         /* verify: the generation each allocator page last carried (0: never) */
+    u64 count, capacity, touch;
+} churn;
+
 static void plan_layout(void)
 {
-    ws_pages = cfg.mode == MODE_IDLE ? 0 : cfg.ws_bytes / PAGE_SIZE;
+    int allocator = cfg.mode == MODE_CHURN || cfg.balloon;
+    ws_pages = cfg.mode == MODE_IDLE || cfg.mode == MODE_CHURN ? 0 : cfg.ws_bytes / PAGE_SIZE;
     /* Carved like expected_gen: fresh RAM reads zero, so every sector starts as "never
      * written", and the table migrates with the rest of guest memory. */
     if (cfg.blk)
         expected_blk_gen = (u32 *)carve(cfg.blk_sectors * sizeof(u32));
-    if (cfg.verify)
+    if (cfg.verify && ws_pages)
         expected_gen = (u32 *)carve(ws_pages * sizeof(u32));
     if (ws_pages && cfg.fill != FILL_WORD)
         random_pool = (u64 *)carve(POOL_BYTES);
     if (ws_pages && (cfg.fill == FILL_MIXED || cfg.fill == FILL_FRESH))
         text_pool = (u64 *)carve(POOL_BYTES);
-    u64 room = 0;
-    for (u64 i = 0; i < nsegments; i++)
-        room += segments[i].pages;
+    if (allocator)
+        pa_carve(ram_room());
+    if (cfg.mode == MODE_CHURN) {
+        u64 peak = cfg.peak_bytes > cfg.ws_bytes ? cfg.peak_bytes : cfg.ws_bytes;
+        churn.capacity = peak / PAGE_SIZE;
+        churn.stack = (u32 *)carve(churn.capacity * sizeof(u32));
+        if (cfg.verify)
+            churn.gen = (u32 *)carve(ram_room() * sizeof(u32));
+    }
+    u64 room = ram_room();
     if (ws_pages > room)
         fatal("working set does not fit in guest RAM", "");
     ws_base = segments[0].base;
-    if (ws_pages)
+    if (allocator) {
+        pa_setup(ws_pages, room);
+        if (churn.capacity > pa.pages)
+            fatal("churn: ws= or peak= does not fit in guest RAM", "");
+        map_up_to(page_addr(room - 1) + PAGE_SIZE);
+    } else if (ws_pages) {
         map_up_to(page_addr(ws_pages - 1) + PAGE_SIZE);
+    }
 }
 
 /*
@@ -510,7 +705,11 @@ struct worker {
     u64 blk_ticks, next_blk;
     int net;          /* this vCPU forwards frames (vCPU 0 with net=fwd) */
     u64 net_check_ticks, next_net_check;
+    int balloon;      /* this vCPU drives the balloon (vCPU 0 with balloon or dsb) */
+    u64 dsb_ticks, next_dsb;
 };
+
+static void balloon_progress(void);
 
 static void serial_progress(void)
 {
@@ -547,6 +746,7 @@ static void serial_progress(void)
         put_str(" net_tx=");
         put_u64(blocks[0].net_tx);
     }
+    balloon_progress();
     put_str("\n");
 }
 
@@ -1129,11 +1329,316 @@ static void net_step(struct worker *w)
     }
 }
 
-/* vCPU 0's device work, wherever its heart beats: the disk step when due, the network's. */
+/*
+ * ---- the balloon: a poll-mode virtio-balloon driver, and dynamic self-ballooning ----
+ *
+ * vCPU 0 drives it beside its workload, over the page allocator. Every dsb_ms it reads the
+ * host's target (num_pages) and inflates to it with free pages, or deflates down to it; with
+ * dsb (Hines & Gopalan's dynamic self-ballooning) it also inflates with dsb_pct % of the free
+ * pages, and takes pages back only when the allocator runs short: at once, a request's worth
+ * at a time (VIRTIO_BALLOON_F_DEFLATE_ON_OOM lets it go below the host's target then). The
+ * pages the workload freed are reported (free page reporting) once 2 MiB of them wait, and at
+ * every tick: the host discards them, and they stay free here, reused without a word. The
+ * statistics buffer (free and total memory; no swap) is refilled whenever the host gives it
+ * back. Every request is waited for (polled): a page in the balloon is the host's until its
+ * deflate is answered (MUST_TELL_HOST), and a page being reported is not reused until its
+ * report is. Whatever the host did to a page, it comes back zero or as it was, never older:
+ * churn checks. All driver state is guest memory, so a VM migrated mid-request carries on.
+ */
+#define VIRTIO_ID_BALLOON 5
+#define VIRTIO_BALLOON_F_MUST_TELL_HOST 0  /* in feature word 0 */
+#define VIRTIO_BALLOON_F_STATS_VQ 1
+#define VIRTIO_BALLOON_F_DEFLATE_ON_OOM 2
+#define VIRTIO_BALLOON_F_REPORTING 5
+#define BALLOON_NUM_PAGES VIRTIO_CONFIG    /* device config: le32 target, then le32 actual */
+#define BALLOON_ACTUAL (VIRTIO_CONFIG + 4)
+#define BALLOON_PFNS 1024                  /* page numbers per inflate or deflate request */
+#define BALLOON_REPORT_BATCH 512           /* freed pages that make a report (2 MiB) */
+#define BALLOON_MAX_RUN (1ull << 18)       /* pages in one reported range (1 GiB) */
+#define BALLOON_TIMEOUT_MS 2000
+
+struct balloon_stat {
+    u16 tag;
+    u64 val;
+} __attribute__((packed));
+_Static_assert(sizeof(struct balloon_stat) == 10, "virtio_balloon_stat is 10 bytes");
+enum { STAT_SWAP_IN = 0, STAT_MEMFREE = 4, STAT_MEMTOT = 5, STAT_AVAIL = 6, BALLOON_STATS = 4 };
+
+static struct virtq bal_inflateq, bal_deflateq, bal_statsq, bal_reportq;
+static u32 bal_pfns[BALLOON_PFNS] __attribute__((aligned(4096)));
+/* The pages of bal_pfns as the allocator's bitmaps name them: a word and its bits. */
+static struct {
+    u64 word, bits;
+} bal_words[BALLOON_PFNS];
+static u32 bal_nwords;
+static struct balloon_stat bal_stats[BALLOON_STATS] __attribute__((aligned(64)));
+static struct {
+    struct vdev dev;
+    int stats, reporting, oom;          /* negotiated */
+    u32 stats_index, report_index;      /* their queues */
+    u64 count;                          /* pages in the balloon */
+    u64 cursor;                         /* where a deflate looks first */
+    u64 inflated, deflated, reported;   /* pages, for the serial line */
+} bal;
+
+static void balloon_progress(void)
+{
+    if (!cfg.balloon)
+        return;
+    put_str(" balloon_pages=");
+    put_u64(bal.count);
+    put_str(" free_pages=");
+    put_u64(pa.free);
+    put_str(" reported=");
+    put_u64(bal.reported);
+    if (cfg.mode == MODE_CHURN) {
+        put_str(" ws_pages=");
+        put_u64(churn.count);
+    }
+}
+
+static void balloon_fill_stats(void)
+{
+    static const u16 tags[BALLOON_STATS] = {STAT_SWAP_IN, STAT_MEMFREE, STAT_MEMTOT, STAT_AVAIL};
+    u64 values[BALLOON_STATS] = {0, pa.free * PAGE_SIZE, ram_bytes, pa.free * PAGE_SIZE};
+    for (u32 i = 0; i < BALLOON_STATS; i++) {
+        bal_stats[i].tag = tags[i];
+        bal_stats[i].val = values[i];
+    }
+    bal_statsq.desc[0] = (struct virtq_desc){(u64)bal_stats, (u32)sizeof(bal_stats), 0, 0};
+    virtq_post(&bal_statsq, 0);
+    vdev_notify(&bal.dev, bal.stats_index);
+}
+
+/* Device initialisation: the queues the features give (statistics and reporting take the
+ * next index each when negotiated), the statistics buffer posted. */
+static void balloon_init(void)
+{
+    u64 wanted = 1ull << VIRTIO_BALLOON_F_MUST_TELL_HOST | 1ull << VIRTIO_BALLOON_F_STATS_VQ |
+                 1ull << VIRTIO_BALLOON_F_DEFLATE_ON_OOM | 1ull << VIRTIO_BALLOON_F_REPORTING;
+    u64 f = vdev_start(&bal.dev, "virtio-balloon", VIRTIO_ID_BALLOON, wanted,
+                       "balloon: no virtio-balloon device in the virtio_mmio.device= windows");
+    bal.stats = (int)((f >> VIRTIO_BALLOON_F_STATS_VQ) & 1);
+    bal.reporting = (int)((f >> VIRTIO_BALLOON_F_REPORTING) & 1);
+    bal.oom = (int)((f >> VIRTIO_BALLOON_F_DEFLATE_ON_OOM) & 1);
+    virtq_setup(&bal.dev, 0, &bal_inflateq, "virtio-balloon queue 0 (inflateq)");
+    virtq_setup(&bal.dev, 1, &bal_deflateq, "virtio-balloon queue 1 (deflateq)");
+    u32 next = 2;
+    if (bal.stats)
+        virtq_setup(&bal.dev, bal.stats_index = next++, &bal_statsq, "virtio-balloon statsq");
+    if (bal.reporting)
+        virtq_setup(&bal.dev, bal.report_index = next, &bal_reportq, "virtio-balloon reporting_vq");
+    vdev_set_status(&bal.dev, STATUS_DRIVER_OK);
+    if (bal.stats)
+        balloon_fill_stats();
+    put_str("ferry-guest: virtio-balloon at ");
+    put_hex(bal.dev.base);
+    put_str(bal.stats ? " stats" : "");
+    put_str(bal.reporting ? " reporting" : "");
+    put_str(bal.oom ? " deflate-on-oom" : "");
+    put_str(cfg.dsb ? " dsb\n" : "\n");
+}
+
+/* Waits for the device to answer the request on q, the beat going on. */
+static void balloon_wait(struct worker *w, struct virtq *q, const char *what)
+{
+    struct virtq_used_elem done;
+    u64 deadline = rdtsc() + tsc_khz * BALLOON_TIMEOUT_MS;
+    while (!virtq_pop(q, &done)) {
+        if (rdtsc() > deadline) {
+            vdev_status(&bal.dev); /* a device that gave up says so there */
+            fatal("virtio-balloon: no answer within 2 s to ", what);
+        }
+        heartbeat_if_due(w);
+        cpu_relax();
+    }
+}
+
+/* Sends bal_pfns[0..n) on queue `index` and waits for the answer. */
+static void balloon_send(struct worker *w, struct virtq *q, u32 index, u32 n, const char *what)
+{
+    q->desc[0] = (struct virtq_desc){(u64)bal_pfns, n * (u32)sizeof(u32), 0, 0};
+    virtq_post(q, 0);
+    vdev_notify(&bal.dev, index);
+    balloon_wait(w, q, what);
+}
+
+static u64 popcount64(u64 x)
+{
+    x -= (x >> 1) & 0x5555555555555555ull;
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+    return (x * 0x0101010101010101ull) >> 56;
+}
+
+/*
+ * Clears up to n (at most BALLOON_PFNS) set bits of `map`, a word at a time from *cursor's
+ * word on (wrapping), setting them in `mark` if given; their page frame numbers go to
+ * bal_pfns, their words and bits to bal_words. Returns how many. A few instructions a page:
+ * a balloon moves hundreds of thousands of them, and every instruction is emulated here.
+ */
+static u32 pa_gather(u64 *map, u64 *cursor, u64 n, u64 *mark)
+{
+    u64 words = (pa.pages + 63) / 64, first = *cursor / 64 % words;
+    u32 k = 0, limit = n < BALLOON_PFNS ? (u32)n : BALLOON_PFNS;
+    bal_nwords = 0;
+    for (u64 i = 0; i < words && k < limit; i++) {
+        u64 wi = (first + i) % words, w = map[wi], a0 = wi * 64;
+        if (!w)
+            continue;
+        u64 all = w;
+        if (a0 + 64 <= pa_segment_end(a0)) {
+            /* The word's pages lie in one segment (nearly always): one lookup for all. */
+            u32 base = (u32)(pa_addr(a0) / PAGE_SIZE);
+            if (w == ~0ull && k + 64 <= limit) {
+                for (u32 b = 0; b < 64; b++) /* all free: the common case */
+                    bal_pfns[k + b] = base + b;
+                k += 64;
+                w = 0;
+            }
+            for (; w && k < limit; w &= w - 1)
+                bal_pfns[k++] = base + (u32)__builtin_ctzll(w);
+        } else {
+            for (; w && k < limit; w &= w - 1)
+                bal_pfns[k++] = (u32)(pa_addr(a0 + (u64)__builtin_ctzll(w)) / PAGE_SIZE);
+        }
+        u64 take = all & ~w;
+        map[wi] &= ~take;
+        if (mark)
+            mark[wi] |= take;
+        bal_words[bal_nwords].word = wi;
+        bal_words[bal_nwords++].bits = take;
+        *cursor = a0;
+    }
+    return k;
+}
+
+/* Gives up to n free pages to the balloon. */
+static void balloon_inflate(struct worker *w, u64 n)
+{
+    while (n && pa.free) {
+        u32 k = pa_gather(pa.free_map, &pa.cursor, n, pa.ballooned);
+        if (!k)
+            fatal("balloon: the allocator's free count and map disagree", "");
+        pa.free -= k;
+        for (u32 i = 0; pa.unreported_count && i < bal_nwords; i++) {
+            u64 *u = &pa.unreported[bal_words[i].word]; /* given back: no report needed */
+            pa.unreported_count -= popcount64(*u & bal_words[i].bits);
+            *u &= ~bal_words[i].bits;
+        }
+        balloon_send(w, &bal_inflateq, 0, k, "an inflate");
+        bal.count += k;
+        bal.inflated += k;
+        n -= k;
+    }
+    vdev_write(&bal.dev, BALLOON_ACTUAL, (u32)bal.count);
+}
+
+/* Takes up to n pages back from the balloon; they are free again once the host has heard. */
+static void balloon_deflate(struct worker *w, u64 n)
+{
+    while (n && bal.count) {
+        u32 k = pa_gather(pa.ballooned, &bal.cursor, n, 0);
+        if (!k)
+            fatal("balloon: its page count and map disagree", "");
+        balloon_send(w, &bal_deflateq, 1, k, "a deflate");
+        for (u32 i = 0; i < bal_nwords; i++)
+            pa.free_map[bal_words[i].word] |= bal_words[i].bits;
+        pa.free += k;
+        bal.count -= k;
+        bal.deflated += k;
+        n -= k;
+    }
+    vdev_write(&bal.dev, BALLOON_ACTUAL, (u32)bal.count);
+}
+
+/*
+ * Reports the pages freed since the last report, a request of up to a queue's worth of
+ * ranges at a time (each a run inside one segment); with `all` to the last, otherwise while
+ * a batch's worth waits.
+ */
+static void balloon_report(struct worker *w, int all)
+{
+    if (!bal.reporting)
+        return;
+    static u64 runs[VIRTQ_MAX][2];
+    while (pa.unreported_count && (all || pa.unreported_count >= BALLOON_REPORT_BATCH)) {
+        u32 n = 0;
+        for (u64 from = 0, a; n < bal_reportq.num && (a = next_set(pa.unreported, pa.pages, from)) != NO_PAGE; n++) {
+            u64 limit = pa_segment_end(a);
+            if (limit > a + BALLOON_MAX_RUN)
+                limit = a + BALLOON_MAX_RUN;
+            runs[n][0] = a;
+            runs[n][1] = from = run_end(pa.unreported, a, limit);
+            bal_reportq.desc[n] = (struct virtq_desc){pa_addr(a), (u32)((from - a) * PAGE_SIZE),
+                                                      VIRTQ_DESC_F_WRITE | VIRTQ_DESC_F_NEXT, (u16)(n + 1)};
+        }
+        if (!n)
+            fatal("balloon: the allocator's unreported count and map disagree", "");
+        bal_reportq.desc[n - 1].flags = VIRTQ_DESC_F_WRITE;
+        virtq_post(&bal_reportq, 0);
+        vdev_notify(&bal.dev, bal.report_index);
+        balloon_wait(w, &bal_reportq, "a free page report");
+        for (u32 i = 0; i < n; i++) {
+            bits_clear(pa.unreported, runs[i][0], runs[i][1]);
+            pa.unreported_count -= runs[i][1] - runs[i][0];
+            bal.reported += runs[i][1] - runs[i][0];
+        }
+    }
+}
+
+/* The period's work: follow the host's target (and with dsb inflate with free memory), then
+ * report what is left. */
+static void balloon_tick(struct worker *w)
+{
+    u64 want = vdev_read(&bal.dev, BALLOON_NUM_PAGES);
+    if (cfg.dsb && bal.count + pa.free * cfg.dsb_pct / 100 > want)
+        want = bal.count + pa.free * cfg.dsb_pct / 100;
+    if (want > bal.count)
+        balloon_inflate(w, want - bal.count);
+    else if (!cfg.dsb && bal.count > want)
+        balloon_deflate(w, bal.count - want);
+    balloon_report(w, 1);
+}
+
+/* vCPU 0's balloon step: fresh statistics when the host asked, the period's tick when due,
+ * and a report when a batch of freed pages waits. Costs two memory reads when idle. */
+static void balloon_step(struct worker *w)
+{
+    if (!w->balloon)
+        return;
+    struct virtq_used_elem e;
+    if (bal.stats && virtq_pop(&bal_statsq, &e))
+        balloon_fill_stats();
+    u64 now = rdtsc();
+    if (now >= w->next_dsb) {
+        w->next_dsb = now + w->dsb_ticks;
+        balloon_tick(w);
+    } else if (pa.unreported_count >= BALLOON_REPORT_BATCH) {
+        balloon_report(w, 0);
+    }
+}
+
+/* A free page for the workload: when none is left, the balloon gives some back at once (below
+ * the host's target only with DEFLATE_ON_OOM). */
+static u64 pa_take_or_deflate(struct worker *w)
+{
+    u64 a = pa_take();
+    if (a != NO_PAGE || !w->balloon)
+        return a;
+    u64 target = vdev_read(&bal.dev, BALLOON_NUM_PAGES);
+    u64 spare = bal.oom || cfg.dsb ? bal.count : bal.count > target ? bal.count - target : 0;
+    balloon_deflate(w, spare < BALLOON_PFNS ? spare : BALLOON_PFNS);
+    return pa_take();
+}
+
+/* vCPU 0's device work, wherever its heart beats: the disk step when due, the network's, the
+ * balloon's. */
 static void devices_step(struct worker *w)
 {
     blk_step_if_due(w);
     net_step(w);
+    balloon_step(w);
 }
 
 /* Keeps the vCPU under its share of rate=N, heart still beating (and vCPU 0's devices busy). */
@@ -1326,6 +1831,93 @@ static void run_pass(struct worker *w, int write)
     w->hb->passes++;
 }
 
+
+/*
+ * ---- the churn workload: a working set that grows and shrinks ----
+ *
+ * vCPU 0 allocates pages from the page allocator and stamps each, up to ws=, then frees the
+ * newest back down to a quarter of it, and again: a pass is one such cycle (the first goes up
+ * to peak= when it is larger: memory touched once, then freed, as a heap or a page cache
+ * does). Every 16 pages it takes or frees, it verifies and rewrites the next 4 of the set
+ * (round robin): every instruction is emulated here, and the set moves anyway. A page it takes must read zero (the host discarded it: in the balloon, or
+ * reported) or carry the stamp it last had, never an older one; a page it frees must carry
+ * its stamp. Other vCPUs only beat.
+ */
+static inline volatile u64 *churn_word(u64 a)
+{
+    u64 g = pa.first + a; /* fast path: most pages lie in the first segment */
+    return (volatile u64 *)(g < segments[0].pages ? segments[0].base + g * PAGE_SIZE : page_addr(g));
+}
+
+/* Page a's next generation, after checking it carries the last one (with `fresh`: or zero). */
+static void churn_stamp(struct worker *w, u64 a, int fresh)
+{
+    volatile u64 *word = churn_word(a);
+    if (!cfg.verify) {
+        *word = stamp(a, (u32)w->hb->passes + 1);
+        return;
+    }
+    u32 gen = churn.gen[a];
+    u64 v = *word;
+    if (gen ? v != stamp(a, gen) && !(fresh && v == 0) : v != 0)
+        report_mismatch(w, a);
+    *word = stamp(a, gen + 1);
+    churn.gen[a] = gen + 1;
+}
+
+static void churn_grow_one(struct worker *w)
+{
+    u64 a = pa_take_or_deflate(w);
+    if (a == NO_PAGE)
+        fatal("churn: out of memory", bal.count ? " (the balloon holds the rest)" : "");
+    churn_stamp(w, a, 1);
+    churn.stack[churn.count++] = (u32)a;
+    w->hb->pages++;
+}
+
+static void churn_shrink_one(struct worker *w)
+{
+    u64 a = churn.stack[--churn.count];
+    if (cfg.verify && *churn_word(a) != stamp(a, churn.gen[a]))
+        report_mismatch(w, a);
+    pa_put(a, 1);
+    w->hb->pages++;
+}
+
+/* Verifies and rewrites the next 4 pages of the set; the beat and the devices go on. */
+static void churn_beat(struct worker *w)
+{
+    for (u32 i = 0; i < 4 && churn.count; i++) {
+        if (churn.touch >= churn.count)
+            churn.touch = 0;
+        churn_stamp(w, churn.stack[churn.touch++], 0);
+        w->hb->pages++;
+    }
+    heartbeat_if_due(w);
+    devices_step(w);
+    throttle(w);
+}
+
+static void run_churn(struct worker *w)
+{
+    u64 high = cfg.ws_bytes / PAGE_SIZE, low = high / 4 ? high / 4 : 1;
+    for (u64 pass = 0; cfg.passes == 0 || pass < cfg.passes; pass++) {
+        u64 top = pass == 0 && cfg.peak_bytes > cfg.ws_bytes ? cfg.peak_bytes / PAGE_SIZE : high;
+        while (churn.count < top)
+            if ((churn_grow_one(w), churn.count % 16 == 0))
+                churn_beat(w);
+        while (churn.count > low)
+            if ((churn_shrink_one(w), churn.count % 16 == 0))
+                churn_beat(w);
+        w->hb->passes++;
+        if (pass == 0) {
+            put_str("ferry-guest: churn first pass ms=");
+            put_u64((rdtsc() - w->start_tsc) / tsc_khz);
+            put_str("\n");
+        }
+    }
+}
+
 static void run_worker(u64 cpu)
 {
     struct worker w = {0};
@@ -1343,6 +1935,9 @@ static void run_worker(u64 cpu)
     w.blk_ticks = cfg.blk_rate ? tsc_khz * 1000 / cfg.blk_rate : 0;
     w.net = cfg.net && cpu == 0;
     w.net_check_ticks = tsc_khz * NET_STATUS_CHECK_MS;
+    w.balloon = cfg.balloon && cpu == 0;
+    w.dsb_ticks = tsc_khz * cfg.dsb_ms;
+    w.next_dsb = w.start_tsc + w.dsb_ticks;
 
     w.hb->cpu = (u32)cpu;
     w.hb->share_base = page_addr(w.first);
@@ -1355,8 +1950,12 @@ static void run_worker(u64 cpu)
 
     if (cfg.mode == MODE_READ)
         run_pass(&w, 1); /* read needs stamped pages to check */
-    for (u64 pass = 0; cfg.passes == 0 || pass < cfg.passes; pass++) {
-        if (cfg.mode == MODE_IDLE) {
+    if (cfg.mode == MODE_CHURN && cpu == 0)
+        run_churn(&w);
+    for (u64 pass = 0; cfg.mode != MODE_CHURN || cpu; pass++) {
+        if (cfg.passes && pass >= cfg.passes)
+            break;
+        if (cfg.mode == MODE_IDLE || cfg.mode == MODE_CHURN) {
             for (u64 spin = 0; spin < 1000000; spin++) {
                 heartbeat_if_due(&w);
                 devices_step(&w);
@@ -1382,7 +1981,10 @@ static void run_worker(u64 cpu)
 
 static const char *mode_name(void)
 {
-    return cfg.mode == MODE_IDLE ? "idle" : cfg.mode == MODE_WRITE ? "write" : "read";
+    return cfg.mode == MODE_IDLE    ? "idle"
+           : cfg.mode == MODE_WRITE ? "write"
+           : cfg.mode == MODE_READ  ? "read"
+                                    : "churn";
 }
 
 /* ---- processors: the ACPI MADT, and INIT/SIPI through the local APIC ---- */
@@ -1484,6 +2086,8 @@ void guest_main(const struct hvm_start_info *si)
         tsc_khz = 2000000;
     }
     make_pools();
+    if (cfg.balloon)
+        balloon_init();
     u64 cpus = madt_cpus(si);
     put_str("ferry-guest: madt cpus=");
     put_u64(cpus);
@@ -1515,6 +2119,18 @@ void guest_main(const struct hvm_start_info *si)
     }
     if (cfg.net)
         put_str(" net=fwd");
+    if (cfg.mode == MODE_CHURN) {
+        put_str(" churn_ws_pages=");
+        put_u64(cfg.ws_bytes / PAGE_SIZE);
+        put_str(" peak_pages=");
+        put_u64(cfg.peak_bytes / PAGE_SIZE);
+    }
+    if (cfg.balloon) {
+        put_str(cfg.dsb ? " dsb dsb_ms=" : " balloon period_ms=");
+        put_u64(cfg.dsb_ms);
+        put_str(" allocator_pages=");
+        put_u64(pa.pages);
+    }
     put_str("\n");
     __atomic_store_n(&go, 1, __ATOMIC_RELEASE);
     run_worker(0);
