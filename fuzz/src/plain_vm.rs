@@ -193,4 +193,7 @@ impl Migratable for PlainVm {
         GuestReport::default()
     }
     fn hold_page_discards(&self, _: bool) {}
+    fn given_back(&self) -> Option<Bitmap> {
+        None
+    }
 }

@@ -423,6 +423,9 @@ pub struct MigrationStatus {
     pub pages_full: u64,
     pub pages_zero: u64,
     pub pages_skipped_unpopulated: u64,
+    /// Of those, the pages the guest had given back (its balloon's, or reported free).
+    #[serde(default)]
+    pub pages_skipped_free: u64,
     pub pages_resent: u64,
     pub bytes_on_wire: u64,
     pub compression: CompressionStats,

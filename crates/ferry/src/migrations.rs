@@ -119,6 +119,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         pages_full: p.pages.full,
         pages_zero: p.pages.zero,
         pages_skipped_unpopulated: p.pages.skipped_unpopulated,
+        pages_skipped_free: p.pages.skipped_free,
         pages_resent: p.pages.resent,
         bytes_on_wire: p.bytes_on_wire,
         compression: api::CompressionStats {

@@ -39,7 +39,7 @@ pub fn render(s: &MigrationStatus) -> String {
     if let Some(n) = &s.note {
         let _ = writeln!(o, "  note: {n}");
     }
-    let rows: [(&str, String); 19] = [
+    let rows: [(&str, String); 20] = [
         ("setup", format!("{:.2} ms", s.setup_ms)),
         ("downtime (source's clock)", opt_ms(s.downtime_ms)),
         (
@@ -60,6 +60,10 @@ pub fn render(s: &MigrationStatus) -> String {
         (
             "pages skipped (never populated)",
             s.pages_skipped_unpopulated.to_string(),
+        ),
+        (
+            "  of which given back by the guest",
+            s.pages_skipped_free.to_string(),
         ),
         ("pages resent (dirtied again)", s.pages_resent.to_string()),
         ("bytes on the wire", s.bytes_on_wire.to_string()),

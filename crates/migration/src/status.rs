@@ -74,6 +74,8 @@ pub struct PageCounts {
     pub zero: u64,
     /// Never populated on the source: skipped without being read.
     pub skipped_unpopulated: u64,
+    /// Of those, the pages the guest had given back (its balloon's, or reported free).
+    pub skipped_free: u64,
     /// Sent again after an earlier round had sent them.
     pub resent: u64,
     /// Post-copy: pushed by the source / requested by the destination's faults.

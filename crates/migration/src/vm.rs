@@ -73,4 +73,8 @@ pub trait Migratable: Send + Sync {
     /// discard would make a page the engine installed missing again, and its next touch would
     /// wait for an answer that never comes); it may give them back once let go.
     fn hold_page_discards(&self, hold: bool);
+    /// The pages the guest gave back to the host (a balloon's inflations and free page
+    /// reports), a bitmap as `take_dirty`'s; `None` if it gave none. For the report: those
+    /// not populated when a migration looks are counted as skipped because free.
+    fn given_back(&self) -> Option<Bitmap>;
 }

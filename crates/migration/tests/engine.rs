@@ -75,6 +75,8 @@ struct FakeVm {
     released: AtomicBool,
     /// Every `hold_page_discards`, in order.
     holds: Mutex<Vec<bool>>,
+    /// What `given_back` answers.
+    given: Mutex<Option<Bitmap>>,
 }
 
 impl FakeVm {
@@ -93,6 +95,7 @@ impl FakeVm {
             saved: Mutex::new((0, Vec::new())),
             released: AtomicBool::new(false),
             holds: Mutex::new(Vec::new()),
+            given: Mutex::new(None),
         })
     }
 
@@ -269,6 +272,9 @@ impl Migratable for FakeVm {
     }
     fn hold_page_discards(&self, hold: bool) {
         self.holds.lock().unwrap().push(hold);
+    }
+    fn given_back(&self) -> Option<Bitmap> {
+        self.given.lock().unwrap().clone()
     }
 }
 
@@ -667,6 +673,34 @@ fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
         }
         assert_eq!(run.dest_status.phase, Phase::Completed);
     }
+}
+
+/// Pages the guest gave back (its balloon's) and never populated since are skipped and
+/// counted as free; one it took back and wrote is sent.
+#[test]
+fn pages_given_back_are_skipped_and_counted() {
+    let src = FakeVm::new();
+    for pfn in 0..64 {
+        src.write_page(pfn, 0);
+    }
+    let mut given = Bitmap::new(GFN_END);
+    for pfn in (32..64).chain(100..200) {
+        given.set(pfn); // 32..64 were written since: they hold data
+    }
+    *src.given.lock().unwrap() = Some(given);
+    let run = migrate(
+        &src,
+        MigrationParams {
+            mode: Mode::Warm,
+            ..Default::default()
+        },
+        None,
+    );
+    run.result.expect("migration");
+    let p = run.source_status.progress.pages;
+    assert_eq!((p.full, p.skipped_free), (64, 100));
+    assert_eq!(p.skipped_unpopulated, PAGES - 64);
+    assert!(src.memory() == run.dest.unwrap().memory());
 }
 
 #[test]

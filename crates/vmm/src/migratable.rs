@@ -166,4 +166,8 @@ impl Migratable for Vm {
     fn hold_page_discards(&self, hold: bool) {
         Vm::hold_page_discards(self, hold);
     }
+
+    fn given_back(&self) -> Option<Bitmap> {
+        self.balloon_given_back()
+    }
 }

@@ -40,7 +40,7 @@ impl Session<'_> {
         }
         let populated = populated_pages(&self.ram)?;
         self.lap("populated scan");
-        self.status.progress.pages.skipped_unpopulated = self.ram.pages() - populated.count();
+        self.count_skipped(&populated);
         if self.params.mode == Mode::Postcopy {
             // Nothing moves before the switch: every page that holds data follows it.
             return self.switch_over(populated, true, start_ns);
@@ -62,6 +62,16 @@ impl Session<'_> {
                 self.switch_over(pending, postcopy, start_ns)
             }
             _ => self.switch_over(Bitmap::new(self.ram.gfn_end()), false, start_ns),
+        }
+    }
+
+    /// Pages skipped because never populated, and of those the ones the guest gave back.
+    fn count_skipped(&mut self, populated: &Bitmap) {
+        let p = &mut self.status.progress.pages;
+        p.skipped_unpopulated = self.ram.pages() - populated.count();
+        if let Some(mut given) = self.vm.given_back() {
+            given.subtract(populated);
+            p.skipped_free = given.count();
         }
     }
 

@@ -52,6 +52,12 @@ impl Vm {
         self.with_balloon(|b| b.info())
     }
 
+    /// The pages the balloon gave back to the host since the VM came here (inflated or
+    /// reported, not deflated since); `None` without a balloon or before the first.
+    pub fn balloon_given_back(&self) -> Option<migration::bitmap::Bitmap> {
+        self.with_balloon(|b| b.given_back().cloned()).flatten()
+    }
+
     /// While post-copy holds guest memory (`hold`), the balloon gives no page back to the
     /// host; when it lets go, the pages inflated meanwhile are given back (and those that held
     /// data logged as written).

@@ -169,6 +169,9 @@ pub struct Balloon {
     timer: TimerFd,
     /// While discards are held: the pages inflated meanwhile (`None`: not held).
     held: Option<Bitmap>,
+    /// The pages given back to the host since the VM came here (inflated or reported, and
+    /// not deflated since; the guest may have reused a reported one): made at the first.
+    given: Option<Bitmap>,
     counters: BalloonCounters,
 }
 
@@ -184,6 +187,7 @@ impl Balloon {
             stats: GuestStats::default(),
             timer,
             held: None,
+            given: None,
             counters: BalloonCounters::default(),
         })
     }
@@ -203,6 +207,12 @@ impl Balloon {
             counters: self.counters,
             stats: self.stats,
         }
+    }
+
+    /// The pages given back to the host since the VM came here (inflated or reported and not
+    /// deflated since), a bit for each page of guest memory; `None` if none ever was.
+    pub fn given_back(&self) -> Option<&Bitmap> {
+        self.given.as_ref()
     }
 
     /// Holds discards (`true`: post-copy holds guest memory; pages inflated meanwhile are
@@ -268,6 +278,12 @@ impl Balloon {
         self.counters.freed_bytes += freed;
         if let Err(e) = done {
             tracing::warn!("virtio-balloon: cannot give {len} bytes at {gpa:#x} back: {e}");
+            return;
+        }
+        let pages = memory.last_addr().0 / PAGE + 1;
+        let given = self.given.get_or_insert_with(|| Bitmap::new(pages));
+        for gfn in gpa / PAGE..(gpa + len) / PAGE {
+            given.set(gfn);
         }
     }
 
@@ -289,9 +305,9 @@ impl Balloon {
 
     fn deflate(&mut self, gpa: u64, len: u64) {
         self.counters.deflated_pages += len / PAGE;
-        if let Some(held) = &mut self.held {
+        for map in [&mut self.held, &mut self.given].into_iter().flatten() {
             for gfn in gpa / PAGE..(gpa + len) / PAGE {
-                held.unset(gfn);
+                map.unset(gfn);
             }
         }
     }
@@ -715,6 +731,12 @@ mod tests {
         r.pfns(1, &pfns(FIRST..FIRST + 2));
         assert_eq!(r.counters().deflated_pages, 2);
         assert!(r.t.broken().is_none());
+        let given: Vec<u64> = r.balloon().given_back().unwrap().iter().collect();
+        assert_eq!(
+            given,
+            (FIRST + 2..FIRST + 8).collect::<Vec<_>>(),
+            "deflated: taken back"
+        );
     }
 
     /// Buffers of the wrong shape are refused whole and given back; the device serves on.
