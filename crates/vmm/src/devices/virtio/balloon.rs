@@ -523,10 +523,13 @@ impl VirtioDevice for Balloon {
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError> {
-        let _ = self.timer.clear();
-        let (Some(index), Some(head)) = (self.stats_queue(), self.stats_head) else {
+        // Armed while a buffer is held, once: disarmed with one held means it fired (the I/O
+        // thread may also call for no reason).
+        let fired = self.config.stats_s > 0 && self.timer.is_armed().is_ok_and(|armed| !armed);
+        let (true, Some(index), Some(head)) = (fired, self.stats_queue(), self.stats_head) else {
             return Ok(false);
         };
+        let _ = self.timer.clear(); // readable no more
         let Some(queue) = queues.get_mut(index) else {
             return Ok(false);
         };
@@ -804,6 +807,15 @@ mod tests {
         assert_eq!(r.used(3), 0, "no fourth queue without statistics");
     }
 
+    /// Makes the statistics timer fire now.
+    fn fire(b: &mut Balloon) {
+        assert!(b.timer.is_armed().unwrap(), "armed while a buffer is held");
+        b.timer.reset(Duration::from_millis(1), None).unwrap();
+        while b.timer.is_armed().unwrap() {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     fn stat(tag: u16, value: u64) -> Vec<u8> {
         let mut v = tag.to_le_bytes().to_vec();
         v.extend_from_slice(&value.to_le_bytes());
@@ -828,6 +840,8 @@ mod tests {
         assert_eq!(s.total_bytes, Some(1 << 30));
         assert_eq!(s.swap_in_bytes, Some(7));
         assert_eq!(s.available_bytes, None, "never given");
+        assert!(!r.t.input(&r.m, &mut r.log), "not before the timer fires");
+        fire(r.balloon());
         // The timer fired: the buffer goes back, asking for fresh figures.
         assert!(r.t.input(&r.m, &mut r.log));
         assert_eq!(r.used(2), 1);
@@ -902,6 +916,7 @@ mod tests {
         assert_eq!(twin.balloon().info(), r.balloon().info());
         // The held statistics buffer moved too: the twin gives it back.
         twin.m = r.m.clone();
+        fire(twin.balloon());
         assert!(twin.t.input(&twin.m, &mut twin.log));
         assert!(
             Balloon::new(&BalloonConfig::default())
