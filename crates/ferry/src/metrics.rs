@@ -296,7 +296,43 @@ fn encode_vm(c: &Controller, enc: &mut DescriptorEncoder) -> Result<(), std::fmt
         "ferry_vm_memory_bytes",
         "Guest memory of the VM.",
         info.memory_bytes as i64,
-    )
+    )?;
+    match &info.balloon {
+        Some(b) => encode_balloon(b, enc),
+        None => Ok(()),
+    }
+}
+
+/// The balloon, for a VM that has one (`ferry run --balloon`).
+fn encode_balloon(b: &api::BalloonStatus, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+    let bytes = |pages: u64| (pages * 4096) as i64;
+    gauge(
+        enc,
+        "ferry_balloon_target_bytes",
+        "The balloon's target: memory the guest is asked to give back.",
+        bytes(b.target_pages),
+    )?;
+    gauge(
+        enc,
+        "ferry_balloon_actual_bytes",
+        "Memory the guest says its balloon holds.",
+        bytes(b.actual_pages),
+    )?;
+    counter(
+        enc,
+        "ferry_balloon_freed_bytes",
+        "Memory the guest gave back (inflated or reported free) that held data.",
+        b.freed_bytes,
+    )?;
+    match b.guest_free_bytes {
+        Some(free) => gauge(
+            enc,
+            "ferry_balloon_guest_free_bytes",
+            "Free memory, as the guest's last statistics said.",
+            free as i64,
+        ),
+        None => Ok(()),
+    }
 }
 
 /// Counters: the ended migrations' totals, plus the running one's progress.

@@ -182,3 +182,36 @@ fn the_endpoint_answers_only_get_metrics_and_bad_addresses_are_refused() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("expected tcp:HOST:PORT"), "{stderr}");
 }
+
+/// A VM with a balloon shows its target, what the guest holds in it and what it freed.
+#[test]
+fn the_balloon_shows_in_metrics() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("metrics.sock");
+    let vm = Ferry::boot_with(
+        VmSpec {
+            cmdline: "idle balloon dsb_ms=200",
+            ..Default::default()
+        },
+        &[
+            "--balloon",
+            "--metrics",
+            &format!("unix:{}", socket.display()),
+        ],
+    );
+    let target = serde_json::json!({"target_mib": 64});
+    vm.api().put("vm.balloon", Some(&target)).expect("a target");
+    vm.wait_info("the balloon to inflate", T, |i| {
+        i.balloon
+            .as_ref()
+            .is_some_and(|b| b.actual_pages == 64 << 8)
+    });
+    let body = scrape(&socket);
+    assert_eq!(must(&body, "ferry_balloon_target_bytes"), (64 << 20) as f64);
+    assert_eq!(must(&body, "ferry_balloon_actual_bytes"), (64 << 20) as f64);
+    assert!(must(&body, "ferry_balloon_freed_bytes_total") >= 0.0);
+    assert!(must(&body, "ferry_balloon_guest_free_bytes") > 0.0);
+}
