@@ -1,0 +1,211 @@
+//! The balloon end to end: its target through the API and the CLI, and a guest that gives its
+//! free memory back on its own (dynamic self-ballooning, free page reporting) while it churns,
+//! so that a migration moves its working set and not the memory it once touched.
+
+mod common;
+
+use std::time::Duration;
+
+use api::{BalloonStatus, MigrationPhase, MigrationStatus, VmInfo};
+use common::*;
+
+/// Emulated guests are slow here: a first churn cycle over 128 MiB takes tens of seconds on
+/// a busy host.
+const T: Duration = Duration::from_secs(180);
+/// The churning guest: a 16 MiB working set after a first cycle up to 128 MiB.
+const CHURN: &str = "churn ws=16M peak=128M verify";
+const PEAK_PAGES: u64 = 128 << 8;
+const MEMORY: &str = "512M";
+
+fn balloon(info: &VmInfo) -> BalloonStatus {
+    info.balloon.clone().expect("vm.info shows the balloon")
+}
+
+/// The guest's balloon holds `pages` (as its driver says).
+fn wait_actual(f: &Ferry, what: &str, pred: impl Fn(u64) -> bool) -> VmInfo {
+    f.wait_info(what, T, |i| {
+        i.balloon.as_ref().is_some_and(|b| pred(b.actual_pages))
+    })
+}
+
+fn put_target(f: &Ferry, body: serde_json::Value) -> Result<(), String> {
+    f.api()
+        .put("vm.balloon", Some(&body))
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+}
+
+/// An idle guest's driver follows the target the API and the CLI set, inflating and
+/// deflating; its statistics show in vm.info; bad targets are refused with the reason.
+#[test]
+fn the_balloon_follows_its_target() {
+    if !kvm_available() {
+        return;
+    }
+    let vm = Ferry::boot_with(
+        VmSpec {
+            memory: MEMORY,
+            cmdline: "idle balloon dsb_ms=200",
+            ..Default::default()
+        },
+        &["--balloon=stats_s=1"],
+    );
+    put_target(&vm, serde_json::json!({"target_mib": 128})).expect("a target");
+    let info = wait_actual(&vm, "the balloon to inflate", |a| a == 128 << 8);
+    let b = balloon(&info);
+    assert_eq!(b.target_pages, 128 << 8);
+    assert!(b.inflated_pages >= 128 << 8, "{b:?}");
+    assert!(b.free_page_reporting && b.deflate_on_oom, "{b:?}");
+    let info = vm.wait_info("the guest's statistics", T, |i| {
+        balloon(i).stats_updates >= 2
+    });
+    let b = balloon(&info);
+    // All RAM the memory map names: 512 MiB but the legacy hole below 1 MiB.
+    assert_eq!(b.guest_total_bytes, Some((512 << 20) - 0x6_0000), "{b:?}");
+    let free = b.guest_free_bytes.expect("free memory in the statistics");
+    assert!(
+        free < (512 - 128) << 20,
+        "the balloon's pages are not free: {free}"
+    );
+    let kind = info
+        .devices
+        .iter()
+        .map(|d| d.kind.as_str())
+        .collect::<Vec<_>>();
+    assert_eq!(kind, ["virtio-balloon"]);
+
+    let out = ferry_output(&["balloon", "--api-socket", vm.socket.to_str().unwrap(), "0"]);
+    assert!(out.status.success(), "{out:?}");
+    let info = wait_actual(&vm, "the balloon to deflate", |a| a == 0);
+    assert!(balloon(&info).deflated_pages >= 128 << 8);
+
+    for (body, why) in [
+        (
+            serde_json::json!({"target_mib": 4096}),
+            "larger than the VM",
+        ),
+        (serde_json::json!({}), "one of target_mib and target_pages"),
+        (
+            serde_json::json!({"target_mib": 1, "target_pages": 256}),
+            "one of",
+        ),
+        (serde_json::json!({"target_gib": 1}), "unknown field"),
+    ] {
+        let e = put_target(&vm, body.clone()).expect_err("refused");
+        assert!(e.contains(why) && e.contains("400"), "{body}: {e}");
+    }
+    let plain = Ferry::boot(VmSpec::default());
+    let e = put_target(&plain, serde_json::json!({"target_mib": 1})).expect_err("refused");
+    assert!(e.contains("no balloon") && e.contains("409"), "{e}");
+    assert!(plain.info().balloon.is_none());
+}
+
+/// The churning guest, with dynamic self-ballooning or without (then it has no balloon),
+/// once its first cycle is done (and, with DSB, its balloon took most of its memory).
+fn churner(dsb: bool) -> Ferry {
+    let cmdline = format!("{CHURN}{}", if dsb { " dsb dsb_ms=1000" } else { "" });
+    let extra: &[&str] = if dsb { &["--balloon"] } else { &[] };
+    let vm = Ferry::boot_with(
+        VmSpec {
+            memory: MEMORY,
+            cmdline: &cmdline,
+            ..Default::default()
+        },
+        extra,
+    );
+    vm.wait_info("the first churn cycle", T, |i| i.passes >= 1);
+    if dsb {
+        // 512 MiB is 131072 pages: DSB inflates with 95 % of what is free.
+        wait_actual(&vm, "the balloon to take the free memory", |a| {
+            a >= 96 << 10
+        });
+    }
+    vm
+}
+
+/// Pages a migration sent, with data or as zero pages.
+fn sent(r: &MigrationStatus) -> u64 {
+    r.pages_full + r.pages_zero
+}
+
+/// Migrates the churning guest with `args` to a destination given the same devices; checks
+/// memory was equal at the switch and the guest verified it there; returns the report.
+fn migrate_churner(dsb: bool, args: &[&str]) -> MigrationStatus {
+    let mut src = churner(dsb);
+    let url = format!("unix:{}", src.scratch("mig.sock").display());
+    let dst = if dsb {
+        Ferry::start(&["--incoming", &url, "--balloon"])
+    } else {
+        Ferry::incoming(&url)
+    };
+    let (report, ok, said) = migrate(&src, &url, &[&["--checksum"], args].concat());
+    assert!(ok, "{args:?}: {said}\n{report:?}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    let info = assert_every_page_arrived(&mut src, &dst, &report, 2);
+    assert_eq!(info.verify_errors, 0);
+    if dsb {
+        // The balloon goes on there: what the guest frees is given back on the destination
+        // too (after post-copy, once the engine let go of its memory).
+        let freed = balloon(&dst.info()).freed_bytes;
+        dst.wait_info("the destination to give pages back", T, |i| {
+            balloon(i).freed_bytes > freed
+        });
+    }
+    report
+}
+
+/// The paper's point: without DSB, pre-copy sends every page the guest once touched; with
+/// it, about the working set. The figures come from the two reports. With DSB the link is
+/// slowed so that rounds last seconds: the guest frees, reports and inflates pages while they
+/// run, and memory is still equal at the switch and verified on the destination.
+#[test]
+fn dsb_keeps_free_memory_off_the_wire_in_precopy() {
+    if !kvm_available() {
+        return;
+    }
+    let with = migrate_churner(true, &["--max-bandwidth-mbps", "40"]);
+    let without = migrate_churner(false, &[]);
+    let round0 = |r: &MigrationStatus| r.rounds.first().map_or(0, |r| r.pages);
+    eprintln!(
+        "pre-copy of a 512 MiB guest that touched {PEAK_PAGES} pages and churns 4096: with DSB \
+         {} pages in round 0, {} full and {} zero in all, {} bytes on the wire, {} skipped as \
+         given back; without: {} in round 0, {} full, {} bytes",
+        round0(&with),
+        with.pages_full,
+        with.pages_zero,
+        with.bytes_on_wire,
+        with.pages_skipped_free,
+        round0(&without),
+        without.pages_full,
+        without.bytes_on_wire
+    );
+    // Round 0 sends every page that holds data: without DSB all the guest once touched.
+    assert!(round0(&without) >= PEAK_PAGES, "{without:?}");
+    assert!(round0(&with) < PEAK_PAGES / 8, "{with:?}");
+    // Later rounds resend what the guest dirtied or gave back meanwhile (the latter as zero
+    // pages), on a link 40 Mbit/s slow: still a fraction.
+    assert!(with.pages_full < PEAK_PAGES / 4, "{with:?}");
+    assert!(with.bytes_on_wire * 4 < without.bytes_on_wire);
+    assert!(with.pages_skipped_free >= PEAK_PAGES / 2, "{with:?}");
+    assert_eq!(without.pages_skipped_free, 0);
+}
+
+/// Post-copy answers faults on pages the guest gave back with zero pages, never asks for
+/// them, and never pushes them; the balloon holds its discards until the memory is whole.
+#[test]
+fn dsb_keeps_free_memory_off_the_wire_in_postcopy() {
+    if !kvm_available() {
+        return;
+    }
+    for mode in ["postcopy", "hybrid"] {
+        let r = migrate_churner(true, &["--mode", mode]);
+        let moved = sent(&r) + r.pages_pushed + r.pages_requested;
+        eprintln!(
+            "{mode} with DSB: {moved} pages sent, pushed or requested, {} skipped as given back",
+            r.pages_skipped_free
+        );
+        assert!(r.postcopy, "{r:?}");
+        assert!(moved < PEAK_PAGES / 4, "{r:?}");
+        assert_eq!(r.postcopy_report.as_ref().map(|p| p.duplicates), Some(0));
+    }
+}
