@@ -9,8 +9,8 @@ use std::time::Duration;
 use api::{BalloonStatus, MigrationPhase, MigrationStatus, VmInfo};
 use common::*;
 
-/// Emulated guests are slow here: a first churn cycle over 128 MiB takes tens of seconds on
-/// a busy host.
+/// Every guest instruction is emulated here and the host is shared: a first churn cycle is
+/// slow.
 const T: Duration = Duration::from_secs(180);
 /// The churning guest: a 16 MiB working set after a first cycle up to 128 MiB.
 const CHURN: &str = "churn ws=16M peak=128M verify";
