@@ -688,8 +688,16 @@ fn pages_given_back_are_skipped_and_counted() {
         given.set(pfn); // 32..64 were written since: they hold data
     }
     *src.given.lock().unwrap() = Some(given);
+    let p = migrate_warm(&src);
+    assert_eq!((p.full, p.skipped_free), (64, 100));
+    assert_eq!(p.skipped_unpopulated, PAGES - 64);
+}
+
+/// A warm migration of `src` with the default parameters, which must move every page; the
+/// source's page counts.
+fn migrate_warm(src: &Arc<FakeVm>) -> migration::status::PageCounts {
     let run = migrate(
-        &src,
+        src,
         MigrationParams {
             mode: Mode::Warm,
             ..Default::default()
@@ -697,10 +705,8 @@ fn pages_given_back_are_skipped_and_counted() {
         None,
     );
     run.result.expect("migration");
-    let p = run.source_status.progress.pages;
-    assert_eq!((p.full, p.skipped_free), (64, 100));
-    assert_eq!(p.skipped_unpopulated, PAGES - 64);
     assert!(src.memory() == run.dest.unwrap().memory());
+    run.source_status.progress.pages
 }
 
 #[test]
@@ -712,18 +718,8 @@ fn zero_pages_travel_as_markers() {
     for pfn in 32..64 {
         src.ram().zero_page(pfn).unwrap(); // populated, but zero
     }
-    let run = migrate(
-        &src,
-        MigrationParams {
-            mode: Mode::Warm,
-            ..Default::default()
-        },
-        None,
-    );
-    run.result.expect("migration");
-    let p = run.source_status.progress.pages;
+    let p = migrate_warm(&src);
     assert_eq!((p.full, p.zero), (32, 32));
-    assert!(src.memory() == run.dest.unwrap().memory());
 }
 
 /// Each side's report says where its time went: named stretches that follow each other and

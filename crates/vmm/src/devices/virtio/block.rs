@@ -336,23 +336,6 @@ impl VirtioDevice for Block {
         Ok(())
     }
 
-    fn input_fd(&self) -> Option<std::os::fd::RawFd> {
-        None // a disk only answers
-    }
-
-    fn input(
-        &mut self,
-        _: &mut [Queue],
-        _: &GuestMemory,
-        _: &mut dyn WriteLog,
-    ) -> Result<bool, DriverError> {
-        Ok(false)
-    }
-
-    fn input_pending(&self) -> bool {
-        false
-    }
-
     fn save(&self) -> Vec<u8> {
         Vec::new() // the file is shared storage; the transport holds the rest
     }

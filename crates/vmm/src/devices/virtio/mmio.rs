@@ -448,30 +448,11 @@ mod tests {
         )
     }
 
-    fn w(t: &mut MmioTransport, m: &GuestMemory, log: &mut Bitmap, reg: u32, v: u32) {
-        t.write(u64::from(reg), &v.to_le_bytes(), m, log);
-    }
-
-    fn r(t: &MmioTransport, reg: u32) -> u32 {
-        let mut b = [0u8; 4];
-        t.read(u64::from(reg), &mut b);
-        u32::from_le_bytes(b)
-    }
+    use crate::devices::virtio::test_driver::{read_reg as r, write_reg as w};
 
     /// The driver's side up to a live queue of `size` entries at `desc`.
     fn bring_up(t: &mut MmioTransport, m: &GuestMemory, log: &mut Bitmap, size: u32, desc: u64) {
-        w(t, m, log, VIRTIO_MMIO_STATUS, 1 | 2);
-        w(t, m, log, VIRTIO_MMIO_DRIVER_FEATURES_SEL, 1);
-        w(t, m, log, VIRTIO_MMIO_DRIVER_FEATURES, 1); // VERSION_1
-        w(t, m, log, VIRTIO_MMIO_STATUS, 1 | 2 | 8);
-        assert_eq!(r(t, VIRTIO_MMIO_STATUS) & 8, 8, "features accepted");
-        w(t, m, log, VIRTIO_MMIO_QUEUE_SEL, 0);
-        w(t, m, log, VIRTIO_MMIO_QUEUE_NUM, size);
-        w(t, m, log, VIRTIO_MMIO_QUEUE_DESC_LOW, desc as u32);
-        w(t, m, log, VIRTIO_MMIO_QUEUE_AVAIL_LOW, AVAIL as u32);
-        w(t, m, log, VIRTIO_MMIO_QUEUE_USED_LOW, USED as u32);
-        w(t, m, log, VIRTIO_MMIO_QUEUE_READY, 1);
-        w(t, m, log, VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
+        crate::devices::virtio::test_driver::bring_up(t, m, log, 0, size, &[(desc, AVAIL, USED)]);
     }
 
     fn put_desc(m: &GuestMemory, i: u64, addr: u64, len: u32, flags: u16, next: u16) {

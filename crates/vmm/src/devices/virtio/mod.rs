@@ -14,6 +14,8 @@ pub mod block;
 pub mod mmio;
 pub mod net;
 pub mod tap;
+#[cfg(test)]
+mod test_driver;
 
 use virtio_queue::Queue;
 use virtio_queue::desc::split::Descriptor;
@@ -46,6 +48,21 @@ pub(super) fn serve_chains(
     log: &mut dyn WriteLog,
     mut serve: impl FnMut(&[Descriptor], &mut dyn WriteLog) -> Result<u32, DriverError>,
 ) -> Result<bool, DriverError> {
+    each_chain(queue, memory, |queue, head, descs| {
+        let written = serve(descs, log)?;
+        complete(queue, memory, head, written, log)?;
+        Ok(true)
+    })
+}
+
+/// Takes at most a queue's worth of the chains the driver made available, each to `take`
+/// with its head and buffers (to give back now or later). True when any `take` said the used
+/// ring changed.
+pub(super) fn each_chain(
+    queue: &mut Queue,
+    memory: &GuestMemory,
+    mut take: impl FnMut(&mut Queue, u16, &[Descriptor]) -> Result<bool, DriverError>,
+) -> Result<bool, DriverError> {
     use virtio_queue::QueueT;
     let mut used = false;
     for _ in 0..queue.size() {
@@ -54,9 +71,7 @@ pub(super) fn serve_chains(
         };
         let head = chain.head_index();
         let descs: Vec<Descriptor> = chain.collect();
-        let written = serve(&descs, log)?;
-        complete(queue, memory, head, written, log)?;
-        used = true;
+        used |= take(queue, head, &descs)?;
     }
     Ok(used)
 }
@@ -121,33 +136,48 @@ pub trait VirtioDevice: Send {
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError>;
-    /// Stops using the backing store (the VM is switching to another host).
-    fn release(&mut self) -> std::io::Result<()>;
+    /// Stops using the backing store (the VM is switching to another host); nothing to do
+    /// for a device without one.
+    fn release(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
     /// Takes the backing store (again) before the VM runs here; refused when another
     /// process holds it.
-    fn claim(&mut self) -> std::io::Result<()>;
+    fn claim(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
     /// Counters for status displays: (name, value).
     fn counters(&self) -> Vec<(&'static str, u64)>;
     /// The file behind the device, if any.
-    fn backing(&self) -> Option<&std::path::Path>;
+    fn backing(&self) -> Option<&std::path::Path> {
+        None
+    }
     /// What it is attached to, for status displays.
     fn describe(&self) -> String;
     /// Whether the guest can change what lies behind the device (a writable disk).
-    fn writable(&self) -> bool;
+    fn writable(&self) -> bool {
+        false
+    }
     /// A backend that delivers input on its own (a tap): the fd to wait on, polled by the
-    /// device's I/O thread, which then calls `input`.
-    fn input_fd(&self) -> Option<std::os::fd::RawFd>;
+    /// device's I/O thread, which then calls `input`. None for a device that only answers.
+    fn input_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
     /// Delivers what the backend has into the driver's buffers; true when a used ring changed.
     /// `Ok(false)` with input left over means the driver has no buffer yet (it gets the input
     /// when it posts one: `process` delivers too).
     fn input(
         &mut self,
-        queues: &mut [Queue],
-        memory: &GuestMemory,
-        log: &mut dyn WriteLog,
-    ) -> Result<bool, DriverError>;
+        _queues: &mut [Queue],
+        _memory: &GuestMemory,
+        _log: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError> {
+        Ok(false)
+    }
     /// Whether input waits for a driver buffer (the I/O thread then naps instead of polling).
-    fn input_pending(&self) -> bool;
+    fn input_pending(&self) -> bool {
+        false
+    }
     /// The device's own state beyond the transport's (a NIC's MAC), for a migration.
     fn save(&self) -> Vec<u8>;
     fn load(&mut self, state: &[u8]) -> Result<(), String>;
