@@ -82,10 +82,10 @@ pub struct BalloonStatus {
     pub actual_pages: u64,
     pub deflate_on_oom: bool,
     pub free_page_reporting: bool,
-    pub inflated_pages: u64,
-    pub deflated_pages: u64,
+    pub pages_inflated: u64,
+    pub pages_deflated: u64,
     /// Pages the guest reported free (free page reporting), and given back.
-    pub reported_pages: u64,
+    pub pages_reported: u64,
     /// What was given back to the host that held data.
     pub freed_bytes: u64,
     /// Page numbers, ranges and buffers refused: outside RAM or malformed.

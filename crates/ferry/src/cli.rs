@@ -247,13 +247,7 @@ pub struct RunArgs {
     /// at boot, default 0), deflate_on_oom=on|off, free_page_reporting=on|off (both on),
     /// stats_s=N (how often fresh statistics are asked for, default 1; 0: once). A VM
     /// arriving by migration is given --balloon too.
-    #[arg(
-        long,
-        value_name = "OPTIONS",
-        num_args = 0..=1,
-        require_equals = true,
-        default_missing_value = ""
-    )]
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "")]
     pub balloon: Option<BalloonConfig>,
     /// Where the guest's serial console goes: a file path, or "stdout".
     #[arg(long, default_value = "stdout")]

@@ -54,7 +54,7 @@ fn the_balloon_follows_its_target() {
     let info = wait_actual(&vm, "the balloon to inflate", |a| a == 128 << 8);
     let b = balloon(&info);
     assert_eq!(b.target_pages, 128 << 8);
-    assert!(b.inflated_pages >= 128 << 8, "{b:?}");
+    assert!(b.pages_inflated >= 128 << 8, "{b:?}");
     assert!(b.free_page_reporting && b.deflate_on_oom, "{b:?}");
     let info = vm.wait_info("the guest's statistics", T, |i| {
         balloon(i).stats_updates >= 2
@@ -77,7 +77,7 @@ fn the_balloon_follows_its_target() {
     let out = ferry_output(&["balloon", "--api-socket", vm.socket.to_str().unwrap(), "0"]);
     assert!(out.status.success(), "{out:?}");
     let info = wait_actual(&vm, "the balloon to deflate", |a| a == 0);
-    assert!(balloon(&info).deflated_pages >= 128 << 8);
+    assert!(balloon(&info).pages_deflated >= 128 << 8);
 
     for (body, why) in [
         (

@@ -30,12 +30,14 @@ use migration::bitmap::Bitmap;
 use serde::{Deserialize, Serialize};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ids::VIRTIO_ID_BALLOON;
+use virtio_queue::Queue;
 use virtio_queue::desc::split::Descriptor;
-use virtio_queue::{Queue, QueueT};
 use vm_memory::GuestMemoryBackend;
 use vmm_sys_util::timerfd::TimerFd;
 
-use super::{DriverError, VirtioDevice, WriteLog, complete, read_config_bytes, serve_chains};
+use super::{
+    DriverError, VirtioDevice, WriteLog, complete, each_chain, read_config_bytes, serve_chains,
+};
 use crate::memory::GuestMemory;
 pub use buffers::GuestStats;
 use buffers::{PAGE, Refused, Runs, pfn_runs, read_stats, report_ranges};
@@ -350,24 +352,18 @@ impl Balloon {
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError> {
-        let mut used = false;
-        for _ in 0..queue.size() {
-            let Some(chain) = queue.pop_descriptor_chain(memory) else {
-                break;
-            };
-            let head = chain.head_index();
-            let descs: Vec<Descriptor> = chain.collect();
-            if let Some(older) = self.stats_head.replace(head) {
-                complete(queue, memory, older, 0, log)?;
-                used = true;
-            }
-            match read_stats(&descs, memory, &mut self.stats) {
+        each_chain(queue, memory, |queue, head, descs| {
+            let older = self.stats_head.replace(head);
+            match read_stats(descs, memory, &mut self.stats) {
                 Ok(()) => self.counters.stats_updates += 1,
                 Err(Refused(why)) => self.refuse(1, &format!("{why} (statistics)")),
             }
             self.arm_timer();
-        }
-        Ok(used)
+            match older {
+                Some(older) => complete(queue, memory, older, 0, log).map(|()| true),
+                None => Ok(false),
+            }
+        })
     }
 
     fn arm_timer(&mut self) {
@@ -450,23 +446,15 @@ impl VirtioDevice for Balloon {
         })
     }
 
-    fn release(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-
-    fn claim(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-
     fn counters(&self) -> Vec<(&'static str, u64)> {
         let c = &self.counters;
         let s = &self.stats;
         let mut v = vec![
             ("target_pages", u64::from(self.target)),
             ("actual_pages", u64::from(self.actual)),
-            ("inflated_pages", c.inflated_pages),
-            ("deflated_pages", c.deflated_pages),
-            ("reported_pages", c.reported_pages),
+            ("pages_inflated", c.inflated_pages),
+            ("pages_deflated", c.deflated_pages),
+            ("pages_reported", c.reported_pages),
             ("freed_bytes", c.freed_bytes),
             ("refused", c.refused),
             ("stats_updates", c.stats_updates),
@@ -482,10 +470,6 @@ impl VirtioDevice for Balloon {
             }
         }
         v
-    }
-
-    fn backing(&self) -> Option<&std::path::Path> {
-        None
     }
 
     fn describe(&self) -> String {
@@ -505,10 +489,6 @@ impl VirtioDevice for Balloon {
                 ""
             },
         )
-    }
-
-    fn writable(&self) -> bool {
-        false
     }
 
     fn input_fd(&self) -> Option<std::os::fd::RawFd> {
@@ -536,10 +516,6 @@ impl VirtioDevice for Balloon {
         self.stats_head = None;
         complete(queue, memory, head, 0, log)?;
         Ok(true)
-    }
-
-    fn input_pending(&self) -> bool {
-        false
     }
 
     fn save(&self) -> Vec<u8> {
@@ -588,6 +564,7 @@ pub fn of(device: &mut dyn VirtioDevice) -> Option<&mut Balloon> {
 mod tests {
     use super::*;
     use crate::devices::virtio::mmio::MmioTransport;
+    use crate::devices::virtio::test_driver::{bring_up, write_reg};
     use crate::memory::{MIN_MEMORY, MemoryBackend, create_guest_memory};
     use virtio_bindings::virtio_mmio::*;
     use vm_memory::{Bytes, GuestAddress};
@@ -625,28 +602,21 @@ mod tests {
                 m,
                 offered: [0; 4],
             };
-            r.w(VIRTIO_MMIO_STATUS, 1 | 2);
-            for (sel, word) in [(0, features as u32), (1, 1)] {
-                r.w(VIRTIO_MMIO_DRIVER_FEATURES_SEL, sel);
-                r.w(VIRTIO_MMIO_DRIVER_FEATURES, word);
-            }
-            r.w(VIRTIO_MMIO_STATUS, 1 | 2 | 8);
-            for q in 0..4 {
-                let d = desc_table(q) as u32;
-                r.w(VIRTIO_MMIO_QUEUE_SEL, q as u32);
-                r.w(VIRTIO_MMIO_QUEUE_NUM, 16);
-                r.w(VIRTIO_MMIO_QUEUE_DESC_LOW, d);
-                r.w(VIRTIO_MMIO_QUEUE_AVAIL_LOW, d + 0x1000);
-                r.w(VIRTIO_MMIO_QUEUE_USED_LOW, d + 0x2000);
-                r.w(VIRTIO_MMIO_QUEUE_READY, 1);
-            }
-            r.w(VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
+            let rings: Vec<_> = (0..4)
+                .map(|q| {
+                    (
+                        desc_table(q),
+                        desc_table(q) + 0x1000,
+                        desc_table(q) + 0x2000,
+                    )
+                })
+                .collect();
+            bring_up(&mut r.t, &r.m, &mut r.log, features as u32, 16, &rings);
             r
         }
 
         fn w(&mut self, reg: u32, v: u32) {
-            self.t
-                .write(u64::from(reg), &v.to_le_bytes(), &self.m, &mut self.log);
+            write_reg(&mut self.t, &self.m, &mut self.log, reg, v);
         }
 
         fn balloon(&mut self) -> &mut Balloon {
