@@ -45,7 +45,7 @@ def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20,
 
 def throughput():
     """Connections and compression on honest pages (`fill=mixed`: zero, text-like and random
-    pages, see the README's workload guest)."""
+    pages, see the workload guest in docs/guide.md)."""
     cmd = "write ws=128M seq fill=mixed"
     rows = [scenario(f"mixed 128M / 1G {c}", "1G", cmd, extra=["--compression", c])
             for c in ("none", "lz4", "zstd", "auto")]
