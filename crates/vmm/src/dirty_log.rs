@@ -75,16 +75,17 @@ pub fn enable_manual_protect(vm: &VmFd) -> Protect {
 /// Clears the bits of `bitmap` (the slot's pages from `first_page`, a multiple of 64, up to
 /// the bitmap's end or the slot's) in KVM's log and write-protects those pages again, so
 /// that a later write marks them dirty anew.
-pub fn clear(vm: &VmFd, slot: u32, first_page: u64, bitmap: &mut [u64]) -> std::io::Result<()> {
+pub fn clear(vm: &VmFd, slot: u32, first_page: u64, bitmap: &[u64]) -> std::io::Result<()> {
     let range = kvm_clear_dirty_log {
         slot,
         num_pages: bitmap.len() as u32 * 64,
         first_page,
         __bindgen_anon_1: kvm_clear_dirty_log__bindgen_ty_1 {
-            dirty_bitmap: bitmap.as_mut_ptr() as *mut libc::c_void,
+            // KVM only reads it (the binding's field is a mutable pointer).
+            dirty_bitmap: bitmap.as_ptr() as *mut libc::c_void,
         },
     };
-    // SAFETY: `range` points at a bitmap of at least `pages` bits that outlives the call.
+    // SAFETY: `range` points at `bitmap`, which outlives the call; KVM only reads it.
     let ret = unsafe { ioctl_with_ref(vm, KVM_CLEAR_DIRTY_LOG(), &range) };
     if ret < 0 {
         return Err(std::io::Error::last_os_error());

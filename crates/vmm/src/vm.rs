@@ -402,7 +402,7 @@ impl Vm {
             if self.dirty_protect != Protect::OnRead {
                 // Only the stretches that hold dirty bits: KVM reads and walks what it is
                 // given, and a whole slot's log is 8 MiB at 256 GiB.
-                for (i, span) in bitmap.chunks_mut(CHUNK_WORDS).enumerate() {
+                for (i, span) in bitmap.chunks(CHUNK_WORDS).enumerate() {
                     if span.iter().any(|&w| w != 0) {
                         let first_page = (i * CHUNK_WORDS * 64) as u64;
                         crate::dirty_log::clear(&self.fd, slot as u32, first_page, span)
@@ -791,15 +791,14 @@ fn set_fpu_defaults(vcpu: &VcpuFd) -> Result<()> {
 fn each_chunk_in(
     map: &Bitmap,
     range: migration::RamRange,
-    mut f: impl FnMut(u64, &mut [u64]) -> std::io::Result<()>,
+    mut f: impl FnMut(u64, &[u64]) -> std::io::Result<()>,
 ) -> std::io::Result<()> {
     let first = (range.first_gfn() / 64) as usize;
     let end = first + range.pages().div_ceil(64) as usize;
     for (start, chunk) in map.chunks() {
         let (lo, hi) = (start.max(first), (start + chunk.len()).min(end));
         if lo < hi && chunk[lo - start..hi - start].iter().any(|&w| w != 0) {
-            let mut words = chunk[lo - start..hi - start].to_vec();
-            f((lo - first) as u64 * 64, &mut words)?;
+            f((lo - first) as u64 * 64, &chunk[lo - start..hi - start])?;
         }
     }
     Ok(())
