@@ -436,7 +436,8 @@ pub struct MigrationStatus {
     pub downtime_ms: Option<f64>,
     /// The destination's clock: all state received → guest resumed.
     pub destination_downtime_ms: Option<f64>,
-    /// The largest heartbeat gap across the switch, as the guest lived it.
+    /// The largest heartbeat gap across the switch, as the guest lived it: the destination's
+    /// clock minus the source's stamp carried in the device state, so it crosses hosts.
     pub guest_observed_downtime_ms: Option<f64>,
     pub total_ms: f64,
     pub average_throughput_mbps: f64,

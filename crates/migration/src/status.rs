@@ -1,7 +1,7 @@
 //! What a migration shows while it runs (`Progress`) and when it ends (`Report`). The task
 //! that runs a migration owns its `Status` and publishes a copy on a `StatusBoard`, which
-//! readers (the API) only read. Every duration is measured on one host's clock; the report
-//! says whose.
+//! readers (the API) only read. Every duration but one is measured on one host's clock, and
+//! the report says whose; the guest-observed downtime spans both (see its field).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
@@ -138,7 +138,8 @@ pub struct Report {
     pub downtime_ms: Option<f64>,
     /// Destination's clock: all state received → guest resumed.
     pub destination_downtime_ms: Option<f64>,
-    /// The largest heartbeat gap across the switch, as the guest lived it.
+    /// The largest heartbeat gap across the switch, as the guest lived it: the destination's
+    /// clock minus the source's stamp carried in the device state, so it crosses hosts.
     pub guest_observed_downtime_ms: Option<f64>,
     pub total_ms: f64,
     pub average_throughput_mbps: f64,

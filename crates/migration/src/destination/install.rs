@@ -1,8 +1,8 @@
 //! Installing round 0's pages without clearing them first. A fresh destination's page costs
 //! the kernel an allocation and a clear before the receiver's copy overwrites it; with guest
 //! memory registered with userfaultfd (missing pages), `UFFDIO_COPY` allocates the page and
-//! copies the data into it in one step, a run of pages per call. Writing 2 GiB of fresh
-//! memory took about a quarter less CPU that way on a 2-core host (docs/benchmarks.md).
+//! copies the data into it in one step, a run of pages per call: one pass over the page
+//! instead of two.
 //!
 //! Used where the host has no cores to spare for faulting in ahead (`prefault::plan`). While
 //! registered, anything else that touches a missing page (nothing should: the vCPUs are

@@ -3,7 +3,7 @@
 //!
 //! Files in the order data flows: `receive` (handshake, pages, state, Go) → `postcopy`
 //! (faults and pages after the switch) → `recovery` (carrying on over a new connection).
-//! `machine` is the conversation's rules.
+//! `arrival` is the conversation's rules: each state's frames dispatched by `Filling::on_frame`.
 
 mod arrival;
 mod checkpoints;

@@ -1,7 +1,6 @@
 //! Faulting guest memory in ahead of the pages. A fresh destination's memory is not there
 //! yet: the receiver's first write to each page takes a page fault and the kernel clears the
-//! page, which on a receiver bound by one core cost half its time (perf on a warm move of
-//! 768 MiB). The source says which pages round 0 will send (`Populated`), and these threads
+//! page, which costs a receiver bound by one core a large share of its time. The source says which pages round 0 will send (`Populated`), and these threads
 //! fault them in, 2 MiB at a time in page order (each thread takes the next 2 MiB), while
 //! they travel.
 //!
@@ -61,7 +60,7 @@ pub enum FaultIn {
 /// receivers. Where it has not, installing, which clears no page but runs on the receivers'
 /// own threads: with several receivers, what a host short of cores needs; one receiver alone
 /// installing was slower on 2 cores, as every fault (the host's own included) then waits on
-/// its one thread (docs/benchmarks.md, "Installing round 0's pages").
+/// its one thread.
 pub fn plan(asked: FaultIn, connections: u32, host_cores: usize) -> Plan {
     let threads = threads_for(connections, host_cores);
     match asked {

@@ -116,8 +116,8 @@ fn zstd_error(e: std::io::Error) -> Error {
 
 impl Contexts {
     /// Sets up `codec`'s context before a timed packing, so that `auto` does not count the
-    /// setup as the codec's speed: a zstd context sets up its tables on first use (the first
-    /// 16 KiB took ~2 ms here, 50 times a later one), so a new one packs 260 KiB of zeros,
+    /// setup as the codec's speed: a zstd context sets up its tables on first use (far slower
+    /// than a later packing), so a new one packs 260 KiB of zeros,
     /// which sizes its tables for the largest inputs. With the codecs' measures shared by the
     /// connections, a connection's first zstd packing may well be one of `auto`'s measures.
     pub fn prepare(&mut self, codec: Codec) -> Result<()> {
