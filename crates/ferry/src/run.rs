@@ -233,7 +233,8 @@ impl<'a> Arrival<'a> {
                 let c = vm.config();
                 if (c.memory, c.vcpus) != (wanted.memory, wanted.vcpus) {
                     return Err(migration::Error::vm(format!(
-                        "this destination was prepared for a VM of {} and {} vCPUs                          (--memory/--vcpus), the source's has {} and {}",
+                        "this destination was prepared for a VM of {} and {} vCPUs \
+                         (--memory/--vcpus), the source's has {} and {}",
                         MemorySize(c.memory),
                         c.vcpus,
                         MemorySize(wanted.memory),
