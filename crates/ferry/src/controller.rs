@@ -1,5 +1,6 @@
 //! The VM as the API sees it: its phase of life, `vm.info`, and request dispatch.
 
+use migration::sync::Locked;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -107,11 +108,11 @@ impl Controller {
     }
 
     pub fn set_phase(&self, phase: Phase) {
-        *self.phase.lock().unwrap_or_else(|e| e.into_inner()) = phase;
+        *self.phase.locked() = phase;
     }
 
     pub fn phase(&self) -> Phase {
-        self.phase.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.phase.locked().clone()
     }
 
     pub fn info(&self) -> VmInfo {

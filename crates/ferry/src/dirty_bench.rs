@@ -1,5 +1,6 @@
 //! Dirty logging without a migration, for measuring its cost to the guest (`make bench`).
 
+use migration::sync::Locked;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,15 +12,12 @@ static HARVESTER: Mutex<Option<Arc<AtomicBool>>> = Mutex::new(None);
 
 /// Whether the hook's harvester runs now.
 pub fn active() -> bool {
-    HARVESTER
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .is_some()
+    HARVESTER.locked().is_some()
 }
 
 /// Turns logging on (with a thread harvesting the log every `harvest_ms`) or off.
 pub fn set(vm: &Arc<Vm>, enabled: bool, harvest_ms: u64) -> Result<(), String> {
-    let mut slot = HARVESTER.lock().unwrap_or_else(|e| e.into_inner());
+    let mut slot = HARVESTER.locked();
     if let Some(stop) = slot.take() {
         stop.store(true, Ordering::Release);
     }

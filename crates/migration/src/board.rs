@@ -2,6 +2,7 @@
 //! writes whole snapshots of its `Status`, readers (the API, metrics) read them, with the
 //! totals of the migrations that ended.
 
+use crate::sync::Locked;
 use std::sync::{Arc, Mutex};
 
 use crate::status::{CheckpointStats, Phase, Status};
@@ -20,53 +21,34 @@ pub struct StatusBoard {
 
 impl StatusBoard {
     pub fn publish(&self, s: &Status) {
-        let mut status = self.status.lock().unwrap_or_else(|e| e.into_inner());
-        self.totals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .count(s);
+        let mut status = self.status.locked();
+        self.totals.locked().count(s);
         *status = s.clone();
     }
 
     /// The status, and the totals of the migrations that ended, read together: a migration
     /// that just ended shows in the totals and as the (ended) status, never twice as running.
     pub fn read_with_totals(&self) -> (Status, Totals) {
-        let status = self.status.lock().unwrap_or_else(|e| e.into_inner());
-        let totals = self
-            .totals
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let status = self.status.locked();
+        let totals = self.totals.locked().clone();
         let mut s = status.clone();
         drop(status);
-        s.checkpoints = self
-            .checkpoints
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        s.checkpoints = self.checkpoints.locked().clone();
         (s, totals)
     }
 
     pub fn read(&self) -> Status {
-        let mut s = self
-            .status
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        s.checkpoints = self
-            .checkpoints
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
+        let mut s = self.status.locked().clone();
+        s.checkpoints = self.checkpoints.locked().clone();
         s
     }
 
     /// Changes the checkpoint figures (`None`: no checkpoints in this migration).
     pub fn checkpoints(&self, f: impl FnOnce(&mut Option<CheckpointStats>)) {
-        f(&mut self.checkpoints.lock().unwrap_or_else(|e| e.into_inner()));
+        f(&mut self.checkpoints.locked());
     }
 
     pub fn phase(&self) -> Phase {
-        self.status.lock().unwrap_or_else(|e| e.into_inner()).phase
+        self.status.locked().phase
     }
 }

@@ -5,6 +5,7 @@
 //! waits on something else (the link, its peer, another thread). Built in, because the hosts
 //! where it matters most (many cores, large guests) often have no profiler.
 
+use crate::sync::Locked;
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -116,7 +117,7 @@ pub struct Tracked {
 impl CpuMeter {
     fn lock(&self) -> MutexGuard<'_, Tally> {
         // Figures only, never a broken invariant: a panicked thread's are still good.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.locked()
     }
 
     /// Tracks the calling thread, doing `work` for `worker`, until the returned guard is

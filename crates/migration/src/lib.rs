@@ -26,6 +26,7 @@ pub mod ratelimit;
 pub mod scan;
 pub mod source;
 pub mod status;
+pub mod sync;
 pub mod totals;
 pub mod vm;
 pub mod wire;

@@ -7,6 +7,7 @@
 //! then final and safe to save. Parked threads release the fd lock, so the controller can read
 //! and write vCPU state.
 
+use migration::sync::Locked;
 use std::cell::Cell;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::mpsc::Sender;
@@ -88,7 +89,7 @@ impl RunControl {
     }
 
     fn lock(&self) -> MutexGuard<'_, ControlState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        self.state.locked()
     }
 
     fn wants_park(&self) -> bool {
@@ -248,12 +249,7 @@ impl VcpuSet {
     }
 
     fn kick_all(&self) {
-        for t in self
-            .threads
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-        {
+        for t in self.threads.locked().iter() {
             let _ = t.kill(kick_signal());
         }
     }
@@ -262,7 +258,7 @@ impl VcpuSet {
     pub fn set_throttle(&self, percent: u8) -> Result<()> {
         let percent = percent.min(99);
         self.control.throttle.store(percent, Ordering::Relaxed);
-        let mut kicker = self.kicker.lock().unwrap_or_else(|e| e.into_inner());
+        let mut kicker = self.kicker.locked();
         if percent == 0 {
             if let Some(k) = kicker.take() {
                 let _ = k.join(); // it sees the 0 within a period
@@ -275,8 +271,7 @@ impl VcpuSet {
         use std::os::unix::thread::JoinHandleExt;
         let threads: Vec<libc::pthread_t> = self
             .threads
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .iter()
             .map(|t| t.as_pthread_t())
             .collect();
@@ -316,7 +311,7 @@ impl VcpuSet {
         let _ = self.set_throttle(0);
         self.control.set_wish(Wish::Stop);
         self.kick_all();
-        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let threads = std::mem::take(&mut *self.threads.locked());
         for t in threads {
             let _ = t.join();
         }
@@ -324,7 +319,7 @@ impl VcpuSet {
 
     /// The fd of a parked vCPU, for state save/restore.
     pub fn lock_fd(&self, cpu: usize) -> MutexGuard<'_, VcpuFd> {
-        self.fds[cpu].lock().unwrap_or_else(|e| e.into_inner())
+        self.fds[cpu].locked()
     }
 }
 
@@ -355,7 +350,7 @@ impl VcpuContext {
 
     /// Runs the vCPU until a pause or stop is wished, or the vCPU cannot go on.
     fn run_until_park(&self) -> Step {
-        let mut fd = self.fd.lock().unwrap_or_else(|e| e.into_inner());
+        let mut fd = self.fd.locked();
         THIS_KVM_RUN.with(|r| r.set(fd.get_kvm_run() as *mut kvm_run));
         let mut period_start = Instant::now();
         let step = loop {

@@ -2,6 +2,7 @@
 
 mod balloon;
 
+use migration::sync::Locked;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
@@ -237,7 +238,7 @@ impl Vm {
 
     /// Parks every vCPU with complete state. Pausing a paused VM is a no-op.
     pub fn pause(&self) -> Result<()> {
-        let _transition = self.transition.lock().unwrap_or_else(|e| e.into_inner());
+        let _transition = self.transition.locked();
         if self.running.load(Ordering::Acquire) {
             self.bus.quiesce().map_err(Error::State)?;
             if let Err(e) = self.vcpus.pause() {
@@ -253,7 +254,7 @@ impl Vm {
     /// and the VM stays paused, while another process holds one).
     pub fn resume(&self) -> Result<()> {
         self.claim_devices()?;
-        let _transition = self.transition.lock().unwrap_or_else(|e| e.into_inner());
+        let _transition = self.transition.locked();
         self.vcpus.resume();
         self.bus.unquiesce();
         self.running.store(true, Ordering::Release);
@@ -262,12 +263,12 @@ impl Vm {
 
     /// Waits for the next event from the guest or a vCPU, up to `timeout`.
     pub fn next_event(&self, timeout: std::time::Duration) -> Option<VmEvent> {
-        let rx = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        let rx = self.events.locked();
         rx.recv_timeout(timeout).ok()
     }
 
     pub fn heartbeat(&self) -> std::sync::MutexGuard<'_, HeartbeatDevice> {
-        self.bus.heartbeat.lock().unwrap_or_else(|e| e.into_inner())
+        self.bus.heartbeat.locked()
     }
 
     pub fn info(&self) -> VmInfo {
@@ -313,11 +314,7 @@ impl Vm {
         self.memory
             .write_slice(data, GuestAddress(gpa))
             .map_err(|e| Error::Memory(e.to_string()))?;
-        let mut dirty = self
-            .bus
-            .vmm_writes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut dirty = self.bus.vmm_writes.locked();
         dirty.wrote(gpa, data.len());
         Ok(())
     }
@@ -330,11 +327,7 @@ impl Vm {
 
     /// Adds the pages the VMM wrote since the last call to `into` (if given), and forgets them.
     pub fn drain_vmm_writes(&self, into: Option<&mut Bitmap>) {
-        let mut written = self
-            .bus
-            .vmm_writes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut written = self.bus.vmm_writes.locked();
         if let Some(into) = into {
             into.merge(&written);
         }
@@ -388,7 +381,7 @@ impl Vm {
             Protect::ManualInitiallySet => Some(self.populated()?),
             _ => None,
         };
-        let mut buffers = self.dirty_buffers.lock().unwrap_or_else(|e| e.into_inner());
+        let mut buffers = self.dirty_buffers.locked();
         if buffers.len() != regions.len() {
             *buffers = dirty_buffers(&regions);
         }
@@ -417,7 +410,7 @@ impl Vm {
 
     /// The pages of guest memory that hold data now, in the bitmap kept for it.
     fn populated(&self) -> Result<std::sync::MutexGuard<'_, Bitmap>> {
-        let mut map = self.populated.lock().unwrap_or_else(|e| e.into_inner());
+        let mut map = self.populated.locked();
         migration::scan::populated_pages_into(&migration::Migratable::ram(self), &mut map)
             .map_err(|e| Error::State(format!("finding populated memory: {e}")))?;
         Ok(map)
@@ -433,12 +426,7 @@ impl Vm {
 
     pub fn save_devices_state(&self) -> Result<DeviceState> {
         self.require_paused("save device state")?;
-        let serial = self
-            .bus
-            .serial
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .save();
+        let serial = self.bus.serial.locked().save();
         Ok(DeviceState {
             irqchip: state::save_irqchip(&self.fd)?,
             pit: self.fd.get_pit2().map_err(kvm("KVM_GET_PIT2"))?,
@@ -450,7 +438,7 @@ impl Vm {
                 .virtio
                 .iter()
                 .map(|d| {
-                    let d = d.lock().unwrap_or_else(|e| e.into_inner());
+                    let d = d.locked();
                     VirtioState {
                         version: VIRTIO_STATE_VERSION,
                         transport: d.save(),
@@ -484,8 +472,7 @@ impl Vm {
         }
         self.bus
             .serial
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .load(&devices.serial)
             .map_err(Error::State)?;
         *self.heartbeat() = HeartbeatDevice::restore(devices.heartbeat.clone(), true);
@@ -504,7 +491,7 @@ impl Vm {
                     s.version
                 )));
             }
-            let mut d = d.lock().unwrap_or_else(|e| e.into_inner());
+            let mut d = d.locked();
             d.load(&s.transport)
                 .and_then(|()| d.device_mut().load(&s.device))
                 .map_err(|e| Error::State(format!("virtio device {slot}: {e}")))?;
@@ -519,8 +506,7 @@ impl Vm {
     /// Flushes every disk and lets go of it: the VM is about to run on another host.
     pub fn release_devices(&self) -> Result<()> {
         for d in &self.bus.virtio {
-            d.lock()
-                .unwrap_or_else(|e| e.into_inner())
+            d.locked()
                 .device_mut()
                 .release()
                 .map_err(|e| Error::State(format!("releasing a disk: {e}")))?;
@@ -535,11 +521,7 @@ impl Vm {
         for d in &self.bus.virtio {
             let deadline = std::time::Instant::now() + CLAIM_WAIT;
             loop {
-                let claimed = d
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .device_mut()
-                    .claim();
+                let claimed = d.locked().device_mut().claim();
                 match claimed {
                     Ok(()) => break,
                     Err(e)
@@ -562,7 +544,7 @@ impl Vm {
             .iter()
             .enumerate()
             .map(|(slot, d)| {
-                let d = d.lock().unwrap_or_else(|e| e.into_inner());
+                let d = d.locked();
                 let (by_eventfd, by_exit) = self.bus.notifications(slot);
                 let mut counters = d.device().counters();
                 counters.push(("notifies_by_eventfd", by_eventfd));

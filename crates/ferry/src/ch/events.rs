@@ -2,6 +2,7 @@
 //! flushed as it happens: `{"timestamp":{"secs":S,"nanos":N},"source":"vm","event":"booted",
 //! "properties":null}`. The timestamp is the time since the VMM started, as CH's is.
 
+use migration::sync::Locked;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
@@ -41,7 +42,7 @@ impl Events {
             "event": event,
             "properties": properties,
         });
-        let mut out = out.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out = out.locked();
         let _ = writeln!(out, "{line}").and_then(|_| out.flush());
     }
 }

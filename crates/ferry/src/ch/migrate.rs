@@ -3,6 +3,7 @@
 //! `file://DIR`, and ferry's additions, progress in libvirt's job-statistics terms and
 //! cancel. The engine, its parameters and its checks are the controller's own.
 
+use migration::sync::Locked;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -96,9 +97,7 @@ impl ChVmm {
     }
 
     fn began(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
-        self.migration_began
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        self.migration_began.locked()
     }
 
     pub fn receive_migration(&self, req: &ReceiveMigrationData) -> Result<Value, ApiError> {

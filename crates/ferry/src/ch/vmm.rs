@@ -3,6 +3,7 @@
 //! migration engine). Errors answer as CH does: 404 when there is no VM, 500 for a call in the
 //! wrong state, 400 for bad input.
 
+use migration::sync::Locked;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -80,7 +81,7 @@ impl ChVmm {
     }
 
     pub fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|e| e.into_inner())
+        self.slot.locked()
     }
 
     /// The VM's controller, when there is one here or arriving.
@@ -104,16 +105,14 @@ impl ChVmm {
     /// Asks the VMM to exit with `code` (`vmm.shutdown`, the guest ended, the VM moved).
     pub fn exit(&self, code: i32) {
         let (lock, cv) = &self.exit;
-        lock.lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .get_or_insert(code);
+        lock.locked().get_or_insert(code);
         cv.notify_all();
     }
 
     /// Waits for `exit`, or `stop()` (a signal): its code.
     pub fn wait_exit(&self, stop: &dyn Fn() -> bool) -> i32 {
         let (lock, cv) = &self.exit;
-        let mut code = lock.lock().unwrap_or_else(|e| e.into_inner());
+        let mut code = lock.locked();
         loop {
             if let Some(c) = *code {
                 return c;

@@ -9,6 +9,7 @@
 //! (`CheckpointTaken`), not just since the last one sent: one lost with a broken connection is
 //! then covered by the next, and the source's memory never misses a page.
 
+use crate::sync::Locked;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -110,7 +111,7 @@ impl Checkpointer {
 
     /// Stops after the checkpoint in progress, if any, and ends dirty logging.
     pub fn stop(mut self) {
-        *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.shared.stop.locked() = true;
         self.shared.wake.notify_all();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -122,7 +123,7 @@ impl Checkpointer {
 impl Shared {
     /// Waits one interval; false once stopped.
     fn wait(&self, every: Duration) -> bool {
-        let stop = self.stop.lock().unwrap_or_else(|e| e.into_inner());
+        let stop = self.stop.locked();
         let (stop, _) = self
             .wake
             .wait_timeout_while(stop, every, |s| !*s)
@@ -145,12 +146,7 @@ struct Taker {
 impl Taker {
     fn once(&mut self, confirmed: u64) -> Result<()> {
         self.unconfirmed.retain(|(seq, _)| *seq > confirmed);
-        if self
-            .writer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_none()
-        {
+        if self.writer.locked().is_none() {
             return Ok(()); // no way to the source now; the pages wait in the dirty log
         }
         let began = Instant::now();
@@ -246,7 +242,7 @@ impl Taker {
         let ram = self.shadow.ram();
         let mut gfns = t.pages.iter().peekable();
         while gfns.peek().is_some() {
-            let mut slot = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+            let mut slot = self.writer.locked();
             let s = slot.as_mut().ok_or_else(disconnected)?;
             for gfn in gfns.by_ref().take(FRAME_PAGES) {
                 sender.push(s, ram, gfn, &mut limiter)?;
@@ -259,7 +255,7 @@ impl Taker {
             vcpus: t.vcpus.clone(),
             devices: t.devices.clone(),
         };
-        let mut slot = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.writer.locked();
         wire::write_message(slot.as_mut().ok_or_else(disconnected)?, &msg)?;
         let state = t.vcpus.iter().map(Vec::len).sum::<usize>() + t.devices.len();
         Ok(sender.counters.bytes + state as u64)
@@ -272,7 +268,7 @@ fn disconnected() -> crate::Error {
 
 impl Drop for Checkpointer {
     fn drop(&mut self) {
-        *self.shared.stop.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.shared.stop.locked() = true;
         self.shared.wake.notify_all();
     }
 }

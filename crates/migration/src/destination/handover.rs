@@ -3,6 +3,7 @@
 //! on the VM runs here, and a stop request that came too late is refused: a VM is never
 //! handed over and then stopped by a request made before anyone could know it was here.
 
+use crate::sync::Locked;
 use std::sync::Mutex;
 
 use crate::error::{Error, Result};
@@ -27,7 +28,7 @@ impl Default for Handover {
 
 impl Handover {
     fn gate(&self) -> std::sync::MutexGuard<'_, Gate> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.locked()
     }
 
     /// A stop request from `who`: stops the arrival unless the VM already runs here.

@@ -11,6 +11,7 @@
 //! what memory holds. It ends, like faulting in ahead, before pages can be dropped or guest
 //! memory handed to post-copy's userfaultfd (`release`).
 
+use crate::sync::Locked;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,12 +47,7 @@ impl Drop for Installing {
     fn drop(&mut self) {
         self.0.release();
         self.0.stop.store(true, Ordering::Release);
-        let filler = self
-            .0
-            .zero_filler
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let filler = self.0.zero_filler.locked().take();
         if let Some(t) = filler {
             let _ = t.join();
         }
@@ -99,7 +95,7 @@ impl Installer {
             .name("install-zeros".into())
             .spawn(move || fill_zeros(&uffd, &ram, &stop, &touched))
             .map_err(|e| Error::vm_caused("starting the zero filler", e))?;
-        *me.zero_filler.lock().unwrap_or_else(|e| e.into_inner()) = Some(filler);
+        *me.zero_filler.locked() = Some(filler);
         let refused = me
             .ram
             .host_regions()
@@ -144,10 +140,7 @@ impl PagePlacer for Installer {
     }
 
     fn touched(&self) -> Vec<u64> {
-        self.touched
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+        self.touched.locked().clone()
     }
 
     fn place(&self, gfn: u64, data: &[u8]) -> Result<()> {
@@ -199,7 +192,7 @@ fn fill_zeros(uffd: &Uffd, ram: &GuestRam, stop: &AtomicBool, touched: &Mutex<Ve
         if unsafe { uffd.zeropage(page, PAGE_SIZE, false) }.is_ok()
             && let Some(gfn) = ram.gfn_of_host(page as u64)
         {
-            touched.lock().unwrap_or_else(|e| e.into_inner()).push(gfn);
+            touched.locked().push(gfn);
         }
         let _ = uffd.wake(page, PAGE_SIZE);
     });

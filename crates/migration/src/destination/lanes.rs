@@ -3,6 +3,7 @@
 //! session, each read by its own thread straight into guest memory until `LaneEnd`. A stranger
 //! (wrong session, a lane taken twice, anything else) is told why and closed.
 
+use crate::sync::Locked;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -179,10 +180,7 @@ impl LaneReceivers {
                 match receive_lane(stream, &ram, pages, lane, &progress, &stop) {
                     Ok(pages) => Some(pages),
                     Err(e) => {
-                        failed
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .get_or_insert(e);
+                        failed.locked().get_or_insert(e);
                         main.shutdown();
                         None
                     }
@@ -267,7 +265,7 @@ impl LaneReceivers {
 
     /// Why a lane failed, if one did (the reason the main connection was closed).
     pub fn failure(&self) -> Option<Error> {
-        self.failed.lock().unwrap_or_else(|e| e.into_inner()).take()
+        self.failed.locked().take()
     }
 }
 

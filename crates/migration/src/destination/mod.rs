@@ -14,6 +14,7 @@ pub mod postcopy;
 mod prefault;
 mod receive;
 
+use crate::sync::Locked;
 pub use handover::Handover;
 pub use prefault::FaultIn;
 mod recovery;
@@ -204,7 +205,7 @@ impl Incoming {
             }
         };
         let cancelled = Arc::new(AtomicBool::new(false));
-        *self.resume_wait.lock().unwrap_or_else(|e| e.into_inner()) = Some(cancelled.clone());
+        *self.resume_wait.locked() = Some(cancelled.clone());
         let this = self.clone();
         let deadline = Instant::now() + wait;
         let endpoint = endpoint.to_string();
@@ -234,12 +235,7 @@ impl Incoming {
     /// Stops a resume still waiting for its source (its pages stay owed; a later resume
     /// carries on); whether one was waiting.
     pub fn cancel_resume(&self) -> bool {
-        let Some(waiting) = self
-            .resume_wait
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-        else {
+        let Some(waiting) = self.resume_wait.locked().take() else {
             return false;
         };
         waiting.store(true, Ordering::Release);
@@ -252,7 +248,7 @@ impl Incoming {
     }
 
     fn lock_interrupted(&self) -> std::sync::MutexGuard<'_, Option<Arc<postcopy::Postcopy>>> {
-        self.interrupted.lock().unwrap_or_else(|e| e.into_inner())
+        self.interrupted.locked()
     }
 
     fn take_interrupted(&self) -> Result<Arc<postcopy::Postcopy>> {

@@ -6,6 +6,7 @@
 //! them. A VMM thread touching a missing page (device emulation) faults the same way and
 //! waits: nothing is overwritten or lost.
 
+use crate::sync::Locked;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -211,23 +212,23 @@ impl Postcopy {
     ) -> Result<()> {
         let faults = self.faults.clone();
         let stalled = Box::new(move || {
-            let log = faults.lock().unwrap_or_else(|e| e.into_inner());
+            let log = faults.locked();
             log.waiting
                 .values()
                 .any(|asked| asked.elapsed() > STALLED_FAULT)
         });
         let c = Checkpointer::start(vm, self.requests.clone(), every, board, stalled)?;
-        *self.checkpointer.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+        *self.checkpointer.locked() = Some(c);
         Ok(())
     }
 
     /// Connects page requests to `stream` (a clone of the migration connection) and asks
     /// again for every page still awaited (after a reconnection they may have been lost).
     pub fn attach(&self, stream: Stream) {
-        let mut slot = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.requests.locked();
         *slot = Some(stream);
         let waiting: Vec<u64> = {
-            let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+            let log = self.faults.locked();
             log.waiting.keys().copied().collect()
         };
         if let Some(s) = slot.as_mut() {
@@ -239,7 +240,7 @@ impl Postcopy {
 
     /// The connection is gone: requests wait for the next `attach`.
     pub fn detach(&self) {
-        *self.requests.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.requests.locked() = None;
     }
 
     /// The pending pages that are here.
@@ -276,11 +277,11 @@ impl Postcopy {
                         // SAFETY: a page of the registered range.
                         let _ = unsafe { uffd.zeropage(page, PAGE_SIZE, true) };
                         if !present.set(pfn) {
-                            faults.lock().unwrap_or_else(|e| e.into_inner()).zero += 1;
+                            faults.locked().zero += 1;
                         }
                     } else {
                         let first = {
-                            let mut log = faults.lock().unwrap_or_else(|e| e.into_inner());
+                            let mut log = faults.locked();
                             // Installed since the look above? `install` marks a page present
                             // before it takes this lock, so a page never waits here unasked
                             // for or asked for after it came.
@@ -295,7 +296,7 @@ impl Postcopy {
                         if present.get(pfn) {
                             let _ = uffd.wake(page, PAGE_SIZE);
                         } else if first {
-                            let mut slot = requests.lock().unwrap_or_else(|e| e.into_inner());
+                            let mut slot = requests.locked();
                             if let Some(s) = slot.as_mut() {
                                 let _ = wire::write_message(s, &Message::PageRequest { gfn: pfn });
                             }
@@ -323,7 +324,7 @@ impl Postcopy {
             };
             match m {
                 Message::CheckpointTaken { seq } => {
-                    let c = self.checkpointer.lock().unwrap_or_else(|e| e.into_inner());
+                    let c = self.checkpointer.locked();
                     if let Some(c) = c.as_ref() {
                         c.confirmed(seq);
                     }
@@ -338,22 +339,14 @@ impl Postcopy {
                 }
             }
         }
-        let installed = self
-            .progress
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .pages;
+        let installed = self.progress.locked().pages;
         if installed != want {
             return Err(Error::Protocol(format!(
                 "post-copy ended with {installed} of {want} pages installed"
             )));
         }
         // Every page is here: the source's copy is of no more use.
-        let checkpointer = self
-            .checkpointer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let checkpointer = self.checkpointer.locked().take();
         if let Some(c) = checkpointer {
             c.stop();
         }
@@ -373,7 +366,7 @@ impl Postcopy {
 
     /// Writes `msg` to the source on the attached connection (post-copy's one writer).
     pub fn reply(&self, msg: &Message) -> Result<()> {
-        let mut slot = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        let mut slot = self.requests.locked();
         match slot.as_mut() {
             Some(s) => wire::write_message(s, msg),
             None => Err(Error::Protocol("no connection to the source".into())),
@@ -382,7 +375,7 @@ impl Postcopy {
 
     /// How long the network faults so far waited, for metrics.
     pub fn fault_latency(&self) -> FaultLatency {
-        let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let log = self.faults.locked();
         let mut f = FaultLatency::default();
         for ms in &log.latencies_ms {
             f.0.observe(ms / 1e3);
@@ -391,8 +384,8 @@ impl Postcopy {
     }
 
     fn report(&self) -> PostcopyReport {
-        let p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let p = self.progress.locked();
+        let log = self.faults.locked();
         let mut lat = log.latencies_ms.clone();
         lat.sort_by(f64::total_cmp);
         let pct = |q: f64| (!lat.is_empty()).then(|| lat[((lat.len() - 1) as f64 * q) as usize]);
@@ -417,7 +410,7 @@ impl Postcopy {
         pages: impl IntoIterator<Item = (u64, Option<&'d [u8]>)>,
     ) -> Result<()> {
         for (gfn, data) in pages {
-            let mut p = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+            let mut p = self.progress.locked();
             if !self.pending.get(gfn) || self.present.get(gfn) {
                 p.duplicates += 1;
                 continue;
@@ -464,7 +457,7 @@ impl Postcopy {
             Err(e) => return Err(Error::vm_caused(format!("installing page {pfn:#x}"), e)),
         }
         self.present.set(pfn);
-        let mut log = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        let mut log = self.faults.locked();
         let how = match log.waiting.remove(&pfn) {
             Some(t) => {
                 log.latencies_ms.push(t.elapsed().as_secs_f64() * 1e3);

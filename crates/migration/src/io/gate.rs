@@ -7,6 +7,7 @@
 //! out, as its connection opens in a round trip. No number of strangers ends the wait: only
 //! the caller's `stop` does.
 
+use crate::sync::Locked;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::IpAddr;
@@ -278,7 +279,7 @@ struct Slot {
 
 impl Doors {
     fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
-        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+        self.slots.locked()
     }
 
     fn take(self: &Arc<Self>, conn: &Accepted) -> std::result::Result<Slot, String> {

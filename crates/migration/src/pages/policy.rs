@@ -3,6 +3,7 @@
 //! rate. The codecs come from the field (`wire::codec`); only the choice is ours: no library
 //! picks a codec by link and data.
 
+use crate::sync::Locked;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -94,7 +95,7 @@ impl Measures {
 impl CodecMeasures {
     fn lock(&self) -> MutexGuard<'_, Measures> {
         // A panicked sender leaves numbers, never a broken invariant: use them.
-        self.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.0.locked()
     }
 }
 

@@ -10,6 +10,7 @@
 //! destination die, `Outgoing::reclaim` (`vm.migrate-rollback`) runs the VM here from the last
 //! checkpoint applied; the guest loses what it did after it, and nothing else.
 
+use crate::sync::Locked;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -90,7 +91,7 @@ impl Checkpoints {
     /// reader (which may still hear stale frames) may stage nothing more. Returns the new
     /// reader's number.
     pub fn restart(&self) -> u64 {
-        let mut s = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = self.staging.locked();
         s.discard();
         s.reader += 1;
         s.reader
@@ -104,7 +105,7 @@ impl Checkpoints {
         header: &[u8; FRAME_HEADER_LEN],
         len: u32,
     ) -> Result<()> {
-        let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.staging.locked();
         let s = &mut *guard;
         s.current(reader)?;
         let pages = read_page_frame(stream, s.shadow.ram(), header, len, &mut s.scratch)?;
@@ -132,10 +133,10 @@ impl Checkpoints {
         vcpus: &[Vec<u8>],
         devices: &[u8],
     ) -> Result<()> {
-        let mut guard = self.staging.lock().unwrap_or_else(|e| e.into_inner());
+        let mut guard = self.staging.locked();
         let s = &mut *guard;
         s.current(reader)?;
-        let mut applied = self.applied.lock().unwrap_or_else(|e| e.into_inner());
+        let mut applied = self.applied.locked();
         let last = applied.latest.as_ref().map_or(0, |l| l.seq);
         let refusal = if applied.closed {
             Some("the VM was rolled back here".to_string())
@@ -183,10 +184,7 @@ impl Checkpoints {
     /// A rollback that could not load the state (a disk still held by the destination): the
     /// post-copy may still carry on, checkpoints with it.
     pub fn reopen(&self) {
-        self.applied
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .closed = false;
+        self.applied.locked().closed = false;
         self.board.checkpoints(|c| {
             if let Some(c) = c {
                 c.rolled_back_to = None;
@@ -197,7 +195,7 @@ impl Checkpoints {
     /// The newest checkpoint, after which nothing is applied any more (the VM runs here
     /// again from it); `None` if none came, and the VM runs from the switch.
     pub fn close(&self) -> Option<Saved> {
-        let mut applied = self.applied.lock().unwrap_or_else(|e| e.into_inner());
+        let mut applied = self.applied.locked();
         applied.closed = true;
         let latest = applied.latest.clone();
         if let Some(l) = &latest {

@@ -19,6 +19,7 @@ mod rounds;
 mod session;
 mod switchover;
 
+use crate::sync::Locked;
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -86,7 +87,7 @@ impl Outgoing {
     /// Whether a migration runs, as observers see it: one whose end is published is over,
     /// though its thread may still be tidying up (see `settled`).
     pub fn running(&self) -> bool {
-        *self.busy.lock().unwrap_or_else(|e| e.into_inner()) && self.board.phase().is_running()
+        *self.busy.locked() && self.board.phase().is_running()
     }
 
     /// The migration slot, once a migration whose end is published has let go of it (at most
@@ -95,7 +96,7 @@ impl Outgoing {
     fn settled(&self) -> std::sync::MutexGuard<'_, bool> {
         let deadline = Instant::now() + SETTLE_WAIT;
         loop {
-            let busy = self.busy.lock().unwrap_or_else(|e| e.into_inner());
+            let busy = self.busy.locked();
             if !*busy || self.board.phase().is_running() || Instant::now() >= deadline {
                 return busy;
             }
@@ -128,27 +129,23 @@ impl Outgoing {
         *busy = true;
         self.controls.cancel.store(false, Ordering::Release);
         self.controls.start_postcopy.store(false, Ordering::Release);
-        *self
-            .controls
-            .go_sent
-            .lock()
-            .unwrap_or_else(|e| e.into_inner()) = false;
+        *self.controls.go_sent.locked() = false;
         Ok(())
     }
 
     fn release(&self) {
-        *self.busy.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        *self.busy.locked() = false;
     }
 
     /// Starts migrating `vm` to `endpoint` in the background, and returns once the
     /// destination answered (a dead address is an error here). `on_done` hears the end.
     /// The TLS the next migration dials with (none: plain, where the caller allowed it).
     pub fn set_tls(&self, tls: Option<Tls>) {
-        *self.tls.lock().unwrap_or_else(|e| e.into_inner()) = tls;
+        *self.tls.locked() = tls;
     }
 
     fn tls(&self) -> Option<Tls> {
-        self.tls.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.tls.locked().clone()
     }
 
     pub fn send(
@@ -262,8 +259,7 @@ impl Outgoing {
         }
         let checkpoints = self
             .leftover
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .locked()
             .as_ref()
             .and_then(|l| l.checkpoints.clone());
         // From here on nothing more is applied to the memory the VM runs on.
@@ -287,7 +283,7 @@ impl Outgoing {
             return Err(e);
         }
         // A post-copy taken back can no longer be resumed.
-        *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.leftover.locked() = None;
         let at = match from {
             Resumed::Switch => "from the switch".to_string(),
             Resumed::Checkpoint(seq) => format!(
@@ -361,11 +357,7 @@ impl Outgoing {
             return Err(Error::State("no migration is running".into()));
         }
         {
-            let go_sent = self
-                .controls
-                .go_sent
-                .lock()
-                .unwrap_or_else(|e| e.into_inner());
+            let go_sent = self.controls.go_sent.locked();
             if *go_sent {
                 return Err(Error::State(
                     "too late to cancel: Go was sent and the VM may run on the destination \
@@ -375,13 +367,7 @@ impl Outgoing {
             }
             self.controls.cancel.store(true, Ordering::Release);
         }
-        if let Some(s) = self
-            .controls
-            .handshake
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-        {
+        if let Some(s) = self.controls.handshake.locked().as_ref() {
             s.shutdown();
         }
         Ok(())
@@ -402,13 +388,7 @@ impl Outgoing {
                 && self.controls.cancel.load(Ordering::Acquire)
             {
                 closed = true;
-                for s in self
-                    .controls
-                    .connections
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .iter()
-                {
+                for s in self.controls.connections.locked().iter() {
                     s.shutdown();
                 }
             }
@@ -446,10 +426,7 @@ impl Outgoing {
 
     /// Whether a post-copy lost its connection and can be resumed.
     pub fn can_resume(&self) -> bool {
-        self.leftover
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.leftover.locked().is_some()
     }
 
     /// Carries on an interrupted post-copy over a new connection to `endpoint`.
@@ -466,14 +443,9 @@ impl Outgoing {
             if *busy {
                 return Err(Error::State("a migration is already running".into()));
             }
-            let left = self
-                .leftover
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone()
-                .ok_or_else(|| {
-                    Error::State("there is no interrupted post-copy to resume here".into())
-                })?;
+            let left = self.leftover.locked().clone().ok_or_else(|| {
+                Error::State("there is no interrupted post-copy to resume here".into())
+            })?;
             *busy = true;
             left
         };
@@ -493,7 +465,7 @@ impl Outgoing {
                 )
                 .map(|_| ());
                 match &result {
-                    Ok(()) => *this.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None,
+                    Ok(()) => *this.leftover.locked() = None,
                     Err(e) => {
                         let mut s = this.board.read();
                         s.phase = Phase::PostcopyPaused;

@@ -2,6 +2,7 @@
 //! first, everything else is pushed in the planner's order (see `prepaging`); each page leaves
 //! at most once. A reader thread hears the destination while the session pushes.
 
+use crate::sync::Locked;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::time::{Duration, Instant};
@@ -319,7 +320,7 @@ impl Session<'_> {
         self.state = state;
         self.finished = Some(Instant::now());
         self.note_cpu();
-        *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        *self.leftover.locked() = None;
         let after = self.pages.counters;
         let p = &mut self.status.progress;
         p.pages.pushed = served.pushed;
@@ -357,7 +358,7 @@ impl Session<'_> {
     }
 
     pub(super) fn keep_leftover(&self, pending: Bitmap) {
-        *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = Some(Leftover {
+        *self.leftover.locked() = Some(Leftover {
             pending,
             params: self.params.clone(),
             checkpoints: self.checkpoints.clone(),

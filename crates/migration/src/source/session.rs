@@ -5,6 +5,7 @@
 //! a bad answer, a timeout, a cancel — leaves the source as it was: dirty logging off, the
 //! vCPUs running again if they ran before.
 
+use crate::sync::Locked;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -75,11 +76,7 @@ pub(crate) struct Session<'a> {
 impl Drop for Session<'_> {
     fn drop(&mut self) {
         // The clones a cancel would shut down end with the session, and their fds with them.
-        self.controls
-            .connections
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        self.controls.connections.locked().clear();
     }
 }
 
@@ -88,11 +85,7 @@ impl<'a> Session<'a> {
     /// `Controls::connections`).
     pub(super) fn cancel_closes(&self, stream: &Stream) {
         if let Ok(clone) = stream.try_clone() {
-            self.controls
-                .connections
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(clone);
+            self.controls.connections.locked().push(clone);
         }
     }
 
@@ -209,11 +202,7 @@ impl<'a> Session<'a> {
         if self.stream.has_peer() {
             // A cancel now closes the connection (see `Controls::handshake`); one that came
             // before is seen here.
-            *self
-                .controls
-                .handshake
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = self.stream.try_clone().ok();
+            *self.controls.handshake.locked() = self.stream.try_clone().ok();
             let ready = self
                 .check_continue()
                 .and_then(|()| self.hear())
@@ -225,11 +214,7 @@ impl<'a> Session<'a> {
                     )),
                     e => e,
                 });
-            *self
-                .controls
-                .handshake
-                .lock()
-                .unwrap_or_else(|e| e.into_inner()) = None;
+            *self.controls.handshake.locked() = None;
             self.cancel_closes(&self.stream);
             if let Message::Ready { postcopy } = ready? {
                 self.peer_postcopy = postcopy;
@@ -305,7 +290,7 @@ impl<'a> Session<'a> {
         };
         if !went {
             // Nothing ran on the destination: there is nothing a resume could carry on.
-            *self.leftover.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            *self.leftover.locked() = None;
         }
         if went {
             // The VM may run on the destination now: neither resume here nor give it up.
@@ -350,10 +335,7 @@ impl<'a> Session<'a> {
     }
 
     fn leftover_pending(&self) -> bool {
-        self.leftover
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .is_some()
+        self.leftover.locked().is_some()
     }
 
     /// A send that failed because the peer gave up: fetch the peer's reason if it sent one.

@@ -1,6 +1,7 @@
 //! The switch: pause, send what is left (or, for post-copy, which pages will follow) and the
 //! VM state, wait for the destination to load it, say `Go`, hear it resumed.
 
+use crate::sync::Locked;
 use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -162,15 +163,11 @@ impl Session<'_> {
     fn send_go(&mut self, postcopy: bool) -> Result<()> {
         {
             let controls = self.controls;
-            let mut go_sent = controls.go_sent.lock().unwrap_or_else(|e| e.into_inner());
+            let mut go_sent = controls.go_sent.locked();
             self.check_continue()?;
             *go_sent = true;
             // No cancel is taken from here on: nothing may close the connections under `Go`.
-            controls
-                .connections
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clear();
+            controls.connections.locked().clear();
         }
         self.send(&Message::Go)?;
         self.step(Event::GoSent { postcopy })

@@ -5,6 +5,7 @@ pub mod heartbeat;
 pub mod serial;
 pub mod virtio;
 
+use migration::sync::Locked;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -141,8 +142,7 @@ impl DeviceBus {
     /// uses goes away. Not from an I/O thread.
     pub fn join_io_threads(&self) {
         self.stop();
-        let threads =
-            std::mem::take(&mut *self.io_threads.lock().unwrap_or_else(|e| e.into_inner()));
+        let threads = std::mem::take(&mut *self.io_threads.locked());
         let deadline = std::time::Instant::now() + JOIN_WAIT;
         for t in threads {
             while !t.is_finished() && std::time::Instant::now() < deadline {
@@ -172,11 +172,7 @@ impl DeviceBus {
 
     fn start_io_threads(self: &Arc<Self>, memory: &GuestMemory) -> std::io::Result<()> {
         for slot in 0..self.virtio.len() {
-            let input = self.virtio[slot]
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .device()
-                .input_fd();
+            let input = self.virtio[slot].locked().device().input_fd();
             if input.is_none() && self.notifiers[slot].is_empty() {
                 continue; // nothing to wait for: served on the vCPU threads
             }
@@ -191,10 +187,7 @@ impl DeviceBus {
                         tracing::error!("virtio device {slot}: its I/O thread stopped: {e}");
                     }
                 })?;
-            self.io_threads
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(thread);
+            self.io_threads.locked().push(thread);
         }
         Ok(())
     }
@@ -256,7 +249,7 @@ impl DeviceBus {
                 }
             }
             let (served, waiting) = {
-                let mut d = self.virtio[slot].lock().unwrap_or_else(|e| e.into_inner());
+                let mut d = self.virtio[slot].locked();
                 // Under the device's lock, so that `quiesce` (which takes it next) finds
                 // nothing half done.
                 if self.quiesced.load(Ordering::Acquire) {
@@ -295,10 +288,7 @@ impl DeviceBus {
 
     pub fn mmio_read(&self, addr: u64, data: &mut [u8]) {
         match self.virtio_at(addr) {
-            Some((d, offset)) => d
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .read(offset, data),
+            Some((d, offset)) => d.locked().read(offset, data),
             None => data.fill(0xff), // nothing there: reads float high
         }
     }
@@ -327,9 +317,7 @@ impl DeviceBus {
                 self.notifies[slot][1].fetch_add(1, Ordering::Relaxed);
             }
             let mut written = Written::default();
-            d.lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .write(offset, data, memory, &mut written);
+            d.locked().write(offset, data, memory, &mut written);
             self.log(written);
         }
     }
@@ -340,7 +328,7 @@ impl DeviceBus {
         if written.0.is_empty() {
             return;
         }
-        let mut all = self.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+        let mut all = self.vmm_writes.locked();
         for (gpa, len) in written.0 {
             all.wrote(gpa, len);
         }
@@ -354,11 +342,11 @@ impl DeviceBus {
         memory: &GuestMemory,
     ) -> Option<GuestEvent> {
         if serial::PORTS.contains(&port) {
-            let mut serial = self.serial.lock().unwrap_or_else(|e| e.into_inner());
+            let mut serial = self.serial.locked();
             serial.port_out(port, data);
             None
         } else if heartbeat::PORTS.contains(&port) {
-            let mut hb = self.heartbeat.lock().unwrap_or_else(|e| e.into_inner());
+            let mut hb = self.heartbeat.locked();
             hb.port_out(cpu, port, data, memory)
         } else {
             None // nothing there: writes vanish, as on real hardware
@@ -367,7 +355,7 @@ impl DeviceBus {
 
     pub fn port_in(&self, port: u16, data: &mut [u8]) {
         if serial::PORTS.contains(&port) {
-            let mut serial = self.serial.lock().unwrap_or_else(|e| e.into_inner());
+            let mut serial = self.serial.locked();
             serial.port_in(port, data);
         } else {
             data.fill(0xff); // an unclaimed port floats high

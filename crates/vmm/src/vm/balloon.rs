@@ -1,6 +1,7 @@
 //! The VM's balloon, as ferry's API and the migration engine drive it: its target, what it
 //! holds, and holding its discards while post-copy owns guest memory.
 
+use migration::sync::Locked;
 use std::sync::Mutex;
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_BALLOON;
@@ -14,7 +15,7 @@ impl Vm {
     /// The balloon's slot, if the VM has one.
     fn balloon_slot(&self) -> Option<&Mutex<MmioTransport>> {
         self.bus.virtio.iter().find(|d| {
-            let d = d.lock().unwrap_or_else(|e| e.into_inner());
+            let d = d.locked();
             d.device().device_type() == VIRTIO_ID_BALLOON
         })
     }
@@ -22,7 +23,7 @@ impl Vm {
     /// Runs `f` on the balloon and its transport, if the VM has one.
     fn with_balloon<R>(&self, f: impl FnOnce(&mut Balloon) -> R) -> Option<R> {
         let slot = self.balloon_slot()?;
-        let mut t = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = slot.locked();
         balloon::of(t.device_mut()).map(f)
     }
 
@@ -38,7 +39,7 @@ impl Vm {
         let slot = self
             .balloon_slot()
             .ok_or_else(|| Error::Config("the VM has no balloon (ferry run --balloon)".into()))?;
-        let mut t = slot.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t = slot.locked();
         if let Some(b) = balloon::of(t.device_mut()) {
             b.set_target(pages as u32);
         }
@@ -65,7 +66,7 @@ impl Vm {
         let memory = self.memory.clone();
         let bus = self.bus.clone();
         self.with_balloon(|b| {
-            let mut written = bus.vmm_writes.lock().unwrap_or_else(|e| e.into_inner());
+            let mut written = bus.vmm_writes.locked();
             b.hold_discards(hold, &memory, &mut *written);
         });
     }
