@@ -114,7 +114,7 @@ pub struct MigrateArgs {
     /// Connections the pages travel on, each with its own sender thread (1..=16).
     #[arg(long, allow_negative_numbers = true)]
     pub connections: Option<i64>,
-    /// Page data compressed per frame: none (default), lz4, zstd, or auto (each connection
+    /// Page data compressed per frame: none, lz4, zstd, or auto (the default: each connection
     /// picks what moves its pages soonest over this link, and changes its mind).
     #[arg(long)]
     pub compression: Option<String>,
@@ -123,7 +123,8 @@ pub struct MigrateArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub migration_threads: Option<i64>,
     /// Send re-sent pages as deltas of their last copy (XBZRLE-like), keeping this many MiB
-    /// of last-sent copies (0: off, the default).
+    /// of last-sent copies, grown as pages are sent (0: off; default 256 in precopy and
+    /// hybrid, whose rounds re-send pages, 0 in warm and postcopy).
     #[arg(long, allow_negative_numbers = true)]
     pub delta_cache_mb: Option<i64>,
     /// Send Go right behind the state: the destination starts as soon as it has loaded it, a

@@ -212,8 +212,8 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
     }
 }
 
-fn compression(asked: Option<&str>) -> Result<Compression, ApiError> {
-    asked.map_or(Ok(Compression::default()), |c| c.parse().map_err(api_error))
+fn compression(asked: Option<&str>, default: Compression) -> Result<Compression, ApiError> {
+    asked.map_or(Ok(default), |c| c.parse().map_err(api_error))
 }
 
 fn migration_threads(asked: Option<i64>) -> Result<Option<u32>, ApiError> {
@@ -240,8 +240,10 @@ pub fn snapshot_params(req: &SnapshotRequest) -> Result<MigrationParams, ApiErro
     };
     let params = MigrationParams {
         connections: writers,
-        compression: compression(req.compression.as_deref())?,
+        // A file is written once, as fast as the disk takes it: plain unless asked.
+        compression: compression(req.compression.as_deref(), Compression::None)?,
         migration_threads: migration_threads(req.migration_threads)?,
+        delta_cache_mb: 0,
         ..MigrationParams::default()
     };
     if params.migration_threads.is_some_and(|t| t < writers) {
@@ -269,11 +271,12 @@ pub fn params_from_request(
     // A cache larger than most guests' memory would only hold host memory hostage.
     const MAX_DELTA_CACHE_MB: i64 = 64 * 1024;
     let defaults = MigrationParams::default();
+    let mode = match &req.mode {
+        Some(m) => m.parse().map_err(api_error)?,
+        None => defaults.mode,
+    };
     let params = MigrationParams {
-        mode: match &req.mode {
-            Some(m) => m.parse().map_err(api_error)?,
-            None => defaults.mode,
-        },
+        mode,
         max_downtime_ms: positive("max_downtime_ms", req.max_downtime_ms)?
             .unwrap_or(defaults.max_downtime_ms),
         max_bandwidth_mbps: positive("max_bandwidth_mbps", req.max_bandwidth_mbps)?,
@@ -306,9 +309,9 @@ pub fn params_from_request(
                     "delta_cache_mb must be 0..={MAX_DELTA_CACHE_MB}, not {n}"
                 )));
             }
-            n => n.unwrap_or(0) as u64,
+            n => n.map_or_else(|| mode.default_delta_cache_mb(), |n| n as u64),
         },
-        compression: compression(req.compression.as_deref())?,
+        compression: compression(req.compression.as_deref(), defaults.compression)?,
         migration_threads: migration_threads(req.migration_threads)?,
         checkpoint_ms: match req.checkpoint_ms {
             Some(n) if n < 0 || n > i64::from(u32::MAX) => {

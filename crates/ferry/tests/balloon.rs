@@ -163,7 +163,10 @@ fn dsb_keeps_free_memory_off_the_wire_in_precopy() {
     if !kvm_available() {
         return;
     }
-    let with = migrate_churner(true, &["--max-bandwidth-mbps", "40"]);
+    let with = migrate_churner(
+        true,
+        &["--max-bandwidth-mbps", "40", "--compression", "none"],
+    );
     let without = migrate_churner(false, &[]);
     let round0 = |r: &MigrationStatus| r.rounds.first().map_or(0, |r| r.pages);
     eprintln!(

@@ -148,8 +148,9 @@ fn a_source_stopped_in_its_rounds_cancels_the_migration_first() {
         let mut src = Ferry::writer("write ws=64M seq verify");
         let url = format!("unix:{}", src.scratch("mig.sock").display());
         let mut dst = Ferry::incoming(&url);
-        // A slow link: the first round takes far longer than the test.
-        let body = serde_json::json!({"destination": url, "max_bandwidth_mbps": 8});
+        // A slow link: the first round (pages plain) takes far longer than the test.
+        let body =
+            serde_json::json!({"destination": url, "max_bandwidth_mbps": 8, "compression": "none"});
         src.api()
             .put("vm.send-migration", Some(&body))
             .expect("the migration starts");

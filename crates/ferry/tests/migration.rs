@@ -329,8 +329,13 @@ fn auto_converge_slows_the_guest_until_precopy_converges() {
         let mut src = Ferry::writer("write ws=16M seq verify");
         let url = unix_url(&src, "mig.sock");
         let dst = Ferry::incoming(&url);
-        // 200 Mbit/s cannot keep up with a guest rewriting 16 MiB several times a second.
+        // 200 Mbit/s cannot keep up with a guest rewriting 16 MiB several times a second
+        // (its pages plain and whole).
         let mut args = vec![
+            "--compression",
+            "none",
+            "--delta-cache-mb",
+            "0",
             "--checksum",
             "--max-bandwidth-mbps",
             "200",
@@ -664,7 +669,7 @@ fn bad_migration_requests_are_refused_clearly() {
     src.api()
         .put(
             "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 8})),
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 8, "compression": "none"})),
         )
         .expect("first");
     let err = src

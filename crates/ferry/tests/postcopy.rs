@@ -147,11 +147,16 @@ fn non_converging_precopy_switches_to_postcopy_by_itself() {
     if !kvm_available() {
         return;
     }
-    // 100 Mbit/s cannot keep up with a guest rewriting 64 MiB many times a second.
+    // 100 Mbit/s cannot keep up with a guest rewriting 64 MiB many times a second (its pages
+    // plain and whole).
     let r = postcopy_keeps_every_page(
         1,
         "write ws=64M seq verify",
         &[
+            "--compression",
+            "none",
+            "--delta-cache-mb",
+            "0",
             "--max-bandwidth-mbps",
             "100",
             "--auto-postcopy",
@@ -178,7 +183,7 @@ fn start_postcopy_switches_a_running_precopy() {
     src.api()
         .put(
             "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 100, "max_rounds": 1000})),
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 100, "max_rounds": 1000, "compression": "none", "delta_cache_mb": 0})),
         )
         .expect("start");
     wait_for("round 1", T, || {

@@ -31,7 +31,20 @@ impl Mode {
     pub fn wants_postcopy(self) -> bool {
         matches!(self, Mode::Postcopy | Mode::Hybrid)
     }
+
+    /// The delta cache this mode gets when none is asked for: live pre-copy rounds re-send
+    /// what the guest dirtied, often a few bytes of a page, which its delta carries in a
+    /// fraction of the link; a mode whose pages cross once would only pay for the copies.
+    pub fn default_delta_cache_mb(self) -> u64 {
+        match self {
+            Mode::Precopy | Mode::Hybrid => DEFAULT_DELTA_CACHE_MB,
+            Mode::Warm | Mode::Postcopy => 0,
+        }
+    }
 }
+
+/// MiB of last-sent copies a re-sending mode keeps by default (grown as pages are sent).
+pub const DEFAULT_DELTA_CACHE_MB: u64 = 256;
 
 impl std::str::FromStr for Mode {
     type Err = Error;
@@ -148,9 +161,9 @@ impl Default for MigrationParams {
             auto_converge: AutoConverge::WhenStalled,
             prepaging: Strategy::Bubble,
             connections: 1,
-            compression: Compression::None,
+            compression: Compression::Auto,
             migration_threads: None,
-            delta_cache_mb: 0,
+            delta_cache_mb: Mode::Precopy.default_delta_cache_mb(),
             go_with_state: false,
             checkpoint_ms: None,
         }
@@ -274,9 +287,10 @@ pub const MAX_MIGRATION_THREADS: u32 = 64;
 /// What `--compression` asks for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Compression {
-    #[default]
     None,
     Fixed(Codec),
+    /// Each connection picks what moves its pages soonest over this link: the default.
+    #[default]
     Auto,
 }
 

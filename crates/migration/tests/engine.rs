@@ -526,7 +526,8 @@ fn precopy_over(
     s
 }
 
-/// A guest that rewrites its working set faster than a 40 Mbit/s link moves it: auto-converge
+/// A guest that rewrites its working set faster than a 40 Mbit/s link moves it (its pages
+/// sent plain and whole: compressed or as deltas they would fit the link): auto-converge
 /// (early, or when-stalled, the default) throttles it harder round after round, and releases
 /// it when the migration ends, whether it completes or fails (here: runs out of time
 /// mid-rounds).
@@ -543,6 +544,8 @@ fn auto_converge_throttles_in_steps_and_releases() {
             timeout_s,
             max_bandwidth_mbps: Some(40),
             auto_converge: when,
+            compression: Compression::None,
+            delta_cache_mb: 0,
             ..Default::default()
         });
         let most = src.throttle_max.load(Ordering::Relaxed);
@@ -580,6 +583,8 @@ fn without_auto_converge_a_stalled_precopy_stops_and_copies() {
         max_downtime_ms: 1,
         max_bandwidth_mbps: Some(40),
         auto_converge: AutoConverge::Off,
+        compression: Compression::None,
+        delta_cache_mb: 0,
         ..Default::default()
     });
     run.result.expect("migration");

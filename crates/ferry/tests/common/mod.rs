@@ -333,15 +333,16 @@ impl Drop for Ferry {
     }
 }
 
-/// Starts a migration from `src` slow enough (64 Mbit/s) to be interrupted mid-round, once a
-/// first MiB is on its way; returns the destination.
+/// Starts a migration from `src` slow enough (64 Mbit/s, pages plain: compressed, a writer's
+/// stamped pages would fit the link) to be interrupted mid-round, once a first MiB is on its
+/// way; returns the destination.
 pub fn start_slow_migration(src: &Ferry) -> Ferry {
     let url = format!("unix:{}", src.scratch("mig1.sock").display());
     let dst = Ferry::incoming(&url);
     src.api()
         .put(
             "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64})),
+            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 64, "compression": "none", "delta_cache_mb": 0})),
         )
         .expect("start");
     src.wait_for_migration_bytes(1 << 20);

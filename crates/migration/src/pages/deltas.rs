@@ -7,11 +7,16 @@ use std::collections::HashMap;
 use crate::PAGE_SIZE;
 use crate::wire::delta;
 
-/// The copies a sender sent last, at most `capacity` pages, the oldest replaced first.
+/// The copies a sender sent last, at most `capacity` pages, the oldest replaced first. It
+/// grows as pages are put, so a cache that is on by default costs a guest that sends little
+/// only what it sends.
 pub struct DeltaCache {
+    capacity: usize,
     data: Vec<u8>,
     slot_of: HashMap<u64, usize>,
+    /// Each slot's page (`None`: forgotten); slots are made in order up to `capacity`.
     owner: Vec<Option<u64>>,
+    /// The slot replaced next once every slot is made.
     next: usize,
     /// A delta being encoded.
     scratch: Vec<u8>,
@@ -19,11 +24,11 @@ pub struct DeltaCache {
 
 impl DeltaCache {
     pub fn new(capacity_pages: usize) -> Self {
-        let capacity = capacity_pages.max(1);
         Self {
-            data: vec![0; capacity * PAGE_SIZE],
-            slot_of: HashMap::with_capacity(capacity),
-            owner: vec![None; capacity],
+            capacity: capacity_pages.max(1),
+            data: Vec::new(),
+            slot_of: HashMap::new(),
+            owner: Vec::new(),
             next: 0,
             scratch: Vec::new(),
         }
@@ -40,9 +45,16 @@ impl DeltaCache {
     pub fn put(&mut self, pfn: u64, page: &[u8]) {
         let slot = match self.slot_of.get(&pfn) {
             Some(&s) => s,
+            None if self.owner.len() < self.capacity => {
+                let s = self.owner.len();
+                self.owner.push(Some(pfn));
+                self.data.resize((s + 1) * PAGE_SIZE, 0);
+                self.slot_of.insert(pfn, s);
+                s
+            }
             None => {
                 let s = self.next;
-                self.next = (self.next + 1) % self.owner.len();
+                self.next = (self.next + 1) % self.capacity;
                 if let Some(old) = self.owner[s].replace(pfn) {
                     self.slot_of.remove(&old);
                 }
@@ -108,6 +120,20 @@ mod tests {
         assert!(c.get(2).is_none());
         c.clear();
         assert!(c.get(3).is_none());
+    }
+
+    /// A cache that is on by default costs what it holds: a large one given three pages
+    /// holds three pages' copies.
+    #[test]
+    fn a_cache_grows_with_what_it_holds() {
+        let mut c = DeltaCache::new(65_536);
+        assert_eq!(c.data.capacity(), 0);
+        for pfn in 0..3 {
+            c.put(pfn, &page(pfn as u8));
+        }
+        assert_eq!((c.owner.len(), c.data.len()), (3, 3 * PAGE_SIZE));
+        assert!(c.data.capacity() < 16 * PAGE_SIZE);
+        assert!(c.get(2).unwrap() == page(2).as_slice());
     }
 
     #[test]
