@@ -40,9 +40,10 @@ fuzz: deps
 demo: build
 	@scripts/demo.sh
 
-# The benchmarks, then the full fault matrix; a failure of one does not skip the other.
+# The results page's headline (docs/benchmarks.md): ferry with no flags against QEMU 10's
+# sweep winners; exit 0 when every row ran, whatever the verdict.
 bench: build
-	@status=0; bench/run.sh || status=$$?; scripts/faults.sh || status=1; exit $$status
+	@bench/run.sh
 
 faults: build
 	@scripts/faults.sh

@@ -29,7 +29,7 @@ import time
 
 from .ferry import api
 from .links import shape, sh
-from .qemu import QemuPeer, passes
+from .qemu import VARIANTS as QEMU_VARIANTS, QemuPeer, passes
 from .serial import SerialClock
 from .util import FERRY, GUEST, BenchError, free_port, wait_until
 
@@ -249,9 +249,10 @@ class QemuVm:
         clock = SerialClock()
         dst = self.peer.start("vdst", scenario, clock, netns, incoming=url, machine=self.MACHINE,
                               extra=["-global", "virtio-mmio.force-legacy=false", *devices])
-        self.peer.configure(self.qmp, scenario)
-        self.peer.configure(dst, scenario)
-        info = self.peer.migrate(self.qmp, scenario, url)
+        spec = QEMU_VARIANTS[self.peer.variant]
+        self.peer.configure(self.qmp, scenario, spec)
+        self.peer.configure(dst, scenario, spec)
+        info = self.peer.migrate(self.qmp, scenario, spec, url)
         self.qmp, self.clock = dst, clock
         return {"downtime_ms": info.get("downtime"), "guest_downtime_ms": None,
                 "total_ms": info.get("total-time"), "guest_net_errors": None, "verify_errors": None}

@@ -1,15 +1,17 @@
 """Drives QEMU (Debian's qemu-system-x86_64, -enable-kvm, default CPU model) on the same guest
-and link, over QMP, configured three ways:
+and link, over QMP. A variant is what an expert sets before `migrate` (`VARIANTS`):
 
 - `qemu-default`: QEMU as it comes (no migration parameter set: downtime limit 300 ms,
   bandwidth 128 MiB/s: QEMU's defaults);
-- `qemu`: ferry's limits (the scenario's downtime limit, no bandwidth cap), nothing else;
-- `qemu-best`: ferry's limits and what QEMU offers for speed: pre-copy with multifd
-  (one channel per core) compressing with zstd, xbzrle (delta encoding) and auto-converge;
-  post-copy with postcopy-preempt (page requests on a channel of their own).
+- `qemu`: the scenario's downtime limit and no bandwidth cap, nothing else; every other
+  variant starts from it and adds multifd channels, zstd (level 1), xbzrle, auto-converge,
+  dirty-limit, post-copy (with or without postcopy-preempt) from the start or after the first
+  pre-copy pass (QEMU's hybrid);
+- `qemu-best`: for each scenario and link, the sweep's winner (`bench/qemu-best.json`, written
+  by `bench/run.py --profile sweep`; `qemu-mfd2-zstd` where the sweep did not run).
 
-Numbers come from query-migrate; guest-observed downtime from the same serial timestamps used
-for ferry."""
+Total time is read on the destination (its QMP events, host timestamps), bytes on the link,
+downtime from the guest's serial ticks as for ferry; QEMU's own figures are kept beside them."""
 import json
 import os
 import shutil
@@ -83,17 +85,54 @@ class Qmp:
             pass
 
 
-VARIANTS = ("qemu-default", "qemu", "qemu-best")
+# What each variant sets beyond `qemu` (the scenario's downtime limit, no bandwidth cap).
+# `postcopy`: "start" switches as soon as QEMU allows, "after-pass" once the first pre-copy
+# pass is over (QEMU's hybrid); multifd zstd at level 1, the cheapest, on this host's cores.
+VARIANTS = {
+    "qemu-default": None,
+    "qemu": {},
+    "qemu-mfd2": {"multifd": 2},
+    "qemu-mfd4": {"multifd": 4},
+    "qemu-mfd2-zstd": {"multifd": 2, "zstd": True},
+    "qemu-xbzrle": {"xbzrle": True},
+    "qemu-ac": {"auto_converge": True},
+    "qemu-mfd2-zstd-ac": {"multifd": 2, "zstd": True, "auto_converge": True},
+    "qemu-dirty-limit": {"dirty_limit": True},
+    "qemu-postcopy": {"postcopy": "start"},
+    "qemu-postcopy-preempt": {"postcopy": "start", "preempt": True},
+    "qemu-hybrid-preempt": {"postcopy": "after-pass", "preempt": True},
+}
+# The variant `qemu-best` stands for where the sweep has no winner for a scenario and link.
+FALLBACK_BEST = "qemu-mfd2-zstd"
+BEST_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "qemu-best.json")
+# Enough dirty ring for dirty-limit's per-vCPU rate (QEMU's accel option, both sides).
+DIRTY_RING = ["-accel", "kvm,dirty-ring-size=4096"]
+
+
+def best_variant(scenario, link):
+    """The sweep's winner for `scenario` on `link` (`FALLBACK_BEST` when it has none)."""
+    try:
+        with open(BEST_FILE) as f:
+            winners = json.load(f)["winners"]
+    except (OSError, ValueError, KeyError):
+        return FALLBACK_BEST
+    return winners.get(link, {}).get(scenario, FALLBACK_BEST)
 
 
 class QemuPeer:
     def __init__(self, procs, workdir, variant="qemu"):
-        assert variant in VARIANTS, variant
+        assert variant in VARIANTS or variant == "qemu-best", variant
         self.procs = procs
         self.work = workdir
         self.variant = variant
         self.name = variant
         self.pids = {}  # tag given to `start` → the QEMU's pid
+
+    def spec(self, scenario, link):
+        """What this peer sets for `scenario` on `link` (`qemu-best`: the sweep's winner), and
+        the variant that is."""
+        name = best_variant(scenario["name"], link.name) if self.variant == "qemu-best" else self.variant
+        return name, VARIANTS[name]
 
     def start(self, tag, scenario, clock, netns, incoming=None, machine=None, extra=()):
         """A QEMU in `netns` running the scenario's guest (or waiting for it: `incoming`), its
@@ -101,7 +140,7 @@ class QemuPeer:
         qmp = os.path.join(self.work, f"{tag}-{time.time_ns()}.qmp")
         ser = os.path.join(self.work, f"{tag}-{time.time_ns()}.ser")
         mem_mib = parse_mib(scenario["memory"])
-        argv = [QEMU, "-enable-kvm", "-nodefaults", "-display", "none", "-m", str(mem_mib),
+        argv = [QEMU, *(() if "-accel" in extra else ("-enable-kvm",)), "-nodefaults", "-display", "none", "-m", str(mem_mib),
                 "-smp", str(scenario["vcpus"]),
                 "-chardev", f"socket,id=ser0,path={ser},server=on,wait=off", "-serial", "chardev:ser0",
                 "-kernel", GUEST, "-append", scenario["cmdline"],
@@ -118,32 +157,49 @@ class QemuPeer:
         clock.follow_socket(ser)
         return Qmp(qmp)
 
-    def configure(self, qmp, scenario):
-        postcopy = scenario["mode"] == "postcopy"
+    def configure(self, qmp, scenario, spec):
+        """Sets `spec`'s capabilities and parameters on one side (both sides get the same)."""
+        postcopy = spec_postcopy(scenario, spec)
         caps = ["postcopy-ram"] if postcopy else []
-        if self.variant == "qemu-default":
+        if spec is None:
             if caps:
                 qmp.cmd("migrate-set-capabilities", capabilities=[{"capability": c, "state": True} for c in caps])
             return  # every parameter as QEMU sets it
         params = {"downtime-limit": scenario["max_downtime_ms"], "max-bandwidth": 100 << 30}
-        if self.variant == "qemu-best":
-            if postcopy:
-                caps += ["postcopy-preempt"]
-            else:
-                caps += ["multifd", "xbzrle", "auto-converge"]
-                params.update({"multifd-channels": os.cpu_count() or 2, "multifd-compression": "zstd"})
+        if spec.get("preempt"):
+            caps.append("postcopy-preempt")
+        if spec.get("multifd"):
+            caps.append("multifd")
+            params["multifd-channels"] = spec["multifd"]
+        if spec.get("zstd"):
+            params.update({"multifd-compression": "zstd", "multifd-zstd-level": 1})
+        if spec.get("xbzrle"):
+            caps.append("xbzrle")
+            # An expert sizes the cache to hold the working set (QEMU's default: 64 MiB).
+            params["xbzrle-cache-size"] = 2 * parse_mib(working_set(scenario) or "64M") << 20
+        if spec.get("auto_converge"):
+            caps.append("auto-converge")
+        if spec.get("dirty_limit"):
+            caps.append("dirty-limit")
         if caps:
             qmp.cmd("migrate-set-capabilities", capabilities=[{"capability": c, "state": True} for c in caps])
         qmp.cmd("migrate-set-parameters", **params)
 
-    def migrate(self, src, scenario, uri):
-        """Moves the VM of QMP `src` to `uri` in the scenario's mode; query-migrate's answer once
-        it completed (DidNotConverge when it did not within the scenario's timeout)."""
+    def migrate(self, src, scenario, spec, uri):
+        """Moves the VM of QMP `src` to `uri` as `spec` says; query-migrate's answer once it
+        completed (DidNotConverge when it did not within the scenario's timeout)."""
         src.cmd("migrate", uri=uri)
-        if scenario["mode"] == "postcopy":
-            # As soon as QEMU allows it: QEMU switches after its first pass has begun.
+        postcopy = spec_postcopy(scenario, spec)
+        if postcopy == "after-pass":
+            # QEMU's hybrid: the switch once the first pass has been sent (a second sync began).
+            wait_until("QEMU's first pre-copy pass", scenario["timeout_s"],
+                       lambda: (src.cmd("query-migrate").get("ram", {}).get("dirty-sync-count") or 0) >= 2
+                       or src.cmd("query-migrate").get("status") == "completed", interval=0.01)
+        if postcopy:
+            # As soon as QEMU allows it (a migration already completed needs no switch).
             wait_until("QEMU to accept migrate-start-postcopy", 30,
-                       lambda: _try(lambda: src.cmd("migrate-start-postcopy")), interval=0.01)
+                       lambda: _try(lambda: src.cmd("migrate-start-postcopy"))
+                       or src.cmd("query-migrate").get("status") == "completed", interval=0.01)
 
         def done():
             info = src.cmd("query-migrate")
@@ -163,9 +219,11 @@ class QemuPeer:
     def migrate_once(self, scenario, link):
         if scenario["mode"] not in ("precopy", "postcopy", "warm"):
             raise BenchError(f"the QEMU driver has no {scenario['mode']} mode")
-        postcopy = scenario["mode"] == "postcopy"
+        variant, spec = self.spec(scenario, link)
+        postcopy = bool(spec_postcopy(scenario, spec))
+        accel = DIRTY_RING if spec and spec.get("dirty_limit") else ()
         src_clock, dst_clock = SerialClock(), SerialClock()
-        src = self.start("src", scenario, src_clock, link.ns_src)
+        src = self.start("src", scenario, src_clock, link.ns_src, extra=accel)
         # Steady state: a writer has populated its whole working set once (same rule as ferry).
         busy = " idle" not in f" {scenario['cmdline']}"
         wait_until("guest serial progress", scenario.get("ready_s", 120),
@@ -173,10 +231,11 @@ class QemuPeer:
         if scenario.get("warmup_s"):
             time.sleep(scenario["warmup_s"])
         port = free_port()
-        dst = self.start("dst", scenario, dst_clock, link.ns_dst,
-                          incoming=f"tcp:{link.dst_host}:{port}")
-        self.configure(src, scenario)
-        self.configure(dst, scenario)
+        # `defer`: multifd and postcopy-preempt must be set before the destination listens.
+        dst = self.start("dst", scenario, dst_clock, link.ns_dst, incoming="defer", extra=accel)
+        self.configure(src, scenario, spec)
+        self.configure(dst, scenario, spec)
+        dst.cmd("migrate-incoming", uri=f"tcp:{link.dst_host}:{port}")
         # The destination says when it ran the VM, and when post-copy's last page came.
         dst.cmd("migrate-set-capabilities", capabilities=[{"capability": "events", "state": True}])
         meter = CpuMeter(self.pids["src"], self.pids["dst"]) if scenario.get("cpu") else None
@@ -184,7 +243,7 @@ class QemuPeer:
         started = time.time()
         if scenario["mode"] == "warm":
             src.cmd("stop")  # QEMU's warm migration: a paused guest, moved by pre-copy
-        info = self.migrate(src, scenario, f"tcp:{link.dst_host}:{port}")
+        info = self.migrate(src, scenario, spec, f"tcp:{link.dst_host}:{port}")
         finished = dst.event_time("MIGRATION", 30, lambda d: d.get("status") == "completed")
         wire = link.wire_bytes() - wire_before
         cpu = meter.seconds(src_exits=False) if meter else None
@@ -198,6 +257,7 @@ class QemuPeer:
             q.close()
         return {
             "peer": self.name,
+            "variant": variant,
             # The destination's clock: from the request to the VM needing nothing more from
             # the source; QEMU's own figure (its source's clock) beside it.
             "total_ms": (finished - started) * 1e3,
@@ -225,6 +285,18 @@ class QemuPeer:
             "pages_transferred": (ram.get("normal") or 0) + (ram.get("duplicate") or 0),
             **cpu_row(cpu, scenario),
         }
+
+
+def spec_postcopy(scenario, spec):
+    """When a run switches to post-copy: "start", "after-pass" or None (never)."""
+    if spec and spec.get("postcopy"):
+        return spec["postcopy"]
+    return "start" if scenario["mode"] == "postcopy" else None
+
+
+def working_set(scenario):
+    """The `ws=` of the scenario's guest command line, if any."""
+    return next((w[3:] for w in scenario["cmdline"].split() if w.startswith("ws=")), None)
 
 
 def _try(f):

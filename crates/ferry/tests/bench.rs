@@ -277,3 +277,50 @@ fn scale_profile_runs_from_a_kit_alone() {
     assert_eq!(faults.len(), 5, "{faults:?}");
     assert!(faults.values().all(|v| v.as_f64().is_some_and(|b| b > 0.0)));
 }
+
+/// The results page's rules, on made-up rows: QEMU's pick is the shortest total among the
+/// variants that kept the downtime limit (the shortest downtime where none did), a ferry
+/// variant that beats the defaults is named, and the headline's ratios and verdict follow
+/// the medians.
+#[test]
+fn the_page_picks_and_judges_by_its_rules() {
+    let program = r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+from fb import page
+def entry(peer, total, down, wire=1e6, link="1gbit", scenario="w"):
+    s = lambda v: {"median": v, "min": v, "max": v}
+    return {"link": link, "scenario": scenario, "peer": peer, "runs": [{"variant": peer}],
+            "summary": {"total_ms": s(total), "serial_downtime_ms": s(down), "wire_bytes": s(wire)}}
+fast_but_long_pause = entry("qemu-a", 100, 50)
+kept = [entry("qemu-b", 300, 10), entry("qemu-c", 200, 19)]
+assert page.pick([fast_but_long_pause] + kept, 20)["peer"] == "qemu-c"
+assert page.pick([fast_but_long_pause, entry("qemu-d", 900, 30)], 20)["peer"] == "qemu-d"
+sweep = {"scenarios": [fast_but_long_pause] + kept + [entry("qemu-e", 50, 5, link="loopback")]}
+assert page.winners(sweep, {"w": 20}) == {"1gbit": {"w": "qemu-c"}, "loopback": {"w": "qemu-e"}}
+meta = {"started": "t", "repeats": 1, "machine": {"cores": 2, "cpu": "c", "kvm": "k"},
+        "build": {"commit": "0123456789ab", "ferry_sha256": "f" * 64, "qemu": "QEMU 10"}}
+flags = dict(meta, scenarios=[entry("ferry", 1000, 5), entry("ferry-lz4", 850, 5),
+                              entry("ferry-zstd", 950, 5), entry("ferry-2conn", 500, 40)])
+row = page.flags_table(flags, {"w": 20})[-2]
+assert row.endswith("| ferry-lz4 |"), row
+head = dict(meta, scenarios=[entry("ferry", 60, 4, 1e6), entry("qemu-best", 100, 10, 2e6)])
+line = next(l for l in page.headline_tables(head) if l.startswith("| w |"))
+assert "| 0.60 | 0.40 | 0.50 | met |" in line, line
+head["scenarios"][0]["summary"]["total_ms"]["median"] = 80
+line = next(l for l in page.headline_tables(head) if l.startswith("| w |"))
+assert line.endswith("| not met: total |"), line
+print("ok")
+"#;
+    let out = Command::new("/usr/bin/python3")
+        .args(["-c", program])
+        .arg(repo_root().join("bench"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok",
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,254 @@
+"""The results page's tables (docs/benchmarks.md, between its markers), written from the JSON
+of the runs it cites: the headline, QEMU's sweep and ferry's flag check."""
+import json
+import os
+import shutil
+
+from .report import breakdown_tables
+from .util import REPO
+
+DOCS = os.path.join(REPO, "docs")
+RAW = os.path.join(DOCS, "benchmarks")
+PAGE = os.path.join(DOCS, "benchmarks.md")
+BEGIN, END = "<!-- tables: written by bench/run.py -->", "<!-- end of tables -->"
+# Raw data each profile leaves for the page, under docs/benchmarks/.
+RAW_FILES = {"headline": "headline.json", "sweep": "qemu-sweep.json", "flags": "ferry-flags.json",
+             "floor": "idle-floor.json"}
+# The floor's goal: an idle guest's total (ms) by its memory, and its downtime on both clocks.
+FLOOR_GOAL_MS = {"8G": 10, "64G": 25, "256G": 60}
+FLOOR_DOWNTIME_MS = 1.0
+# The goal, ferry / QEMU at its best: guest downtime, total time, bytes on the link.
+GOAL = {"serial_downtime_ms": 0.5, "total_ms": 0.7, "wire_bytes": 1.0}
+
+
+def med(entry, metric):
+    s = (entry or {}).get("summary", {}).get(metric)
+    return s["median"] if s else None
+
+
+def keeps_limit(entry, limit_ms):
+    d = med(entry, "serial_downtime_ms")
+    return d is not None and d <= limit_ms
+
+
+def pick(entries, limit_ms):
+    """The best of `entries` (one peer each, same scenario and link): the shortest total among
+    those whose guest downtime kept `limit_ms`; if none did, the shortest guest downtime."""
+    ran = [e for e in entries if med(e, "total_ms") is not None and med(e, "serial_downtime_ms") is not None]
+    kept = [e for e in ran if keeps_limit(e, limit_ms)]
+    if kept:
+        return min(kept, key=lambda e: med(e, "total_ms"))
+    return min(ran, key=lambda e: med(e, "serial_downtime_ms"), default=None)
+
+
+def by_cell(results):
+    """{(link, scenario): [entries]} in the order they ran."""
+    cells = {}
+    for e in results["scenarios"]:
+        cells.setdefault((e["link"], e["scenario"]), []).append(e)
+    return cells
+
+
+def winners(results, limits):
+    """{link: {scenario: variant}}: the sweep's pick for each cell (`limits`: scenario → ms)."""
+    out = {}
+    for (link, scenario), entries in by_cell(results).items():
+        best = pick([e for e in entries if e["peer"].startswith("qemu")], limits[scenario])
+        if best:
+            out.setdefault(link, {})[scenario] = best["peer"]
+    return out
+
+
+def write_winners(results, limits, path):
+    with open(path, "w") as f:
+        json.dump({"measured": results["started"], "build": results["build"],
+                   "rule": "shortest total (destination's clock) among the variants whose guest "
+                           "downtime (console ticks) kept the scenario's limit; if none did, the "
+                           "shortest guest downtime",
+                   "winners": winners(results, limits)}, f, indent=2)
+        f.write("\n")
+
+
+def keep_raw(profile, outdir):
+    """Copies a whole profile's results.json to docs/benchmarks/ for the page to cite."""
+    os.makedirs(RAW, exist_ok=True)
+    shutil.copyfile(os.path.join(outdir, "results.json"), os.path.join(RAW, RAW_FILES[profile]))
+
+
+def load(profile):
+    try:
+        with open(os.path.join(RAW, RAW_FILES[profile])) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def num(v, digits=1):
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def spread(entry, metric, scale=1.0, digits=1):
+    s = (entry or {}).get("summary", {}).get(metric)
+    if not s:
+        return "-"
+    return f"{s['median'] / scale:.{digits}f} ({s['min'] / scale:.{digits}f}–{s['max'] / scale:.{digits}f})"
+
+
+def ratio(a, b, metric):
+    x, y = med(a, metric), med(b, metric)
+    return (x / y) if (x is not None and y) else None
+
+
+def provenance(results, what):
+    b, m = results["build"], results["machine"]
+    return (f"{what}: {results['started']}, commit {b['commit'][:10]}"
+            f"{' (tree changed)' if b.get('tree_changed') else ''}, ferry sha256 {b['ferry_sha256'][:12]}, "
+            f"{b.get('qemu') or 'no QEMU'}, {m['cores']} × {m['cpu']}, {m['kvm']}, "
+            f"{results['repeats']} run(s) per row.")
+
+
+def headline_tables(results):
+    """Per link: ferry (no flags) against QEMU's winner, medians with spread, and the ratios."""
+    lines = [provenance(results, "Headline"), ""]
+    cells = by_cell(results)
+    for link in dict.fromkeys(e["link"] for e in results["scenarios"]):
+        lines += [f"### {link}", "",
+                  "| scenario | QEMU variant | total ms ferry | total ms QEMU | guest downtime ms ferry "
+                  "| guest downtime ms QEMU | MB on the link ferry | MB on the link QEMU "
+                  "| ratio total | ratio downtime | ratio bytes | goal |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (l, scenario), entries in cells.items():
+            if l != link:
+                continue
+            ferry = next((e for e in entries if e["peer"] == "ferry"), None)
+            q = next((e for e in entries if e["peer"] == "qemu-best"), None)
+            variant = ",".join(sorted({r.get("variant", "?") for r in (q or {}).get("runs", [])})) or "-"
+            r = {m: ratio(ferry, q, m) for m in GOAL}
+            met = [m for m in GOAL if r[m] is not None and r[m] <= GOAL[m]]
+            verdict = "-" if None in r.values() else ("met" if len(met) == len(GOAL) else "not met: " + ", ".join(
+                {"serial_downtime_ms": "downtime", "total_ms": "total", "wire_bytes": "bytes"}[m]
+                for m in GOAL if m not in met))
+            lines.append(
+                f"| {scenario} | {variant} | {spread(ferry, 'total_ms', digits=0)} | {spread(q, 'total_ms', digits=0)} "
+                f"| {spread(ferry, 'serial_downtime_ms')} | {spread(q, 'serial_downtime_ms')} "
+                f"| {spread(ferry, 'wire_bytes', 1e6)} | {spread(q, 'wire_bytes', 1e6)} "
+                f"| {num(r['total_ms'], 2)} | {num(r['serial_downtime_ms'], 2)} | {num(r['wire_bytes'], 2)} | {verdict} |")
+            if ferry and ferry.get("error") or q and q.get("error") or ferry and ferry.get("outcome"):
+                lines.append(f"| ↳ {scenario}: {(ferry or {}).get('error') or (ferry or {}).get('outcome') or ''} "
+                             f"{(q or {}).get('error') or ''} |||||||||||| ")
+        lines.append("")
+    return lines
+
+
+def self_reported(results):
+    """Each VMM's own figures beside the measured ones (medians)."""
+    lines = ["| link | scenario | peer | total ms (destination) | total ms (VMM's own) | guest downtime ms "
+             "| downtime ms (VMM's own) | MB on the link | MB (VMM's own) |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in results["scenarios"]:
+        lines.append(f"| {e['link']} | {e['scenario']} | {e['peer']} | {num(med(e, 'total_ms'), 0)} "
+                     f"| {num(med(e, 'total_ms_reported'), 0)} | {num(med(e, 'serial_downtime_ms'))} "
+                     f"| {num(med(e, 'downtime_ms'), 2)} | {num(med(e, 'wire_bytes') and med(e, 'wire_bytes') / 1e6)} "
+                     f"| {num(med(e, 'bytes') and med(e, 'bytes') / 1e6)} |")
+    return lines + [""]
+
+
+def sweep_table(results, limits):
+    """Every QEMU variant per cell: total ms / guest downtime ms, the winner in bold."""
+    cells = by_cell(results)
+    variants = list(dict.fromkeys(e["peer"] for e in results["scenarios"]))
+    lines = [provenance(results, "QEMU sweep"), "",
+             "Each cell: total ms / guest downtime ms (one run); **bold**: the pick; `-`: failed "
+             "or did not finish in the scenario's time.", "",
+             "| link | scenario | " + " | ".join(v.removeprefix("qemu-") for v in variants) + " |",
+             "|---|---|" + "---|" * len(variants)]
+    for (link, scenario), entries in cells.items():
+        best = pick(entries, limits[scenario])
+        row = []
+        for v in variants:
+            e = next((x for x in entries if x["peer"] == v), None)
+            cell = "-" if med(e, "total_ms") is None else f"{med(e, 'total_ms'):.0f} / {num(med(e, 'serial_downtime_ms'))}"
+            row.append(f"**{cell}**" if e is best and e is not None else cell)
+        lines.append(f"| {link} | {scenario} | " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def flags_table(results, limits):
+    """ferry with one knob turned, per cell: a variant that beats the defaults is named."""
+    cells = by_cell(results)
+    variants = list(dict.fromkeys(e["peer"] for e in results["scenarios"]))
+    lines = [provenance(results, "ferry's flag check"), "",
+             "Each cell: total ms / guest downtime ms (one run); the last column names a variant "
+             "that beat `ferry` (no flags) by more than a tenth of its total within the downtime "
+             "limit: a defect in the defaults.", "",
+             "| link | scenario | " + " | ".join(v.removeprefix("ferry-") if v != "ferry" else "ferry"
+                                                   for v in variants) + " | beats the defaults |",
+             "|---|---|" + "---|" * (len(variants) + 1)]
+    for (link, scenario), entries in cells.items():
+        base = next((e for e in entries if e["peer"] == "ferry"), None)
+        row, beaten = [], []
+        for v in variants:
+            e = next((x for x in entries if x["peer"] == v), None)
+            row.append("-" if med(e, "total_ms") is None else
+                       f"{med(e, 'total_ms'):.0f} / {num(med(e, 'serial_downtime_ms'))}")
+            if (e and e is not base and med(e, "total_ms") is not None and med(base, "total_ms")
+                    and keeps_limit(e, limits[scenario]) and med(e, "total_ms") < 0.9 * med(base, "total_ms")):
+                beaten.append(v)
+        lines.append(f"| {link} | {scenario} | " + " | ".join(row) + f" | {', '.join(beaten) or 'none'} |")
+    return lines + [""]
+
+
+def floor_table(results):
+    """Idle guests by size: total and downtime on each clock, against the floor's goal."""
+    lines = [provenance(results, "Floor"), "",
+             "| link | memory | total ms (destination's clock, from the CLI's start) | total ms (source's report) "
+             "| downtime ms, source's clock | downtime ms, destination's clock | guest-observed ms (heartbeats) "
+             "| guest downtime ms (console ticks) | goal |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for e in results["scenarios"]:
+        size = e["scenario"].split()[-1]
+        goal, total = FLOOR_GOAL_MS.get(size), med(e, "total_ms_reported")
+        downs = [med(e, "downtime_ms"), med(e, "destination_downtime_ms")]
+        if goal is None or total is None or None in downs:
+            verdict = "-"
+        else:
+            misses = ([f"total {total - goal:.1f} ms over"] if total > goal else []) + [
+                f"{side} downtime {d - FLOOR_DOWNTIME_MS:.2f} ms over"
+                for side, d in zip(("source", "destination"), downs) if d > FLOOR_DOWNTIME_MS]
+            verdict = "met" if not misses else "not met: " + ", ".join(misses)
+        lines.append(f"| {e['link']} | {size} | {spread(e, 'total_ms')} | {spread(e, 'total_ms_reported')} "
+                     f"| {spread(e, 'downtime_ms', digits=2)} | {spread(e, 'destination_downtime_ms', digits=2)} "
+                     f"| {spread(e, 'guest_downtime_ms', digits=2)} | {spread(e, 'serial_downtime_ms')} | {verdict} |")
+    lines.append("")
+    idle = breakdown_tables(results["scenarios"])
+    return lines + idle[2:]
+
+
+def tables(limits):
+    """The generated part of the page, from whatever raw files docs/benchmarks/ holds."""
+    lines = []
+    head, sweep, flags, floor = load("headline"), load("sweep"), load("flags"), load("floor")
+    if head:
+        lines += ["## Headline: ferry with no flags against QEMU at its best", ""] + headline_tables(head)
+        lines += ["### Each VMM's own figures beside the measured ones", ""] + self_reported(head)
+        idle = breakdown_tables([e for e in head["scenarios"] if e["peer"] == "ferry"])
+        if idle:
+            lines += ["### Where ferry's idle move spends its time", ""] + idle[2:]
+    if floor:
+        lines += ["## The floor: idle guests by size (`bench/run.py --profile floor`)", ""] + floor_table(floor)
+    if sweep:
+        lines += ["## QEMU's sweep (`bench/run.py --profile sweep`)", ""] + sweep_table(sweep, limits)
+    if flags:
+        lines += ["## ferry's flag check (`bench/run.py --profile flags`)", ""] + flags_table(flags, limits)
+    return lines
+
+
+def rewrite(limits):
+    """Replaces the page's generated tables (between its markers) with fresh ones."""
+    with open(PAGE) as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise ValueError(f"{PAGE} has no {BEGIN!r} … {END!r} markers")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    with open(PAGE, "w") as f:
+        f.write(head + BEGIN + "\n\n" + "\n".join(tables(limits)) + "\n" + END + tail)
