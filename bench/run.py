@@ -526,7 +526,8 @@ def run(args):
             procs.stop_all()
     written = report.write_all(results, outdir)
     print(open(os.path.join(outdir, "results.md")).read())
-    whole = not (args.only or args.links or args.peers or args.repeats or args.delay_ms or args.fail_scenario)
+    # A run of some of the links still measures each of them whole.
+    whole = not (args.only or args.peers or args.repeats or args.delay_ms or args.fail_scenario)
     if whole and args.profile in page.RAW_FILES:
         # A whole run of a page's profile is what the results page cites.
         limits = {sc["name"]: sc["max_downtime_ms"] for sc in headline() + profile["scenarios"]}

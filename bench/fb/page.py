@@ -60,12 +60,18 @@ def winners(results, limits):
 
 
 def write_winners(results, limits, path):
+    """The sweep's picks into `path`, links it did not run keeping their earlier picks."""
+    try:
+        with open(path) as f:
+            kept = json.load(f).get("winners", {})
+    except (OSError, ValueError):
+        kept = {}
     with open(path, "w") as f:
         json.dump({"measured": results["started"], "build": results["build"],
                    "rule": "shortest total (destination's clock) among the variants whose guest "
                            "downtime (console ticks) kept the scenario's limit; if none did, the "
                            "shortest guest downtime",
-                   "winners": winners(results, limits)}, f, indent=2)
+                   "winners": dict(kept, **winners(results, limits))}, f, indent=2)
         f.write("\n")
 
 
