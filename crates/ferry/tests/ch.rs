@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::{FERRY, guest, kvm_available, wait_for};
+use common::{FERRY, certs, free_port, guest, kvm_available, wait_for};
 use serde_json::{Value, json};
 
 /// A `ferry ch` VMM, killed when dropped.
@@ -266,4 +266,98 @@ fn lifecycle_and_live_migration_through_the_profile() {
     ] {
         assert!(dst.said(e), "{e} not in {:?}", dst.events());
     }
+}
+
+/// CH's `tls_dir` (its file names) over ferry's certificates: one directory for both sides.
+fn tls_dir(dir: &Path) -> PathBuf {
+    let made = dir.join("made");
+    certs(&made, &["127.0.0.1", "client"]);
+    let tls = dir.join("tls");
+    std::fs::create_dir_all(&tls).unwrap();
+    for (from, to) in [
+        ("ca.pem", "ca-cert.pem"),
+        ("127.0.0.1.pem", "server-cert.pem"),
+        ("127.0.0.1.key", "server-key.pem"),
+        ("client.pem", "client-cert.pem"),
+        ("client.key", "client-key.pem"),
+    ] {
+        std::fs::copy(made.join(from), tls.join(to)).unwrap();
+    }
+    tls
+}
+
+/// Waits until the guest of `vmm` has made two more passes, none finding its memory wrong.
+fn verifies(vmm: &Vmm, what: &str) {
+    let passes = |v: &Vmm| v.ok("GET", "vm.counters", None)["guest"]["passes"].as_u64();
+    let from = wait_for("guest counters", Duration::from_secs(30), || passes(vmm));
+    wait_for(what, Duration::from_secs(60), || {
+        let g = vmm.ok("GET", "vm.counters", None)["guest"].clone();
+        assert_eq!(g["verify_errors"], 0, "{what}: memory wrong: {g}");
+        (g["passes"].as_u64().unwrap() >= from + 2).then_some(())
+    });
+}
+
+/// A receiver waiting in `vm.receive-migration` on its own thread, once it listens.
+fn receive(vmm: &Vmm, body: Value) -> std::thread::JoinHandle<(u16, Value)> {
+    let socket = vmm.socket.clone();
+    let receiver =
+        std::thread::spawn(move || call(&socket, "PUT", "vm.receive-migration", Some(body)));
+    wait_for("the destination to listen", Duration::from_secs(10), || {
+        vmm.said("migration-receive-ready").then_some(())
+    });
+    receiver
+}
+
+#[test]
+fn tls_cancel_snapshot_and_restore_through_the_profile() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let tls = tls_dir(dir.path());
+
+    // A receiver cancelled while it waits answers with an error and leaves an empty VMM.
+    let waiter = Vmm::start(dir.path(), "waiter");
+    let url = format!("unix:{}", dir.path().join("waiter.sock.m").display());
+    let waiting = receive(&waiter, json!({"receiver_url": url}));
+    waiter.ok("PUT", "vm.cancel-migration", None);
+    let (status, answer) = waiting.join().unwrap();
+    assert!(
+        status >= 400,
+        "a cancelled receive answered {status} {answer}"
+    );
+    assert_error(waiter.call("GET", "vm.info", None), 404, "not created");
+    assert_eq!(waiter.call("GET", "vmm.ping", None).0, 200);
+
+    // A live migration over TCP with CH's tls_dir on both sides.
+    let src = Vmm::start(dir.path(), "src");
+    src.ok("PUT", "vm.create", Some(config("write ws=32M seq verify")));
+    src.ok("PUT", "vm.boot", None);
+    verifies(&src, "the source's guest");
+    let dst = Vmm::start(dir.path(), "dst");
+    let url = format!("tcp:127.0.0.1:{}", free_port());
+    let tls_dir = tls.to_str().unwrap();
+    let receiver = receive(&dst, json!({"receiver_url": url, "tls_dir": tls_dir}));
+    let send = json!({"destination_url": url, "tls_dir": tls_dir});
+    src.ok("PUT", "vm.send-migration", Some(send));
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
+    verifies(&dst, "the guest after a TLS move");
+
+    // A snapshot of the paused VM through file://, restored into an empty VMM.
+    let snap = dir.path().join("snap");
+    std::fs::create_dir_all(&snap).unwrap();
+    let to = json!({"destination_url": format!("file://{}", snap.display())});
+    assert_eq!(dst.call("PUT", "vm.snapshot", Some(to.clone())).0, 500);
+    dst.ok("PUT", "vm.pause", None);
+    dst.ok("PUT", "vm.snapshot", Some(to));
+    assert!(dst.said("snapshotted"), "{:?}", dst.events());
+    dst.ok("PUT", "vm.delete", None);
+    let restored = Vmm::start(dir.path(), "restored");
+    let from = json!({"source_url": format!("file://{}", snap.display())});
+    restored.ok("PUT", "vm.restore", Some(from));
+    assert_eq!(restored.ok("GET", "vm.info", None)["state"], "Paused");
+    restored.ok("PUT", "vm.resume", None);
+    verifies(&restored, "the restored guest");
+    assert!(restored.said("restored"), "{:?}", restored.events());
 }
