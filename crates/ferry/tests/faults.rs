@@ -397,10 +397,16 @@ fn start_migration(
             "1",
             "--max-rounds",
             "4",
-            // With a 1 Gbit/s cap and a 1 ms budget a writer's pre-copy runs all 4 rounds,
-            // so every point of the conversation comes, whatever this machine's speed.
+            // With a 1 Gbit/s cap, a 1 ms budget and pages plain and whole (compressed or
+            // as deltas, the writer's stamped pages converge sooner) a writer's pre-copy runs
+            // all 4 rounds, so every point of the conversation comes, whatever this machine's
+            // speed.
             "--max-bandwidth-mbps",
             "1000",
+            "--compression",
+            "none",
+            "--delta-cache-mb",
+            "0",
             // Both sides checksum memory at the switch: a corrupt page cannot pass unseen.
             "--checksum",
         ]);

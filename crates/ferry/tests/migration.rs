@@ -643,7 +643,14 @@ fn bad_migration_requests_are_refused_clearly() {
         "migration_threads must be 2..=64, at least one per connection (got 1)",
     );
     fails(
-        &["--to", &nobody, "--migration-threads", "4"],
+        &[
+            "--to",
+            &nobody,
+            "--migration-threads",
+            "4",
+            "--compression",
+            "none",
+        ],
         "migration_threads above connections needs compression",
     );
     fails(
