@@ -548,7 +548,7 @@ def main():
         signal.signal(sig, lambda num, _frame: sys.exit(128 + num))
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--profile", choices=sorted(PROFILES), default="headline",
-                   help="headline (the default: the results page, ~35 minutes here), sweep, flags, ...")
+                   help="headline (the default: the results page), sweep, flags, floor, ...")
     p.add_argument("--quick", dest="profile", action="store_const", const="quick",
                    help="the quick profile (about 10 minutes)")
     p.add_argument("--full", dest="profile", action="store_const", const="full",
