@@ -46,11 +46,12 @@ impl DeltaCache {
         let slot = match self.slot_of.get(&pfn) {
             Some(&s) => s,
             None if self.owner.len() < self.capacity => {
+                // A new slot takes the page as it grows: one copy, no clearing first.
                 let s = self.owner.len();
                 self.owner.push(Some(pfn));
-                self.data.resize((s + 1) * PAGE_SIZE, 0);
+                self.data.extend_from_slice(page);
                 self.slot_of.insert(pfn, s);
-                s
+                return;
             }
             None => {
                 let s = self.next;
