@@ -158,6 +158,13 @@ def self_reported(results):
     return lines + [""]
 
 
+def cell(entry):
+    """One run's total ms / guest downtime ms, or `-` where it did not finish."""
+    if med(entry, "total_ms") is None:
+        return "-"
+    return f"{med(entry, 'total_ms'):.0f} / {num(med(entry, 'serial_downtime_ms'))}"
+
+
 def sweep_table(results, limits):
     """Every QEMU variant per cell: total ms / guest downtime ms, the winner in bold."""
     cells = by_cell(results)
@@ -172,8 +179,7 @@ def sweep_table(results, limits):
         row = []
         for v in variants:
             e = next((x for x in entries if x["peer"] == v), None)
-            cell = "-" if med(e, "total_ms") is None else f"{med(e, 'total_ms'):.0f} / {num(med(e, 'serial_downtime_ms'))}"
-            row.append(f"**{cell}**" if e is best and e is not None else cell)
+            row.append(f"**{cell(e)}**" if e is best and e is not None else cell(e))
         lines.append(f"| {link} | {scenario} | " + " | ".join(row) + " |")
     return lines + [""]
 
@@ -194,8 +200,7 @@ def flags_table(results, limits):
         row, beaten = [], []
         for v in variants:
             e = next((x for x in entries if x["peer"] == v), None)
-            row.append("-" if med(e, "total_ms") is None else
-                       f"{med(e, 'total_ms'):.0f} / {num(med(e, 'serial_downtime_ms'))}")
+            row.append(cell(e))
             if (e and e is not base and med(e, "total_ms") is not None and med(base, "total_ms")
                     and keeps_limit(e, limits[scenario]) and med(e, "total_ms") < 0.9 * med(base, "total_ms")):
                 beaten.append(v)
