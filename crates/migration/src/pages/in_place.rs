@@ -85,6 +85,7 @@ pub(super) fn write_in_place(
             packed_bytes: data,
             compress_time: Duration::ZERO,
             write_time: started.elapsed(),
+            cycle: None,
         },
     ))
 }

@@ -82,6 +82,8 @@ pub struct PageSender {
     sample: Sample,
     /// For `auto`: how fast the connection's send queue drains.
     queue: Option<QueueProbe>,
+    /// When the last frame of this run of frames was written (`None` after a flush).
+    last_written: Option<Instant>,
 }
 
 impl PageSender {
@@ -101,6 +103,7 @@ impl PageSender {
             delta: None,
             sample: Sample::default(),
             queue: None,
+            last_written: None,
         }
     }
 
@@ -194,7 +197,10 @@ impl PageSender {
         limiter: &mut RateLimiter,
     ) -> Result<()> {
         self.send_batch(w, ram, limiter, true)?;
-        self.drain(w, limiter)
+        self.drain(w, limiter)?;
+        // What comes next waits for more than this sender's own work.
+        self.last_written = None;
+        Ok(())
     }
 
     /// Sends the queued pages as one frame, or hands them to a packer (then the frame leaves
@@ -314,7 +320,7 @@ impl PageSender {
         full: usize,
         zero: usize,
         frame_bytes: u64,
-        cost: BatchCost,
+        mut cost: BatchCost,
         used: Codec,
     ) {
         self.counters.full += full as u64;
@@ -326,6 +332,12 @@ impl PageSender {
             self.counters.packed_out += cost.packed_bytes as u64;
         }
         if self.compression == Compression::Auto {
+            let now = Instant::now();
+            let since = self.last_written.replace(now);
+            // With packer threads a frame's cycle is not what its codec cost.
+            if self.packers.is_none() {
+                cost.cycle = since.map(|t| now - t);
+            }
             self.chooser.learn(cost);
             // The link's drain rate while the send queue stayed busy.
             if let Some(rate) = self
@@ -390,6 +402,7 @@ impl PageSender {
             packed_bytes: data.len(),
             compress_time: frame.compress_time,
             write_time: writing.elapsed(),
+            cycle: None,
         };
         let pfns = &frame.bufs.pfns;
         let zero = pfns
