@@ -1109,7 +1109,12 @@ fn a_flipped_byte_in_snapshot_page_data_is_refused() {
     src.write_page(10, 7);
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("vm.ferry");
-    snapshot_to(&src, &path);
+    // Plain pages, so that the test finds the page's bytes in the file.
+    let plain = MigrationParams {
+        compression: Compression::None,
+        ..MigrationParams::default()
+    };
+    snapshot_with(&src, &path, &plain);
     let mut bytes = std::fs::read(&path).unwrap();
     // Word 5 of page 10 as `write_page` stamped it.
     let word = (10u64 << 40 | 7 << 12 | 5).to_le_bytes();
