@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+from . import plot
 from .report import breakdown_tables
 from .util import REPO
 
@@ -14,6 +15,8 @@ BEGIN, END = "<!-- tables: written by bench/run.py -->", "<!-- end of tables -->
 # Raw data each profile leaves for the page, under docs/benchmarks/.
 RAW_FILES = {"headline": "headline.json", "sweep": "qemu-sweep.json", "flags": "ferry-flags.json",
              "floor": "idle-floor.json"}
+# The headline's chart, beside its raw data.
+CHART = "headline.svg"
 # The floor's goal: an idle guest's total (ms) by its memory, and its downtime on both clocks.
 FLOOR_GOAL_MS = {"8G": 10, "64G": 25, "256G": 60}
 FLOOR_DOWNTIME_MS = 1.0
@@ -76,9 +79,30 @@ def write_winners(results, limits, path):
 
 
 def keep_raw(profile, outdir):
-    """Copies a whole profile's results.json to docs/benchmarks/ for the page to cite."""
+    """Copies a profile's results.json to docs/benchmarks/ for the page to cite; a run of some
+    of the links replaces those links' rows and keeps the others', each link's provenance kept
+    beside them (`runs_by_link`)."""
     os.makedirs(RAW, exist_ok=True)
-    shutil.copyfile(os.path.join(outdir, "results.json"), os.path.join(RAW, RAW_FILES[profile]))
+    with open(os.path.join(outdir, "results.json")) as f:
+        new = json.load(f)
+    old = load(profile)
+    merged = merge(old, new) if old else new
+    with open(os.path.join(RAW, RAW_FILES[profile]), "w") as f:
+        json.dump(merged, f, indent=1)
+        f.write("\n")
+
+
+def merge(old, new):
+    """`new` with `old`'s rows for the links `new` did not run (see `keep_raw`)."""
+    ran = {e["link"] for e in new["scenarios"]}
+    runs = dict(old.get("runs_by_link") or {e["link"]: run_of(old) for e in old["scenarios"]})
+    runs.update({link: run_of(new) for link in ran})
+    kept = [e for e in old["scenarios"] if e["link"] not in ran]
+    return dict(new, scenarios=kept + new["scenarios"], runs_by_link=runs)
+
+
+def run_of(results):
+    return {"started": results["started"], "build": results["build"], "repeats": results["repeats"]}
 
 
 def load(profile):
@@ -106,11 +130,26 @@ def ratio(a, b, metric):
 
 
 def provenance(results, what):
-    b, m = results["build"], results["machine"]
-    return (f"{what}: {results['started']}, commit {b['commit'][:10]}"
-            f"{' (tree changed)' if b.get('tree_changed') else ''}, ferry sha256 {b['ferry_sha256'][:12]}, "
-            f"{b.get('qemu') or 'no QEMU'}, {m['cores']} × {m['cpu']}, {m['kvm']}, "
-            f"{results['repeats']} run(s) per row.")
+    """Where the rows came from: the run, or each run where links came from several."""
+    m = results["machine"]
+    machine = f"{b_qemu(results)}, {m['cores']} × {m['cpu']}, {m['kvm']}"
+    runs = {}
+    for link, run in (results.get("runs_by_link") or {}).items():
+        runs.setdefault(json.dumps(run, sort_keys=True), []).append(link)
+    if len(runs) <= 1:
+        return f"{what}: {built(run_of(results))}; {machine}."
+    return (f"{what}: " + "; ".join(f"{', '.join(links)}: {built(json.loads(run))}" for run, links in runs.items())
+            + f"; {machine}.")
+
+
+def built(run):
+    b = run["build"]
+    return (f"{run['started']}, commit {b['commit'][:10]}{' (tree changed)' if b.get('tree_changed') else ''}, "
+            f"ferry sha256 {b['ferry_sha256'][:12]}, {run['repeats']} run(s) per row")
+
+
+def b_qemu(results):
+    return results["build"].get("qemu") or "no QEMU"
 
 
 def headline_tables(results):
@@ -158,6 +197,12 @@ def self_reported(results):
     return lines + [""]
 
 
+def runs(results):
+    """How a cell's figure was made from its runs."""
+    counts = {r["repeats"] for r in (results.get("runs_by_link") or {"": run_of(results)}).values()}
+    return "one run" if counts == {1} else "the median of the row's runs"
+
+
 def cell(entry):
     """One run's total ms / guest downtime ms, or `-` where it did not finish."""
     if med(entry, "total_ms") is None:
@@ -170,7 +215,7 @@ def sweep_table(results, limits):
     cells = by_cell(results)
     variants = list(dict.fromkeys(e["peer"] for e in results["scenarios"]))
     lines = [provenance(results, "QEMU sweep"), "",
-             "Each cell: total ms / guest downtime ms (one run); **bold**: the pick; `-`: failed "
+             f"Each cell: total ms / guest downtime ms ({runs(results)}); **bold**: the pick; `-`: failed "
              "or did not finish in the scenario's time.", "",
              "| link | scenario | " + " | ".join(v.removeprefix("qemu-") for v in variants) + " |",
              "|---|---|" + "---|" * len(variants)]
@@ -189,7 +234,7 @@ def flags_table(results, limits):
     cells = by_cell(results)
     variants = list(dict.fromkeys(e["peer"] for e in results["scenarios"]))
     lines = [provenance(results, "ferry's flag check"), "",
-             "Each cell: total ms / guest downtime ms (one run); the last column names a variant "
+             f"Each cell: total ms / guest downtime ms ({runs(results)}); the last column names a variant "
              "that beat `ferry` (no flags) by more than a tenth of its total within the downtime "
              "limit: a defect in the defaults.", "",
              "| link | scenario | " + " | ".join(v.removeprefix("ferry-") if v != "ferry" else "ferry"
@@ -239,7 +284,8 @@ def tables(limits):
     lines = []
     head, sweep, flags, floor = load("headline"), load("sweep"), load("flags"), load("floor")
     if head:
-        lines += ["## Headline: ferry with no flags against QEMU at its best", ""] + headline_tables(head)
+        lines += ["## Headline: ferry with no flags against QEMU at its best", "",
+                  f"![ferry ÷ QEMU per link and scenario](benchmarks/{CHART})", ""] + headline_tables(head)
         lines += ["### Each VMM's own figures beside the measured ones", ""] + self_reported(head)
         idle = breakdown_tables([e for e in head["scenarios"] if e["peer"] == "ferry"])
         if idle:
@@ -261,5 +307,9 @@ def rewrite(limits):
         raise ValueError(f"{PAGE} has no {BEGIN!r} … {END!r} markers")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
+    headline = load("headline")
+    if headline:
+        with open(os.path.join(RAW, CHART), "w") as f:
+            f.write(plot.svg(plot.rows_of(by_cell(headline), ratio), GOAL))
     with open(PAGE, "w") as f:
         f.write(head + BEGIN + "\n\n" + "\n".join(tables(limits)) + "\n" + END + tail)

@@ -311,6 +311,18 @@ assert "| 0.60 | 0.40 | 0.50 | met |" in line, line
 head["scenarios"][0]["summary"]["total_ms"]["median"] = 80
 line = next(l for l in page.headline_tables(head) if l.startswith("| w |"))
 assert line.endswith("| not met: total |"), line
+# A run of one link replaces that link's rows, keeps the others' and says where each came from.
+wan = dict(meta, started="u", build=dict(meta["build"], commit="fedcba987654"),
+           scenarios=[entry("qemu-x", 70, 5, link="1gbit+50ms"), entry("qemu-y", 60, 3, link="loopback")])
+merged = page.merge(sweep | meta, wan)
+assert [(e["link"], e["peer"]) for e in merged["scenarios"]] == [
+    ("1gbit", "qemu-a"), ("1gbit", "qemu-b"), ("1gbit", "qemu-c"),
+    ("1gbit+50ms", "qemu-x"), ("loopback", "qemu-y")], merged["scenarios"]
+said = page.provenance(merged, "Sweep")
+assert "1gbit: t, commit 0123456789" in said and "loopback, 1gbit+50ms: u, commit fedcba9876" in said, said
+# The headline's chart: a bar per metric and row, ferry ÷ QEMU, each goal marked.
+svg = page.plot.svg(page.plot.rows_of(page.by_cell(head), page.ratio), page.GOAL)
+assert svg.count("<rect") == 3 + 3 and ">0.8<" in svg and ">0.4<" in svg and ">0.5<" in svg, svg
 print("ok")
 "#;
     let out = Command::new("/usr/bin/python3")
