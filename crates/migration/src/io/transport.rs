@@ -82,6 +82,13 @@ const KEEPALIVE_PROBES: u32 = 3;
 /// Data sent and not acknowledged this long ends the connection (`TCP_USER_TIMEOUT`): a peer
 /// that died with our data in flight is noticed as soon as a blocked write would be.
 const UNACKED_LIMIT: Duration = IO_TIMEOUT;
+/// A round trip at least this long makes a long path, whose send buffer `fit_send_buffer`
+/// sizes: below it TCP's own tuning keeps the link busy.
+const LONG_PATH: Duration = Duration::from_millis(2);
+/// The rate a long path's send buffer is sized for (bytes/s). TCP's own tuning stops at the
+/// host's `net.ipv4.tcp_wmem` limit, which caps one connection at that limit per round trip.
+const LONG_PATH_RATE: f64 = 250e6;
+const MAX_SEND_BUFFER: f64 = (64 << 20) as f64;
 
 impl Endpoint {
     /// Connects; over TCP with `tls`, the connection is TLS and the destination's certificate
@@ -277,6 +284,18 @@ fn tune_tcp(s: &TcpStream) -> std::io::Result<()> {
     )
 }
 
+fn get_int(fd: RawFd, level: i32, name: i32) -> std::io::Result<i32> {
+    let mut value: i32 = 0;
+    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+    // SAFETY: an int option of a socket we hold, written into a local of the size given.
+    let r = unsafe { libc::getsockopt(fd, level, name, (&mut value as *mut i32).cast(), &mut len) };
+    if r == 0 {
+        Ok(value)
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 fn secs(d: Duration) -> i32 {
     d.as_secs() as i32
 }
@@ -385,6 +404,34 @@ impl Stream {
         }
         let rate = u64::from_ne_bytes(info[DELIVERY_RATE..DELIVERY_RATE + 8].try_into().ok()?);
         Some((rate, Duration::from_micros(u64::from(min_rtt))))
+    }
+
+    /// Lets this one connection keep a long path busy: on a round trip of at least
+    /// `LONG_PATH`, a send buffer of `rtt` × `LONG_PATH_RATE` (at most `MAX_SEND_BUFFER`; past
+    /// `net.core.wmem_max` only where this process may, as root may). A shorter path, a
+    /// buffer TCP has already grown past that, or a stream that is not TCP is left as it is.
+    pub fn fit_send_buffer(&self, rtt: Duration) {
+        let fd = match self {
+            Stream::Tcp(s) => s.as_raw_fd(),
+            Stream::Tls(_, wire) => wire.as_raw_fd(),
+            Stream::Unix(_) | Stream::File(_) => return,
+        };
+        if rtt < LONG_PATH {
+            return;
+        }
+        let want = (rtt.as_secs_f64() * LONG_PATH_RATE).min(MAX_SEND_BUFFER) as i32;
+        // The kernel reports twice what was asked (its own bookkeeping included).
+        if get_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF).is_ok_and(|now| now / 2 >= want) {
+            return;
+        }
+        if set_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, want).is_err() {
+            // Not privileged: as much as the host allows.
+            let _ = set_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF, want);
+        }
+        tracing::debug!(
+            "a {rtt:?} round trip: send buffer {} KiB",
+            get_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF).unwrap_or(0) / 1024
+        );
     }
 
     /// Waits (up to `limit`) until what was written has left this host's send queue, so that
@@ -555,6 +602,36 @@ mod tests {
                 UNACKED_LIMIT.as_millis() as i32
             );
         }
+    }
+
+    /// A long path's connection gets a send buffer for its round trip; a short one keeps
+    /// TCP's own.
+    #[test]
+    fn a_long_path_gets_a_send_buffer_for_its_round_trip() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let tcp = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let fd = tcp.as_raw_fd();
+        let s = Stream::Tcp(tcp);
+        let sndbuf = || get_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF).unwrap();
+        let before = sndbuf();
+        s.fit_send_buffer(Duration::from_micros(50));
+        assert_eq!(sndbuf(), before, "a short path keeps TCP's tuning");
+        s.fit_send_buffer(Duration::from_millis(100));
+        let wmem_max: i32 = std::fs::read_to_string("/proc/sys/net/core/wmem_max")
+            .map_or(0, |v| v.trim().parse().unwrap_or(0));
+        // Root gets the 25 MB it asked for, twice over in the kernel's count; others the
+        // host's limit, or what it was if that is more.
+        let floor = if is_root() {
+            2 * 25_000_000
+        } else {
+            before.max(2 * wmem_max.min(25_000_000))
+        };
+        assert!(sndbuf() >= floor, "{} < {floor}", sndbuf());
+    }
+
+    fn is_root() -> bool {
+        // SAFETY: geteuid has no preconditions.
+        unsafe { libc::geteuid() == 0 }
     }
 
     #[test]

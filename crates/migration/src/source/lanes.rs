@@ -23,8 +23,13 @@ impl Session<'_> {
             return Ok(());
         };
         let measures = self.pages.codec_measures().clone();
+        // The lanes share the first connection's path.
+        let rtt = self.stream.tcp_path().map(|(_, rtt)| rtt);
         for lane in 1..self.params.connections {
             let mut stream = dial(lane)?;
+            if let Some(rtt) = rtt {
+                stream.fit_send_buffer(rtt);
+            }
             wire::write_stream_header(&mut stream)?;
             wire::write_message(&mut stream, &Message::Join { session, lane })?;
             self.cancel_closes(&stream);

@@ -226,6 +226,9 @@ impl<'a> Session<'a> {
                 ));
             }
             self.lap("handshake");
+            if let Some((_, rtt)) = self.stream.tcp_path() {
+                self.stream.fit_send_buffer(rtt);
+            }
             if connections > 1 {
                 self.open_lanes(session)?;
                 self.lap("extra connections");
