@@ -88,7 +88,7 @@ def keep_raw(profile, outdir):
     old = load(profile)
     merged = merge(old, new) if old else new
     with open(os.path.join(RAW, RAW_FILES[profile]), "w") as f:
-        json.dump(merged, f, indent=1)
+        json.dump(merged, f, indent=2)
         f.write("\n")
 
 
