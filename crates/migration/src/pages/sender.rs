@@ -226,8 +226,17 @@ impl PageSender {
                 cache.forget(pfn);
             }
         }
-        let buffered = codec != Codec::None || self.delta.is_some();
+        // Where `auto` finds plain soonest (the link outruns the codecs), copying the pages
+        // out for the delta cache would cost more than the deltas save: they go in place,
+        // and the cache forgets them (the destination no longer holds its copies).
+        let auto_plain = codec == Codec::None && self.compression == Compression::Auto;
+        let buffered = codec != Codec::None || (self.delta.is_some() && !auto_plain);
         if !(buffered && full > 0) {
+            if let Some(cache) = self.delta.as_mut() {
+                for pfn in full_pages(&self.pfns) {
+                    cache.forget(pfn);
+                }
+            }
             // Frames gathered before this one leave first.
             self.drain(w, limiter)?;
             let (frame_bytes, cost) = write_in_place(

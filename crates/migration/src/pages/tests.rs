@@ -246,6 +246,37 @@ fn resent_pages_go_as_deltas_and_arrive_exactly() {
     }
 }
 
+/// `auto` with a delta cache: frames it sends plain go in place and the cache forgets their
+/// pages, so a later delta is never taken against a copy the destination no longer holds.
+/// Rounds alternate between a slow link (codecs, deltas) and an unlimited one (plain).
+#[test]
+fn auto_plain_frames_leave_no_stale_copy_for_a_delta() {
+    let (mut src_buf, src) = source(|pfn| pfn >= 48);
+    let mut sender = PageSender::new(16)
+        .with_compression(Compression::Auto)
+        .with_delta_cache(PAGES as usize);
+    let mut dst_buf = vec![0u8; src_buf.len()];
+    let dst = ram(&mut dst_buf);
+    let mut receiver = PageReceiver::new(&dst);
+    for round in 0..6u64 {
+        let mut limiter = RateLimiter::new((round % 2 == 0).then_some(20));
+        let mut wire = Vec::new();
+        for pfn in 0..PAGES {
+            sender.push(&mut wire, &src, pfn, &mut limiter).unwrap();
+        }
+        sender.flush(&mut wire, &src, &mut limiter).unwrap();
+        feed(&mut receiver, &wire, &dst).unwrap();
+        assert!(dst_buf == src_buf, "round {round}: pages equal");
+        for pfn in 0..PAGES {
+            let at = (pfn * PAGE_SIZE as u64) as usize + 8 * ((pfn + round) as usize % 512);
+            src_buf[at..at + 8].copy_from_slice(&(pfn + 1000 * round).to_le_bytes());
+        }
+    }
+    let c = sender.counters;
+    assert!(c.frames_by_codec[0] > 0, "{c:?}");
+    assert!(c.frames_by_codec[1] + c.frames_by_codec[2] > 0, "{c:?}");
+}
+
 /// A frame read while the guest ran is not covered by the frame checksum (the guest may
 /// change a page on its way), but each page carries its CRC: a page whose data was
 /// corrupted is suspect until a later copy replaces it, and post-copy refuses it outright.
