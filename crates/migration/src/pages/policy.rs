@@ -19,8 +19,9 @@ pub struct BatchCost {
     /// Time the write (and the rate limiter) held the sender: how fast the link drains.
     pub write_time: Duration,
     /// The sender's whole time for this batch, from the end of the write before it (finding
-    /// the pages, copying, packing, writing), where this thread packs and a batch came
-    /// before it in this run of batches: what the codec costs here, all told.
+    /// the pages, copying, packing, writing; not a sample measured for another codec), where
+    /// this thread packs and a batch came before it in this run of batches: what the codec
+    /// costs here, all told.
     pub cycle: Option<Duration>,
 }
 
@@ -98,6 +99,18 @@ impl Measures {
             .filter(|c| self.measured[c.index()] < WARM_MEASURES)
             .min_by_key(|c| (self.measured[c.index()], self.last_used[c.index()]))
     }
+
+    /// Plain is never tried, so its pace is refreshed only while it is the pick: one measured
+    /// in a stall (or while the guest and the receiver held the cores) would otherwise shut
+    /// it out for the rest of the move. After `PROBE_EVERY` batches without it, its time is
+    /// the link's again (the codecs' paces are refreshed by their re-tries).
+    fn forget_stale_plain_pace(&mut self) {
+        let plain = Codec::None.index();
+        if self.pace[plain].is_some() && self.batches - self.last_used[plain] > PROBE_EVERY {
+            self.pace[plain] = None;
+            self.paced[plain] = 0;
+        }
+    }
 }
 
 impl CodecMeasures {
@@ -168,6 +181,7 @@ impl Chooser {
     pub fn pick(&mut self, may_sample: bool) -> Pick {
         let mut m = self.measures.lock();
         m.batches += 1;
+        m.forget_stale_plain_pace();
         // Measure every codec once first, then keep each estimate fresh. A pick counts as a
         // use at once: with packer threads it is learned from only batches later.
         let best = self.best_of(&m);
@@ -487,6 +501,47 @@ mod tests {
         // A sample of zstd (while plain was the pick) leaves its speed to stand for it again.
         c.learn_sample(Codec::Zstd, 1 << 20, 650_000, Duration::from_micros(4000));
         assert_eq!(c.best(), Codec::Zstd);
+    }
+
+    /// A plain batch that met a stall (the sender descheduled while the guest and the
+    /// receiver held the cores) makes plain look slow; plain is never tried, so without
+    /// forgetting that pace it would stay shut out for the rest of the move (it did: 117
+    /// frames of lz4 on 10 Gbit, where plain was twice as fast).
+    #[test]
+    fn a_stall_does_not_shut_plain_out() {
+        let mut c = trained(5000.0, [(0.45, 900.0), (0.3, 400.0)]);
+        for _ in 0..3 {
+            c.pick(true); // the first try of each
+        }
+        assert_eq!(c.best(), Codec::None);
+        c.learn(with_cycle(cost(Codec::None, 1.0, 0.0, 5000.0), 50.0));
+        assert_ne!(c.best(), Codec::None, "the stall's pace counts at first");
+        let mut picks = 0;
+        loop {
+            let p = c.pick(false);
+            picks += 1;
+            if p.send == Codec::None {
+                break;
+            }
+            assert!(
+                picks <= PROBE_EVERY + 2,
+                "plain shut out after {picks} picks"
+            );
+            let (ratio, speed) = if p.send == Codec::Lz4 {
+                (0.45, 900.0)
+            } else {
+                (0.3, 400.0)
+            };
+            c.learn(with_cycle(cost(p.send, ratio, speed, 5000.0), 1e3 / speed));
+        }
+    }
+
+    /// `b` as the sender saw it: `ms_per_mb` of its whole time per MB.
+    fn with_cycle(mut b: BatchCost, ms_per_mb: f64) -> BatchCost {
+        b.cycle = Some(Duration::from_secs_f64(
+            b.raw_bytes as f64 / 1e6 * ms_per_mb / 1e3,
+        ));
+        b
     }
 
     /// The connections of one migration share the codecs' measures: each codec is tried once

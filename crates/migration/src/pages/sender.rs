@@ -5,7 +5,7 @@
 //! the frames, samples and the send queue show (`auto`).
 
 use std::io::{IoSlice, Write};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::auto::{QueueProbe, Sample};
 use super::deltas::DeltaCache;
@@ -84,6 +84,8 @@ pub struct PageSender {
     queue: Option<QueueProbe>,
     /// When the last frame of this run of frames was written (`None` after a flush).
     last_written: Option<Instant>,
+    /// Time spent measuring samples since that write: not the batch's own cost.
+    sampling: Duration,
 }
 
 impl PageSender {
@@ -104,6 +106,7 @@ impl PageSender {
             sample: Sample::default(),
             queue: None,
             last_written: None,
+            sampling: Duration::ZERO,
         }
     }
 
@@ -265,10 +268,12 @@ impl PageSender {
             Compression::Auto => {
                 let pick = self.chooser.pick(may_sample);
                 if let Some(tried) = pick.sample {
+                    let started = Instant::now();
                     let pages = full_pages(&self.pfns);
                     let (contexts, chooser) = (&mut self.contexts, &mut self.chooser);
                     self.sample.measure(ram, pages, tried, contexts, chooser)?;
                     self.counters.samples_by_codec[tried as usize] += 1;
+                    self.sampling += started.elapsed();
                 }
                 pick.send
             }
@@ -343,9 +348,10 @@ impl PageSender {
         if self.compression == Compression::Auto {
             let now = Instant::now();
             let since = self.last_written.replace(now);
+            let sampling = std::mem::take(&mut self.sampling);
             // With packer threads a frame's cycle is not what its codec cost.
             if self.packers.is_none() {
-                cost.cycle = since.map(|t| now - t);
+                cost.cycle = since.map(|t| (now - t).saturating_sub(sampling));
             }
             self.chooser.learn(cost);
             // The link's drain rate while the send queue stayed busy.
