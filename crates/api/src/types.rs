@@ -176,11 +176,13 @@ pub struct MigrationRequest {
     /// Threads that compress, shared out among the connections (default: one per
     /// connection; more needs compression).
     pub migration_threads: Option<i64>,
-    /// Delta encoding of re-sent pages: MiB of last-sent copies kept (0, the default: off).
+    /// Delta encoding of re-sent pages: MiB of last-sent copies kept (0: off; default 256 in
+    /// precopy and hybrid, 0 in warm and postcopy).
     pub delta_cache_mb: Option<i64>,
     /// Send Go right behind the state: the destination starts once the state is loaded (a
     /// round trip less of downtime); a connection lost before it answers leaves the source
-    /// `unconfirmed` instead of running on. Off by default.
+    /// `unconfirmed` instead of running on. Default: on a path whose round trip is 2 ms or
+    /// more, off on a shorter one.
     pub go_with_state: Option<bool>,
     /// Post-copy checkpoints every this many ms (5..=60000; off when absent): the source can
     /// then carry on from the newest one should the destination die (`vm.migrate-rollback`).

@@ -130,8 +130,9 @@ pub struct MigrateArgs {
     /// Send Go right behind the state: the destination starts as soon as it has loaded it, a
     /// round trip sooner (what a long path feels). Should the connection drop before the
     /// destination answers, the source stays paused (`unconfirmed`) instead of running on.
-    #[arg(long)]
-    pub go_with_state: bool,
+    /// Default: on where the round trip is 2 ms or more; `--go-with-state=false` never.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", require_equals = true)]
+    pub go_with_state: Option<bool>,
     /// Post-copy checkpoints: every this many ms (5..=60000) the destination sends the VM's
     /// newest state back, so that `ferry migrate-rollback` can carry on from it on the source
     /// should the destination die. Off by default.

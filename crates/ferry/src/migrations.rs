@@ -290,7 +290,7 @@ pub fn params_from_request(
             Some(a) => a.name().parse().map_err(api_error)?,
             None => defaults.auto_converge,
         },
-        go_with_state: req.go_with_state.unwrap_or(false),
+        go_with_state: req.go_with_state,
         prepaging: match req.prepaging.as_deref() {
             None | Some("bubble") => Strategy::Bubble,
             Some("linear") => Strategy::Linear,

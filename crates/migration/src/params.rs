@@ -1,6 +1,9 @@
 //! What the user asks of a migration, checked once.
 
+use std::time::Duration;
+
 use crate::error::{Error, Result};
+use crate::io::transport::LONG_PATH;
 pub use crate::prepaging::Strategy;
 use crate::wire::codec::Codec;
 
@@ -136,8 +139,10 @@ pub struct MigrationParams {
     /// destination starts the moment it has loaded the state (a round trip less of downtime,
     /// which a long path feels). Should the connection drop before `Loaded` is heard, the
     /// source cannot know whether the VM started there: it stays paused, `unconfirmed`,
-    /// instead of running on.
-    pub go_with_state: bool,
+    /// instead of running on (as it does when the connection drops after `Go` either way; the
+    /// window grows from one round trip to about one and a half). `None`: on a long path
+    /// (`transport::LONG_PATH`), where the round trip saved is most of the downtime.
+    pub go_with_state: Option<bool>,
     /// Post-copy checkpoints: every this many ms the destination sends the VM's newest state
     /// back (pages it dirtied, vCPUs, devices), so that the source can carry on from it should
     /// the destination die (`vm.migrate-rollback`); `None`: off.
@@ -147,6 +152,15 @@ pub struct MigrationParams {
 /// The range `checkpoint_ms` may take: below 5 ms the pauses would be most of the guest's
 /// time; above a minute a rollback would lose more than most guests can afford.
 pub const CHECKPOINT_MS: std::ops::RangeInclusive<u32> = 5..=60_000;
+
+impl MigrationParams {
+    /// Whether `Go` goes right behind the state on a connection whose round trip is `rtt`
+    /// (`None`: not TCP, or not known).
+    pub fn goes_with_state(&self, rtt: Option<Duration>) -> bool {
+        self.go_with_state
+            .unwrap_or_else(|| rtt.is_some_and(|rtt| rtt >= LONG_PATH))
+    }
+}
 
 impl Default for MigrationParams {
     fn default() -> Self {
@@ -164,7 +178,7 @@ impl Default for MigrationParams {
             compression: Compression::Auto,
             migration_threads: None,
             delta_cache_mb: Mode::Precopy.default_delta_cache_mb(),
-            go_with_state: false,
+            go_with_state: None,
             checkpoint_ms: None,
         }
     }
@@ -322,6 +336,24 @@ impl Compression {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// By default `Go` goes with the state on a long path only, where the round trip it
+    /// saves is most of the downtime; the flag decides either way wherever it is given.
+    #[test]
+    fn go_goes_with_the_state_on_a_long_path_unless_told() {
+        let ms = |n| Some(Duration::from_millis(n));
+        let by_path = MigrationParams::default();
+        assert!(by_path.goes_with_state(ms(100)));
+        assert!(by_path.goes_with_state(ms(2)));
+        assert!(!by_path.goes_with_state(Some(Duration::from_micros(60))));
+        assert!(!by_path.goes_with_state(None), "a Unix socket or a file");
+        let told = |on| MigrationParams {
+            go_with_state: Some(on),
+            ..MigrationParams::default()
+        };
+        assert!(!told(false).goes_with_state(ms(100)));
+        assert!(told(true).goes_with_state(None));
+    }
 
     #[test]
     fn options_the_mode_would_ignore_are_refused() {

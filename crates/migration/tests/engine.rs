@@ -984,7 +984,7 @@ fn go_with_the_state_moves_every_page() {
     for mode in [Mode::Precopy, Mode::Postcopy] {
         let (src, run) = migrate_while_writing(MigrationParams {
             mode,
-            go_with_state: true,
+            go_with_state: Some(true),
             max_downtime_ms: 1,
             max_rounds: 6,
             ..Default::default()
@@ -1018,7 +1018,7 @@ fn go_with_the_state_settles_by_what_the_destination_said() {
         let (tx, rx) = std::sync::mpsc::channel();
         let params = MigrationParams {
             mode: Mode::Warm,
-            go_with_state: true,
+            go_with_state: Some(true),
             ..Default::default()
         };
         let started = outgoing.send(

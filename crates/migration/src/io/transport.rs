@@ -83,8 +83,8 @@ const KEEPALIVE_PROBES: u32 = 3;
 /// that died with our data in flight is noticed as soon as a blocked write would be.
 const UNACKED_LIMIT: Duration = IO_TIMEOUT;
 /// A round trip at least this long makes a long path, whose send buffer `fit_send_buffer`
-/// sizes: below it TCP's own tuning keeps the link busy.
-const LONG_PATH: Duration = Duration::from_millis(2);
+/// sizes (below it TCP's own tuning keeps the link busy) and whose `Go` goes with the state.
+pub const LONG_PATH: Duration = Duration::from_millis(2);
 /// The rate a long path's send buffer is sized for (bytes/s). TCP's own tuning stops at the
 /// host's `net.ipv4.tcp_wmem` limit, which caps one connection at that limit per round trip.
 const LONG_PATH_RATE: f64 = 250e6;

@@ -54,6 +54,8 @@ pub(crate) struct Session<'a> {
     pub sent_once: Bitmap,
     /// The destination said it can take post-copy.
     pub peer_postcopy: bool,
+    /// The connection's shortest round trip, where TCP says it.
+    pub round_trip: Option<Duration>,
     /// Time spent sending pages, for the bandwidth estimate.
     pub send_time: Duration,
     /// Whether the VM ran when the migration began (a failure leaves it as it was).
@@ -119,6 +121,7 @@ impl<'a> Session<'a> {
             started: Instant::now(),
             laps: Laps::starting(Instant::now()),
             peer_postcopy: false,
+            round_trip: None,
             send_time: Duration::ZERO,
             was_running: vm.is_running(),
             paused_at: None,
@@ -228,6 +231,7 @@ impl<'a> Session<'a> {
             self.lap("handshake");
             if let Some((_, rtt)) = self.stream.tcp_path() {
                 self.stream.fit_send_buffer(rtt);
+                self.round_trip = Some(rtt);
             }
             if connections > 1 {
                 self.open_lanes(session)?;

@@ -111,7 +111,7 @@ impl Session<'_> {
             // (forgotten if it fails before).
             self.keep_leftover(pending.clone());
         }
-        if self.params.go_with_state {
+        if self.params.goes_with_state(self.round_trip) {
             self.send_go(postcopy)?;
             self.hear_loaded()?;
             self.lap("go, loaded");
