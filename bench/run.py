@@ -526,14 +526,16 @@ def run(args):
             procs.stop_all()
     written = report.write_all(results, outdir)
     print(open(os.path.join(outdir, "results.md")).read())
-    # A run of some of the links still measures each of them whole.
-    whole = not (args.only or args.peers or args.repeats or args.delay_ms or args.fail_scenario)
+    # A run of some of the links still measures each of them whole; so does a sweep of some
+    # variants (each variant's row stands alone).
+    whole = not (args.only or args.repeats or args.delay_ms or args.fail_scenario) and (
+        not args.peers or profile.get("pick"))
     if whole and args.profile in page.RAW_FILES:
         # A whole run of a page's profile is what the results page cites.
         limits = {sc["name"]: sc["max_downtime_ms"] for sc in headline() + profile["scenarios"]}
-        page.keep_raw(args.profile, outdir)
+        page.keep_raw(args.profile, outdir, some_peers=bool(args.peers))
         if profile.get("pick"):
-            page.write_winners(results, limits, qemu.BEST_FILE)
+            page.write_winners(page.load(args.profile), limits, qemu.BEST_FILE)
         page.rewrite(limits)
         print(f"docs/benchmarks.md's tables rewritten from docs/benchmarks/{page.RAW_FILES[args.profile]}",
               file=sys.stderr)

@@ -5,6 +5,7 @@ import os
 import shutil
 
 from . import plot
+from .qemu import VARIANTS
 from .report import breakdown_tables
 from .util import REPO
 
@@ -78,7 +79,7 @@ def write_winners(results, limits, path):
         f.write("\n")
 
 
-def keep_raw(profile, outdir):
+def keep_raw(profile, outdir, some_peers=False):
     """Copies a profile's results.json to docs/benchmarks/ for the page to cite; a run of some
     of the links replaces those links' rows and keeps the others', each link's provenance kept
     beside them (`runs_by_link`)."""
@@ -86,18 +87,26 @@ def keep_raw(profile, outdir):
     with open(os.path.join(outdir, "results.json")) as f:
         new = json.load(f)
     old = load(profile)
-    merged = merge(old, new) if old else new
+    merged = merge(old, new, some_peers) if old else new
     with open(os.path.join(RAW, RAW_FILES[profile]), "w") as f:
         json.dump(merged, f, indent=2)
         f.write("\n")
 
 
-def merge(old, new):
-    """`new` with `old`'s rows for the links `new` did not run (see `keep_raw`)."""
-    ran = {e["link"] for e in new["scenarios"]}
+def merge(old, new, some_peers=False):
+    """`new` with `old`'s rows for what `new` did not run (see `keep_raw`): the links it did not
+    run, and where it ran only `some_peers` of the profile (`--peers`), the other peers' rows
+    of its links. `runs_by_link` names each link's run, or "link (peers)" for such a run."""
+    ran = {(e["link"], e["peer"] if some_peers else None) for e in new["scenarios"]}
     runs = dict(old.get("runs_by_link") or {e["link"]: run_of(old) for e in old["scenarios"]})
-    runs.update({link: run_of(new) for link in ran})
-    kept = [e for e in old["scenarios"] if e["link"] not in ran]
+    kept = [e for e in old["scenarios"] if (e["link"], e["peer"] if some_peers else None) not in ran]
+    for link in dict.fromkeys(e["link"] for e in new["scenarios"]):
+        if some_peers:
+            peers = dict.fromkeys(e["peer"] for e in new["scenarios"] if e["link"] == link)
+            runs[f"{link} ({', '.join(peers)})"] = run_of(new)
+        else:
+            runs = {k: v for k, v in runs.items() if not k.startswith(f"{link} (")}
+            runs[link] = run_of(new)
     return dict(new, scenarios=kept + new["scenarios"], runs_by_link=runs)
 
 
@@ -213,7 +222,9 @@ def cell(entry):
 def sweep_table(results, limits):
     """Every QEMU variant per cell: total ms / guest downtime ms, the winner in bold."""
     cells = by_cell(results)
-    variants = list(dict.fromkeys(e["peer"] for e in results["scenarios"]))
+    order = list(VARIANTS)
+    variants = sorted(dict.fromkeys(e["peer"] for e in results["scenarios"]),
+                      key=lambda v: order.index(v) if v in order else len(order))
     lines = [provenance(results, "QEMU sweep"), "",
              f"Each cell: total ms / guest downtime ms ({runs(results)}); **bold**: the pick; `-`: failed "
              "or did not finish in the scenario's time.", "",

@@ -91,8 +91,10 @@ class Qmp:
 VARIANTS = {
     "qemu-default": None,
     "qemu": {},
+    "qemu-mfd1": {"multifd": 1},
     "qemu-mfd2": {"multifd": 2},
     "qemu-mfd4": {"multifd": 4},
+    "qemu-mfd8": {"multifd": 8},
     "qemu-mfd2-zstd": {"multifd": 2, "zstd": True},
     "qemu-xbzrle": {"xbzrle": True},
     "qemu-ac": {"auto_converge": True},

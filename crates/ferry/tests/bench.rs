@@ -320,6 +320,16 @@ assert [(e["link"], e["peer"]) for e in merged["scenarios"]] == [
     ("1gbit+50ms", "qemu-x"), ("loopback", "qemu-y")], merged["scenarios"]
 said = page.provenance(merged, "Sweep")
 assert "1gbit: t, commit 0123456789" in said and "loopback, 1gbit+50ms: u, commit fedcba9876" in said, said
+# A run of some variants replaces those variants' rows on its links and keeps the others'.
+more = dict(meta, started="v", build=dict(meta["build"], commit="abcdefabcdef"),
+            scenarios=[entry("qemu-b", 250, 8), entry("qemu-f", 150, 9)])
+again = page.merge(merged, more, some_peers=True)
+assert sorted((e["link"], e["peer"]) for e in again["scenarios"]) == [
+    ("1gbit", "qemu-a"), ("1gbit", "qemu-b"), ("1gbit", "qemu-c"), ("1gbit", "qemu-f"),
+    ("1gbit+50ms", "qemu-x"), ("loopback", "qemu-y")], again["scenarios"]
+assert page.winners(again, {"w": 20})["1gbit"] == {"w": "qemu-f"}
+said = page.provenance(again, "Sweep")
+assert "1gbit: t, commit 0123456789" in said and "1gbit (qemu-b, qemu-f): v, commit abcdefabcd" in said, said
 # The headline's chart: a bar per metric and row, ferry ÷ QEMU, each goal marked.
 svg = page.plot.svg(page.plot.rows_of(page.by_cell(head), page.ratio), page.GOAL)
 assert svg.count("<rect") == 3 + 3 and ">0.8<" in svg and ">0.4<" in svg and ">0.5<" in svg, svg
