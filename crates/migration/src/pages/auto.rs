@@ -2,7 +2,7 @@
 //! queue drains (`QueueProbe`), and samples of a frame's pages packed with a codec it means to
 //! measure again while the frame goes plain (`Sample`).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::policy::{Chooser, SAMPLE_SHARE};
 use crate::error::Result;
@@ -12,6 +12,9 @@ use crate::wire::codec::{Codec, Contexts};
 
 /// A send queue holding this much is busy: the link, not the sender, sets the pace.
 const BUSY_QUEUE: u64 = 256 * 1024;
+/// A drain sample spans at least this long: the link's rate is the most of the recent
+/// samples, and a short span can catch a burst (loopback, a shaper's bucket) above it.
+const MIN_SPAN: Duration = Duration::from_millis(1);
 
 /// A handle on a sender's connection, to see how fast its send queue drains.
 pub(super) struct QueueProbe {
@@ -33,13 +36,14 @@ impl QueueProbe {
         let now = Instant::now();
         let drained = written.saturating_sub(queued);
         let mut rate = None;
-        if let Some((then, drained_then, queued_then)) = self.last
-            && queued_then >= BUSY_QUEUE
-            && queued >= BUSY_QUEUE
-        {
-            let secs = now.duration_since(then).as_secs_f64();
-            if secs > 0.0 && drained > drained_then {
-                rate = Some((drained - drained_then) as f64 / secs);
+        if let Some((then, drained_then, queued_then)) = self.last {
+            let span = now.duration_since(then);
+            if span < MIN_SPAN && queued >= BUSY_QUEUE {
+                // Too short to tell a rate from a burst: the next look measures from `then`.
+                return None;
+            }
+            if queued_then >= BUSY_QUEUE && queued >= BUSY_QUEUE && drained > drained_then {
+                rate = Some((drained - drained_then) as f64 / span.as_secs_f64());
             }
         }
         self.last = Some((now, drained, queued));

@@ -4,6 +4,7 @@
 //! picks a codec by link and data.
 
 use crate::sync::Locked;
+use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -49,11 +50,13 @@ pub struct BatchCost {
 #[derive(Debug, Default)]
 pub struct Chooser {
     measures: CodecMeasures,
-    /// Bytes per second the link took: EWMA of what the send queue drained while it stayed
-    /// busy (`learn_link`), or, without such samples, of bytes written ÷ time the write held
-    /// the sender (which a large socket buffer hides at first).
+    /// Bytes per second the link took: the most of the last `LINK_WINDOW` samples of what the
+    /// send queue drained while it stayed busy (`learn_link`), or, before the first such
+    /// sample, an EWMA of bytes written ÷ time the write held the sender (which a large
+    /// socket buffer hides at first).
     link: Option<f64>,
-    drained_samples: bool,
+    /// The latest drain samples, newest last.
+    drained: VecDeque<f64>,
     /// Cores compressing this sender's batches side by side (0: one, the sender itself); less
     /// than one where the migration's threads outnumber the host's cores.
     cores: f64,
@@ -143,12 +146,10 @@ const CLOSE_PROBE_EVERY: u64 = 8;
 /// A sample is one page in this many of a batch (at least one page), from all over it: a
 /// sixteenth of the cost of packing the batch.
 pub const SAMPLE_SHARE: usize = 16;
+/// How many of the latest drain samples the link's rate is the most of.
+const LINK_WINDOW: usize = 16;
 /// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
-
-fn ewma(old: Option<f64>, new: f64) -> Option<f64> {
-    Some(old.map_or(new, |o| o + EWMA_NEW * (new - o)))
-}
 
 /// The `n`th measure into an average: the plain mean of the first few (the first does not
 /// outweigh the next ones), then an EWMA.
@@ -305,9 +306,10 @@ impl Chooser {
             let n = m.paced[i];
             m.pace[i] = average(m.pace[i], cycle.as_secs_f64() / b.raw_bytes as f64, n);
         }
-        if !self.drained_samples {
+        if self.drained.is_empty() {
             let w = b.write_time.as_secs_f64().max(1e-7);
-            self.link = ewma(self.link, b.packed_bytes as f64 / w);
+            let rate = b.packed_bytes as f64 / w;
+            self.link = Some(self.link.map_or(rate, |l| l + EWMA_NEW * (rate - l)));
         }
     }
 
@@ -341,12 +343,16 @@ impl Chooser {
     }
 
     /// A measured drain rate of the link (bytes/s), taken while data waited in the send queue.
+    /// A sample can only fall short of what the link takes (a receiver that stalled, on the
+    /// same cores, or one writing into memory it first touches): the link's rate is the most
+    /// of the recent ones. (An average fell to 35-50 MB/s on a 10 Gbit link in such stalls,
+    /// and `auto` then compressed a move that plain made 5x sooner.)
     pub fn learn_link(&mut self, bytes_per_s: f64) {
-        if !self.drained_samples {
-            self.drained_samples = true;
-            self.link = None;
+        if self.drained.len() == LINK_WINDOW {
+            self.drained.pop_front();
         }
-        self.link = ewma(self.link, bytes_per_s);
+        self.drained.push_back(bytes_per_s);
+        self.link = self.drained.iter().copied().reduce(f64::max);
     }
 }
 
@@ -534,6 +540,25 @@ mod tests {
             };
             c.learn(with_cycle(cost(p.send, ratio, speed, 5000.0), 1e3 / speed));
         }
+    }
+
+    /// A drain sample falls short of the link's rate when the receiver stalls: a few such do
+    /// not make a fast link look slow, but a link that stays slow is seen within
+    /// `LINK_WINDOW` samples.
+    #[test]
+    fn a_stalled_receiver_does_not_make_the_link_look_slow() {
+        let text = [(0.45, 900.0), (0.3, 400.0)];
+        let mut c = trained(5000.0, text);
+        c.learn_link(5000e6);
+        assert_eq!(c.best(), Codec::None);
+        for _ in 0..4 {
+            c.learn_link(40e6);
+        }
+        assert_eq!(c.best(), Codec::None, "a stall");
+        for _ in 4..LINK_WINDOW {
+            c.learn_link(40e6);
+        }
+        assert_ne!(c.best(), Codec::None, "a slow link");
     }
 
     /// `b` as the sender saw it: `ms_per_mb` of its whole time per MB.
