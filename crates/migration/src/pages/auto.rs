@@ -12,8 +12,8 @@ use crate::wire::codec::{Codec, Contexts};
 
 /// A send queue holding this much is busy: the link, not the sender, sets the pace.
 const BUSY_QUEUE: u64 = 256 * 1024;
-/// A drain sample spans at least this long: the link's rate is the most of the recent
-/// samples, and a short span can catch a burst (loopback, a shaper's bucket) above it.
+/// A drain sample spans at least this long: a short span can catch a burst (loopback, a
+/// shaper's bucket) far above the link's rate.
 const MIN_SPAN: Duration = Duration::from_millis(1);
 
 /// A handle on a sender's connection, to see how fast its send queue drains.
