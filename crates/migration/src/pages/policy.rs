@@ -552,28 +552,19 @@ mod tests {
     #[test]
     fn stalls_and_bursts_do_not_change_the_links_rate() {
         let text = [(0.45, 900.0), (0.3, 400.0)];
+        let drains = |c: &mut Chooser, rate: f64, n: usize| (0..n).for_each(|_| c.learn_link(rate));
         let mut c = trained(5000.0, text);
-        for _ in 0..LINK_WINDOW {
-            c.learn_link(5000e6);
-        }
+        drains(&mut c, 5000e6, LINK_WINDOW);
         assert_eq!(c.best(), Codec::None);
-        for _ in 0..4 {
-            c.learn_link(40e6);
-        }
+        drains(&mut c, 40e6, 4);
         assert_eq!(c.best(), Codec::None, "a stall");
-        for _ in 4..LINK_WINDOW {
-            c.learn_link(40e6);
-        }
+        drains(&mut c, 40e6, LINK_WINDOW - 4);
         assert_ne!(c.best(), Codec::None, "a slow link");
         // On a 125 MB/s link where zstd is the pick, bursts read at 380 MB/s leave it so.
         let mut slow = trained(125.0, text);
-        for _ in 0..LINK_WINDOW {
-            slow.learn_link(125e6);
-        }
+        drains(&mut slow, 125e6, LINK_WINDOW);
         assert_eq!(slow.best(), Codec::Zstd);
-        for _ in 0..4 {
-            slow.learn_link(380e6);
-        }
+        drains(&mut slow, 380e6, 4);
         assert_eq!(slow.best(), Codec::Zstd, "a burst");
     }
 
