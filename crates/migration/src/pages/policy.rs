@@ -345,10 +345,10 @@ impl Chooser {
     /// A measured drain rate of the link (bytes/s), taken while data waited in the send queue.
     /// A sample falls short of the link where the receiver stalled (on the same cores, or
     /// writing into memory it first touches), and overshoots it where a shaper's bucket let a
-    /// burst through: the link's rate is the median of the recent ones. (An average fell to
-    /// 35-50 MB/s on a 10 Gbit link in stalls, and `auto` then compressed a move that plain
-    /// made 5x sooner; the most of them read 326 MB/s on 1 Gbit, and `auto` sent plain
-    /// frames a link that slow did not carry sooner.)
+    /// burst through: the link's rate is the median of the recent ones. (An average of them
+    /// fell far below a fast link in stalls, and `auto` then compressed what plain moved
+    /// sooner; the most of them overshot a shaped link, and `auto` sent it plain frames it
+    /// did not carry sooner.)
     pub fn learn_link(&mut self, bytes_per_s: f64) {
         if self.drained.len() == LINK_WINDOW {
             self.drained.pop_front();
@@ -515,8 +515,8 @@ mod tests {
 
     /// A plain batch that met a stall (the sender descheduled while the guest and the
     /// receiver held the cores) makes plain look slow; plain is never tried, so without
-    /// forgetting that pace it would stay shut out for the rest of the move (it did: 117
-    /// frames of lz4 on 10 Gbit, where plain was twice as fast).
+    /// forgetting that pace it would stay shut out for the rest of the move (as it was on a
+    /// 10 Gbit link, where lz4 went on where plain was much sooner).
     #[test]
     fn a_stall_does_not_shut_plain_out() {
         let mut c = trained(5000.0, [(0.45, 900.0), (0.3, 400.0)]);
