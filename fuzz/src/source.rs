@@ -55,7 +55,7 @@ pub fn params_from(knobs: u8) -> MigrationParams {
     MigrationParams {
         mode,
         checkpoint_ms: (bit(2) && postcopy).then_some(20),
-        go_with_state: bit(3),
+        go_with_state: Some(bit(3)),
         checksum: bit(4),
         auto_postcopy: bit(5),
         timeout_s: 30,
