@@ -354,9 +354,14 @@ impl Chooser {
             self.drained.pop_front();
         }
         self.drained.push_back(bytes_per_s);
-        let mut sorted: Vec<f64> = self.drained.iter().copied().collect();
-        sorted.sort_by(f64::total_cmp);
-        self.link = Some(sorted[sorted.len() / 2]);
+        // On the stack: this runs once per frame sent.
+        let mut sorted = [0.0; LINK_WINDOW];
+        let n = self.drained.len();
+        for (slot, &rate) in sorted.iter_mut().zip(&self.drained) {
+            *slot = rate;
+        }
+        sorted[..n].sort_unstable_by(f64::total_cmp);
+        self.link = Some(sorted[n / 2]);
     }
 }
 
