@@ -1,5 +1,5 @@
-//! The opt-in OpenMetrics endpoint (`ferry run --metrics`): the VM and its migrations as a
-//! Prometheus server scrapes them. Every figure is read at the scrape from what the API
+//! The opt-in OpenMetrics endpoint (`ferry run --metrics`, `ferry ch --metrics`): the VM and
+//! its migrations as a Prometheus server scrapes them. Every figure is read at the scrape from what the API
 //! reads, so the two never disagree. Counters add up every migration of this process (the
 //! status board keeps the totals of those that ended; the running one adds its progress),
 //! so they only grow; gauges show the migration now. Served by a small reader of its own
@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use migration::StatusBoard;
 use migration::buckets::Buckets;
 use migration::status::{Phase, Role, Status};
 use migration::totals::{Totals, has_ended};
@@ -81,8 +82,28 @@ enum Listener {
     Unix(UnixListener),
 }
 
-/// Starts serving `controller`'s metrics at `addr`.
-pub fn start(addr: &MetricsAddr, controller: Arc<Controller>) -> Result<MetricsServer> {
+/// What a scrape reads: `ferry run`'s one VM, or the Cloud Hypervisor profile's VM of the
+/// moment (none while its VMM is empty).
+pub trait Scraped: Send + Sync {
+    /// The VM's controller, while a VM is here or arriving.
+    fn controller(&self) -> Option<Arc<Controller>>;
+    /// The board of the latest VM's migrations: the controller's, or once its VM has gone
+    /// (moved away, deleted) the last one's, so that its outcome can still be scraped.
+    fn board(&self) -> Option<StatusBoard>;
+}
+
+impl Scraped for Controller {
+    fn controller(&self) -> Option<Arc<Controller>> {
+        Some(self.self_ref())
+    }
+
+    fn board(&self) -> Option<StatusBoard> {
+        Some(self.migrations.board.clone())
+    }
+}
+
+/// Starts serving `source`'s metrics at `addr`.
+pub fn start(addr: &MetricsAddr, source: Arc<dyn Scraped>) -> Result<MetricsServer> {
     let (listener, path) = match addr {
         MetricsAddr::Tcp(a) => (
             Listener::Tcp(TcpListener::bind(a).with_context(|| format!("--metrics {a}"))?),
@@ -97,7 +118,7 @@ pub fn start(addr: &MetricsAddr, controller: Arc<Controller>) -> Result<MetricsS
         }
     };
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(Exposition { controller }));
+    registry.register_collector(Box::new(Exposition { source }));
     let registry = Arc::new(registry);
     std::thread::Builder::new()
         .name("metrics-accept".into())
@@ -248,9 +269,9 @@ fn read_request_head(conn: &mut dyn Conn) -> std::io::Result<String> {
     Ok(String::from_utf8_lossy(&head).into_owned())
 }
 
-/// What a scrape reads: the controller's VM and migrations.
+/// What a scrape reads: the source's VM and migrations.
 struct Exposition {
-    controller: Arc<Controller>,
+    source: Arc<dyn Scraped>,
 }
 
 impl std::fmt::Debug for Exposition {
@@ -261,8 +282,13 @@ impl std::fmt::Debug for Exposition {
 
 impl Collector for Exposition {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        encode_vm(&self.controller, &mut enc)?;
-        let (status, totals) = self.controller.migrations.board.read_with_totals();
+        if let Some(controller) = self.source.controller() {
+            encode_vm(&controller, &mut enc)?;
+        }
+        let Some(board) = self.source.board() else {
+            return Ok(());
+        };
+        let (status, totals) = board.read_with_totals();
         encode_counters(&status, &totals, &mut enc)?;
         encode_gauges(&status, &mut enc)?;
         histogram(

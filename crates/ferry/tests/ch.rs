@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::scrape::{must, scrape, value};
 use common::{FERRY, certs, free_port, guest, kvm_available, wait_for};
 use serde_json::{Value, json};
 
@@ -17,18 +18,22 @@ struct Vmm {
     child: Child,
     socket: PathBuf,
     events: PathBuf,
+    metrics: PathBuf,
 }
 
 impl Vmm {
     fn start(dir: &Path, name: &str) -> Vmm {
         let socket = dir.join(format!("{name}.sock"));
         let events = dir.join(format!("{name}.events"));
+        let metrics = dir.join(format!("{name}.metrics"));
         let child = Command::new(FERRY)
             .arg("ch")
             .arg("--api-socket")
             .arg(format!("path={}", socket.display()))
             .arg("--event-monitor")
             .arg(format!("path={}", events.display()))
+            .arg("--metrics")
+            .arg(format!("unix:{}", metrics.display()))
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn ferry ch");
@@ -36,6 +41,7 @@ impl Vmm {
             child,
             socket,
             events,
+            metrics,
         };
         wait_for("the API", Duration::from_secs(10), || {
             (vmm.call("GET", "vmm.ping", None).0 == 200).then_some(())
@@ -187,6 +193,8 @@ fn lifecycle_and_live_migration_through_the_profile() {
 
     // A live migration: the destination waits in vm.receive-migration, the source sends.
     let dst = Vmm::start(dir.path(), "dst");
+    let empty = scrape(&dst.metrics);
+    assert_eq!(value(&empty, r#"ferry_vm_state{state="running"}"#), None);
     let url = format!("unix:{}", dir.path().join("migration.sock").display());
     let receiver = {
         let (socket, url) = (dst.socket.clone(), url.clone());
@@ -222,6 +230,12 @@ fn lifecycle_and_live_migration_through_the_profile() {
             (g["passes"].as_u64().unwrap() >= passes + 2).then_some(())
         },
     );
+    let arrived = scrape(&dst.metrics);
+    assert_eq!(must(&arrived, r#"ferry_vm_state{state="running"}"#), 1.0);
+    let completed = r#"ferry_migrations_total{role="destination",outcome="completed"}"#;
+    assert_eq!(must(&arrived, completed), 1.0);
+    let full = must(&arrived, r#"ferry_migration_pages_total{kind="full"}"#);
+    assert!(full >= 16384.0, "the guest's 64 MiB arrived: {arrived}");
     let dst_stats = dst.ok("GET", "vm.migration-progress", None);
     assert_eq!(
         (dst_stats["job"].as_str(), dst_stats["role"].as_str()),
@@ -257,6 +271,13 @@ fn lifecycle_and_live_migration_through_the_profile() {
     assert_eq!(dst.ok("GET", "vm.info", None)["state"], "Created");
     dst.ok("PUT", "vm.delete", None);
     assert_error(dst.call("GET", "vm.info", None), 404, "not created");
+    let deleted = scrape(&dst.metrics);
+    assert_eq!(
+        must(&deleted, completed),
+        1.0,
+        "the outcome outlives the VM"
+    );
+    assert_eq!(value(&deleted, r#"ferry_vm_state{state="running"}"#), None);
     dst.ok("PUT", "vmm.shutdown", None);
     for e in [
         "migration-receive-ready",

@@ -9,6 +9,8 @@ use anyhow::{Result, anyhow, bail};
 use api::ch::{ConsoleMode, VmSpec};
 use serde_json::{Map, Value, json};
 
+use crate::metrics::MetricsAddr;
+
 /// A socket or file given by path or as an inherited file descriptor.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Target {
@@ -26,6 +28,8 @@ pub struct ChArgs {
     pub arrival_serial: Option<ConsoleMode>,
     /// ferry's own: TCP migrations without `tls_dir` allowed.
     pub plain_tcp: bool,
+    /// ferry's own: where to serve OpenMetrics (`--metrics tcp:HOST:PORT|unix:PATH`).
+    pub metrics: Option<MetricsAddr>,
     pub version: bool,
 }
 
@@ -130,6 +134,7 @@ const KNOWN: &[&str] = &[
     "serial",
     "console",
     "plain-tcp",
+    "metrics",
     "v",
     "version",
     "V",
@@ -150,6 +155,9 @@ pub fn parse(argv: &[String]) -> Result<ChArgs> {
             .map(|s| target("event-monitor", s))
             .transpose()?,
         plain_tcp: flags.contains_key("plain-tcp"),
+        metrics: one(&flags, "metrics")?
+            .map(|s| s.parse().map_err(|e| anyhow!("--metrics {e}")))
+            .transpose()?,
         version: flags.contains_key("version") || flags.contains_key("V"),
         ..Default::default()
     };
@@ -262,10 +270,11 @@ mod tests {
         let a = parse(&argv(
             "--api-socket fd=3 --kernel /k --cmdline idle --memory size=1G --cpus boot=2 \
              --disk path=/a,readonly=on path=/b --net tap=t0,mac=52:54:00:00:00:01 \
-             --serial file=/s --event-monitor path=/e",
+             --serial file=/s --event-monitor path=/e --metrics unix:/m",
         ))
         .unwrap();
         assert_eq!(a.api_socket, Some(Target::Fd(3)));
+        assert_eq!(a.metrics, Some(MetricsAddr::Unix("/m".into())));
         assert_eq!(a.event_monitor, Some(Target::Path("/e".into())));
         let s = a.spec.unwrap();
         assert_eq!((s.memory_bytes, s.vcpus, s.disks.len()), (1 << 30, 2, 2));
@@ -280,6 +289,8 @@ mod tests {
     fn names_what_it_cannot_take() {
         let e = parse(&argv("--kernel /k --memory size=1G,hugepages=on")).unwrap_err();
         assert!(e.to_string().contains("'hugepages'"), "{e}");
+        let e = parse(&argv("--api-socket /a --metrics 9100")).unwrap_err();
+        assert!(e.to_string().contains("--metrics 9100"), "{e}");
         let e = parse(&argv("--kernel /k --console pty")).unwrap_err();
         assert!(e.to_string().contains("console.mode=Pty"), "{e}");
         let e = parse(&argv("--seccomp false")).unwrap_err();

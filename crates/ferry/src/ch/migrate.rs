@@ -133,6 +133,7 @@ impl ChVmm {
             }
             *slot = Slot::Arriving(controller.clone());
         }
+        self.scrape_from(&controller);
         *self.began() = Some(Instant::now());
         let done = Arc::new(AtomicBool::new(false));
         self.watch_migration(controller.clone(), done.clone());

@@ -88,6 +88,11 @@ pub fn main(argv: &[String]) -> Result<i32> {
     events.emit("vmm", "starting", &[]);
     let serial = args.arrival_serial.unwrap_or(ConsoleMode::Off);
     let vmm = vmm::ChVmm::new(events, args.plain_tcp, serial);
+    let metrics = args
+        .metrics
+        .as_ref()
+        .map(|a| crate::metrics::start(a, vmm.clone()))
+        .transpose()?;
     let server = args
         .api_socket
         .as_ref()
@@ -102,6 +107,7 @@ pub fn main(argv: &[String]) -> Result<i32> {
     // Let the answer to vmm.shutdown leave before the socket goes.
     std::thread::sleep(std::time::Duration::from_millis(100));
     drop(server);
+    drop(metrics);
     vmm.end_vm(vmm::Slot::Empty);
     vmm.events.emit("vmm", "shutdown", &[]);
     Ok(code)

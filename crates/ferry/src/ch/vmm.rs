@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use api::ch::{ChRequest, ConsoleMode, VmSpec, VmmPingResponse};
 use api::{ApiError, ApiRequest, Handler, Service};
+use migration::StatusBoard;
 use serde_json::{Value, json};
 use vmm::VmState;
 use vmm::devices::GuestEvent;
@@ -18,6 +19,7 @@ use super::events::Events;
 use super::machine;
 use crate::controller::Controller;
 use crate::lifecycle::Phase;
+use crate::metrics::Scraped;
 use crate::migrations::Security;
 
 pub enum Slot {
@@ -42,6 +44,8 @@ pub struct ChVmm {
     pub arrival_serial: ConsoleMode,
     /// When the current migration began, on this host's clock.
     pub migration_began: Mutex<Option<Instant>>,
+    /// The migrations' board of the latest VM here, kept once it has gone for `--metrics`.
+    last_board: Mutex<Option<StatusBoard>>,
 }
 
 pub fn not_created() -> ApiError {
@@ -73,6 +77,7 @@ impl ChVmm {
             plain_tcp,
             arrival_serial,
             migration_began: Mutex::new(None),
+            last_board: Mutex::new(None),
         })
     }
 
@@ -82,6 +87,11 @@ impl ChVmm {
 
     pub fn slot(&self) -> std::sync::MutexGuard<'_, Slot> {
         self.slot.locked()
+    }
+
+    /// `controller` runs (or receives) the VM here now: its board is the one scraped.
+    pub fn scrape_from(&self, controller: &Controller) {
+        *self.last_board.locked() = Some(controller.migrations.board.clone());
     }
 
     /// The VM's controller, when there is one here or arriving.
@@ -130,6 +140,7 @@ impl ChVmm {
     /// The VM runs here now, under `controller`: watch it until it changes.
     pub fn go_live(&self, controller: Arc<Controller>, spec: VmSpec) {
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        self.scrape_from(&controller);
         *self.slot() = Slot::Live(controller.clone(), spec);
         let this = self.me();
         let _ = std::thread::Builder::new()
@@ -375,5 +386,15 @@ impl Service for ChVmm {
     }
     fn error_body(&self, e: &ApiError) -> String {
         api::ch::error_body(e)
+    }
+}
+
+impl Scraped for ChVmm {
+    fn controller(&self) -> Option<Arc<Controller>> {
+        self.controller().ok()
+    }
+
+    fn board(&self) -> Option<StatusBoard> {
+        self.last_board.locked().clone()
     }
 }

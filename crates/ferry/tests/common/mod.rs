@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod relay;
+pub mod scrape;
 pub mod testbed;
 
 use std::path::{Path, PathBuf};
