@@ -36,6 +36,12 @@ pub trait Service: Send + Sync + 'static {
     fn call(&self, method: &str, path: &str, body: &[u8]) -> Result<Value, ApiError>;
     /// The body of an error answer.
     fn error_body(&self, e: &ApiError) -> String;
+    /// Whether the status line carries a reason phrase (`HTTP/1.1 200 OK`). Cloud
+    /// Hypervisor's client reads all the status line after the version as the code, so its
+    /// profile answers as CH's server does, with none (`HTTP/1.1 200 `).
+    fn reason_phrase(&self) -> bool {
+        true
+    }
 }
 
 /// ferry's own API: routed by `ApiRequest`, errors as `{"error": "..."}`.
@@ -223,6 +229,7 @@ fn respond(
         Err(e) => (e.status, service.error_body(e)),
     };
     let reason = match status {
+        _ if !service.reason_phrase() => "",
         200 => "OK",
         204 => "No Content",
         400 => "Bad Request",

@@ -151,4 +151,37 @@ mod tests {
         .unwrap_err();
         assert!(e.message.contains("local=true"), "{e}");
     }
+
+    /// The bodies Cloud Hypervisor's own `ch-remote` (v53) sends, byte for byte: every field
+    /// it fills in with its default is taken; one that asks for what ferry lacks is named.
+    #[test]
+    fn takes_what_ch_remote_sends() {
+        let bodies: [(&str, &[u8]); 3] = [
+            (
+                "vm.restore",
+                br#"{"source_url":"file:///s","prefault":false,"memory_restore_mode":"Copy","net_fds":null,"vfio_fds":null,"iommufd_fd":null,"resume":true,"zone_updates":[]}"#,
+            ),
+            (
+                "vm.send-migration",
+                br#"{"destination_url":"unix:/m","local":false,"preserve_source":false,"downtime_ms":300,"timeout_s":3600,"timeout_strategy":"Cancel","connections":1,"tls_dir":null,"memory_mode":"Precopy"}"#,
+            ),
+            (
+                "vm.receive-migration",
+                br#"{"receiver_url":"unix:/m","tls_dir":null,"memory_mode":"Precopy","vfio_fds":null,"iommufd_fd":null,"zone_updates":[]}"#,
+            ),
+        ];
+        for (endpoint, body) in bodies {
+            let path = format!("/api/v1/{endpoint}");
+            if let Err(e) = ChRequest::parse("PUT", &path, body) {
+                panic!("{endpoint}: {e}");
+            }
+        }
+        let e = ChRequest::parse(
+            "PUT",
+            "/api/v1/vm.restore",
+            br#"{"source_url":"file:///s","net_fds":[{"id":"net0","fds":[3]}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.status == 400 && e.message.contains("net_fds="), "{e}");
+    }
 }

@@ -145,6 +145,14 @@ pub struct RestoreConfig {
     pub prefault: Option<Value>,
     #[serde(default)]
     pub memory_restore_mode: Option<Value>,
+    /// New descriptors for FD-backed NICs and VFIO devices, which ferry has not: `ch-remote`
+    /// sends them as null.
+    #[serde(default)]
+    pub net_fds: Option<Value>,
+    #[serde(default)]
+    pub vfio_fds: Option<Value>,
+    #[serde(default)]
+    pub iommufd_fd: Option<Value>,
     /// Run the VM once restored (CH's default: it stays paused).
     #[serde(default)]
     pub resume: bool,
@@ -165,6 +173,19 @@ impl RestoreConfig {
             &self.memory_restore_mode,
             Value::String("Copy".into()),
             "ferry restores by copying",
+        )?;
+        only_default(
+            "net_fds",
+            &self.net_fds,
+            Value::Null,
+            "ferry opens its taps by name",
+        )?;
+        only_default("vfio_fds", &self.vfio_fds, Value::Null, "ferry has no VFIO")?;
+        only_default(
+            "iommufd_fd",
+            &self.iommufd_fd,
+            Value::Null,
+            "ferry has no VFIO",
         )?;
         only_default(
             "zone_updates",
