@@ -350,11 +350,22 @@ fn tls_cancel_snapshot_and_restore_through_the_profile() {
     assert_error(waiter.call("GET", "vm.info", None), 404, "not created");
     assert_eq!(waiter.call("GET", "vmm.ping", None).0, 200);
 
-    // A live migration over TCP with CH's tls_dir on both sides.
+    // A VM that arrived without TLS (over a Unix socket) goes on over TCP with CH's tls_dir
+    // on both sides: TLS is the request's, not the arrival's.
+    let first = Vmm::start(dir.path(), "first");
+    first.ok("PUT", "vm.create", Some(config("write ws=32M seq verify")));
+    first.ok("PUT", "vm.boot", None);
+    verifies(&first, "the first host's guest");
     let src = Vmm::start(dir.path(), "src");
-    src.ok("PUT", "vm.create", Some(config("write ws=32M seq verify")));
-    src.ok("PUT", "vm.boot", None);
-    verifies(&src, "the source's guest");
+    let url = format!("unix:{}", dir.path().join("hop.sock").display());
+    let receiver = receive(&src, json!({"receiver_url": url}));
+    first.ok(
+        "PUT",
+        "vm.send-migration",
+        Some(json!({"destination_url": url})),
+    );
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
     let dst = Vmm::start(dir.path(), "dst");
     let url = format!("tcp:127.0.0.1:{}", free_port());
     let tls_dir = tls.to_str().unwrap();

@@ -41,6 +41,17 @@ fn tls(dir: &str, side: &str) -> Result<Tls, ApiError> {
     .map_err(|e| ApiError::bad_request(format!("tls_dir {}: {e}", dir.display())))
 }
 
+/// A VM's security in the profile. CH names TLS per request (`tls_dir`), and
+/// `migration_tls` holds each request to it, so the controller's own rule (TCP needs the TLS
+/// it was started with) must not refuse a VM booted, received or restored without TLS that
+/// is then sent on with `tls_dir`.
+pub fn per_request(tls: Option<Tls>) -> Security {
+    Security {
+        tls,
+        plain_tcp: true,
+    }
+}
+
 impl ChVmm {
     /// The TLS a migration to or from `endpoint` uses: `tls_dir` only with TCP, and TCP only
     /// with `tls_dir` unless ferry was started with `--plain-tcp`.
@@ -104,16 +115,12 @@ impl ChVmm {
         let endpoint: Endpoint = req.receiver_url.parse().map_err(api_error)?;
         let tls = self.migration_tls(&endpoint, req.tls_dir.as_deref(), "server")?;
         let source = Source::listen(&endpoint, tls.as_ref()).map_err(api_error)?;
-        let security = Security {
-            tls,
-            plain_tcp: self.plain_tcp,
-        };
         self.events.emit(
             "vm",
             "migration-receive-ready",
             &[("url", req.receiver_url.clone())],
         );
-        let outcome = self.arrive(source, security);
+        let outcome = self.arrive(source, per_request(tls));
         let event = if outcome.is_ok() {
             "migration-receive-finished"
         } else {
@@ -211,7 +218,7 @@ impl ChVmm {
         let source = Source::snapshot(&dir.join(SNAPSHOT_FILE))
             .map_err(|e| ApiError::bad_request(e.to_string()))?;
         self.events.emit("vm", "restoring", &[]);
-        let c = self.arrive(source, Security::default())?;
+        let c = self.arrive(source, per_request(None))?;
         let vm = c.vm()?;
         match (req.resume, vm.state() == vmm::VmState::Running) {
             (false, true) => c.handle(ApiRequest::Pause).map_err(as_ch)?,

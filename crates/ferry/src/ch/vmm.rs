@@ -20,7 +20,6 @@ use super::machine;
 use crate::controller::Controller;
 use crate::lifecycle::Phase;
 use crate::metrics::Scraped;
-use crate::migrations::Security;
 
 pub enum Slot {
     Empty,
@@ -226,11 +225,7 @@ impl ChVmm {
         }
         self.events.emit("vm", "booting", &[]);
         let vm = machine::boot(&spec)?;
-        let security = Security {
-            tls: None,
-            // Each migration's TLS is set per request (tls_dir); `send` checks TCP needs it.
-            plain_tcp: true,
-        };
+        let security = super::migrate::per_request(None);
         self.go_live(Controller::with_vm(Arc::new(vm), security), spec);
         self.events.emit("vm", "booted", &[]);
         Ok(Value::Null)
@@ -386,6 +381,9 @@ impl Service for ChVmm {
     }
     fn error_body(&self, e: &ApiError) -> String {
         api::ch::error_body(e)
+    }
+    fn reason_phrase(&self) -> bool {
+        false
     }
 }
 
