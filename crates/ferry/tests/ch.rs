@@ -102,6 +102,11 @@ fn call(socket: &Path, method: &str, endpoint: &str, body: Option<Value>) -> (u1
     let mut answer = String::new();
     s.read_to_string(&mut answer).unwrap();
     let status = answer[9..12].parse().unwrap();
+    // CH's client takes all of the status line after the version as the code.
+    assert!(
+        answer.starts_with(&format!("HTTP/1.1 {status} \r\n")),
+        "a status line CH's client cannot read: {answer}"
+    );
     let text = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
     (status, serde_json::from_str(text).unwrap_or(Value::Null))
 }
