@@ -312,14 +312,33 @@ fn tls_dir(dir: &Path) -> PathBuf {
     tls
 }
 
-/// Waits until the guest of `vmm` has made two more passes, none finding its memory wrong.
+/// Sectors the guest's disk workload cycles over: each is read back every cycle.
+const SECTORS: u64 = 256;
+
+/// Waits until the guest of `vmm` has made two more passes, none finding its memory wrong,
+/// and, where it has a disk, read every sector back once more, none wrong.
 fn verifies(vmm: &Vmm, what: &str) {
-    let passes = |v: &Vmm| v.ok("GET", "vm.counters", None)["guest"]["passes"].as_u64();
-    let from = wait_for("guest counters", Duration::from_secs(30), || passes(vmm));
+    let counters = || vmm.ok("GET", "vm.counters", None);
+    let from = wait_for("guest counters", Duration::from_secs(30), || {
+        let c = counters();
+        c["guest"]["passes"].is_u64().then_some(c)
+    });
+    let passes = |c: &Value| c["guest"]["passes"].as_u64().unwrap();
+    let reads = |c: &Value| c["_disk0"]["reads"].as_u64();
     wait_for(what, Duration::from_secs(60), || {
-        let g = vmm.ok("GET", "vm.counters", None)["guest"].clone();
+        let c = counters();
+        let g = &c["guest"];
         assert_eq!(g["verify_errors"], 0, "{what}: memory wrong: {g}");
-        (g["passes"].as_u64().unwrap() >= from + 2).then_some(())
+        assert_eq!(
+            g["blk_errors"], 0,
+            "{what}: disk sectors read back wrong: {g}"
+        );
+        let disk_read = match (reads(&from), reads(&c)) {
+            (Some(before), Some(now)) => now > before + SECTORS,
+            (None, None) => true,
+            _ => panic!("{what}: the disk came or went: {from} then {c}"),
+        };
+        (passes(&c) >= passes(&from) + 2 && disk_read).then_some(())
     });
 }
 
@@ -356,9 +375,19 @@ fn tls_cancel_snapshot_and_restore_through_the_profile() {
     assert_eq!(waiter.call("GET", "vmm.ping", None).0, 200);
 
     // A VM that arrived without TLS (over a Unix socket) goes on over TCP with CH's tls_dir
-    // on both sides: TLS is the request's, not the arrival's.
+    // on both sides: TLS is the request's, not the arrival's. Its disk goes with it: each
+    // empty VMM builds the devices the source names.
+    // Its disk is shared storage: every host opens the same file, as the source named it.
     let first = Vmm::start(dir.path(), "first");
-    first.ok("PUT", "vm.create", Some(config("write ws=32M seq verify")));
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk)
+        .and_then(|f| f.set_len(4 << 20))
+        .unwrap();
+    let mut with_disk = config(&format!(
+        "write ws=32M seq verify blk blk_sectors={SECTORS}"
+    ));
+    with_disk["disks"] = json!([{"path": disk}]);
+    first.ok("PUT", "vm.create", Some(with_disk));
     first.ok("PUT", "vm.boot", None);
     verifies(&first, "the first host's guest");
     let src = Vmm::start(dir.path(), "src");
@@ -371,6 +400,7 @@ fn tls_cancel_snapshot_and_restore_through_the_profile() {
     );
     let (status, answer) = receiver.join().unwrap();
     assert_eq!(status, 204, "{answer}");
+    verifies(&src, "the guest after a Unix hop");
     let dst = Vmm::start(dir.path(), "dst");
     let url = format!("tcp:127.0.0.1:{}", free_port());
     let tls_dir = tls.to_str().unwrap();
@@ -380,6 +410,8 @@ fn tls_cancel_snapshot_and_restore_through_the_profile() {
     let (status, answer) = receiver.join().unwrap();
     assert_eq!(status, 204, "{answer}");
     verifies(&dst, "the guest after a TLS move");
+    let disks = &dst.ok("GET", "vm.info", None)["config"]["disks"];
+    assert_eq!(disks[0]["path"], disk.to_str().unwrap(), "{disks}");
 
     // A snapshot of the paused VM through file://, restored into an empty VMM.
     let snap = dir.path().join("snap");

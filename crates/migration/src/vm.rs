@@ -15,6 +15,29 @@ pub struct VmDescriptor {
     pub memory_backend: String,
     /// Whether the VM ran on the source: a VM its user paused arrives paused.
     pub running: bool,
+    /// Its virtio devices in slot order, as the source was given them.
+    pub devices: Vec<DeviceDescriptor>,
+}
+
+/// A virtio device as the source's VMM was given it. A destination told nothing of the
+/// devices (Cloud Hypervisor's `vm.receive-migration` and `vm.restore`) builds the same:
+/// disks at the same paths (shared storage), NICs on taps of the same names.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DeviceDescriptor {
+    Disk {
+        path: String,
+        readonly: bool,
+    },
+    Net {
+        tap: String,
+        mac: Option<[u8; 6]>,
+    },
+    Balloon {
+        target_bytes: u64,
+        deflate_on_oom: bool,
+        free_page_reporting: bool,
+        stats_s: u32,
+    },
 }
 
 /// What the guest lived through across a migration, as the destination's VMM saw it.

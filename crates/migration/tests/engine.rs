@@ -189,6 +189,7 @@ impl Migratable for FakeVm {
             vcpus: 2,
             memory_backend: "anonymous".into(),
             running: self.is_running(),
+            devices: Vec::new(),
         }
     }
     fn ram(&self) -> GuestRam {

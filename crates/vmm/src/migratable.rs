@@ -1,11 +1,13 @@
 //! The KVM VM as the migration engine sees it.
 
 use migration::bitmap::Bitmap;
-use migration::{GuestRam, Migratable, VmDescriptor};
+use migration::{DeviceDescriptor, GuestRam, Migratable, VmDescriptor};
 use serde::{Serialize, de::DeserializeOwned};
 
+use crate::devices::virtio::balloon::BalloonConfig;
 use crate::memory::MemoryBackend;
 use crate::vm::{Vm, VmConfig};
+use crate::{DiskConfig, NetConfig};
 
 /// Version of the vCPU and device state encodings below; bump on any change to them.
 const STATE_VERSION: u32 = 3;
@@ -47,7 +49,70 @@ impl VmConfig {
                 MemoryBackend::Memfd => "memfd",
             }
             .into(),
+            devices: self.device_descriptors(),
         }
+    }
+
+    /// The virtio devices in slot order: disks, then NICs, then the balloon.
+    fn device_descriptors(&self) -> Vec<DeviceDescriptor> {
+        let disks = self.disks.iter().map(|d| DeviceDescriptor::Disk {
+            path: d.path.to_string_lossy().into_owned(),
+            readonly: d.readonly,
+        });
+        let nets = self.nets.iter().map(|n| DeviceDescriptor::Net {
+            tap: n.tap.clone(),
+            mac: n.mac,
+        });
+        let balloon = self.balloon.iter().map(|b| DeviceDescriptor::Balloon {
+            target_bytes: b.size,
+            deflate_on_oom: b.deflate_on_oom,
+            free_page_reporting: b.free_page_reporting,
+            stats_s: b.stats_s,
+        });
+        disks.chain(nets).chain(balloon).collect()
+    }
+
+    /// The devices `device_descriptors` names, into `self`; refused if they are not in the
+    /// slot order this VMM builds (disks, NICs, at most one balloon last).
+    fn take_devices(&mut self, devices: &[DeviceDescriptor]) -> migration::Result<()> {
+        let out_of_order = |what: &str| {
+            migration::Error::Protocol(format!(
+                "the source's devices put a {what} where this ferry cannot: it builds disks, \
+                 then NICs, then one balloon"
+            ))
+        };
+        for d in devices {
+            if self.balloon.is_some() {
+                return Err(out_of_order("device after the balloon"));
+            }
+            match d {
+                DeviceDescriptor::Disk { path, readonly } if self.nets.is_empty() => {
+                    self.disks.push(DiskConfig {
+                        path: path.into(),
+                        readonly: *readonly,
+                    })
+                }
+                DeviceDescriptor::Disk { .. } => return Err(out_of_order("disk after a NIC")),
+                DeviceDescriptor::Net { tap, mac } => self.nets.push(NetConfig {
+                    tap: tap.clone(),
+                    mac: *mac,
+                }),
+                DeviceDescriptor::Balloon {
+                    target_bytes,
+                    deflate_on_oom,
+                    free_page_reporting,
+                    stats_s,
+                } => {
+                    self.balloon = Some(BalloonConfig {
+                        size: *target_bytes,
+                        deflate_on_oom: *deflate_on_oom,
+                        free_page_reporting: *free_page_reporting,
+                        stats_s: *stats_s,
+                    })
+                }
+            }
+        }
+        Ok(())
     }
 
     pub fn from_descriptor(d: &VmDescriptor) -> migration::Result<Self> {
@@ -59,7 +124,7 @@ impl VmConfig {
                 d.ranges, d.memory_bytes
             )));
         }
-        Ok(Self {
+        let mut config = Self {
             disks: Vec::new(),
             nets: Vec::new(),
             balloon: None,
@@ -69,7 +134,9 @@ impl VmConfig {
                 .memory_backend
                 .parse()
                 .map_err(migration::Error::Protocol)?,
-        })
+        };
+        config.take_devices(&d.devices)?;
+        Ok(config)
     }
 }
 
@@ -169,5 +236,44 @@ impl Migratable for Vm {
 
     fn given_back(&self) -> Option<Bitmap> {
         self.balloon_given_back()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_devices_travel_in_the_descriptor_in_slot_order() {
+        let config = VmConfig {
+            memory: 64 << 20,
+            vcpus: 2,
+            backend: MemoryBackend::Memfd,
+            disks: vec![DiskConfig {
+                path: "/shared/d.img".into(),
+                readonly: true,
+            }],
+            nets: vec![NetConfig {
+                tap: "tap7".into(),
+                mac: Some([2, 0, 0, 0, 0, 7]),
+            }],
+            balloon: Some(BalloonConfig::default()),
+        };
+        let d = config.descriptor();
+        assert_eq!(d.devices.len(), 3);
+        let back = VmConfig::from_descriptor(&d).unwrap();
+        assert_eq!(back.descriptor(), d);
+        assert_eq!(back.disks[0].path, config.disks[0].path);
+        assert_eq!(back.nets[0].tap, "tap7");
+
+        // A slot order this VMM cannot build is refused, naming it.
+        let mut swapped = d.clone();
+        swapped.devices.swap(0, 1);
+        let e = VmConfig::from_descriptor(&swapped).unwrap_err();
+        assert!(e.to_string().contains("disk after a NIC"), "{e}");
+        let mut late = d;
+        late.devices.rotate_left(1);
+        let e = VmConfig::from_descriptor(&late).unwrap_err();
+        assert!(e.to_string().contains("after the balloon"), "{e}");
     }
 }

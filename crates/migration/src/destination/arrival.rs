@@ -488,6 +488,7 @@ mod tests {
                 vcpus,
                 memory_backend: "anonymous".into(),
                 running: true,
+                devices: Vec::new(),
             },
             mode,
             source: "script".into(),

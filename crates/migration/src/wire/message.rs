@@ -6,7 +6,7 @@
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::memory::RamRange;
-use crate::vm::VmDescriptor;
+use crate::vm::{DeviceDescriptor, VmDescriptor};
 
 /// What kind of stream a source opens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -446,6 +446,37 @@ impl Encoder {
         self.u32(vm.vcpus);
         self.str(&vm.memory_backend);
         self.bool(vm.running);
+        self.u32(vm.devices.len() as u32);
+        vm.devices.iter().for_each(|d| self.device(d));
+    }
+    fn device(&mut self, d: &DeviceDescriptor) {
+        match d {
+            DeviceDescriptor::Disk { path, readonly } => {
+                self.u8(DEVICE_DISK);
+                self.str(path);
+                self.bool(*readonly);
+            }
+            DeviceDescriptor::Net { tap, mac } => {
+                self.u8(DEVICE_NET);
+                self.str(tap);
+                self.bool(mac.is_some());
+                if let Some(mac) = mac {
+                    self.0.extend_from_slice(mac);
+                }
+            }
+            DeviceDescriptor::Balloon {
+                target_bytes,
+                deflate_on_oom,
+                free_page_reporting,
+                stats_s,
+            } => {
+                self.u8(DEVICE_BALLOON);
+                self.u64(*target_bytes);
+                self.bool(*deflate_on_oom);
+                self.bool(*free_page_reporting);
+                self.u32(*stats_s);
+            }
+        }
     }
     fn report(&mut self, r: &PostcopyReport) {
         self.u64(r.network_faults);
@@ -500,6 +531,11 @@ impl Encoder {
         }
     }
 }
+
+/// The kinds of device a VM descriptor names.
+const DEVICE_DISK: u8 = 1;
+const DEVICE_NET: u8 = 2;
+const DEVICE_BALLOON: u8 = 3;
 
 const RUN_ZEROS: u8 = 0;
 const RUN_ONES: u8 = 1;
@@ -593,6 +629,33 @@ impl<'a> Decoder<'a> {
             vcpus: self.u32()?,
             memory_backend: self.string()?,
             running: self.bool()?,
+            devices: {
+                // The smallest device on the wire is a tag, an empty name and a flag.
+                let n = self.count(6)?;
+                (0..n).map(|_| self.device()).collect::<Result<_>>()?
+            },
+        })
+    }
+    fn device(&mut self) -> Result<DeviceDescriptor> {
+        Ok(match self.u8()? {
+            DEVICE_DISK => DeviceDescriptor::Disk {
+                path: self.string()?,
+                readonly: self.bool()?,
+            },
+            DEVICE_NET => DeviceDescriptor::Net {
+                tap: self.string()?,
+                mac: match self.bool()? {
+                    true => Some(self.take(6)?.try_into().unwrap()),
+                    false => None,
+                },
+            },
+            DEVICE_BALLOON => DeviceDescriptor::Balloon {
+                target_bytes: self.u64()?,
+                deflate_on_oom: self.bool()?,
+                free_page_reporting: self.bool()?,
+                stats_s: self.u32()?,
+            },
+            other => return Err(Error::Protocol(format!("device kind {other} is unknown"))),
         })
     }
     fn report(&mut self) -> Result<PostcopyReport> {
@@ -693,6 +756,22 @@ mod tests {
                         vcpus: 2,
                         memory_backend: "memfd".into(),
                         running: true,
+                        devices: vec![
+                            DeviceDescriptor::Disk {
+                                path: "d".into(),
+                                readonly: true,
+                            },
+                            DeviceDescriptor::Net {
+                                tap: "t".into(),
+                                mac: Some([1, 2, 3, 4, 5, 6]),
+                            },
+                            DeviceDescriptor::Balloon {
+                                target_bytes: 2,
+                                deflate_on_oom: true,
+                                free_page_reporting: false,
+                                stats_s: 5,
+                            },
+                        ],
                     },
                     mode: StreamMode::Precopy,
                     source: "f".into(),
@@ -700,7 +779,8 @@ mod tests {
                     session: 0x55,
                 },
                 "0100001000000000000001000000000000000000000000100000000000000200000005000000\
-                 6d656d666401010100000066 02000000 5500000000000000",
+                 6d656d6664 01 03000000 01 01000000 64 01 02 01000000 74 01 010203040506 \
+                 03 0200000000000000 01 00 05000000 01 0100000066 02000000 5500000000000000",
             ),
             (Message::Ready { postcopy: true }, "020001"),
             (
