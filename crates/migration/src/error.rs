@@ -21,8 +21,9 @@ pub enum Error {
     /// The migration failed before its first page (connecting, the handshake): why.
     #[error("{0}")]
     Setup(String),
-    /// The VM could not do what the migration asked of it.
-    #[error("VM: {context}")]
+    /// The VM could not do what the migration asked of it. The cause is in the message too:
+    /// the message is what reaches the peer and the API.
+    #[error("VM: {context}{}", because(source))]
     Vm {
         context: String,
         #[source]
@@ -92,6 +93,14 @@ impl Error {
     }
 }
 
+/// `: cause`, for an error that has one.
+fn because(source: &Option<Cause>) -> String {
+    source
+        .as_ref()
+        .map(|e| format!(": {e}"))
+        .unwrap_or_default()
+}
+
 /// What an I/O error means here: a socket timeout reads as the OS's "try again".
 fn says(e: &std::io::Error) -> String {
     match e.kind() {
@@ -125,6 +134,11 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Peer);
         let e = Error::vm_caused("pause", std::io::Error::other("vCPU 1 stuck"));
         assert_eq!(e.source().unwrap().to_string(), "vCPU 1 stuck");
+        assert_eq!(
+            e.to_string(),
+            "VM: pause: vCPU 1 stuck",
+            "the peer and API hear why"
+        );
     }
 
     #[test]
