@@ -142,6 +142,7 @@ impl Migratable for PlainVm {
             vcpus: self.vcpus,
             memory_backend: "anonymous".into(),
             running: self.is_running(),
+            devices: Vec::new(),
         }
     }
     fn ram(&self) -> GuestRam {

@@ -56,12 +56,12 @@ pub fn wrong_state(message: impl Into<String>) -> ApiError {
     ApiError::internal(message)
 }
 
-/// A controller's refusal in CH's terms (its 409s are CH's 500s).
+/// A controller's refusal in CH's terms: CH answers 400 for bad input, 404 for no VM and
+/// 500 for the rest (ferry's 409 for a wrong state, 502 for a failed peer).
 pub fn as_ch(e: ApiError) -> ApiError {
-    if e.status == 409 {
-        wrong_state(e.message)
-    } else {
-        e
+    match e.status {
+        400 | 404 | 500 => e,
+        _ => wrong_state(e.message),
     }
 }
 
