@@ -146,6 +146,9 @@ const CLOSE_PROBE_EVERY: u64 = 8;
 /// A sample is one page in this many of a batch (at least one page), from all over it: a
 /// sixteenth of the cost of packing the batch.
 pub const SAMPLE_SHARE: usize = 16;
+/// A link at least this fast moves a page in a few microseconds, near what copying it out
+/// for the delta cache costs: plain frames go straight from guest memory there.
+const IN_PLACE_LINK: f64 = 500e6;
 /// How many of the latest drain samples the link's rate is the median of.
 const LINK_WINDOW: usize = 16;
 /// Weight of the newest sample in every average.
@@ -340,6 +343,14 @@ impl Chooser {
             let t = took.as_secs_f64().max(1e-7);
             m.speed[i] = average(m.speed[i], raw as f64 / t, n);
         }
+    }
+
+    /// Whether plain frames should go straight from guest memory, skipping the delta cache:
+    /// only where the link is fast enough that the copy would cost a good share of a page's
+    /// time on the wire. On a slower link the copy is a small part of it, and a page sent
+    /// again goes as its delta — in the pause above all, where its wire time is downtime.
+    pub fn plain_goes_in_place(&self) -> bool {
+        self.link.is_some_and(|l| l >= IN_PLACE_LINK)
     }
 
     /// A measured drain rate of the link (bytes/s), taken while data waited in the send queue.

@@ -229,10 +229,12 @@ impl PageSender {
                 cache.forget(pfn);
             }
         }
-        // Where `auto` finds plain soonest (the link outruns the codecs), copying the pages
-        // out for the delta cache would cost more than the deltas save: they go in place,
-        // and the cache forgets them (the destination no longer holds its copies).
-        let auto_plain = codec == Codec::None && self.compression == Compression::Auto;
+        // Where `auto` finds plain soonest on a fast link, copying the pages out for the
+        // delta cache would cost more than the deltas save: they go in place, and the cache
+        // forgets them (the destination no longer holds its copies).
+        let auto_plain = codec == Codec::None
+            && self.compression == Compression::Auto
+            && self.chooser.plain_goes_in_place();
         let buffered = codec != Codec::None || (self.delta.is_some() && !auto_plain);
         if !(buffered && full > 0) {
             if let Some(cache) = self.delta.as_mut() {
