@@ -1530,3 +1530,135 @@ fn a_connection_that_dies_mid_round_fails_the_migration_and_the_source_runs_on()
     assert!(!src.logging.load(Ordering::Acquire), "dirty logging is off");
     assert_eq!(board.read().phase, Phase::Failed);
 }
+
+/// How a scripted destination breaks off.
+#[derive(Clone, Copy, Debug)]
+enum Cut {
+    /// It says why, then closes the connection.
+    Abort,
+    /// It closes the connection without a word.
+    Close,
+}
+
+/// A scripted destination: it answers the conversation as a real one would (an untouched VM
+/// sends no pages) until the source sends a message named `at`, then breaks off as `cut`
+/// says. Returns where it listens.
+fn breaking_destination(
+    at: &'static str,
+    cut: Cut,
+) -> (tempfile::TempDir, Endpoint, JoinHandle<()>) {
+    use migration::wire::{self, Frame};
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
+        .parse()
+        .unwrap();
+    let listener = endpoint.listen(None).unwrap();
+    let script = std::thread::spawn(move || {
+        let mut s = listener.accept().unwrap();
+        s.set_timeouts(Some(Duration::from_secs(20))).unwrap();
+        wire::read_stream_header(&mut s).unwrap();
+        loop {
+            let msg = match wire::read_frame(&mut s).unwrap() {
+                Frame::Message(m) => m,
+                Frame::Pages { .. } => panic!("an untouched VM has no pages"),
+            };
+            if msg.name() == at {
+                if let Cut::Abort = cut {
+                    let reason = format!("scripted abort at {at}");
+                    wire::write_message(&mut s, &Message::Abort { reason }).unwrap();
+                }
+                return;
+            }
+            let answer = match msg {
+                Message::Hello { .. } => Message::Ready { postcopy: true },
+                Message::Sync { .. } => Message::Synced,
+                Message::Stale { .. } => Message::StaleDropped,
+                Message::StateEnd { .. } => Message::Loaded {
+                    memory_checksum: None,
+                },
+                _ => continue,
+            };
+            wire::write_message(&mut s, &answer).unwrap();
+        }
+    });
+    (dir, endpoint, script)
+}
+
+/// Migrates a running, untouched `FakeVm` to a destination that breaks off at `at`.
+fn migrate_to_breaking(mode: Mode, at: &'static str, cut: Cut) -> (Arc<FakeVm>, Status, String) {
+    let src = FakeVm::new();
+    src.paused.store(false, Ordering::Release);
+    let (_dir, endpoint, script) = breaking_destination(at, cut);
+    let board = StatusBoard::default();
+    let outgoing = Outgoing::new(board.clone(), None);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let params = MigrationParams {
+        mode,
+        go_with_state: Some(false),
+        ..Default::default()
+    };
+    let started = outgoing.send(
+        src.clone(),
+        endpoint,
+        params,
+        Box::new(move |r| {
+            let _ = tx.send(r.as_ref().err().map(|e| e.to_string()));
+        }),
+    );
+    // A failure may come back from `send` itself or through its callback.
+    let error = match started {
+        Err(e) => Some(e.to_string()),
+        Ok(()) => rx.recv_timeout(Duration::from_secs(60)).unwrap(),
+    };
+    script.join().unwrap();
+    let error = error.unwrap_or_else(|| panic!("{mode:?} cut at {at} ({cut:?}) succeeded"));
+    (src, board.read(), error)
+}
+
+/// Before `Go`, a destination that aborts or vanishes in any state of the conversation leaves
+/// the source as it was: running, dirty logging off, its devices its own, its guest not
+/// slowed. After `Go`, an abort still does (the destination says it did not start); silence
+/// leaves the source paused and unconfirmed, as the VM may run there.
+#[test]
+fn a_destination_breaking_off_in_any_state_leaves_the_source_as_it_was() {
+    let before_go = [
+        (Mode::Precopy, "Hello"),
+        (Mode::Precopy, "Populated"),
+        (Mode::Precopy, "RoundEnd"),
+        (Mode::Precopy, "Sync"),
+        (Mode::Precopy, "StateEnd"),
+        (Mode::Hybrid, "Stale"),
+        (Mode::Postcopy, "PostcopyPending"),
+        (Mode::Warm, "StateEnd"),
+    ];
+    for (mode, at) in before_go {
+        for cut in [Cut::Abort, Cut::Close] {
+            let (src, status, error) = migrate_to_breaking(mode, at, cut);
+            let case = format!("{mode:?} cut at {at} ({cut:?}): {error}");
+            if let Cut::Abort = cut {
+                assert!(error.contains(&format!("scripted abort at {at}")), "{case}");
+            }
+            assert_eq!(status.phase, Phase::Failed, "{case}");
+            assert!(!src.paused.load(Ordering::Acquire), "runs on: {case}");
+            assert!(!src.logging.load(Ordering::Acquire), "log off: {case}");
+            assert!(!src.released.load(Ordering::Acquire), "devices: {case}");
+            assert_eq!(src.throttle.load(Ordering::Relaxed), 0, "{case}");
+        }
+    }
+    for mode in [Mode::Precopy, Mode::Postcopy] {
+        let (src, status, error) = migrate_to_breaking(mode, "Go", Cut::Abort);
+        assert!(error.contains("scripted abort at Go"), "{mode:?}: {error}");
+        assert_eq!(status.phase, Phase::Failed, "{mode:?}");
+        assert!(!src.paused.load(Ordering::Acquire), "{mode:?}: runs on");
+        let (src, status, _) = migrate_to_breaking(mode, "Go", Cut::Close);
+        let unconfirmed = match mode {
+            Mode::Postcopy => Phase::PostcopyPaused,
+            _ => Phase::Unconfirmed,
+        };
+        assert_eq!(status.phase, unconfirmed, "{mode:?}");
+        assert!(
+            src.paused.load(Ordering::Acquire),
+            "{mode:?}: neither resumed here"
+        );
+    }
+}

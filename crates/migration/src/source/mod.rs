@@ -2,20 +2,25 @@
 //! holds; it starts migrations and snapshots on their own thread, answers cancel and
 //! start-postcopy, and keeps what an interrupted post-copy still owes for a resume.
 //!
-//! Files in the order data flows: `session` (handshake, outcome) → `rounds` (pre-copy) →
-//! `switchover` (pause, state, Go) → `postcopy` (serving pages after the switch) →
-//! `recovery` (carrying on over a new connection). `machine` is the conversation's rules;
+//! Files in the order data flows: `session` (the phases in order, the outcome) → `handshake`
+//! → `rounds` (pre-copy) → `switchover` (pause, state, Go) → `serving` (after the switch; `postcopy`'s
+//! pages follow) → `recovery` (carrying on over a new connection). Each phase hands the next
+//! its result; `guards` hold what the migration changed on the VM (pause, dirty logging,
+//! throttle) and put it back on every way out. `machine` is the conversation's rules;
 //! `lanes` runs a session's extra connections, each a `lane`; `controls` is what `Outgoing`
 //! shares with the migration it runs; `checkpoints`, what the destination sends back.
 
 mod checkpoints;
 mod controls;
+mod guards;
+mod handshake;
 mod lane;
 mod lanes;
 pub mod machine;
 mod postcopy;
 pub mod recovery;
 mod rounds;
+mod serving;
 mod session;
 mod switchover;
 

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use super::checkpoints::Checkpoints;
 use super::controls::Leftover;
 use super::machine::Event;
+use super::serving::GUEST_REPORT_WAIT;
 use super::session::Session;
-use super::switchover::GUEST_REPORT_WAIT;
+use super::switchover::Follow;
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
 use crate::io::transport::{IO_TIMEOUT, Stream};
@@ -282,10 +283,15 @@ pub(crate) fn serve(
 }
 
 impl Session<'_> {
-    /// The VM runs on the destination; its pages follow, requested ones first.
-    pub(super) fn post_copy(&mut self, pending: Bitmap) -> Result<()> {
+    /// The VM runs on the destination; its pages follow, requested ones first. When the last
+    /// one was in place.
+    pub(super) fn post_copy(&mut self, follow: Follow) -> Result<Instant> {
         let began = Instant::now();
-        let events = spawn_reader(self.stream.try_clone()?, self.checkpoints.clone())?;
+        let Follow {
+            pending,
+            checkpoints,
+        } = follow;
+        let events = spawn_reader(self.stream.try_clone()?, checkpoints)?;
         let before = self.pages.counters;
         let mut state = self.state;
         let mut guest_report = None;
@@ -318,7 +324,7 @@ impl Session<'_> {
             },
         )?;
         self.state = state;
-        self.finished = Some(Instant::now());
+        let finished = Instant::now();
         self.note_cpu();
         *self.leftover.locked() = None;
         let after = self.pages.counters;
@@ -354,14 +360,14 @@ impl Session<'_> {
         if let Some((observed, rate)) = guest_report {
             self.note_guest_report(observed, rate);
         }
-        Ok(())
+        Ok(finished)
     }
 
-    pub(super) fn keep_leftover(&self, pending: Bitmap) {
+    pub(super) fn keep_leftover(&self, follow: &Follow) {
         *self.leftover.locked() = Some(Leftover {
-            pending,
+            pending: follow.pending.clone(),
             params: self.params.clone(),
-            checkpoints: self.checkpoints.clone(),
+            checkpoints: follow.checkpoints.clone(),
         });
     }
 }

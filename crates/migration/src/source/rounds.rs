@@ -4,6 +4,8 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::guards::DirtyLog;
+use super::handshake::Agreed;
 use super::lane::RoundShare;
 use super::session::Session;
 use crate::bitmap::Bitmap;
@@ -25,13 +27,29 @@ const RATE_MIN_PAGES: u64 = 1024;
 const STATUS_EVERY_PAGES: u64 = 4096;
 const STATUS_EVERY: Duration = Duration::from_millis(100);
 
+/// What the rounds leave for the switch.
+pub(super) struct Handover {
+    /// The pages not sent since they were last written.
+    pub pending: Bitmap,
+    /// Whether they follow the switch (post-copy) rather than go inside it.
+    pub postcopy: bool,
+}
+
+impl Handover {
+    fn postcopy(pending: Bitmap) -> Self {
+        Self {
+            pending,
+            postcopy: true,
+        }
+    }
+}
+
 impl Session<'_> {
-    /// Sends memory by the mode's rules, then switches over.
-    pub(super) fn transfer(&mut self, mode: StreamMode, start_ns: u64) -> Result<()> {
+    /// Sends memory by the mode's rules until it is time to switch; what is left then.
+    pub(super) fn transfer(&mut self, mode: StreamMode, agreed: &Agreed) -> Result<Handover> {
         // Log first, then look: a page the guest first touches while we scan is still caught.
         if mode == StreamMode::Precopy {
-            self.vm.start_dirty_log()?;
-            self.dirty_logging = true;
+            self.held.dirty_log = Some(DirtyLog::start(self.vm)?);
             self.lap("dirty log on");
         } else {
             self.pause()?;
@@ -43,7 +61,7 @@ impl Session<'_> {
         self.count_skipped(&populated);
         if self.params.mode == Mode::Postcopy {
             // Nothing moves before the switch: every page that holds data follows it.
-            return self.switch_over(populated, true, start_ns);
+            return Ok(Handover::postcopy(populated));
         }
         // Which pages round 0 sends, so that the destination faults them in meanwhile.
         self.send(&Message::Populated {
@@ -55,13 +73,13 @@ impl Session<'_> {
             (StreamMode::Precopy, Mode::Hybrid) => {
                 let dirty = self.vm.take_dirty()?;
                 self.lap("harvest 1");
-                self.switch_over(dirty, true, start_ns)
+                Ok(Handover::postcopy(dirty))
             }
-            (StreamMode::Precopy, _) => {
-                let (pending, postcopy) = self.iterate()?;
-                self.switch_over(pending, postcopy, start_ns)
-            }
-            _ => self.switch_over(Bitmap::new(self.ram.gfn_end()), false, start_ns),
+            (StreamMode::Precopy, _) => self.iterate(agreed.peer_postcopy),
+            _ => Ok(Handover {
+                pending: Bitmap::new(self.ram.gfn_end()),
+                postcopy: false,
+            }),
         }
     }
 
@@ -75,9 +93,8 @@ impl Session<'_> {
         }
     }
 
-    /// Live rounds until the policy (or the user) says switch; returns the dirty set not yet
-    /// sent, and whether to hand it over by post-copy.
-    fn iterate(&mut self) -> Result<(Bitmap, bool)> {
+    /// Live rounds until the policy (or the user) says switch.
+    fn iterate(&mut self, peer_postcopy: bool) -> Result<Handover> {
         let limits = Limits {
             max_downtime_ms: self.params.max_downtime_ms as f64,
             max_rounds: self.params.max_rounds,
@@ -97,12 +114,12 @@ impl Session<'_> {
             };
             previous = count;
             let measured = self.measure(round, count, stalled);
-            if self.controls.start_postcopy.load(Ordering::Acquire) && self.peer_postcopy {
+            if self.controls.start_postcopy.load(Ordering::Acquire) && peer_postcopy {
                 self.status.note = Some("switched to post-copy on request".into());
-                return Ok((dirty, true));
+                return Ok(Handover::postcopy(dirty));
             }
             if self.params.auto_postcopy
-                && self.peer_postcopy
+                && peer_postcopy
                 && policy::cannot_converge(&measured, &limits)
             {
                 self.status.report.converged = Some(false);
@@ -112,7 +129,7 @@ impl Session<'_> {
                     round - 1,
                     measured.dirty_pages_per_s
                 ));
-                return Ok((dirty, true));
+                return Ok(Handover::postcopy(dirty));
             }
             match policy::decide(&measured, &limits) {
                 Decision::Iterate => {
@@ -131,7 +148,10 @@ impl Session<'_> {
                     } else {
                         why
                     });
-                    return Ok((dirty, postcopy));
+                    return Ok(Handover {
+                        pending: dirty,
+                        postcopy,
+                    });
                 }
             }
             round += 1;
@@ -183,12 +203,11 @@ impl Session<'_> {
 
     /// Auto-converge's step (`policy::next_throttle`). Whether it slowed the guest further.
     fn throttle_harder(&mut self, measured: &Measured) -> Result<bool> {
-        let next = policy::next_throttle(self.throttle, measured);
-        if next == self.throttle {
+        let next = policy::next_throttle(self.held.throttle.percent(), measured);
+        if next == self.held.throttle.percent() {
             return Ok(false);
         }
-        self.vm.set_throttle(next)?;
-        self.throttle = next;
+        self.held.throttle.set(next)?;
         let r = &mut self.status.report;
         r.throttle_percent_max = r.throttle_percent_max.max(next);
         let why = match self.params.auto_converge {
@@ -229,7 +248,7 @@ impl Session<'_> {
             bytes: after.bytes - before.bytes,
             duration_ms: ms(elapsed),
             dirty_pages_per_s: 0.0,
-            throttle_percent: self.throttle,
+            throttle_percent: self.held.throttle.percent(),
         });
         self.publish();
         Ok(())

@@ -1,17 +1,18 @@
-//! One outgoing migration from start to end: the handshake, then `rounds`, `switchover` and
-//! (after the switch) `postcopy`. The session owns its status and publishes snapshots of it.
+//! One outgoing migration from start to end: its phases in order — `handshake` → `rounds` →
+//! `switchover` → `serving` — each handing the next its result, and the outcome. The session
+//! holds the connection, the page senders and the status it publishes snapshots of.
 //!
 //! Until the destination confirms it runs the VM, any failure — the peer dies, the link drops,
-//! a bad answer, a timeout, a cancel — leaves the source as it was: dirty logging off, the
-//! vCPUs running again if they ran before.
+//! a bad answer, a timeout, a cancel, a panic — leaves the source as it was: dirty logging
+//! off, the guest not slowed, the vCPUs running again if they ran before (`guards`).
 
 use crate::sync::Locked;
+use std::sync::Mutex;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::checkpoints::Checkpoints;
 use super::controls::{Controls, Leftover};
+use super::guards::{Held, Paused};
 use super::lane::{self, Lane};
 use super::machine::{Event, SourceState};
 use crate::bitmap::Bitmap;
@@ -52,23 +53,12 @@ pub(crate) struct Session<'a> {
     pub state: SourceState,
     pub started: Instant,
     pub sent_once: Bitmap,
-    /// The destination said it can take post-copy.
-    pub peer_postcopy: bool,
-    /// The connection's shortest round trip, where TCP says it.
-    pub round_trip: Option<Duration>,
     /// Time spent sending pages, for the bandwidth estimate.
     pub send_time: Duration,
+    /// What this migration changed on the VM, put back on every way out (see `guards`).
+    pub held: Held<'a>,
     /// Whether the VM ran when the migration began (a failure leaves it as it was).
     was_running: bool,
-    /// Whether this session paused the VM (and so must resume it on failure).
-    pub paused_at: Option<(Instant, u64)>,
-    pub dirty_logging: bool,
-    /// Auto-converge: the share of time the guest's vCPUs sleep now.
-    pub throttle: u8,
-    /// When the last page was in place (post-copy ends after the guest resumed).
-    pub finished: Option<Instant>,
-    /// Post-copy checkpoints coming back from the destination, when asked for.
-    pub checkpoints: Option<Arc<Checkpoints>>,
     /// The CPU time of this migration's threads (see `crate::cpu`).
     pub cpu: CpuMeter,
     /// Where the time goes, stretch by stretch (`Report::breakdown`).
@@ -120,15 +110,9 @@ impl<'a> Session<'a> {
             state: SourceState::AwaitReady,
             started: Instant::now(),
             laps: Laps::starting(Instant::now()),
-            peer_postcopy: false,
-            round_trip: None,
             send_time: Duration::ZERO,
+            held: Held::new(vm),
             was_running: vm.is_running(),
-            paused_at: None,
-            dirty_logging: false,
-            throttle: 0,
-            finished: None,
-            checkpoints: None,
             cpu,
         }
     }
@@ -179,82 +163,28 @@ impl<'a> Session<'a> {
             .vm
             .guest_progress_rate(start_ns.saturating_sub(RATE_WINDOW_NS), start_ns);
         self.status.memory_pages = self.ram.pages();
-        wire::write_stream_header(&mut self.stream)?;
-        // A file takes lanes only when laid out for them.
-        let connections = if self.stream.has_peer() || self.dial.is_some() {
-            self.params.connections.max(1)
-        } else {
-            1
-        };
-        self.status.connections = connections;
-        self.status.migration_threads = (0..connections)
-            .map(|lane| self.params.packers_of(lane) as u32)
-            .sum();
-        let session = if connections > 1 {
-            lane::session_id()?
-        } else {
-            0
-        };
-        self.send(&Message::Hello {
-            vm: self.vm.descriptor(),
-            mode,
-            source: format!("ferry {}", env!("CARGO_PKG_VERSION")),
-            connections,
-            session,
-        })?;
-        if self.stream.has_peer() {
-            // A cancel now closes the connection (see `Controls::handshake`); one that came
-            // before is seen here.
-            *self.controls.handshake.locked() = self.stream.try_clone().ok();
-            let ready = self
-                .check_continue()
-                .and_then(|()| self.hear())
-                .map_err(|e| match e {
-                    // Whatever answered is no ferry destination (an HTTP server, another service).
-                    Error::Protocol(why) => Error::Protocol(format!(
-                        "the destination's first answer is not ferry's ({why}): is a ferry \
-                     --incoming listening there?"
-                    )),
-                    e => e,
-                });
-            *self.controls.handshake.locked() = None;
-            self.cancel_closes(&self.stream);
-            if let Message::Ready { postcopy } = ready? {
-                self.peer_postcopy = postcopy;
-                self.status.destination_supports_postcopy = Some(postcopy);
-            }
-            if self.params.mode.wants_postcopy() && !self.peer_postcopy {
-                return Err(Error::Param(
-                    "the destination cannot take post-copy (no userfaultfd there)".into(),
-                ));
-            }
-            self.lap("handshake");
-            if let Some((_, rtt)) = self.stream.tcp_path() {
-                self.stream.fit_send_buffer(rtt);
-                self.round_trip = Some(rtt);
-            }
-            if connections > 1 {
-                self.open_lanes(session)?;
-                self.lap("extra connections");
-            }
-        } else {
-            if connections > 1 {
-                self.open_lanes(session)?;
-            }
-            self.step(Event::StartRounds)?;
-        }
+        let agreed = self.handshake(mode)?;
         self.status.report.setup_ms = ms(self.started.elapsed());
         self.status.phase = Phase::Active;
         self.publish();
-        self.transfer(mode, start_ns)
+        let handover = self.transfer(mode, &agreed)?;
+        let switched = self.switch_over(handover, &agreed, start_ns)?;
+        self.serve(switched)
     }
 
-    pub fn pause(&mut self) -> Result<()> {
-        if self.paused_at.is_none() {
-            self.vm.pause()?;
-            self.paused_at = Some((Instant::now(), now_ns()));
-        }
-        Ok(())
+    /// Pauses the guest, once; when it paused.
+    pub fn pause(&mut self) -> Result<(Instant, u64)> {
+        let paused = match self.held.paused.take() {
+            Some(p) => p,
+            None => Paused::new(self.vm, self.was_running)?,
+        };
+        let at = (paused.at, paused.at_ns);
+        self.held.paused = Some(paused);
+        Ok(at)
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.held.paused.is_some()
     }
 
     pub fn check_continue(&self) -> Result<()> {
@@ -271,22 +201,32 @@ impl<'a> Session<'a> {
     pub fn finish(mut self, result: Result<()>) -> Result<()> {
         // A migration that failed says where its CPU went too.
         self.note_cpu();
-        if self.throttle > 0 {
-            // Whatever the outcome, the guest is not left slowed down.
-            let _ = self.vm.set_throttle(0);
-            self.throttle = 0;
-        }
+        self.held.throttle.release();
         let error = match result {
             Ok(()) => {
-                if self.dirty_logging {
-                    let _ = self.vm.stop_dirty_log();
+                // The VM runs on the destination (or its home is the file now).
+                self.held.dirty_log = None;
+                if let Some(p) = self.held.paused.take() {
+                    p.keep();
                 }
                 self.publish();
                 return Ok(());
             }
             Err(e) => self.explain(e),
         };
-        let went = match self.state {
+        let error = if self.may_run_there(&error) {
+            self.leave_unconfirmed(error)
+        } else {
+            self.run_on_here(error)
+        };
+        self.status.error = Some(error.to_string());
+        self.publish();
+        Err(error)
+    }
+
+    /// Whether the VM may run on the destination after the migration failed with `error`.
+    fn may_run_there(&self, error: &Error) -> bool {
+        match self.state {
             SourceState::Postcopy | SourceState::AwaitGuestReport | SourceState::Done => true,
             // Go was sent: the destination starts unless it said why it would not (its
             // `Abort` comes only before the VM ran there: a stop request, a failed load).
@@ -294,25 +234,30 @@ impl<'a> Session<'a> {
                 !matches!(error, Error::Peer(_))
             }
             _ => false,
+        }
+    }
+
+    /// The VM may run on the destination now: neither resume here nor give it up.
+    fn leave_unconfirmed(&mut self, error: Error) -> Error {
+        if let Some(p) = self.held.paused.take() {
+            p.keep();
+        }
+        if let Some(l) = self.held.dirty_log.take() {
+            l.keep();
+        }
+        self.status.phase = if self.leftover_pending() {
+            Phase::PostcopyPaused
+        } else {
+            Phase::Unconfirmed
         };
-        if !went {
-            // Nothing ran on the destination: there is nothing a resume could carry on.
-            *self.leftover.locked() = None;
-        }
-        if went {
-            // The VM may run on the destination now: neither resume here nor give it up.
-            self.status.phase = if self.leftover_pending() {
-                Phase::PostcopyPaused
-            } else {
-                Phase::Unconfirmed
-            };
-            self.status.error = Some(error.to_string());
-            self.publish();
-            return Err(error);
-        }
-        if self.dirty_logging {
-            let _ = self.vm.stop_dirty_log();
-        }
+        error
+    }
+
+    /// Nothing ran on the destination: the source carries on as it was.
+    fn run_on_here(&mut self, error: Error) -> Error {
+        // There is nothing a post-copy resume could carry on.
+        *self.leftover.locked() = None;
+        self.held.dirty_log = None;
         // The destination hears why first: it lets go of the disks it may have taken while
         // loading the state, which the source takes back to run (it never resumes without
         // `Go`, so the order cannot make two copies).
@@ -325,9 +270,8 @@ impl<'a> Session<'a> {
                 .close_after_last_word(Duration::from_millis(300));
         }
         let mut error = error;
-        if self.paused_at.is_some()
-            && self.was_running
-            && let Err(e) = self.vm.resume()
+        if let Some(paused) = self.held.paused.take()
+            && let Err(e) = paused.undo()
         {
             error = Error::vm_caused(format!("{error}; and resuming the source failed"), e);
         }
@@ -336,9 +280,15 @@ impl<'a> Session<'a> {
         } else {
             Phase::Failed
         };
-        self.status.error = Some(error.to_string());
-        self.publish();
-        Err(error)
+        error
+    }
+
+    /// The CPU this migration's threads used, taken once, at the first call: when its
+    /// transfer ended (not a second later, after the guest's report), or when it failed.
+    pub(super) fn note_cpu(&mut self) {
+        if self.status.report.cpu.is_empty() {
+            self.status.report.cpu = self.cpu.uses();
+        }
     }
 
     fn leftover_pending(&self) -> bool {

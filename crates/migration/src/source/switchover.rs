@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::checkpoints::Checkpoints;
-use super::machine::{Event, SourceState};
+use super::handshake::Agreed;
+use super::machine::Event;
+use super::rounds::Handover;
 use super::session::Session;
 use crate::bitmap::Bitmap;
 use crate::error::Result;
@@ -18,100 +20,142 @@ use crate::wire::Message;
 
 /// The longest the source waits for its send queue to empty before pausing the guest.
 const SWITCH_DRAIN_LIMIT: Duration = Duration::from_secs(2);
-/// How long the source waits for the destination's guest report after it resumed.
-pub(super) const GUEST_REPORT_WAIT: Duration = Duration::from_secs(4);
 /// How long a paused source waits for each answer of the switch (Loaded, Resumed): a silent
 /// destination cannot keep the VM frozen for longer.
 const SWITCH_ANSWER_WAIT: Duration = Duration::from_secs(30);
 
+/// Pages that follow the switch (post-copy), and the checkpoints coming back, when asked for.
+pub(super) struct Follow {
+    pub pending: Bitmap,
+    pub checkpoints: Option<Arc<Checkpoints>>,
+}
+
+/// Where the switch left the VM, for the serving phase.
+pub(super) enum Switched {
+    /// Written to a file: its new home.
+    ToFile,
+    /// Running on the destination since `at`; with post-copy, its pages still follow.
+    Resumed { at: Instant, follow: Option<Follow> },
+}
+
 impl Session<'_> {
     pub(super) fn switch_over(
         &mut self,
-        mut pending: Bitmap,
-        postcopy: bool,
+        handover: Handover,
+        agreed: &Agreed,
         start_ns: u64,
-    ) -> Result<()> {
+    ) -> Result<Switched> {
+        let Handover {
+            mut pending,
+            postcopy,
+        } = handover;
         self.check_continue()?;
-        // After live rounds, the destination catches up before the pause (and, for post-copy,
-        // drops the copies dirtied since they were sent), so the pause holds only the rest.
-        if self.paused_at.is_none()
-            && self.stream.has_peer()
-            && !self.status.progress.rounds.is_empty()
-        {
-            if postcopy {
-                self.drop_stale_before_pause(&pending)?;
-            } else {
-                self.sync_before_pause()?;
-            }
-            self.lap("catch-up");
-        }
+        self.catch_up(&pending, postcopy)?;
         self.status.phase = Phase::Switchover;
         self.publish();
-        if self.paused_at.is_none() {
+        if !self.is_paused() {
             // Let the earlier rounds leave the send queue first: the last pages and the state
             // must not wait behind them while the guest is paused.
             self.stream.drain(SWITCH_DRAIN_LIMIT);
             self.lap("drain");
         }
-        self.pause()?;
+        let (paused_at, paused_at_ns) = self.pause()?;
         // Its disks are flushed and let go now, for the destination to take; a failure from
         // here on takes them back before the VM runs here again (`resume`).
         self.vm.release_devices()?;
         self.step(Event::Paused)?;
         self.lap("pause");
-        let (paused_at, paused_at_ns) = self.paused_at.expect("paused above");
         self.status.report.guest_pages_per_s_during =
             self.vm.guest_progress_rate(start_ns, paused_at_ns);
-        if self.dirty_logging {
+        if self.held.dirty_log.is_some() {
             self.vm.take_dirty_into(&mut pending)?;
             self.lap("harvest paused");
         }
         self.check_page_data(); // the guest is still
-        let round = self.status.progress.rounds.len() as u32;
-        if postcopy {
-            // Post-copy installs whole pages: no delta may follow.
-            self.pages.forget_deltas();
-            self.status.postcopy = true;
-            self.send(&Message::PostcopyPending {
-                map: pending.clone(),
-            })?;
-            if let Some(every_ms) = self.params.checkpoint_ms {
-                self.checkpoints = Some(Arc::new(Checkpoints::new(
-                    &self.ram,
-                    self.vm.descriptor().vcpus,
-                    every_ms,
-                    self.board,
-                )?));
-                self.send(&Message::Checkpoints { every_ms })?;
-            }
-        } else if pending.count() > 0 || round == 0 {
-            self.send_round(round, &pending)?;
-        }
-        self.end_lanes()?;
-        self.lap("last pages");
-        let checksum = if self.params.checksum {
-            Some(memory_checksum(&self.ram)?)
+        let follow = if postcopy {
+            Some(self.announce_postcopy(pending)?)
         } else {
+            self.send_last_round(&pending)?;
             None
         };
-        self.status.report.memory_checksum_source = checksum;
-        self.send_state(checksum)?;
+        self.end_lanes()?;
+        self.lap("last pages");
+        self.send_state()?;
         self.lap("state");
         if !self.stream.has_peer() {
             self.stream.flush()?;
             if let Stream::File(f) = &mut self.stream {
                 f.sync_all()?;
             }
-            self.complete(None);
+            return Ok(Switched::ToFile);
+        }
+        self.hand_over(follow.as_ref(), agreed)?;
+        // The stretches add up to the total: it ends where the last of them does.
+        let at = self.lap("go, resumed");
+        self.status.report.downtime_ms = Some(ms(paused_at.elapsed()));
+        Ok(Switched::Resumed { at, follow })
+    }
+
+    /// After live rounds, the destination catches up before the pause (and, for post-copy,
+    /// drops the copies dirtied since they were sent), so the pause holds only the rest.
+    fn catch_up(&mut self, pending: &Bitmap, postcopy: bool) -> Result<()> {
+        if self.is_paused() || !self.stream.has_peer() || self.status.progress.rounds.is_empty() {
             return Ok(());
         }
-        self.stream.set_timeouts(Some(SWITCH_ANSWER_WAIT))?;
         if postcopy {
+            self.drop_stale_before_pause(pending)?;
+        } else {
+            self.sync_before_pause()?;
+        }
+        self.lap("catch-up");
+        Ok(())
+    }
+
+    /// Names the pages that will follow the switch, and starts taking checkpoints back when
+    /// asked for.
+    fn announce_postcopy(&mut self, pending: Bitmap) -> Result<Follow> {
+        // Post-copy installs whole pages: no delta may follow.
+        self.pages.forget_deltas();
+        self.status.postcopy = true;
+        self.send(&Message::PostcopyPending {
+            map: pending.clone(),
+        })?;
+        let mut checkpoints = None;
+        if let Some(every_ms) = self.params.checkpoint_ms {
+            checkpoints = Some(Arc::new(Checkpoints::new(
+                &self.ram,
+                self.vm.descriptor().vcpus,
+                every_ms,
+                self.board,
+            )?));
+            self.send(&Message::Checkpoints { every_ms })?;
+        }
+        Ok(Follow {
+            pending,
+            checkpoints,
+        })
+    }
+
+    /// The pages dirtied since the last round, sent while the guest is paused (warm and
+    /// snapshot: every page, as their only round).
+    fn send_last_round(&mut self, pending: &Bitmap) -> Result<()> {
+        let round = self.status.progress.rounds.len() as u32;
+        if pending.count() > 0 || round == 0 {
+            self.send_round(round, pending)?;
+        }
+        Ok(())
+    }
+
+    /// `Loaded` and `Go` (in the order the path favours), then `Resumed`.
+    fn hand_over(&mut self, follow: Option<&Follow>, agreed: &Agreed) -> Result<()> {
+        self.stream.set_timeouts(Some(SWITCH_ANSWER_WAIT))?;
+        let postcopy = follow.is_some();
+        if let Some(f) = follow {
             // Should the connection drop once Go is sent, these pages are what a resume owes
             // (forgotten if it fails before).
-            self.keep_leftover(pending.clone());
+            self.keep_leftover(f);
         }
-        if self.params.goes_with_state(self.round_trip) {
+        if self.params.goes_with_state(agreed.round_trip) {
             self.send_go(postcopy)?;
             self.hear_loaded()?;
             self.lap("go, loaded");
@@ -123,20 +167,7 @@ impl Session<'_> {
         let Message::Resumed { state_to_resume_ns } = self.hear()? else {
             unreachable!("the state machine admits only Resumed here")
         };
-        // The stretches add up to the total: it ends where the last of them does.
-        let resumed_at = self.lap("go, resumed");
-        self.status.report.downtime_ms = Some(ms(paused_at.elapsed()));
         self.status.report.destination_downtime_ms = Some(state_to_resume_ns as f64 / 1e6);
-        if postcopy {
-            self.status.phase = Phase::Postcopy;
-            self.publish();
-            self.post_copy(pending)?;
-            self.lap("post-copy");
-        } else {
-            self.note_cpu();
-            self.await_guest_report();
-        }
-        self.complete(Some(resumed_at));
         Ok(())
     }
 
@@ -166,6 +197,9 @@ impl Session<'_> {
             let mut go_sent = controls.go_sent.locked();
             self.check_continue()?;
             *go_sent = true;
+            if let Some(paused) = &mut self.held.paused {
+                paused.go_sent();
+            }
             // No cancel is taken from here on: nothing may close the connections under `Go`.
             controls.connections.locked().clear();
         }
@@ -184,7 +218,14 @@ impl Session<'_> {
         Ok(())
     }
 
-    fn send_state(&mut self, checksum: Option<u64>) -> Result<()> {
+    /// Every vCPU's and the devices' state, and the checksum of memory when asked for.
+    fn send_state(&mut self) -> Result<()> {
+        let checksum = if self.params.checksum {
+            Some(memory_checksum(&self.ram)?)
+        } else {
+            None
+        };
+        self.status.report.memory_checksum_source = checksum;
         for (index, state) in self.vm.save_vcpus()?.into_iter().enumerate() {
             self.send(&Message::VcpuState {
                 index: index as u32,
@@ -199,45 +240,5 @@ impl Session<'_> {
             memory_checksum: checksum,
         })?;
         self.step(Event::StateSent)
-    }
-
-    /// The destination reports what the guest saw once it has run a moment; bounded wait.
-    fn await_guest_report(&mut self) {
-        let _ = self.stream.set_timeouts(Some(GUEST_REPORT_WAIT));
-        if let Ok(Message::GuestReport {
-            observed_downtime_ns,
-            pages_per_s_after,
-        }) = self.hear()
-        {
-            self.note_guest_report(observed_downtime_ns, pages_per_s_after);
-        }
-    }
-
-    /// The CPU this migration's threads used, taken once, at the first call: when its
-    /// transfer ended (not a second later, after the guest's report), or when it failed.
-    pub(super) fn note_cpu(&mut self) {
-        if self.status.report.cpu.is_empty() {
-            self.status.report.cpu = self.cpu.uses();
-        }
-    }
-
-    pub(super) fn note_guest_report(&mut self, observed_ns: Option<u64>, rate: Option<f64>) {
-        self.status.report.guest_observed_downtime_ms = observed_ns.map(|n| n as f64 / 1e6);
-        self.status.report.guest_pages_per_s_after = rate;
-    }
-
-    /// The destination runs the VM: the final figures. Post-copy ends when the last page is in
-    /// place; the others when the guest resumed.
-    fn complete(&mut self, resumed_at: Option<Instant>) {
-        self.note_cpu();
-        self.state = SourceState::Done;
-        let end = self.finished.or(resumed_at).unwrap_or_else(Instant::now);
-        let total = end.duration_since(self.started);
-        let c = self.publish_counters();
-        self.status.progress.pages_remaining = 0;
-        let r = &mut self.status.report;
-        r.total_ms = ms(total);
-        r.average_throughput_mbps = c.bytes as f64 * 8.0 / total.as_secs_f64().max(1e-9) / 1e6;
-        self.status.phase = Phase::Completed;
     }
 }

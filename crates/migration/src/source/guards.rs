@@ -1,0 +1,144 @@
+//! What a migration changes on the VM it moves — a pause, dirty logging, a throttle — each held
+//! as a guard that puts it back when dropped (crosvm's suspend guard is the model). A phase
+//! that fails hands nothing on, and a panic unwinds through the guards too. `Session::finish`
+//! settles them in order (the destination hears the abort before the paused source takes its
+//! disks back) and keeps the pause where the VM may run on the destination already.
+
+use std::time::Instant;
+
+use crate::error::Result;
+use crate::status::now_ns;
+use crate::vm::Migratable;
+
+/// The guest paused for the switch (or, warm and snapshot, for the whole copy).
+pub(super) struct Paused<'a> {
+    vm: &'a dyn Migratable,
+    /// Only a VM that ran before is resumed: an operator's pause outlives the migration.
+    was_running: bool,
+    armed: bool,
+    pub at: Instant,
+    /// `at` on the clock the guest's progress is kept on.
+    pub at_ns: u64,
+}
+
+impl<'a> Paused<'a> {
+    pub fn new(vm: &'a dyn Migratable, was_running: bool) -> Result<Self> {
+        vm.pause()?;
+        Ok(Self {
+            vm,
+            was_running,
+            armed: true,
+            at: Instant::now(),
+            at_ns: now_ns(),
+        })
+    }
+
+    /// `Go` left: the VM may run on the destination, so dropping this no longer resumes it;
+    /// only `undo`, on the destination's word that it did not start, does.
+    pub fn go_sent(&mut self) {
+        self.armed = false;
+    }
+
+    /// The VM may run on the destination: it must never resume here by itself.
+    pub fn keep(mut self) {
+        self.armed = false;
+    }
+
+    /// Runs the VM here again, if it ran before the migration.
+    pub fn undo(mut self) -> Result<()> {
+        self.armed = false;
+        if self.was_running {
+            self.vm.resume()?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Paused<'_> {
+    fn drop(&mut self) {
+        if self.armed && self.was_running {
+            let _ = self.vm.resume();
+        }
+    }
+}
+
+/// Dirty logging, on from before the first scan until the migration ends.
+pub(super) struct DirtyLog<'a> {
+    vm: &'a dyn Migratable,
+    on: bool,
+}
+
+impl<'a> DirtyLog<'a> {
+    pub fn start(vm: &'a dyn Migratable) -> Result<Self> {
+        vm.start_dirty_log()?;
+        Ok(Self { vm, on: true })
+    }
+
+    /// Leaves logging on: after an unconfirmed switch, a take-back (`Outgoing::reclaim`)
+    /// turns it off.
+    pub fn keep(mut self) {
+        self.on = false;
+    }
+}
+
+impl Drop for DirtyLog<'_> {
+    fn drop(&mut self) {
+        if self.on {
+            let _ = self.vm.stop_dirty_log();
+        }
+    }
+}
+
+/// Auto-converge's hold on the guest's vCPUs: the share of time they sleep. Whatever the
+/// outcome, the guest is not left slowed down.
+pub(super) struct Throttle<'a> {
+    vm: &'a dyn Migratable,
+    percent: u8,
+}
+
+impl<'a> Throttle<'a> {
+    pub fn new(vm: &'a dyn Migratable) -> Self {
+        Self { vm, percent: 0 }
+    }
+
+    pub fn percent(&self) -> u8 {
+        self.percent
+    }
+
+    pub fn set(&mut self, percent: u8) -> Result<()> {
+        self.vm.set_throttle(percent)?;
+        self.percent = percent;
+        Ok(())
+    }
+
+    /// Lets the guest run at full speed again.
+    pub fn release(&mut self) {
+        if self.percent > 0 {
+            let _ = self.vm.set_throttle(0);
+            self.percent = 0;
+        }
+    }
+}
+
+impl Drop for Throttle<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Everything a migration holds on its VM.
+pub(super) struct Held<'a> {
+    pub paused: Option<Paused<'a>>,
+    pub dirty_log: Option<DirtyLog<'a>>,
+    pub throttle: Throttle<'a>,
+}
+
+impl<'a> Held<'a> {
+    pub fn new(vm: &'a dyn Migratable) -> Self {
+        Self {
+            paused: None,
+            dirty_log: None,
+            throttle: Throttle::new(vm),
+        }
+    }
+}

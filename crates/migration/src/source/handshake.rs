@@ -1,0 +1,104 @@
+//! The first phase: the stream header and `Hello`, the destination's `Ready`, the extra
+//! connections. Hands the rounds what the two sides agreed.
+
+use crate::sync::Locked;
+use std::time::Duration;
+
+use super::lane;
+use super::machine::Event;
+use super::session::Session;
+use crate::error::{Error, Result};
+use crate::wire::{self, Message, StreamMode};
+
+/// What the handshake settled, for the phases after it.
+pub(super) struct Agreed {
+    /// The destination said it can take post-copy.
+    pub peer_postcopy: bool,
+    /// The connection's shortest round trip, where TCP says it.
+    pub round_trip: Option<Duration>,
+}
+
+impl Session<'_> {
+    pub(super) fn handshake(&mut self, mode: StreamMode) -> Result<Agreed> {
+        wire::write_stream_header(&mut self.stream)?;
+        let connections = self.connections();
+        self.status.connections = connections;
+        self.status.migration_threads = (0..connections)
+            .map(|lane| self.params.packers_of(lane) as u32)
+            .sum();
+        let session = if connections > 1 {
+            lane::session_id()?
+        } else {
+            0
+        };
+        self.send(&Message::Hello {
+            vm: self.vm.descriptor(),
+            mode,
+            source: format!("ferry {}", env!("CARGO_PKG_VERSION")),
+            connections,
+            session,
+        })?;
+        if !self.stream.has_peer() {
+            if connections > 1 {
+                self.open_lanes(session)?;
+            }
+            self.step(Event::StartRounds)?;
+            return Ok(Agreed {
+                peer_postcopy: false,
+                round_trip: None,
+            });
+        }
+        let peer_postcopy = self.hear_ready()?;
+        if self.params.mode.wants_postcopy() && !peer_postcopy {
+            return Err(Error::Param(
+                "the destination cannot take post-copy (no userfaultfd there)".into(),
+            ));
+        }
+        self.lap("handshake");
+        let round_trip = self.stream.tcp_path().map(|(_, rtt)| rtt);
+        if let Some(rtt) = round_trip {
+            self.stream.fit_send_buffer(rtt);
+        }
+        if connections > 1 {
+            self.open_lanes(session)?;
+            self.lap("extra connections");
+        }
+        Ok(Agreed {
+            peer_postcopy,
+            round_trip,
+        })
+    }
+
+    /// How many connections (or lanes of a file) the migration uses: a file takes lanes only
+    /// when laid out for them.
+    fn connections(&self) -> u32 {
+        if self.stream.has_peer() || self.dial.is_some() {
+            self.params.connections.max(1)
+        } else {
+            1
+        }
+    }
+
+    /// The destination's `Ready`: whether it can take post-copy.
+    fn hear_ready(&mut self) -> Result<bool> {
+        // A cancel now closes the connection (see `Controls::handshake`); one that came
+        // before is seen here.
+        *self.controls.handshake.locked() = self.stream.try_clone().ok();
+        let ready = self
+            .check_continue()
+            .and_then(|()| self.hear())
+            .map_err(|e| match e {
+                // Whatever answered is no ferry destination (an HTTP server, another service).
+                Error::Protocol(why) => Error::Protocol(format!(
+                    "the destination's first answer is not ferry's ({why}): is a ferry \
+                     --incoming listening there?"
+                )),
+                e => e,
+            });
+        *self.controls.handshake.locked() = None;
+        self.cancel_closes(&self.stream);
+        let postcopy = matches!(ready?, Message::Ready { postcopy: true });
+        self.status.destination_supports_postcopy = Some(postcopy);
+        Ok(postcopy)
+    }
+}
