@@ -4,7 +4,7 @@
 
 use crate::sync::Locked;
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 
 use super::checkpoints::Checkpoints;
@@ -157,129 +157,159 @@ pub(crate) struct Served {
     pub requested: u64,
 }
 
-/// Sends every page of `pending` on `stream`, requests first, and returns once the
-/// destination confirmed it has them all. `heard` sees every other message (the guest
-/// report); `progress` sees the counters and the pages left after each batch.
-#[allow(clippy::too_many_arguments)]
+/// What a post-copy serving sends with: the connection, the memory, the sender and its
+/// limiter, and the reader's messages (`spawn_reader`).
+pub(crate) struct Outlet<'a> {
+    pub stream: &'a mut Stream,
+    pub ram: &'a GuestRam,
+    pub limiter: &'a mut RateLimiter,
+    pub sender: &'a mut PageSender,
+    pub events: &'a Receiver<Result<Message>>,
+}
+
+/// Sends every page of `pending`, requests first, and returns once the destination confirmed
+/// it has them all. `heard` sees every message (the guest report); `progress` sees the
+/// counters and the pages left after each batch.
 pub(crate) fn serve(
-    stream: &mut Stream,
-    ram: &GuestRam,
-    limiter: &mut RateLimiter,
-    sender: &mut PageSender,
-    events: &Receiver<Result<Message>>,
+    outlet: Outlet<'_>,
     pending: Bitmap,
     strategy: Strategy,
-    mut heard: impl FnMut(&Message) -> Result<()>,
+    heard: impl FnMut(&Message) -> Result<()>,
     mut progress: impl FnMut(Served, u64),
 ) -> Result<(Served, PostcopyReport)> {
-    let mut planner = Planner::new(pending, strategy);
-    let mut served = Served::default();
-    let mut handle = |msg: Message,
-                      planner: &mut Planner,
-                      served: &mut Served,
-                      stream: &mut Stream,
-                      sender: &mut PageSender,
-                      limiter: &mut RateLimiter|
-     -> Result<Option<PostcopyReport>> {
-        heard(&msg)?;
-        match msg {
-            Message::PageRequest { gfn } => {
-                if !ram.contains(gfn) {
-                    return Err(Error::Protocol(format!(
-                        "the destination asked for page {gfn:#x}, outside guest RAM"
-                    )));
-                }
-                planner.recenter(gfn);
-                if planner.take(gfn) {
-                    sender.push(stream, ram, gfn, limiter)?;
-                    sender.flush(stream, ram, limiter)?;
-                    served.requested += 1;
-                }
-                Ok(None)
-            }
-            Message::PostcopyComplete(r) => Ok(Some(r)),
-            // Applied by the reader: the destination may forget its pages.
-            Message::Checkpoint { seq, .. } => {
-                wire::write_message(stream, &Message::CheckpointTaken { seq })?;
-                Ok(None)
-            }
-            _ => Ok(None),
-        }
+    let mut s = Serving {
+        out: outlet,
+        planner: Planner::new(pending, strategy),
+        served: Served::default(),
+        heard,
     };
     let mut queue = PushQueue::new();
-    while planner.remaining() > 0 {
-        // Requests first; while the push queue is full, only requests (each waits for at most
-        // what the queue holds). A queue that stays full as long as a write may block means
-        // the destination stopped reading.
+    while s.planner.remaining() > 0 {
+        s.answer_requests(&mut queue)?;
+        s.push_batch()?;
+        progress(s.served, s.planner.remaining());
+    }
+    let pages_sent = s.served.pushed + s.served.requested;
+    wire::write_message(s.out.stream, &Message::PostcopyDone { pages_sent })?;
+    let report = s.await_complete()?;
+    Ok((s.served, report))
+}
+
+/// One post-copy serving under way.
+struct Serving<'a, H> {
+    out: Outlet<'a>,
+    planner: Planner,
+    served: Served,
+    heard: H,
+}
+
+impl<H: FnMut(&Message) -> Result<()>> Serving<'_, H> {
+    /// Answers the requests waiting. While the push queue is full, only requests (each waits
+    /// for at most what the queue holds); a queue that stays full as long as a write may
+    /// block means the destination stopped reading.
+    fn answer_requests(&mut self, queue: &mut PushQueue) -> Result<()> {
         let mut full_since = None;
         loop {
-            if !queue.full(stream) {
+            if !queue.full(self.out.stream) {
                 full_since = None;
             }
-            let msg = if full_since.is_some() || queue.full(stream) {
+            let msg = if full_since.is_some() || queue.full(self.out.stream) {
                 let since = *full_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > IO_TIMEOUT {
                     return Err(Error::Protocol(format!(
                         "the destination has not read a page for {IO_TIMEOUT:?}"
                     )));
                 }
-                match events.recv_timeout(QUEUE_FULL_WAIT) {
+                match self.out.events.recv_timeout(QUEUE_FULL_WAIT) {
                     Ok(msg) => msg,
                     Err(RecvTimeoutError::Timeout) => continue,
-                    Err(RecvTimeoutError::Disconnected) => {
-                        return Err(Error::Protocol("the destination went away".into()));
-                    }
+                    Err(RecvTimeoutError::Disconnected) => return Err(gone()),
                 }
             } else {
-                match events.try_recv() {
+                match self.out.events.try_recv() {
                     Ok(msg) => msg,
-                    Err(std::sync::mpsc::TryRecvError::Empty) => break,
-                    Err(std::sync::mpsc::TryRecvError::Disconnected) => {
-                        return Err(Error::Protocol("the destination went away".into()));
-                    }
+                    Err(TryRecvError::Empty) => return Ok(()),
+                    Err(TryRecvError::Disconnected) => return Err(gone()),
                 }
             };
-            if let Some(r) = handle(msg?, &mut planner, &mut served, stream, sender, limiter)? {
+            if let Some(r) = self.handle(msg?)? {
                 return Err(Error::Protocol(format!(
                     "the destination reported completion with pages missing ({r:?})"
                 )));
             }
         }
+    }
+
+    /// Pushes the planner's next pages.
+    fn push_batch(&mut self) -> Result<()> {
+        let o = &mut self.out;
         for _ in 0..PUSH_BATCH {
-            let Some(gfn) = planner.next_page() else {
+            let Some(gfn) = self.planner.next_page() else {
                 break;
             };
-            sender.push(stream, ram, gfn, limiter)?;
-            served.pushed += 1;
+            o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
+            self.served.pushed += 1;
         }
-        sender.flush(stream, ram, limiter)?;
-        progress(served, planner.remaining());
+        o.sender.flush(o.stream, o.ram, o.limiter)
     }
-    wire::write_message(
-        stream,
-        &Message::PostcopyDone {
-            pages_sent: served.pushed + served.requested,
-        },
-    )?;
-    let deadline = Instant::now() + COMPLETE_WAIT;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match events.recv_timeout(left) {
-            Ok(msg) => {
-                if let Some(r) = handle(msg?, &mut planner, &mut served, stream, sender, limiter)? {
-                    return Ok((served, r));
+
+    /// Everything was sent: waits for the destination's word that everything arrived,
+    /// answering the requests still on their way.
+    fn await_complete(&mut self) -> Result<PostcopyReport> {
+        let deadline = Instant::now() + COMPLETE_WAIT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.out.events.recv_timeout(left) {
+                Ok(msg) => {
+                    if let Some(r) = self.handle(msg?)? {
+                        return Ok(r);
+                    }
                 }
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                return Err(Error::Protocol(
-                    "the destination never confirmed that every page arrived".into(),
-                ));
-            }
-            Err(RecvTimeoutError::Disconnected) => {
-                return Err(Error::Protocol("the destination went away".into()));
+                Err(RecvTimeoutError::Timeout) => {
+                    return Err(Error::Protocol(
+                        "the destination never confirmed that every page arrived".into(),
+                    ));
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(gone()),
             }
         }
     }
+
+    /// One message from the destination; its report once it has every page.
+    fn handle(&mut self, msg: Message) -> Result<Option<PostcopyReport>> {
+        (self.heard)(&msg)?;
+        match msg {
+            Message::PageRequest { gfn } => self.answer(gfn)?,
+            Message::PostcopyComplete(r) => return Ok(Some(r)),
+            // Applied by the reader: the destination may forget its pages.
+            Message::Checkpoint { seq, .. } => {
+                wire::write_message(self.out.stream, &Message::CheckpointTaken { seq })?;
+            }
+            _ => {}
+        }
+        Ok(None)
+    }
+
+    /// Sends a requested page at once (unless it left already), and pre-pages around it.
+    fn answer(&mut self, gfn: u64) -> Result<()> {
+        let o = &mut self.out;
+        if !o.ram.contains(gfn) {
+            return Err(Error::Protocol(format!(
+                "the destination asked for page {gfn:#x}, outside guest RAM"
+            )));
+        }
+        self.planner.recenter(gfn);
+        if self.planner.take(gfn) {
+            o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
+            o.sender.flush(o.stream, o.ram, o.limiter)?;
+            self.served.requested += 1;
+        }
+        Ok(())
+    }
+}
+
+fn gone() -> Error {
+    Error::Protocol("the destination went away".into())
 }
 
 impl Session<'_> {
@@ -297,12 +327,15 @@ impl Session<'_> {
         let mut guest_report = None;
         let board = self.board;
         let board_status = &mut self.status;
+        let outlet = Outlet {
+            stream: &mut self.stream,
+            ram: &self.ram,
+            limiter: &mut self.limiter,
+            sender: &mut self.pages,
+            events: &events,
+        };
         let (served, report) = serve(
-            &mut self.stream,
-            &self.ram,
-            &mut self.limiter,
-            &mut self.pages,
-            &events,
+            outlet,
             pending,
             self.params.prepaging,
             |msg| {

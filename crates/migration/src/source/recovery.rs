@@ -4,7 +4,7 @@
 
 use super::controls::Leftover;
 use super::lane::DEFAULT_BATCH_PAGES;
-use super::postcopy::{serve, spawn_reader};
+use super::postcopy::{Outlet, serve, spawn_reader};
 use crate::bitmap::Bitmap;
 use crate::board::StatusBoard;
 use crate::error::{Error, Result};
@@ -63,12 +63,15 @@ pub(crate) fn resume(
     let mut sender = PageSender::new(limiter.batch_pages(DEFAULT_BATCH_PAGES));
     sender.checked = true; // the source guest is paused for good
     let base = status.progress.pages;
+    let outlet = Outlet {
+        stream: &mut stream,
+        ram: &ram,
+        limiter: &mut limiter,
+        sender: &mut sender,
+        events: &events,
+    };
     let (served, report) = serve(
-        &mut stream,
-        &ram,
-        &mut limiter,
-        &mut sender,
-        &events,
+        outlet,
         todo,
         left.params.prepaging,
         |msg| match msg {
