@@ -199,6 +199,7 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
 mod tests {
     use super::*;
     use api::{MigrateResumeRequest, MigrationRequest};
+    use migration::Transfer;
 
     #[test]
     fn nothing_that_could_make_two_copies_or_lose_one_is_allowed() {
@@ -297,7 +298,7 @@ mod tests {
     fn the_state_comes_from_the_vm_and_its_migration() {
         use super::Phase as Vm;
         let of = |vm, running, (phase, role): (Migration, Role)| {
-            let mode = if role == Role::Source { "precopy" } else { "" };
+            let mode = (role == Role::Source).then_some(Transfer::Precopy);
             let status = Status {
                 phase,
                 ..Status::new(role, mode, String::new())
@@ -344,7 +345,7 @@ mod tests {
         // After a snapshot the VM stays here, paused or running as it was.
         let snapshot = Status {
             phase: Migration::Completed,
-            ..Status::new(Role::Source, "snapshot", "file".into())
+            ..Status::new(Role::Source, Some(Transfer::Snapshot), "file".into())
         };
         assert_eq!(Lifecycle::of(Vm::Live, false, &snapshot), Lifecycle::Paused);
         assert_eq!(Lifecycle::of(Vm::Live, true, &snapshot), Lifecycle::Running);

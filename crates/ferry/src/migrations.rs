@@ -82,6 +82,11 @@ impl Migrations {
 }
 
 /// The engine's status in the API's terms.
+/// A duration as the API gives every one: milliseconds.
+fn ms(d: std::time::Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
 pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
     use api::MigrationPhase as P;
     let (p, r) = (&s.progress, &s.report);
@@ -103,13 +108,13 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
             Role::Destination => "destination",
         }
         .into(),
-        mode: s.mode.clone(),
+        mode: s.mode.map_or("", |m| m.name()).into(),
         peer: s.peer.clone(),
         round: p.round,
         pages_remaining: p.pages_remaining,
         dirty_pages_per_s: p.dirty_pages_per_s,
         throughput_mbps: p.throughput_mbps,
-        expected_downtime_ms: p.expected_downtime_ms,
+        expected_downtime_ms: p.expected_downtime.map_or(f64::INFINITY, ms),
         converged: r.converged,
         note: s.note.clone(),
         memory_pages: s.memory_pages,
@@ -142,16 +147,16 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
                 pages: x.pages,
                 zero_pages: x.zero_pages,
                 bytes: x.bytes,
-                duration_ms: x.duration_ms,
+                duration_ms: ms(x.duration),
                 dirty_pages_per_s: x.dirty_pages_per_s,
                 throttle_percent: x.throttle_percent,
             })
             .collect(),
-        setup_ms: r.setup_ms,
-        downtime_ms: r.downtime_ms,
-        destination_downtime_ms: r.destination_downtime_ms,
-        guest_observed_downtime_ms: r.guest_observed_downtime_ms,
-        total_ms: r.total_ms,
+        setup_ms: ms(r.setup),
+        downtime_ms: r.downtime.map(ms),
+        destination_downtime_ms: r.destination_downtime.map(ms),
+        guest_observed_downtime_ms: r.guest_observed_downtime.map(ms),
+        total_ms: ms(r.total),
         average_throughput_mbps: r.average_throughput_mbps,
         guest_pages_per_s_before: r.guest_pages_per_s_before,
         guest_pages_per_s_during: r.guest_pages_per_s_during,
@@ -176,7 +181,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
             .iter()
             .map(|b| api::Stretch {
                 name: b.name.clone(),
-                ms: b.ms,
+                ms: ms(b.took),
             })
             .collect(),
         resumed_at_unix_ns: r.resumed_at_unix_ns,
@@ -199,11 +204,11 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
             every_ms: c.every_ms,
             count: c.count,
             last_seq: c.last_seq,
-            last_at_ms: c.last_at_ms,
+            last_at_ms: ms(c.last_at),
             pages: c.pages,
             bytes: c.bytes,
-            pause_ms_total: c.pause_ms_total,
-            pause_ms_max: c.pause_ms_max,
+            pause_ms_total: ms(c.pause_total),
+            pause_ms_max: ms(c.pause_max),
             rolled_back_to: c.rolled_back_to,
         }),
         memory_checksum_source: r.memory_checksum_source,

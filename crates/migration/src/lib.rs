@@ -39,7 +39,7 @@ pub use io::transport::Endpoint;
 pub use memory::{GuestRam, RamRange};
 pub use params::{AutoConverge, Compression, MigrationParams, Mode, Strategy};
 pub use source::Outgoing;
-pub use status::{Phase, Role, Status};
+pub use status::{Phase, Role, Status, Transfer};
 pub use vm::{DeviceDescriptor, GuestReport, Migratable, VmDescriptor};
 
 pub const PAGE_SIZE: usize = 4096;

@@ -4,10 +4,11 @@
 //! the report says whose; the guest-observed downtime spans both (see its field).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::buckets::FaultLatency;
-use crate::wire::PostcopyReport;
+use crate::params::Mode;
+use crate::wire::{PostcopyReport, StreamMode};
 
 /// The next migration's `Status::run` (0 is the empty status a board starts with).
 static NEXT_RUN: AtomicU64 = AtomicU64::new(1);
@@ -89,7 +90,7 @@ pub struct RoundStats {
     pub pages: u64,
     pub zero_pages: u64,
     pub bytes: u64,
-    pub duration_ms: f64,
+    pub duration: Duration,
     /// Pages the guest dirtied per second while this round was sent.
     pub dirty_pages_per_s: f64,
     /// Auto-converge: the share of time the guest's vCPUs slept during this round.
@@ -103,7 +104,8 @@ pub struct Progress {
     pub pages_remaining: u64,
     pub dirty_pages_per_s: f64,
     pub throughput_mbps: f64,
-    pub expected_downtime_ms: f64,
+    /// What the pages left would take at the link's pace (None: no pace known yet).
+    pub expected_downtime: Option<Duration>,
     pub pages: PageCounts,
     pub bytes_on_wire: u64,
     pub rounds: Vec<RoundStats>,
@@ -133,15 +135,16 @@ pub struct CompressionCounts {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Report {
     pub converged: Option<bool>,
-    pub setup_ms: f64,
+    pub setup: Duration,
     /// Source's clock: pause → the destination's "resumed" heard back.
-    pub downtime_ms: Option<f64>,
+    pub downtime: Option<Duration>,
     /// Destination's clock: all state received → guest resumed.
-    pub destination_downtime_ms: Option<f64>,
+    pub destination_downtime: Option<Duration>,
     /// The largest heartbeat gap across the switch, as the guest lived it: the destination's
-    /// clock minus the source's stamp carried in the device state, so it crosses hosts.
-    pub guest_observed_downtime_ms: Option<f64>,
-    pub total_ms: f64,
+    /// clock minus the source's stamp carried in the device state: the one figure that
+    /// crosses hosts' clocks.
+    pub guest_observed_downtime: Option<Duration>,
+    pub total: Duration,
     pub average_throughput_mbps: f64,
     // application degradation: guest pages touched per second
     pub guest_pages_per_s_before: Option<f64>,
@@ -172,7 +175,8 @@ pub struct Report {
 pub struct Status {
     pub phase: Phase,
     pub role: Role,
-    pub mode: String,
+    /// None on a destination until the source said.
+    pub mode: Option<Transfer>,
     pub peer: String,
     pub memory_pages: u64,
     /// Connections the pages travel on (the main one and the extra ones).
@@ -207,24 +211,68 @@ pub struct CheckpointStats {
     /// Destination: taken and sent; source: applied.
     pub count: u64,
     pub last_seq: u64,
-    /// When the last one was taken (destination) or applied (source), in ms after the switch.
-    pub last_at_ms: f64,
+    /// When the last one was taken (destination) or applied (source), after the switch.
+    pub last_at: Duration,
     /// Pages and bytes that went back, over all checkpoints.
     pub pages: u64,
     pub bytes: u64,
     /// Destination: how long the guest was paused to take them, in all and at most.
-    pub pause_ms_total: f64,
-    pub pause_ms_max: f64,
+    pub pause_total: Duration,
+    pub pause_max: Duration,
     /// Source: the checkpoint a rollback ran the VM on from.
     pub rolled_back_to: Option<u64>,
 }
 
+/// What kind of move a status describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Transfer {
+    Precopy,
+    Postcopy,
+    Hybrid,
+    Warm,
+    Snapshot,
+}
+
+impl Transfer {
+    pub fn name(self) -> &'static str {
+        match self {
+            Transfer::Precopy => "precopy",
+            Transfer::Postcopy => "postcopy",
+            Transfer::Hybrid => "hybrid",
+            Transfer::Warm => "warm",
+            Transfer::Snapshot => "snapshot",
+        }
+    }
+}
+
+impl From<Mode> for Transfer {
+    fn from(mode: Mode) -> Self {
+        match mode {
+            Mode::Precopy => Transfer::Precopy,
+            Mode::Postcopy => Transfer::Postcopy,
+            Mode::Hybrid => Transfer::Hybrid,
+            Mode::Warm => Transfer::Warm,
+        }
+    }
+}
+
+/// A destination hears only how the stream flows: post-copy and hybrid begin as pre-copy.
+impl From<StreamMode> for Transfer {
+    fn from(mode: StreamMode) -> Self {
+        match mode {
+            StreamMode::Precopy => Transfer::Precopy,
+            StreamMode::Warm => Transfer::Warm,
+            StreamMode::Snapshot => Transfer::Snapshot,
+        }
+    }
+}
+
 impl Status {
-    pub fn new(role: Role, mode: &str, peer: String) -> Self {
+    pub fn new(role: Role, mode: Option<Transfer>, peer: String) -> Self {
         Self {
             phase: Phase::Setup,
             role,
-            mode: mode.into(),
+            mode,
             peer,
             zero_page_check: crate::zero::implementation().into(),
             run: NEXT_RUN.fetch_add(1, Ordering::Relaxed),
@@ -235,7 +283,9 @@ impl Status {
     /// Whether this side sent the VM away for good: an outgoing migration (not a snapshot,
     /// after which the VM runs on here) that completed. The VM must not run here again.
     pub fn moved_away(&self) -> bool {
-        self.role == Role::Source && self.phase == Phase::Completed && self.mode != "snapshot"
+        self.role == Role::Source
+            && self.phase == Phase::Completed
+            && self.mode != Some(Transfer::Snapshot)
     }
 }
 
@@ -243,7 +293,7 @@ impl Status {
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Stretch {
     pub name: String,
-    pub ms: f64,
+    pub took: Duration,
 }
 
 /// A stopwatch whose laps follow each other without gaps: the stretches it records add up to
@@ -263,17 +313,13 @@ impl Laps {
         let now = Instant::now();
         let stretch = Stretch {
             name: name.into(),
-            ms: ms(now - self.last),
+            took: now - self.last,
         };
-        tracing::trace!("{}: {:.3} ms", stretch.name, stretch.ms);
+        tracing::trace!("{}: {:?}", stretch.name, stretch.took);
         report.breakdown.push(stretch);
         self.last = now;
         now
     }
-}
-
-pub(crate) fn ms(d: std::time::Duration) -> f64 {
-    d.as_secs_f64() * 1e3
 }
 
 pub fn now_ns() -> u64 {

@@ -63,11 +63,11 @@ impl Totals {
         self.bytes_on_wire += p.bytes_on_wire;
         self.rounds += p.rounds.len() as u64;
         let downtime = match s.role {
-            Role::Source => s.report.downtime_ms,
-            Role::Destination => s.report.destination_downtime_ms,
+            Role::Source => s.report.downtime,
+            Role::Destination => s.report.destination_downtime,
         };
-        if let (Phase::Completed, Some(ms)) = (s.phase, downtime) {
-            self.downtime.observe(ms / 1e3);
+        if let (Phase::Completed, Some(d)) = (s.phase, downtime) {
+            self.downtime.observe(d.as_secs_f64());
         }
         self.fault_latency.add(&s.fault_latency.0);
     }
@@ -76,14 +76,15 @@ impl Totals {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::status::Transfer;
 
     fn ended(run: u64, phase: Phase, pages: u64, downtime_ms: f64) -> Status {
-        let mut s = Status::new(Role::Source, "precopy", "peer".into());
+        let mut s = Status::new(Role::Source, Some(Transfer::Precopy), "peer".into());
         s.run = run;
         s.phase = phase;
         s.progress.pages.full = pages;
         s.progress.bytes_on_wire = pages * 4096;
-        s.report.downtime_ms = Some(downtime_ms);
+        s.report.downtime = Some(std::time::Duration::from_secs_f64(downtime_ms / 1e3));
         s
     }
 

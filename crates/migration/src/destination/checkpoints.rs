@@ -22,7 +22,6 @@ use crate::io::transport::Stream;
 use crate::memory::ShadowRam;
 use crate::pages::PageSender;
 use crate::ratelimit::RateLimiter;
-use crate::status::ms;
 use crate::vm::Migratable;
 use crate::wire::{self, Message};
 
@@ -151,20 +150,20 @@ impl Taker {
         }
         let began = Instant::now();
         let taken = self.take()?;
-        let pause = ms(began.elapsed());
+        let pause = began.elapsed();
         let sent = self.send(&taken);
         self.shadow.release();
         let bytes = sent?;
-        let at = ms(self.switched_at.elapsed());
+        let at = self.switched_at.elapsed();
         self.board.checkpoints(|c| {
             if let Some(c) = c {
                 c.count += 1;
                 c.last_seq = taken.seq;
-                c.last_at_ms = at;
+                c.last_at = at;
                 c.pages += taken.pages.count();
                 c.bytes += bytes;
-                c.pause_ms_total += pause;
-                c.pause_ms_max = c.pause_ms_max.max(pause);
+                c.pause_total += pause;
+                c.pause_max = c.pause_max.max(pause);
             }
         });
         Ok(())

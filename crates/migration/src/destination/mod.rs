@@ -166,7 +166,7 @@ impl Incoming {
         };
         let mut receiver = Receiver {
             board: &self.board,
-            status: Status::new(Role::Destination, "", peer),
+            status: Status::new(Role::Destination, None, peer),
             expect,
             listener,
             cpu: Default::default(),

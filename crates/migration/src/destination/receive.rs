@@ -14,7 +14,7 @@ use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::{Listener, Stream};
 use crate::scan::memory_checksum;
-use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, ms, now_ns};
+use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, now_ns};
 use crate::vm::{Migratable, VmDescriptor};
 use crate::wire::{self, Message};
 
@@ -137,7 +137,7 @@ impl Receiver<'_> {
         let loaded = self.load(&vm, filled, source_checksum, &mut laps)?;
         let handed = self.hand_over(stream, &vm, &hello, loaded, &mut laps)?;
         let state_to_resume = state_received.elapsed();
-        self.status.report.destination_downtime_ms = Some(ms(state_to_resume));
+        self.status.report.destination_downtime = Some(state_to_resume);
         let resumed_at_ns = now_ns();
         self.status.report.resumed_at_unix_ns = Some(resumed_at_ns);
         if hello.live() {
@@ -178,11 +178,11 @@ impl Receiver<'_> {
         let ram = vm.ram();
         ram.forbid_huge_pages();
         hello.check_built(&ram, vm.descriptor().vcpus)?;
-        self.status.mode = format!("{:?}", hello.mode).to_lowercase();
+        self.status.mode = Some(hello.mode.into());
         self.status.memory_pages = ram.pages();
         self.status.connections = hello.connections;
         self.status.phase = Phase::Active;
-        self.status.report.setup_ms = ms(started.elapsed());
+        self.status.report.setup = started.elapsed();
         self.publish();
         Ok(vm)
     }
@@ -211,7 +211,7 @@ impl Receiver<'_> {
                     p.rounds.push(RoundStats {
                         round,
                         pages,
-                        duration_ms: ms(took),
+                        duration: took,
                         ..Default::default()
                     });
                     self.publish();
@@ -404,7 +404,7 @@ impl Receiver<'_> {
     fn complete(&mut self, started: Instant) {
         self.status.report.completed_at_unix_ns = Some(now_ns());
         self.status.phase = Phase::Completed;
-        self.status.report.total_ms = ms(started.elapsed());
+        self.status.report.total = started.elapsed();
         self.status.report.cpu = self.cpu.uses();
         self.publish();
     }

@@ -19,7 +19,7 @@ use crate::board::StatusBoard;
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::{GuestRam, ShadowRam};
-use crate::status::{CheckpointStats, ms};
+use crate::status::CheckpointStats;
 use crate::wire::frame::FRAME_HEADER_LEN;
 use crate::wire::page_frame::{FrameBuffers, read_page_frame};
 
@@ -165,14 +165,14 @@ impl Checkpoints {
             vcpus: vcpus.to_vec(),
             devices: devices.to_vec(),
         });
-        let at = ms(self.switched_at.elapsed());
+        let at = self.switched_at.elapsed();
         let state_bytes = vcpus.iter().map(Vec::len).sum::<usize>() + devices.len();
         let (count, bytes) = (s.count, s.bytes + state_bytes as u64);
         self.board.checkpoints(|c| {
             if let Some(c) = c {
                 c.count += 1;
                 c.last_seq = seq;
-                c.last_at_ms = at;
+                c.last_at = at;
                 c.pages += count;
                 c.bytes += bytes;
             }

@@ -36,7 +36,7 @@ use crate::io::lanefile::{LaneWriter, SnapshotFile};
 use crate::io::tls::Tls;
 use crate::io::transport::{Endpoint, Stream};
 use crate::params::{MigrationParams, Mode};
-use crate::status::{Phase, Role, Status};
+use crate::status::{Phase, Role, Status, Transfer};
 use crate::vm::Migratable;
 use crate::wire::StreamMode;
 pub use controls::Controls;
@@ -162,7 +162,7 @@ impl Outgoing {
     ) -> Result<()> {
         params.validate()?;
         self.claim()?;
-        let status = Status::new(Role::Source, params.mode.name(), endpoint.to_string());
+        let status = Status::new(Role::Source, Some(params.mode.into()), endpoint.to_string());
         self.board.checkpoints(|c| *c = None);
         self.board.publish(&status);
         let this = self.clone();
@@ -293,7 +293,9 @@ impl Outgoing {
             Resumed::Switch => "from the switch".to_string(),
             Resumed::Checkpoint(seq) => format!(
                 "from post-copy checkpoint {seq}, taken {:.0} ms after the switch",
-                s.checkpoints.as_ref().map_or(0.0, |c| c.last_at_ms)
+                s.checkpoints
+                    .as_ref()
+                    .map_or(0.0, |c| c.last_at.as_secs_f64() * 1e3)
             ),
         };
         s.error = Some(format!(
@@ -330,7 +332,7 @@ impl Outgoing {
                 return Err(Error::transport(format!("cannot write {name}"), e));
             }
         };
-        let status = Status::new(Role::Source, "snapshot", name.to_string());
+        let status = Status::new(Role::Source, Some(Transfer::Snapshot), name.to_string());
         self.board.publish(&status);
         // Opens the other writers' lanes of the same file.
         let opener = match &file {
@@ -409,7 +411,7 @@ impl Outgoing {
             return Err(Error::State("no migration is running".into()));
         }
         let s = self.board.read();
-        if s.mode == Mode::Warm.name() {
+        if s.mode == Some(Transfer::Warm) {
             return Err(Error::State(
                 "a warm migration has no live rounds to switch from (the guest is paused)".into(),
             ));

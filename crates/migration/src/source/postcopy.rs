@@ -20,7 +20,7 @@ use crate::memory::GuestRam;
 use crate::pages::PageSender;
 use crate::prepaging::{Planner, Strategy};
 use crate::ratelimit::RateLimiter;
-use crate::status::{RoundStats, ms};
+use crate::status::RoundStats;
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Pages pushed between two looks at the request queue.
@@ -370,7 +370,7 @@ impl Session<'_> {
             pages: served.pushed + served.requested,
             zero_pages: after.zero - before.zero,
             bytes: after.bytes - before.bytes,
-            duration_ms: ms(began.elapsed()),
+            duration: began.elapsed(),
             ..Default::default()
         });
         self.status.report.memory_checksum_destination = report.memory_checksum;

@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::params::{AutoConverge, Mode};
 use crate::policy::{self, Decision, FULL_PAGE_WIRE_BYTES, Limits, Measured};
 use crate::scan::populated_pages;
-use crate::status::{RoundStats, ms};
+use crate::status::RoundStats;
 use crate::wire::lanes::lane_of;
 use crate::wire::{Message, StreamMode};
 
@@ -167,7 +167,7 @@ impl Session<'_> {
         let rate = |pages: u64, secs: f64| pages as f64 * FULL_PAGE_WIRE_BYTES / secs.max(1e-6);
         let bandwidth = match p.rounds.last() {
             Some(last) if p.rounds.len() > 1 && last.pages >= RATE_MIN_PAGES => {
-                rate(last.pages, last.duration_ms / 1e3)
+                rate(last.pages, last.duration.as_secs_f64())
             }
             _ => rate(
                 p.rounds.iter().map(|r| r.pages).sum(),
@@ -178,14 +178,16 @@ impl Session<'_> {
         let dirty_rate = match p.rounds.last_mut() {
             Some(last) => {
                 last.dirty_pages_per_s =
-                    pages_remaining as f64 / (last.duration_ms / 1e3).max(1e-6);
+                    pages_remaining as f64 / last.duration.as_secs_f64().max(1e-6);
                 last.dirty_pages_per_s
             }
             None => 0.0,
         };
         p.dirty_pages_per_s = dirty_rate;
         p.pages_remaining = pages_remaining;
-        p.expected_downtime_ms = policy::expected_downtime_ms(pages_remaining, bandwidth);
+        let expected_ms = policy::expected_downtime_ms(pages_remaining, bandwidth);
+        // None: the link has not moved a page yet, so no time is known.
+        p.expected_downtime = Duration::try_from_secs_f64(expected_ms / 1e3).ok();
         let m = Measured {
             rounds_done,
             pages_remaining,
@@ -246,7 +248,7 @@ impl Session<'_> {
             pages: total,
             zero_pages: after.zero - before.zero,
             bytes: after.bytes - before.bytes,
-            duration_ms: ms(elapsed),
+            duration: elapsed,
             dirty_pages_per_s: 0.0,
             throttle_percent: self.held.throttle.percent(),
         });

@@ -7,7 +7,7 @@ use super::machine::SourceState;
 use super::session::Session;
 use super::switchover::Switched;
 use crate::error::Result;
-use crate::status::{Phase, ms};
+use crate::status::Phase;
 use crate::wire::Message;
 
 /// How long the source waits for the destination's guest report after it resumed.
@@ -50,7 +50,7 @@ impl Session<'_> {
     }
 
     pub(super) fn note_guest_report(&mut self, observed_ns: Option<u64>, rate: Option<f64>) {
-        self.status.report.guest_observed_downtime_ms = observed_ns.map(|n| n as f64 / 1e6);
+        self.status.report.guest_observed_downtime = observed_ns.map(Duration::from_nanos);
         self.status.report.guest_pages_per_s_after = rate;
     }
 
@@ -63,7 +63,7 @@ impl Session<'_> {
         let c = self.publish_counters();
         self.status.progress.pages_remaining = 0;
         let r = &mut self.status.report;
-        r.total_ms = ms(total);
+        r.total = total;
         r.average_throughput_mbps = c.bytes as f64 * 8.0 / total.as_secs_f64().max(1e-9) / 1e6;
         self.status.phase = Phase::Completed;
     }

@@ -24,7 +24,7 @@ use crate::memory::GuestRam;
 use crate::pages::PageSender;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
-use crate::status::{Laps, Phase, Status, ms, now_ns};
+use crate::status::{Laps, Phase, Status, now_ns};
 use crate::vm::Migratable;
 use crate::wire::{self, Frame, Message, StreamMode};
 
@@ -164,7 +164,7 @@ impl<'a> Session<'a> {
             .guest_progress_rate(start_ns.saturating_sub(RATE_WINDOW_NS), start_ns);
         self.status.memory_pages = self.ram.pages();
         let agreed = self.handshake(mode)?;
-        self.status.report.setup_ms = ms(self.started.elapsed());
+        self.status.report.setup = self.started.elapsed();
         self.status.phase = Phase::Active;
         self.publish();
         let handover = self.transfer(mode, &agreed)?;

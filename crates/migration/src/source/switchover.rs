@@ -15,7 +15,7 @@ use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::io::transport::Stream;
 use crate::scan::memory_checksum;
-use crate::status::{Phase, ms};
+use crate::status::Phase;
 use crate::wire::Message;
 
 /// The longest the source waits for its send queue to empty before pausing the guest.
@@ -92,7 +92,7 @@ impl Session<'_> {
         self.hand_over(follow.as_ref(), agreed)?;
         // The stretches add up to the total: it ends where the last of them does.
         let at = self.lap("go, resumed");
-        self.status.report.downtime_ms = Some(ms(paused_at.elapsed()));
+        self.status.report.downtime = Some(paused_at.elapsed());
         Ok(Switched::Resumed { at, follow })
     }
 
@@ -167,7 +167,7 @@ impl Session<'_> {
         let Message::Resumed { state_to_resume_ns } = self.hear()? else {
             unreachable!("the state machine admits only Resumed here")
         };
-        self.status.report.destination_downtime_ms = Some(state_to_resume_ns as f64 / 1e6);
+        self.status.report.destination_downtime = Some(Duration::from_nanos(state_to_resume_ns));
         Ok(())
     }
 
