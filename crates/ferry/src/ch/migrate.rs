@@ -21,7 +21,7 @@ use serde_json::Value;
 use vmm::{Vm, VmConfig};
 
 use super::machine;
-use super::vmm::{ChVmm, Slot, as_ch, not_created, wrong_state};
+use super::vmm::{ChVmm, Slot, as_ch, not_created, per_request, wrong_state};
 use crate::controller::Controller;
 use crate::lifecycle::Phase;
 use crate::migrations::{Security, api_error, to_api};
@@ -39,17 +39,6 @@ fn tls(dir: &str, side: &str) -> Result<Tls, ApiError> {
         ca: dir.join("ca-cert.pem"),
     })
     .map_err(|e| ApiError::bad_request(format!("tls_dir {}: {e}", dir.display())))
-}
-
-/// A VM's security in the profile. CH names TLS per request (`tls_dir`), and
-/// `migration_tls` holds each request to it, so the controller's own rule (TCP needs the TLS
-/// it was started with) must not refuse a VM booted, received or restored without TLS that
-/// is then sent on with `tls_dir`.
-pub fn per_request(tls: Option<Tls>) -> Security {
-    Security {
-        tls,
-        plain_tcp: true,
-    }
 }
 
 impl ChVmm {

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use api::ch::{ChRequest, ConsoleMode, VmSpec, VmmPingResponse};
 use api::{ApiError, ApiRequest, Handler, Service};
 use migration::StatusBoard;
+use migration::io::tls::Tls;
 use serde_json::{Value, json};
 use vmm::VmState;
 use vmm::devices::GuestEvent;
@@ -20,6 +21,7 @@ use super::machine;
 use crate::controller::Controller;
 use crate::lifecycle::Phase;
 use crate::metrics::Scraped;
+use crate::migrations::Security;
 
 pub enum Slot {
     Empty,
@@ -225,7 +227,7 @@ impl ChVmm {
         }
         self.events.emit("vm", "booting", &[]);
         let vm = machine::boot(&spec)?;
-        let security = super::migrate::per_request(None);
+        let security = per_request(None);
         self.go_live(Controller::with_vm(Arc::new(vm), security), spec);
         self.events.emit("vm", "booted", &[]);
         Ok(Value::Null)
@@ -394,5 +396,16 @@ impl Scraped for ChVmm {
 
     fn board(&self) -> Option<StatusBoard> {
         self.last_board.locked().clone()
+    }
+}
+
+/// A VM's security in the profile. CH names TLS per request (`tls_dir`), and
+/// `migration_tls` holds each request to it, so the controller's own rule (TCP needs the TLS
+/// it was started with) must not refuse a VM booted, received or restored without TLS that
+/// is then sent on with `tls_dir`.
+pub fn per_request(tls: Option<Tls>) -> Security {
+    Security {
+        tls,
+        plain_tcp: true,
     }
 }
