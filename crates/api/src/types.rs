@@ -410,7 +410,8 @@ pub struct MigrationStatus {
     pub pages_remaining: u64,
     pub dirty_pages_per_s: f64,
     pub throughput_mbps: f64,
-    pub expected_downtime_ms: f64,
+    /// None until the link's pace is known.
+    pub expected_downtime_ms: Option<f64>,
     pub converged: Option<bool>,
     pub note: Option<String>,
     // totals

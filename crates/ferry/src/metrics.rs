@@ -450,10 +450,7 @@ fn encode_gauges(s: &Status, enc: &mut DescriptorEncoder) -> Result<(), std::fmt
         enc,
         "ferry_migration_expected_downtime_seconds",
         "The downtime a switch now would cost, as the policy expects it.",
-        live(
-            p.expected_downtime
-                .map_or(f64::INFINITY, |d| d.as_secs_f64()),
-        ),
+        live(p.expected_downtime.map_or(0.0, |d| d.as_secs_f64())),
     )
 }
 

@@ -114,7 +114,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         pages_remaining: p.pages_remaining,
         dirty_pages_per_s: p.dirty_pages_per_s,
         throughput_mbps: p.throughput_mbps,
-        expected_downtime_ms: p.expected_downtime.map_or(f64::INFINITY, ms),
+        expected_downtime_ms: p.expected_downtime.map(ms),
         converged: r.converged,
         note: s.note.clone(),
         memory_pages: s.memory_pages,

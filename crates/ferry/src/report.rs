@@ -6,13 +6,14 @@ use api::MigrationStatus;
 
 pub fn progress_line(s: &MigrationStatus) -> String {
     format!(
-        "{:?} round {} | {} pages left | dirty {:.0} pages/s | {:.0} Mbit/s | expected downtime {:.1} ms{}",
+        "{:?} round {} | {} pages left | dirty {:.0} pages/s | {:.0} Mbit/s | expected downtime {}{}",
         s.phase,
         s.round,
         s.pages_remaining,
         s.dirty_pages_per_s,
         s.throughput_mbps,
-        s.expected_downtime_ms,
+        s.expected_downtime_ms
+            .map_or("not known yet".into(), |ms| format!("{ms:.1} ms")),
         s.note
             .as_deref()
             .map(|n| format!(" | {n}"))

@@ -291,7 +291,8 @@ fn progress_properties(s: &api::MigrationStatus) -> Vec<(&'static str, String)> 
         ("throughput_mbps", format!("{:.1}", s.throughput_mbps)),
         (
             "expected_downtime_ms",
-            format!("{:.1}", s.expected_downtime_ms),
+            s.expected_downtime_ms
+                .map_or("unknown".into(), |ms| format!("{ms:.1}")),
         ),
         (
             "postcopy_faults",
