@@ -333,24 +333,8 @@ fn migrate_to(
             },
         )
     });
-    let board = StatusBoard::default();
-    let outgoing = Outgoing::new(board.clone(), None);
-    let (tx, rx) = std::sync::mpsc::channel();
-    let started = outgoing.send(
-        src.clone(),
-        endpoint,
-        params,
-        Box::new(move |r| {
-            let _ = tx.send(r.as_ref().map(|_| ()).map_err(|e| e.to_string()));
-        }),
-    );
-    let result = match started {
-        Err(e) => Err(e),
-        Ok(()) => rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the migration ends")
-            .map_err(migration::Error::Peer),
-    };
+    let (board, error) = send_and_wait(src, endpoint, params);
+    let result = error.map_or(Ok(()), |e| Err(migration::Error::Peer(e)));
     let dest = dest_thread.join().unwrap();
     Run {
         source_status: board.read(),
@@ -946,33 +930,43 @@ fn a_snapshot_written_by_several_writers_restores_the_same_memory() {
     assert_restore_refused(&forged, "written by 1 writers but the file holds 2");
 }
 
-/// A fake destination on a fresh Unix socket: it takes the handshake, reads up to `StateEnd`
-/// (an untouched VM sends no pages) and then does `then`. Returns where it listens.
-fn fake_destination(
-    then: impl FnOnce(&mut migration::io::transport::Stream) + Send + 'static,
+/// A scripted destination on a fresh Unix socket: it accepts one connection, reads the stream
+/// header and plays `script`. Returns where it listens.
+fn scripted_destination(
+    script: impl FnOnce(&mut migration::io::transport::Stream) + Send + 'static,
 ) -> (tempfile::TempDir, Endpoint, JoinHandle<()>) {
-    use migration::wire::{self, Frame, Message};
     let dir = tempfile::tempdir().unwrap();
     let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
         .parse()
         .unwrap();
     let listener = endpoint.listen(None).unwrap();
-    let fake = std::thread::spawn(move || {
+    let played = std::thread::spawn(move || {
         let mut s = listener.accept().unwrap();
         s.set_timeouts(Some(Duration::from_secs(20))).unwrap();
-        wire::read_stream_header(&mut s).unwrap();
-        wire::read_message(&mut s).unwrap(); // Hello
-        wire::write_message(&mut s, &Message::Ready { postcopy: false }).unwrap();
+        migration::wire::read_stream_header(&mut s).unwrap();
+        script(&mut s);
+    });
+    (dir, endpoint, played)
+}
+
+/// A fake destination: it takes the handshake, reads up to `StateEnd` (an untouched VM sends
+/// no pages) and then does `then`. Returns where it listens.
+fn fake_destination(
+    then: impl FnOnce(&mut migration::io::transport::Stream) + Send + 'static,
+) -> (tempfile::TempDir, Endpoint, JoinHandle<()>) {
+    use migration::wire::{self, Frame, Message};
+    scripted_destination(move |s| {
+        wire::read_message(s).unwrap(); // Hello
+        wire::write_message(s, &Message::Ready { postcopy: false }).unwrap();
         loop {
-            match wire::read_frame(&mut s).unwrap() {
+            match wire::read_frame(s).unwrap() {
                 Frame::Message(Message::StateEnd { .. }) => break,
                 Frame::Message(_) => {}
                 Frame::Pages { .. } => panic!("an untouched VM has no pages"),
             }
         }
-        then(&mut s);
-    });
-    (dir, endpoint, fake)
+        then(s);
+    })
 }
 
 /// With Go right behind the state, pre-copy and post-copy move every page as before.
@@ -1010,25 +1004,13 @@ fn go_with_the_state_settles_by_what_the_destination_said() {
                 wire::write_message(s, &Message::Abort { reason }).unwrap();
             }
         });
-        let board = StatusBoard::default();
-        let outgoing = Outgoing::new(board.clone(), None);
-        let (tx, rx) = std::sync::mpsc::channel();
         let params = MigrationParams {
             mode: Mode::Warm,
             go_with_state: Some(true),
             ..Default::default()
         };
-        let started = outgoing.send(
-            src.clone(),
-            endpoint,
-            params,
-            Box::new(move |r| {
-                let _ = tx.send(r.is_ok());
-            }),
-        );
-        // A failure may come back from `send` itself or through its callback.
-        let ok = started.is_ok() && rx.recv_timeout(Duration::from_secs(60)).unwrap();
-        assert!(!ok, "the migration failed");
+        let (board, error) = send_and_wait(&src, endpoint, params);
+        assert!(error.is_some(), "the migration failed");
         fake.join().unwrap();
         if says_why {
             assert_eq!(board.phase(), Phase::Failed);
@@ -1544,24 +1526,16 @@ fn breaking_destination(
     cut: Cut,
 ) -> (tempfile::TempDir, Endpoint, JoinHandle<()>) {
     use migration::wire::{self, Frame};
-    let dir = tempfile::tempdir().unwrap();
-    let endpoint: Endpoint = format!("unix:{}", dir.path().join("m.sock").display())
-        .parse()
-        .unwrap();
-    let listener = endpoint.listen(None).unwrap();
-    let script = std::thread::spawn(move || {
-        let mut s = listener.accept().unwrap();
-        s.set_timeouts(Some(Duration::from_secs(20))).unwrap();
-        wire::read_stream_header(&mut s).unwrap();
+    scripted_destination(move |s| {
         loop {
-            let msg = match wire::read_frame(&mut s).unwrap() {
+            let msg = match wire::read_frame(s).unwrap() {
                 Frame::Message(m) => m,
                 Frame::Pages { .. } => panic!("an untouched VM has no pages"),
             };
             if msg.name() == at {
                 if let Cut::Abort = cut {
                     let reason = format!("scripted abort at {at}");
-                    wire::write_message(&mut s, &Message::Abort { reason }).unwrap();
+                    wire::write_message(s, &Message::Abort { reason }).unwrap();
                 }
                 return;
             }
@@ -1574,25 +1548,21 @@ fn breaking_destination(
                 },
                 _ => continue,
             };
-            wire::write_message(&mut s, &answer).unwrap();
+            wire::write_message(s, &answer).unwrap();
         }
-    });
-    (dir, endpoint, script)
+    })
 }
 
-/// Migrates a running, untouched `FakeVm` to a destination that breaks off at `at`.
-fn migrate_to_breaking(mode: Mode, at: &'static str, cut: Cut) -> (Arc<FakeVm>, Status, String) {
-    let src = FakeVm::new();
-    src.paused.store(false, Ordering::Release);
-    let (_dir, endpoint, script) = breaking_destination(at, cut);
+/// Migrates `src` to `endpoint` and waits for the end: the source's board, and the error if
+/// it failed (from `send` itself or through its callback).
+fn send_and_wait(
+    src: &Arc<FakeVm>,
+    endpoint: Endpoint,
+    params: MigrationParams,
+) -> (StatusBoard, Option<String>) {
     let board = StatusBoard::default();
     let outgoing = Outgoing::new(board.clone(), None);
     let (tx, rx) = std::sync::mpsc::channel();
-    let params = MigrationParams {
-        mode,
-        go_with_state: Some(false),
-        ..Default::default()
-    };
     let started = outgoing.send(
         src.clone(),
         endpoint,
@@ -1601,11 +1571,24 @@ fn migrate_to_breaking(mode: Mode, at: &'static str, cut: Cut) -> (Arc<FakeVm>, 
             let _ = tx.send(r.as_ref().err().map(|e| e.to_string()));
         }),
     );
-    // A failure may come back from `send` itself or through its callback.
     let error = match started {
         Err(e) => Some(e.to_string()),
         Ok(()) => rx.recv_timeout(Duration::from_secs(60)).unwrap(),
     };
+    (board, error)
+}
+
+/// Migrates a running, untouched `FakeVm` to a destination that breaks off at `at`.
+fn migrate_to_breaking(mode: Mode, at: &'static str, cut: Cut) -> (Arc<FakeVm>, Status, String) {
+    let src = FakeVm::new();
+    src.paused.store(false, Ordering::Release);
+    let (_dir, endpoint, script) = breaking_destination(at, cut);
+    let params = MigrationParams {
+        mode,
+        go_with_state: Some(false),
+        ..Default::default()
+    };
+    let (board, error) = send_and_wait(&src, endpoint, params);
     script.join().unwrap();
     let error = error.unwrap_or_else(|| panic!("{mode:?} cut at {at} ({cut:?}) succeeded"));
     (src, board.read(), error)
