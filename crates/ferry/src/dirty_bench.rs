@@ -22,9 +22,9 @@ pub fn set(vm: &Arc<Vm>, enabled: bool, harvest_ms: u64) -> Result<(), String> {
         stop.store(true, Ordering::Release);
     }
     if !enabled {
-        return vm.stop_dirty_log().map_err(|e| e.to_string());
+        return vm.stop_dirty_log().map_err(|e| e.report());
     }
-    vm.start_dirty_log().map_err(|e| e.to_string())?;
+    vm.start_dirty_log().map_err(|e| e.report())?;
     let stop = Arc::new(AtomicBool::new(false));
     *slot = Some(stop.clone());
     let vm = vm.clone();

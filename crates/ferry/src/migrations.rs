@@ -64,7 +64,7 @@ pub fn api_error(e: migration::Error) -> ApiError {
         ErrorKind::Peer => 502,
         ErrorKind::Internal => 500,
     };
-    ApiError::new(status, e.to_string())
+    ApiError::new(status, e.report())
 }
 
 impl Migrations {

@@ -168,7 +168,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
             return Ok(0);
         }
         Err(e) => {
-            eprintln!("ferry: error: incoming migration failed: {e}");
+            eprintln!("ferry: error: incoming migration failed: {}", e.report());
             return Ok(1);
         }
     }

@@ -1,12 +1,14 @@
-//! The engine's errors. Each keeps its cause (`source()`), so a reader of the log sees the
-//! whole chain; the API edge chooses an HTTP status from `kind()`.
+//! The engine's errors. Each says what failed; its cause lives only in `source()`, so the
+//! chain says each thing once. What leaves the process — the status, an `Abort` to the peer,
+//! an API answer, a log line — is `Error::report`: the error and every cause. The API edge
+//! chooses an HTTP status from `kind()`.
 
 type Cause = Box<dyn std::error::Error + Send + Sync>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The connection or file failed (refused, reset, timed out, closed).
-    #[error("{context}: {}", says(source))]
+    #[error("{context}")]
     Transport {
         context: String,
         #[source]
@@ -21,9 +23,8 @@ pub enum Error {
     /// The migration failed before its first page (connecting, the handshake): why.
     #[error("{0}")]
     Setup(String),
-    /// The VM could not do what the migration asked of it. The cause is in the message too:
-    /// the message is what reaches the peer and the API.
-    #[error("VM: {context}{}", because(source))]
+    /// The VM could not do what the migration asked of it.
+    #[error("VM: {context}")]
     Vm {
         context: String,
         #[source]
@@ -61,8 +62,13 @@ impl Error {
     pub fn transport(context: impl Into<String>, source: std::io::Error) -> Self {
         Error::Transport {
             context: context.into(),
-            source,
+            source: says(source),
         }
+    }
+
+    /// The error and each of its causes: what the status, the peer and the API hear.
+    pub fn report(&self) -> String {
+        chain(self)
     }
 
     pub fn vm(context: impl Into<String>) -> Self {
@@ -93,21 +99,26 @@ impl Error {
     }
 }
 
-/// `: cause`, for an error that has one.
-fn because(source: &Option<Cause>) -> String {
-    source
-        .as_ref()
-        .map(|e| format!(": {e}"))
-        .unwrap_or_default()
+/// Any error and each of its causes, in order: "what failed: why: why that".
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        text.push_str(": ");
+        text.push_str(&c.to_string());
+        cause = c.source();
+    }
+    text
 }
 
 /// What an I/O error means here: a socket timeout reads as the OS's "try again".
-fn says(e: &std::io::Error) -> String {
+fn says(e: std::io::Error) -> std::io::Error {
     match e.kind() {
-        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
-            "timed out: the peer is silent or the link is down".into()
-        }
-        _ => e.to_string(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "timed out: the peer is silent or the link is down",
+        ),
+        _ => e,
     }
 }
 
@@ -134,8 +145,9 @@ mod tests {
         assert_eq!(e.kind(), ErrorKind::Peer);
         let e = Error::vm_caused("pause", std::io::Error::other("vCPU 1 stuck"));
         assert_eq!(e.source().unwrap().to_string(), "vCPU 1 stuck");
+        assert_eq!(e.to_string(), "VM: pause", "said once, by the cause");
         assert_eq!(
-            e.to_string(),
+            e.report(),
             "VM: pause: vCPU 1 stuck",
             "the peer and API hear why"
         );
@@ -148,7 +160,7 @@ mod tests {
             std::io::Error::from(std::io::ErrorKind::WouldBlock),
         );
         assert_eq!(
-            e.to_string(),
+            e.report(),
             "reading frame header: timed out: the peer is silent or the link is down"
         );
     }

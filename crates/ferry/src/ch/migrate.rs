@@ -162,7 +162,8 @@ impl ChVmm {
             Err(e) => {
                 *self.slot() = Slot::Empty;
                 Err(ApiError::internal(format!(
-                    "the VM could not be received: {e}"
+                    "the VM could not be received: {}",
+                    e.report()
                 )))
             }
         }
@@ -205,7 +206,7 @@ impl ChVmm {
     pub fn restore(&self, req: &RestoreConfig) -> Result<Value, ApiError> {
         let dir = file_url("source_url", &req.source_url)?;
         let source = Source::snapshot(&dir.join(SNAPSHOT_FILE))
-            .map_err(|e| ApiError::bad_request(e.to_string()))?;
+            .map_err(|e| ApiError::bad_request(e.report()))?;
         self.events.emit("vm", "restoring", &[]);
         let c = self.arrive(source, per_request(None))?;
         let vm = c.vm()?;

@@ -302,7 +302,9 @@ impl Filling {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         if prefault::plan(self.fault_in, self.connections, cores) == Plan::Install {
             self.installing = Installer::start(self.ram.clone())
-                .inspect_err(|e| tracing::warn!("{e}: faulting in ahead instead"))
+                .inspect_err(|e| {
+                    tracing::warn!("{}: faulting in ahead instead", crate::error::chain(e))
+                })
                 .ok();
         }
         match &self.installing {
@@ -311,7 +313,9 @@ impl Filling {
                 self.pages.present_ahead(map.clone())?;
                 let threads = prefault::threads_for(self.connections, cores);
                 self.prefault = Prefaulter::start(self.ram.clone(), map, threads, &self.cpu)
-                    .inspect_err(|e| tracing::warn!("no prefault threads: {e}"))
+                    .inspect_err(|e| {
+                        tracing::warn!("no prefault threads: {}", crate::error::chain(e))
+                    })
                     .ok();
             }
         }
@@ -739,7 +743,7 @@ mod tests {
                 .unwrap();
             // The source keeps its end open and says nothing.
             let e = s.filling.read_frame(&mut s.stream).map(|_| ()).unwrap_err();
-            assert!(e.to_string().contains("timed out"), "{e}");
+            assert!(e.report().contains("timed out"), "{}", e.report());
         }
     }
 

@@ -91,7 +91,10 @@ impl Checkpointer {
                         continue;
                     }
                     if let Err(e) = taker.once(s.confirmed.load(Ordering::Acquire)) {
-                        tracing::warn!("post-copy checkpoint not taken: {e}");
+                        tracing::warn!(
+                            "post-copy checkpoint not taken: {}",
+                            crate::error::chain(&e)
+                        );
                     }
                 }
             })

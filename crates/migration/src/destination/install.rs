@@ -122,7 +122,10 @@ impl Installer {
         }
         for (range, host) in self.ram.host_regions() {
             if let Err(e) = self.uffd.unregister(host.cast(), range.len as usize) {
-                tracing::warn!("guest memory stays registered for installing: {e}");
+                tracing::warn!(
+                    "guest memory stays registered for installing: {}",
+                    crate::error::chain(&e)
+                );
             }
             // Woken, a fault still waiting retries on unregistered memory.
             let _ = self.uffd.wake(host.cast(), range.len as usize);

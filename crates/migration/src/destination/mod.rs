@@ -181,9 +181,10 @@ impl Incoming {
                 let mut s = receiver.status;
                 s.phase = Phase::PostcopyPaused;
                 s.error = Some(format!(
-                    "post-copy interrupted after the switch: {e}; the VM runs on the pages it \
+                    "post-copy interrupted after the switch: {}; the VM runs on the pages it \
                      has, and vCPUs that touch a page still on the source wait for it \
-                     (PUT vm.migrate-resume carries on)"
+                     (PUT vm.migrate-resume carries on)",
+                    e.report()
                 ));
                 self.board.publish(&s);
                 Ok(Some(vm))
@@ -273,7 +274,7 @@ impl Incoming {
                 s.report.postcopy_report = Some(report);
             }
             Err(e) => {
-                s.error = Some(format!("resuming post-copy failed: {e}"));
+                s.error = Some(format!("resuming post-copy failed: {}", e.report()));
                 self.put_back(dest);
             }
         }

@@ -85,14 +85,14 @@ impl Receiver<'_> {
                 let _ = wire::write_message(
                     &mut stream,
                     &Message::Abort {
-                        reason: format!("destination: {e}"),
+                        reason: format!("destination: {}", e.report()),
                     },
                 );
             }
             stream.close_after_last_word(LAST_WORD_WAIT);
             self.status.report.cpu = self.cpu.uses();
             self.status.phase = Phase::Failed;
-            self.status.error = Some(e.to_string());
+            self.status.error = Some(e.report());
             self.publish();
         }
         result
@@ -323,7 +323,10 @@ impl Receiver<'_> {
             && run.checkpoint_every.is_some()
             && let Err(e) = vm.start_dirty_log()
         {
-            tracing::warn!("post-copy goes on without checkpoints: {e}");
+            tracing::warn!(
+                "post-copy goes on without checkpoints: {}",
+                crate::error::chain(&e)
+            );
             run.checkpoint_every = None;
         }
         // A VM its user had paused on the source arrives paused.
@@ -396,7 +399,10 @@ impl Receiver<'_> {
         let any: Arc<dyn Migratable> = vm.clone();
         let every = Duration::from_millis(u64::from(every_ms));
         if let Err(e) = dest.start_checkpoints(any, every, self.board.clone()) {
-            tracing::warn!("post-copy goes on without checkpoints: {e}");
+            tracing::warn!(
+                "post-copy goes on without checkpoints: {}",
+                crate::error::chain(&e)
+            );
             self.board.checkpoints(|c| *c = None);
         }
     }
@@ -459,6 +465,9 @@ fn spawn_guest_report<V: Migratable + 'static>(vm: Arc<V>, resumed_at_ns: u64, r
             }
         });
     if let Err(e) = spawned {
-        tracing::warn!("no guest report for the source: {e}");
+        tracing::warn!(
+            "no guest report for the source: {}",
+            crate::error::chain(&e)
+        );
     }
 }

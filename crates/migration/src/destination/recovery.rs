@@ -20,13 +20,19 @@ pub(crate) fn resume(
             Ok(Some(s)) => s,
             Ok(None) => return Err(stop().unwrap_or(Error::Cancelled)),
             Err(e) => {
-                tracing::warn!("refused a connection to the resume listener: {e}");
+                tracing::warn!(
+                    "refused a connection to the resume listener: {}",
+                    crate::error::chain(&e)
+                );
                 continue;
             }
         };
         match open_resume(&mut stream) {
             Ok(()) => break stream,
-            Err(e) => tracing::warn!("ignored a connection to the resume listener: {e}"),
+            Err(e) => tracing::warn!(
+                "ignored a connection to the resume listener: {}",
+                crate::error::chain(&e)
+            ),
         }
     };
     wire::write_message(

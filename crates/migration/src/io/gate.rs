@@ -124,7 +124,7 @@ impl<'a> Gate<'a> {
         let conn = match self.listener.accept_unopened() {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!("could not accept a connection: {e}");
+                tracing::warn!("could not accept a connection: {}", crate::error::chain(&e));
                 // Out of descriptors, say: the listener stays readable, so do not spin.
                 std::thread::sleep(Duration::from_millis(10));
                 return;
@@ -170,7 +170,12 @@ fn open(conn: Accepted, slot: Slot, tls: Option<Tls>, send: &Sender<Opened>, rin
     let mut stream = match conn.open(tls.as_ref(), deadline) {
         Ok(s) => s,
         // A peer that failed the TLS handshake (no certificate of our CA, or silent).
-        Err(e) => return tracing::warn!("refused an incoming connection: {e}"),
+        Err(e) => {
+            return tracing::warn!(
+                "refused an incoming connection: {}",
+                crate::error::chain(&e)
+            );
+        }
     };
     match read_opening(&mut Within::new(&mut stream, deadline)) {
         Ok(first) => {

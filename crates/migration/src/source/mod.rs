@@ -171,7 +171,7 @@ impl Outgoing {
             .spawn(move || {
                 let result = this.migrate(vm.as_ref(), &endpoint, &params, status);
                 if let Err(e) = &result {
-                    tracing::warn!("migration failed: {e}");
+                    tracing::warn!("migration failed: {}", e.report());
                 }
                 this.release();
                 on_done(&result);
@@ -207,7 +207,7 @@ impl Outgoing {
             Ok(s) => s,
             Err(e) => {
                 status.phase = Phase::Failed;
-                status.error = Some(e.to_string());
+                status.error = Some(e.report());
                 self.board.publish(&status);
                 return Err(e);
             }
@@ -476,7 +476,7 @@ impl Outgoing {
                     Err(e) => {
                         let mut s = this.board.read();
                         s.phase = Phase::PostcopyPaused;
-                        s.error = Some(format!("resuming post-copy failed: {e}"));
+                        s.error = Some(format!("resuming post-copy failed: {}", e.report()));
                         this.board.publish(&s);
                     }
                 }

@@ -219,7 +219,7 @@ impl<'a> Session<'a> {
         } else {
             self.run_on_here(error)
         };
-        self.status.error = Some(error.to_string());
+        self.status.error = Some(error.report());
         self.publish();
         Err(error)
     }
@@ -264,7 +264,7 @@ impl<'a> Session<'a> {
         if self.stream.has_peer() {
             let _ = self.stream.set_timeouts(Some(Duration::from_millis(200)));
             let _ = self.send(&Message::Abort {
-                reason: error.to_string(),
+                reason: error.report(),
             });
             self.stream
                 .close_after_last_word(Duration::from_millis(300));
@@ -273,7 +273,8 @@ impl<'a> Session<'a> {
         if let Some(paused) = self.held.paused.take()
             && let Err(e) = paused.undo()
         {
-            error = Error::vm_caused(format!("{error}; and resuming the source failed"), e);
+            let failed = format!("{}; and resuming the source failed", error.report());
+            error = Error::vm_caused(failed, e);
         }
         self.status.phase = if matches!(error, Error::Cancelled) {
             Phase::Cancelled
