@@ -1,21 +1,23 @@
-//! `vm_state`: the vCPU and device state a destination loads (`VcpuState`, `DeviceState` in
-//! `vmm::state`, as `vmm::migratable::encode` writes them), read as a KVM VM's `load_state`
-//! reads them. Decoding runs as it does there; then what loads the state without KVM runs
-//! too: the CPU model check, the serial port, the heartbeat device, kvmclock, and each virtio
-//! transport onto a disk of this process's own.
+//! `vm_state`: the vCPU and device state a destination loads (a vCPU's `Fragment`, the
+//! devices' `Fragments` in `vmm::persist`, as `vmm::migratable::encode` writes them), read as a
+//! KVM VM's `load_state` reads them. Decoding runs as it does there, and the check of which
+//! fragments came; then what loads the state without KVM runs too: the CPU model check, the
+//! serial port, the heartbeat device, kvmclock, and each virtio transport onto a disk of this
+//! process's own.
 //!
 //! The input's first byte says which state it is (even: a vCPU's, odd: the devices').
 
 use std::os::fd::AsRawFd;
 use std::sync::OnceLock;
 
-use kvm_bindings::{CpuId, kvm_cpuid_entry2};
+use kvm_bindings::{CpuId, kvm_clock_data, kvm_cpuid_entry2, kvm_pit_state2};
 use vmm::devices::heartbeat::HeartbeatDevice;
 use vmm::devices::serial::SerialDevice;
 use vmm::devices::virtio::block::{Block, DiskConfig};
 use vmm::devices::virtio::mmio::MmioTransport;
 use vmm::migratable::decode;
-use vmm::state::{DeviceState, VcpuState, check_cpuid, clock_for_restore};
+use vmm::persist::{Component, Fragment, Fragments, from_bytes};
+use vmm::state::{IrqchipState, VcpuState, check_cpuid, clock_for_restore};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
 pub fn vm_state(data: &[u8]) {
@@ -23,11 +25,11 @@ pub fn vm_state(data: &[u8]) {
         return;
     };
     if which % 2 == 0 {
-        if let Ok(vcpu) = said(decode::<VcpuState>(state, "vCPU")) {
+        if let Ok(vcpu) = said(decode::<Fragment>(state, "vCPU")) {
             load_vcpu(&vcpu);
         }
-    } else if let Ok(devices) = said(decode::<DeviceState>(state, "device")) {
-        load_devices(devices);
+    } else if let Ok(devices) = said(decode::<Fragments>(state, "device")) {
+        load_devices(&devices);
     }
 }
 
@@ -40,7 +42,10 @@ fn said<T>(result: migration::Result<T>) -> migration::Result<T> {
 }
 
 /// What a vCPU's restore checks without KVM: its CPU model against a host's.
-fn load_vcpu(vcpu: &VcpuState) {
+fn load_vcpu(vcpu: &Fragment) {
+    let Ok(vcpu) = from_bytes::<VcpuState>(&vcpu.bytes) else {
+        return;
+    };
     if let Err(e) = check_cpuid(&vcpu.cpuid, host_cpuid()) {
         assert!(!e.to_string().is_empty());
     }
@@ -66,25 +71,49 @@ fn host_cpuid() -> &'static CpuId {
     })
 }
 
-/// What `Vm::restore` does with the devices' state, but for the in-kernel irqchip and PIT.
-fn load_devices(devices: DeviceState) {
-    let _ = clock_for_restore(devices.clock);
-    let irq = EventFd::new(EFD_NONBLOCK).expect("an eventfd");
-    let mut serial = SerialDevice::new(irq, Box::new(std::io::sink())).expect("a serial port");
-    if let Err(e) = serial.load(&devices.serial) {
+/// What `Vm::restore` does with the devices' state, but for loading the in-kernel irqchip and
+/// PIT (their states are decoded).
+fn load_devices(devices: &Fragments) {
+    let virtio = devices
+        .0
+        .iter()
+        .filter(|f| f.name.starts_with("virtio."))
+        .count();
+    let names: Vec<String> = ["irqchip", "pit", "clock", "serial", "heartbeat"]
+        .map(String::from)
+        .into_iter()
+        .chain((0..virtio).map(|slot| format!("virtio.{slot}")))
+        .collect();
+    if let Err(e) = devices.check(&names) {
         assert!(!e.is_empty());
     }
-    let heartbeat = HeartbeatDevice::restore(devices.heartbeat, true);
-    // What `vm.info` reports of it.
-    let _ = (heartbeat.total(), heartbeat.observed_downtime_ns());
-    for virtio in &devices.virtio {
-        let mut transport = disk_transport();
-        let loaded = transport
-            .load(&virtio.transport)
-            .and_then(|()| transport.device_mut().load(&virtio.device));
-        if let Err(e) = loaded {
+    for f in &devices.0 {
+        if let Err(e) = load(f) {
             assert!(!e.is_empty());
         }
+    }
+}
+
+fn load(f: &Fragment) -> Result<(), String> {
+    match f.name.as_str() {
+        "irqchip" => from_bytes::<IrqchipState>(&f.bytes).map(|_| ()),
+        "pit" => from_bytes::<kvm_pit_state2>(&f.bytes).map(|_| ()),
+        "clock" => from_bytes::<kvm_clock_data>(&f.bytes).map(|c| {
+            let _ = clock_for_restore(c);
+        }),
+        "serial" => {
+            let irq = EventFd::new(EFD_NONBLOCK).expect("an eventfd");
+            let serial = SerialDevice::new(irq, Box::new(std::io::sink()));
+            serial.expect("a serial port").load_from(f)
+        }
+        "heartbeat" => {
+            let mut heartbeat = HeartbeatDevice::new(1);
+            heartbeat.load_from(f)?;
+            // What `vm.info` reports of it.
+            let _ = (heartbeat.total(), heartbeat.observed_downtime_ns());
+            Ok(())
+        }
+        _ => disk_transport().load_from(f),
     }
 }
 

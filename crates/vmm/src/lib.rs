@@ -11,6 +11,7 @@ pub mod error;
 pub mod layout;
 pub mod memory;
 pub mod migratable;
+pub mod persist;
 pub mod state;
 pub mod vcpu;
 pub mod vm;

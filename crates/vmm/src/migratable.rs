@@ -6,11 +6,14 @@ use serde::{Serialize, de::DeserializeOwned};
 
 use crate::devices::virtio::balloon::BalloonConfig;
 use crate::memory::MemoryBackend;
+use crate::persist::{self, Fragment, Fragments};
 use crate::vm::{Vm, VmConfig};
 use crate::{DiskConfig, NetConfig};
 
-/// Version of the vCPU and device state encodings below; bump on any change to them.
-const STATE_VERSION: u32 = 3;
+/// Version of the envelope around the state (a vCPU's `Fragment`, the devices' `Fragments`):
+/// it changes only if the fragments' own layout does. What a component saves is versioned by
+/// the component (`Persist::VERSION`), beside its code.
+const FORMAT: u32 = 4;
 
 /// The VM's own words travel to the peer and the API (`Display` only), so they are part of the
 /// message, not only its source.
@@ -18,20 +21,19 @@ fn vm_err(e: crate::error::Error) -> migration::Error {
     migration::Error::vm(format!("the KVM VM: {e}"))
 }
 
-/// A vCPU's or the devices' state as it travels (`VcpuState`, `DeviceState`); public for the
+/// A vCPU's or the devices' state as it travels (`Fragment`, `Fragments`); public for the
 /// fuzz targets, which make and read it without KVM.
 pub fn encode<T: Serialize>(value: &T) -> migration::Result<Vec<u8>> {
-    bincode::serialize(&(STATE_VERSION, value))
-        .map_err(|e| migration::Error::vm_caused("encoding VM state", e))
+    persist::to_bytes(&(FORMAT, value)).map_err(|e| migration::Error::vm(format!("VM state: {e}")))
 }
 
 /// The state `encode` wrote (`what` names it in an error): what `load_state` reads first.
 pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> migration::Result<T> {
-    let (version, value): (u32, T) = bincode::deserialize(bytes)
+    let (format, value): (u32, T) = persist::from_bytes(bytes)
         .map_err(|e| migration::Error::Protocol(format!("undecodable {what} state: {e}")))?;
-    if version != STATE_VERSION {
+    if format != FORMAT {
         return Err(migration::Error::Protocol(format!(
-            "{what} state version {version}, this ferry reads {STATE_VERSION}"
+            "{what} state format {format}, this ferry reads {FORMAT}"
         )));
     }
     Ok(value)
@@ -219,9 +221,9 @@ impl Migratable for Vm {
     fn load_state(&self, vcpus: &[Vec<u8>], devices: &[u8]) -> migration::Result<()> {
         let vcpus = vcpus
             .iter()
-            .map(|b| decode(b, "vCPU"))
+            .map(|b| decode::<Fragment>(b, "vCPU"))
             .collect::<migration::Result<Vec<_>>>()?;
-        let devices = decode(devices, "device")?;
+        let devices = decode::<Fragments>(devices, "device")?;
         self.restore(&vcpus, &devices).map_err(vm_err)?;
         self.claim_devices().map_err(vm_err)
     }

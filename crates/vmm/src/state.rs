@@ -1,6 +1,7 @@
-//! The VM state that is not guest memory: each vCPU's complete register state, the in-kernel
-//! irqchip and PIT, kvmclock, and ferry's own devices. Plain serialisable structs, apart from
-//! the live KVM objects they are taken from (Firecracker's `Persist` split).
+//! The VM state that is not guest memory and that KVM keeps: each vCPU's complete register
+//! state, the in-kernel irqchip and PIT, kvmclock. Plain serialisable structs, apart from the
+//! live KVM objects they are taken from (Firecracker's `Persist` split); each KVM object is a
+//! `Persist` component (`Vcpu`, `Irqchip`, `Pit`, `Clock`) as ferry's own devices are.
 
 use kvm_bindings::{
     CpuId, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
@@ -11,8 +12,8 @@ use kvm_bindings::{
 use kvm_ioctls::{Kvm, VcpuFd, VmFd};
 use serde::{Deserialize, Serialize};
 
-use crate::devices::{HeartbeatState, SerialDeviceState};
 use crate::error::{Error, Result, kvm};
+use crate::persist::Persist;
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct VcpuState {
@@ -79,31 +80,6 @@ pub struct IrqchipState {
     pub pic_master: kvm_irqchip,
     pub pic_slave: kvm_irqchip,
     pub ioapic: kvm_irqchip,
-}
-
-/// Everything besides memory and vCPUs.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct DeviceState {
-    pub irqchip: IrqchipState,
-    pub pit: kvm_pit_state2,
-    pub clock: kvm_clock_data,
-    pub serial: SerialDeviceState,
-    pub heartbeat: HeartbeatState,
-    /// virtio devices, slot by slot.
-    pub virtio: Vec<VirtioState>,
-}
-
-/// Version of `VirtioState`'s encoding, checked per device; bump on any change to it.
-pub const VIRTIO_STATE_VERSION: u32 = 1;
-
-/// One virtio device: the transport's registers and queues (a request is never in flight at
-/// a pause: see `devices::virtio`).
-#[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct VirtioState {
-    pub version: u32,
-    pub transport: crate::devices::virtio::mmio::TransportState,
-    /// The device's own fields (a NIC's MAC; nothing for a disk).
-    pub device: Vec<u8>,
 }
 
 /// The MSRs KVM lists that this host can both read and write back: probed once per VM,
@@ -220,7 +196,7 @@ fn get_chip(vm: &VmFd, chip_id: u32) -> Result<kvm_irqchip> {
     Ok(chip)
 }
 
-pub fn save_irqchip(vm: &VmFd) -> Result<IrqchipState> {
+fn save_irqchip(vm: &VmFd) -> Result<IrqchipState> {
     Ok(IrqchipState {
         pic_master: get_chip(vm, KVM_IRQCHIP_PIC_MASTER)?,
         pic_slave: get_chip(vm, KVM_IRQCHIP_PIC_SLAVE)?,
@@ -228,7 +204,7 @@ pub fn save_irqchip(vm: &VmFd) -> Result<IrqchipState> {
     })
 }
 
-pub fn restore_irqchip(vm: &VmFd, state: &IrqchipState) -> Result<()> {
+fn restore_irqchip(vm: &VmFd, state: &IrqchipState) -> Result<()> {
     for chip in [&state.pic_master, &state.pic_slave, &state.ioapic] {
         vm.set_irqchip(chip).map_err(kvm("KVM_SET_IRQCHIP"))?;
     }
@@ -240,4 +216,86 @@ pub fn restore_irqchip(vm: &VmFd, state: &IrqchipState) -> Result<()> {
 pub fn clock_for_restore(mut clock: kvm_clock_data) -> kvm_clock_data {
     clock.flags &= kvm_bindings::KVM_CLOCK_REALTIME;
     clock
+}
+
+/// A component's error, in words (`Persist` speaks them).
+fn said<T>(result: Result<T>) -> std::result::Result<T, String> {
+    result.map_err(|e| e.to_string())
+}
+
+/// A vCPU of a VM, with what saving and loading it needs: the MSRs this host can move, and the
+/// CPU model it can offer.
+pub struct Vcpu<'a> {
+    pub fd: &'a VcpuFd,
+    pub msrs: &'a [u32],
+    pub supported: &'a CpuId,
+}
+
+impl Persist for Vcpu<'_> {
+    const NAME: &'static str = "vcpu";
+    const VERSION: u32 = 1;
+    type State = VcpuState;
+
+    fn save(&self) -> std::result::Result<VcpuState, String> {
+        said(save_vcpu(self.fd, self.msrs))
+    }
+
+    fn load(&mut self, state: VcpuState) -> std::result::Result<(), String> {
+        said(restore_vcpu(self.fd, &state, self.supported))
+    }
+}
+
+/// The in-kernel PICs and IOAPIC of a VM.
+pub struct Irqchip<'a>(pub &'a VmFd);
+
+impl Persist for Irqchip<'_> {
+    const NAME: &'static str = "irqchip";
+    const VERSION: u32 = 1;
+    type State = IrqchipState;
+
+    fn save(&self) -> std::result::Result<IrqchipState, String> {
+        said(save_irqchip(self.0))
+    }
+
+    fn load(&mut self, state: IrqchipState) -> std::result::Result<(), String> {
+        said(restore_irqchip(self.0, &state))
+    }
+}
+
+/// The in-kernel PIT of a VM.
+pub struct Pit<'a>(pub &'a VmFd);
+
+impl Persist for Pit<'_> {
+    const NAME: &'static str = "pit";
+    const VERSION: u32 = 1;
+    type State = kvm_pit_state2;
+
+    fn save(&self) -> std::result::Result<kvm_pit_state2, String> {
+        said(self.0.get_pit2().map_err(kvm("KVM_GET_PIT2")))
+    }
+
+    fn load(&mut self, state: kvm_pit_state2) -> std::result::Result<(), String> {
+        said(self.0.set_pit2(&state).map_err(kvm("KVM_SET_PIT2")))
+    }
+}
+
+/// kvmclock of a VM.
+pub struct Clock<'a>(pub &'a VmFd);
+
+impl Persist for Clock<'_> {
+    const NAME: &'static str = "clock";
+    const VERSION: u32 = 1;
+    type State = kvm_clock_data;
+
+    fn save(&self) -> std::result::Result<kvm_clock_data, String> {
+        said(self.0.get_clock().map_err(kvm("KVM_GET_CLOCK")))
+    }
+
+    fn load(&mut self, state: kvm_clock_data) -> std::result::Result<(), String> {
+        said(
+            self.0
+                .set_clock(&clock_for_restore(state))
+                .map_err(kvm("KVM_SET_CLOCK")),
+        )
+    }
 }

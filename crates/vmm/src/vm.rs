@@ -28,7 +28,8 @@ use crate::dirty_log::Protect;
 use crate::error::{Error, Result, kvm};
 use crate::layout::DEVICE_WINDOW_START;
 use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory};
-use crate::state::{self, DeviceState, VIRTIO_STATE_VERSION, VcpuState, VirtioState};
+use crate::persist::{Component, Fragment, Fragments, Persist};
+use crate::state;
 use crate::vcpu::{VcpuSet, VmEvent};
 
 const TSS_ADDRESS: usize = 0xfffb_d000;
@@ -52,6 +53,36 @@ pub enum BootImage {
 pub enum VmState {
     Running,
     Paused,
+}
+
+/// A component of a VM whose state moves with it (the vCPUs aside).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Part {
+    Irqchip,
+    Pit,
+    Clock,
+    Serial,
+    Heartbeat,
+    Virtio(usize),
+}
+
+impl Part {
+    /// The name its fragment travels under.
+    fn name(self) -> String {
+        match self {
+            Part::Irqchip => state::Irqchip::NAME.into(),
+            Part::Pit => state::Pit::NAME.into(),
+            Part::Clock => state::Clock::NAME.into(),
+            Part::Serial => SerialDevice::NAME.into(),
+            Part::Heartbeat => HeartbeatDevice::NAME.into(),
+            Part::Virtio(slot) => format!("virtio.{slot}"),
+        }
+    }
+
+    /// KVM's own, loaded before the vCPUs.
+    fn in_kernel(self) -> bool {
+        matches!(self, Part::Irqchip | Part::Pit | Part::Clock)
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -416,41 +447,30 @@ impl Vm {
         Ok(map)
     }
 
-    /// Saves every vCPU; the VM must be paused.
-    pub fn save_vcpus_state(&self) -> Result<Vec<VcpuState>> {
+    /// Saves every vCPU, a fragment each; the VM must be paused.
+    pub fn save_vcpus_state(&self) -> Result<Vec<Fragment>> {
         self.require_paused("save vCPU state")?;
         (0..self.config.vcpus)
-            .map(|cpu| state::save_vcpu(&self.vcpus.lock_fd(cpu), &self.msrs))
+            .map(|cpu| {
+                self.with_vcpu(cpu, |v| v.save_as(state::Vcpu::NAME))
+                    .map_err(|e| Error::State(format!("vCPU {cpu}: {e}")))
+            })
             .collect()
     }
 
-    pub fn save_devices_state(&self) -> Result<DeviceState> {
+    /// Saves every component but the vCPUs, a fragment each; the VM must be paused.
+    pub fn save_devices_state(&self) -> Result<Fragments> {
         self.require_paused("save device state")?;
-        let serial = self.bus.serial.locked().save();
-        Ok(DeviceState {
-            irqchip: state::save_irqchip(&self.fd)?,
-            pit: self.fd.get_pit2().map_err(kvm("KVM_GET_PIT2"))?,
-            clock: self.fd.get_clock().map_err(kvm("KVM_GET_CLOCK"))?,
-            serial,
-            heartbeat: self.heartbeat().save(),
-            virtio: self
-                .bus
-                .virtio
-                .iter()
-                .map(|d| {
-                    let d = d.locked();
-                    VirtioState {
-                        version: VIRTIO_STATE_VERSION,
-                        transport: d.save(),
-                        device: d.device().save(),
-                    }
-                })
-                .collect(),
-        })
+        let saved = self.parts().into_iter().map(|part| {
+            self.with_part(part, |c| c.save_as(&part.name()))
+                .map_err(Error::State)
+        });
+        Ok(Fragments(saved.collect::<Result<_>>()?))
     }
 
-    /// Loads state saved by `save_vcpus`/`save_devices` (of a VM with this shape).
-    pub fn restore(&self, vcpus: &[VcpuState], devices: &DeviceState) -> Result<()> {
+    /// Loads state saved by `save_vcpus_state`/`save_devices_state` (of a VM with this shape):
+    /// KVM's own components first, then the vCPUs, then the devices.
+    pub fn restore(&self, vcpus: &[Fragment], devices: &Fragments) -> Result<()> {
         self.require_paused("restore state")?;
         if vcpus.len() != self.config.vcpus {
             return Err(Error::State(format!(
@@ -459,48 +479,70 @@ impl Vm {
                 self.config.vcpus
             )));
         }
-        state::restore_irqchip(&self.fd, &devices.irqchip)?;
-        self.fd
-            .set_pit2(&devices.pit)
-            .map_err(kvm("KVM_SET_PIT2"))?;
-        self.fd
-            .set_clock(&state::clock_for_restore(devices.clock))
-            .map_err(kvm("KVM_SET_CLOCK"))?;
-        for (cpu, s) in vcpus.iter().enumerate() {
-            state::restore_vcpu(&self.vcpus.lock_fd(cpu), s, &self.supported_cpuid)
+        let parts = self.parts();
+        let names: Vec<String> = parts.iter().map(|p| p.name()).collect();
+        devices.check(&names).map_err(Error::State)?;
+        let (in_kernel, ours): (Vec<Part>, Vec<Part>) =
+            parts.into_iter().partition(|p| p.in_kernel());
+        self.load_parts(&in_kernel, devices)?;
+        for (cpu, f) in vcpus.iter().enumerate() {
+            self.with_vcpu(cpu, |v| v.load_from(f))
                 .map_err(|e| Error::State(format!("vCPU {cpu}: {e}")))?;
         }
-        self.bus
-            .serial
-            .locked()
-            .load(&devices.serial)
-            .map_err(Error::State)?;
-        *self.heartbeat() = HeartbeatDevice::restore(devices.heartbeat.clone(), true);
-        if devices.virtio.len() != self.bus.virtio.len() {
-            return Err(Error::State(format!(
-                "the VM arrived with {} virtio devices, this one was given {} (--disk, --net, \
-                 --balloon)",
-                devices.virtio.len(),
-                self.bus.virtio.len()
-            )));
-        }
-        for (slot, (s, d)) in devices.virtio.iter().zip(&self.bus.virtio).enumerate() {
-            if s.version != VIRTIO_STATE_VERSION {
-                return Err(Error::State(format!(
-                    "virtio device {slot}: state version {}, this ferry reads {VIRTIO_STATE_VERSION}",
-                    s.version
-                )));
-            }
-            let mut d = d.locked();
-            d.load(&s.transport)
-                .and_then(|()| d.device_mut().load(&s.device))
-                .map_err(|e| Error::State(format!("virtio device {slot}: {e}")))?;
-        }
+        self.load_parts(&ours, devices)?;
         // The state may hold requests the driver announced to a VMM that never served them
         // (its notification was read, then the VM paused): every queue is served once when
         // the VM runs.
         self.bus.notify_all_queues();
         Ok(())
+    }
+
+    /// Loads each of `parts` from its fragment (`Fragments::check` found them all).
+    fn load_parts(&self, parts: &[Part], devices: &Fragments) -> Result<()> {
+        for &part in parts {
+            let name = part.name();
+            let fragment = devices
+                .get(&name)
+                .ok_or_else(|| Error::State(format!("the state has no fragment {name}")))?;
+            self.with_part(part, |c| c.load_from(fragment))
+                .map_err(Error::State)?;
+        }
+        Ok(())
+    }
+
+    /// The components whose state moves with the VM, in the order they are saved.
+    fn parts(&self) -> Vec<Part> {
+        let fixed = [
+            Part::Irqchip,
+            Part::Pit,
+            Part::Clock,
+            Part::Serial,
+            Part::Heartbeat,
+        ];
+        let virtio = (0..self.bus.virtio.len()).map(Part::Virtio);
+        fixed.into_iter().chain(virtio).collect()
+    }
+
+    /// Calls `f` with `part`, locked where it is shared.
+    fn with_part<R>(&self, part: Part, f: impl FnOnce(&mut dyn Component) -> R) -> R {
+        match part {
+            Part::Irqchip => f(&mut state::Irqchip(&self.fd)),
+            Part::Pit => f(&mut state::Pit(&self.fd)),
+            Part::Clock => f(&mut state::Clock(&self.fd)),
+            Part::Serial => f(&mut *self.bus.serial.locked()),
+            Part::Heartbeat => f(&mut *self.heartbeat()),
+            Part::Virtio(slot) => f(&mut *self.bus.virtio[slot].locked()),
+        }
+    }
+
+    /// Calls `f` with vCPU `cpu`, its thread parked.
+    fn with_vcpu<R>(&self, cpu: usize, f: impl FnOnce(&mut state::Vcpu<'_>) -> R) -> R {
+        let fd = self.vcpus.lock_fd(cpu);
+        f(&mut state::Vcpu {
+            fd: &fd,
+            msrs: &self.msrs,
+            supported: &self.supported_cpuid,
+        })
     }
 
     /// Flushes every disk and lets go of it: the VM is about to run on another host.
@@ -819,6 +861,55 @@ mod tests {
         msrs.as_slice()[0].data
     }
 
+    /// KVM's own components pass the devices' harness (`persist::assert_round_trip`) on a
+    /// VM, each first set to what a fresh VM does not hold.
+    #[test]
+    fn kvms_components_round_trip() {
+        if !std::path::Path::new("/dev/kvm").exists() {
+            eprintln!("*** no /dev/kvm: skipped ***");
+            return;
+        }
+        let config = VmConfig {
+            memory: 64 << 20,
+            vcpus: 1,
+            backend: MemoryBackend::Anonymous,
+            disks: Vec::new(),
+            nets: Vec::new(),
+            balloon: None,
+        };
+        let src = Vm::for_restore(config.clone(), Box::new(std::io::sink())).unwrap();
+        let dst = Vm::for_restore(config, Box::new(std::io::sink())).unwrap();
+        let mut chip = state::Irqchip(&src.fd).save().unwrap();
+        // SAFETY: a union of plain integers; the IOAPIC's redirection entry 3 is masked.
+        unsafe { chip.ioapic.chip.ioapic.redirtbl[3].bits = 0x1_0000 | 0x31 };
+        chip.pic_master.chip.pic.imr = 0xa5;
+        state::Irqchip(&src.fd).load(chip).unwrap();
+        let mut pit = state::Pit(&src.fd).save().unwrap();
+        pit.channels[2].count = 1193;
+        pit.channels[2].mode = 3;
+        state::Pit(&src.fd).load(pit).unwrap();
+        let mut clock = state::Clock(&src.fd).save().unwrap();
+        clock.clock += 1 << 40;
+        state::Clock(&src.fd).load(clock).unwrap();
+        src.with_part(Part::Irqchip, |from| {
+            dst.with_part(Part::Irqchip, |twin| {
+                crate::persist::assert_round_trip(from, twin)
+            })
+        });
+        // KVM stamps each PIT channel with the host's time as it is loaded.
+        crate::persist::assert_round_trip_but(
+            &state::Pit(&src.fd),
+            &mut state::Pit(&dst.fd),
+            |pit| pit.channels.iter_mut().for_each(|c| c.count_load_time = 0),
+        );
+        // kvmclock runs on from what was loaded: read back a moment later, it is a moment on.
+        let saved = state::Clock(&src.fd).save().unwrap();
+        state::Clock(&dst.fd).load(saved).unwrap();
+        let loaded = state::Clock(&dst.fd).save().unwrap();
+        let ahead = loaded.clock.wrapping_sub(saved.clock);
+        assert!(ahead < 1_000_000_000, "kvmclock {ahead} ns on");
+    }
+
     /// What a real guest would miss after a move: an armed TSC-deadline timer (KVM drops the
     /// MSR when it is written before the LAPIC is in deadline mode), the CPU model, the TSC
     /// rate. Each is read back from a VM restored from the saved state.
@@ -857,9 +948,15 @@ mod tests {
         }
         let vcpus = src.save_vcpus_state().unwrap();
         let devices = src.save_devices_state().unwrap();
-        assert!(vcpus[0].msrs.iter().any(|m| m.index == MSR_TSC_DEADLINE));
+        let vcpu0: state::VcpuState = crate::persist::from_bytes(&vcpus[0].bytes).unwrap();
+        assert!(vcpu0.msrs.iter().any(|m| m.index == MSR_TSC_DEADLINE));
         let dst = Vm::for_restore(config, Box::new(std::io::sink())).unwrap();
         dst.restore(&vcpus, &devices).unwrap();
+        // A state without a component's fragment is refused before anything loads, naming it.
+        let mut short = devices.clone();
+        short.0.retain(|f| f.name != "serial");
+        let e = dst.restore(&vcpus, &short).unwrap_err();
+        assert!(e.to_string().contains("no fragment serial"), "{e}");
         let fd = dst.vcpus.lock_fd(0);
         assert_eq!(
             tsc_deadline(&fd),
@@ -867,11 +964,11 @@ mod tests {
             "the deadline survives the restore"
         );
         let cpuid = fd.get_cpuid2(KVM_MAX_CPUID_ENTRIES).unwrap();
-        assert_eq!(cpuid.as_slice(), &vcpus[0].cpuid[..], "the same CPU model");
-        assert_eq!(fd.get_tsc_khz().ok(), vcpus[0].tsc_khz, "the same TSC rate");
+        assert_eq!(cpuid.as_slice(), &vcpu0.cpuid[..], "the same CPU model");
+        assert_eq!(fd.get_tsc_khz().ok(), vcpu0.tsc_khz, "the same TSC rate");
 
         // A model this host cannot offer is refused, naming what is missing.
-        let mut alien = vcpus[0].cpuid.clone();
+        let mut alien = vcpu0.cpuid.clone();
         let leaf1 = alien.iter_mut().find(|e| e.function == 1).unwrap();
         leaf1.edx = u32::MAX; // every leaf-1 EDX bit, reserved ones too: no host offers them
         let e = state::check_cpuid(&alien, &dst.supported_cpuid).unwrap_err();

@@ -1,11 +1,15 @@
 //! Seeds of the `vm_state` target: a vCPU's state and the devices', as a KVM VM encodes them
-//! (`vmm::migratable::encode`), each behind the byte that says which it is.
+//! (`vmm::migratable::encode` of a `Fragment`, of `Fragments`), each behind the byte that says
+//! which it is.
 
 use kvm_bindings::{kvm_cpuid_entry2, kvm_msr_entry};
-use vmm::devices::heartbeat::HeartbeatState;
-use vmm::devices::virtio::mmio::{QueueSnapshot, TransportState};
+use vmm::devices::heartbeat::{HeartbeatDevice, HeartbeatState};
+use vmm::devices::serial::SerialDevice;
+use vmm::devices::virtio::block::Block;
+use vmm::devices::virtio::mmio::{MmioTransport, QueueSnapshot, TransportState, VirtioState};
 use vmm::migratable::encode;
-use vmm::state::{DeviceState, IrqchipState, VIRTIO_STATE_VERSION, VcpuState, VirtioState};
+use vmm::persist::{Fragment, Fragments, Persist, fragment};
+use vmm::state::{Clock, Irqchip, IrqchipState, Pit, Vcpu, VcpuState};
 
 pub fn seeds(write: &dyn Fn(&str, &str, &[u8])) {
     let with = |which: u8, state: Vec<u8>| [vec![which], state].concat();
@@ -22,8 +26,8 @@ pub fn seeds(write: &dyn Fn(&str, &str, &[u8])) {
     );
 }
 
-fn vcpu() -> VcpuState {
-    VcpuState {
+fn vcpu() -> Fragment {
+    let state = VcpuState {
         regs: Default::default(),
         sregs: Default::default(),
         xsave: Default::default(),
@@ -47,11 +51,42 @@ fn vcpu() -> VcpuState {
             })
             .collect(),
         tsc_khz: Some(2_000_000),
-    }
+    };
+    fragment::<Vcpu>(Vcpu::NAME, &state).unwrap()
 }
 
 /// The devices of a VM with `disks` disks.
-fn devices(disks: usize) -> DeviceState {
+fn devices(disks: usize) -> Fragments {
+    let irqchip = IrqchipState {
+        pic_master: Default::default(),
+        pic_slave: Default::default(),
+        ioapic: Default::default(),
+    };
+    let heartbeat = HeartbeatState {
+        vcpus: vec![Default::default(); 2],
+        verify_error_pages: vec![3],
+        ..Default::default()
+    };
+    let fixed = [
+        fragment::<Irqchip>(Irqchip::NAME, &irqchip),
+        fragment::<Pit>(Pit::NAME, &Default::default()),
+        fragment::<Clock>(Clock::NAME, &Default::default()),
+        fragment::<SerialDevice>(SerialDevice::NAME, &Default::default()),
+        fragment::<HeartbeatDevice>(HeartbeatDevice::NAME, &heartbeat),
+    ];
+    let virtio =
+        (0..disks).map(|slot| fragment::<MmioTransport>(&format!("virtio.{slot}"), &disk()));
+    Fragments(
+        fixed
+            .into_iter()
+            .chain(virtio)
+            .map(Result::unwrap)
+            .collect(),
+    )
+}
+
+/// A disk's state, its queue running.
+fn disk() -> VirtioState {
     let queue = QueueSnapshot {
         max_size: 256,
         size: 256,
@@ -63,31 +98,13 @@ fn devices(disks: usize) -> DeviceState {
         avail_ring: 0x10_1000,
         used_ring: 0x10_2000,
     };
-    DeviceState {
-        irqchip: IrqchipState {
-            pic_master: Default::default(),
-            pic_slave: Default::default(),
-            ioapic: Default::default(),
-        },
-        pit: Default::default(),
-        clock: Default::default(),
-        serial: Default::default(),
-        heartbeat: HeartbeatState {
-            vcpus: vec![Default::default(); 2],
-            verify_error_pages: vec![3],
+    VirtioState {
+        transport: TransportState {
+            device_type: 2,
+            status: 15,
+            queues: vec![queue],
             ..Default::default()
         },
-        virtio: (0..disks)
-            .map(|_| VirtioState {
-                version: VIRTIO_STATE_VERSION,
-                transport: TransportState {
-                    device_type: 2,
-                    status: 15,
-                    queues: vec![queue],
-                    ..Default::default()
-                },
-                device: Vec::new(),
-            })
-            .collect(),
+        device: fragment::<Block>(Block::NAME, &()).unwrap(),
     }
 }

@@ -97,6 +97,22 @@ pub struct HeartbeatDevice {
     history: VecDeque<(u64, u64)>,
 }
 
+impl crate::persist::Persist for HeartbeatDevice {
+    const NAME: &'static str = "heartbeat";
+    const VERSION: u32 = 1;
+    type State = HeartbeatState;
+
+    fn save(&self) -> Result<HeartbeatState, String> {
+        Ok(self.state.clone())
+    }
+
+    /// The device as it was on the source, its next heartbeats measuring the gap.
+    fn load(&mut self, state: HeartbeatState) -> Result<(), String> {
+        *self = Self::restore(state, true);
+        Ok(())
+    }
+}
+
 impl HeartbeatDevice {
     pub fn new(vcpus: usize) -> Self {
         Self::restore(
@@ -124,10 +140,6 @@ impl HeartbeatDevice {
 
     pub fn blk_error_sectors(&self) -> &[u64] {
         &self.state.blk_error_sectors
-    }
-
-    pub fn save(&self) -> HeartbeatState {
-        self.state.clone()
     }
 
     pub fn port_out(

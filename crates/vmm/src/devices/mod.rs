@@ -2,6 +2,8 @@
 //! virtio devices (PIC, IOAPIC and PIT live in KVM).
 
 pub mod heartbeat;
+#[cfg(test)]
+mod round_trip;
 pub mod serial;
 pub mod virtio;
 

@@ -57,10 +57,16 @@ impl SerialDevice {
             *first = self.uart.read((port - PORTS.start()) as u8);
         }
     }
+}
 
-    pub fn save(&self) -> SerialDeviceState {
+impl crate::persist::Persist for SerialDevice {
+    const NAME: &'static str = "serial";
+    const VERSION: u32 = 1;
+    type State = SerialDeviceState;
+
+    fn save(&self) -> Result<SerialDeviceState, String> {
         let s = self.uart.state();
-        SerialDeviceState {
+        Ok(SerialDeviceState {
             registers: [
                 s.baud_divisor_low,
                 s.baud_divisor_high,
@@ -73,11 +79,11 @@ impl SerialDevice {
                 s.scratch,
             ],
             in_buffer: s.in_buffer,
-        }
+        })
     }
 
     /// Takes over migrated register state; output keeps going where it went.
-    pub fn load(&mut self, state: &SerialDeviceState) -> Result<(), String> {
+    fn load(&mut self, state: SerialDeviceState) -> Result<(), String> {
         let [bl, bh, ie, ii, lc, ls, mc, ms, sc] = state.registers;
         let s = SerialState {
             baud_divisor_low: bl,
@@ -89,7 +95,7 @@ impl SerialDevice {
             modem_control: mc,
             modem_status: ms,
             scratch: sc,
-            in_buffer: state.in_buffer.clone(),
+            in_buffer: state.in_buffer,
         };
         let irq = self
             .irq

@@ -47,8 +47,6 @@ const F_STATS_VQ: u64 = 1 << 1;
 const F_DEFLATE_ON_OOM: u64 = 1 << 2;
 const F_REPORTING: u64 = 1 << 5;
 const QUEUE_SIZE: u16 = 256;
-/// Version of the balloon's own state (`save`); bump on any change to it.
-const STATE_VERSION: u32 = 1;
 /// Refusals logged per device (a guest that lies often fills no log).
 const WARNINGS: u64 = 8;
 
@@ -150,7 +148,7 @@ enum Role {
 
 /// What moves with the VM besides the transport's registers.
 #[derive(Serialize, Deserialize)]
-struct State {
+pub struct BalloonState {
     target: u32,
     actual: u32,
     stats_head: Option<u16>,
@@ -518,25 +516,31 @@ impl VirtioDevice for Balloon {
         Ok(true)
     }
 
-    fn save(&self) -> Vec<u8> {
-        let state = State {
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+
+    fn serve_on_vcpu(&self) -> bool {
+        true
+    }
+}
+
+impl crate::persist::Persist for Balloon {
+    const NAME: &'static str = "virtio-balloon";
+    const VERSION: u32 = 1;
+    type State = BalloonState;
+
+    fn save(&self) -> Result<BalloonState, String> {
+        Ok(BalloonState {
             target: self.target,
             actual: self.actual,
             stats_head: self.stats_head,
             stats: self.stats,
             counters: self.counters,
-        };
-        bincode::serialize(&(STATE_VERSION, state)).unwrap_or_default()
+        })
     }
 
-    fn load(&mut self, state: &[u8]) -> Result<(), String> {
-        let (version, s): (u32, State) =
-            bincode::deserialize(state).map_err(|e| format!("undecodable balloon state: {e}"))?;
-        if version != STATE_VERSION {
-            return Err(format!(
-                "balloon state version {version}, this ferry reads {STATE_VERSION}"
-            ));
-        }
+    fn load(&mut self, s: BalloonState) -> Result<(), String> {
         self.target = s.target;
         self.actual = s.actual;
         self.stats_head = s.stats_head;
@@ -544,14 +548,6 @@ impl VirtioDevice for Balloon {
         self.counters = s.counters;
         self.arm_timer();
         Ok(())
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
-        self
-    }
-
-    fn serve_on_vcpu(&self) -> bool {
-        true
     }
 }
 
@@ -566,6 +562,7 @@ mod tests {
     use crate::devices::virtio::mmio::MmioTransport;
     use crate::devices::virtio::test_driver::{bring_up, write_reg};
     use crate::memory::{MIN_MEMORY, MemoryBackend, create_guest_memory};
+    use crate::persist::{Component, Fragment};
     use virtio_bindings::virtio_mmio::*;
     use vm_memory::{Bytes, GuestAddress};
     use vmm_sys_util::eventfd::EventFd;
@@ -879,21 +876,22 @@ mod tests {
         let stats = stat(4, 5);
         r.m.write_slice(&stats, GuestAddress(BUF)).unwrap();
         r.offer(2, &[(BUF, 10, false)]);
-        let (transport, device) = (r.t.save(), r.t.device().save());
+        let saved = r.t.save_as("virtio.0").unwrap();
         let mut twin = Rig::new(0);
-        twin.t.load(&transport).unwrap();
-        twin.t.device_mut().load(&device).unwrap();
+        twin.t.load_from(&saved).unwrap();
         assert_eq!(twin.balloon().info(), r.balloon().info());
         // The held statistics buffer moved too: the twin gives it back.
         twin.m = r.m.clone();
         fire(twin.balloon());
         assert!(twin.t.input(&twin.m, &mut twin.log));
-        assert!(
-            Balloon::new(&BalloonConfig::default())
-                .unwrap()
-                .load(&[1, 2, 3])
-                .is_err()
-        );
+        let garbage = Fragment {
+            name: "virtio-balloon".into(),
+            version: 1,
+            bytes: vec![1, 2, 3],
+        };
+        let mut fresh = Balloon::new(&BalloonConfig::default()).unwrap();
+        let e = fresh.load_from(&garbage).unwrap_err();
+        assert!(e.contains("undecodable virtio-balloon"), "{e}");
         // A driver that took free page reporting cannot land on a balloon without it.
         let config = BalloonConfig {
             free_page_reporting: false,
@@ -901,7 +899,7 @@ mod tests {
         };
         let plain = Balloon::new(&config).unwrap();
         let mut t = MmioTransport::new(Box::new(plain), EventFd::new(0).unwrap());
-        assert!(t.load(&transport).unwrap_err().contains("does not offer"));
+        assert!(t.load_from(&saved).unwrap_err().contains("does not offer"));
     }
 
     #[test]

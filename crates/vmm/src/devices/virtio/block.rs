@@ -336,21 +336,6 @@ impl VirtioDevice for Block {
         Ok(())
     }
 
-    fn save(&self) -> Vec<u8> {
-        Vec::new() // the file is shared storage; the transport holds the rest
-    }
-
-    fn load(&mut self, state: &[u8]) -> Result<(), String> {
-        if state.is_empty() {
-            Ok(())
-        } else {
-            Err(format!(
-                "{} bytes of disk state, none expected",
-                state.len()
-            ))
-        }
-    }
-
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
@@ -379,6 +364,21 @@ impl VirtioDevice for Block {
             ("flushes", self.flushes),
             ("io_errors", self.errors),
         ]
+    }
+}
+
+/// Nothing of its own: the file is shared storage, and the transport holds the rest.
+impl crate::persist::Persist for Block {
+    const NAME: &'static str = "virtio-blk";
+    const VERSION: u32 = 1;
+    type State = ();
+
+    fn save(&self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn load(&mut self, (): ()) -> Result<(), String> {
+        Ok(())
     }
 }
 

@@ -12,6 +12,7 @@ use virtio_queue::{Queue, QueueState, QueueT};
 use vmm_sys_util::eventfd::EventFd;
 
 use super::{VirtioDevice, WriteLog};
+use crate::persist::{Fragment, Persist};
 
 /// The register a driver writes a queue's index to, to say it has new buffers.
 pub const QUEUE_NOTIFY: u32 = VIRTIO_MMIO_QUEUE_NOTIFY;
@@ -35,6 +36,14 @@ pub struct TransportState {
     pub queues: Vec<QueueSnapshot>,
     /// Why the device asked for a reset, if it did.
     pub broken: Option<String>,
+}
+
+/// A virtio device's state: the transport's and, as a fragment of its own (named and
+/// versioned by the device's type), the device's.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VirtioState {
+    pub transport: TransportState,
+    pub device: Fragment,
 }
 
 /// `virtio_queue::QueueState`, serialisable.
@@ -330,7 +339,7 @@ impl MmioTransport {
         let _ = self.irq.write(1);
     }
 
-    pub fn save(&self) -> TransportState {
+    pub fn save_transport(&self) -> TransportState {
         let mut s = self.regs.clone();
         s.queues = self
             .queues
@@ -355,7 +364,7 @@ impl MmioTransport {
 
     /// Takes the state another host's transport saved; refused when it is not this kind of
     /// device or a queue does not fit this device.
-    pub fn load(&mut self, s: &TransportState) -> Result<(), String> {
+    pub fn load_transport(&mut self, s: &TransportState) -> Result<(), String> {
         if s.device_type != self.device.device_type() {
             return Err(format!(
                 "a virtio device of type {} arrived for one of type {}",
@@ -405,6 +414,30 @@ impl MmioTransport {
         self.device
             .set_driver_features(if accepted { s.driver_features } else { 0 });
         Ok(())
+    }
+}
+
+impl Persist for MmioTransport {
+    const NAME: &'static str = "virtio-mmio";
+    const VERSION: u32 = 1;
+    type State = VirtioState;
+
+    fn save(&self) -> Result<VirtioState, String> {
+        Ok(VirtioState {
+            transport: self.save_transport(),
+            device: self.device.save_as(self.device.kind())?,
+        })
+    }
+
+    /// The transport's state, then the device's: refused when the device's is of another
+    /// kind.
+    fn load(&mut self, s: VirtioState) -> Result<(), String> {
+        self.load_transport(&s.transport)?;
+        let kind = self.device.kind();
+        if s.device.name != kind {
+            return Err(format!("a {} state arrived for a {kind}", s.device.name));
+        }
+        self.device.load_from(&s.device)
     }
 }
 
@@ -544,16 +577,16 @@ mod tests {
     fn state_moves_to_a_twin_and_is_checked() {
         let (mut t, m, mut log, _f) = rig();
         bring_up(&mut t, &m, &mut log, 16, DESC);
-        let saved = t.save();
+        let saved = t.save_transport();
         let (mut twin, _m, _log, _f2) = rig();
-        twin.load(&saved).unwrap();
-        assert_eq!(twin.save(), saved);
+        twin.load_transport(&saved).unwrap();
+        assert_eq!(twin.save_transport(), saved);
         assert_eq!(r(&twin, VIRTIO_MMIO_STATUS), r(&t, VIRTIO_MMIO_STATUS));
         let mut wrong = saved.clone();
         wrong.device_type = 1;
-        assert!(twin.load(&wrong).unwrap_err().contains("type 1"));
+        assert!(twin.load_transport(&wrong).unwrap_err().contains("type 1"));
         let mut wrong = saved;
         wrong.queues[0].size = 3;
-        assert!(twin.load(&wrong).unwrap_err().contains("queue 0"));
+        assert!(twin.load_transport(&wrong).unwrap_err().contains("queue 0"));
     }
 }

@@ -15,7 +15,7 @@ pub mod mmio;
 pub mod net;
 pub mod tap;
 #[cfg(test)]
-mod test_driver;
+pub(crate) mod test_driver;
 
 use virtio_queue::Queue;
 use virtio_queue::desc::split::Descriptor;
@@ -118,7 +118,9 @@ pub trait WriteLog {
 #[derive(Debug)]
 pub struct DriverError(pub String);
 
-pub trait VirtioDevice: Send {
+/// A virtio device. Its own state beyond the transport's (a NIC's MAC) moves with the VM
+/// through its `Persist` implementation (`Component` is implemented for every one).
+pub trait VirtioDevice: Send + crate::persist::Component {
     /// `VIRTIO_ID_*`.
     fn device_type(&self) -> u32;
     /// Every feature offered, `VIRTIO_F_VERSION_1` included.
@@ -178,9 +180,6 @@ pub trait VirtioDevice: Send {
     fn input_pending(&self) -> bool {
         false
     }
-    /// The device's own state beyond the transport's (a NIC's MAC), for a migration.
-    fn save(&self) -> Vec<u8>;
-    fn load(&mut self, state: &[u8]) -> Result<(), String>;
     /// Takes a driver's write into configuration space (read-only unless the device says
     /// otherwise: a balloon's `actual`).
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}

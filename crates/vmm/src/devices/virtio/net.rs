@@ -100,7 +100,11 @@ impl Net {
     /// Attaches to the tap; `claimed`: the VM boots here (a VM that arrives announces its MAC
     /// when it takes the NIC over).
     pub fn open(config: &NetConfig, claimed: bool) -> Result<Self, String> {
-        let tap = Tap::open(&config.tap)?;
+        Ok(Self::on(Tap::open(&config.tap)?, config, claimed))
+    }
+
+    /// The NIC `config` asks for, on `tap`.
+    fn on(tap: Tap, config: &NetConfig, claimed: bool) -> Self {
         // A locally administered address from the tap's name when none is given.
         let mac = config.mac.unwrap_or_else(|| {
             let h = config
@@ -110,7 +114,7 @@ impl Net {
             let b = h.to_be_bytes();
             [0x52, 0x54, b[0], b[1], b[2], b[3]]
         });
-        Ok(Self {
+        Self {
             tap,
             mac,
             frame: {
@@ -126,7 +130,27 @@ impl Net {
             tx_frames: 0,
             dropped: 0,
             announced: 0,
-        })
+        }
+    }
+
+    /// A NIC on a tap of its own, made for it (None, said loudly, where this process may not
+    /// make one): for device tests.
+    #[cfg(test)]
+    pub fn transient(mac: [u8; 6]) -> Option<Self> {
+        static MADE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("fy{}n{n}", std::process::id());
+        let config = NetConfig {
+            tap: name.clone(),
+            mac: Some(mac),
+        };
+        match Tap::transient(&name) {
+            Ok(tap) => Some(Self::on(tap, &config, true)),
+            Err(e) => {
+                eprintln!("*** cannot make tap {name}: {e}; skipped ***");
+                None
+            }
+        }
     }
 
     /// Frames read from the tap, one at a time, into receive buffers while there are both.
@@ -379,20 +403,24 @@ impl VirtioDevice for Net {
         false // a NIC changes nothing a rollback would have to undo
     }
 
-    fn save(&self) -> Vec<u8> {
-        self.mac.to_vec()
-    }
-
-    fn load(&mut self, state: &[u8]) -> Result<(), String> {
-        // The VM keeps its MAC wherever it runs.
-        self.mac = state
-            .try_into()
-            .map_err(|_| format!("{} bytes of NIC state, 6 expected", state.len()))?;
-        Ok(())
-    }
-
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
+    }
+}
+
+/// The MAC: the VM keeps it wherever it runs.
+impl crate::persist::Persist for Net {
+    const NAME: &'static str = "virtio-net";
+    const VERSION: u32 = 1;
+    type State = [u8; 6];
+
+    fn save(&self) -> Result<[u8; 6], String> {
+        Ok(self.mac)
+    }
+
+    fn load(&mut self, mac: [u8; 6]) -> Result<(), String> {
+        self.mac = mac;
+        Ok(())
     }
 }
 

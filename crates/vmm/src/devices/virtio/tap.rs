@@ -39,6 +39,17 @@ impl Tap {
         if flags & i64::from(IFF_TAP) == 0 {
             return Err(format!("'{name}' is a tun device, not a tap"));
         }
+        Self::attach(name)
+    }
+
+    /// Attaches to tap `name`, which the kernel makes (gone again with this handle) if there
+    /// is none: for device tests.
+    #[cfg(test)]
+    pub fn transient(name: &str) -> Result<Self, String> {
+        Self::attach(name)
+    }
+
+    fn attach(name: &str) -> Result<Self, String> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
