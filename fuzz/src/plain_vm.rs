@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use migration::bitmap::Bitmap;
 use migration::{
-    Error, GuestRam, GuestReport, Migratable, PAGE_SIZE, RamRange, Result, VmDescriptor,
+    DeviceDescriptor, Error, GuestRam, GuestReport, Migratable, PAGE_SIZE, RamRange, Result,
+    VmDescriptor,
 };
 
 /// The most RAM a harness VM holds, and the highest address it may end at (a real VMM refuses
@@ -59,6 +60,8 @@ impl Drop for Block {
 pub struct PlainVm {
     ram: GuestRam,
     vcpus: u32,
+    /// The devices it was built with (as an empty VMM builds those a `Hello` names).
+    devices: Vec<DeviceDescriptor>,
     _blocks: Vec<Block>,
     running: AtomicBool,
     resumed: AtomicBool,
@@ -106,7 +109,10 @@ impl PlainVm {
         if d.vcpus == 0 || d.vcpus > MAX_VCPUS {
             return Err(Error::vm(format!("{} vCPUs", d.vcpus)));
         }
-        Self::with_ranges(&d.ranges, d.vcpus)
+        Ok(Self {
+            devices: d.devices.clone(),
+            ..Self::with_ranges(&d.ranges, d.vcpus)?
+        })
     }
 
     fn with_ranges(ranges: &[RamRange], vcpus: u32) -> Result<Self> {
@@ -123,6 +129,7 @@ impl PlainVm {
         Ok(Self {
             ram,
             vcpus,
+            devices: Vec::new(),
             _blocks: blocks,
             running: AtomicBool::new(false),
             resumed: AtomicBool::new(false),
@@ -142,7 +149,7 @@ impl Migratable for PlainVm {
             vcpus: self.vcpus,
             memory_backend: "anonymous".into(),
             running: self.is_running(),
-            devices: Vec::new(),
+            devices: self.devices.clone(),
         }
     }
     fn ram(&self) -> GuestRam {

@@ -141,14 +141,64 @@ fn a_destination_without_the_disk_is_refused_and_the_source_keeps_writing() {
     let port = free_port();
     let url = format!("tcp:127.0.0.1:{port}");
     let _dst = Ferry::incoming(&url); // no --disk
-    let (report, ok, errors) = migrate(&src, &url, &[]);
+    let (_, ok, errors) = migrate(&src, &url, &[]);
     assert!(!ok, "a VM must not arrive without its disk");
-    assert_eq!(report.phase, MigrationPhase::Failed);
-    assert!(errors.contains("fragment virtio.0"), "{errors}");
+    assert_eq!(src.wait_migration_end().phase, MigrationPhase::Failed);
+    assert!(
+        errors.contains("the VM has 1 virtio devices (disk), this destination 0"),
+        "{errors}"
+    );
     // The source took its disk back and goes on writing it.
     assert_eq!(src.info().state, "running");
     let now = src.info().blk_writes;
     assert_disk_verified(&src, now, "after the refused migration");
+}
+
+/// A destination whose disk cannot take the VM's (another size; read-only where the VM's is
+/// writable) refuses it in the handshake, naming the difference: no page crosses, the
+/// destination never runs it, and the source writes on.
+#[test]
+fn a_destination_with_another_disk_is_refused_before_any_page_crosses() {
+    let Some((dir, path, src)) = vm_with_disk() else {
+        return;
+    };
+    let small = dir.path().join("small.img");
+    std::fs::File::create(&small)
+        .and_then(|f| f.set_len(2 << 20))
+        .expect("a smaller disk");
+    for (arg, why) in [
+        (
+            disk_arg(&small),
+            format!(
+                "virtio slot 0: the VM's disk has 8192 sectors, this destination's {} has 4096",
+                small.display()
+            ),
+        ),
+        (
+            format!("{},readonly", disk_arg(&path)),
+            format!(
+                "virtio slot 0: the VM's disk is read-write, this destination's {} is read-only",
+                path.display()
+            ),
+        ),
+    ] {
+        let url = format!("tcp:127.0.0.1:{}", free_port());
+        let mut dst = Ferry::start(&["--incoming", &url, "--disk", &arg]);
+        let (_, ok, errors) = migrate(&src, &url, &[]);
+        assert!(!ok, "--disk {arg}: the VM arrived");
+        assert!(errors.contains(&why), "--disk {arg}: {errors}");
+        let report = src.wait_migration_end();
+        assert_eq!(report.phase, MigrationPhase::Failed, "--disk {arg}");
+        let pages = (report.pages_full, report.pages_zero, report.rounds.len());
+        assert_eq!(pages, (0, 0, 0), "--disk {arg}: pages crossed");
+        assert!(
+            !dst.wait_exit(T).success(),
+            "--disk {arg}: the destination ran it"
+        );
+        assert_eq!(src.info().state, "running", "--disk {arg}");
+        let now = src.info().blk_writes;
+        assert_disk_verified(&src, now, &format!("after --disk {arg} refused it"));
+    }
 }
 
 #[test]

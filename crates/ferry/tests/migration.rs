@@ -534,7 +534,7 @@ fn foreign_streams_are_refused() {
     let _ = std::io::Read::read_to_end(&mut s, &mut answer);
     assert!(
         String::from_utf8_lossy(&answer)
-            .contains("stream version 99 is not supported (this ferry speaks version 8)"),
+            .contains("stream version 99 is not supported (this ferry speaks version 9)"),
         "{answer:?}"
     );
     assert!(

@@ -1,7 +1,7 @@
 //! What the engine needs from a VM.
 
 use crate::bitmap::Bitmap;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::memory::{GuestRam, RamRange};
 
 /// The shape a destination must build before any page arrives.
@@ -19,25 +19,123 @@ pub struct VmDescriptor {
     pub devices: Vec<DeviceDescriptor>,
 }
 
-/// A virtio device as the source's VMM was given it. A destination told nothing of the
-/// devices (Cloud Hypervisor's `vm.receive-migration` and `vm.restore`) builds the same:
-/// disks at the same paths (shared storage), NICs on taps of the same names.
+/// A virtio device as the source's VMM was given it, and what a destination's device must
+/// match to take its place: the disk's capacity and read-only-ness, what a device offers the
+/// guest. A destination told nothing of the devices (Cloud Hypervisor's
+/// `vm.receive-migration` and `vm.restore`) builds the same: disks at the same paths (shared
+/// storage), NICs on taps of the same names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum DeviceDescriptor {
     Disk {
         path: String,
         readonly: bool,
+        /// Its capacity, in 512-byte sectors.
+        sectors: u64,
     },
     Net {
         tap: String,
         mac: Option<[u8; 6]>,
+        /// The virtio features it offers.
+        features: u64,
+        queues: u16,
     },
     Balloon {
         target_bytes: u64,
         deflate_on_oom: bool,
         free_page_reporting: bool,
         stats_s: u32,
+        /// The virtio features it offers.
+        features: u64,
     },
+}
+
+impl DeviceDescriptor {
+    fn kind(&self) -> &'static str {
+        match self {
+            DeviceDescriptor::Disk { .. } => "disk",
+            DeviceDescriptor::Net { .. } => "NIC",
+            DeviceDescriptor::Balloon { .. } => "balloon",
+        }
+    }
+
+    /// The device here, as its description names it.
+    fn here(&self) -> String {
+        match self {
+            DeviceDescriptor::Disk { path, .. } => format!("this destination's {path}"),
+            DeviceDescriptor::Net { tap, .. } => format!("this destination's (tap {tap})"),
+            DeviceDescriptor::Balloon { .. } => "this destination's".into(),
+        }
+    }
+
+    /// How `here`, a destination's device, differs from this one, the VM's, in what the guest
+    /// sees: None when it can take its place. Paths, taps and a balloon's target and
+    /// statistics period are this host's business (shared storage may be mounted elsewhere;
+    /// the target moves with the device's state).
+    fn difference(&self, here: &DeviceDescriptor) -> Option<String> {
+        use DeviceDescriptor::{Balloon, Disk, Net};
+        let theirs = here.here();
+        let what = match (self, here) {
+            (Disk { sectors: a, .. }, Disk { sectors: b, .. }) if a != b => {
+                format!("has {a} sectors, {theirs} has {b}")
+            }
+            (Disk { readonly: a, .. }, Disk { readonly: b, .. }) if a != b => {
+                let rw = |ro: &bool| if *ro { "read-only" } else { "read-write" };
+                format!("is {}, {theirs} is {}", rw(a), rw(b))
+            }
+            (Net { queues: a, .. }, Net { queues: b, .. }) if a != b => {
+                format!("has {a} queues, {theirs} has {b}")
+            }
+            (Net { features: a, .. }, Net { features: b, .. })
+            | (Balloon { features: a, .. }, Balloon { features: b, .. })
+                if a != b =>
+            {
+                format!(
+                    "offers features {a:#x}, {theirs} {b:#x} (lacking {:#x}, adding {:#x})",
+                    a & !b,
+                    b & !a
+                )
+            }
+            (Disk { .. }, Disk { .. })
+            | (Net { .. }, Net { .. })
+            | (Balloon { .. }, Balloon { .. }) => {
+                return None;
+            }
+            _ => {
+                return Some(format!(
+                    "the VM's is a {}, {theirs} a {}",
+                    self.kind(),
+                    here.kind()
+                ));
+            }
+        };
+        Some(format!("the VM's {} {what}", self.kind()))
+    }
+}
+
+/// Refuses the devices a destination built (`here`) where they cannot take the place of the
+/// VM's (`vm`, in slot order): another count, or a device that differs in what the guest
+/// sees, naming the slot, the device and the difference.
+pub fn check_devices(vm: &[DeviceDescriptor], here: &[DeviceDescriptor]) -> Result<()> {
+    if vm.len() != here.len() {
+        let kinds = |d: &[DeviceDescriptor]| {
+            let kinds: Vec<&str> = d.iter().map(DeviceDescriptor::kind).collect();
+            kinds.join(", ")
+        };
+        return Err(Error::vm(format!(
+            "the VM has {} virtio devices ({}), this destination {} ({}): give it the VM's \
+             (--disk, --net, --balloon)",
+            vm.len(),
+            kinds(vm),
+            here.len(),
+            kinds(here)
+        )));
+    }
+    for (slot, (theirs, ours)) in vm.iter().zip(here).enumerate() {
+        if let Some(why) = theirs.difference(ours) {
+            return Err(Error::vm(format!("virtio slot {slot}: {why}")));
+        }
+    }
+    Ok(())
 }
 
 /// What the guest lived through across a migration, as the destination's VMM saw it.
@@ -100,4 +198,101 @@ pub trait Migratable: Send + Sync {
     /// reports), a bitmap as `take_dirty`'s; `None` if it gave none. For the report: those
     /// not populated when a migration looks are counted as skipped because free.
     fn given_back(&self) -> Option<Bitmap>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn disk(path: &str, readonly: bool, sectors: u64) -> DeviceDescriptor {
+        DeviceDescriptor::Disk {
+            path: path.into(),
+            readonly,
+            sectors,
+        }
+    }
+
+    fn nic(tap: &str, features: u64, queues: u16) -> DeviceDescriptor {
+        DeviceDescriptor::Net {
+            tap: tap.into(),
+            mac: None,
+            features,
+            queues,
+        }
+    }
+
+    fn balloon(target_bytes: u64, stats_s: u32, features: u64) -> DeviceDescriptor {
+        DeviceDescriptor::Balloon {
+            target_bytes,
+            deflate_on_oom: true,
+            free_page_reporting: false,
+            stats_s,
+            features,
+        }
+    }
+
+    fn refusal(vm: &[DeviceDescriptor], here: &[DeviceDescriptor]) -> String {
+        check_devices(vm, here).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn devices_that_differ_only_in_this_hosts_business_are_taken() {
+        let vm = [
+            disk("/a/d.img", false, 2048),
+            nic("t0", 0x1_0000_0020, 2),
+            balloon(1 << 20, 1, 0x1_0000_0007),
+        ];
+        let here = [
+            disk("/mnt/elsewhere/d.img", false, 2048),
+            nic("tap9", 0x1_0000_0020, 2),
+            balloon(0, 5, 0x1_0000_0007),
+        ];
+        check_devices(&vm, &here).unwrap();
+        check_devices(&[], &[]).unwrap();
+    }
+
+    #[test]
+    fn a_device_that_differs_is_refused_naming_slot_device_and_difference() {
+        let vm = [disk("/a/d.img", false, 2_097_152), nic("t0", 0x20, 2)];
+        for (here, why) in [
+            (
+                [disk("/x.img", false, 1_048_576), nic("t0", 0x20, 2)],
+                "virtio slot 0: the VM's disk has 2097152 sectors, this destination's /x.img \
+                 has 1048576",
+            ),
+            (
+                [disk("/x.img", true, 2_097_152), nic("t0", 0x20, 2)],
+                "virtio slot 0: the VM's disk is read-write, this destination's /x.img is \
+                 read-only",
+            ),
+            (
+                [disk("/x.img", false, 2_097_152), nic("t1", 0x20, 1)],
+                "virtio slot 1: the VM's NIC has 2 queues, this destination's (tap t1) has 1",
+            ),
+            (
+                [disk("/x.img", false, 2_097_152), nic("t1", 0x8, 2)],
+                "virtio slot 1: the VM's NIC offers features 0x20, this destination's (tap \
+                 t1) 0x8 (lacking 0x20, adding 0x8)",
+            ),
+            (
+                [nic("t1", 0x20, 2), disk("/x.img", false, 2_097_152)],
+                "virtio slot 0: the VM's is a disk, this destination's (tap t1) a NIC",
+            ),
+        ] {
+            assert!(refusal(&vm, &here).contains(why), "{}", refusal(&vm, &here));
+        }
+        let e = refusal(&[balloon(0, 1, 0x7)], &[balloon(0, 1, 0x3)]);
+        assert!(
+            e.contains(
+                "virtio slot 0: the VM's balloon offers features 0x7, this \
+                 destination's 0x3 (lacking 0x4, adding 0x0)"
+            ),
+            "{e}"
+        );
+        let e = refusal(&vm, &vm[..1]);
+        assert!(
+            e.contains("the VM has 2 virtio devices (disk, NIC), this destination 1 (disk)"),
+            "{e}"
+        );
+    }
 }

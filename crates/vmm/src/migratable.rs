@@ -40,7 +40,8 @@ pub fn decode<T: DeserializeOwned>(bytes: &[u8], what: &str) -> migration::Resul
 }
 
 impl VmConfig {
-    pub fn descriptor(&self) -> VmDescriptor {
+    /// The VM's shape, with `devices` (the built devices' own descriptors, in slot order).
+    fn descriptor(&self, devices: Vec<DeviceDescriptor>) -> VmDescriptor {
         VmDescriptor {
             memory_bytes: self.memory,
             ranges: crate::layout::ram_ranges(self.memory),
@@ -51,31 +52,14 @@ impl VmConfig {
                 MemoryBackend::Memfd => "memfd",
             }
             .into(),
-            devices: self.device_descriptors(),
+            devices,
         }
     }
 
-    /// The virtio devices in slot order: disks, then NICs, then the balloon.
-    fn device_descriptors(&self) -> Vec<DeviceDescriptor> {
-        let disks = self.disks.iter().map(|d| DeviceDescriptor::Disk {
-            path: d.path.to_string_lossy().into_owned(),
-            readonly: d.readonly,
-        });
-        let nets = self.nets.iter().map(|n| DeviceDescriptor::Net {
-            tap: n.tap.clone(),
-            mac: n.mac,
-        });
-        let balloon = self.balloon.iter().map(|b| DeviceDescriptor::Balloon {
-            target_bytes: b.size,
-            deflate_on_oom: b.deflate_on_oom,
-            free_page_reporting: b.free_page_reporting,
-            stats_s: b.stats_s,
-        });
-        disks.chain(nets).chain(balloon).collect()
-    }
-
-    /// The devices `device_descriptors` names, into `self`; refused if they are not in the
-    /// slot order this VMM builds (disks, NICs, at most one balloon last).
+    /// The devices a VM's descriptor names, into `self`; refused if they are not in the slot
+    /// order this VMM builds (disks, NICs, at most one balloon last). What they offer is not
+    /// taken from it: built here, they offer what this ferry's do, and the arrival compares
+    /// (`check_devices`).
     fn take_devices(&mut self, devices: &[DeviceDescriptor]) -> migration::Result<()> {
         let out_of_order = |what: &str| {
             migration::Error::Protocol(format!(
@@ -88,14 +72,14 @@ impl VmConfig {
                 return Err(out_of_order("device after the balloon"));
             }
             match d {
-                DeviceDescriptor::Disk { path, readonly } if self.nets.is_empty() => {
+                DeviceDescriptor::Disk { path, readonly, .. } if self.nets.is_empty() => {
                     self.disks.push(DiskConfig {
                         path: path.into(),
                         readonly: *readonly,
                     })
                 }
                 DeviceDescriptor::Disk { .. } => return Err(out_of_order("disk after a NIC")),
-                DeviceDescriptor::Net { tap, mac } => self.nets.push(NetConfig {
+                DeviceDescriptor::Net { tap, mac, .. } => self.nets.push(NetConfig {
                     tap: tap.clone(),
                     mac: *mac,
                 }),
@@ -104,6 +88,7 @@ impl VmConfig {
                     deflate_on_oom,
                     free_page_reporting,
                     stats_s,
+                    ..
                 } => {
                     self.balloon = Some(BalloonConfig {
                         size: *target_bytes,
@@ -146,7 +131,7 @@ impl Migratable for Vm {
     fn descriptor(&self) -> VmDescriptor {
         VmDescriptor {
             running: self.is_running(),
-            ..self.config().descriptor()
+            ..self.config().descriptor(self.device_descriptors())
         }
     }
 
@@ -246,27 +231,48 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_devices_travel_in_the_descriptor_in_slot_order() {
-        let config = VmConfig {
+    fn an_empty_vmm_builds_the_devices_the_descriptor_names_in_slot_order() {
+        let devices = vec![
+            DeviceDescriptor::Disk {
+                path: "/shared/d.img".into(),
+                readonly: true,
+                sectors: 2048,
+            },
+            DeviceDescriptor::Net {
+                tap: "tap7".into(),
+                mac: Some([2, 0, 0, 0, 0, 7]),
+                features: 0x1_0000_0020,
+                queues: 2,
+            },
+            DeviceDescriptor::Balloon {
+                target_bytes: 1 << 20,
+                deflate_on_oom: false,
+                free_page_reporting: true,
+                stats_s: 3,
+                features: 0x1_0000_0023,
+            },
+        ];
+        let shape = VmConfig {
             memory: 64 << 20,
             vcpus: 2,
             backend: MemoryBackend::Memfd,
-            disks: vec![DiskConfig {
-                path: "/shared/d.img".into(),
-                readonly: true,
-            }],
-            nets: vec![NetConfig {
-                tap: "tap7".into(),
-                mac: Some([2, 0, 0, 0, 0, 7]),
-            }],
-            balloon: Some(BalloonConfig::default()),
+            disks: Vec::new(),
+            nets: Vec::new(),
+            balloon: None,
         };
-        let d = config.descriptor();
-        assert_eq!(d.devices.len(), 3);
-        let back = VmConfig::from_descriptor(&d).unwrap();
-        assert_eq!(back.descriptor(), d);
-        assert_eq!(back.disks[0].path, config.disks[0].path);
-        assert_eq!(back.nets[0].tap, "tap7");
+        let d = shape.descriptor(devices);
+        let built = VmConfig::from_descriptor(&d).unwrap();
+        assert_eq!((built.memory, built.vcpus), (64 << 20, 2));
+        let disk = DiskConfig {
+            path: "/shared/d.img".into(),
+            readonly: true,
+        };
+        assert_eq!(built.disks, vec![disk]);
+        assert_eq!(built.nets[0].tap, "tap7");
+        assert_eq!(built.nets[0].mac, Some([2, 0, 0, 0, 0, 7]));
+        let balloon = built.balloon.unwrap();
+        assert_eq!((balloon.size, balloon.stats_s), (1 << 20, 3));
+        assert!(!balloon.deflate_on_oom && balloon.free_page_reporting);
 
         // A slot order this VMM cannot build is refused, naming it.
         let mut swapped = d.clone();

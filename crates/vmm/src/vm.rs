@@ -579,6 +579,12 @@ impl Vm {
         Ok(())
     }
 
+    /// Each virtio device as a destination must match it, in slot order.
+    pub fn device_descriptors(&self) -> Vec<migration::DeviceDescriptor> {
+        let describe = |d: &Mutex<MmioTransport>| d.locked().device().descriptor();
+        self.bus.virtio.iter().map(describe).collect()
+    }
+
     /// Each virtio device's kind, counters and why it stopped serving, if it did.
     pub fn device_info(&self) -> Vec<DeviceInfo> {
         self.bus

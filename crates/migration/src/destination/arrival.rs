@@ -79,8 +79,11 @@ impl Hello {
         self.mode != StreamMode::Snapshot
     }
 
-    /// Checks that the VM built for this stream has its RAM and vCPUs where the stream says.
-    pub fn check_built(&self, ram: &GuestRam, vcpus: u32) -> Result<()> {
+    /// Checks that the VM built for this stream (`built` describes it) has its RAM and vCPUs
+    /// where the stream says, and devices that can take the place of the VM's: before `Ready`,
+    /// so that a destination that cannot take the VM refuses it before any page crosses.
+    pub fn check_built(&self, ram: &GuestRam, built: &VmDescriptor) -> Result<()> {
+        let vcpus = built.vcpus;
         if ram.ranges() != self.descriptor.ranges {
             return Err(Error::vm(format!(
                 "built RAM at {:x?} for a VM whose RAM lies at {:x?}",
@@ -96,7 +99,7 @@ impl Hello {
                 self.descriptor.vcpus
             )));
         }
-        Ok(())
+        crate::vm::check_devices(&self.descriptor.devices, &built.devices)
     }
 }
 

@@ -177,7 +177,7 @@ impl Receiver<'_> {
         let vm = build(&hello.descriptor)?;
         let ram = vm.ram();
         ram.forbid_huge_pages();
-        hello.check_built(&ram, vm.descriptor().vcpus)?;
+        hello.check_built(&ram, &vm.descriptor())?;
         self.status.mode = Some(hello.mode.into());
         self.status.memory_pages = ram.pages();
         self.status.connections = hello.connections;

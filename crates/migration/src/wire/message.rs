@@ -451,30 +451,44 @@ impl Encoder {
     }
     fn device(&mut self, d: &DeviceDescriptor) {
         match d {
-            DeviceDescriptor::Disk { path, readonly } => {
+            DeviceDescriptor::Disk {
+                path,
+                readonly,
+                sectors,
+            } => {
                 self.u8(DEVICE_DISK);
                 self.str(path);
                 self.bool(*readonly);
+                self.u64(*sectors);
             }
-            DeviceDescriptor::Net { tap, mac } => {
+            DeviceDescriptor::Net {
+                tap,
+                mac,
+                features,
+                queues,
+            } => {
                 self.u8(DEVICE_NET);
                 self.str(tap);
                 self.bool(mac.is_some());
                 if let Some(mac) = mac {
                     self.0.extend_from_slice(mac);
                 }
+                self.u64(*features);
+                self.u16(*queues);
             }
             DeviceDescriptor::Balloon {
                 target_bytes,
                 deflate_on_oom,
                 free_page_reporting,
                 stats_s,
+                features,
             } => {
                 self.u8(DEVICE_BALLOON);
                 self.u64(*target_bytes);
                 self.bool(*deflate_on_oom);
                 self.bool(*free_page_reporting);
                 self.u32(*stats_s);
+                self.u64(*features);
             }
         }
     }
@@ -630,8 +644,9 @@ impl<'a> Decoder<'a> {
             memory_backend: self.string()?,
             running: self.bool()?,
             devices: {
-                // The smallest device on the wire is a tag, an empty name and a flag.
-                let n = self.count(6)?;
+                // The smallest device on the wire is a disk: a tag, an empty path, a flag and
+                // its sectors.
+                let n = self.count(14)?;
                 (0..n).map(|_| self.device()).collect::<Result<_>>()?
             },
         })
@@ -641,6 +656,7 @@ impl<'a> Decoder<'a> {
             DEVICE_DISK => DeviceDescriptor::Disk {
                 path: self.string()?,
                 readonly: self.bool()?,
+                sectors: self.u64()?,
             },
             DEVICE_NET => DeviceDescriptor::Net {
                 tap: self.string()?,
@@ -648,12 +664,15 @@ impl<'a> Decoder<'a> {
                     true => Some(self.take(6)?.try_into().unwrap()),
                     false => None,
                 },
+                features: self.u64()?,
+                queues: self.u16()?,
             },
             DEVICE_BALLOON => DeviceDescriptor::Balloon {
                 target_bytes: self.u64()?,
                 deflate_on_oom: self.bool()?,
                 free_page_reporting: self.bool()?,
                 stats_s: self.u32()?,
+                features: self.u64()?,
             },
             other => return Err(Error::Protocol(format!("device kind {other} is unknown"))),
         })
@@ -760,16 +779,20 @@ mod tests {
                             DeviceDescriptor::Disk {
                                 path: "d".into(),
                                 readonly: true,
+                                sectors: 0x800,
                             },
                             DeviceDescriptor::Net {
                                 tap: "t".into(),
                                 mac: Some([1, 2, 3, 4, 5, 6]),
+                                features: 0x1_0000_0020,
+                                queues: 2,
                             },
                             DeviceDescriptor::Balloon {
                                 target_bytes: 2,
                                 deflate_on_oom: true,
                                 free_page_reporting: false,
                                 stats_s: 5,
+                                features: 0x1_0000_0007,
                             },
                         ],
                     },
@@ -779,8 +802,10 @@ mod tests {
                     session: 0x55,
                 },
                 "0100001000000000000001000000000000000000000000100000000000000200000005000000\
-                 6d656d6664 01 03000000 01 01000000 64 01 02 01000000 74 01 010203040506 \
-                 03 0200000000000000 01 00 05000000 01 0100000066 02000000 5500000000000000",
+                 6d656d6664 01 03000000 01 01000000 64 01 0008000000000000 \
+                 02 01000000 74 01 010203040506 2000000001000000 0200 \
+                 03 0200000000000000 01 00 05000000 0700000001000000 \
+                 01 0100000066 02000000 5500000000000000",
             ),
             (Message::Ready { postcopy: true }, "020001"),
             (

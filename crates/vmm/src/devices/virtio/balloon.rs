@@ -470,6 +470,16 @@ impl VirtioDevice for Balloon {
         v
     }
 
+    fn descriptor(&self) -> migration::DeviceDescriptor {
+        migration::DeviceDescriptor::Balloon {
+            target_bytes: u64::from(self.target) * PAGE,
+            deflate_on_oom: self.config.deflate_on_oom,
+            free_page_reporting: self.config.free_page_reporting,
+            stats_s: self.config.stats_s,
+            features: self.features(),
+        }
+    }
+
     fn describe(&self) -> String {
         let mib = |pages: u32| (u64::from(pages) * PAGE) >> 20;
         format!(

@@ -344,6 +344,14 @@ impl VirtioDevice for Block {
         Some(&self.path)
     }
 
+    fn descriptor(&self) -> migration::DeviceDescriptor {
+        migration::DeviceDescriptor::Disk {
+            path: self.path.to_string_lossy().into_owned(),
+            readonly: self.readonly,
+            sectors: self.sectors,
+        }
+    }
+
     fn describe(&self) -> String {
         format!(
             "{}{}, {} sectors",

@@ -148,6 +148,9 @@ pub trait VirtioDevice: Send + crate::persist::Component {
     fn claim(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+    /// What a destination's device must match to take this one's place (and what an empty
+    /// VMM builds it from): its configuration and what it offers the guest.
+    fn descriptor(&self) -> migration::DeviceDescriptor;
     /// Counters for status displays: (name, value).
     fn counters(&self) -> Vec<(&'static str, u64)>;
     /// The file behind the device, if any.

@@ -395,6 +395,15 @@ impl VirtioDevice for Net {
         None
     }
 
+    fn descriptor(&self) -> migration::DeviceDescriptor {
+        migration::DeviceDescriptor::Net {
+            tap: self.tap.name().to_string(),
+            mac: Some(self.mac),
+            features: self.features(),
+            queues: self.queue_max_sizes().len() as u16,
+        }
+    }
+
     fn describe(&self) -> String {
         format!("tap {}, MAC {}", self.tap.name(), format_mac(&self.mac))
     }
