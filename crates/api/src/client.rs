@@ -12,12 +12,12 @@ use crate::types::ErrorBody;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    #[error("cannot reach the ferry API at {path}: {source} (is `ferry run` running there?)")]
+    #[error("cannot reach the ferry API at {path} (is `ferry run` running there?)")]
     Connect {
         path: PathBuf,
         source: std::io::Error,
     },
-    #[error("API connection failed: {0}")]
+    #[error("API connection failed")]
     Io(#[from] std::io::Error),
     #[error("malformed API response: {0}")]
     Malformed(String),

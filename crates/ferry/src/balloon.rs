@@ -14,7 +14,7 @@ pub fn set_target(vm: &Vm, req: &BalloonRequest) -> Result<(), ApiError> {
         ));
     }
     vm.set_balloon_target(pages)
-        .map_err(|e| ApiError::bad_request(e.to_string()))
+        .map_err(|e| ApiError::bad_request(migration::error::chain(&e)))
 }
 
 /// `vm.info`'s balloon section.

@@ -11,6 +11,7 @@ use vmm::{Vm, VmState};
 
 use crate::lifecycle::{self, Lifecycle, Phase};
 use crate::migrations::{Migrations, Security, api_error};
+use migration::error::chain;
 use migration::source::Resumed;
 
 /// How long a shutdown waits for the migration it cancelled to end.
@@ -264,7 +265,7 @@ impl Controller {
             t.ws_base + page * 4096
         };
         let mut byte = [0u8];
-        let fail = |e: vmm::Error| ApiError::internal(format!("guest memory: {e}"));
+        let fail = |e: vmm::Error| ApiError::internal(format!("guest memory: {}", chain(&e)));
         vm.read_guest(gpa, &mut byte).map_err(fail)?;
         vm.write_guest(gpa, &[byte[0] ^ 0x5a]).map_err(fail)
     }
@@ -284,7 +285,7 @@ impl Controller {
 
 impl Handler for Controller {
     fn handle(&self, request: ApiRequest) -> Result<Value, ApiError> {
-        let internal = |e: vmm::Error| ApiError::internal(e.to_string());
+        let internal = |e: vmm::Error| ApiError::internal(chain(&e));
         let state = self.lifecycle();
         lifecycle::allow(&request, state)?;
         match request {

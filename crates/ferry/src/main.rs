@@ -53,20 +53,9 @@ fn finish(result: anyhow::Result<i32>) -> ! {
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {
-            eprintln!("ferry: error: {}", causes(&e));
+            // Each error in the chain says what failed; `:#` adds each cause once.
+            eprintln!("ferry: error: {e:#}");
             std::process::exit(1);
         }
     }
-}
-
-/// An error and its causes, each said once: many errors already name their cause.
-fn causes(e: &anyhow::Error) -> String {
-    let mut text = e.to_string();
-    for cause in e.chain().skip(1) {
-        let cause = cause.to_string();
-        if !text.contains(&cause) {
-            text = format!("{text}: {cause}");
-        }
-    }
-    text
 }

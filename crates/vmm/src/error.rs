@@ -1,10 +1,11 @@
 use std::path::PathBuf;
 
+/// What failed; the cause lives only in `source()` (see `migration::error::chain`).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("cannot open /dev/kvm: {0} (is KVM available and are you root?)")]
+    #[error("cannot open /dev/kvm (is KVM available and are you root?)")]
     Kvm(#[source] kvm_ioctls::Error),
-    #[error("KVM call {call} failed: {source}")]
+    #[error("KVM call {call} failed")]
     KvmCall {
         call: &'static str,
         #[source]
@@ -23,7 +24,7 @@ pub enum Error {
     /// The VM's configuration cannot be built (a missing disk, a locked one, too many).
     #[error("{0}")]
     Config(String),
-    #[error("{0}")]
+    #[error(transparent)]
     Io(#[from] std::io::Error),
 }
 

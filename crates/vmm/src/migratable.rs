@@ -18,7 +18,7 @@ const FORMAT: u32 = 4;
 /// The VM's own words travel to the peer and the API (`Display` only), so they are part of the
 /// message, not only its source.
 fn vm_err(e: crate::error::Error) -> migration::Error {
-    migration::Error::vm(format!("the KVM VM: {e}"))
+    migration::Error::vm_caused("the KVM VM", e)
 }
 
 /// A vCPU's or the devices' state as it travels (`Fragment`, `Fragments`); public for the

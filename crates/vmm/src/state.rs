@@ -218,9 +218,9 @@ pub fn clock_for_restore(mut clock: kvm_clock_data) -> kvm_clock_data {
     clock
 }
 
-/// A component's error, in words (`Persist` speaks them).
+/// A component's error, in words with its causes (`Persist` speaks them).
 fn said<T>(result: Result<T>) -> std::result::Result<T, String> {
-    result.map_err(|e| e.to_string())
+    result.map_err(|e| migration::error::chain(&e))
 }
 
 /// A vCPU of a VM, with what saving and loading it needs: the MSRs this host can move, and the
