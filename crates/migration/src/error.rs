@@ -17,6 +17,14 @@ pub enum Error {
     /// The stream is not what the protocol allows (corrupt, truncated, foreign, out of order).
     #[error("migration stream: {0}")]
     Protocol(String),
+    /// A frame the conversation does not allow where it came: which side was in which
+    /// state, and what came.
+    #[error("migration stream: unexpected {got} while the {side} was in {state}")]
+    OutOfTurn {
+        side: &'static str,
+        got: String,
+        state: String,
+    },
     /// The peer gave up and said why.
     #[error("the peer reported: {0}")]
     Peer(String),
@@ -66,6 +74,19 @@ impl Error {
         }
     }
 
+    /// `got` (a message's name, or "page frame") came while `side` was in `state`.
+    pub fn out_of_turn(
+        side: &'static str,
+        got: impl Into<String>,
+        state: impl Into<String>,
+    ) -> Self {
+        Error::OutOfTurn {
+            side,
+            got: got.into(),
+            state: state.into(),
+        }
+    }
+
     /// The error and each of its causes: what the status, the peer and the API hear.
     pub fn report(&self) -> String {
         chain(self)
@@ -91,6 +112,7 @@ impl Error {
             Error::State(_) => ErrorKind::Conflict,
             Error::Transport { .. }
             | Error::Protocol(_)
+            | Error::OutOfTurn { .. }
             | Error::Peer(_)
             | Error::Setup(_)
             | Error::Timeout(_) => ErrorKind::Peer,

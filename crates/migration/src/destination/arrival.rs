@@ -50,10 +50,7 @@ impl Hello {
         else {
             return Err(match first {
                 Message::Abort { reason } => Error::Peer(reason),
-                other => Error::Protocol(format!(
-                    "unexpected {} while the destination was in AwaitHello",
-                    other.name()
-                )),
+                other => Error::out_of_turn("destination", other.name(), "AwaitHello"),
             });
         };
         let hello = Hello {
@@ -236,10 +233,11 @@ impl Filling {
                 return Ok(Event::Nothing);
             }
             Frame::Pages { .. } => {
-                return Err(Error::Protocol(format!(
-                    "a page frame while the destination was in {:?}",
-                    self.stage
-                )));
+                return Err(Error::out_of_turn(
+                    "destination",
+                    "page frame",
+                    format!("{:?}", self.stage),
+                ));
             }
             Frame::Message(m) => m,
         };
@@ -281,10 +279,11 @@ impl Filling {
                 "a snapshot stream carries {}, which only a live migration may",
                 m.name()
             ))),
-            (stage, m) => Err(Error::Protocol(format!(
-                "unexpected {} while the destination was in {stage:?}",
-                m.name()
-            ))),
+            (stage, m) => Err(Error::out_of_turn(
+                "destination",
+                m.name(),
+                format!("{stage:?}"),
+            )),
         }
     }
 

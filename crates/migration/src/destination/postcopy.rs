@@ -332,10 +332,7 @@ impl Postcopy {
                 Message::PostcopyDone { .. } => break,
                 Message::Abort { reason } => return Err(Error::Peer(reason)),
                 m => {
-                    return Err(Error::Protocol(format!(
-                        "unexpected {} while the destination was in Postcopy",
-                        m.name()
-                    )));
+                    return Err(Error::out_of_turn("destination", m.name(), "Postcopy"));
                 }
             }
         }

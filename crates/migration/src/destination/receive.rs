@@ -308,10 +308,7 @@ impl Receiver<'_> {
                 Message::Go => {}
                 Message::Abort { reason } => return Err(Error::Peer(reason)),
                 m => {
-                    return Err(Error::Protocol(format!(
-                        "unexpected {} while the destination was in AwaitGo",
-                        m.name()
-                    )));
+                    return Err(Error::out_of_turn("destination", m.name(), "AwaitGo"));
                 }
             }
             laps.lap("loaded, go", &mut self.status.report);

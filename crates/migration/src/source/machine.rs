@@ -87,10 +87,7 @@ impl SourceState {
             (Postcopy, Event::Heard(Message::PostcopyComplete(_))) => AwaitGuestReport,
             (AwaitGuestReport, Event::Heard(Message::GuestReport { .. })) => Done,
             (state, Event::Heard(m)) => {
-                return Err(Error::Protocol(format!(
-                    "the destination sent {} while the source was in {state:?}",
-                    m.name()
-                )));
+                return Err(Error::out_of_turn("source", m.name(), format!("{state:?}")));
             }
             (state, e) => {
                 return Err(Error::State(format!(
@@ -214,16 +211,23 @@ mod tests {
         .unwrap_err();
         assert!(
             e.to_string()
-                .contains("sent StaleDropped while the source was in Rounds")
+                .contains("unexpected StaleDropped while the source was in Rounds")
         );
     }
 
     #[test]
     fn out_of_order_answers_are_refused() {
         let e = run(vec![Event::Heard(&LOADED)]).unwrap_err();
+        let Error::OutOfTurn { side, got, state } = &e else {
+            panic!("not an out-of-turn error: {e}");
+        };
+        assert_eq!(
+            (*side, got.as_str(), state.as_str()),
+            ("source", "Loaded", "AwaitReady")
+        );
         assert!(
             e.to_string()
-                .contains("sent Loaded while the source was in AwaitReady")
+                .contains("unexpected Loaded while the source was in AwaitReady")
         );
         // Go before the destination loaded the state: never.
         let ready = Message::Ready { postcopy: false };
