@@ -1516,14 +1516,19 @@ enum Cut {
     Abort,
     /// It closes the connection without a word.
     Close,
+    /// It answers out of turn (`Resumed`, before `Go`), then only listens.
+    Stray,
+    /// It only listens from here on: no answer ever comes.
+    Silent,
 }
 
 /// A scripted destination: it answers the conversation as a real one would (an untouched VM
-/// sends no pages) until the source sends a message named `at`, then breaks off as `cut`
-/// says. Returns where it listens.
+/// sends no pages) until the source sends a message named `at`, then tells `reached` and
+/// breaks off as `cut` says. Returns where it listens.
 fn breaking_destination(
     at: &'static str,
     cut: Cut,
+    reached: std::sync::mpsc::Sender<()>,
 ) -> (tempfile::TempDir, Endpoint, JoinHandle<()>) {
     use migration::wire::{self, Frame};
     scripted_destination(move |s| {
@@ -1533,11 +1538,8 @@ fn breaking_destination(
                 Frame::Pages { .. } => panic!("an untouched VM has no pages"),
             };
             if msg.name() == at {
-                if let Cut::Abort = cut {
-                    let reason = format!("scripted abort at {at}");
-                    wire::write_message(s, &Message::Abort { reason }).unwrap();
-                }
-                return;
+                let _ = reached.send(());
+                break;
             }
             let answer = match msg {
                 Message::Hello { .. } => Message::Ready { postcopy: true },
@@ -1549,6 +1551,22 @@ fn breaking_destination(
                 _ => continue,
             };
             wire::write_message(s, &answer).unwrap();
+        }
+        let stray = Message::Resumed {
+            state_to_resume_ns: 0,
+        };
+        match cut {
+            Cut::Abort => {
+                let reason = format!("scripted abort at {at}");
+                wire::write_message(s, &Message::Abort { reason }).unwrap();
+            }
+            Cut::Close => {}
+            Cut::Stray => wire::write_message(s, &stray).unwrap(),
+            Cut::Silent => {}
+        }
+        if let Cut::Stray | Cut::Silent = cut {
+            // Listens until the source lets go (each read waits at most 20 s).
+            while wire::read_frame(s).is_ok() {}
         }
     })
 }
@@ -1578,50 +1596,68 @@ fn send_and_wait(
     (board, error)
 }
 
+/// A migration to a scripted destination: `Go` waits for `Loaded`, as on this socket.
+fn breaking_params(mode: Mode) -> MigrationParams {
+    MigrationParams {
+        mode,
+        go_with_state: Some(false),
+        ..Default::default()
+    }
+}
+
+/// Every state of the conversation before `Go`: the message after which the destination
+/// breaks off, by mode.
+const BEFORE_GO: [(Mode, &str); 8] = [
+    (Mode::Precopy, "Hello"),
+    (Mode::Precopy, "Populated"),
+    (Mode::Precopy, "RoundEnd"),
+    (Mode::Precopy, "Sync"),
+    (Mode::Precopy, "StateEnd"),
+    (Mode::Hybrid, "Stale"),
+    (Mode::Postcopy, "PostcopyPending"),
+    (Mode::Warm, "StateEnd"),
+];
+
+/// The source is as it was before the migration: running, dirty logging off, its devices its
+/// own, its guest not slowed.
+fn assert_as_it_was(src: &FakeVm, case: &str) {
+    assert!(!src.paused.load(Ordering::Acquire), "runs on: {case}");
+    assert!(!src.logging.load(Ordering::Acquire), "log off: {case}");
+    assert!(!src.released.load(Ordering::Acquire), "devices: {case}");
+    assert_eq!(src.throttle.load(Ordering::Relaxed), 0, "throttle: {case}");
+}
+
 /// Migrates a running, untouched `FakeVm` to a destination that breaks off at `at`.
 fn migrate_to_breaking(mode: Mode, at: &'static str, cut: Cut) -> (Arc<FakeVm>, Status, String) {
     let src = FakeVm::new();
     src.paused.store(false, Ordering::Release);
-    let (_dir, endpoint, script) = breaking_destination(at, cut);
-    let params = MigrationParams {
-        mode,
-        go_with_state: Some(false),
-        ..Default::default()
-    };
-    let (board, error) = send_and_wait(&src, endpoint, params);
+    let (_dir, endpoint, script) = breaking_destination(at, cut, std::sync::mpsc::channel().0);
+    let (board, error) = send_and_wait(&src, endpoint, breaking_params(mode));
     script.join().unwrap();
     let error = error.unwrap_or_else(|| panic!("{mode:?} cut at {at} ({cut:?}) succeeded"));
     (src, board.read(), error)
 }
 
-/// Before `Go`, a destination that aborts or vanishes in any state of the conversation leaves
-/// the source as it was: running, dirty logging off, its devices its own, its guest not
-/// slowed. After `Go`, an abort still does (the destination says it did not start); silence
+/// Before `Go`, a destination that aborts, vanishes or answers out of turn in any state of the
+/// conversation leaves the source as it was: running, dirty logging off, its devices its own,
+/// its guest not slowed. After `Go`, an abort still does (the destination says it did not start); silence
 /// leaves the source paused and unconfirmed, as the VM may run there.
 #[test]
 fn a_destination_breaking_off_in_any_state_leaves_the_source_as_it_was() {
-    let before_go = [
-        (Mode::Precopy, "Hello"),
-        (Mode::Precopy, "Populated"),
-        (Mode::Precopy, "RoundEnd"),
-        (Mode::Precopy, "Sync"),
-        (Mode::Precopy, "StateEnd"),
-        (Mode::Hybrid, "Stale"),
-        (Mode::Postcopy, "PostcopyPending"),
-        (Mode::Warm, "StateEnd"),
-    ];
-    for (mode, at) in before_go {
-        for cut in [Cut::Abort, Cut::Close] {
+    for (mode, at) in BEFORE_GO {
+        for cut in [Cut::Abort, Cut::Close, Cut::Stray] {
             let (src, status, error) = migrate_to_breaking(mode, at, cut);
             let case = format!("{mode:?} cut at {at} ({cut:?}): {error}");
-            if let Cut::Abort = cut {
-                assert!(error.contains(&format!("scripted abort at {at}")), "{case}");
+            match cut {
+                Cut::Abort => assert!(error.contains(&format!("scripted abort at {at}")), "{case}"),
+                Cut::Stray => assert!(
+                    error.contains("unexpected Resumed while the source was in"),
+                    "{case}"
+                ),
+                _ => {}
             }
             assert_eq!(status.phase, Phase::Failed, "{case}");
-            assert!(!src.paused.load(Ordering::Acquire), "runs on: {case}");
-            assert!(!src.logging.load(Ordering::Acquire), "log off: {case}");
-            assert!(!src.released.load(Ordering::Acquire), "devices: {case}");
-            assert_eq!(src.throttle.load(Ordering::Relaxed), 0, "{case}");
+            assert_as_it_was(&src, &case);
         }
     }
     for mode in [Mode::Precopy, Mode::Postcopy] {
@@ -1639,5 +1675,47 @@ fn a_destination_breaking_off_in_any_state_leaves_the_source_as_it_was() {
             src.paused.load(Ordering::Acquire),
             "{mode:?}: neither resumed here"
         );
+    }
+}
+
+/// Before `Go`, a destination that falls silent in any state of the conversation holds the
+/// source only until the operator cancels: the migration ends cancelled within the wait, and
+/// the source is as it was.
+#[test]
+fn a_silent_destination_is_cancelled_in_any_state_before_go() {
+    for (mode, at) in BEFORE_GO {
+        let src = FakeVm::new();
+        src.paused.store(false, Ordering::Release);
+        let (reached, heard) = std::sync::mpsc::channel();
+        let (_dir, endpoint, script) = breaking_destination(at, Cut::Silent, reached);
+        let board = StatusBoard::default();
+        let outgoing = Outgoing::new(board.clone(), None);
+        let operator = {
+            let outgoing = outgoing.clone();
+            std::thread::spawn(move || {
+                heard
+                    .recv_timeout(Duration::from_secs(30))
+                    .expect("the source reached the silent state");
+                outgoing.cancel().expect("a cancel before Go is taken");
+                outgoing.wait_ended(Duration::from_secs(10))
+            })
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let started = outgoing.send(
+            src.clone(),
+            endpoint,
+            breaking_params(mode),
+            Box::new(move |r| {
+                let _ = tx.send(r.is_ok());
+            }),
+        );
+        let ended = operator.join().unwrap();
+        let case = format!("{mode:?} silent after {at}");
+        assert_eq!(ended, Phase::Cancelled, "{case}");
+        if started.is_ok() {
+            assert!(!rx.recv_timeout(Duration::from_secs(10)).unwrap(), "{case}");
+        }
+        script.join().unwrap();
+        assert_as_it_was(&src, &case);
     }
 }
