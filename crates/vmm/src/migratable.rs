@@ -290,21 +290,13 @@ mod tests {
     /// built, not what it was told.
     #[test]
     fn a_disk_built_from_the_descriptor_is_checked_as_found() {
-        if !std::path::Path::new("/dev/kvm").exists() {
-            eprintln!("*** no /dev/kvm: skipped ***");
+        if !crate::vm::tests::kvm_here() {
             return;
         }
         let file = tempfile::NamedTempFile::new().unwrap();
         file.as_file().set_len(1 << 20).unwrap();
         let path = file.path().display().to_string();
-        let shape = VmConfig {
-            memory: 64 << 20,
-            vcpus: 1,
-            backend: MemoryBackend::Anonymous,
-            disks: Vec::new(),
-            nets: Vec::new(),
-            balloon: None,
-        };
+        let shape = crate::vm::tests::bare_config();
         let disk = |sectors| DeviceDescriptor::Disk {
             path: path.clone(),
             readonly: false,

@@ -849,9 +849,30 @@ fn dirty_buffers(regions: &[(migration::RamRange, *mut u8)]) -> Vec<Vec<u64>> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use kvm_bindings::{Msrs, kvm_msr_entry};
+
+    /// Whether this host has KVM; says so loudly when not (the calling test then skips).
+    pub(crate) fn kvm_here() -> bool {
+        let here = std::path::Path::new("/dev/kvm").exists();
+        if !here {
+            eprintln!("*** no /dev/kvm: skipped ***");
+        }
+        here
+    }
+
+    /// The smallest VM a test builds: 64 MiB, one vCPU, no devices.
+    pub(crate) fn bare_config() -> VmConfig {
+        VmConfig {
+            memory: 64 << 20,
+            vcpus: 1,
+            backend: MemoryBackend::Anonymous,
+            disks: Vec::new(),
+            nets: Vec::new(),
+            balloon: None,
+        }
+    }
 
     const MSR_TSC_DEADLINE: u32 = 0x6e0;
     const LVT_TIMER: usize = 0x320;
@@ -871,18 +892,10 @@ mod tests {
     /// VM, each first set to what a fresh VM does not hold.
     #[test]
     fn kvms_components_round_trip() {
-        if !std::path::Path::new("/dev/kvm").exists() {
-            eprintln!("*** no /dev/kvm: skipped ***");
+        if !kvm_here() {
             return;
         }
-        let config = VmConfig {
-            memory: 64 << 20,
-            vcpus: 1,
-            backend: MemoryBackend::Anonymous,
-            disks: Vec::new(),
-            nets: Vec::new(),
-            balloon: None,
-        };
+        let config = bare_config();
         let src = Vm::for_restore(config.clone(), Box::new(std::io::sink())).unwrap();
         let dst = Vm::for_restore(config, Box::new(std::io::sink())).unwrap();
         let mut chip = state::Irqchip(&src.fd).save().unwrap();
@@ -921,18 +934,10 @@ mod tests {
     /// rate. Each is read back from a VM restored from the saved state.
     #[test]
     fn tsc_deadline_cpu_model_and_tsc_rate_survive_a_restore() {
-        if !std::path::Path::new("/dev/kvm").exists() {
-            eprintln!("*** no /dev/kvm: skipped ***");
+        if !kvm_here() {
             return;
         }
-        let config = VmConfig {
-            memory: 64 << 20,
-            vcpus: 1,
-            backend: MemoryBackend::Anonymous,
-            disks: Vec::new(),
-            nets: Vec::new(),
-            balloon: None,
-        };
+        let config = bare_config();
         let src = Vm::for_restore(config.clone(), Box::new(std::io::sink())).unwrap();
         let deadline = 1u64 << 50;
         {
