@@ -194,10 +194,18 @@ fn dsb_keeps_free_memory_off_the_wire_in_precopy() {
     // Round 0 sends every page that holds data: without DSB all the guest once touched.
     assert!(round0(&without) >= PEAK_PAGES, "{without:?}");
     assert!(round0(&with) < PEAK_PAGES / 8, "{with:?}");
-    // Later rounds resend what the guest dirtied or gave back meanwhile (the latter as zero
-    // pages), on a link 40 Mbit/s slow: still a fraction.
-    assert!(with.pages_full < PEAK_PAGES / 4, "{with:?}");
-    assert!(with.bytes_on_wire * 4 < without.bytes_on_wire);
+    let bytes0 = |r: &MigrationStatus| r.rounds.first().map_or(0, |r| r.bytes);
+    assert!(bytes0(&with) * 4 < bytes0(&without), "{with:?}");
+    // Each later round resends what the guest dirtied or gave back meanwhile (the latter as
+    // zero pages): about its working set, never the memory it freed. How many rounds there
+    // are depends on how fast the guest runs beside the other tests, so each is held to it.
+    for r in with.rounds.iter().skip(1) {
+        assert!(
+            r.pages - r.zero_pages < PEAK_PAGES / 4,
+            "round {}: {with:?}",
+            r.round
+        );
+    }
     assert!(with.pages_skipped_free >= PEAK_PAGES / 2, "{with:?}");
     assert_eq!(without.pages_skipped_free, 0);
 }
