@@ -51,6 +51,11 @@ struct Region {
 /// loads and may see a torn page, which is harmless because such a page is dirty and is sent
 /// again. The destination writes pages only while its vCPUs are parked (or, in post-copy,
 /// through `UFFDIO_COPY`, which the kernel makes atomic).
+///
+/// Pages are handed out as byte slices, not volatile views (vm-memory's `VolatileSlice`): the
+/// sender's in-place frames checksum and `writev` them straight from guest memory, and the
+/// codecs and TLS take `&[u8]`; a volatile view would add a copy per page on the path that
+/// exists to avoid it. The bytes are only copied, checksummed or compared, never interpreted.
 #[derive(Clone, Debug)]
 pub struct GuestRam {
     regions: std::sync::Arc<[Region]>,
