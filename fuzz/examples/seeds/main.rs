@@ -108,6 +108,14 @@ fn main() {
             sender.flush(&mut out, &ram, &mut limiter).unwrap();
         }
         write("stream", &format!("{name}.ferry"), &out);
+        if name == "unchecked" {
+            // A page whose data no longer matches the CRC it was sent with (the last page of
+            // the last frame, before its trailer): pre-copy must keep it as suspect.
+            let mut corrupt = out.clone();
+            let at = corrupt.len() - 100;
+            corrupt[at] ^= 0xff;
+            write("stream", "unchecked-corrupt.ferry", &corrupt);
+        }
     }
 
     // A post-copy checkpoint as the destination sends it back: its pages, then its state.
