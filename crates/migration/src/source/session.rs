@@ -174,13 +174,11 @@ impl<'a> Session<'a> {
 
     /// Pauses the guest, once; when it paused.
     pub fn pause(&mut self) -> Result<(Instant, u64)> {
-        let paused = match self.held.paused.take() {
-            Some(p) => p,
-            None => Paused::new(self.vm, self.was_running)?,
-        };
-        let at = (paused.at, paused.at_ns);
-        self.held.paused = Some(paused);
-        Ok(at)
+        if self.held.paused.is_none() {
+            self.held.paused = Some(Paused::new(self.vm, self.was_running)?);
+        }
+        let paused = self.held.paused.as_ref().expect("paused above");
+        Ok((paused.at, paused.at_ns))
     }
 
     pub fn is_paused(&self) -> bool {
