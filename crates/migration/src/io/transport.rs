@@ -66,6 +66,11 @@ pub enum Stream {
     File(SnapshotFile),
 }
 
+// Offsets in struct tcp_info (include/uapi/linux/tcp.h): not all of it is in `libc`.
+const TCPI_MIN_RTT_US: usize = 148;
+const TCPI_DELIVERY_RATE: usize = 160;
+const TCPI_RWND_LIMITED_US: usize = 176;
+
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a new connection has, in all, to open: its TLS handshake, and on a migration's
 /// listener (see `gate`) its stream header and first message too.
@@ -375,35 +380,45 @@ impl Stream {
     /// per second and the lowest round-trip time seen. None for a stream that is not TCP, or a
     /// kernel that does not say (before 4.9), or no round trip measured yet.
     pub fn tcp_path(&self) -> Option<(u64, Duration)> {
-        // Offsets in struct tcp_info (include/uapi/linux/tcp.h): not all of it is in `libc`.
-        const MIN_RTT_US: usize = 148;
-        const DELIVERY_RATE: usize = 160;
+        let info = self.tcp_info(TCPI_DELIVERY_RATE + 8)?;
+        let min_rtt = u32::from_ne_bytes(info[TCPI_MIN_RTT_US..][..4].try_into().ok()?);
+        if min_rtt == u32::MAX {
+            return None; // no round trip measured yet
+        }
+        let rate = u64::from_ne_bytes(info[TCPI_DELIVERY_RATE..][..8].try_into().ok()?);
+        Some((rate, Duration::from_micros(u64::from(min_rtt))))
+    }
+
+    /// How long, all told, TCP has had data to send but the receiver's window shut it out:
+    /// time in which the receiver, not the link, set the pace. None for a stream that is not
+    /// TCP, or a kernel that does not say (before 4.10).
+    pub fn receiver_limited(&self) -> Option<Duration> {
+        let info = self.tcp_info(TCPI_RWND_LIMITED_US + 8)?;
+        let us = u64::from_ne_bytes(info[TCPI_RWND_LIMITED_US..][..8].try_into().ok()?);
+        Some(Duration::from_micros(us))
+    }
+
+    /// The kernel's `tcp_info` of this stream's TCP connection, when it holds at least `len`
+    /// bytes of it.
+    fn tcp_info(&self, len: usize) -> Option<[u8; 256]> {
         let fd = match self {
             Stream::Tcp(s) => s.as_raw_fd(),
             Stream::Tls(_, wire) => wire.as_raw_fd(),
             Stream::Unix(_) | Stream::File(_) => return None,
         };
         let mut info = [0u8; 256];
-        let mut len = info.len() as libc::socklen_t;
-        // SAFETY: TCP_INFO writes at most `len` bytes into the buffer and says how many.
+        let mut got = info.len() as libc::socklen_t;
+        // SAFETY: TCP_INFO writes at most `got` bytes into the buffer and says how many.
         let r = unsafe {
             libc::getsockopt(
                 fd,
                 libc::IPPROTO_TCP,
                 libc::TCP_INFO,
                 info.as_mut_ptr().cast(),
-                &mut len,
+                &mut got,
             )
         };
-        if r != 0 || (len as usize) < DELIVERY_RATE + 8 {
-            return None;
-        }
-        let min_rtt = u32::from_ne_bytes(info[MIN_RTT_US..MIN_RTT_US + 4].try_into().ok()?);
-        if min_rtt == u32::MAX {
-            return None; // no round trip measured yet
-        }
-        let rate = u64::from_ne_bytes(info[DELIVERY_RATE..DELIVERY_RATE + 8].try_into().ok()?);
-        Some((rate, Duration::from_micros(u64::from(min_rtt))))
+        (r == 0 && got as usize >= len).then_some(info)
     }
 
     /// Lets this one connection keep a long path busy: on a round trip of at least

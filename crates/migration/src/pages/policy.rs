@@ -359,7 +359,8 @@ impl Chooser {
     /// burst through: the link's rate is the median of the recent ones. (An average of them
     /// fell far below a fast link in stalls, and `auto` then compressed what plain moved
     /// sooner; the most of them overshot a shaped link, and `auto` sent it plain frames it
-    /// did not carry sooner.)
+    /// did not carry sooner.) Samples taken while TCP said the receiver held it back never
+    /// come here (`QueueProbe`): they measure the receiver, which packed pages do not help.
     pub fn learn_link(&mut self, bytes_per_s: f64) {
         if self.drained.len() == LINK_WINDOW {
             self.drained.pop_front();

@@ -357,12 +357,9 @@ impl PageSender {
             }
             self.chooser.learn(cost);
             // The link's drain rate while the send queue stayed busy.
-            if let Some(rate) = self
-                .queue
-                .as_mut()
-                .and_then(|q| q.look(self.counters.bytes))
-            {
-                self.chooser.learn_link(rate);
+            if let Some(queue) = self.queue.as_mut() {
+                let chooser = &mut self.chooser;
+                queue.look(self.counters.bytes, |rate| chooser.learn_link(rate));
             }
         }
     }
