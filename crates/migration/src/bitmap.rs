@@ -135,6 +135,20 @@ impl Bitmap {
             .filter_map(|(i, c)| c.as_deref().map(|c| (i * CHUNK_WORDS, c)))
     }
 
+    /// Whether any of the `len` words from word `first` on lies in a chunk that exists (a bit
+    /// in it was set since the bitmap was made or cleared).
+    pub fn any_chunk_in(&self, first: usize, len: usize) -> bool {
+        if len == 0 {
+            return false;
+        }
+        let last = ((first + len - 1) / CHUNK_WORDS).min(self.chunks.len().saturating_sub(1));
+        let chunks = self
+            .chunks
+            .get(first / CHUNK_WORDS..=last)
+            .unwrap_or_default();
+        chunks.iter().any(Option::is_some)
+    }
+
     /// ANDs `words` (dense, word `first` of this bitmap first) with this bitmap's words.
     pub fn mask(&self, first: usize, words: &mut [u64]) {
         for (i, w) in words.iter_mut().enumerate() {
@@ -269,6 +283,24 @@ mod tests {
         (0..b.pages().div_ceil(64) as usize)
             .map(|i| b.word(i))
             .collect()
+    }
+
+    #[test]
+    fn any_chunk_in_sees_the_chunks_that_hold_bits() {
+        let mut b = Bitmap::new(CHUNK_PAGES * 4);
+        assert!(!b.any_chunk_in(0, CHUNK_WORDS * 4));
+        b.set(CHUNK_PAGES * 2 + 5);
+        assert!(b.any_chunk_in(CHUNK_WORDS * 2, CHUNK_WORDS));
+        assert!(
+            b.any_chunk_in(CHUNK_WORDS + 1, CHUNK_WORDS),
+            "straddling into it"
+        );
+        assert!(!b.any_chunk_in(0, CHUNK_WORDS * 2));
+        assert!(
+            !b.any_chunk_in(CHUNK_WORDS * 3, CHUNK_WORDS * 8),
+            "past the end"
+        );
+        assert!(!b.any_chunk_in(CHUNK_WORDS * 2, 0));
     }
 
     #[test]
