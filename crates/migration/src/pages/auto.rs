@@ -50,14 +50,15 @@ impl QueueProbe {
     /// Hands `learn` the link's drain rates (bytes/s) measured so far, `written` bytes having
     /// gone into the queue: one per look that the queue stayed busy since the one before
     /// (otherwise the link may have idled), given once their window is judged not bound by
-    /// the receiver (`RECEIVER_BOUND`; on a stream that is not TCP, every one).
-    pub fn look(&mut self, written: u64, learn: impl FnMut(f64)) {
+    /// the receiver (`RECEIVER_BOUND`; on a stream that is not TCP, every one). True when
+    /// this look judged a window the receiver's.
+    pub fn look(&mut self, written: u64, learn: impl FnMut(f64)) -> bool {
         if let Some(rate) = self.drain_rate(written)
             && self.pending.len() < WINDOW_SAMPLES
         {
             self.pending.push(rate);
         }
-        self.judge_window(learn);
+        self.judge_window(learn)
     }
 
     /// The drain rate since the last look, when the queue stayed busy through it.
@@ -81,28 +82,29 @@ impl QueueProbe {
     }
 
     /// Once the window has lasted `WINDOW`, gives its samples to `learn` unless the receiver
-    /// held TCP back for most of it, and starts the next.
-    fn judge_window(&mut self, learn: impl FnMut(f64)) {
+    /// held TCP back for most of it (then true), and starts the next.
+    fn judge_window(&mut self, learn: impl FnMut(f64)) -> bool {
         let Some(held_back) = self.stream.receiver_limited() else {
             self.pending.drain(..).for_each(learn);
-            return;
+            return false;
         };
         let now = Instant::now();
         let Some((began, held_back_then)) = self.window else {
             self.window = Some((now, held_back));
-            return;
+            return false;
         };
         let span = now.duration_since(began);
         if span < WINDOW {
-            return;
+            return false;
         }
+        self.window = Some((now, held_back));
         let share = held_back.saturating_sub(held_back_then).as_secs_f64() / span.as_secs_f64();
         if share > RECEIVER_BOUND {
             self.pending.clear();
-        } else {
-            self.pending.drain(..).for_each(learn);
+            return true;
         }
-        self.window = Some((now, held_back));
+        self.pending.drain(..).for_each(learn);
+        false
     }
 }
 

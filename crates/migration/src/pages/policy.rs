@@ -57,6 +57,9 @@ pub struct Chooser {
     link: Option<f64>,
     /// The latest drain samples, newest last.
     drained: VecDeque<f64>,
+    /// Whether the receiver, not the link, has set the pace of a stretch of drains: a write's
+    /// time then measures the receiver too, and no longer stands in for the link's rate.
+    receiver_bound: bool,
     /// Cores compressing this sender's batches side by side (0: one, the sender itself); less
     /// than one where the migration's threads outnumber the host's cores.
     cores: f64,
@@ -309,7 +312,7 @@ impl Chooser {
             let n = m.paced[i];
             m.pace[i] = average(m.pace[i], cycle.as_secs_f64() / b.raw_bytes as f64, n);
         }
-        if self.drained.is_empty() {
+        if self.drained.is_empty() && !self.receiver_bound {
             let w = b.write_time.as_secs_f64().max(1e-7);
             let rate = b.packed_bytes as f64 / w;
             self.link = Some(self.link.map_or(rate, |l| l + EWMA_NEW * (rate - l)));
@@ -351,6 +354,12 @@ impl Chooser {
     /// again goes as its delta — in the pause above all, where its wire time is downtime.
     pub fn plain_goes_in_place(&self) -> bool {
         self.link.is_some_and(|l| l >= IN_PLACE_LINK)
+    }
+
+    /// The receiver set the pace of the latest drains (`QueueProbe`): from now on the link's
+    /// rate is learned from drains alone, never from how long writes took.
+    pub fn receiver_set_the_pace(&mut self) {
+        self.receiver_bound = true;
     }
 
     /// A measured drain rate of the link (bytes/s), taken while data waited in the send queue.
@@ -416,6 +425,27 @@ mod tests {
         let mut buffered = trained(5000.0, text);
         buffered.learn_link(125e6);
         assert_eq!(buffered.best(), Codec::Zstd);
+    }
+
+    /// A receiver that sets the pace (writing into memory it first touches) makes writes
+    /// block as long as it takes: once drains showed it, that is not the link's rate, and
+    /// plain frames are not priced by it (`auto` compressed for a link plain moved sooner).
+    #[test]
+    fn writes_held_up_by_the_receiver_do_not_set_the_links_rate() {
+        let text = [(0.7, 400.0), (0.6, 200.0)];
+        let held_up = |c: &mut Chooser| {
+            for _ in 0..16 {
+                c.learn(cost(Codec::Lz4, 0.7, 400.0, 50.0));
+            }
+        };
+        let mut told = trained(2000.0, text);
+        told.receiver_set_the_pace();
+        held_up(&mut told);
+        assert_eq!(told.best(), Codec::None);
+        // Not told, the writes' 50 MB/s stands for the link, and a codec wins.
+        let mut untold = trained(2000.0, text);
+        held_up(&mut untold);
+        assert_ne!(untold.best(), Codec::None);
     }
 
     /// With packer threads a batch is learned from only batches after it was picked: the

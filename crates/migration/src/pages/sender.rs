@@ -359,7 +359,9 @@ impl PageSender {
             // The link's drain rate while the send queue stayed busy.
             if let Some(queue) = self.queue.as_mut() {
                 let chooser = &mut self.chooser;
-                queue.look(self.counters.bytes, |rate| chooser.learn_link(rate));
+                if queue.look(self.counters.bytes, |rate| chooser.learn_link(rate)) {
+                    chooser.receiver_set_the_pace();
+                }
             }
         }
     }
