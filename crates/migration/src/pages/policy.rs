@@ -53,7 +53,7 @@ pub struct Chooser {
     /// Bytes per second the link took: the median of the last `LINK_WINDOW` samples of what
     /// the send queue drained while it stayed busy (`learn_link`), or, before the first such
     /// sample, an EWMA of bytes written ÷ time the write held the sender (which a large
-    /// socket buffer hides at first).
+    /// socket buffer hides at first), until the receiver is seen to set the pace.
     link: Option<f64>,
     /// The latest drain samples, newest last.
     drained: VecDeque<f64>,
