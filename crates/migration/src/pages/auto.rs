@@ -82,24 +82,24 @@ impl QueueProbe {
     }
 
     /// Once the window has lasted `WINDOW`, gives its samples to `learn` unless the receiver
-    /// held TCP back for most of it (then true), and starts the next.
+    /// held TCP back for most of it (then true), and starts the next. TCP is asked only then:
+    /// this runs once per frame sent.
     fn judge_window(&mut self, learn: impl FnMut(f64)) -> bool {
+        let now = Instant::now();
+        if let Some((began, _)) = self.window
+            && now.duration_since(began) < WINDOW
+        {
+            return false;
+        }
         let Some(held_back) = self.stream.receiver_limited() else {
             self.pending.drain(..).for_each(learn);
             return false;
         };
-        let now = Instant::now();
-        let Some((began, held_back_then)) = self.window else {
-            self.window = Some((now, held_back));
+        let Some((began, held_back_then)) = self.window.replace((now, held_back)) else {
             return false;
         };
-        let span = now.duration_since(began);
-        if span < WINDOW {
-            return false;
-        }
-        self.window = Some((now, held_back));
-        let share = held_back.saturating_sub(held_back_then).as_secs_f64() / span.as_secs_f64();
-        if share > RECEIVER_BOUND {
+        let span = now.duration_since(began).as_secs_f64();
+        if held_back.saturating_sub(held_back_then).as_secs_f64() > RECEIVER_BOUND * span {
             self.pending.clear();
             return true;
         }
