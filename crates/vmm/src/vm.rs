@@ -33,6 +33,11 @@ use crate::state;
 use crate::vcpu::{VcpuSet, VmEvent};
 
 const TSS_ADDRESS: usize = 0xfffb_d000;
+/// The most guest memory one KVM memory slot spans: RAM is registered in slots of this size,
+/// so that reading the dirty log costs what the slots that hold data span (a slot's log is
+/// 512 KiB), not what the guest has. Not less: turning dirty logging on costs a KVM call per
+/// slot.
+const SLOT_SPAN: u64 = 16 << 30;
 pub const MAX_VCPUS: usize = 16;
 /// How long a VM about to run waits for a disk another process still holds.
 const CLAIM_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -157,7 +162,7 @@ pub struct Vm {
     /// Serialises pause and resume.
     transition: Mutex<()>,
     events: Mutex<Receiver<VmEvent>>,
-    /// One buffer per RAM slot for reading its dirty log (reused: see `dirty_log`).
+    /// One buffer per KVM memory slot for reading its dirty log (reused: see `dirty_log`).
     dirty_buffers: Mutex<Vec<Vec<u64>>>,
     /// The pages that held data at the last harvest (kept: a fresh bitmap of every page
     /// costs a fault per 4 KiB of it, inside the pause).
@@ -230,7 +235,7 @@ impl Vm {
         }
         let vcpus = VcpuSet::start(parts.vcpu_fds, &parts.memory, &parts.bus, &tx, paused)?;
         parts.bus.spawn_io_threads(&parts.memory)?;
-        let buffers = dirty_buffers(&regions_of(&parts.memory));
+        let buffers = dirty_buffers(&kvm_slots(&parts.memory));
         Ok(Self {
             fd: parts.fd,
             memory: parts.memory,
@@ -367,7 +372,8 @@ impl Vm {
 
     /// Turns KVM dirty logging on or off for all guest memory.
     pub fn set_dirty_logging(&self, on: bool) -> Result<()> {
-        for (slot, (range, host)) in self.ram_regions().into_iter().enumerate() {
+        let slots = kvm_slots(&self.memory);
+        for (slot, &(range, host)) in slots.iter().enumerate() {
             let flags = if on { KVM_MEM_LOG_DIRTY_PAGES } else { 0 };
             // SAFETY: the region is our own live mapping of exactly this size.
             unsafe {
@@ -381,7 +387,7 @@ impl Vm {
             // the first round sends), chunk by chunk; the bits of pages never touched stay set
             // (`take_dirty_log`).
             let populated = self.populated()?;
-            for (slot, (range, _)) in self.ram_regions().into_iter().enumerate() {
+            for (slot, &(range, _)) in slots.iter().enumerate() {
                 each_chunk_in(&populated, range, |first_page, words| {
                     crate::dirty_log::clear(&self.fd, slot as u32, first_page, words)
                 })
@@ -407,20 +413,33 @@ impl Vm {
 
     /// `take_dirty_log`, added to `dirty` (a bitmap of every guest page).
     pub fn take_dirty_log_into(&self, dirty: &mut Bitmap) -> Result<()> {
-        let regions = self.ram_regions();
+        let (read, slots) = self.harvest_into(dirty)?;
+        tracing::trace!("dirty log: read {read} of {slots} slots");
+        Ok(())
+    }
+
+    /// `take_dirty_log_into`; returns how many slots' logs it read, and of how many.
+    fn harvest_into(&self, dirty: &mut Bitmap) -> Result<(usize, usize)> {
+        let slots = kvm_slots(&self.memory);
         let populated = match self.dirty_protect {
             Protect::ManualInitiallySet => Some(self.populated()?),
             _ => None,
         };
         let mut buffers = self.dirty_buffers.locked();
-        if buffers.len() != regions.len() {
-            *buffers = dirty_buffers(&regions);
+        if buffers.len() != slots.len() {
+            *buffers = dirty_buffers(&slots);
         }
-        for (slot, ((range, _), bitmap)) in regions.into_iter().zip(buffers.iter_mut()).enumerate()
-        {
+        let mut read = 0;
+        for (slot, (&(range, _), bitmap)) in slots.iter().zip(buffers.iter_mut()).enumerate() {
+            let first_word = (range.first_gfn() / 64) as usize;
+            if let Some(populated) = populated.as_ref()
+                && !populated.any_chunk_in(first_word, bitmap.len())
+            {
+                continue; // never touched: its bits stay set in KVM's log, unread
+            }
             crate::dirty_log::get(&self.fd, slot as u32, bitmap)
                 .map_err(|e| Error::State(format!("KVM_GET_DIRTY_LOG: {e}")))?;
-            let first_word = (range.first_gfn() / 64) as usize;
+            read += 1;
             // Stretch by stretch, so that what this costs follows the memory that holds data:
             // a whole slot's log is 8 MiB at 256 GiB, nearly all of it the set bits of pages
             // never touched.
@@ -443,7 +462,7 @@ impl Vm {
                 dirty.merge_words_at(range.first_gfn() + first_page, span);
             }
         }
-        Ok(())
+        Ok((read, slots.len()))
     }
 
     /// The pages of guest memory that hold data now, in the bitmap kept for it.
@@ -651,7 +670,7 @@ impl Parts {
         let kvm_sys = Kvm::new().map_err(Error::Kvm)?;
         let fd = kvm_sys.create_vm().map_err(kvm("KVM_CREATE_VM"))?;
         let memory = create_guest_memory(config.memory, config.backend)?;
-        for (slot, (range, host)) in regions_of(&memory).into_iter().enumerate() {
+        for (slot, (range, host)) in kvm_slots(&memory).into_iter().enumerate() {
             // SAFETY: the mapping lives as long as the VM (both are owned by `Vm`).
             unsafe { fd.set_user_memory_region(slot_region(slot, range, host, 0)) }
                 .map_err(kvm("KVM_SET_USER_MEMORY_REGION"))?;
@@ -739,6 +758,30 @@ impl Parts {
             dirty_protect,
         })
     }
+}
+
+/// KVM's memory slots: each region of `memory` cut into pieces of at most `SLOT_SPAN`, as a
+/// RAM range and its host address; the index is the slot's number.
+fn kvm_slots(memory: &GuestMemory) -> Vec<(migration::RamRange, *mut u8)> {
+    let piece = |(range, host): (migration::RamRange, *mut u8), offset: u64| {
+        let len = (range.len - offset).min(SLOT_SPAN);
+        let gpa = range.gpa + offset;
+        // Within the region's mapping (`offset` < its length).
+        let host = if host.is_null() {
+            host
+        } else {
+            host.wrapping_add(offset as usize)
+        };
+        (migration::RamRange { gpa, len }, host)
+    };
+    regions_of(memory)
+        .into_iter()
+        .flat_map(|region| {
+            (0..region.0.len)
+                .step_by(SLOT_SPAN as usize)
+                .map(move |o| piece(region, o))
+        })
+        .collect()
 }
 
 /// Each region of `memory` as a RAM range and its host address.
@@ -843,8 +886,8 @@ fn each_chunk_in(
 
 /// A buffer per slot for KVM's dirty log (one bit per page), made and faulted in with the
 /// VM: a migration then reads the log into memory that is already there.
-fn dirty_buffers(regions: &[(migration::RamRange, *mut u8)]) -> Vec<Vec<u64>> {
-    regions
+fn dirty_buffers(slots: &[(migration::RamRange, *mut u8)]) -> Vec<Vec<u64>> {
+    slots
         .iter()
         .map(|(range, _)| {
             let mut words = vec![0u64; range.pages().div_ceil(64) as usize];
@@ -895,16 +938,17 @@ pub(crate) mod tests {
         msrs.as_slice()[0].data
     }
 
-    /// A harvest reads the log stretch by stretch where memory holds data, skipping the rest:
-    /// a page first touched after logging began is still found, in a stretch that held data
-    /// or in one that held none, in either memory slot, once; a page never touched, never.
+    /// A harvest reads the log of the slots that hold data, stretch by stretch where memory
+    /// holds data, and skips the rest: a page first touched after logging began is still
+    /// found, in a stretch or a slot that held data or in one that held none, once; a page
+    /// never touched, never; a slot that never held data is not read.
     #[test]
     fn the_dirty_log_finds_first_touches_in_any_stretch_once() {
         if !kvm_here() {
             return;
         }
         let config = VmConfig {
-            memory: 5 << 30, // two slots, around the hole below 4 GiB
+            memory: 37 << 30, // 3 GiB below the hole, 34 GiB above it: slots of 16, 16, 2
             ..bare_config()
         };
         let vm = Vm::for_restore(config, Box::new(std::io::sink())).unwrap();
@@ -914,23 +958,35 @@ pub(crate) mod tests {
         }
         let regions = vm.ram_regions();
         assert_eq!(regions.len(), 2, "memory around the hole");
+        assert_eq!(
+            kvm_slots(&vm.memory).len(),
+            4,
+            "the high region in three slots"
+        );
         let high = regions[1].0.first_gfn();
         let touch = |gfn: u64| vm.write_guest(gfn * 4096, &[0xa5]).unwrap();
         touch(256);
         vm.set_dirty_logging(true).unwrap();
-        let harvest = || vm.take_dirty_log().unwrap().iter().collect::<Vec<u64>>();
+        let harvest = || {
+            let end = regions[1].0.end_gfn();
+            let mut dirty = Bitmap::new(end);
+            let read = vm.harvest_into(&mut dirty).unwrap();
+            (dirty.iter().collect::<Vec<u64>>(), read)
+        };
+        let nothing = Vec::<u64>::new();
         assert_eq!(
             harvest(),
-            Vec::<u64>::new(),
-            "nothing written since logging began"
+            (nothing.clone(), (1, 4)),
+            "only the low slot holds data"
         );
-        // Page 3 shares page 256's stretch; the others lie in stretches that held nothing.
-        let first_touches = [3, 51_200, 51_201, high + 4097];
+        // Page 3 shares page 256's stretch; the others lie in stretches and slots that held
+        // nothing (the last in the last slot; the slot between them stays untouched).
+        let first_touches = [3, 51_200, 51_201, high + 4097, high + (33 << 18) + 5];
         first_touches.into_iter().for_each(touch);
-        assert_eq!(harvest(), first_touches);
+        assert_eq!(harvest(), (first_touches.to_vec(), (3, 4)));
         assert_eq!(
             harvest(),
-            Vec::<u64>::new(),
+            (nothing, (3, 4)),
             "each first touch is read once"
         );
         vm.set_dirty_logging(false).unwrap();
