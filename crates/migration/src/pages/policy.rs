@@ -65,6 +65,8 @@ pub struct Chooser {
     cores: f64,
     /// The best pick at the last batch (its changes are logged).
     last_best: Option<Codec>,
+    /// The receiver runs on this host (`for_a_peer_on_this_host`): every batch goes plain.
+    local: bool,
 }
 
 /// What `auto` has measured of each codec on one migration's pages, shared by its
@@ -172,6 +174,14 @@ impl Chooser {
         self
     }
 
+    /// A chooser for a receiver on this host. Its cores are this sender's: a page packed here
+    /// is unpacked there, on the same cores, and the bytes saved cross no wire, so every batch
+    /// goes plain, straight from guest memory (the link is as fast as a copy).
+    pub fn for_a_peer_on_this_host(mut self) -> Self {
+        self.local = true;
+        self
+    }
+
     /// A chooser that learns the codecs with (and from) every other chooser on `measures`.
     pub fn sharing(mut self, measures: &CodecMeasures) -> Self {
         self.measures = measures.clone();
@@ -186,6 +196,12 @@ impl Chooser {
     /// The codec for the next batch, and one to measure on a sample of it (only when
     /// `may_sample`: the batch has page data, and no one waits for it alone).
     pub fn pick(&mut self, may_sample: bool) -> Pick {
+        if self.local {
+            return Pick {
+                send: Codec::None,
+                sample: None,
+            };
+        }
         let mut m = self.measures.lock();
         m.batches += 1;
         m.forget_stale_plain_pace();
@@ -353,7 +369,7 @@ impl Chooser {
     /// time on the wire. On a slower link the copy is a small part of it, and a page sent
     /// again goes as its delta — in the pause above all, where its wire time is downtime.
     pub fn plain_goes_in_place(&self) -> bool {
-        self.link.is_some_and(|l| l >= IN_PLACE_LINK)
+        self.local || self.link.is_some_and(|l| l >= IN_PLACE_LINK)
     }
 
     /// The receiver set the pace of the latest drains (`QueueProbe`): from now on the link's
@@ -663,6 +679,27 @@ mod tests {
     }
 
     /// A chooser that has seen four batches of each codec: (ratio, MB/s) for lz4 and zstd.
+    /// A receiver on this host gets every batch plain, straight from guest memory, whatever
+    /// the link and the codecs measure: here a link that the receiver's own stalls would
+    /// show at 125 MB/s, where a receiver elsewhere would get zstd.
+    #[test]
+    fn a_peer_on_this_host_gets_plain_pages_in_place() {
+        let text = [(0.45, 900.0), (0.3, 400.0)];
+        let mut elsewhere = trained(125.0, text);
+        assert!(!elsewhere.plain_goes_in_place());
+        assert!((0..64).any(|_| elsewhere.pick(true).send != Codec::None));
+        let mut here = trained(125.0, text).for_a_peer_on_this_host();
+        let plain = Pick {
+            send: Codec::None,
+            sample: None,
+        };
+        assert!(
+            (0..64).all(|_| here.pick(true) == plain),
+            "no codec, no sample"
+        );
+        assert!(here.plain_goes_in_place());
+    }
+
     fn trained(link_mb: f64, codecs: [(f64, f64); 2]) -> Chooser {
         let mut c = Chooser::default();
         for _ in 0..4 {

@@ -118,6 +118,13 @@ impl PageSender {
         self
     }
 
+    /// Tells `auto` the receiver runs on this host over a link no limit holds: it sends plain
+    /// (`Chooser::for_a_peer_on_this_host`).
+    pub fn to_a_peer_on_this_host(mut self) -> Self {
+        self.chooser = std::mem::take(&mut self.chooser).for_a_peer_on_this_host();
+        self
+    }
+
     /// Sends re-sent pages as deltas of their last copy, keeping the last `pages` copies
     /// (0: off).
     pub fn with_delta_cache(mut self, pages: usize) -> Self {

@@ -121,7 +121,8 @@ impl Lane {
 
 /// Connection `lane`'s page sender and its rate limiter, as `params` ask (each connection
 /// takes its share of the bandwidth limit, the delta cache and the compressing threads);
-/// `auto` times the link by `stream`'s send queue, and its packers count their CPU in `cpu`.
+/// `auto` times the link by `stream`'s send queue (or sends plain to a receiver on this host
+/// where no limit holds the link), and its packers count their CPU in `cpu`.
 pub(super) fn page_sender(
     params: &MigrationParams,
     lane: u32,
@@ -138,8 +139,12 @@ pub(super) fn page_sender(
         .with_compression(params.compression)
         .with_packers(params.packers_of(lane), cpu)
         .with_compress_cores(params.compress_cores_of(lane, host_cores))
-        .with_delta_cache(delta_cache_pages(params))
-        .with_queue_probe(stream.try_clone().ok());
+        .with_delta_cache(delta_cache_pages(params));
+    let pages = if params.max_bandwidth_mbps.is_none() && stream.peer_on_this_host() {
+        pages.to_a_peer_on_this_host()
+    } else {
+        pages.with_queue_probe(stream.try_clone().ok())
+    };
     (pages, limiter)
 }
 
