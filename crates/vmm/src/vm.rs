@@ -324,8 +324,8 @@ impl Vm {
         }
     }
 
-    /// Each RAM range of the memory map with its host mapping, in guest-physical order; the
-    /// index is the range's KVM memory slot.
+    /// Each RAM range of the memory map with its host mapping, in guest-physical order (KVM's
+    /// memory slots cut the larger ones further: `kvm_slots`).
     pub fn ram_regions(&self) -> Vec<(migration::RamRange, *mut u8)> {
         regions_of(&self.memory)
     }
