@@ -441,8 +441,8 @@ impl Vm {
                 .map_err(|e| Error::State(format!("KVM_GET_DIRTY_LOG: {e}")))?;
             read += 1;
             // Stretch by stretch, so that what this costs follows the memory that holds data:
-            // a whole slot's log is 8 MiB at 256 GiB, nearly all of it the set bits of pages
-            // never touched.
+            // a slot's log is 512 KiB, nearly all of it the set bits of pages never touched
+            // where the slot holds a little data.
             for (i, span) in bitmap.chunks_mut(CHUNK_WORDS).enumerate() {
                 let span_word = first_word + i * CHUNK_WORDS;
                 let first_page = (i * CHUNK_WORDS * 64) as u64;

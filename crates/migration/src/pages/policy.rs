@@ -678,7 +678,6 @@ mod tests {
         assert_eq!(alone.best(), Codec::None);
     }
 
-    /// A chooser that has seen four batches of each codec: (ratio, MB/s) for lz4 and zstd.
     /// A receiver on this host gets every batch plain, straight from guest memory, whatever
     /// the link and the codecs measure: here a link that the receiver's own stalls would
     /// show at 125 MB/s, where a receiver elsewhere would get zstd.
@@ -700,6 +699,7 @@ mod tests {
         assert!(here.plain_goes_in_place());
     }
 
+    /// A chooser that has seen four batches of each codec: (ratio, MB/s) for lz4 and zstd.
     fn trained(link_mb: f64, codecs: [(f64, f64); 2]) -> Chooser {
         let mut c = Chooser::default();
         for _ in 0..4 {
