@@ -357,14 +357,20 @@ impl Stream {
         })
     }
 
+    /// The TCP socket this stream's bytes cross (under TLS, the one carrying ciphertext).
+    fn tcp(&self) -> Option<&TcpStream> {
+        match self {
+            Stream::Tcp(s) => Some(s),
+            Stream::Tls(_, wire) => Some(wire),
+            Stream::Unix(_) | Stream::File(_) => None,
+        }
+    }
+
     /// Whether the other end runs on this host: a Unix socket, or TCP between two addresses
     /// of this host (the same address on both ends, or loopback).
     pub fn peer_on_this_host(&self) -> bool {
-        let tcp = match self {
-            Stream::Tcp(s) => s,
-            Stream::Tls(_, wire) => wire,
-            Stream::Unix(_) => return true,
-            Stream::File(_) => return false,
+        let Some(tcp) = self.tcp() else {
+            return matches!(self, Stream::Unix(_));
         };
         match (tcp.local_addr(), tcp.peer_addr()) {
             (Ok(here), Ok(there)) => here.ip() == there.ip() || there.ip().is_loopback(),
@@ -416,11 +422,7 @@ impl Stream {
     /// The kernel's `tcp_info` of this stream's TCP connection, when it holds at least `len`
     /// bytes of it.
     fn tcp_info(&self, len: usize) -> Option<[u8; 256]> {
-        let fd = match self {
-            Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Tls(_, wire) => wire.as_raw_fd(),
-            Stream::Unix(_) | Stream::File(_) => return None,
-        };
+        let fd = self.tcp()?.as_raw_fd();
         let mut info = [0u8; 256];
         let mut got = info.len() as libc::socklen_t;
         // SAFETY: TCP_INFO writes at most `got` bytes into the buffer and says how many.
@@ -441,10 +443,8 @@ impl Stream {
     /// `net.core.wmem_max` only where this process may, as root may). A shorter path, a
     /// buffer TCP has already grown past that, or a stream that is not TCP is left as it is.
     pub fn fit_send_buffer(&self, rtt: Duration) {
-        let fd = match self {
-            Stream::Tcp(s) => s.as_raw_fd(),
-            Stream::Tls(_, wire) => wire.as_raw_fd(),
-            Stream::Unix(_) | Stream::File(_) => return,
+        let Some(fd) = self.tcp().map(AsRawFd::as_raw_fd) else {
+            return;
         };
         if rtt < LONG_PATH {
             return;

@@ -317,7 +317,8 @@ impl Chooser {
 
     /// A batch that went on the wire: the codec's ratio and speed, and the link's rate.
     pub fn learn(&mut self, b: BatchCost) {
-        if b.raw_bytes == 0 {
+        // A receiver on this host gets plain whatever is measured: nothing to learn.
+        if b.raw_bytes == 0 || self.local {
             return;
         }
         self.learn_codec(b.codec, b.raw_bytes, b.packed_bytes, b.compress_time);
