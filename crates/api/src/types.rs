@@ -82,10 +82,16 @@ pub struct BalloonStatus {
     pub actual_pages: u64,
     pub deflate_on_oom: bool,
     pub free_page_reporting: bool,
+    /// Whether the device offers free page hinting (a migration asks for hints).
+    #[serde(default)]
+    pub free_page_hint: bool,
     pub pages_inflated: u64,
     pub pages_deflated: u64,
     /// Pages the guest reported free (free page reporting), and given back.
     pub pages_reported: u64,
+    /// Pages the guest hinted free when a migration asked (free page hinting), and given back.
+    #[serde(default)]
+    pub pages_hinted: u64,
     /// What was given back to the host that held data.
     pub freed_bytes: u64,
     /// Page numbers, ranges and buffers refused: outside RAM or malformed.

@@ -198,6 +198,15 @@ pub trait Migratable: Send + Sync {
     /// reports), a bitmap as `take_dirty`'s; `None` if it gave none. For the report: those
     /// not populated when a migration looks are counted as skipped because free.
     fn given_back(&self) -> Option<Bitmap>;
+    /// Free page hinting (a virtio-balloon's): asks the guest for its free pages under a new
+    /// session. The pages it hands over are given back to the host like reported ones (and
+    /// logged as written if they held data), and it leaves them unused until
+    /// `end_free_page_hints`. False when no driver hints.
+    fn start_free_page_hints(&self) -> bool;
+    /// Whether the guest handed over all it had for the current session (true without one).
+    fn free_page_hints_finished(&self) -> bool;
+    /// Hinting is over: the guest may use the pages it hinted again.
+    fn end_free_page_hints(&self);
 }
 
 #[cfg(test)]

@@ -77,6 +77,10 @@ struct FakeVm {
     holds: Mutex<Vec<bool>>,
     /// What `given_back` answers.
     given: Mutex<Option<Bitmap>>,
+    /// Free page hinting: the pages the guest hints at a session's start (none: it has no
+    /// driver), and every start, end and state save in order.
+    hinted: Mutex<Vec<u64>>,
+    hint_events: Mutex<Vec<&'static str>>,
 }
 
 impl FakeVm {
@@ -96,6 +100,8 @@ impl FakeVm {
             released: AtomicBool::new(false),
             holds: Mutex::new(Vec::new()),
             given: Mutex::new(None),
+            hinted: Mutex::new(Vec::new()),
+            hint_events: Mutex::new(Vec::new()),
         })
     }
 
@@ -254,6 +260,7 @@ impl Migratable for FakeVm {
         Ok(())
     }
     fn save_vcpus(&self) -> migration::Result<Vec<Vec<u8>>> {
+        self.hint_events.lock().unwrap().push("save");
         let mut saved = self.saved.lock().unwrap();
         *saved = (saved.0 + 1, self.resident_pages());
         Ok(vec![b"cpu0".to_vec(), b"cpu1".to_vec()])
@@ -276,6 +283,28 @@ impl Migratable for FakeVm {
     }
     fn given_back(&self) -> Option<Bitmap> {
         self.given.lock().unwrap().clone()
+    }
+    /// The guest hands its free pages over at once: given back to the host (discarded), and
+    /// logged as written, as a VMM logs a page that held data.
+    fn start_free_page_hints(&self) -> bool {
+        let hinted = std::mem::take(&mut *self.hinted.lock().unwrap());
+        if hinted.is_empty() && self.hint_events.lock().unwrap().is_empty() {
+            return false;
+        }
+        self.hint_events.lock().unwrap().push("start");
+        for &pfn in &hinted {
+            self.ram().discard(pfn, 1).unwrap();
+            if self.logging.load(Ordering::Acquire) {
+                self.dirty.lock().unwrap().set(pfn);
+            }
+        }
+        true
+    }
+    fn free_page_hints_finished(&self) -> bool {
+        true
+    }
+    fn end_free_page_hints(&self) {
+        self.hint_events.lock().unwrap().push("end");
     }
 }
 
@@ -681,6 +710,31 @@ fn pages_given_back_are_skipped_and_counted() {
     let p = migrate_warm(&src);
     assert_eq!((p.full, p.skipped_free), (64, 100));
     assert_eq!(p.skipped_unpopulated, PAGES - 64);
+}
+
+/// Free page hinting: the pages the guest hints before round 0 are given back, left out by
+/// the scan and never sent, not even as zero markers; hinting ends before the state is saved.
+#[test]
+fn hinted_pages_stay_off_the_wire_and_hinting_ends_before_the_state() {
+    let src = FakeVm::new();
+    for pfn in 0..64 {
+        src.write_page(pfn, 0);
+    }
+    *src.hinted.lock().unwrap() = (16..64).collect();
+    let run = migrate(&src, MigrationParams::default(), None);
+    run.result.expect("migration");
+    assert!(src.memory() == run.dest.unwrap().memory());
+    let p = run.source_status.progress.pages;
+    assert_eq!((p.full, p.zero), (16, 0), "only the pages not hinted");
+    let events = src.hint_events.lock().unwrap().clone();
+    let end = events.iter().position(|&e| e == "end");
+    assert_eq!(events[0], "start");
+    assert_eq!(
+        events.iter().filter(|&&e| e == "end").count(),
+        1,
+        "{events:?}"
+    );
+    assert!(end < events.iter().position(|&e| e == "save"), "{events:?}");
 }
 
 /// A warm migration of `src` with the default parameters, which must move every page; the

@@ -88,12 +88,13 @@ impl VmConfig {
                     deflate_on_oom,
                     free_page_reporting,
                     stats_s,
-                    ..
+                    features,
                 } => {
                     self.balloon = Some(BalloonConfig {
                         size: *target_bytes,
                         deflate_on_oom: *deflate_on_oom,
                         free_page_reporting: *free_page_reporting,
+                        free_page_hint: BalloonConfig::hints_in(*features),
                         stats_s: *stats_s,
                     })
                 }
@@ -223,6 +224,18 @@ impl Migratable for Vm {
 
     fn given_back(&self) -> Option<Bitmap> {
         self.balloon_given_back()
+    }
+
+    fn start_free_page_hints(&self) -> bool {
+        Vm::start_free_page_hints(self)
+    }
+
+    fn free_page_hints_finished(&self) -> bool {
+        Vm::free_page_hints_finished(self)
+    }
+
+    fn end_free_page_hints(&self) {
+        Vm::end_free_page_hints(self)
     }
 }
 

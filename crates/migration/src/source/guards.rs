@@ -4,7 +4,7 @@
 //! settles them in order (the destination hears the abort before the paused source takes its
 //! disks back) and keeps the pause where the VM may run on the destination already.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::Result;
 use crate::status::now_ns;
@@ -126,11 +126,48 @@ impl Drop for Throttle<'_> {
     }
 }
 
+/// Free page hinting, from before round 0 until the state is saved: the guest leaves the
+/// pages it hinted unused until this ends (then, in the saved state too, it may use them).
+pub(super) struct FreePageHints<'a> {
+    vm: &'a dyn Migratable,
+}
+
+impl<'a> FreePageHints<'a> {
+    /// The first session; `None` when the guest has no driver that hints.
+    pub fn start(vm: &'a dyn Migratable) -> Option<Self> {
+        vm.start_free_page_hints().then_some(Self { vm })
+    }
+
+    /// A new session: the pages the guest freed since the last are hinted too.
+    pub fn again(&self) {
+        self.vm.start_free_page_hints();
+    }
+
+    /// Waits until the guest handed over all it had, for at most `limit`; whether it did.
+    pub fn wait(&self, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while !self.vm.free_page_hints_finished() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        true
+    }
+}
+
+impl Drop for FreePageHints<'_> {
+    fn drop(&mut self) {
+        self.vm.end_free_page_hints();
+    }
+}
+
 /// Everything a migration holds on its VM.
 pub(super) struct Held<'a> {
     pub paused: Option<Paused<'a>>,
     pub dirty_log: Option<DirtyLog<'a>>,
     pub throttle: Throttle<'a>,
+    pub hints: Option<FreePageHints<'a>>,
 }
 
 impl<'a> Held<'a> {
@@ -139,6 +176,7 @@ impl<'a> Held<'a> {
             paused: None,
             dirty_log: None,
             throttle: Throttle::new(vm),
+            hints: None,
         }
     }
 }

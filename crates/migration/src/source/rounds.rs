@@ -4,7 +4,7 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::guards::DirtyLog;
+use super::guards::{DirtyLog, FreePageHints};
 use super::handshake::Agreed;
 use super::lane::RoundShare;
 use super::session::Session;
@@ -26,6 +26,9 @@ const RATE_MIN_PAGES: u64 = 1024;
 /// pages take 13 s at 10 Mbit/s).
 const STATUS_EVERY_PAGES: u64 = 4096;
 const STATUS_EVERY: Duration = Duration::from_millis(100);
+/// How long round 0 waits for the guest to hint its free pages (a driver polls for the
+/// request; handing over gigabytes takes it a few requests).
+const HINTS_WAIT: Duration = Duration::from_secs(1);
 
 /// What the rounds leave for the switch.
 pub(super) struct Handover {
@@ -51,6 +54,7 @@ impl Session<'_> {
         if mode == StreamMode::Precopy {
             self.held.dirty_log = Some(DirtyLog::start(self.vm)?);
             self.lap("dirty log on");
+            self.take_free_page_hints()?;
         } else {
             self.pause()?;
             self.check_page_data(); // the guest is still
@@ -83,6 +87,24 @@ impl Session<'_> {
         }
     }
 
+    /// Asks the guest for its free pages and waits (a bounded time) for them: they are given
+    /// back to the host, so the scan that follows skips them.
+    fn take_free_page_hints(&mut self) -> Result<()> {
+        let Some(hints) = FreePageHints::start(self.vm) else {
+            return Ok(());
+        };
+        if !hints.wait(HINTS_WAIT) {
+            tracing::debug!(target: "migration", "free page hints unfinished after {HINTS_WAIT:?}");
+        }
+        self.held.hints = Some(hints);
+        // The hinted pages that held data are logged as written (now zeros), but the scan
+        // leaves them out and the destination has none: forget the log so far. Round 0 reads
+        // every page after this, so no write before it is lost.
+        self.vm.take_dirty()?;
+        self.lap("free page hints");
+        Ok(())
+    }
+
     /// Pages skipped because never populated, and of those the ones the guest gave back.
     fn count_skipped(&mut self, populated: &Bitmap) {
         let p = &mut self.status.progress.pages;
@@ -106,6 +128,9 @@ impl Session<'_> {
             self.check_continue()?;
             let dirty = self.vm.take_dirty()?;
             self.lap(format!("harvest {round}"));
+            if let Some(hints) = &self.held.hints {
+                hints.again();
+            }
             let count = dirty.count();
             stalled = if policy::shrank(previous, count) {
                 0

@@ -226,6 +226,8 @@ impl Session<'_> {
             None
         };
         self.status.report.memory_checksum_source = checksum;
+        // The guest may use its hinted pages again, on whichever side runs it next.
+        self.held.hints = None;
         for (index, state) in self.vm.save_vcpus()?.into_iter().enumerate() {
             self.send(&Message::VcpuState {
                 index: index as u32,

@@ -36,14 +36,15 @@ impl Vm {
                 "a balloon of {pages} pages is larger than the VM's memory ({ram} pages)"
             )));
         }
-        let slot = self
-            .balloon_slot()
-            .ok_or_else(|| Error::Config("the VM has no balloon (ferry run --balloon)".into()))?;
-        let mut t = slot.locked();
-        if let Some(b) = balloon::of(t.device_mut()) {
-            b.set_target(pages as u32);
+        if self.balloon_slot().is_none() {
+            return Err(Error::Config(
+                "the VM has no balloon (ferry run --balloon)".into(),
+            ));
         }
-        t.config_changed();
+        self.tell_balloon(|b| {
+            b.set_target(pages as u32);
+            true
+        });
         Ok(())
     }
 
@@ -57,6 +58,36 @@ impl Vm {
     /// reported, not deflated since); `None` without a balloon or before the first.
     pub fn balloon_given_back(&self) -> Option<migration::bitmap::Bitmap> {
         self.with_balloon(|b| b.given_back().cloned()).flatten()
+    }
+
+    /// Asks the guest's balloon driver for its free pages under a new hinting session (the
+    /// driver is told the configuration changed); false without a driver that hints.
+    pub fn start_free_page_hints(&self) -> bool {
+        self.tell_balloon(Balloon::start_hints)
+    }
+
+    /// Whether the driver handed over all it had for the current session (true without one).
+    pub fn free_page_hints_finished(&self) -> bool {
+        self.with_balloon(|b| b.hints_finished()).unwrap_or(true)
+    }
+
+    /// Tells the driver hinting is done: it may use the pages it hinted again.
+    pub fn end_free_page_hints(&self) {
+        self.tell_balloon(Balloon::end_hints);
+    }
+
+    /// Runs `change` on the balloon and, when it says so, tells the driver its configuration
+    /// changed; what `change` said (false without a balloon).
+    fn tell_balloon(&self, change: impl FnOnce(&mut Balloon) -> bool) -> bool {
+        let Some(slot) = self.balloon_slot() else {
+            return false;
+        };
+        let mut t = slot.locked();
+        let changed = balloon::of(t.device_mut()).is_some_and(change);
+        if changed {
+            t.config_changed();
+        }
+        changed
     }
 
     /// While post-copy holds guest memory (`hold`), the balloon gives no page back to the

@@ -11,6 +11,11 @@
 //!   which asks the driver for fresh figures (`vm.info` shows the last).
 //! - **Free page reporting** (`VIRTIO_BALLOON_F_REPORTING`): the driver names ranges of pages
 //!   it freed, which are discarded like inflated ones, and keeps using them when it likes.
+//! - **Free page hinting** (`VIRTIO_BALLOON_F_FREE_PAGE_HINT`): a migration asks the driver
+//!   for its free pages under a new command id (`start_hints`); the driver says the id, hands
+//!   over ranges it holds back meanwhile, and says STOP; the ranges are discarded like reported
+//!   ones. The driver keeps them until the device says DONE (`end_hints`), so none is written
+//!   while the migration runs; hints under any other id are ignored.
 //! - `VIRTIO_BALLOON_F_DEFLATE_ON_OOM` is offered (the driver may deflate below the target
 //!   when it runs short), and `VIRTIO_BALLOON_F_MUST_TELL_HOST` (it waits for a deflate to be
 //!   served before it reuses the pages).
@@ -45,18 +50,25 @@ use buffers::{PAGE, Refused, Runs, pfn_runs, read_stats, report_ranges};
 const F_MUST_TELL_HOST: u64 = 1 << 0;
 const F_STATS_VQ: u64 = 1 << 1;
 const F_DEFLATE_ON_OOM: u64 = 1 << 2;
+const F_FREE_PAGE_HINT: u64 = 1 << 3;
 const F_REPORTING: u64 = 1 << 5;
+/// `free_page_hint_cmd_id` values with a meaning of their own; a session's id is above them.
+const CMD_ID_STOP: u32 = 0;
+const CMD_ID_DONE: u32 = 1;
+const CMD_ID_FIRST: u32 = 2;
 const QUEUE_SIZE: u16 = 256;
 /// Refusals logged per device (a guest that lies often fills no log).
 const WARNINGS: u64 = 8;
 
-/// `--balloon [size=SIZE][,deflate_on_oom=on|off][,free_page_reporting=on|off][,stats_s=N]`.
+/// `--balloon [size=SIZE][,deflate_on_oom=on|off][,free_page_reporting=on|off]
+/// [,free_page_hint=on|off][,stats_s=N]`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BalloonConfig {
     /// The target at boot, in bytes (default 0: the guest keeps all its memory).
     pub size: u64,
     pub deflate_on_oom: bool,
     pub free_page_reporting: bool,
+    pub free_page_hint: bool,
     /// How often the guest is asked for fresh statistics, in seconds (0: never again after
     /// the first).
     pub stats_s: u32,
@@ -68,8 +80,17 @@ impl Default for BalloonConfig {
             size: 0,
             deflate_on_oom: true,
             free_page_reporting: true,
+            free_page_hint: true,
             stats_s: 1,
         }
+    }
+}
+
+impl BalloonConfig {
+    /// Whether a balloon offering `features` (a descriptor's) offers free page hinting (the
+    /// wire's descriptor names it only there).
+    pub fn hints_in(features: u64) -> bool {
+        features & F_FREE_PAGE_HINT != 0
     }
 }
 
@@ -90,6 +111,7 @@ impl std::str::FromStr for BalloonConfig {
                 Some(("free_page_reporting", v)) => {
                     c.free_page_reporting = on_off(v, "free_page_reporting")?
                 }
+                Some(("free_page_hint", v)) => c.free_page_hint = on_off(v, "free_page_hint")?,
                 Some(("stats_s", v)) => {
                     c.stats_s = v
                         .parse()
@@ -98,7 +120,7 @@ impl std::str::FromStr for BalloonConfig {
                 _ => {
                     return Err(format!(
                         "'{part}' in --balloon '{s}' (use size=SIZE, deflate_on_oom=on|off, \
-                         free_page_reporting=on|off, stats_s=N)"
+                         free_page_reporting=on|off, free_page_hint=on|off, stats_s=N)"
                     ));
                 }
             }
@@ -116,6 +138,8 @@ pub struct BalloonCounters {
     pub inflated_pages: u64,
     pub deflated_pages: u64,
     pub reported_pages: u64,
+    /// Pages the driver hinted free while a migration asked.
+    pub hinted_pages: u64,
     /// Bytes given back to the host that held data (the rest of what was inflated or reported
     /// had never been touched, or was given back already).
     pub freed_bytes: u64,
@@ -132,6 +156,7 @@ pub struct BalloonInfo {
     pub actual_pages: u32,
     pub deflate_on_oom: bool,
     pub free_page_reporting: bool,
+    pub free_page_hint: bool,
     pub counters: BalloonCounters,
     pub stats: GuestStats,
 }
@@ -143,7 +168,47 @@ enum Role {
     Inflate,
     Deflate,
     Stats,
+    Hint,
     Report,
+}
+
+/// Free page hinting: the id the device shows, and what the driver said of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Hints {
+    /// `free_page_hint_cmd_id` in config space: STOP, DONE or a session's id.
+    shown: u32,
+    /// The id the next session gets.
+    next: u32,
+    /// The id the driver last said it hints under (STOP once it said it has no more).
+    driver: u32,
+    /// The last session the driver finished (said its id, then STOP).
+    finished: u32,
+}
+
+impl Default for Hints {
+    fn default() -> Self {
+        Self {
+            shown: CMD_ID_STOP,
+            next: CMD_ID_FIRST,
+            driver: CMD_ID_STOP,
+            finished: CMD_ID_STOP,
+        }
+    }
+}
+
+impl Hints {
+    /// Whether a hinted range is taken now: the driver hints under the session shown.
+    fn taken(&self) -> bool {
+        self.shown >= CMD_ID_FIRST && self.driver == self.shown
+    }
+
+    /// The driver said `id` on the hint queue.
+    fn driver_said(&mut self, id: u32) {
+        if id == CMD_ID_STOP && self.driver >= CMD_ID_FIRST {
+            self.finished = self.driver;
+        }
+        self.driver = id;
+    }
 }
 
 /// What moves with the VM besides the transport's registers.
@@ -154,6 +219,7 @@ pub struct BalloonState {
     stats_head: Option<u16>,
     stats: GuestStats,
     counters: BalloonCounters,
+    hints: Hints,
 }
 
 pub struct Balloon {
@@ -173,6 +239,7 @@ pub struct Balloon {
     /// not deflated since; the guest may have reused a reported one): made at the first.
     given: Option<Bitmap>,
     counters: BalloonCounters,
+    hints: Hints,
 }
 
 impl Balloon {
@@ -189,6 +256,7 @@ impl Balloon {
             held: None,
             given: None,
             counters: BalloonCounters::default(),
+            hints: Hints::default(),
         })
     }
 
@@ -204,9 +272,39 @@ impl Balloon {
             actual_pages: self.actual,
             deflate_on_oom: self.config.deflate_on_oom,
             free_page_reporting: self.config.free_page_reporting,
+            free_page_hint: self.config.free_page_hint,
             counters: self.counters,
             stats: self.stats,
         }
+    }
+
+    /// Asks the driver for its free pages under a new command id; false when the driver took
+    /// no hinting (nothing to wait for). The caller tells the driver the configuration changed.
+    pub fn start_hints(&mut self) -> bool {
+        if self.features & F_FREE_PAGE_HINT == 0 {
+            return false;
+        }
+        let h = &mut self.hints;
+        h.shown = h.next;
+        h.next = h.next.checked_add(1).unwrap_or(CMD_ID_FIRST);
+        true
+    }
+
+    /// Whether the driver has handed over all it had for the session shown (or takes no
+    /// hinting, or no session runs).
+    pub fn hints_finished(&self) -> bool {
+        let h = &self.hints;
+        self.features & F_FREE_PAGE_HINT == 0 || h.shown < CMD_ID_FIRST || h.finished == h.shown
+    }
+
+    /// Ends hinting: DONE, the driver may use the hinted pages again. False when no session
+    /// was shown (nothing to tell the driver).
+    pub fn end_hints(&mut self) -> bool {
+        if self.hints.shown < CMD_ID_FIRST {
+            return false;
+        }
+        self.hints.shown = CMD_ID_DONE;
+        true
     }
 
     /// The pages given back to the host since the VM came here (inflated or reported and not
@@ -242,15 +340,18 @@ impl Balloon {
     }
 
     fn role(&self, index: usize) -> Option<Role> {
-        let stats = self.features & F_STATS_VQ != 0;
-        let report = self.features & F_REPORTING != 0;
-        match (index, stats, report) {
-            (0, ..) => Some(Role::Inflate),
-            (1, ..) => Some(Role::Deflate),
-            (2, true, _) => Some(Role::Stats),
-            (2, false, true) | (3, true, true) => Some(Role::Report),
-            _ => None,
-        }
+        // Each negotiated queue takes the next index, in the spec's order.
+        [
+            (Role::Inflate, 0),
+            (Role::Deflate, 0),
+            (Role::Stats, F_STATS_VQ),
+            (Role::Hint, F_FREE_PAGE_HINT),
+            (Role::Report, F_REPORTING),
+        ]
+        .into_iter()
+        .filter(|&(_, feature)| feature == 0 || self.features & feature != 0)
+        .map(|(role, _)| role)
+        .nth(index)
     }
 
     fn stats_queue(&self) -> Option<usize> {
@@ -312,6 +413,36 @@ impl Balloon {
         }
     }
 
+    fn hint(&mut self, gpa: u64, len: u64, memory: &GuestMemory, log: &mut dyn WriteLog) {
+        self.counters.hinted_pages += len / PAGE;
+        if self.held.is_none() {
+            self.give_back(gpa, len, memory, log);
+        }
+    }
+
+    /// A hint queue buffer: the id the driver hints under (one readable le32), or ranges it
+    /// hands over, taken only while it hints under the session shown.
+    fn serve_hint(
+        &mut self,
+        descs: &[Descriptor],
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<u64, Refused> {
+        if let [d] = descs
+            && !d.is_write_only()
+        {
+            let id = buffers::read_cmd_id(d, memory)?;
+            self.hints.driver_said(id);
+            return Ok(0);
+        }
+        if !self.hints.taken() {
+            return Ok(0); // a stale session's: its pages stay the guest's
+        }
+        Ok(report_ranges(descs, memory, &mut |g, l| {
+            self.hint(g, l, memory, log)
+        }))
+    }
+
     fn report(&mut self, gpa: u64, len: u64, memory: &GuestMemory, log: &mut dyn WriteLog) {
         self.counters.reported_pages += len / PAGE;
         // While held, a reported page stays: the driver may take it back without a word.
@@ -334,6 +465,7 @@ impl Balloon {
             Role::Report => Ok(report_ranges(descs, memory, &mut |g, l| {
                 self.report(g, l, memory, log)
             })),
+            Role::Hint => self.serve_hint(descs, memory, log),
             Role::Stats => Ok(0),
         };
         match refused {
@@ -387,19 +519,23 @@ impl VirtioDevice for Balloon {
         if self.config.free_page_reporting {
             f |= F_REPORTING;
         }
+        if self.config.free_page_hint {
+            f |= F_FREE_PAGE_HINT;
+        }
         f
     }
 
     fn queue_max_sizes(&self) -> &[u16] {
-        &[QUEUE_SIZE; 4]
+        &[QUEUE_SIZE; 5]
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        // virtio_balloon_config: num_pages, actual (le32 each); hinting and poisoning are not
-        // offered.
-        let mut config = [0u8; 8];
+        // virtio_balloon_config: num_pages, actual, free_page_hint_cmd_id, poison_val (le32
+        // each; poisoning is not offered).
+        let mut config = [0u8; 16];
         config[..4].copy_from_slice(&self.target.to_le_bytes());
-        config[4..].copy_from_slice(&self.actual.to_le_bytes());
+        config[4..8].copy_from_slice(&self.actual.to_le_bytes());
+        config[8..12].copy_from_slice(&self.hints.shown.to_le_bytes());
         read_config_bytes(&config, offset, data);
     }
 
@@ -418,6 +554,7 @@ impl VirtioDevice for Balloon {
         self.features = 0;
         self.actual = 0;
         self.stats_head = None;
+        self.hints.driver = CMD_ID_STOP;
         let _ = self.timer.clear();
         // The driver owns every page again: none inflated meanwhile may be discarded later.
         if let Some(held) = &mut self.held {
@@ -453,6 +590,7 @@ impl VirtioDevice for Balloon {
             ("pages_inflated", c.inflated_pages),
             ("pages_deflated", c.deflated_pages),
             ("pages_reported", c.reported_pages),
+            ("pages_hinted", c.hinted_pages),
             ("freed_bytes", c.freed_bytes),
             ("refused", c.refused),
             ("stats_updates", c.stats_updates),
@@ -482,20 +620,20 @@ impl VirtioDevice for Balloon {
 
     fn describe(&self) -> String {
         let mib = |pages: u32| (u64::from(pages) * PAGE) >> 20;
+        let c = &self.config;
+        let offered: String = [
+            (c.deflate_on_oom, ", deflate on OOM"),
+            (c.free_page_reporting, ", free page reporting"),
+            (c.free_page_hint, ", free page hinting"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, what)| *what)
+        .collect();
         format!(
-            "balloon: target {} MiB, actual {} MiB{}{}",
+            "balloon: target {} MiB, actual {} MiB{offered}",
             mib(self.target),
             mib(self.actual),
-            if self.config.deflate_on_oom {
-                ", deflate on OOM"
-            } else {
-                ""
-            },
-            if self.config.free_page_reporting {
-                ", free page reporting"
-            } else {
-                ""
-            },
         )
     }
 
@@ -537,7 +675,7 @@ impl VirtioDevice for Balloon {
 
 impl crate::persist::Persist for Balloon {
     const NAME: &'static str = "virtio-balloon";
-    const VERSION: u32 = 1;
+    const VERSION: u32 = 2;
     type State = BalloonState;
 
     fn save(&self) -> Result<BalloonState, String> {
@@ -547,6 +685,7 @@ impl crate::persist::Persist for Balloon {
             stats_head: self.stats_head,
             stats: self.stats,
             counters: self.counters,
+            hints: self.hints,
         })
     }
 
@@ -556,6 +695,7 @@ impl crate::persist::Persist for Balloon {
         self.stats_head = s.stats_head;
         self.stats = s.stats;
         self.counters = s.counters;
+        self.hints = s.hints;
         self.arm_timer();
         Ok(())
     }
@@ -591,7 +731,7 @@ mod tests {
         t: MmioTransport,
         m: GuestMemory,
         log: Bitmap,
-        offered: [u16; 4],
+        offered: [u16; 5],
     }
 
     fn desc_table(q: usize) -> u64 {
@@ -607,9 +747,9 @@ mod tests {
                 t,
                 log: Bitmap::new(MIN_MEMORY / PAGE),
                 m,
-                offered: [0; 4],
+                offered: [0; 5],
             };
-            let rings: Vec<_> = (0..4)
+            let rings: Vec<_> = (0..5)
                 .map(|q| {
                     (
                         desc_table(q),
@@ -681,6 +821,19 @@ mod tests {
 
         fn counters(&mut self) -> BalloonCounters {
             self.balloon().info().counters
+        }
+
+        /// A config-space word (le32) at `offset`.
+        fn config(&self, offset: u64) -> u32 {
+            let mut b = [0u8; 4];
+            self.t.read(u64::from(VIRTIO_MMIO_CONFIG) + offset, &mut b);
+            u32::from_le_bytes(b)
+        }
+
+        /// The driver says a free page hinting command id on queue `q`.
+        fn say_hint_id(&mut self, q: usize, id: u32) {
+            self.m.write_obj(id, GuestAddress(BUF)).unwrap();
+            self.offer(q, &[(BUF, 4, false)]);
         }
     }
 
@@ -782,6 +935,61 @@ mod tests {
         assert_eq!(r.counters().reported_pages, 1);
         r.offer(3, &[(FIRST * PAGE, PAGE as u32, true)]);
         assert_eq!(r.used(3), 0, "no fourth queue without statistics");
+    }
+
+    /// Hints are taken only while the driver hints under the session the device shows: not
+    /// before one starts, not after the driver said STOP, not under a stale id; DONE ends it.
+    #[test]
+    fn free_page_hints_are_taken_only_under_the_session_shown() {
+        const HINT: usize = 3; // after inflate, deflate and statistics; reporting is 4
+        let mut r = Rig::new(ALL | F_FREE_PAGE_HINT);
+        r.stamp(FIRST..FIRST + 16);
+        let range = |first: u64, n: u64| [(first * PAGE, (n * PAGE) as u32, true)];
+        assert_eq!(r.config(8), CMD_ID_STOP, "no session yet");
+        r.say_hint_id(HINT, 7);
+        r.offer(HINT, &range(FIRST, 2));
+        assert_eq!(
+            r.word(FIRST),
+            FIRST | 1 << 40,
+            "a hint no session asked for"
+        );
+        assert!(r.balloon().start_hints());
+        let id = r.config(8);
+        assert!(id >= CMD_ID_FIRST);
+        assert!(
+            !r.balloon().hints_finished(),
+            "the driver has not said STOP"
+        );
+        r.say_hint_id(HINT, id);
+        r.offer(HINT, &range(FIRST, 4));
+        assert!(
+            (FIRST..FIRST + 4).all(|p| r.word(p) == 0),
+            "hinted: given back"
+        );
+        let logged: Vec<u64> = r.log.iter().filter(|&p| p >= FIRST).collect();
+        assert_eq!(logged, (FIRST..FIRST + 4).collect::<Vec<_>>());
+        r.say_hint_id(HINT, CMD_ID_STOP);
+        assert!(r.balloon().hints_finished());
+        r.offer(HINT, &range(FIRST + 4, 2));
+        assert_ne!(r.word(FIRST + 4), 0, "after STOP, a hint is not taken");
+        // A new session: a hint under the old id is stale.
+        assert!(r.balloon().start_hints());
+        assert_eq!(r.config(8), id + 1);
+        r.say_hint_id(HINT, id);
+        r.offer(HINT, &range(FIRST + 8, 2));
+        assert_ne!(r.word(FIRST + 8), 0, "a stale session's hint");
+        r.offer(HINT, &[(BUF, 3, false)]); // a command id that is not 4 bytes
+        assert_eq!(r.counters().refused, 1);
+        assert!(r.balloon().end_hints());
+        assert_eq!(r.config(8), CMD_ID_DONE);
+        assert_eq!(r.counters().hinted_pages, 4);
+        assert_eq!(r.counters().reported_pages, 0);
+        assert!(r.t.broken().is_none());
+        // A driver that took no hinting is never asked.
+        let mut plain = Rig::new(ALL);
+        assert!(!plain.balloon().start_hints());
+        assert!(plain.balloon().hints_finished());
+        assert!(!plain.balloon().end_hints());
     }
 
     /// Makes the statistics timer fire now.
@@ -886,17 +1094,31 @@ mod tests {
         let stats = stat(4, 5);
         r.m.write_slice(&stats, GuestAddress(BUF)).unwrap();
         r.offer(2, &[(BUF, 10, false)]);
+        r.balloon().start_hints(); // the driver took no hinting: nothing changes
         let saved = r.t.save_as("virtio.0").unwrap();
         let mut twin = Rig::new(0);
         twin.t.load_from(&saved).unwrap();
         assert_eq!(twin.balloon().info(), r.balloon().info());
+        // Mid-session, the command id moves too.
+        let mut hinting = Rig::new(ALL | F_FREE_PAGE_HINT);
+        hinting.balloon().start_hints();
+        let mut twin2 = Rig::new(0);
+        twin2
+            .t
+            .load_from(&hinting.t.save_as("virtio.0").unwrap())
+            .unwrap();
+        assert_eq!(twin2.config(8), hinting.config(8));
+        assert!(
+            twin2.balloon().end_hints(),
+            "the twin ends the session it was given"
+        );
         // The held statistics buffer moved too: the twin gives it back.
         twin.m = r.m.clone();
         fire(twin.balloon());
         assert!(twin.t.input(&twin.m, &mut twin.log));
         let garbage = Fragment {
             name: "virtio-balloon".into(),
-            version: 1,
+            version: <Balloon as crate::persist::Persist>::VERSION,
             bytes: vec![1, 2, 3],
         };
         let mut fresh = Balloon::new(&BalloonConfig::default()).unwrap();
@@ -916,7 +1138,9 @@ mod tests {
     fn options_parse_and_refuse_with_a_reason() {
         let c: BalloonConfig = "size=256M,deflate_on_oom=off,stats_s=5".parse().unwrap();
         assert_eq!((c.size, c.deflate_on_oom, c.stats_s), (256 << 20, false, 5));
-        assert!(c.free_page_reporting);
+        assert!(c.free_page_reporting && c.free_page_hint);
+        let c: BalloonConfig = "free_page_hint=off".parse().unwrap();
+        assert!(!c.free_page_hint);
         assert_eq!(
             "".parse::<BalloonConfig>().unwrap(),
             BalloonConfig::default()
@@ -926,6 +1150,7 @@ mod tests {
             ("free_page_reporting=yes", "use on or off"),
             ("stats_s=-1", "not a number"),
             ("hint=on", "use size=SIZE"),
+            ("free_page_hint=1", "use on or off"),
             ("size=5000", "whole pages"),
         ] {
             let e = bad.parse::<BalloonConfig>().unwrap_err();

@@ -131,6 +131,21 @@ pub fn report_ranges(
     refused
 }
 
+/// A free page hinting command id: one buffer the device reads, a le32.
+pub fn read_cmd_id(d: &Descriptor, memory: &GuestMemory) -> Result<u32, Refused> {
+    readable(std::slice::from_ref(d), memory, 4)?;
+    if d.len() != 4 {
+        return Err(Refused(format!(
+            "a command id of {} bytes (want 4)",
+            d.len()
+        )));
+    }
+    let id: u32 = memory
+        .read_obj(d.addr())
+        .map_err(|e| Refused(format!("reading a command id: {e}")))?;
+    Ok(u32::from_le(id))
+}
+
 /// The guest's memory statistics (`VIRTIO_BALLOON_F_STATS_VQ`), as it last gave them; a
 /// statistic it never gave is `None`. Sizes are in bytes, as the spec has them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
