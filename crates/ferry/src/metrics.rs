@@ -386,6 +386,12 @@ fn encode_counters(
     }
     counter(
         enc,
+        "ferry_migration_pages_skipped_free",
+        "Of the skipped pages, those the guest gave back (balloon, free page reporting or hints).",
+        t.pages_skipped_free + now(p.pages.skipped_free),
+    )?;
+    counter(
+        enc,
         "ferry_migration_bytes",
         "Bytes this host put on the wire for migrations.",
         t.bytes_on_wire + now(p.bytes_on_wire),
