@@ -10,7 +10,11 @@
  *   peak=SIZE                    churn: the first cycle grows to SIZE instead (memory the
  *                                guest touched once and then freed)
  *   balloon                      drive the virtio-balloon: follow the host's target, report
- *                                freed pages, give memory statistics (see "the balloon")
+ *                                freed pages, hint free pages when the host asks, give
+ *                                memory statistics (see "the balloon")
+ *   hint_any                     pages that come back from a free page hint may hold any
+ *                                content (the spec's rule; QEMU leaves them as last sent)
+ *                                instead of zero or their last stamp
  *   dsb                          dynamic self-ballooning (implies balloon): every dsb_ms
  *                                inflate with dsb_pct % of free memory, deflate at once when
  *                                the allocator runs short
@@ -85,6 +89,7 @@ struct config {
     u64 peak_bytes;   /* churn: the first cycle's largest working set (0: ws) */
     int balloon;      /* drive the virtio-balloon */
     int dsb;          /* dynamic self-ballooning */
+    int hint_any;     /* a page back from a hint may hold anything */
     u64 dsb_ms;
     u64 dsb_pct;
 };
@@ -318,6 +323,7 @@ static void parse_word(const char *w, u64 len)
     else if (word_is(w, len, "churn")) cfg.mode = MODE_CHURN;
     else if (word_is(w, len, "balloon")) cfg.balloon = 1;
     else if (word_is(w, len, "dsb")) cfg.balloon = cfg.dsb = 1;
+    else if (word_is(w, len, "hint_any")) cfg.hint_any = 1;
     else if (word_is(w, len, "seq")) cfg.random = 0;
     else if (word_is(w, len, "random")) cfg.random = 1;
     else if (word_is(w, len, "verify")) cfg.verify = 1;
@@ -336,7 +342,7 @@ static void parse_word(const char *w, u64 len)
 static void parse_cmdline(const char *s)
 {
     cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD,
-                          0, 2048, 2000, 0, {0}, 0, 0, 0, 0, 0, 5000, 95};
+                          0, 2048, 2000, 0, {0}, 0, 0, 0, 0, 0, 0, 5000, 95};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -459,7 +465,9 @@ static u64 ram_room(void)
 static struct {
     u64 first, pages;      /* page_addr numbers of allocator page 0, and how many */
     u64 *free_map, *unreported, *ballooned;
-    u64 free, unreported_count, cursor;
+    u64 *hinted;           /* handed over in a free page hint, held until the host is done */
+    u64 *undefined;        /* back from a hint with hint_any: content not checked */
+    u64 free, unreported_count, hinted_count, cursor;
 } pa;
 
 static inline int bit_get(const u64 *map, u64 i) { return (int)((map[i / 64] >> (i % 64)) & 1); }
@@ -501,6 +509,43 @@ static u64 run_end(const u64 *map, u64 a, u64 limit)
     return end;
 }
 
+static u64 popcount64(u64 x)
+{
+    x -= (x >> 1) & 0x5555555555555555ull;
+    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
+    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
+    return (x * 0x0101010101010101ull) >> 56;
+}
+
+/* Clears map's bits [from, end), a word at a time where it can; how many were set. */
+static u64 bits_take(u64 *map, u64 from, u64 end)
+{
+    u64 n = 0;
+    for (u64 i = from; i < end;) {
+        if (i % 64 == 0 && i + 64 <= end) {
+            n += popcount64(map[i / 64]);
+            map[i / 64] = 0;
+            i += 64;
+        } else {
+            n += (u64)bit_get(map, i);
+            bit_clear(map, i++);
+        }
+    }
+    return n;
+}
+
+static void bits_set(u64 *map, u64 from, u64 end)
+{
+    for (u64 i = from; i < end;) {
+        if (i % 64 == 0 && i + 64 <= end) {
+            map[i / 64] = ~0ull;
+            i += 64;
+        } else {
+            bit_set(map, i++);
+        }
+    }
+}
+
 static void bits_clear(u64 *map, u64 from, u64 end)
 {
     for (u64 i = from; i < end;) {
@@ -520,6 +565,8 @@ static void pa_carve(u64 room)
     pa.free_map = (u64 *)carve(bytes);
     pa.unreported = (u64 *)carve(bytes);
     pa.ballooned = (u64 *)carve(bytes);
+    pa.hinted = (u64 *)carve(bytes);
+    pa.undefined = (u64 *)carve(bytes);
 }
 
 /* Every page from page_addr number `first` up to `room` is free. */
@@ -707,6 +754,7 @@ struct worker {
     u64 net_check_ticks, next_net_check;
     int balloon;      /* this vCPU drives the balloon (vCPU 0 with balloon or dsb) */
     u64 dsb_ticks, next_dsb;
+    u64 hint_poll_ticks, next_hint_poll;
 };
 
 static void balloon_progress(void);
@@ -1344,14 +1392,26 @@ static void net_step(struct worker *w)
  * deflate is answered (MUST_TELL_HOST), and a page being reported is not reused until its
  * report is. Whatever the host did to a page, it comes back zero or as it was, never older:
  * churn checks. All driver state is guest memory, so a VM migrated mid-request carries on.
+ *
+ * Free page hinting (VIRTIO_BALLOON_F_FREE_PAGE_HINT): every 2 ms the driver reads the
+ * host's command id. A new one starts a session: it says the id, hands every free page over
+ * (runs, a queue's worth a request) and says STOP; the pages are held, out of the allocator,
+ * until the host shows DONE, or taken back a request's worth at a time when the allocator
+ * runs short (then written, so the host's dirty log sees them). A hinted page comes back zero
+ * or as it was (ferry gives it back to the host); with hint_any its content is not checked.
  */
 #define VIRTIO_ID_BALLOON 5
 #define VIRTIO_BALLOON_F_MUST_TELL_HOST 0  /* in feature word 0 */
 #define VIRTIO_BALLOON_F_STATS_VQ 1
 #define VIRTIO_BALLOON_F_DEFLATE_ON_OOM 2
+#define VIRTIO_BALLOON_F_FREE_PAGE_HINT 3
 #define VIRTIO_BALLOON_F_REPORTING 5
-#define BALLOON_NUM_PAGES VIRTIO_CONFIG    /* device config: le32 target, then le32 actual */
+#define BALLOON_NUM_PAGES VIRTIO_CONFIG    /* device config: le32 target, then le32 actual, */
 #define BALLOON_ACTUAL (VIRTIO_CONFIG + 4)
+#define BALLOON_HINT_CMD (VIRTIO_CONFIG + 8) /* then le32 free_page_hint_cmd_id */
+#define HINT_STOP 0                        /* command ids with a meaning of their own */
+#define HINT_DONE 1
+#define BALLOON_HINT_POLL_MS 2
 #define BALLOON_PFNS 1024                  /* page numbers per inflate or deflate request */
 #define BALLOON_REPORT_BATCH 512           /* freed pages that make a report (2 MiB) */
 #define BALLOON_MAX_RUN (1ull << 18)       /* pages in one reported range (1 GiB) */
@@ -1364,7 +1424,8 @@ struct balloon_stat {
 _Static_assert(sizeof(struct balloon_stat) == 10, "virtio_balloon_stat is 10 bytes");
 enum { STAT_SWAP_IN = 0, STAT_MEMFREE = 4, STAT_MEMTOT = 5, STAT_AVAIL = 6, BALLOON_STATS = 4 };
 
-static struct virtq bal_inflateq, bal_deflateq, bal_statsq, bal_reportq;
+static struct virtq bal_inflateq, bal_deflateq, bal_statsq, bal_hintq, bal_reportq;
+static u32 bal_cmd __attribute__((aligned(64))); /* the command id the driver says */
 static u32 bal_pfns[BALLOON_PFNS] __attribute__((aligned(4096)));
 /* The pages of bal_pfns as the allocator's bitmaps name them: a word and its bits. */
 static struct {
@@ -1374,11 +1435,12 @@ static u32 bal_nwords;
 static struct balloon_stat bal_stats[BALLOON_STATS] __attribute__((aligned(64)));
 static struct {
     struct vdev dev;
-    int stats, reporting, oom;          /* negotiated */
-    u32 stats_index, report_index;      /* their queues */
+    int stats, reporting, oom, hinting; /* negotiated */
+    u32 stats_index, hint_index, report_index; /* their queues */
+    u32 hint_id;                        /* the last session's command id */
     u64 count;                          /* pages in the balloon */
     u64 cursor;                         /* where a deflate looks first */
-    u64 inflated, deflated, reported;   /* pages, for the serial line */
+    u64 inflated, deflated, reported, hinted; /* pages, for the serial line */
 } bal;
 
 static void balloon_progress(void)
@@ -1391,6 +1453,8 @@ static void balloon_progress(void)
     put_u64(pa.free);
     put_str(" reported=");
     put_u64(bal.reported);
+    put_str(" hinted=");
+    put_u64(bal.hinted);
     if (cfg.mode == MODE_CHURN) {
         put_str(" ws_pages=");
         put_u64(churn.count);
@@ -1415,17 +1479,21 @@ static void balloon_fill_stats(void)
 static void balloon_init(void)
 {
     u64 wanted = 1ull << VIRTIO_BALLOON_F_MUST_TELL_HOST | 1ull << VIRTIO_BALLOON_F_STATS_VQ |
-                 1ull << VIRTIO_BALLOON_F_DEFLATE_ON_OOM | 1ull << VIRTIO_BALLOON_F_REPORTING;
+                 1ull << VIRTIO_BALLOON_F_DEFLATE_ON_OOM | 1ull << VIRTIO_BALLOON_F_REPORTING |
+                 1ull << VIRTIO_BALLOON_F_FREE_PAGE_HINT;
     u64 f = vdev_start(&bal.dev, "virtio-balloon", VIRTIO_ID_BALLOON, wanted,
                        "balloon: no virtio-balloon device in the virtio_mmio.device= windows");
     bal.stats = (int)((f >> VIRTIO_BALLOON_F_STATS_VQ) & 1);
     bal.reporting = (int)((f >> VIRTIO_BALLOON_F_REPORTING) & 1);
     bal.oom = (int)((f >> VIRTIO_BALLOON_F_DEFLATE_ON_OOM) & 1);
+    bal.hinting = (int)((f >> VIRTIO_BALLOON_F_FREE_PAGE_HINT) & 1);
     virtq_setup(&bal.dev, 0, &bal_inflateq, "virtio-balloon queue 0 (inflateq)");
     virtq_setup(&bal.dev, 1, &bal_deflateq, "virtio-balloon queue 1 (deflateq)");
     u32 next = 2;
     if (bal.stats)
         virtq_setup(&bal.dev, bal.stats_index = next++, &bal_statsq, "virtio-balloon statsq");
+    if (bal.hinting)
+        virtq_setup(&bal.dev, bal.hint_index = next++, &bal_hintq, "virtio-balloon free_page_vq");
     if (bal.reporting)
         virtq_setup(&bal.dev, bal.report_index = next, &bal_reportq, "virtio-balloon reporting_vq");
     vdev_set_status(&bal.dev, STATUS_DRIVER_OK);
@@ -1435,6 +1503,7 @@ static void balloon_init(void)
     put_hex(bal.dev.base);
     put_str(bal.stats ? " stats" : "");
     put_str(bal.reporting ? " reporting" : "");
+    put_str(bal.hinting ? " hinting" : "");
     put_str(bal.oom ? " deflate-on-oom" : "");
     put_str(cfg.dsb ? " dsb\n" : "\n");
 }
@@ -1461,14 +1530,6 @@ static void balloon_send(struct worker *w, struct virtq *q, u32 index, u32 n, co
     virtq_post(q, 0);
     vdev_notify(&bal.dev, index);
     balloon_wait(w, q, what);
-}
-
-static u64 popcount64(u64 x)
-{
-    x -= (x >> 1) & 0x5555555555555555ull;
-    x = (x & 0x3333333333333333ull) + ((x >> 2) & 0x3333333333333333ull);
-    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0full;
-    return (x * 0x0101010101010101ull) >> 56;
 }
 
 /*
@@ -1553,38 +1614,124 @@ static void balloon_deflate(struct worker *w, u64 n)
 }
 
 /*
+ * Fills q's descriptors with runs of the set bits of `map` (each inside one segment, at most
+ * BALLOON_MAX_RUN pages) as one chain the device may write, up to a queue's worth; the runs'
+ * allocator page numbers go to `runs`. Returns how many.
+ */
+static u32 balloon_runs(const u64 *map, struct virtq *q, u64 (*runs)[2])
+{
+    u32 n = 0;
+    for (u64 from = 0, a; n < q->num && (a = next_set(map, pa.pages, from)) != NO_PAGE; n++) {
+        u64 limit = pa_segment_end(a);
+        if (limit > a + BALLOON_MAX_RUN)
+            limit = a + BALLOON_MAX_RUN;
+        runs[n][0] = a;
+        runs[n][1] = from = run_end(map, a, limit);
+        q->desc[n] = (struct virtq_desc){pa_addr(a), (u32)((from - a) * PAGE_SIZE),
+                                         VIRTQ_DESC_F_WRITE | VIRTQ_DESC_F_NEXT, (u16)(n + 1)};
+    }
+    if (n)
+        q->desc[n - 1].flags = VIRTQ_DESC_F_WRITE;
+    return n;
+}
+
+/* Posts the chain at q's descriptor 0 on queue `index` and waits for the answer. */
+static void balloon_post(struct worker *w, struct virtq *q, u32 index, const char *what)
+{
+    virtq_post(q, 0);
+    vdev_notify(&bal.dev, index);
+    balloon_wait(w, q, what);
+}
+
+static u64 runs_buf[VIRTQ_MAX][2];
+
+/*
  * Reports the pages freed since the last report, a request of up to a queue's worth of
- * ranges at a time (each a run inside one segment); with `all` to the last, otherwise while
- * a batch's worth waits.
+ * ranges at a time; with `all` to the last, otherwise while a batch's worth waits.
  */
 static void balloon_report(struct worker *w, int all)
 {
     if (!bal.reporting)
         return;
-    static u64 runs[VIRTQ_MAX][2];
     while (pa.unreported_count && (all || pa.unreported_count >= BALLOON_REPORT_BATCH)) {
-        u32 n = 0;
-        for (u64 from = 0, a; n < bal_reportq.num && (a = next_set(pa.unreported, pa.pages, from)) != NO_PAGE; n++) {
-            u64 limit = pa_segment_end(a);
-            if (limit > a + BALLOON_MAX_RUN)
-                limit = a + BALLOON_MAX_RUN;
-            runs[n][0] = a;
-            runs[n][1] = from = run_end(pa.unreported, a, limit);
-            bal_reportq.desc[n] = (struct virtq_desc){pa_addr(a), (u32)((from - a) * PAGE_SIZE),
-                                                      VIRTQ_DESC_F_WRITE | VIRTQ_DESC_F_NEXT, (u16)(n + 1)};
-        }
+        u32 n = balloon_runs(pa.unreported, &bal_reportq, runs_buf);
         if (!n)
             fatal("balloon: the allocator's unreported count and map disagree", "");
-        bal_reportq.desc[n - 1].flags = VIRTQ_DESC_F_WRITE;
-        virtq_post(&bal_reportq, 0);
-        vdev_notify(&bal.dev, bal.report_index);
-        balloon_wait(w, &bal_reportq, "a free page report");
+        balloon_post(w, &bal_reportq, bal.report_index, "a free page report");
         for (u32 i = 0; i < n; i++) {
-            bits_clear(pa.unreported, runs[i][0], runs[i][1]);
-            pa.unreported_count -= runs[i][1] - runs[i][0];
-            bal.reported += runs[i][1] - runs[i][0];
+            bits_clear(pa.unreported, runs_buf[i][0], runs_buf[i][1]);
+            pa.unreported_count -= runs_buf[i][1] - runs_buf[i][0];
+            bal.reported += runs_buf[i][1] - runs_buf[i][0];
         }
     }
+}
+
+/* Says `id` on the hint queue: the session its hints go under, or STOP. */
+static void hint_say(struct worker *w, u32 id)
+{
+    bal_cmd = id;
+    bal_hintq.desc[0] = (struct virtq_desc){(u64)&bal_cmd, 4, 0, 0};
+    balloon_post(w, &bal_hintq, bal.hint_index, "a free page hint command");
+}
+
+/* A hinting session: every free page is handed over and held, while the host still shows
+ * this session's id. */
+static void balloon_hint(struct worker *w, u32 id)
+{
+    bal.hint_id = id;
+    hint_say(w, id);
+    while (pa.free && vdev_read(&bal.dev, BALLOON_HINT_CMD) == id) {
+        u32 n = balloon_runs(pa.free_map, &bal_hintq, runs_buf);
+        if (!n)
+            fatal("balloon: the allocator's free count and map disagree", "");
+        balloon_post(w, &bal_hintq, bal.hint_index, "a free page hint");
+        for (u32 i = 0; i < n; i++) {
+            u64 a = runs_buf[i][0], end = runs_buf[i][1];
+            bits_clear(pa.free_map, a, end);
+            bits_set(pa.hinted, a, end);
+            pa.unreported_count -= bits_take(pa.unreported, a, end); /* given back */
+            pa.free -= end - a;
+            pa.hinted_count += end - a;
+            bal.hinted += end - a;
+        }
+    }
+    hint_say(w, HINT_STOP);
+}
+
+/* The host is done: every hinted page is free again. */
+static void hint_release_all(void)
+{
+    for (u64 i = 0; pa.hinted_count && i < (pa.pages + 63) / 64; i++) {
+        u64 h = pa.hinted[i], n = popcount64(h);
+        if (!h)
+            continue;
+        pa.free_map[i] |= h;
+        if (cfg.hint_any)
+            pa.undefined[i] |= h;
+        pa.hinted[i] = 0;
+        pa.free += n;
+        pa.hinted_count -= n;
+    }
+}
+
+/* The allocator runs short: a request's worth of hinted pages is free again. */
+static void hint_release_some(void)
+{
+    u32 k = pa_gather(pa.hinted, &pa.cursor, BALLOON_PFNS, pa.free_map);
+    for (u32 i = 0; cfg.hint_any && i < bal_nwords; i++)
+        pa.undefined[bal_words[i].word] |= bal_words[i].bits;
+    pa.free += k;
+    pa.hinted_count -= k;
+}
+
+/* What the host's command id says: a new session, or DONE. */
+static void balloon_hint_poll(struct worker *w)
+{
+    u32 id = vdev_read(&bal.dev, BALLOON_HINT_CMD);
+    if (id == HINT_DONE && pa.hinted_count)
+        hint_release_all();
+    else if (id > HINT_DONE && id != bal.hint_id)
+        balloon_hint(w, id);
 }
 
 /* The period's work: follow the host's target (and with dsb inflate with free memory), then
@@ -1611,6 +1758,10 @@ static void balloon_step(struct worker *w)
     if (bal.stats && virtq_pop(&bal_statsq, &e))
         balloon_fill_stats();
     u64 now = rdtsc();
+    if (bal.hinting && now >= w->next_hint_poll) {
+        w->next_hint_poll = now + w->hint_poll_ticks;
+        balloon_hint_poll(w);
+    }
     if (now >= w->next_dsb) {
         w->next_dsb = now + w->dsb_ticks;
         balloon_tick(w);
@@ -1626,6 +1777,10 @@ static u64 pa_take_or_deflate(struct worker *w)
     u64 a = pa_take();
     if (a != NO_PAGE || !w->balloon)
         return a;
+    if (pa.hinted_count) {
+        hint_release_some();
+        return pa_take();
+    }
     u64 target = vdev_read(&bal.dev, BALLOON_NUM_PAGES);
     u64 spare = bal.oom || cfg.dsb ? bal.count : bal.count > target ? bal.count - target : 0;
     balloon_deflate(w, spare < BALLOON_PFNS ? spare : BALLOON_PFNS);
@@ -1849,7 +2004,8 @@ static inline volatile u64 *churn_word(u64 a)
     return (volatile u64 *)(g < segments[0].pages ? segments[0].base + g * PAGE_SIZE : page_addr(g));
 }
 
-/* Page a's next generation, after checking it carries the last one (with `fresh`: or zero). */
+/* Page a's next generation, after checking it carries the last one (with `fresh`: or zero;
+ * with `fresh` 2 anything: it came back from a hint under hint_any). */
 static void churn_stamp(struct worker *w, u64 a, int fresh)
 {
     volatile u64 *word = churn_word(a);
@@ -1859,7 +2015,7 @@ static void churn_stamp(struct worker *w, u64 a, int fresh)
     }
     u32 gen = churn.gen[a];
     u64 v = *word;
-    if (gen ? v != stamp(a, gen) && !(fresh && v == 0) : v != 0)
+    if (fresh != 2 && (gen ? v != stamp(a, gen) && !(fresh && v == 0) : v != 0))
         report_mismatch(w, a);
     *word = stamp(a, gen + 1);
     churn.gen[a] = gen + 1;
@@ -1870,7 +2026,12 @@ static void churn_grow_one(struct worker *w)
     u64 a = pa_take_or_deflate(w);
     if (a == NO_PAGE)
         fatal("churn: out of memory", bal.count ? " (the balloon holds the rest)" : "");
-    churn_stamp(w, a, 1);
+    int fresh = 1;
+    if (bit_get(pa.undefined, a)) {
+        bit_clear(pa.undefined, a);
+        fresh = 2;
+    }
+    churn_stamp(w, a, fresh);
     churn.stack[churn.count++] = (u32)a;
     w->hb->pages++;
 }
@@ -1938,6 +2099,8 @@ static void run_worker(u64 cpu)
     w.balloon = cfg.balloon && cpu == 0;
     w.dsb_ticks = tsc_khz * cfg.dsb_ms;
     w.next_dsb = w.start_tsc + w.dsb_ticks;
+    w.hint_poll_ticks = tsc_khz * BALLOON_HINT_POLL_MS;
+    w.next_hint_poll = w.start_tsc + w.hint_poll_ticks;
 
     w.hb->cpu = (u32)cpu;
     w.hb->share_base = page_addr(w.first);

@@ -101,27 +101,70 @@ fn the_balloon_follows_its_target() {
     assert!(plain.info().balloon.is_none());
 }
 
-/// The churning guest, with dynamic self-ballooning or without (then it has no balloon),
-/// once its first cycle is done (and, with DSB, its balloon took most of its memory).
-fn churner(dsb: bool) -> Ferry {
-    let cmdline = format!("{CHURN}{}", if dsb { " dsb dsb_ms=1000" } else { "" });
-    let extra: &[&str] = if dsb { &["--balloon"] } else { &[] };
+/// How the churning guest gives its free memory back.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Giving {
+    /// It does not (no balloon).
+    Nothing,
+    /// Dynamic self-ballooning, with free page reporting.
+    Dsb,
+    /// Free page hinting alone: a balloon without reporting, and a driver without DSB, so
+    /// that what it frees reaches the host only when a migration asks.
+    Hints,
+}
+
+impl Giving {
+    fn words(self) -> &'static str {
+        match self {
+            Giving::Nothing => "",
+            Giving::Dsb => " dsb dsb_ms=1000",
+            Giving::Hints => " balloon",
+        }
+    }
+
+    /// The balloon, on the source and the destination.
+    fn device(self) -> &'static [&'static str] {
+        match self {
+            Giving::Nothing => &[],
+            Giving::Dsb => &["--balloon"],
+            Giving::Hints => &["--balloon=free_page_reporting=off"],
+        }
+    }
+}
+
+/// The churning guest, once its first cycle is done (and, with DSB, its balloon took most of
+/// its memory; with hints alone, it gave nothing back).
+fn churner(giving: Giving) -> Ferry {
+    let cmdline = format!("{CHURN}{}", giving.words());
     let vm = Ferry::boot_with(
         VmSpec {
             memory: MEMORY,
             cmdline: &cmdline,
             ..Default::default()
         },
-        extra,
+        giving.device(),
     );
     vm.wait_info("the first churn cycle", T, |i| i.passes >= 1);
-    if dsb {
+    match giving {
         // 512 MiB is 131072 pages: DSB inflates with 95 % of what is free.
-        wait_actual(&vm, "the balloon to take the free memory", |a| {
-            a >= 96 << 10
-        });
+        Giving::Dsb => {
+            wait_actual(&vm, "the balloon to take the free memory", |a| {
+                a >= 96 << 10
+            });
+        }
+        Giving::Hints => {
+            let b = balloon(&vm.info());
+            assert_eq!((b.freed_bytes, b.pages_hinted), (0, 0), "{b:?}");
+            assert!(b.free_page_hint && !b.free_page_reporting, "{b:?}");
+        }
+        Giving::Nothing => {}
     }
     vm
+}
+
+/// Pages round 0 sent.
+fn round0(r: &MigrationStatus) -> u64 {
+    r.rounds.first().map_or(0, |r| r.pages)
 }
 
 /// Pages a migration sent, with data or as zero pages.
@@ -136,20 +179,16 @@ fn sent(r: &MigrationStatus) -> u64 {
 /// file's tests run one at a time.
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn migrate_churner(dsb: bool, args: &[&str]) -> MigrationStatus {
-    let mut src = churner(dsb);
+fn migrate_churner(giving: Giving, args: &[&str]) -> MigrationStatus {
+    let mut src = churner(giving);
     let url = format!("unix:{}", src.scratch("mig.sock").display());
-    let dst = if dsb {
-        Ferry::start(&["--incoming", &url, "--balloon"])
-    } else {
-        Ferry::incoming(&url)
-    };
+    let dst = Ferry::start(&[&["--incoming", &url][..], giving.device()].concat());
     let (report, ok, said) = migrate(&src, &url, &[&["--checksum"], args].concat());
     assert!(ok, "{args:?}: {said}\n{report:?}");
     assert_eq!(report.phase, MigrationPhase::Completed);
     let info = assert_every_page_arrived(&mut src, &dst, &report, 2);
     assert_eq!(info.verify_errors, 0);
-    if dsb {
+    if giving == Giving::Dsb {
         // The balloon goes on there: what the guest frees is given back on the destination
         // too (after post-copy, once the engine let go of its memory).
         let freed = balloon(&dst.info()).freed_bytes;
@@ -173,11 +212,10 @@ fn dsb_keeps_free_memory_off_the_wire_in_precopy() {
     // Pages plain and whole on both runs: the bytes compare what was sent, not how it packed.
     let plain = ["--compression", "none", "--delta-cache-mb", "0"];
     let with = migrate_churner(
-        true,
+        Giving::Dsb,
         &[&["--max-bandwidth-mbps", "40"][..], &plain].concat(),
     );
-    let without = migrate_churner(false, &plain);
-    let round0 = |r: &MigrationStatus| r.rounds.first().map_or(0, |r| r.pages);
+    let without = migrate_churner(Giving::Nothing, &plain);
     eprintln!(
         "pre-copy of a 512 MiB guest that touched {PEAK_PAGES} pages and churns 4096: with DSB \
          {} pages in round 0, {} full and {} zero in all, {} bytes on the wire, {} skipped as \
@@ -210,6 +248,33 @@ fn dsb_keeps_free_memory_off_the_wire_in_precopy() {
     assert_eq!(without.pages_skipped_free, 0);
 }
 
+/// Free page hinting alone: the guest freed most of what it touched but gave nothing back;
+/// asked by the migration, it hints its free pages before round 0 looks, so round 0 sends
+/// about its working set. It holds them until the switch, takes some back when its working
+/// set grows meanwhile (written after their hint: they must arrive), and after the switch
+/// reuses them all: memory is equal at the switch and the guest verifies it there.
+#[test]
+fn free_page_hints_keep_free_memory_off_the_wire_in_precopy() {
+    if !kvm_available() {
+        return;
+    }
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let r = migrate_churner(
+        Giving::Hints,
+        &["--compression", "none", "--delta-cache-mb", "0"],
+    );
+    eprintln!(
+        "pre-copy with free page hints: {} pages in round 0, {} full and {} zero in all, {} \
+         skipped as given back",
+        round0(&r),
+        r.pages_full,
+        r.pages_zero,
+        r.pages_skipped_free
+    );
+    assert!(round0(&r) < PEAK_PAGES / 8, "{r:?}");
+    assert!(r.pages_skipped_free >= PEAK_PAGES / 2, "{r:?}");
+}
+
 /// Post-copy answers faults on pages the guest gave back with zero pages, never asks for
 /// them, and never pushes them; the balloon holds its discards until the memory is whole.
 #[test]
@@ -219,7 +284,7 @@ fn dsb_keeps_free_memory_off_the_wire_in_postcopy() {
     }
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     for mode in ["postcopy", "hybrid"] {
-        let r = migrate_churner(true, &["--mode", mode]);
+        let r = migrate_churner(Giving::Dsb, &["--mode", mode]);
         let moved = sent(&r) + r.pages_pushed + r.pages_requested;
         eprintln!(
             "{mode} with DSB: {moved} pages sent, pushed or requested, {} skipped as given back",
