@@ -1438,6 +1438,7 @@ static struct {
     int stats, reporting, oom, hinting; /* negotiated */
     u32 stats_index, hint_index, report_index; /* their queues */
     u32 hint_id;                        /* the last session's command id */
+    u32 config_gen, cmd_id;             /* the config generation last seen, its command id */
     u64 count;                          /* pages in the balloon */
     u64 cursor;                         /* where a deflate looks first */
     u64 inflated, deflated, reported, hinted; /* pages, for the serial line */
@@ -1615,10 +1616,11 @@ static void balloon_deflate(struct worker *w, u64 n)
 
 /*
  * Fills q's descriptors with runs of the set bits of `map` (each inside one segment, at most
- * BALLOON_MAX_RUN pages) as one chain the device may write, up to a queue's worth; the runs'
- * allocator page numbers go to `runs`. Returns how many.
+ * BALLOON_MAX_RUN pages) that the device may write, up to a queue's worth: one chain, or with
+ * `apart` a buffer each (QEMU takes one hint a buffer). The runs' allocator page numbers go to
+ * `runs`. Returns how many.
  */
-static u32 balloon_runs(const u64 *map, struct virtq *q, u64 (*runs)[2])
+static u32 balloon_runs(const u64 *map, struct virtq *q, u64 (*runs)[2], int apart)
 {
     u32 n = 0;
     for (u64 from = 0, a; n < q->num && (a = next_set(map, pa.pages, from)) != NO_PAGE; n++) {
@@ -1632,6 +1634,8 @@ static u32 balloon_runs(const u64 *map, struct virtq *q, u64 (*runs)[2])
     }
     if (n)
         q->desc[n - 1].flags = VIRTQ_DESC_F_WRITE;
+    for (u32 i = 0; apart && i < n; i++)
+        q->desc[i].flags = VIRTQ_DESC_F_WRITE;
     return n;
 }
 
@@ -1654,7 +1658,7 @@ static void balloon_report(struct worker *w, int all)
     if (!bal.reporting)
         return;
     while (pa.unreported_count && (all || pa.unreported_count >= BALLOON_REPORT_BATCH)) {
-        u32 n = balloon_runs(pa.unreported, &bal_reportq, runs_buf);
+        u32 n = balloon_runs(pa.unreported, &bal_reportq, runs_buf, 0);
         if (!n)
             fatal("balloon: the allocator's unreported count and map disagree", "");
         balloon_post(w, &bal_reportq, bal.report_index, "a free page report");
@@ -1674,17 +1678,33 @@ static void hint_say(struct worker *w, u32 id)
     balloon_post(w, &bal_hintq, bal.hint_index, "a free page hint command");
 }
 
-/* A hinting session: every free page is handed over and held, while the host still shows
- * this session's id. */
+/* The host's hinting command id, read again only when its configuration changed (QEMU shows
+ * STOP once a session started, without telling: what it said last still holds). */
+static u32 hint_cmd_id(void)
+{
+    u32 gen = vdev_read(&bal.dev, VIRTIO_CONFIG_GENERATION);
+    if (gen != bal.config_gen) {
+        bal.config_gen = gen;
+        bal.cmd_id = vdev_read(&bal.dev, BALLOON_HINT_CMD);
+    }
+    return bal.cmd_id;
+}
+
+/* A hinting session: every free page is handed over and held, while the host still asks
+ * under this session's id. */
 static void balloon_hint(struct worker *w, u32 id)
 {
     bal.hint_id = id;
     hint_say(w, id);
-    while (pa.free && vdev_read(&bal.dev, BALLOON_HINT_CMD) == id) {
-        u32 n = balloon_runs(pa.free_map, &bal_hintq, runs_buf);
+    while (pa.free && hint_cmd_id() == id) {
+        u32 n = balloon_runs(pa.free_map, &bal_hintq, runs_buf, 1);
         if (!n)
             fatal("balloon: the allocator's free count and map disagree", "");
-        balloon_post(w, &bal_hintq, bal.hint_index, "a free page hint");
+        for (u32 i = 0; i < n; i++)
+            virtq_post(&bal_hintq, (u16)i);
+        vdev_notify(&bal.dev, bal.hint_index);
+        for (u32 i = 0; i < n; i++)
+            balloon_wait(w, &bal_hintq, "a free page hint");
         for (u32 i = 0; i < n; i++) {
             u64 a = runs_buf[i][0], end = runs_buf[i][1];
             bits_clear(pa.free_map, a, end);
@@ -1727,7 +1747,7 @@ static void hint_release_some(void)
 /* What the host's command id says: a new session, or DONE. */
 static void balloon_hint_poll(struct worker *w)
 {
-    u32 id = vdev_read(&bal.dev, BALLOON_HINT_CMD);
+    u32 id = hint_cmd_id();
     if (id == HINT_DONE && pa.hinted_count)
         hint_release_all();
     else if (id > HINT_DONE && id != bal.hint_id)
