@@ -714,11 +714,7 @@ impl Parts {
             let irq = EventFd::new(EFD_NONBLOCK)?;
             fd.register_irqfd(&irq, FIRST_GSI + slot as u32)
                 .map_err(kvm("KVM_IRQFD"))?;
-            notifiers.push(if device.serve_on_vcpu() {
-                Vec::new()
-            } else {
-                queue_notifiers(&fd, slot, device.queue_max_sizes().len())?
-            });
+            notifiers.push(queue_notifiers(&fd, slot, device.queue_max_sizes().len())?);
             virtio.push(MmioTransport::new(device, irq));
         }
         let gfn_end = crate::layout::ram_ranges(config.memory)

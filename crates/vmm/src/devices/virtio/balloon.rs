@@ -667,10 +667,6 @@ impl VirtioDevice for Balloon {
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
         self
     }
-
-    fn serve_on_vcpu(&self) -> bool {
-        true
-    }
 }
 
 impl crate::persist::Persist for Balloon {

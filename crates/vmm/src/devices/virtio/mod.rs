@@ -194,10 +194,4 @@ pub trait VirtioDevice: Send + crate::persist::Component {
     fn reset(&mut self) {}
     /// The device as `Any`, for controls of one kind of device (a balloon's target).
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
-    /// Whether the vCPU that notifies a queue serves it, in its MMIO exit, rather than the
-    /// device's I/O thread: for a device whose requests are short and whose driver waits for
-    /// each (a balloon), the hand-over to another thread costs more than the work.
-    fn serve_on_vcpu(&self) -> bool {
-        false
-    }
 }
