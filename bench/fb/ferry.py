@@ -7,6 +7,7 @@ import socket
 import subprocess
 import time
 
+from . import balloon
 from .serial import SerialClock, observed_downtime_ms
 from .links import ADDR_DST
 from .util import FERRY, GUEST, BenchError, CpuMeter, cpu_row, free_port, wait_until
@@ -93,13 +94,15 @@ class FerryPeer:
         return ["--tls-cert", os.path.join(tls, f"{host}.pem"),
                 "--tls-key", os.path.join(tls, f"{host}.key"), "--tls-ca", os.path.join(tls, "ca.pem")]
 
-    def boot(self, memory, vcpus, cmdline, netns=None, serial=None, transport=("--plain-tcp",)):
+    def boot(self, memory, vcpus, cmdline, netns=None, serial=None, transport=("--plain-tcp",),
+             devices=()):
+        """`devices`: more `ferry run` arguments (a balloon: `--balloon`)."""
         sock = os.path.join(self.work, f"src-{time.time_ns()}.sock")
         serial_path = serial or os.path.join(self.work, "src.serial")
         err = os.path.join(self.work, "src.err")
         p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
                               "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path,
-                              *transport, "--enable-debug-api", "--snapshot-dir", self.work],
+                              *devices, *transport, "--enable-debug-api", "--snapshot-dir", self.work],
                              netns=netns, side="source", stderr=open(err, "ab"))
 
         def up():
@@ -114,13 +117,15 @@ class FerryPeer:
     def info(self, sock):
         return api(sock, "GET", "vm.info")
 
-    def ready(self, sock, scenario):
+    def ready(self, sock, scenario, clock=None):
         """Steady state: a writer has populated its whole working set once (same rule for QEMU).
-        Returns the seconds it took, so a profile's `ready_s` can be sized from real hosts."""
+        Returns the seconds it took, so a profile's `ready_s` can be sized from real hosts.
+        `clock`: the guest's console, whose fatal error ends the wait at once."""
         busy = " idle" not in f" {scenario['cmdline']}"
         began = time.time()
         wait_until("guest progress", scenario.get("ready_s", 120),
-                   lambda: all_passed(self.info(sock)) >= 1 if busy else self.info(sock)["heartbeats"] > 100)
+                   lambda: (clock and clock.guest_error()) or (
+                       all_passed(self.info(sock)) >= 1 if busy else self.info(sock)["heartbeats"] > 100))
         taken = time.time() - began
         if scenario.get("warmup_s"):
             time.sleep(scenario["warmup_s"])
@@ -172,17 +177,24 @@ class FerryPeer:
         dst_clock.follow_fifo(dst_serial)
         # TLS (the default a user gets) or plain TCP (`--plain-tcp`, what the other rows use).
         tls = scenario.get("tls")
+        # Devices both sides are given (as a destination is given the source's disks).
+        devices = scenario.get("ferry_args", [])
         src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"],
                         netns=link.ns_src, serial=src_serial,
-                        transport=self.tls_args("source.local") if tls else ("--plain-tcp",))
-        ready_s = self.ready(src, scenario)
+                        transport=self.tls_args("source.local") if tls else ("--plain-tcp",),
+                        devices=devices)
+        ready_s = self.ready(src, scenario, src_clock)
+        # The balloon profile: the guest settled (DSB took its free memory), its work rate.
+        settled = balloon.settle(src_clock, scenario)
+        if settled:
+            settled["balloon_device_before"] = self.info(src).get("balloon")
         port = free_port()
         dst = os.path.join(self.work, f"dst-{time.time_ns()}.sock")
         transport = self.tls_args(link.dst_host) if tls else ["--plain-tcp"]
         # Started with the VM's shape, as QEMU's destination is: building it is not part of
         # the move for either VMM.
         dst_proc = self.procs.start([FERRY, "run", "--incoming", f"tcp:{link.dst_host}:{port}",
-                                     *shape_args(scenario),
+                                     *shape_args(scenario), *devices,
                                      "--api-socket", dst, "--serial", dst_serial, *transport],
                                     netns=link.ns_dst, side="destination",
                                     stderr=open(os.path.join(self.work, "dst.err"), "ab"))
@@ -242,6 +254,8 @@ class FerryPeer:
             "pages_full": report["pages_full"],
             "pages_zero": report["pages_zero"],
             "pages_skipped": report["pages_skipped_unpopulated"],
+            # Of those, the pages the guest had given back (its balloon's, or reported free).
+            "pages_skipped_free": report.get("pages_skipped_free"),
             "pages_resent": report["pages_resent"],
             "converged": report["converged"],
             "verify_errors_after": dinfo["verify_errors"],
@@ -275,6 +289,7 @@ class FerryPeer:
             "breakdown_source": report.get("breakdown"),
             "breakdown_destination": dst_status.get("breakdown"),
             **cpu_row(cpu, scenario),
+            **balloon.row(settled, wire, dst_clock),
         }
 
     def boot_metrics(self, memory):

@@ -18,6 +18,7 @@ import shutil
 import socket
 import time
 
+from . import balloon
 from .serial import SerialClock, observed_downtime_ms
 from .util import GUEST, BenchError, CpuMeter, DidNotConverge, cpu_row, free_port, wait_until
 
@@ -145,7 +146,7 @@ class QemuPeer:
         argv = [QEMU, *(() if "-accel" in extra else ("-enable-kvm",)), "-nodefaults", "-display", "none", "-m", str(mem_mib),
                 "-smp", str(scenario["vcpus"]),
                 "-chardev", f"socket,id=ser0,path={ser},server=on,wait=off", "-serial", "chardev:ser0",
-                "-kernel", GUEST, "-append", scenario["cmdline"],
+                "-kernel", GUEST, "-append", scenario.get("qemu_cmdline") or scenario["cmdline"],
                 "-qmp", f"unix:{qmp},server=on,wait=off"]
         if machine:
             argv += ["-M", machine]
@@ -223,18 +224,25 @@ class QemuPeer:
             raise BenchError(f"the QEMU driver has no {scenario['mode']} mode")
         variant, spec = self.spec(scenario, link)
         postcopy = bool(spec_postcopy(scenario, spec))
-        accel = DIRTY_RING if spec and spec.get("dirty_limit") else ()
+        # A scenario's machine and devices (the balloon profile's: microvm and a
+        # virtio-balloon), the same on both sides.
+        extra = (*(DIRTY_RING if spec and spec.get("dirty_limit") else ()), *scenario.get("qemu_args", ()))
+        machine = scenario.get("qemu_machine")
         src_clock, dst_clock = SerialClock(), SerialClock()
-        src = self.start("src", scenario, src_clock, link.ns_src, extra=accel)
+        src = self.start("src", scenario, src_clock, link.ns_src, machine=machine, extra=extra)
         # Steady state: a writer has populated its whole working set once (same rule as ferry).
         busy = " idle" not in f" {scenario['cmdline']}"
         wait_until("guest serial progress", scenario.get("ready_s", 120),
-                   lambda: src_clock.counter("all_passed") >= 1 if busy else len(src_clock.lines()) > 3)
+                   lambda: src_clock.guest_error() or (
+                       src_clock.counter("all_passed") >= 1 if busy else len(src_clock.lines()) > 3))
         if scenario.get("warmup_s"):
             time.sleep(scenario["warmup_s"])
+        # The balloon profile: the guest settled (DSB took its free memory), its work rate.
+        settled = balloon.settle(src_clock, scenario)
         port = free_port()
         # `defer`: multifd and postcopy-preempt must be set before the destination listens.
-        dst = self.start("dst", scenario, dst_clock, link.ns_dst, incoming="defer", extra=accel)
+        dst = self.start("dst", scenario, dst_clock, link.ns_dst, incoming="defer", machine=machine,
+                         extra=extra)
         self.configure(src, scenario, spec)
         self.configure(dst, scenario, spec)
         dst.cmd("migrate-incoming", uri=f"tcp:{link.dst_host}:{port}")
@@ -250,6 +258,8 @@ class QemuPeer:
         wire = link.wire_bytes() - wire_before
         cpu = meter.seconds(src_exits=False) if meter else None
         time.sleep(0.5)
+        # A guest that checks its pages (`verify`) counts what it found wrong on its console.
+        errors_after = dst_clock.counter("errors") if "verify" in scenario["cmdline"].split() else None
         ram = info.get("ram", {})
         for q in (src, dst):
             try:
@@ -277,7 +287,7 @@ class QemuPeer:
             "pages_skipped": None,
             "pages_resent": None,
             "converged": None,
-            "verify_errors_after": None,
+            "verify_errors_after": errors_after,
             "rate_before": None,
             "rate_during": None,
             "rate_after": None,
@@ -286,6 +296,7 @@ class QemuPeer:
             "resume_ms": None,
             "pages_transferred": (ram.get("normal") or 0) + (ram.get("duplicate") or 0),
             **cpu_row(cpu, scenario),
+            **balloon.row(settled, wire, dst_clock),
         }
 
 

@@ -21,8 +21,15 @@ FORWARDING = ["sent", "offered_per_s", "received", "lost", "longest_gap_ms", "do
 BLOCK = ["writes_seen", "longest_write_gap_ms", "blk_errors", "downtime_ms", "total_ms"]
 
 
+# The balloon profile's (`--profile balloon`), summarized where a row has them.
+BALLOON_METRICS = ["ws_bytes", "bytes_per_ws", "guest_pages_per_s", "pages_skipped_free",
+                   "pages_requested", "first_pass_ms", "settle_s", "balloon_share",
+                   "verify_errors_after"]
+
+
 def summarize_rows(rows):
-    return {m: summarize([r.get(m) for r in rows]) for m in METRICS}
+    extra = BALLOON_METRICS if any("ws_bytes" in r for r in rows) else []
+    return {m: summarize([r.get(m) for r in rows]) for m in METRICS + extra}
 
 
 def median(summary, metric):
@@ -79,6 +86,61 @@ def breakdown_tables(scenarios):
     return lines
 
 
+def balloon_table(results):
+    """The balloon profile per link × mode × variant × peer (medians of the runs): total on
+    the destination's clock, bytes on the link, the guest's downtime, its working set at the
+    move and the bytes per byte of it, the total and the guest's work rate against the same
+    mode's `off` row, and what post-copy faulted."""
+    rows = [e for e in results["scenarios"] if e.get("balloon")]
+    if not rows:
+        return []
+    order = {"modes": ["precopy", "postcopy", "hybrid"], "variants": ["off", "dsb", "hint"]}
+
+    def mid(entry, metric, scale=1.0):
+        s = summarize([r.get(metric) for r in (entry or {}).get("runs", [])])
+        return s["median"] / scale if s else None
+
+    def f(v, digits=0):
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    def key(e):
+        b = e["balloon"]
+        links = list(dict.fromkeys(x["link"] for x in rows))
+        return (links.index(e["link"]), order["modes"].index(b["mode"]) if b["mode"] in order["modes"] else 9,
+                order["variants"].index(b["variant"]) if b["variant"] in order["variants"] else 9,
+                e["peer"].startswith("qemu"), e["peer"])
+
+    lines = ["| link | mode | variant | peer | total ms | MB on the link | guest downtime ms "
+             "| working set MB | bytes ÷ working set | total ÷ off | guest pages/s | rate ÷ off "
+             "| post-copy faults | MB skipped (given back) | verify errors |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in sorted(rows, key=key):
+        b = e["balloon"]
+        off = next((x for x in rows if x["link"] == e["link"] and x["peer"] == e["peer"]
+                    and x["balloon"]["mode"] == b["mode"] and x["balloon"]["variant"] == "off"), None)
+        total, rate = mid(e, "total_ms"), mid(e, "guest_pages_per_s")
+        t_off, r_off = mid(off, "total_ms"), mid(off, "guest_pages_per_s")
+        estimated = any(r.get("ws_from", "serial") != "serial" for r in e.get("runs", []))
+        ws = mid(e, "ws_bytes", 1e6)
+        # ferry: faults that went to the source; QEMU: its postcopy-requests.
+        faults = mid(e, "network_faults") if not e["peer"].startswith("qemu") else mid(e, "pages_requested")
+        skipped = mid(e, "pages_skipped_free")
+        peer = e["peer"] + (f" (failed: {e['error']})" if e.get("error") else "") + (
+            f" ({e['outcome']})" if e.get("outcome") else "")
+        lines.append(
+            f"| {e['link']} | {b['mode']} | {b['variant']} | {peer} | {f(total)} | {f(mid(e, 'wire_bytes', 1e6))} "
+            f"| {f(mid(e, 'serial_downtime_ms'), 1)} | {f(ws)}{'~' if estimated and ws is not None else ''} "
+            f"| {f(mid(e, 'bytes_per_ws'), 1)} | {f(total / t_off if total and t_off else None, 2)} "
+            f"| {f(rate)} | {f(rate / r_off if rate and r_off else None, 2)} "
+            f"| {f(faults) if b['mode'] != 'precopy' else '-'} "
+            f"| {f(skipped * 4096 / 1e6 if skipped is not None else None)} | {f(mid(e, 'verify_errors_after'))} |")
+    return lines + ["", "Working set MB: churn's at the move, from its console (`ws_pages=`; `~`: "
+                        "worked out from its `pages=` counter, a guest without a balloon prints no "
+                        "`ws_pages=`). Guest pages/s: pages it took, freed and rewrote per second over "
+                        "a fixed window before the move. Post-copy faults: ferry's network faults, "
+                        "QEMU's postcopy-requests.", ""]
+
+
 def markdown(results):
     m = results["machine"]
     lines = [f"# ferry benchmark — {results['started']}", "",
@@ -113,6 +175,8 @@ def markdown(results):
                   f"`write ws=256M seq`: {d['pages_per_s_without']:.0f} pages/s without, "
                   f"{d['pages_per_s_with']:.0f} pages/s with KVM dirty logging harvested every 100 ms "
                   f"(ratio {d['ratio']:.2f}).", ""]
+    if any(e.get("balloon") for e in results["scenarios"]):
+        lines += ["## The balloon: a churning guest after a large peak", ""] + balloon_table(results)
     snaps = [r for r in results["scenarios"] if r["runs"] and "restore_ms" in r["runs"][0]]
     if snaps:
         lines += ["## Snapshots", "",

@@ -8,10 +8,13 @@ import statistics
 import threading
 import time
 
+from .util import BenchError
+
 
 class SerialClock:
     def __init__(self):
         self.stamps = []  # (host time, line)
+        self.notes = []  # (host time, line): the guest's other lines (what it says once)
         self.lock = threading.Lock()
 
     def _consume(self, stream):
@@ -26,6 +29,9 @@ class SerialClock:
                 if not line.strip() or b"hb=" in line:  # a tick or a progress line
                     with self.lock:
                         self.stamps.append((time.time(), line.decode(errors="replace")))
+                elif line.startswith(b"ferry-guest:") and len(self.notes) < 1000:
+                    with self.lock:
+                        self.notes.append((time.time(), line.decode(errors="replace")))
 
     def follow_fifo(self, path):
         """Reads a FIFO that a ferry process writes its serial console to."""
@@ -62,12 +68,25 @@ class SerialClock:
 
     def counter(self, name):
         """A counter (`passes`, `net_rx`, ...) from the latest progress line; 0 before one."""
+        return self.counters()[1].get(name, 0)
+
+    def counters(self):
+        """(host time, {counter: value}) of the latest progress line; (None, {}) before one."""
         with self.lock:
-            latest = next((line for _, line in reversed(self.stamps) if "hb=" in line), "")
-        for word in latest.split():
-            if word.startswith(name + "="):
-                return int(word.split("=", 1)[1])
-        return 0
+            at, latest = next(((t, line) for t, line in reversed(self.stamps) if "hb=" in line), (None, ""))
+        return at, {k: int(v) for k, _, v in (w.partition("=") for w in latest.split())
+                    if v.isdigit()}
+
+    def note(self, prefix):
+        """The first of the guest's other lines that starts with `prefix`, or None."""
+        with self.lock:
+            return next((line for _, line in self.notes if line.startswith(prefix)), None)
+
+    def guest_error(self):
+        """Raises BenchError with the guest's fatal error, once it printed one."""
+        said = self.note("ferry-guest: error:")
+        if said:
+            raise BenchError(f"the guest stopped: {said}")
 
 
 def observed_downtime_ms(source, destination, since):
