@@ -2065,6 +2065,55 @@ static void churn_shrink_one(struct worker *w)
     w->hb->pages++;
 }
 
+static void churn_beat(struct worker *w);
+
+/*
+ * The first cycle's climb to its peak, a word of the allocator (64 pages) at a time while
+ * whole words are free: memory touched once, as fast as this guest touches it (a page at a
+ * time, every instruction emulated, a 4 GiB peak took minutes).
+ */
+static void churn_grow_words(struct worker *w, u64 top)
+{
+    for (u64 wi = pa.cursor / 64; (wi + 1) * 64 <= pa.pages && churn.count + 64 <= top; wi++) {
+        if (pa.free_map[wi] != ~0ull || pa.unreported[wi] || pa.undefined[wi])
+            break;
+        pa.free_map[wi] = 0;
+        pa.free -= 64;
+        for (u64 a = wi * 64; a < wi * 64 + 64; a++) {
+            churn_stamp(w, a, 1);
+            churn.stack[churn.count++] = (u32)a;
+        }
+        w->hb->pages += 64;
+        pa.cursor = (wi + 1) * 64 % pa.pages;
+        churn_beat(w);
+    }
+}
+
+/* The way down from the peak, a word at a time while the newest 64 pages of the set are one
+ * whole word of the allocator (as churn_grow_words laid them). */
+static void churn_shrink_words(struct worker *w, u64 low)
+{
+    while (churn.count >= low + 64) {
+        u64 a0 = churn.stack[churn.count - 64];
+        if (a0 % 64 || churn.stack[churn.count - 1] != a0 + 63 || pa.free_map[a0 / 64])
+            return;
+        for (u64 i = 0; i < 64; i++) {
+            u64 a = churn.stack[churn.count - 64 + i];
+            if (a != a0 + i)
+                return;
+            if (cfg.verify && *churn_word(a) != stamp(a, churn.gen[a]))
+                report_mismatch(w, a);
+        }
+        churn.count -= 64;
+        pa.free_map[a0 / 64] = ~0ull;
+        pa.free += 64;
+        pa.unreported_count += 64 - popcount64(pa.unreported[a0 / 64]);
+        pa.unreported[a0 / 64] = ~0ull;
+        w->hb->pages += 64;
+        churn_beat(w);
+    }
+}
+
 /* Verifies and rewrites the next 4 pages of the set; the beat and the devices go on. */
 static void churn_beat(struct worker *w)
 {
@@ -2084,9 +2133,13 @@ static void run_churn(struct worker *w)
     u64 high = cfg.ws_bytes / PAGE_SIZE, low = high / 4 ? high / 4 : 1;
     for (u64 pass = 0; cfg.passes == 0 || pass < cfg.passes; pass++) {
         u64 top = pass == 0 && cfg.peak_bytes > cfg.ws_bytes ? cfg.peak_bytes / PAGE_SIZE : high;
+        if (pass == 0)
+            churn_grow_words(w, top);
         while (churn.count < top)
             if ((churn_grow_one(w), churn.count % 16 == 0))
                 churn_beat(w);
+        if (pass == 0)
+            churn_shrink_words(w, low);
         while (churn.count > low)
             if ((churn_shrink_one(w), churn.count % 16 == 0))
                 churn_beat(w);
