@@ -17,7 +17,8 @@
  *                                instead of zero or their last stamp
  *   dsb                          dynamic self-ballooning (implies balloon): every dsb_ms
  *                                inflate with dsb_pct % of free memory, deflate at once when
- *                                the allocator runs short
+ *                                the allocator runs short (with churn: from the end of its
+ *                                first cycle on)
  *   dsb_ms=N                     the balloon's period in ms (default 5000)
  *   dsb_pct=N                    the share of free memory DSB inflates with (default 95)
  *   seq | random                 page order (default seq)
@@ -1539,12 +1540,14 @@ static void balloon_send(struct worker *w, struct virtq *q, u32 index, u32 n, co
  * bal_pfns, their words and bits to bal_words. Returns how many. A few instructions a page:
  * a balloon moves hundreds of thousands of them, and every instruction is emulated here.
  */
-static u32 pa_gather(u64 *map, u64 *cursor, u64 n, u64 *mark)
+static u32 pa_gather(struct worker *wk, u64 *map, u64 *cursor, u64 n, u64 *mark)
 {
     u64 words = (pa.pages + 63) / 64, first = *cursor / 64 % words;
     u32 k = 0, limit = n < BALLOON_PFNS ? (u32)n : BALLOON_PFNS;
     bal_nwords = 0;
     for (u64 i = 0; i < words && k < limit; i++) {
+        if (i % 256 == 255)
+            heartbeat_if_due(wk); /* a sparse map is a long walk: the beat goes on */
         u64 wi = (first + i) % words, w = map[wi], a0 = wi * 64;
         if (!w)
             continue;
@@ -1579,7 +1582,7 @@ static u32 pa_gather(u64 *map, u64 *cursor, u64 n, u64 *mark)
 static void balloon_inflate(struct worker *w, u64 n)
 {
     while (n && pa.free) {
-        u32 k = pa_gather(pa.free_map, &pa.cursor, n, pa.ballooned);
+        u32 k = pa_gather(w, pa.free_map, &pa.cursor, n, pa.ballooned);
         if (!k)
             fatal("balloon: the allocator's free count and map disagree", "");
         pa.free -= k;
@@ -1600,7 +1603,7 @@ static void balloon_inflate(struct worker *w, u64 n)
 static void balloon_deflate(struct worker *w, u64 n)
 {
     while (n && bal.count) {
-        u32 k = pa_gather(pa.ballooned, &bal.cursor, n, 0);
+        u32 k = pa_gather(w, pa.ballooned, &bal.cursor, n, 0);
         if (!k)
             fatal("balloon: its page count and map disagree", "");
         balloon_send(w, &bal_deflateq, 1, k, "a deflate");
@@ -1735,9 +1738,9 @@ static void hint_release_all(void)
 }
 
 /* The allocator runs short: a request's worth of hinted pages is free again. */
-static void hint_release_some(void)
+static void hint_release_some(struct worker *w)
 {
-    u32 k = pa_gather(pa.hinted, &pa.cursor, BALLOON_PFNS, pa.free_map);
+    u32 k = pa_gather(w, pa.hinted, &pa.cursor, BALLOON_PFNS, pa.free_map);
     for (u32 i = 0; cfg.hint_any && i < bal_nwords; i++)
         pa.undefined[bal_words[i].word] |= bal_words[i].bits;
     pa.free += k;
@@ -1759,7 +1762,10 @@ static void balloon_hint_poll(struct worker *w)
 static void balloon_tick(struct worker *w)
 {
     u64 want = vdev_read(&bal.dev, BALLOON_NUM_PAGES);
-    if (cfg.dsb && bal.count + pa.free * cfg.dsb_pct / 100 > want)
+    /* churn's first cycle is its setup (memory touched once): DSB would give the climb's
+     * memory back as fast as it is taken */
+    int dsb = cfg.dsb && (cfg.mode != MODE_CHURN || w->hb->passes > 0);
+    if (dsb && bal.count + pa.free * cfg.dsb_pct / 100 > want)
         want = bal.count + pa.free * cfg.dsb_pct / 100;
     if (want > bal.count)
         balloon_inflate(w, want - bal.count);
@@ -1798,7 +1804,7 @@ static u64 pa_take_or_deflate(struct worker *w)
     if (a != NO_PAGE || !w->balloon)
         return a;
     if (pa.hinted_count) {
-        hint_release_some();
+        hint_release_some(w);
         return pa_take();
     }
     u64 target = vdev_read(&bal.dev, BALLOON_NUM_PAGES);
