@@ -1413,8 +1413,8 @@ static void net_step(struct worker *w)
 #define HINT_STOP 0                        /* command ids with a meaning of their own */
 #define HINT_DONE 1
 #define BALLOON_HINT_POLL_MS 2
-#define BALLOON_PFNS 1024                  /* page numbers per inflate or deflate request */
-#define BALLOON_REPORT_BATCH 512           /* freed pages that make a report (2 MiB) */
+#define BALLOON_PFNS 8192                  /* page numbers per inflate or deflate request (32 MiB) */
+#define BALLOON_REPORT_BATCH 8192          /* freed pages that make a report (32 MiB) */
 #define BALLOON_MAX_RUN (1ull << 18)       /* pages in one reported range (1 GiB) */
 #define BALLOON_TIMEOUT_MS 2000
 

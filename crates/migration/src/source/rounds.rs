@@ -128,9 +128,6 @@ impl Session<'_> {
             self.check_continue()?;
             let dirty = self.vm.take_dirty()?;
             self.lap(format!("harvest {round}"));
-            if let Some(hints) = &self.held.hints {
-                hints.again();
-            }
             let count = dirty.count();
             stalled = if policy::shrank(previous, count) {
                 0
@@ -158,6 +155,10 @@ impl Session<'_> {
             }
             match policy::decide(&measured, &limits) {
                 Decision::Iterate => {
+                    // The pages freed since the last session, before this round reads them.
+                    if let Some(hints) = &self.held.hints {
+                        hints.again();
+                    }
                     if policy::throttle_now(self.params.auto_converge, &measured, &limits)
                         && self.throttle_harder(&measured)?
                     {
