@@ -204,4 +204,12 @@ impl Migratable for PlainVm {
     fn given_back(&self) -> Option<Bitmap> {
         None
     }
+    /// No balloon: no driver to hint.
+    fn start_free_page_hints(&self) -> bool {
+        false
+    }
+    fn free_page_hints_finished(&self) -> bool {
+        true
+    }
+    fn end_free_page_hints(&self) {}
 }
