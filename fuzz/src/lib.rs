@@ -38,7 +38,7 @@ use migration::pages::PageReceiver;
 use migration::wire::frame::{KIND_PAGES, PAGE_DATA_UNCHECKED, STREAM_HEADER_LEN};
 use migration::wire::page_frame::{FrameBuffers, read_page_frame};
 use migration::wire::{self, Frame, Message};
-use migration::{Incoming, Migratable, PAGE_SIZE, StatusBoard, VmDescriptor};
+use migration::{HandedFiles, Incoming, Migratable, PAGE_SIZE, StatusBoard, VmDescriptor};
 
 pub use live::{LANE_MARK, live_destination};
 pub use plain_vm::PlainVm;
@@ -176,9 +176,12 @@ struct Built(Arc<Mutex<Option<Arc<PlainVm>>>>);
 
 impl Built {
     /// What `Incoming::receive` calls to build the VM a stream describes.
-    fn builder(&self) -> impl FnOnce(&VmDescriptor) -> migration::Result<Arc<PlainVm>> + use<> {
+    fn builder(
+        &self,
+    ) -> impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> migration::Result<Arc<PlainVm>> + use<>
+    {
         let keep = self.0.clone();
-        move |descriptor| {
+        move |descriptor, _| {
             let vm = Arc::new(PlainVm::build(descriptor)?);
             *keep.lock().unwrap() = Some(vm.clone());
             Ok(vm)

@@ -191,8 +191,11 @@ impl Migratable for PlainVm {
     fn load_state(&self, _vcpus: &[Vec<u8>], _devices: &[u8]) -> Result<()> {
         Ok(())
     }
-    fn release_devices(&self) -> Result<()> {
+    fn release_devices(&self, _keep_locks: bool) -> Result<()> {
         Ok(()) // no devices
+    }
+    fn device_files(&self) -> Vec<Option<std::os::fd::RawFd>> {
+        Vec::new()
     }
     fn guest_progress_rate(&self, _: u64, _: u64) -> Option<f64> {
         None

@@ -159,7 +159,9 @@ pub struct DirtyLoggingRequest {
 pub struct MigrationRequest {
     /// tcp:HOST:PORT or unix:PATH
     pub destination: String,
-    /// precopy (default), warm, postcopy or hybrid
+    /// precopy (default), warm, postcopy, hybrid, or local (a live update: the VM handed to
+    /// a ferry on this host over `unix:PATH`, its memory and devices' files passed, no page
+    /// copied)
     pub mode: Option<String>,
     pub max_downtime_ms: Option<i64>,
     pub max_bandwidth_mbps: Option<i64>,

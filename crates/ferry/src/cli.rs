@@ -92,6 +92,12 @@ pub struct MigrateArgs {
     /// pages follow) or hybrid (one pre-copy round, then post-copy)
     #[arg(long, default_value = "precopy")]
     pub mode: String,
+    /// Live update (--mode local): hand the VM to a ferry on this host (--to unix:PATH, a
+    /// `ferry run --incoming unix:PATH`, typically a newer binary) without copying its memory:
+    /// memory, disks and taps pass as open files. The VM must run with
+    /// --memory-backend memfd; any failure before the new process runs it leaves it here.
+    #[arg(long, conflicts_with = "mode")]
+    pub local: bool,
     /// When pre-copy will not converge, switch to post-copy instead of stop-and-copy.
     #[arg(long)]
     pub auto_postcopy: bool,

@@ -29,7 +29,11 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
     let client = ApiClient::new(&args.api_socket);
     let request = MigrationRequest {
         destination: args.to.clone(),
-        mode: Some(args.mode.clone()),
+        mode: Some(if args.local {
+            "local".into()
+        } else {
+            args.mode.clone()
+        }),
         max_downtime_ms: args.max_downtime_ms,
         max_bandwidth_mbps: args.max_bandwidth_mbps,
         max_rounds: args.max_rounds,

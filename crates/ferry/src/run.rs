@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use api::ApiServer;
 use migration::destination::Source;
 use migration::io::tls::{Tls, TlsFiles};
-use migration::vm::VmDescriptor;
+use migration::vm::{HandedFiles, VmDescriptor};
 use vmm::devices::GuestEvent;
 use vmm::memory::MemorySize;
 use vmm::{BootImage, Vm, VmConfig, VmEvent};
@@ -150,7 +150,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
     let received = controller.migrations.incoming.receive(
         source,
         &|| TERMINATE.load(Ordering::Acquire),
-        |descriptor| arrival.build(descriptor),
+        |descriptor, files| arrival.build(descriptor, files),
         // The VM runs from here on (in post-copy, while its pages still arrive).
         |vm| {
             controller.set_vm(vm.clone());
@@ -226,10 +226,25 @@ impl<'a> Arrival<'a> {
         Ok(Arrival::Prepared(Arc::new(vm)))
     }
 
-    fn build(self, descriptor: &VmDescriptor) -> migration::Result<Arc<Vm>> {
+    /// The VM `descriptor` describes; with `files`, a live update's: on the memory and the
+    /// devices' files it passed (the devices are the VM's own, as the source names them).
+    fn build(
+        self,
+        descriptor: &VmDescriptor,
+        files: Option<HandedFiles>,
+    ) -> migration::Result<Arc<Vm>> {
         let wanted = VmConfig::from_descriptor(descriptor)?;
-        match self {
-            Arrival::Prepared(vm) => {
+        match (self, files) {
+            (Arrival::Prepared(_), Some(_)) => Err(migration::Error::vm(
+                "this destination built its VM ahead (--memory/--vcpus), but a live update \
+                 brings the VM's own memory: start it with --incoming alone",
+            )),
+            (Arrival::OnHello { serial, .. }, Some(files)) => {
+                Vm::for_handover(wanted, serial, files)
+                    .map(Arc::new)
+                    .map_err(|e| migration::Error::vm_caused("cannot take the VM over", e))
+            }
+            (Arrival::Prepared(vm), None) => {
                 let c = vm.config();
                 if (c.memory, c.vcpus) != (wanted.memory, wanted.vcpus) {
                     return Err(migration::Error::vm(format!(
@@ -243,7 +258,7 @@ impl<'a> Arrival<'a> {
                 }
                 Ok(vm)
             }
-            Arrival::OnHello { args, serial } => {
+            (Arrival::OnHello { args, serial }, None) => {
                 let config = VmConfig {
                     disks: args.disks.clone(),
                     nets: args.nets.clone(),

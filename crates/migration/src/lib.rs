@@ -40,7 +40,7 @@ pub use memory::{GuestRam, RamRange};
 pub use params::{AutoConverge, Compression, MigrationParams, Mode, Strategy};
 pub use source::Outgoing;
 pub use status::{Phase, Role, Status, Transfer};
-pub use vm::{DeviceDescriptor, GuestReport, Migratable, VmDescriptor, check_devices};
+pub use vm::{DeviceDescriptor, GuestReport, HandedFiles, Migratable, VmDescriptor, check_devices};
 
 pub const PAGE_SIZE: usize = 4096;
 pub const PAGE_SHIFT: u32 = 12;

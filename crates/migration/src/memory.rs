@@ -131,6 +131,11 @@ impl GuestRam {
         })
     }
 
+    /// The file each region maps (see `with_files`), in region order.
+    pub fn files(&self) -> Vec<Option<RawFd>> {
+        self.regions.iter().map(|r| r.file).collect()
+    }
+
     pub fn ranges(&self) -> Vec<RamRange> {
         self.regions.iter().map(|r| r.range).collect()
     }

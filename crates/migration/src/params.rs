@@ -18,6 +18,9 @@ pub enum Mode {
     Postcopy,
     /// One live pre-copy round, then post-copy for what was dirtied since.
     Hybrid,
+    /// Live update: a process on this host takes the VM over, its memory (a memfd) and its
+    /// devices' files passed over a Unix socket, so no page is copied.
+    Local,
 }
 
 impl Mode {
@@ -27,6 +30,7 @@ impl Mode {
             Mode::Warm => "warm",
             Mode::Postcopy => "postcopy",
             Mode::Hybrid => "hybrid",
+            Mode::Local => "local",
         }
     }
 
@@ -41,7 +45,7 @@ impl Mode {
     pub fn default_delta_cache_mb(self) -> u64 {
         match self {
             Mode::Precopy | Mode::Hybrid => DEFAULT_DELTA_CACHE_MB,
-            Mode::Warm | Mode::Postcopy => 0,
+            Mode::Warm | Mode::Postcopy | Mode::Local => 0,
         }
     }
 }
@@ -52,14 +56,20 @@ pub const DEFAULT_DELTA_CACHE_MB: u64 = 256;
 impl std::str::FromStr for Mode {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        [Mode::Precopy, Mode::Warm, Mode::Postcopy, Mode::Hybrid]
-            .into_iter()
-            .find(|m| m.name() == s)
-            .ok_or_else(|| {
-                Error::Param(format!(
-                    "unknown mode '{s}' (use precopy, warm, postcopy or hybrid)"
-                ))
-            })
+        [
+            Mode::Precopy,
+            Mode::Warm,
+            Mode::Postcopy,
+            Mode::Hybrid,
+            Mode::Local,
+        ]
+        .into_iter()
+        .find(|m| m.name() == s)
+        .ok_or_else(|| {
+            Error::Param(format!(
+                "unknown mode '{s}' (use precopy, warm, postcopy, hybrid or local)"
+            ))
+        })
     }
 }
 
@@ -214,7 +224,7 @@ impl MigrationParams {
             )));
         }
         if self.auto_converge == AutoConverge::Early
-            && matches!(self.mode, Mode::Warm | Mode::Postcopy)
+            && matches!(self.mode, Mode::Warm | Mode::Postcopy | Mode::Local)
         {
             return Err(Error::Param(format!(
                 "auto_converge slows the guest during pre-copy rounds; mode {mode} has none \
@@ -236,6 +246,9 @@ impl MigrationParams {
                     self.mode.name()
                 )));
             }
+        }
+        if self.mode == Mode::Local {
+            self.check_local()?;
         }
         let most = crate::wire::lanes::MAX_CONNECTIONS;
         if !(1..=most).contains(&self.connections) {
@@ -261,6 +274,24 @@ impl MigrationParams {
             }
         }
         Ok(())
+    }
+
+    /// A live update copies no page: options about moving pages would be silently ignored.
+    fn check_local(&self) -> Result<()> {
+        let moves_pages = [
+            ("connections", self.connections != 1),
+            ("max_bandwidth_mbps", self.max_bandwidth_mbps.is_some()),
+            ("migration_threads", self.migration_threads.is_some()),
+            ("compression", self.compression != Compression::Auto),
+            ("delta_cache_mb", self.delta_cache_mb != 0),
+        ];
+        match moves_pages.iter().find(|(_, given)| *given) {
+            Some((name, _)) => Err(Error::Param(format!(
+                "{name} is about sending pages; a local live update passes the memory itself \
+                 and sends none"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Threads that compress connection `lane`'s frames (1: its sender itself): the

@@ -231,6 +231,8 @@ pub enum Transfer {
     Hybrid,
     Warm,
     Snapshot,
+    /// A live update: the VM handed to another process on this host, no page copied.
+    Local,
 }
 
 impl Transfer {
@@ -241,6 +243,7 @@ impl Transfer {
             Transfer::Hybrid => "hybrid",
             Transfer::Warm => "warm",
             Transfer::Snapshot => "snapshot",
+            Transfer::Local => "local",
         }
     }
 }
@@ -252,6 +255,7 @@ impl From<Mode> for Transfer {
             Mode::Postcopy => Transfer::Postcopy,
             Mode::Hybrid => Transfer::Hybrid,
             Mode::Warm => Transfer::Warm,
+            Mode::Local => Transfer::Local,
         }
     }
 }
@@ -263,6 +267,7 @@ impl From<StreamMode> for Transfer {
             StreamMode::Precopy => Transfer::Precopy,
             StreamMode::Warm => Transfer::Warm,
             StreamMode::Snapshot => Transfer::Snapshot,
+            StreamMode::Local => Transfer::Local,
         }
     }
 }

@@ -138,6 +138,14 @@ pub fn check_devices(vm: &[DeviceDescriptor], here: &[DeviceDescriptor]) -> Resu
     Ok(())
 }
 
+/// The files a live update passed: guest RAM (one file per RAM range of the descriptor, in
+/// order, each mapped shared from offset 0) and each virtio device's (in slot order).
+#[derive(Debug)]
+pub struct HandedFiles {
+    pub memory: Vec<std::os::fd::OwnedFd>,
+    pub devices: Vec<Option<std::os::fd::OwnedFd>>,
+}
+
 /// What the guest lived through across a migration, as the destination's VMM saw it.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct GuestReport {
@@ -173,8 +181,12 @@ pub trait Migratable: Send + Sync {
     fn resume(&self) -> Result<()>;
     /// The VM is paused and about to leave: every device's writes made durable and its
     /// backing store let go, so that the destination can take it. `load_state` and `resume`
-    /// take them again.
-    fn release_devices(&self) -> Result<()>;
+    /// take them again. `keep_locks`: a process on this host takes the devices' files over
+    /// (a live update): their locks, which the passed files share, stay held throughout.
+    fn release_devices(&self, keep_locks: bool) -> Result<()>;
+    /// Each virtio device's file a live update passes on, in slot order (a disk's image, a
+    /// NIC's tap; `None` for a device without one), valid while the VM lives.
+    fn device_files(&self) -> Vec<Option<std::os::fd::RawFd>>;
     /// Auto-converge: every vCPU sleeps `percent` % of its time (0 releases; at most 99).
     fn set_throttle(&self, percent: u8) -> Result<()>;
     /// Serialised state of each vCPU, in vCPU order; the VM must be paused.

@@ -245,7 +245,11 @@ impl Migratable for FakeVm {
         self.released.store(false, Ordering::Release);
         Ok(())
     }
-    fn release_devices(&self) -> migration::Result<()> {
+    fn device_files(&self) -> Vec<Option<std::os::fd::RawFd>> {
+        Vec::new() // no devices
+    }
+
+    fn release_devices(&self, _keep_locks: bool) -> migration::Result<()> {
         assert!(
             self.paused.load(Ordering::Acquire),
             "devices let go of a running VM"
@@ -352,7 +356,7 @@ fn migrate_to(
         incoming.receive(
             source,
             &|| false,
-            |_| match refuse {
+            |_, _| match refuse {
                 Some(why) => Err(migration::Error::vm(why)),
                 None => Ok(FakeVm::new()),
             },
@@ -882,7 +886,7 @@ fn restore(path: &std::path::Path, into: Arc<FakeVm>) -> migration::Result<Optio
     Incoming::new(StatusBoard::default(), None).receive(
         Source::snapshot(path).unwrap(),
         &|| false,
-        move |_| Ok(into),
+        move |_, _| Ok(into),
         |_| {},
     )
 }
@@ -1267,7 +1271,7 @@ fn tls_admits_only_a_source_of_the_same_ca() {
         Incoming::new(StatusBoard::default(), Some(dest_tls)).receive(
             source,
             &|| false,
-            |_| Ok(FakeVm::new()),
+            |_, _| Ok(FakeVm::new()),
             |_| {},
         )
     });
@@ -1318,7 +1322,7 @@ fn listening_destination() -> (
         Incoming::new(StatusBoard::default(), None).receive(
             source,
             &|| false,
-            |_| Ok(FakeVm::new()),
+            |_, _| Ok(FakeVm::new()),
             |_| {},
         )
     });

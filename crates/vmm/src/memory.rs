@@ -9,6 +9,7 @@ use vm_memory::{GuestAddress, GuestMemoryMmap, GuestRegionMmap, MmapRegion};
 
 use crate::error::{Error, Result};
 use crate::layout::{MAX_MEMORY, ram_ranges};
+use migration::RamRange;
 
 pub type GuestMemory = GuestMemoryMmap<()>;
 
@@ -80,6 +81,67 @@ pub const MIN_MEMORY: u64 = 16 << 20;
 
 /// Maps `size` bytes of guest memory. Nothing is touched, so nothing is populated.
 pub fn create_guest_memory(size: u64, backend: MemoryBackend) -> Result<GuestMemory> {
+    check_size(size)?;
+    let regions = ram_ranges(size)
+        .into_iter()
+        .map(|r| {
+            let file = match backend {
+                MemoryBackend::Anonymous => None,
+                MemoryBackend::Memfd => Some(memfd(r.len)?),
+            };
+            map_region(r, file)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))
+}
+
+/// Maps `size` bytes of guest memory from `files`, one per RAM range in order, each mapped
+/// shared from its start: the memory a live update was passed, with what it holds.
+pub fn guest_memory_from_files(size: u64, files: Vec<std::fs::File>) -> Result<GuestMemory> {
+    check_size(size)?;
+    let ranges = ram_ranges(size);
+    if files.len() != ranges.len() {
+        return Err(Error::Memory(format!(
+            "{} memory files for {} RAM ranges",
+            files.len(),
+            ranges.len()
+        )));
+    }
+    let regions = ranges
+        .into_iter()
+        .zip(files)
+        .map(|(r, file)| {
+            let bytes = file
+                .metadata()
+                .map_err(|e| Error::Memory(format!("a passed memory file: {e}")))?
+                .len();
+            if bytes < r.len {
+                return Err(Error::Memory(format!(
+                    "the memory file passed for the RAM at {:#x} holds {} of its {}",
+                    r.gpa,
+                    MemorySize(bytes),
+                    MemorySize(r.len)
+                )));
+            }
+            map_region(r, Some(file))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))
+}
+
+/// One RAM range's mapping: anonymous, or `file` shared from its start.
+fn map_region(r: RamRange, file: Option<std::fs::File>) -> Result<GuestRegionMmap<()>> {
+    let len = r.len as usize;
+    let mapping = match file {
+        None => MmapRegion::new(len),
+        Some(file) => MmapRegion::from_file(vm_memory::FileOffset::new(file, 0), len),
+    }
+    .map_err(|e| Error::Memory(format!("cannot map {}: {e}", MemorySize(r.len))))?;
+    GuestRegionMmap::new(mapping, GuestAddress(r.gpa))
+        .ok_or_else(|| Error::Memory("region does not fit the guest address space".into()))
+}
+
+fn check_size(size: u64) -> Result<()> {
     if size < MIN_MEMORY {
         return Err(Error::Memory(format!(
             "{} is too small: the guest needs at least {}",
@@ -99,23 +161,7 @@ pub fn create_guest_memory(size: u64, backend: MemoryBackend) -> Result<GuestMem
             "memory size must be a multiple of 4 KiB".into(),
         ));
     }
-    let regions = ram_ranges(size)
-        .into_iter()
-        .map(|r| {
-            let len = r.len as usize;
-            let mapping = match backend {
-                MemoryBackend::Anonymous => MmapRegion::new(len),
-                MemoryBackend::Memfd => {
-                    let file = memfd(r.len)?;
-                    MmapRegion::from_file(vm_memory::FileOffset::new(file, 0), len)
-                }
-            }
-            .map_err(|e| Error::Memory(format!("cannot map {}: {e}", MemorySize(r.len))))?;
-            GuestRegionMmap::new(mapping, GuestAddress(r.gpa))
-                .ok_or_else(|| Error::Memory("region does not fit the guest address space".into()))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    GuestMemoryMmap::from_regions(regions).map_err(|e| Error::Memory(e.to_string()))
+    Ok(())
 }
 
 /// Pages asked about per `mincore` call in `discard` (the answer is a byte a page).

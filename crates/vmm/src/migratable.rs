@@ -188,8 +188,12 @@ impl Migratable for Vm {
         Vm::resume(self).map_err(vm_err)
     }
 
-    fn release_devices(&self) -> migration::Result<()> {
-        Vm::release_devices(self).map_err(vm_err)
+    fn release_devices(&self, keep_locks: bool) -> migration::Result<()> {
+        Vm::release_devices(self, keep_locks).map_err(vm_err)
+    }
+
+    fn device_files(&self) -> Vec<Option<std::os::fd::RawFd>> {
+        Vm::device_files(self)
     }
 
     fn save_vcpus(&self) -> migration::Result<Vec<Vec<u8>>> {

@@ -27,7 +27,7 @@ use crate::devices::{DeviceBus, HeartbeatDevice, SerialDevice, serial};
 use crate::dirty_log::Protect;
 use crate::error::{Error, Result, kvm};
 use crate::layout::DEVICE_WINDOW_START;
-use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory};
+use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory, guest_memory_from_files};
 use crate::persist::{Component, Fragment, Fragments, Persist};
 use crate::state;
 use crate::vcpu::{VcpuSet, VmEvent};
@@ -189,7 +189,7 @@ impl Vm {
         cmdline: &str,
         serial: serial::Output,
     ) -> Result<Self> {
-        let parts = Parts::create(&config, serial, true)?;
+        let parts = Parts::create(&config, serial, true, None)?;
         let entry = match image {
             BootImage::Pvh(path) => {
                 boot::load_pvh(&parts.memory, config.memory, path, cmdline, config.vcpus)?
@@ -224,7 +224,31 @@ impl Vm {
 
     /// An empty VM, vCPUs parked, waiting for memory and state (a migration or a snapshot).
     pub fn for_restore(config: VmConfig, serial: serial::Output) -> Result<Self> {
-        let parts = Parts::create(&config, serial, false)?;
+        let parts = Parts::create(&config, serial, false, None)?;
+        Self::start(config, parts, true)
+    }
+
+    /// An arriving VM: empty (`for_restore`), or on the files a live update passed
+    /// (`for_handover`).
+    pub fn arriving(
+        config: VmConfig,
+        serial: serial::Output,
+        files: Option<migration::HandedFiles>,
+    ) -> Result<Self> {
+        match files {
+            Some(files) => Self::for_handover(config, serial, files),
+            None => Self::for_restore(config, serial),
+        }
+    }
+
+    /// A VM a live update hands over, vCPUs parked, waiting for its state: its memory and its
+    /// devices' files are the ones `files` passed (memory as it is, with every page).
+    pub fn for_handover(
+        config: VmConfig,
+        serial: serial::Output,
+        files: migration::HandedFiles,
+    ) -> Result<Self> {
+        let parts = Parts::create(&config, serial, false, Some(files))?;
         Self::start(config, parts, true)
     }
 
@@ -571,12 +595,13 @@ impl Vm {
         })
     }
 
-    /// Flushes every disk and lets go of it: the VM is about to run on another host.
-    pub fn release_devices(&self) -> Result<()> {
+    /// Flushes every disk and lets go of it: the VM is about to run on another host (or, with
+    /// `keep_locks`, in another process on this one, which shares the disks' locks).
+    pub fn release_devices(&self, keep_locks: bool) -> Result<()> {
         for d in &self.bus.virtio {
             d.locked()
                 .device_mut()
-                .release()
+                .release(keep_locks)
                 .map_err(|e| Error::State(format!("releasing a disk: {e}")))?;
         }
         Ok(())
@@ -603,6 +628,15 @@ impl Vm {
             }
         }
         Ok(())
+    }
+
+    /// Each virtio device's file a live update passes on, in slot order.
+    pub fn device_files(&self) -> Vec<Option<std::os::fd::RawFd>> {
+        self.bus
+            .virtio
+            .iter()
+            .map(|d| d.locked().device().file())
+            .collect()
     }
 
     /// Each virtio device as a destination must match it, in slot order.
@@ -660,7 +694,13 @@ impl Drop for Vm {
 impl Parts {
     /// `claim_disks`: take the disks' locks now (a VM booting here; one arriving takes them as
     /// its state is loaded).
-    fn create(config: &VmConfig, serial_out: serial::Output, claim_disks: bool) -> Result<Self> {
+    /// `handed`: the memory and device files a live update passed, used instead of new ones.
+    fn create(
+        config: &VmConfig,
+        serial_out: serial::Output,
+        claim_disks: bool,
+        handed: Option<migration::HandedFiles>,
+    ) -> Result<Self> {
         if config.vcpus == 0 || config.vcpus > MAX_VCPUS {
             return Err(Error::Vcpu {
                 cpu: 0,
@@ -669,7 +709,14 @@ impl Parts {
         }
         let kvm_sys = Kvm::new().map_err(Error::Kvm)?;
         let fd = kvm_sys.create_vm().map_err(kvm("KVM_CREATE_VM"))?;
-        let memory = create_guest_memory(config.memory, config.backend)?;
+        let (memory, mut device_files) = match handed {
+            Some(h) => {
+                let files = h.memory.into_iter().map(std::fs::File::from).collect();
+                let memory = guest_memory_from_files(config.memory, files)?;
+                (memory, Some(h.devices.into_iter()))
+            }
+            None => (create_guest_memory(config.memory, config.backend)?, None),
+        };
         for (slot, (range, host)) in kvm_slots(&memory).into_iter().enumerate() {
             // SAFETY: the mapping lives as long as the VM (both are owned by `Vm`).
             unsafe { fd.set_user_memory_region(slot_region(slot, range, host, 0)) }
@@ -694,16 +741,32 @@ impl Parts {
                 config.virtio_devices()
             )));
         }
+        // A live update passes a file for each disk and NIC, in slot order.
+        let mut passed = || -> Result<Option<std::fs::File>> {
+            let Some(files) = device_files.as_mut() else {
+                return Ok(None);
+            };
+            match files.next() {
+                Some(Some(fd)) => Ok(Some(fd.into())),
+                _ => Err(Error::Config(
+                    "a live update passed no file for a disk or NIC".into(),
+                )),
+            }
+        };
         let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
         for disk in &config.disks {
-            devices.push(Box::new(
-                Block::open(disk, claim_disks).map_err(Error::Config)?,
-            ));
+            let block = match passed()? {
+                Some(file) => Block::on(disk, file, claim_disks),
+                None => Block::open(disk, claim_disks),
+            };
+            devices.push(Box::new(block.map_err(Error::Config)?));
         }
         for net in &config.nets {
-            devices.push(Box::new(
-                Net::open(net, claim_disks).map_err(Error::Config)?,
-            ));
+            let nic = match passed()? {
+                Some(file) => Net::on_file(net, file, claim_disks),
+                None => Net::open(net, claim_disks),
+            };
+            devices.push(Box::new(nic.map_err(Error::Config)?));
         }
         if let Some(balloon) = &config.balloon {
             devices.push(Box::new(Balloon::new(balloon).map_err(Error::Config)?));

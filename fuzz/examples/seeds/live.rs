@@ -72,7 +72,7 @@ fn migrate(params: MigrationParams) -> Vec<Recorded> {
             .receive(
                 source,
                 &|| false,
-                |d| PlainVm::build(d).map(Arc::new),
+                |d, _| PlainVm::build(d).map(Arc::new),
                 |_| {},
             )
             .unwrap_or_else(|e| panic!("the destination: {e}"))

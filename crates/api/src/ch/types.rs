@@ -30,8 +30,10 @@ fn only_default(
 pub struct SendMigrationData {
     /// `tcp:HOST:PORT` or `unix:PATH`.
     pub destination_url: String,
+    /// A live update on this host (`unix:` only): memory and device files pass to the
+    /// receiving ferry, no page is copied (the VM needs `memory.shared`).
     #[serde(default)]
-    pub local: Option<Value>,
+    pub local: Option<bool>,
     #[serde(default)]
     pub preserve_source: Option<Value>,
     /// The downtime the migration aims for (CH's default 300).
@@ -53,12 +55,6 @@ pub const CH_TIMEOUT_S: i64 = 3600;
 
 impl SendMigrationData {
     pub fn check(&self) -> Result<(), ApiError> {
-        only_default(
-            "local",
-            &self.local,
-            Value::Bool(false),
-            "ferry copies guest memory even on one host; send to unix:PATH without local",
-        )?;
         only_default(
             "preserve_source",
             &self.preserve_source,

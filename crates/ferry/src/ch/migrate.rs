@@ -72,9 +72,19 @@ impl ChVmm {
         let endpoint: Endpoint = req.destination_url.parse().map_err(api_error)?;
         let tls = self.migration_tls(&endpoint, req.tls_dir.as_deref(), "client")?;
         let postcopy = memory_mode(req.memory_mode.as_deref())?;
+        let mode = match (req.local.unwrap_or(false), postcopy) {
+            (true, true) => {
+                return Err(ApiError::bad_request(
+                    "local with memory_mode Postcopy: a local live update copies no memory",
+                ));
+            }
+            (true, false) => Some("local".into()),
+            (false, true) => Some("postcopy".into()),
+            (false, false) => None,
+        };
         let request = MigrationRequest {
             destination: req.destination_url.clone(),
-            mode: postcopy.then(|| "postcopy".into()),
+            mode,
             max_downtime_ms: Some(req.downtime_ms.unwrap_or(300)),
             timeout_s: Some(req.timeout_s.unwrap_or(CH_TIMEOUT_S)),
             connections: req.connections,
@@ -137,10 +147,10 @@ impl ChVmm {
         let received = controller.migrations.incoming.receive(
             source,
             &crate::run::terminate_requested,
-            |descriptor| {
+            |descriptor, files| {
                 let config = VmConfig::from_descriptor(descriptor)?;
                 let out = machine::serial(&serial).map_err(|e| migration::Error::vm(e.message))?;
-                Vm::for_restore(config, out)
+                Vm::arriving(config, out, files)
                     .map(Arc::new)
                     .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))
             },

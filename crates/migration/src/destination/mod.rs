@@ -31,7 +31,7 @@ use crate::io::lanefile::SnapshotFile;
 use crate::io::tls::Tls;
 use crate::io::transport::{Endpoint, Listener, Stream};
 use crate::status::{Phase, Role, Status};
-use crate::vm::{Migratable, VmDescriptor};
+use crate::vm::{HandedFiles, Migratable, VmDescriptor};
 use crate::wire::{self, Message, StreamMode};
 
 /// How long a cancelled resume may take to hand the interrupted post-copy back (one poll).
@@ -140,7 +140,7 @@ impl Incoming {
         &self,
         source: Source,
         stop: &dyn Fn() -> bool,
-        build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+        build: impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
     ) -> Result<Option<Arc<V>>> {
         let (stream, hello, expect, peer, listener) = match source {

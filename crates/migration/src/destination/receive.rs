@@ -15,8 +15,8 @@ use crate::error::{Error, Result};
 use crate::io::transport::{Listener, Stream};
 use crate::scan::memory_checksum;
 use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, now_ns};
-use crate::vm::{Migratable, VmDescriptor};
-use crate::wire::{self, Message};
+use crate::vm::{HandedFiles, Migratable, VmDescriptor};
+use crate::wire::{self, Message, StreamMode};
 
 /// The destination measures the guest's work rate over this window after resuming, then
 /// reports what the guest saw to the source.
@@ -69,7 +69,7 @@ impl Receiver<'_> {
         &mut self,
         mut stream: Stream,
         hello: Result<Message>,
-        build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+        build: impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
     ) -> Result<Arrived<V>> {
         let started = Instant::now();
@@ -102,7 +102,7 @@ impl Receiver<'_> {
         &mut self,
         stream: &mut Stream,
         first: Message,
-        build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+        build: impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
         started: Instant,
     ) -> Result<Arrived<V>> {
@@ -110,7 +110,7 @@ impl Receiver<'_> {
         let mut laps = Laps::starting(started);
         stream.set_timeouts(Some(crate::io::transport::IO_TIMEOUT))?;
         let hello = Hello::parse(first, self.expect)?;
-        let vm = self.build(&hello, build, started)?;
+        let vm = self.build(stream, &hello, build, started)?;
         if hello.live() {
             wire::write_message(
                 stream,
@@ -164,8 +164,9 @@ impl Receiver<'_> {
     /// Builds the VM `hello` describes and checks it is the one described.
     fn build<V: Migratable>(
         &mut self,
+        stream: &Stream,
         hello: &Hello,
-        build: impl FnOnce(&VmDescriptor) -> Result<Arc<V>>,
+        build: impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> Result<Arc<V>>,
         started: Instant,
     ) -> Result<Arc<V>> {
         tracing::info!(
@@ -174,7 +175,11 @@ impl Receiver<'_> {
             hello.source,
             hello.descriptor
         );
-        let vm = build(&hello.descriptor)?;
+        let files = match hello.mode {
+            StreamMode::Local => Some(self.take_files(stream, hello)?),
+            _ => None,
+        };
+        let vm = build(&hello.descriptor, files)?;
         let ram = vm.ram();
         ram.forbid_huge_pages();
         hello.check_built(&ram, &vm.descriptor())?;
@@ -185,6 +190,41 @@ impl Receiver<'_> {
         self.status.report.setup = started.elapsed();
         self.publish();
         Ok(vm)
+    }
+
+    /// A live update's files, which come right after `Hello`: what `Files` announces, then
+    /// the files themselves, one for each RAM range and one for each device marked.
+    fn take_files(&self, stream: &Stream, hello: &Hello) -> Result<HandedFiles> {
+        let mut reader = stream.try_clone()?;
+        let (memory, devices) = match wire::read_message(&mut reader)? {
+            Message::Files { memory, devices } => (memory as usize, devices),
+            Message::Abort { reason } => return Err(Error::Peer(reason)),
+            other => {
+                return Err(Error::out_of_turn(
+                    "destination",
+                    other.name(),
+                    "AwaitFiles",
+                ));
+            }
+        };
+        let d = &hello.descriptor;
+        if memory != d.ranges.len() || devices.len() != d.devices.len() {
+            return Err(Error::Protocol(format!(
+                "the source announces {memory} memory files and {} devices for a VM of {} RAM \
+                 ranges and {} devices",
+                devices.len(),
+                d.ranges.len(),
+                d.devices.len()
+            )));
+        }
+        let count = memory + devices.iter().filter(|&&d| d).count();
+        let mut fds = stream.receive_files(count)?.into_iter();
+        let memory = fds.by_ref().take(memory).collect();
+        let devices = devices
+            .iter()
+            .map(|&passed| if passed { fds.next() } else { None })
+            .collect();
+        Ok(HandedFiles { memory, devices })
     }
 
     /// Reads frames until the state is complete, reporting rounds as they end.

@@ -2,7 +2,7 @@
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::str::FromStr;
@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use sockets::deadline::Timed;
 use sockets::unix::{bind_private, remove_stale_socket};
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
 
 use crate::error::{Error, Result};
 use crate::io::lanefile::SnapshotFile;
@@ -70,6 +71,9 @@ pub enum Stream {
 const TCPI_MIN_RTT_US: usize = 148;
 const TCPI_DELIVERY_RATE: usize = 160;
 const TCPI_RWND_LIMITED_US: usize = 176;
+
+/// The byte `send_files` passes its files with.
+const FILES_BYTE: u8 = 0xfd;
 
 pub const IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a new connection has, in all, to open: its TLS handshake, and on a migration's
@@ -471,6 +475,61 @@ impl Stream {
         while self.unsent() > DRAINED_BYTES && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_micros(200));
         }
+    }
+
+    /// Passes `fds` to the peer process: one byte carrying them (`SCM_RIGHTS`), on a Unix
+    /// socket only. The peer takes them with `receive_files`.
+    pub fn send_files(&self, fds: &[RawFd]) -> Result<()> {
+        let Stream::Unix(s) = self else {
+            return Err(Error::Param(
+                "files pass only over a Unix socket (unix:PATH)".into(),
+            ));
+        };
+        let sent = s
+            .send_with_fds(&[&[FILES_BYTE][..]], fds)
+            .map_err(|e| Error::transport("cannot pass files to the peer", e.into()))?;
+        if sent != 1 {
+            return Err(Error::Protocol("the files' byte did not leave".into()));
+        }
+        Ok(())
+    }
+
+    /// Takes the `count` files the peer passed with `send_files`: exactly that many, or an
+    /// error naming what came (the kernel closes any that did not fit).
+    pub fn receive_files(&self, count: usize) -> Result<Vec<OwnedFd>> {
+        let Stream::Unix(s) = self else {
+            return Err(Error::Protocol(
+                "a live update's files can only come over a Unix socket".into(),
+            ));
+        };
+        let mut byte = [0u8; 1];
+        let mut iov = [libc::iovec {
+            iov_base: byte.as_mut_ptr().cast(),
+            iov_len: 1,
+        }];
+        // One slot more than asked for: a peer that passes more is noticed, not truncated.
+        let mut raw = vec![-1; count + 1];
+        // SAFETY: `iov` points at `byte`, which lives for the call.
+        let (read, got) = unsafe { s.recv_with_fds(&mut iov, &mut raw) }
+            .map_err(|e| Error::transport("cannot take the files the source passed", e.into()))?;
+        // SAFETY: the first `got` entries are descriptors the kernel just gave this process.
+        let fds: Vec<OwnedFd> = raw[..got]
+            .iter()
+            .map(|&fd| unsafe { OwnedFd::from_raw_fd(fd) })
+            .collect();
+        if read != 1 || byte[0] != FILES_BYTE {
+            return Err(Error::Protocol(format!(
+                "expected the byte that carries the files, got {read} bytes ({:#x})",
+                byte[0]
+            )));
+        }
+        if fds.len() != count {
+            return Err(Error::Protocol(format!(
+                "the source passed {} files where it announced {count}",
+                fds.len()
+            )));
+        }
+        Ok(fds)
     }
 
     /// Whether anyone answers on this stream (a file does not).

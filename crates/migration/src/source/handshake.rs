@@ -2,6 +2,7 @@
 //! connections. Hands the rounds what the two sides agreed.
 
 use crate::sync::Locked;
+use std::os::fd::RawFd;
 use std::time::Duration;
 
 use super::lane;
@@ -48,6 +49,9 @@ impl Session<'_> {
                 round_trip: None,
             });
         }
+        if mode == StreamMode::Local {
+            self.pass_files()?;
+        }
         let peer_postcopy = self.hear_ready()?;
         if self.params.mode.wants_postcopy() && !peer_postcopy {
             return Err(Error::Param(
@@ -67,6 +71,36 @@ impl Session<'_> {
             peer_postcopy,
             round_trip,
         })
+    }
+
+    /// A live update: guest memory's files and the devices' pass to the destination, which
+    /// builds the VM on them before its `Ready`.
+    fn pass_files(&mut self) -> Result<()> {
+        let memory = self.ram.files();
+        let memory: Vec<RawFd> =
+            memory
+                .iter()
+                .copied()
+                .collect::<Option<_>>()
+                .ok_or_else(|| {
+                    Error::Param(
+                "guest memory is anonymous: a live update passes memory as a file, so the VM \
+                 must run with --memory-backend memfd"
+                    .into(),
+            )
+                })?;
+        let devices = self.vm.device_files();
+        self.send(&Message::Files {
+            memory: memory.len() as u32,
+            devices: devices.iter().map(Option::is_some).collect(),
+        })?;
+        let all: Vec<RawFd> = memory
+            .into_iter()
+            .chain(devices.into_iter().flatten())
+            .collect();
+        self.stream.send_files(&all)?;
+        self.lap("files passed");
+        Ok(())
     }
 
     /// How many connections (or lanes of a file) the migration uses: a file takes lanes only

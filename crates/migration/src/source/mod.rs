@@ -161,6 +161,12 @@ impl Outgoing {
         on_done: OnDone,
     ) -> Result<()> {
         params.validate()?;
+        if params.mode == Mode::Local && !matches!(endpoint, Endpoint::Unix(_)) {
+            return Err(Error::Param(format!(
+                "a local live update goes to a ferry on this host over a Unix socket \
+                 (unix:PATH), not {endpoint}"
+            )));
+        }
         self.claim()?;
         let status = Status::new(Role::Source, Some(params.mode.into()), endpoint.to_string());
         self.board.checkpoints(|c| *c = None);
@@ -214,6 +220,7 @@ impl Outgoing {
         };
         let mode = match params.mode {
             Mode::Warm => StreamMode::Warm,
+            Mode::Local => StreamMode::Local,
             Mode::Precopy | Mode::Postcopy | Mode::Hybrid => StreamMode::Precopy,
         };
         let mut session = Session::new(

@@ -50,6 +50,13 @@ impl Handover {
 impl Session<'_> {
     /// Sends memory by the mode's rules until it is time to switch; what is left then.
     pub(super) fn transfer(&mut self, mode: StreamMode, agreed: &Agreed) -> Result<Handover> {
+        if mode == StreamMode::Local {
+            // The destination maps the very memory: nothing to send, nothing to track.
+            return Ok(Handover {
+                pending: Bitmap::new(self.ram.gfn_end()),
+                postcopy: false,
+            });
+        }
         // Log first, then look: a page the guest first touches while we scan is still caught.
         if mode == StreamMode::Precopy {
             self.held.dirty_log = Some(DirtyLog::start(self.vm)?);

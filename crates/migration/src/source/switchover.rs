@@ -14,6 +14,7 @@ use super::session::Session;
 use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::io::transport::Stream;
+use crate::params::Mode;
 use crate::scan::memory_checksum;
 use crate::status::Phase;
 use crate::wire::Message;
@@ -62,7 +63,8 @@ impl Session<'_> {
         let (paused_at, paused_at_ns) = self.pause()?;
         // Its disks are flushed and let go now, for the destination to take; a failure from
         // here on takes them back before the VM runs here again (`resume`).
-        self.vm.release_devices()?;
+        let local = self.params.mode == Mode::Local;
+        self.vm.release_devices(local)?;
         self.step(Event::Paused)?;
         self.lap("pause");
         self.status.report.guest_pages_per_s_during =
@@ -75,7 +77,9 @@ impl Session<'_> {
         let follow = if postcopy {
             Some(self.announce_postcopy(pending)?)
         } else {
-            self.send_last_round(&pending)?;
+            if !local {
+                self.send_last_round(&pending)?;
+            }
             None
         };
         self.end_lanes()?;

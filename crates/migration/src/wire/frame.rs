@@ -15,7 +15,7 @@ use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
-pub const VERSION: u32 = 9;
+pub const VERSION: u32 = 10;
 pub const STREAM_HEADER_LEN: usize = 16;
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -229,7 +229,7 @@ mod tests {
     fn golden_stream_header() {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
-        assert_eq!(h, b"FERRYMIG\x09\0\0\0\0\0\0\0");
+        assert_eq!(h, b"FERRYMIG\x0a\0\0\0\0\0\0\0");
     }
 
     #[test]
@@ -238,11 +238,11 @@ mod tests {
         write_stream_header(&mut h).unwrap();
         assert!(read_stream_header(&mut h.as_slice()).is_ok());
         let mut other = h.clone();
-        other[8] = 8;
+        other[8] = 9;
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
-        assert!(e.to_string().contains("version 8"), "{e}");
+        assert!(e.to_string().contains("version 9"), "{e}");
         assert!(
-            e.to_string().contains("version 9"),
+            e.to_string().contains("version 10"),
             "names both versions: {e}"
         );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();

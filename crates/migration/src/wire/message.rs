@@ -17,6 +17,8 @@ pub enum StreamMode {
     Warm,
     /// Cold: a snapshot file; no peer answers.
     Snapshot,
+    /// Live update on one host: memory and device files are passed (`Files`), no page sent.
+    Local,
 }
 
 impl StreamMode {
@@ -25,6 +27,7 @@ impl StreamMode {
             StreamMode::Precopy => 1,
             StreamMode::Warm => 2,
             StreamMode::Snapshot => 3,
+            StreamMode::Local => 4,
         }
     }
 
@@ -33,6 +36,7 @@ impl StreamMode {
             1 => StreamMode::Precopy,
             2 => StreamMode::Warm,
             3 => StreamMode::Snapshot,
+            4 => StreamMode::Local,
             other => return Err(Error::Protocol(format!("unknown stream mode {other}"))),
         })
     }
@@ -149,6 +153,11 @@ pub enum Message {
     /// over guest page numbers). The destination faults them in on threads of its own while
     /// they travel, so that its receiver writes into memory that is already there.
     Populated { map: Bitmap },
+    /// Source → destination, right after `Hello` on a live update (`StreamMode::Local`): the
+    /// files that follow as one byte with `SCM_RIGHTS` are `memory` guest RAM files (one per
+    /// RAM range, in order), then one file for each device slot marked true in `devices`
+    /// (a disk's image, a NIC's tap).
+    Files { memory: u32, devices: Vec<bool> },
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -215,6 +224,7 @@ catalogue! {
     25 => Checkpoint,
     26 => CheckpointTaken,
     27 => Populated,
+    28 => Files,
 }
 
 impl Message {
@@ -285,6 +295,11 @@ impl Message {
             Message::PostcopyComplete(r) => e.report(r),
             Message::ResumeFrom { map } => e.bitmap(map),
             Message::Sync { lane_pages } => e.words(lane_pages),
+            Message::Files { memory, devices } => {
+                e.u32(*memory);
+                e.u32(devices.len() as u32);
+                devices.iter().for_each(|&d| e.bool(d));
+            }
             Message::Join { session, lane } => {
                 e.u64(*session);
                 e.u32(*lane);
@@ -383,6 +398,10 @@ impl Message {
             }
             Kind::CheckpointTaken => Message::CheckpointTaken { seq: d.u64()? },
             Kind::Populated => Message::Populated { map: d.page_map()? },
+            Kind::Files => Message::Files {
+                memory: d.u32()?,
+                devices: (0..d.count(1)?).map(|_| d.bool()).collect::<Result<_>>()?,
+            },
         };
         if !d.buf.is_empty() {
             return Err(Error::Protocol(format!(
@@ -914,13 +933,20 @@ mod tests {
                 },
                 "1b00 4000000000000000 01000000 02 01000000 0100000000000000",
             ),
+            (
+                Message::Files {
+                    memory: 2,
+                    devices: vec![true, false, true],
+                },
+                "1c00 02000000 03000000 010001",
+            ),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 27, "a golden example per message");
+        assert_eq!(all.len(), 28, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());

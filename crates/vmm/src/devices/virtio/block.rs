@@ -85,6 +85,13 @@ impl Block {
             .write(!config.readonly)
             .open(path)
             .map_err(|e| format!("cannot open disk {}: {e}", path.display()))?;
+        Self::on(config, file, claim)
+    }
+
+    /// The disk `config` names on `file`, already open (passed by a live update, whose lock
+    /// it shares: `claim` takes it without waiting).
+    pub fn on(config: &DiskConfig, file: File, claim: bool) -> Result<Self, String> {
+        let path = &config.path;
         let bytes = disk_size(&file).map_err(|e| format!("disk {}: {e}", path.display()))?;
         if bytes < SECTOR {
             return Err(format!(
@@ -304,9 +311,9 @@ impl VirtioDevice for Block {
         })
     }
 
-    fn release(&mut self) -> std::io::Result<()> {
+    fn release(&mut self, keep_lock: bool) -> std::io::Result<()> {
         self.file.sync_data()?;
-        if self.locked {
+        if self.locked && !keep_lock {
             lock(&self.file, libc::LOCK_UN)?;
             self.locked = false;
         }
@@ -334,6 +341,10 @@ impl VirtioDevice for Block {
         })?;
         self.locked = true;
         Ok(())
+    }
+
+    fn file(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.file.as_raw_fd())
     }
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {

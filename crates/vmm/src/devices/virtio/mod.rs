@@ -139,9 +139,14 @@ pub trait VirtioDevice: Send + crate::persist::Component {
         log: &mut dyn WriteLog,
     ) -> Result<bool, DriverError>;
     /// Stops using the backing store (the VM is switching to another host); nothing to do
-    /// for a device without one.
-    fn release(&mut self) -> std::io::Result<()> {
+    /// for a device without one. `keep_lock`: another process on this host takes the file
+    /// over (a live update), and the lock its passed copy shares stays held.
+    fn release(&mut self, _keep_lock: bool) -> std::io::Result<()> {
         Ok(())
+    }
+    /// The file a live update passes to the next process (a disk's image, a NIC's tap).
+    fn file(&self) -> Option<std::os::fd::RawFd> {
+        None
     }
     /// Takes the backing store (again) before the VM runs here; refused when another
     /// process holds it.

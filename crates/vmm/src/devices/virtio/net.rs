@@ -103,6 +103,15 @@ impl Net {
         Ok(Self::on(Tap::open(&config.tap)?, config, claimed))
     }
 
+    /// The NIC `config` asks for, on a tap already attached (passed by a live update).
+    pub fn on_file(config: &NetConfig, file: std::fs::File, claimed: bool) -> Result<Self, String> {
+        Ok(Self::on(
+            Tap::from_file(file, &config.tap)?,
+            config,
+            claimed,
+        ))
+    }
+
     /// The NIC `config` asks for, on `tap`.
     fn on(tap: Tap, config: &NetConfig, claimed: bool) -> Self {
         // A locally administered address from the tap's name when none is given.
@@ -365,7 +374,11 @@ impl VirtioDevice for Net {
         self.pending.is_some()
     }
 
-    fn release(&mut self) -> std::io::Result<()> {
+    fn file(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.tap.fd())
+    }
+
+    fn release(&mut self, _keep_lock: bool) -> std::io::Result<()> {
         // A frame read here but not delivered is lost with this host, as on a wire.
         if self.pending.take().is_some() {
             self.dropped += 1;

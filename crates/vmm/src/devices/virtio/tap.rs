@@ -13,6 +13,7 @@ use std::os::unix::fs::OpenOptionsExt;
 const IFF_TAP: libc::c_short = 0x0002;
 const IFF_NO_PI: libc::c_short = 0x1000;
 const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+const TUNGETIFF: libc::c_ulong = 0x8004_54d2;
 
 #[repr(C)]
 struct IfReq {
@@ -67,6 +68,38 @@ impl Tap {
             return Err(format!(
                 "cannot attach to tap '{name}': {}",
                 std::io::Error::last_os_error()
+            ));
+        }
+        Ok(Self {
+            file,
+            name: name.to_string(),
+        })
+    }
+
+    /// A tap already attached (passed by a live update): checks that `file` is attached to
+    /// tap `name`, as the VM's NIC says it is.
+    pub fn from_file(file: File, name: &str) -> Result<Self, String> {
+        let mut req = IfReq {
+            name: [0; libc::IFNAMSIZ],
+            flags: 0,
+            _pad: [0; 22],
+        };
+        // SAFETY: TUNGETIFF writes an ifreq, which `req` is, alive for the call.
+        if unsafe { libc::ioctl(file.as_raw_fd(), TUNGETIFF, &mut req) } != 0 {
+            return Err(format!(
+                "the file passed for tap '{name}' is not a tap: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        let len = req
+            .name
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(req.name.len());
+        let attached = String::from_utf8_lossy(&req.name[..len]);
+        if attached != name {
+            return Err(format!(
+                "the file passed for tap '{name}' is attached to '{attached}'"
             ));
         }
         Ok(Self {
