@@ -87,23 +87,6 @@ fn assert_disk_verified(vm: &Ferry, from: u64, what: &str) {
     );
 }
 
-/// A second VM on the disk is refused: some process holds its lock.
-fn assert_second_writer_refused(path: &Path) {
-    let guest = guest();
-    let second = ferry_output(&[
-        "run",
-        "--guest",
-        guest.to_str().unwrap(),
-        "--disk",
-        &disk_arg(path),
-        "--serial",
-        "/dev/null",
-    ]);
-    let stderr = String::from_utf8_lossy(&second.stderr);
-    assert!(!second.status.success(), "a second writer ran");
-    assert!(stderr.contains("in use by another process"), "{stderr}");
-}
-
 #[test]
 fn disk_writes_survive_precopy_then_postcopy() {
     let Some((_dir, path, mut src)) = vm_with_disk() else {

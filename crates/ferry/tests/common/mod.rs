@@ -440,6 +440,24 @@ pub fn assert_every_page_arrived(
     info
 }
 
+/// A second VM on the disk at `path` is refused: some process holds its lock.
+pub fn assert_second_writer_refused(path: &Path) {
+    let guest = guest();
+    let disk = format!("path={}", path.display());
+    let second = ferry_output(&[
+        "run",
+        "--guest",
+        guest.to_str().unwrap(),
+        "--disk",
+        &disk,
+        "--serial",
+        "/dev/null",
+    ]);
+    let stderr = String::from_utf8_lossy(&second.stderr);
+    assert!(!second.status.success(), "a second writer ran");
+    assert!(stderr.contains("in use by another process"), "{stderr}");
+}
+
 /// How long `migrate` lets a whole migration take: the largest (4 GiB written across the
 /// hole) took over 30 s on two cores shared with other work.
 const MIGRATE_LIMIT: Duration = Duration::from_secs(180);

@@ -77,18 +77,11 @@ impl Session<'_> {
     /// builds the VM on them before its `Ready`.
     fn pass_files(&mut self) -> Result<()> {
         let memory = self.ram.files();
-        let memory: Vec<RawFd> =
-            memory
-                .iter()
-                .copied()
-                .collect::<Option<_>>()
-                .ok_or_else(|| {
-                    Error::Param(
-                "guest memory is anonymous: a live update passes memory as a file, so the VM \
-                 must run with --memory-backend memfd"
-                    .into(),
-            )
-                })?;
+        let memory: Vec<RawFd> = memory
+            .iter()
+            .copied()
+            .collect::<Option<_>>()
+            .ok_or_else(|| Error::Param(super::ANONYMOUS_MEMORY.into()))?;
         let devices = self.vm.device_files();
         self.send(&Message::Files {
             memory: memory.len() as u32,

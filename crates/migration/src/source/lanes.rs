@@ -118,7 +118,7 @@ impl Session<'_> {
         let p = &mut self.status.progress;
         p.pages.full = c.full;
         p.pages.zero = c.zero;
-        p.bytes_on_wire = c.bytes;
+        p.bytes_on_wire = c.bytes + self.message_bytes;
         p.compression = CompressionCounts {
             asked: self.params.compression.name().into(),
             frames_plain: c.frames_by_codec[Codec::None as usize],

@@ -77,6 +77,24 @@ pub enum Resumed {
 /// Called once when a background migration ends: `Ok` means the VM runs elsewhere now.
 pub type OnDone = Box<dyn FnOnce(&Result<()>) + Send>;
 
+/// A live update passes the VM's memory as files to a process on this host.
+fn check_local(vm: &dyn Migratable, endpoint: &Endpoint) -> Result<()> {
+    if !matches!(endpoint, Endpoint::Unix(_)) {
+        return Err(Error::Param(format!(
+            "a local live update goes to a ferry on this host over a Unix socket (unix:PATH), \
+             not {endpoint}"
+        )));
+    }
+    if vm.ram().files().contains(&None) {
+        return Err(Error::Param(ANONYMOUS_MEMORY.into()));
+    }
+    Ok(())
+}
+
+/// Why a VM on anonymous memory cannot be updated in place.
+pub(crate) const ANONYMOUS_MEMORY: &str = "guest memory is anonymous: a live update passes \
+    memory as a file, so the VM must run with --memory-backend memfd";
+
 impl Outgoing {
     pub fn new(board: StatusBoard, tls: Option<Tls>) -> Arc<Self> {
         Arc::new(Self {
@@ -161,11 +179,8 @@ impl Outgoing {
         on_done: OnDone,
     ) -> Result<()> {
         params.validate()?;
-        if params.mode == Mode::Local && !matches!(endpoint, Endpoint::Unix(_)) {
-            return Err(Error::Param(format!(
-                "a local live update goes to a ferry on this host over a Unix socket \
-                 (unix:PATH), not {endpoint}"
-            )));
+        if params.mode == Mode::Local {
+            check_local(vm.as_ref(), &endpoint)?;
         }
         self.claim()?;
         let status = Status::new(Role::Source, Some(params.mode.into()), endpoint.to_string());

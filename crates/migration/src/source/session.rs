@@ -22,7 +22,7 @@ use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::memory::GuestRam;
 use crate::pages::PageSender;
-use crate::params::MigrationParams;
+use crate::params::{MigrationParams, Mode};
 use crate::ratelimit::RateLimiter;
 use crate::status::{Laps, Phase, Status, now_ns};
 use crate::vm::Migratable;
@@ -55,6 +55,8 @@ pub(crate) struct Session<'a> {
     pub sent_once: Bitmap,
     /// Time spent sending pages, for the bandwidth estimate.
     pub send_time: Duration,
+    /// A live update's messages, the only bytes on its socket (other modes count pages).
+    pub message_bytes: u64,
     /// What this migration changed on the VM, put back on every way out (see `guards`).
     pub held: Held<'a>,
     /// Whether the VM ran when the migration began (a failure leaves it as it was).
@@ -111,6 +113,7 @@ impl<'a> Session<'a> {
             started: Instant::now(),
             laps: Laps::starting(Instant::now()),
             send_time: Duration::ZERO,
+            message_bytes: 0,
             held: Held::new(vm),
             was_running: vm.is_running(),
             cpu,
@@ -151,7 +154,13 @@ impl<'a> Session<'a> {
     }
 
     pub fn send(&mut self, msg: &Message) -> Result<()> {
-        wire::write_message(&mut self.stream, msg)
+        wire::write_message(&mut self.stream, msg)?;
+        if self.params.mode == Mode::Local {
+            // No page crosses a live update's socket: its bytes are the messages'.
+            let frame = wire::frame::FRAME_HEADER_LEN + msg.encode().len() + 4;
+            self.message_bytes += frame as u64;
+        }
+        Ok(())
     }
 
     /// The whole migration; `Ok` means the destination runs the VM.

@@ -440,3 +440,44 @@ fn disk_size(file: &File) -> std::io::Result<u64> {
     let mut f = file;
     f.seek(SeekFrom::End(0))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether another open of the disk (another process's, as far as `flock` can tell) may
+    /// write it.
+    fn another_writer_may(path: &Path) -> bool {
+        let file = OpenOptions::new().write(true).open(path).unwrap();
+        let free = lock(&file, libc::LOCK_EX | libc::LOCK_NB).is_ok();
+        if free {
+            lock(&file, libc::LOCK_UN).unwrap();
+        }
+        free
+    }
+
+    #[test]
+    fn a_live_update_keeps_the_lock_the_passed_file_shares() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let config = DiskConfig {
+            path: path.clone(),
+            readonly: false,
+        };
+        let mut old = Block::open(&config, true).unwrap();
+        assert!(!another_writer_may(&path), "the running VM holds the disk");
+        // The old process lets go for a live update: flushed, the lock kept; the new one
+        // takes the same open file over and claims it at once.
+        old.release(true).unwrap();
+        assert!(!another_writer_may(&path), "the lock lapsed");
+        let passed = old.file.try_clone().unwrap();
+        let mut new = Block::on(&config, passed, false).unwrap();
+        new.claim().unwrap();
+        drop(old); // the old process ends
+        assert!(!another_writer_may(&path), "the new process holds the disk");
+        // A move to another host lets go for real.
+        new.release(false).unwrap();
+        assert!(another_writer_may(&path));
+    }
+}
