@@ -17,8 +17,8 @@ const T: Duration = Duration::from_secs(60);
 const VM_MAC: [u8; 6] = [0x52, 0x54, 0, 0, 0, 0x01];
 const VM_MAC_TEXT: &str = "52:54:00:00:00:01";
 
-/// The VM on host 0's tap.
-fn forwarder(bed: &Testbed) -> Ferry {
+/// The VM on host 0's tap, its memory `anonymous` or `memfd`.
+fn forwarder(bed: &Testbed, memory_backend: &str) -> Ferry {
     let guest = guest();
     let net = format!("tap={TAP},mac={VM_MAC_TEXT}");
     Ferry::start_in_netns(
@@ -28,6 +28,8 @@ fn forwarder(bed: &Testbed) -> Ferry {
             guest.to_str().unwrap(),
             "--memory",
             "256M",
+            "--memory-backend",
+            memory_backend,
             "--cmdline",
             "write ws=16M seq verify net=fwd",
             "--net",
@@ -46,7 +48,7 @@ fn forwarding_carries_on_from_the_destinations_port() {
         return;
     }
     let bed = Testbed::new("net", 2);
-    let src = forwarder(&bed);
+    let src = forwarder(&bed, "anonymous");
     src.wait_info("the guest's first pass", T, |i| i.passes >= 1);
     let generator = Generator::start(&bed, VM_MAC, 1000, 60_000);
     wait_for("frames forwarded by the source", T, || {
@@ -107,6 +109,42 @@ fn forwarding_carries_on_from_the_destinations_port() {
         "net: {sent} frames sent, {received} back, {} lost, longest run lost {longest_gap}",
         sent - received
     );
+}
+
+#[test]
+fn forwarding_carries_on_across_a_live_update() {
+    if !kvm_available() {
+        return;
+    }
+    let bed = Testbed::new("netlu", 1);
+    let mut old = forwarder(&bed, "memfd");
+    old.wait_info("the guest's first pass", T, |i| i.passes >= 1);
+    let generator = Generator::start(&bed, VM_MAC, 1000, 60_000);
+    wait_for("frames forwarded by the old process", T, || {
+        (generator.received() >= 100).then_some(())
+    });
+    // The new process is given no NIC: the tap's open file passes to it.
+    let sock = old.scratch("update.sock");
+    let url = format!("unix:{}", sock.display());
+    let new = Ferry::start_in_netns(&bed.hosts[0], &["--incoming", &url]);
+    let (report, ok, errors) = migrate(&old, &url, &["--local"]);
+    assert!(ok, "{errors}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(old.wait_exit(T).success(), "the old process let go");
+    let moved = Instant::now();
+    wait_for("frames forwarded by the new process", T, || {
+        (generator.received_sent_after(moved) >= 100).then_some(())
+    });
+    let info = new.info();
+    assert!(info.devices[0].attached_to.contains(TAP), "{info:?}");
+    assert!(counter(&new, "rx_frames") > 0 && counter(&new, "tx_frames") > 0);
+    assert_eq!(info.verify_errors, 0);
+    let (sent, received, longest_gap) = generator.finish(Duration::from_millis(300));
+    eprintln!(
+        "net, live update: {sent} frames sent, {received} back, longest run lost {longest_gap}"
+    );
+    // The tap never closed: frames that came while the VM was paused waited in its queue.
+    assert!(longest_gap <= 5, "{longest_gap} frames in a row lost");
 }
 
 #[test]
