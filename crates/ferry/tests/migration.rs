@@ -532,9 +532,11 @@ fn foreign_streams_are_refused() {
     s.write_all(&header).unwrap();
     let mut answer = Vec::new();
     let _ = std::io::Read::read_to_end(&mut s, &mut answer);
+    let version = migration::wire::frame::VERSION;
     assert!(
-        String::from_utf8_lossy(&answer)
-            .contains("stream version 99 is not supported (this ferry speaks version 9)"),
+        String::from_utf8_lossy(&answer).contains(&format!(
+            "stream version 99 is not supported (this ferry speaks version {version}"
+        )),
         "{answer:?}"
     );
     assert!(

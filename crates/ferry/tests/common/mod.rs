@@ -108,6 +108,11 @@ impl Ferry {
         Ferry::start_in(Command::new(FERRY), extra)
     }
 
+    /// `ferry run` of another build (`binary`), as `start` does.
+    pub fn start_as(binary: &Path, extra: &[&str]) -> Ferry {
+        Ferry::start_in(Command::new(binary), extra)
+    }
+
     /// The same inside network namespace `ns` (its API socket is a file: reachable from here).
     pub fn start_in_netns(ns: &str, extra: &[&str]) -> Ferry {
         let mut ip = Command::new("ip");

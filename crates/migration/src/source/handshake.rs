@@ -21,7 +21,11 @@ pub(super) struct Agreed {
 
 impl Session<'_> {
     pub(super) fn handshake(&mut self, mode: StreamMode) -> Result<Agreed> {
-        wire::write_stream_header(&mut self.stream)?;
+        let version = match mode {
+            StreamMode::Local => wire::frame::LOCAL_SINCE,
+            _ => wire::frame::VERSION,
+        };
+        wire::frame::write_stream_header_as(&mut self.stream, version)?;
         let connections = self.connections();
         self.status.connections = connections;
         self.status.migration_threads = (0..connections)

@@ -16,6 +16,13 @@ use crate::wire::message::Message;
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
 pub const VERSION: u32 = 10;
+/// The oldest stream version this ferry still reads: a source writes the oldest version that
+/// carries everything its stream will hold, so that builds of different versions can still
+/// hand a VM over (live update both ways) while the messages that stream uses keep their bytes.
+pub const OLDEST_READ: u32 = 10;
+/// The version a live update's stream is written as (`StreamMode::Local` and `Files` came in
+/// it; what that stream sends has kept its bytes since).
+pub const LOCAL_SINCE: u32 = 10;
 pub const STREAM_HEADER_LEN: usize = 16;
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -62,9 +69,14 @@ pub fn split_descriptor(d: u64) -> Result<(u64, PageEncoding)> {
 }
 
 pub fn write_stream_header(w: &mut impl Write) -> Result<()> {
+    write_stream_header_as(w, VERSION)
+}
+
+/// A stream header naming `version` (at least `OLDEST_READ`): the stream holds nothing newer.
+pub fn write_stream_header_as(w: &mut impl Write, version: u32) -> Result<()> {
     let mut h = [0u8; STREAM_HEADER_LEN];
     h[..8].copy_from_slice(MAGIC);
-    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+    h[8..12].copy_from_slice(&version.to_le_bytes());
     w.write_all(&h)?;
     Ok(())
 }
@@ -78,9 +90,10 @@ pub fn read_stream_header(r: &mut impl Read) -> Result<()> {
         ));
     }
     let version = u32::from_le_bytes(h[8..12].try_into().unwrap());
-    if version != VERSION {
+    if !(OLDEST_READ..=VERSION).contains(&version) {
         return Err(Error::Protocol(format!(
-            "stream version {version} is not supported (this ferry speaks version {VERSION})"
+            "stream version {version} is not supported (this ferry speaks version {VERSION} \
+             and reads versions {OLDEST_READ} to {VERSION})"
         )));
     }
     Ok(())
@@ -237,6 +250,10 @@ mod tests {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
         assert!(read_stream_header(&mut h.as_slice()).is_ok());
+        // The oldest version read, as a live update's stream is written, is taken too.
+        let mut oldest = Vec::new();
+        write_stream_header_as(&mut oldest, OLDEST_READ).unwrap();
+        assert!(read_stream_header(&mut oldest.as_slice()).is_ok());
         let mut other = h.clone();
         other[8] = 9;
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
