@@ -183,11 +183,12 @@ fn lifecycle_and_live_migration_through_the_profile() {
         400,
         "power button",
     );
+    // A live update needs shared memory, which this VM was not given.
     let bad = json!({"destination_url": "unix:/nowhere", "local": true});
     assert_error(
         src.call("PUT", "vm.send-migration", Some(bad)),
         400,
-        "local=true",
+        "memory.shared",
     );
     let tcp = json!({"destination_url": "tcp:127.0.0.1:1"});
     assert_error(
@@ -295,6 +296,54 @@ fn lifecycle_and_live_migration_through_the_profile() {
 }
 
 /// CH's `tls_dir` (its file names) over ferry's certificates: one directory for both sides.
+/// CH's local migration is ferry's live update: an empty VMM takes the VM over with its
+/// memory (`memory.shared`) and its disk, no page copied.
+#[test]
+fn a_live_update_through_the_profile() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk)
+        .and_then(|f| f.set_len(4 << 20))
+        .unwrap();
+    let src = Vmm::start(dir.path(), "src");
+    let mut vm = config(&format!(
+        "write ws=16M seq verify blk blk_sectors={SECTORS}"
+    ));
+    vm["memory"]["shared"] = json!(true);
+    vm["disks"] = json!([{"path": disk}]);
+    src.ok("PUT", "vm.create", Some(vm));
+    src.ok("PUT", "vm.boot", None);
+    verifies(&src, "before the update");
+    let dst = Vmm::start(dir.path(), "dst");
+    let url = format!("unix:{}", dir.path().join("update.sock").display());
+    let receiver = receive(&dst, json!({"receiver_url": url}));
+    let postcopy = json!({"destination_url": url, "local": true, "memory_mode": "Postcopy"});
+    assert_error(
+        src.call("PUT", "vm.send-migration", Some(postcopy)),
+        400,
+        "copies no memory",
+    );
+    src.ok(
+        "PUT",
+        "vm.send-migration",
+        Some(json!({"destination_url": url, "local": true})),
+    );
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
+    let mut src = src;
+    let status = wait_for("the source to exit", Duration::from_secs(20), || {
+        src.child.try_wait().unwrap()
+    });
+    assert!(status.success());
+    let arrived = scrape(&dst.metrics);
+    let full = value(&arrived, r#"ferry_migration_pages_total{kind="full"}"#);
+    assert!(matches!(full, None | Some(0.0)), "no page copied: {full:?}");
+    verifies(&dst, "after the update");
+}
+
 fn tls_dir(dir: &Path) -> PathBuf {
     let made = dir.join("made");
     certs(&made, &["127.0.0.1", "client"]);

@@ -93,7 +93,8 @@ fn check_local(vm: &dyn Migratable, endpoint: &Endpoint) -> Result<()> {
 
 /// Why a VM on anonymous memory cannot be updated in place.
 pub(crate) const ANONYMOUS_MEMORY: &str = "guest memory is anonymous: a live update passes \
-    memory as a file, so the VM must run with --memory-backend memfd";
+    memory as a file, so the VM must run with --memory-backend memfd (memory.shared in the \
+    Cloud Hypervisor profile)";
 
 impl Outgoing {
     pub fn new(board: StatusBoard, tls: Option<Tls>) -> Arc<Self> {
