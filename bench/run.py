@@ -169,6 +169,31 @@ def scale(memory="64G", ws="16G", vcpus=8, codec_ws="512M"):
     return rows
 
 
+def update():
+    """Live update in place (`ferry migrate --local`, docs/guide.md): the VM handed to a new
+    VMM process on the same host, its memory (a memfd) passed by file descriptor, no page
+    copied; an idle guest and a writer that verifies its pages, at sizes where a copy would
+    take seconds (a memfd is populated only where the guest touched it: 64 GiB fits a 23 GiB
+    host). QEMU's answer: cpr-transfer (`qemu-cpr`, fb/qemu.py), its RAM a shared memfd,
+    microvm. No link: Unix sockets in one namespace."""
+    rows = []
+    for m in ("1G", "16G", "64G"):
+        rows += [scenario(f"idle {m}", m, "idle", mode="local", timeout_s=60),
+                 scenario(f"write seq 64M / {m} verify", m, "write ws=64M seq verify", mode="local",
+                          timeout_s=60)]
+    return rows
+
+
+def runs_on(peer, sc):
+    """Whether `peer` runs scenario `sc`: QEMU has no hybrid mode, and no ferry option
+    (`extra`) to compare with; its warm migration is `stop`, then pre-copy. A live update
+    (`local`) is ferry's `--local` and QEMU's cpr-transfer (`qemu-cpr`), which runs nothing else."""
+    if peer == qemu.CPR or sc["mode"] == "local":
+        return sc["mode"] == "local" and (peer == qemu.CPR or peer.startswith("ferry"))
+    return not (peer.startswith("qemu") and (
+        sc["mode"] not in ("precopy", "postcopy", "warm") or sc["extra"] or sc.get("qemu") is False))
+
+
 BALLOON_MEMORY = "4G"
 MODE_LABELS = {"precopy": "pre-copy", "postcopy": "post-copy", "hybrid": "hybrid"}
 
@@ -247,6 +272,11 @@ PROFILES = {
     "floor": {
         "links": ["loopback", "1gbit"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
         "scenarios": [scenario(f"idle {m}", m, "idle", timeout_s=60) for m in ("8G", "64G", "256G")],
+    },
+    # Live update in place: ferry's `--local` and QEMU's cpr-transfer, idle and writing, 1–64 GiB.
+    "update": {
+        "links": ["loopback"], "peers": ["ferry", qemu.CPR], "repeats": 3, "boot": [], "dirty": False,
+        "scenarios": update(),
     },
     "tiny": {
         "links": ["loopback"], "peers": ["ferry"], "repeats": 1, "boot": [], "dirty": False,
@@ -509,11 +539,7 @@ def run(args):
                     for sc in profile["scenarios"]:
                         if args.fail_scenario:
                             sc = dict(sc, memory="0")  # a scenario made to fail (cleanup test)
-                        # QEMU has no hybrid mode, and no ferry option (`extra`) to compare with;
-                        # its warm migration is `stop`, then pre-copy.
-                        names = [p for p in peers if not (p.startswith("qemu") and (
-                            sc["mode"] not in ("precopy", "postcopy", "warm") or sc["extra"]
-                            or sc.get("qemu") is False))]
+                        names = [p for p in peers if runs_on(p, sc)]
                         kept = {p: ([], None, []) for p in names}  # rows, error, runs that stalled
                         # Runs interleave (ferry, QEMU, ferry, ...): a machine that drifts during
                         # a scenario drifts for every peer alike.
@@ -622,7 +648,7 @@ def main():
     p.add_argument("--full", dest="profile", action="store_const", const="full",
                    help="every scenario on every link (about 45 minutes here)")
     p.add_argument("--links", help="comma list: loopback,1gbit,10gbit")
-    p.add_argument("--peers", help="comma list: ferry,ferry-best,qemu-default,qemu,qemu-best")
+    p.add_argument("--peers", help="comma list: ferry,ferry-best,qemu-default,qemu,qemu-best,qemu-cpr")
     p.add_argument("--repeats", type=int)
     p.add_argument("--delay-ms", type=int, default=0,
                    help="make every link WAN-like: this much latency each way (a delay line "

@@ -1,12 +1,13 @@
 """The results page's tables (docs/benchmarks.md, between its markers), written from the JSON
-of the runs it cites: the headline, QEMU's sweep, ferry's flag check, the floor and the balloon."""
+of the runs it cites: the headline, QEMU's sweep, ferry's flag check, the floor, the balloon and
+live update in place."""
 import json
 import os
 import shutil
 
 from . import plot
 from .qemu import VARIANTS
-from .report import balloon_table, breakdown_tables
+from .report import balloon_table, breakdown_tables, update_table
 from .util import REPO
 
 DOCS = os.path.join(REPO, "docs")
@@ -15,7 +16,7 @@ PAGE = os.path.join(DOCS, "benchmarks.md")
 BEGIN, END = "<!-- tables: written by bench/run.py -->", "<!-- end of tables -->"
 # Raw data each profile leaves for the page, under docs/benchmarks/.
 RAW_FILES = {"headline": "headline.json", "sweep": "qemu-sweep.json", "flags": "ferry-flags.json",
-             "floor": "idle-floor.json", "balloon": "balloon.json"}
+             "floor": "idle-floor.json", "balloon": "balloon.json", "update": "live-update.json"}
 # The headline's chart, beside its raw data.
 CHART = "headline.svg"
 # The floor's goal: an idle guest's total (ms) by its memory, and its downtime on both clocks.
@@ -307,6 +308,14 @@ def tables(limits):
         lines += ["## QEMU's sweep (`bench/run.py --profile sweep`)", ""] + sweep_table(sweep, limits)
     if flags:
         lines += ["## ferry's flag check (`bench/run.py --profile flags`)", ""] + flags_table(flags, limits)
+    update = load("update")
+    if update:
+        lines += ["## Live update in place (`bench/run.py --profile update`)", "",
+                  provenance(update, "Live update"), ""] + update_table(
+                      update, lambda e, m, scale=1.0, digits=1: spread(e, m, scale, digits))
+        idle = breakdown_tables([e for e in update["scenarios"] if e["peer"] == "ferry"])
+        if idle:
+            lines += ["### Where ferry's idle update spends its time", ""] + idle[2:]
     bal = load("balloon")
     if bal:
         lines += ["## Free memory and the balloon (`bench/run.py --profile balloon`)", "",

@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import threading
 import time
 
 from . import balloon
@@ -30,9 +32,10 @@ def available():
 
 
 class Qmp:
-    def __init__(self, path, timeout=30):
+    def __init__(self, path, timeout=30, sock=None):
+        """`sock`: a connection QEMU made (`Qmp.listen`) instead of one to `path`."""
         deadline = time.time() + timeout
-        while True:
+        while sock is None:
             try:
                 self.sock = socket.socket(socket.AF_UNIX)
                 self.sock.connect(path)
@@ -41,6 +44,8 @@ class Qmp:
                 if time.time() > deadline:
                     raise BenchError(f"no QMP socket at {path}")
                 time.sleep(0.02)
+        if sock is not None:
+            self.sock = sock
         self.file = self.sock.makefile("rwb")
         self.events = []  # (event, its data, host time in s) as QEMU sent them
         self._read()  # greeting
@@ -85,6 +90,39 @@ class Qmp:
         except OSError:
             pass
 
+    @staticmethod
+    def listen(path, timeout=60):
+        """Listens on `path` for a QMP chardev with `server=off` (QEMU connects as it creates
+        its monitor) and negotiates at once, in a thread, so that events QEMU sends soon after
+        (a cpr-transfer destination's RESUME) are not lost; `get()` gives the Qmp."""
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        listener.listen(1)
+        listener.settimeout(timeout)
+        got = {}
+
+        def run():
+            try:
+                conn, _ = listener.accept()
+                conn.settimeout(None)
+                got["qmp"] = Qmp(path, sock=conn)
+            except (OSError, BenchError) as e:
+                got["error"] = e
+            finally:
+                listener.close()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+
+        class Pending:
+            def get(self, wait=timeout):
+                thread.join(wait)
+                if "qmp" not in got:
+                    raise BenchError(f"QEMU never connected its QMP to {path}: {got.get('error')}")
+                return got["qmp"]
+
+        return Pending()
+
 
 # What each variant sets beyond `qemu` (the scenario's downtime limit, no bandwidth cap).
 # `postcopy`: "start" switches as soon as QEMU allows, "after-pass" once the first pre-copy
@@ -105,6 +143,12 @@ VARIANTS = {
     "qemu-postcopy-preempt": {"postcopy": "start", "preempt": True},
     "qemu-hybrid-preempt": {"postcopy": "after-pass", "preempt": True},
 }
+# QEMU's live update on one host (`--profile update`): cpr-transfer mode, guest RAM in a shared
+# memfd passed to a new QEMU over a Unix "cpr" channel (QEMU's docs/devel/migration/CPR.rst).
+# Not a variant of its pre-copy: it runs the `local` scenarios only.
+CPR = "qemu-cpr"
+# The machine the bench's other microvm rows use (fb/balloon.py): the guest ELF's PVH entry.
+CPR_MACHINE = "microvm,acpi=off"
 # The variant `qemu-best` stands for where the sweep has no winner for a scenario and link.
 FALLBACK_BEST = "qemu-mfd2-zstd"
 BEST_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "qemu-best.json")
@@ -124,12 +168,13 @@ def best_variant(scenario, link):
 
 class QemuPeer:
     def __init__(self, procs, workdir, variant="qemu"):
-        assert variant in VARIANTS or variant == "qemu-best", variant
+        assert variant in VARIANTS or variant in ("qemu-best", CPR), variant
         self.procs = procs
         self.work = workdir
         self.variant = variant
         self.name = variant
         self.pids = {}  # tag given to `start` → the QEMU's pid
+        self.popens = {}  # tag given to `start` → the QEMU's process
 
     def spec(self, scenario, link):
         """What this peer sets for `scenario` on `link` (`qemu-best`: the sweep's winner), and
@@ -137,25 +182,39 @@ class QemuPeer:
         name = best_variant(scenario["name"], link.name) if self.variant == "qemu-best" else self.variant
         return name, VARIANTS[name]
 
-    def start(self, tag, scenario, clock, netns, incoming=None, machine=None, extra=()):
-        """A QEMU in `netns` running the scenario's guest (or waiting for it: `incoming`), its
-        serial lines followed by `clock`; `machine` and `extra` add to the command line."""
+    def start(self, tag, scenario, clock, netns, incoming=None, machine=None, extra=(), connect_back=False):
+        """A QEMU in `netns` running the scenario's guest (or waiting for it: `incoming`, one
+        `-incoming` argument or a list of them), its serial lines followed by `clock`;
+        `machine` and `extra` add to the command line. `connect_back`: QEMU connects its
+        console and QMP to sockets the bench listens on (see `Qmp.listen`), and a pending Qmp
+        is returned (`.get()`)."""
         qmp = os.path.join(self.work, f"{tag}-{time.time_ns()}.qmp")
         ser = os.path.join(self.work, f"{tag}-{time.time_ns()}.ser")
         mem_mib = parse_mib(scenario["memory"])
+        if connect_back:
+            clock.listen(ser)
+            pending = Qmp.listen(qmp)
+            console = [f"socket,id=ser0,path={ser},server=off"]
+            monitor = ["-chardev", f"socket,id=qmp0,path={qmp},server=off", "-mon", "chardev=qmp0,mode=control"]
+        else:
+            console = [f"socket,id=ser0,path={ser},server=on,wait=off"]
+            monitor = ["-qmp", f"unix:{qmp},server=on,wait=off"]
         argv = [QEMU, *(() if "-accel" in extra else ("-enable-kvm",)), "-nodefaults", "-display", "none", "-m", str(mem_mib),
                 "-smp", str(scenario["vcpus"]),
-                "-chardev", f"socket,id=ser0,path={ser},server=on,wait=off", "-serial", "chardev:ser0",
-                "-kernel", GUEST, "-append", scenario.get("qemu_cmdline") or scenario["cmdline"],
-                "-qmp", f"unix:{qmp},server=on,wait=off"]
+                "-chardev", *console, "-serial", "chardev:ser0",
+                "-kernel", GUEST, "-append", scenario.get("qemu_cmdline") or scenario["cmdline"], *monitor]
         if machine:
             argv += ["-M", machine]
         argv += list(extra)
-        if incoming:
-            argv += ["-incoming", incoming]
+        for channel in ([incoming] if isinstance(incoming, str) else incoming or []):
+            argv += ["-incoming", channel]
         side = "destination" if incoming else "source"
-        self.pids[tag] = self.procs.start(argv, netns=netns, side=side,
-                                          stderr=open(os.path.join(self.work, f"qemu-{tag}.err"), "ab")).pid
+        proc = self.procs.start(argv, netns=netns, side=side,
+                                stderr=open(os.path.join(self.work, f"qemu-{tag}.err"), "ab"))
+        self.pids[tag] = proc.pid
+        self.popens[tag] = proc
+        if connect_back:
+            return pending
         wait_until("the QEMU serial socket", 30, lambda: os.path.exists(ser))
         clock.follow_socket(ser)
         return Qmp(qmp)
@@ -219,7 +278,113 @@ class QemuPeer:
             raise BenchError(f"QEMU migration {info['status']}: {info.get('error-desc', '')}")
         return info
 
+    def cpr_once(self, scenario):
+        """One live update by QEMU's cpr-transfer, measured as ferry's (`FerryPeer.local_once`):
+        the new QEMU started with the machine's arguments plus a `main` and a `cpr` incoming
+        channel (Unix sockets); the old one told `migrate-set-parameters mode=cpr-transfer`,
+        then `migrate` on both. The new QEMU creates its devices, console and monitor only once
+        the old one sent its cpr state (the memfd), so both connect back to the bench
+        (`connect_back`): its first console line and its RESUME event are not missed.
+
+        Total: the request → the destination's RESUME event (its host timestamp); QEMU's own
+        total-time beside it. Bytes: QEMU's count of the main channel (`ram.transferred`:
+        device state and headers; guest RAM is not sent); the cpr channel's few bytes and the
+        fds are not counted by QEMU."""
+        mem_mib = parse_mib(scenario["memory"])
+        memory = ["-object", f"memory-backend-memfd,id=ram0,size={mem_mib}M,share=on"]
+        # aux-ram-share: the machine's own RAM (ROMs, firmware) in memfds too, as CPR needs.
+        machine = f"{CPR_MACHINE},memory-backend=ram0,aux-ram-share=on"
+        src_clock, dst_clock = SerialClock(), SerialClock()
+        src = self.start("src", scenario, src_clock, None, machine=machine, extra=memory)
+        busy = " idle" not in f" {scenario['cmdline']}"
+        wait_until("guest serial progress", scenario.get("ready_s", 120),
+                   lambda: src_clock.guest_error() or (
+                       src_clock.counter("all_passed") >= 1 if busy else len(src_clock.lines()) > 3))
+        if scenario.get("warmup_s"):
+            time.sleep(scenario["warmup_s"])
+        stamp = time.time_ns()
+        main = {"channel-type": "main", "addr": {"transport": "socket", "type": "unix",
+                                                 "path": os.path.join(self.work, f"main-{stamp}.sock")}}
+        cpr = {"channel-type": "cpr", "addr": {"transport": "socket", "type": "unix",
+                                               "path": os.path.join(self.work, f"cpr-{stamp}.sock")}}
+        pending = self.start("dst", scenario, dst_clock, None, incoming=[json.dumps(main), json.dumps(cpr)],
+                             machine=machine, extra=memory, connect_back=True)
+
+        def listening():
+            if self.popens["dst"].poll() is not None:
+                raise BenchError("the cpr-transfer destination exited: "
+                                 + open(os.path.join(self.work, "qemu-dst.err")).read().strip()[-300:])
+            return os.path.exists(cpr["addr"]["path"])
+
+        wait_until("the cpr channel", 30, listening)
+        src.cmd("migrate-set-parameters", mode="cpr-transfer")
+        started = time.time()
+        src.cmd("migrate", channels=[main, cpr])
+        dst = pending.get()
+
+        def done():
+            info = src.cmd("query-migrate")
+            return info if info.get("status") in ("completed", "failed", "cancelled") else None
+
+        info = wait_until("the cpr-transfer migration", scenario["timeout_s"], done, interval=0.005)
+        if info["status"] != "completed":
+            raise BenchError(f"QEMU cpr-transfer {info['status']}: {info.get('error-desc', '')}")
+        resumed = dst.event_time("RESUME", 30)
+        stopped = src.event_time("STOP", 5)
+        time.sleep(0.5)
+        serial_downtime = observed_downtime_ms(src_clock, dst_clock, started)
+        errors_after = None
+        if "verify" in scenario["cmdline"].split():
+            # One whole pass on the destination, as for ferry.
+            passes = dst_clock.counter("all_passed")
+            wait_until("a pass after the update", scenario.get("ready_s", 120),
+                       lambda: dst_clock.guest_error() or dst_clock.counter("all_passed") > passes)
+            errors_after = dst_clock.counter("errors")
+        passes_after = dst_clock.counter("all_passed") if busy else None
+        source_exit = None
+        for tag, q in (("src", src), ("dst", dst)):
+            try:
+                q.cmd("quit")
+            except BenchError:
+                pass
+            q.close()
+            try:
+                code = self.popens[tag].wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                code = None
+            if tag == "src":
+                source_exit = code
+        ram = info.get("ram", {})
+        return {
+            "peer": self.name,
+            "variant": CPR,
+            "mode": "cpr-transfer",
+            "total_ms": (resumed - started) * 1e3,
+            "total_ms_reported": info.get("total-time"),
+            "wire_bytes": None,  # no link: Unix sockets
+            "downtime_ms": info.get("downtime"),
+            "destination_downtime_ms": None,
+            # The source's STOP to the destination's RESUME, each QEMU's event timestamp.
+            "stop_to_resume_ms": (resumed - stopped) * 1e3,
+            "guest_downtime_ms": None,
+            "serial_downtime_ms": serial_downtime,
+            "bytes": ram.get("transferred"),
+            "must_move_bytes": None,
+            "rounds": ram.get("dirty-sync-count"),
+            "round_table": [],
+            "pages_full": ram.get("normal"),
+            "pages_zero": ram.get("duplicate"),
+            "pages_transferred": (ram.get("normal") or 0) + (ram.get("duplicate") or 0),
+            "verify_errors_after": errors_after,
+            "passes_after": passes_after,
+            "source_exit": source_exit,
+        }
+
     def migrate_once(self, scenario, link):
+        if self.variant == CPR or scenario["mode"] == "local":
+            if self.variant != CPR or scenario["mode"] != "local":
+                raise BenchError("cpr-transfer (qemu-cpr) runs the local scenarios only")
+            return self.cpr_once(scenario)
         if scenario["mode"] not in ("precopy", "postcopy", "warm"):
             raise BenchError(f"the QEMU driver has no {scenario['mode']} mode")
         variant, spec = self.spec(scenario, link)

@@ -1,6 +1,7 @@
 """results.json, a Markdown table and plots from one run."""
 import json
 import os
+import re
 import sys
 
 from .util import summarize
@@ -9,7 +10,8 @@ METRICS = ["total_ms", "total_ms_reported", "wire_bytes", "downtime_ms", "destin
            "network_faults", "network_fault_share", "zero_faults", "resume_ms", "pages_transferred",
            "fault_latency_p50_ms", "fault_latency_p99_ms", "rate_after", "checkpoint_count",
            "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max",
-           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib", "gb_per_s", "restore_ms"]
+           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib", "gb_per_s", "restore_ms",
+           "stop_to_resume_ms"]
 
 
 # The forwarding runs (`--profile devices`).
@@ -84,6 +86,62 @@ def breakdown_tables(scenarios):
     if lines:
         lines = ["## Where an idle migration's time goes", ""] + lines
     return lines
+
+
+def is_update(entry):
+    """A live update's row (`--profile update`): ferry's `--local`, QEMU's cpr-transfer."""
+    return any("source_exit" in r for r in entry.get("runs", [])) or entry.get("peer") == "qemu-cpr"
+
+
+def update_table(results, cell=None):
+    """Live updates in place by guest memory, guest and VMM: the total on the destination's
+    clock and the VMM's own, the downtime on each clock, the console gap, the bytes of the
+    messages on the socket, the pages sent (none), what the destination's guest found wrong in
+    a pass over its pages, and how the old process ended. `cell(entry, metric, scale,
+    digits)` formats a summarized metric (default: median [min–max])."""
+    rows = [e for e in results["scenarios"] if is_update(e)]
+    if not rows:
+        return []
+    cell = cell or (lambda e, m, scale=1.0, digits=1: fmt(e.get("summary", {}), m, scale, digits))
+
+    def memory(e):
+        sizes = re.findall(r"\b(\d+)([GM])\b", e["scenario"].split("/")[-1])
+        n, unit = sizes[-1] if sizes else (0, "G")
+        return int(n) << (10 if unit == "G" else 0)
+
+    scenarios = list(dict.fromkeys(e["scenario"] for e in rows))
+    rows = sorted(rows, key=lambda e: (e["link"], memory(e), "idle" not in e["scenario"],
+                                        scenarios.index(e["scenario"]), e["peer"] != "ferry", e["peer"]))
+
+    def runs_say(e, key, show):
+        vals = [r.get(key) for r in e.get("runs", [])]
+        return ", ".join(dict.fromkeys(show(v) for v in vals)) if vals else "-"
+
+    lines = ["| scenario | peer | total ms (destination's clock) | total ms (VMM's own) | downtime ms, "
+             "source's clock | downtime ms, destination's clock | guest-observed ms (heartbeats) "
+             "| guest downtime ms (console ticks) | QEMU: STOP → RESUME ms | KB on the socket | pages sent "
+             "| verify errors after a pass | old process exit |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in rows:
+        peer = e["peer"] + (f" (failed: {e['error']})" if e.get("error") else "") + (
+            f" ({e['outcome']})" if e.get("outcome") else "")
+        verify = "verify" in e["scenario"].split()
+        errors = [r.get("verify_errors_after") for r in e.get("runs", [])]
+        lines.append(
+            f"| {e['scenario']} | {peer} | {cell(e, 'total_ms')} | {cell(e, 'total_ms_reported')} "
+            f"| {cell(e, 'downtime_ms', digits=2)} | {cell(e, 'destination_downtime_ms', digits=2)} "
+            f"| {cell(e, 'guest_downtime_ms', digits=2)} | {cell(e, 'serial_downtime_ms')} "
+            f"| {cell(e, 'stop_to_resume_ms', digits=2)} | {cell(e, 'bytes', 1e3)} "
+            f"| {runs_say(e, 'pages_full', lambda v: '-' if v is None else str(v))} "
+            f"| {(str(sum(errors)) if errors and None not in errors else '-') if verify else '-'} "
+            f"| {runs_say(e, 'source_exit', lambda v: 'still running' if v is None else str(v))} |")
+    return lines + ["", "Total: from the update request to the new process running the VM with nothing "
+                        "more to come (ferry: its `completed_at_unix_ns`; QEMU: its RESUME event), on "
+                        "the destination's clock. KB on the socket: the messages each VMM counts "
+                        "(ferry's `bytes_on_wire`; QEMU's `ram.transferred` on its main channel, "
+                        "its cpr channel uncounted); memory and device files pass as descriptors. "
+                        "QEMU's own downtime and total are whole milliseconds. Verify errors: a "
+                        "writer's pages checked in one whole pass on the destination.", ""]
 
 
 def balloon_table(results):
@@ -190,8 +248,10 @@ def markdown(results):
             lines.append(f"| {r['scenario']} | {fmt(s, 'total_ms')} | {fmt(s, 'bytes', 1e6)} | "
                          f"{fmt(s, 'gb_per_s', digits=2)} | {fmt(s, 'restore_ms')} | {errors} |")
         lines.append("")
+    if any(is_update(e) for e in results["scenarios"]):
+        lines += ["## Live update in place", ""] + update_table(results)
     lines += breakdown_tables(results["scenarios"])
-    moves = [r for r in results["scenarios"] if r not in snaps]
+    moves = [r for r in results["scenarios"] if r not in snaps and not is_update(r)]
     if moves:
         lines += ["## Migrations", "",
                   "Total: from the migrate request to the VM needing nothing more from the source, "

@@ -62,6 +62,28 @@ class SerialClock:
 
         threading.Thread(target=run, daemon=True).start()
 
+    def listen(self, path, timeout=60):
+        """Listens on `path` for a QEMU chardev socket with `server=off`, which connects when
+        QEMU creates it: no line is lost to a reader that connects late (a cpr-transfer
+        destination creates its chardevs only once the old QEMU sent its state)."""
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(path)
+        listener.listen(1)
+        listener.settimeout(timeout)
+
+        def run():
+            try:
+                s, _ = listener.accept()
+            except OSError:
+                return
+            finally:
+                listener.close()
+            with s:
+                s.settimeout(None)
+                self._consume(s)
+
+        threading.Thread(target=run, daemon=True).start()
+
     def lines(self):
         with self.lock:
             return list(self.stamps)
