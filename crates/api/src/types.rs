@@ -195,6 +195,9 @@ pub struct MigrationRequest {
     /// Post-copy checkpoints every this many ms (5..=60000; off when absent): the source can
     /// then carry on from the newest one should the destination die (`vm.migrate-rollback`).
     pub checkpoint_ms: Option<i64>,
+    /// Pre-copy: for how long (s) a broken connection is carried on over a new one while the
+    /// VM runs on here (0: the migration fails at once; default 60).
+    pub resume_window_s: Option<i64>,
 }
 
 /// `auto_converge` as a request gives it: a policy's name, or a switch (`true`: "early",
@@ -438,6 +441,12 @@ pub struct MigrationStatus {
     #[serde(default)]
     pub pages_skipped_free: u64,
     pub pages_resent: u64,
+    /// Pre-copy: broken connections carried on over a new one, and the pages sent again
+    /// because their last copy had not landed.
+    #[serde(default)]
+    pub resumes: u32,
+    #[serde(default)]
+    pub pages_sent_again: u64,
     pub bytes_on_wire: u64,
     pub compression: CompressionStats,
     pub rounds: Vec<RoundStats>,

@@ -144,6 +144,12 @@ pub struct MigrateArgs {
     /// should the destination die. Off by default.
     #[arg(long, allow_negative_numbers = true)]
     pub checkpoint_ms: Option<i64>,
+    /// Pre-copy over one connection: should the connection break while the VM still runs
+    /// here, reconnect for up to this many seconds (0..=120, default 60; 0: fail at once) and
+    /// carry on, sending only the pages whose last copy did not land and what was dirtied
+    /// meanwhile.
+    #[arg(long, allow_negative_numbers = true)]
+    pub resume_window_s: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]
     pub max_downtime_ms: Option<i64>,
     #[arg(long, allow_negative_numbers = true)]

@@ -47,6 +47,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         migration_threads: args.migration_threads,
         delta_cache_mb: args.delta_cache_mb,
         checkpoint_ms: args.checkpoint_ms,
+        resume_window_s: args.resume_window_s,
         go_with_state: args.go_with_state,
     };
     let _ = vmm_sys_util::signal::register_signal_handler(libc::SIGINT, on_interrupt);

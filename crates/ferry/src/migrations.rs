@@ -126,6 +126,8 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         pages_skipped_unpopulated: p.pages.skipped_unpopulated,
         pages_skipped_free: p.pages.skipped_free,
         pages_resent: p.pages.resent,
+        resumes: r.resumes,
+        pages_sent_again: r.pages_sent_again,
         bytes_on_wire: p.bytes_on_wire,
         compression: api::CompressionStats {
             asked: p.compression.asked.clone(),
@@ -273,6 +275,8 @@ pub fn params_from_request(
             other => Ok(other.map(|n| n as u64)),
         }
     };
+    // A VM running on while its migration waits minutes for a link is better started again.
+    const MAX_RESUME_WINDOW_S: u32 = 120;
     // A cache larger than most guests' memory would only hold host memory hostage.
     const MAX_DELTA_CACHE_MB: i64 = 64 * 1024;
     let defaults = MigrationParams::default();
@@ -325,6 +329,14 @@ pub fn params_from_request(
                 )));
             }
             n => n.map(|n| n as u32),
+        },
+        resume_window_s: match req.resume_window_s {
+            Some(n) if !(0..=i64::from(MAX_RESUME_WINDOW_S)).contains(&n) => {
+                return Err(ApiError::bad_request(format!(
+                    "resume_window_s must be 0..={MAX_RESUME_WINDOW_S} seconds, not {n}"
+                )));
+            }
+            n => n.map_or(defaults.resume_window_s, |n| n as u64),
         },
     };
     params.validate().map_err(api_error)?;

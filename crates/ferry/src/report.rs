@@ -40,7 +40,7 @@ pub fn render(s: &MigrationStatus) -> String {
     if let Some(n) = &s.note {
         let _ = writeln!(o, "  note: {n}");
     }
-    let rows: [(&str, String); 20] = [
+    let rows: [(&str, String); 21] = [
         ("setup", format!("{:.2} ms", s.setup_ms)),
         ("downtime (source's clock)", opt_ms(s.downtime_ms)),
         (
@@ -67,6 +67,10 @@ pub fn render(s: &MigrationStatus) -> String {
             s.pages_skipped_free.to_string(),
         ),
         ("pages resent (dirtied again)", s.pages_resent.to_string()),
+        (
+            "connection breaks carried on",
+            format!("{} ({} pages sent again)", s.resumes, s.pages_sent_again),
+        ),
         ("bytes on the wire", s.bytes_on_wire.to_string()),
         (
             // A snapshot's lanes are its writers.

@@ -37,6 +37,9 @@ enum Fault {
     KillSource,
     KillDestination,
     Cut,
+    /// A cut after which the link comes back at once: a pre-copy carries on over a new
+    /// connection (the other faults' migrations are told not to: `--resume-window-s 0`).
+    Blip,
     Stall,
     Corrupt,
     Cancel,
@@ -66,6 +69,9 @@ const STOPS: [Fault; 4] = [
 ];
 const STOP_MODES: [&str; 3] = ["precopy", GO_WITH_STATE, "postcopy"];
 
+/// Tried at every point of the modes whose rounds can be carried on after a broken link.
+const BLIP_MODES: [&str; 3] = ["precopy", GO_WITH_STATE, "hybrid"];
+
 /// Strangers come at these points of these modes: before the source (setup: first in the
 /// listener's queue, where two connections' extra one must still get in), during the rounds,
 /// at the switch, and during post-copy.
@@ -80,6 +86,7 @@ impl Fault {
             Fault::KillSource => "kill -9 source",
             Fault::KillDestination => "kill -9 destination",
             Fault::Cut => "link cut",
+            Fault::Blip => "link blip",
             Fault::Stall => "link stall 10 s",
             Fault::Corrupt => "corrupted byte",
             Fault::Strangers => "strangers",
@@ -90,6 +97,7 @@ impl Fault {
     fn action(self) -> Action {
         match self {
             Fault::Cut => Action::Cut,
+            Fault::Blip => Action::Blip,
             Fault::Stall => Action::Stall(STALL),
             Fault::Corrupt => Action::Corrupt,
             _ => Action::Hold,
@@ -110,6 +118,9 @@ impl Fault {
         let mut faults = FAULTS.to_vec();
         if STOP_MODES.contains(&mode) {
             faults.extend(STOPS);
+        }
+        if BLIP_MODES.contains(&mode) {
+            faults.push(Fault::Blip);
         }
         if STRANGER_MODES.contains(&mode) && STRANGER_POINTS.contains(&point) {
             faults.push(Fault::Strangers);
@@ -194,7 +205,7 @@ fn mode_args(mode: &str) -> Vec<&str> {
 /// Where the switch stands when the frame at `point` is held.
 fn moment(mode: &str, point: Point) -> Moment {
     match point {
-        Point::Setup | Point::Round0 | Point::RoundK => Moment::Live,
+        Point::Setup | Point::Round0 | Point::Round0Share(_) | Point::RoundK => Moment::Live,
         Point::Pause | Point::State if mode == GO_WITH_STATE => Moment::AroundGo,
         Point::Pause | Point::State => Moment::Paused,
         Point::Go => Moment::GoHeld,
@@ -207,6 +218,14 @@ fn moment(mode: &str, point: Point) -> Moment {
 fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
     use Outcome::*;
     let postcopy = matches!(mode, "postcopy" | "hybrid");
+    // A blip while rounds run is carried on; anywhere else it is a cut.
+    let fault = match (point, fault) {
+        (Point::Round0 | Point::Round0Share(_) | Point::RoundK, Fault::Blip) => {
+            return &[Destination];
+        }
+        (_, Fault::Blip) => Fault::Cut,
+        (_, f) => f,
+    };
     match (point, fault) {
         // Strangers change nothing.
         (_, Fault::Strangers) => &[Destination],
@@ -230,13 +249,23 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
         (Point::Setup, Fault::Stall) => &[Destination, Source],
         (_, Fault::Stall) => &[Destination],
         // Before the source gives the VM up, it stays there; killing it kills the VM.
-        (Point::Setup | Point::Round0 | Point::RoundK | Point::Pause | Point::State, f) => {
+        (
+            Point::Setup
+            | Point::Round0
+            | Point::Round0Share(_)
+            | Point::RoundK
+            | Point::Pause
+            | Point::State,
+            f,
+        ) => {
             match f {
                 Fault::KillSource => &[Lost],
                 // A page corrupted while the guest runs is caught by its CRC; a later copy
                 // (the writer rewrites its pages) mends it, or the destination refuses the
                 // migration. `--checksum` proves memory equal at the switch either way.
-                Fault::Corrupt if matches!(point, Point::Round0 | Point::RoundK) => {
+                Fault::Corrupt
+                    if matches!(point, Point::Round0 | Point::Round0Share(_) | Point::RoundK) =>
+                {
                     &[Source, Destination]
                 }
                 _ => &[Source],
@@ -247,7 +276,7 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
         (Point::Go, Fault::KillSource) if postcopy => &[Lost],
         (Point::Go, Fault::KillSource) => &[Destination],
         // `Go` never arrived: the source holds the VM, and the operator takes it back.
-        (Point::Go, Fault::KillDestination | Fault::Cut) => &[Reclaimed],
+        (Point::Go, Fault::KillDestination | Fault::Cut | Fault::Blip) => &[Reclaimed],
         // A destination that refuses a corrupt `Go` says so: the source may run on.
         (Point::Go, Fault::Corrupt) => &[Source, Reclaimed],
         (Point::Go, Fault::Cancel) => &[Destination],
@@ -256,7 +285,7 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
         // switch if none had come yet.
         (Point::Postcopy(_), Fault::KillSource) => &[Lost],
         (Point::Postcopy(_), Fault::KillDestination) => &[RolledBack, Reclaimed],
-        (Point::Postcopy(_), Fault::Cut | Fault::Corrupt) => &[Recovered],
+        (Point::Postcopy(_), Fault::Cut | Fault::Blip | Fault::Corrupt) => &[Recovered],
         (Point::Postcopy(_), Fault::Cancel) => &[Destination],
         // The destination ran the VM, said so, and died. Its last word on its way lets the
         // source go: the move was complete, and the host that then died held the only copy.
@@ -326,7 +355,7 @@ fn run_case(c: &Case) -> Result {
     // At setup the strangers come first, queued before the source's connection.
     let early = c.fault == Fault::Strangers && c.point == Point::Setup;
     let mut strangers = early.then(|| Strangers::start(port));
-    let migrating = start_migration(&src, &relay.url, c.mode);
+    let migrating = start_migration(&src, &relay.url, c.mode, c.fault);
     let reached = relay.wait_reached(Duration::from_secs(60));
     let heard = reached
         .then(|| inject(c.fault, &mut src, &mut dst))
@@ -386,12 +415,17 @@ fn start_migration(
     src: &Ferry,
     url: &str,
     mode: &'static str,
+    fault: Fault,
 ) -> std::thread::JoinHandle<std::process::Output> {
     let socket = src.socket.to_str().unwrap().to_string();
     let url = url.to_string();
     std::thread::spawn(move || {
         let mut args = vec!["migrate", "--api-socket", &socket, "--to", &url, "--json"];
         args.extend(mode_args(mode));
+        // Only a blip's link comes back: the others' migrations fail as they break.
+        if fault != Fault::Blip {
+            args.extend(["--resume-window-s", "0"]);
+        }
         args.extend([
             "--max-downtime-ms",
             "1",
@@ -547,7 +581,7 @@ fn all_cases() -> Vec<Case> {
 /// and during post-copy, where the operator takes the VM back), spread over the modes and
 /// points, two stop requests: a SIGTERM the source must defer (at `Go`), and a stop that
 /// ends an arrival (at the state); and strangers at the door of a two-connection migration.
-const SHORT: [(&str, Point, Fault); 13] = [
+const SHORT: [(&str, Point, Fault); 14] = [
     ("precopy", Point::Go, Fault::Stop(Side::Source, How::Signal)),
     (TWO_CONNECTIONS, Point::Setup, Fault::Strangers),
     (
@@ -565,6 +599,7 @@ const SHORT: [(&str, Point, Fault); 13] = [
     ("postcopy", Point::Postcopy(10), Fault::KillSource),
     ("hybrid", Point::Postcopy(50), Fault::KillDestination),
     ("hybrid", Point::Postcopy(90), Fault::Stall),
+    ("precopy", Point::RoundK, Fault::Blip),
 ];
 
 fn short_cases() -> Vec<Case> {

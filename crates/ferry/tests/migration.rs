@@ -481,7 +481,8 @@ fn cut_connection_leaves_the_source_running() {
     }
     let src = Ferry::writer("write ws=64M seq verify");
     let (mut dst, proxy) = destination_behind(Point::Round0, Action::Cut);
-    let (report, ok, _) = migrate(&src, &proxy.url, &[]);
+    // A link that stays down, with no window to carry the migration on (tests/resume.rs).
+    let (report, ok, _) = migrate(&src, &proxy.url, &["--resume-window-s", "0"]);
     assert!(!ok);
     assert_eq!(report.phase, MigrationPhase::Failed, "{report:?}");
     assert!(

@@ -87,6 +87,16 @@ impl Error {
         }
     }
 
+    /// Whether the connection broke (reset, timed out, closed by the peer mid-stream), as
+    /// opposed to an answer or a stream that is wrong: what a resume can carry on from.
+    pub fn is_break(&self) -> bool {
+        match self {
+            Error::Transport { .. } => true,
+            Error::Protocol(why) => why.starts_with(crate::wire::frame::TRUNCATED),
+            _ => false,
+        }
+    }
+
     /// The error and each of its causes: what the status, the peer and the API hear.
     pub fn report(&self) -> String {
         chain(self)

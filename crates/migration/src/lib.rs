@@ -13,6 +13,7 @@
 pub mod bitmap;
 pub mod board;
 pub mod buckets;
+pub mod copies;
 pub mod cpu;
 pub mod destination;
 pub mod error;

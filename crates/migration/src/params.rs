@@ -157,7 +157,17 @@ pub struct MigrationParams {
     /// back (pages it dirtied, vCPUs, devices), so that the source can carry on from it should
     /// the destination die (`vm.migrate-rollback`); `None`: off.
     pub checkpoint_ms: Option<u32>,
+    /// How long a pre-copy whose connection broke tries to reconnect and carry on (sending
+    /// only what the destination lacks) while the VM runs on here; 0: it fails at once.
+    pub resume_window_s: u64,
 }
+
+/// Rounds a migration may take at most (copies of a page are counted in 16 bits: see
+/// `copies`).
+pub const MAX_ROUNDS: u32 = 10_000;
+
+/// How long a broken pre-copy tries to carry on by default.
+pub const DEFAULT_RESUME_WINDOW_S: u64 = 60;
 
 /// The range `checkpoint_ms` may take: below 5 ms the pauses would be most of the guest's
 /// time; above a minute a rollback would lose more than most guests can afford.
@@ -190,6 +200,7 @@ impl Default for MigrationParams {
             delta_cache_mb: Mode::Precopy.default_delta_cache_mb(),
             go_with_state: None,
             checkpoint_ms: None,
+            resume_window_s: DEFAULT_RESUME_WINDOW_S,
         }
     }
 }
@@ -205,6 +216,12 @@ impl MigrationParams {
         };
         positive("max_downtime_ms", self.max_downtime_ms)?;
         positive("max_rounds", u64::from(self.max_rounds))?;
+        if self.max_rounds > MAX_ROUNDS {
+            return Err(Error::Param(format!(
+                "max_rounds must be at most {MAX_ROUNDS} (got {})",
+                self.max_rounds
+            )));
+        }
         positive("timeout_s", self.timeout_s)?;
         if let Some(b) = self.max_bandwidth_mbps {
             positive("max_bandwidth_mbps", b)?;

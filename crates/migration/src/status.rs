@@ -165,6 +165,11 @@ pub struct Report {
     /// clock: what a benchmark reads to time any VMM's move the same way.
     pub resumed_at_unix_ns: Option<u64>,
     pub completed_at_unix_ns: Option<u64>,
+    /// Pre-copy: connections that broke and were carried on over a new one, and the pages
+    /// sent again because their last copy had not landed (the pages dirtied meanwhile are
+    /// counted as resent, as in any round).
+    pub resumes: u32,
+    pub pages_sent_again: u64,
     // verification aid
     pub memory_checksum_source: Option<u64>,
     pub memory_checksum_destination: Option<u64>,

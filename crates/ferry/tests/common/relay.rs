@@ -21,6 +21,9 @@ pub enum Point {
     Setup,
     /// The 4th page frame of round 0.
     Round0,
+    /// The page frame of round 0 that brings its pages sent to this percentage of those
+    /// `Populated` named.
+    Round0Share(u8),
     /// The first page frame of round 2 (a writer's pre-copy keeps going for several rounds).
     RoundK,
     /// The first frame after the pre-pause catch-up (`Sync` or `Stale`), or, with no rounds
@@ -42,6 +45,7 @@ impl Point {
         match self {
             Point::Setup => "setup".into(),
             Point::Round0 => "round 0".into(),
+            Point::Round0Share(p) => format!("round 0 at {p}%"),
             Point::RoundK => "round k".into(),
             Point::Pause => "pause".into(),
             Point::State => "state".into(),
@@ -57,6 +61,8 @@ impl Point {
 pub enum Action {
     /// Closes both directions; the frame is not forwarded.
     Cut,
+    /// As `Cut`, but a connection made later is carried (a blip: the link comes back).
+    Blip,
     /// Forwards nothing in either direction for this long, then carries on.
     Stall(Duration),
     /// Flips one byte of the frame's payload.
@@ -77,6 +83,9 @@ struct Conversation {
     pending: u64,
     pushed: u64,
     fired: bool,
+    /// Round 0's pages (`Populated`) and those its frames carried so far.
+    round0_pages: u64,
+    round0_sent: u64,
 }
 
 impl Conversation {
@@ -91,6 +100,10 @@ impl Conversation {
             (true, Some(Message::RoundEnd { round, .. })) => {
                 self.round = round + 1;
                 self.frames_in_round = 0;
+                false
+            }
+            (true, Some(Message::Populated { map })) => {
+                self.round0_pages = map.count();
                 false
             }
             (true, Some(Message::Sync { .. } | Message::Stale { .. })) => {
@@ -125,7 +138,19 @@ impl Conversation {
                 } else if self.caught_up {
                     false
                 } else {
-                    (point == Point::Round0 && self.round == 0 && self.frames_in_round == 4)
+                    let before = self.round0_sent * 100;
+                    if self.round == 0 {
+                        self.round0_sent += u64::from(count);
+                    }
+                    let share = match point {
+                        Point::Round0Share(p) if self.round == 0 => {
+                            let goal = u64::from(p) * self.round0_pages.max(1);
+                            before < goal && self.round0_sent * 100 >= goal
+                        }
+                        _ => false,
+                    };
+                    share
+                        || (point == Point::Round0 && self.round == 0 && self.frames_in_round == 4)
                         || (point == Point::RoundK && self.round == 2 && self.frames_in_round == 1)
                 }
             }
@@ -344,15 +369,17 @@ fn pump(
         if fire {
             let _ = shared.reached.lock().unwrap().send(());
             match shared.action {
-                Action::Cut => {
+                Action::Cut | Action::Blip => {
                     // A reset, as a peer that died would send: a plain shutdown leaves the
                     // socket open with its unread bytes, and a source whose window it had
                     // filled would only probe it, blocked until its I/O timeout. With
                     // SO_LINGER 0 the last close of each socket resets it; the clones kept
                     // here go now, the pumps' own when they return.
-                    shared
-                        .was_cut
-                        .store(true, std::sync::atomic::Ordering::Release);
+                    if matches!(shared.action, Action::Cut) {
+                        shared
+                            .was_cut
+                            .store(true, std::sync::atomic::Ordering::Release);
+                    }
                     for s in std::mem::take(&mut *shared.cut.lock().unwrap()) {
                         reset_on_close(&s);
                         let _ = s.shutdown(Shutdown::Both);

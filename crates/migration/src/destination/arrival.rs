@@ -71,6 +71,12 @@ impl Hello {
         }
     }
 
+    /// A pre-copy over one connection, which the source may carry on over a new one should
+    /// it break before the switch (`ResumePrecopy`).
+    pub fn resumable(&self) -> bool {
+        self.mode == StreamMode::Precopy && self.connections == 1 && self.session != 0
+    }
+
     /// A live migration (a source that answers), not a snapshot file.
     pub fn live(&self) -> bool {
         self.mode != StreamMode::Snapshot
@@ -157,6 +163,8 @@ pub(super) struct Filling {
     pending: Option<Bitmap>,
     checkpoint_every: Option<u32>,
     round_started: Instant,
+    /// How long the source tries to carry a broken connection on (it said: `ResumeWindow`).
+    resume_window: Option<Duration>,
 }
 
 impl Filling {
@@ -166,12 +174,15 @@ impl Filling {
         hello: &Hello,
         ram: GuestRam,
         stream: &mut Stream,
-        listener: Option<Listener>,
+        listener: Option<&Listener>,
         fault_in: FaultIn,
         cpu: CpuMeter,
     ) -> Result<Self> {
         let n = hello.connections;
-        let pages = PageReceiver::new(&ram).for_lane(0, n);
+        let mut pages = PageReceiver::new(&ram).for_lane(0, n);
+        if hello.resumable() {
+            pages = pages.counting_copies(ram.gfn_end());
+        }
         let lanes = match listener {
             // A snapshot's lanes are in its file, as many as its stream names.
             _ if !hello.live() => {
@@ -179,7 +190,7 @@ impl Filling {
             }
             _ if n == 1 => None,
             Some(l) => Some(lanes::accept(
-                &l,
+                l,
                 hello.session,
                 n,
                 &ram,
@@ -208,6 +219,7 @@ impl Filling {
             pending: None,
             checkpoint_every: None,
             round_started: Instant::now(),
+            resume_window: None,
             ram,
         })
     }
@@ -215,6 +227,23 @@ impl Filling {
     /// Pages landed so far.
     pub fn pages_received(&self) -> u64 {
         self.pages.pages
+    }
+
+    /// Whether the conversation is where a broken connection can be carried on (page frames
+    /// and round ends, before anything of the switch) and the source said it would.
+    pub fn may_resume(&self) -> bool {
+        self.stage == Stage::Memory && self.resume_window.is_some()
+    }
+
+    /// How long to wait for the source to carry on (`None`: it will not).
+    pub fn resume_window(&self) -> Option<Duration> {
+        self.resume_window
+    }
+
+    /// What landed, for `CopiesHeld` (see `PageReceiver::copies_held`).
+    pub fn copies_held(&self) -> Option<Message> {
+        let (pages, runs) = self.pages.copies_held()?;
+        Some(Message::CopiesHeld { pages, runs })
     }
 
     /// The next frame on the main connection. When a lane failed it closed this stream: its
@@ -248,6 +277,10 @@ impl Filling {
             (_, Message::Abort { reason }) => Err(Error::Peer(reason)),
             (Memory, Message::Populated { map }) => self.on_populated(map),
             (Memory, Message::RoundEnd { round, pages }) => Ok(self.on_round_end(round, pages)),
+            (Memory, Message::ResumeWindow { seconds }) if self.pages.counts_copies() => {
+                self.resume_window = Some(Duration::from_secs(u64::from(seconds)));
+                Ok(Event::Nothing)
+            }
             (Memory, Message::Sync { lane_pages }) => self.on_sync(&lane_pages, stream),
             (Memory, Message::Stale { map }) if self.live => self.on_stale(map, stream),
             (Memory | StaleDropped, Message::PostcopyPending { map }) if self.live => {
@@ -324,6 +357,12 @@ impl Filling {
         Ok(Event::Populated)
     }
 
+    /// The source catches up before it pauses: a break from here on ends the migration (the
+    /// source runs the VM on), so there is nothing to wait for.
+    fn switch_begins(&mut self) {
+        self.resume_window = None;
+    }
+
     fn on_round_end(&mut self, round: u32, pages: u64) -> Event {
         let took = self.round_started.elapsed();
         self.round_started = Instant::now();
@@ -333,6 +372,7 @@ impl Filling {
     /// This connection's pages are in place (read in order); the lanes' too, once their
     /// counts reach what the source sent.
     fn on_sync(&mut self, lane_pages: &[u64], stream: &mut Stream) -> Result<Event> {
+        self.switch_begins();
         match &self.lanes {
             Some(l) => l.wait_for(lane_pages)?,
             None if lane_pages.is_empty() => {}
@@ -349,6 +389,7 @@ impl Filling {
     /// Drops the copies the source will send again by post-copy. Every copy must have
     /// landed before it is dropped.
     fn on_stale(&mut self, stale: Bitmap, stream: &mut Stream) -> Result<Event> {
+        self.switch_begins();
         self.finish_lanes()?;
         let stale = page_map(&self.ram, stale)?;
         postcopy::drop_stale_copies(&self.ram, &stale, &self.pages.present())?;

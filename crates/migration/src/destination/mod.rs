@@ -13,6 +13,7 @@ mod lanes;
 pub mod postcopy;
 mod prefault;
 mod receive;
+mod resume;
 
 use crate::sync::Locked;
 pub use handover::Handover;

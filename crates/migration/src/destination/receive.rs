@@ -58,7 +58,7 @@ impl Receiver<'_> {
     }
 
     /// Ends the arrival if someone asked this host to stop.
-    fn check_stop(&self) -> Result<()> {
+    pub(super) fn check_stop(&self) -> Result<()> {
         if (self.stop)() {
             let _ = self.handover.stop(STOP_SIGNAL);
         }
@@ -120,19 +120,20 @@ impl Receiver<'_> {
             )?;
         }
         laps.lap("build", &mut self.status.report);
-        let listener = self.listener.take();
         let filling = Filling::open(
             &hello,
             vm.ram(),
             stream,
-            listener,
+            self.listener.as_ref(),
             self.fault_in,
             self.cpu.clone(),
         )?;
         if hello.connections > 1 {
             laps.lap("extra connections", &mut self.status.report);
         }
-        let (filled, source_checksum) = self.fill(filling, stream, &mut laps)?;
+        let (filled, source_checksum) = self.fill(filling, stream, &hello, &mut laps)?;
+        // Nothing more joins or carries on from here: the listener closes.
+        self.listener = None;
         let state_received = Instant::now();
         let loaded = self.load(&vm, filled, source_checksum, &mut laps)?;
         let handed = self.hand_over(stream, &vm, &hello, loaded, &mut laps)?;
@@ -232,13 +233,24 @@ impl Receiver<'_> {
         &mut self,
         mut filling: Filling,
         stream: &mut Stream,
+        hello: &Hello,
         laps: &mut Laps,
     ) -> Result<(Filled, Option<u64>)> {
         self.board.checkpoints(|c| *c = None);
         loop {
             self.check_stop()?;
-            let frame = filling.read_frame(stream)?;
-            match filling.on_frame(frame, stream)? {
+            let event = filling
+                .read_frame(stream)
+                .and_then(|frame| filling.on_frame(frame, stream));
+            let event = match event {
+                Err(e) if e.is_break() && filling.may_resume() => {
+                    self.await_resume(&filling, stream, hello, e)?;
+                    laps.lap("resume", &mut self.status.report);
+                    continue;
+                }
+                other => other?,
+            };
+            match event {
                 Event::Nothing => {}
                 Event::Populated => {
                     laps.lap("populated map", &mut self.status.report);

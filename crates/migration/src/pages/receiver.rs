@@ -10,6 +10,7 @@ use std::sync::{Arc, OnceLock};
 use super::in_place::read_in_place;
 use crate::PAGE_SIZE;
 use crate::bitmap::Bitmap;
+use crate::copies::Copies;
 use crate::error::{Error, Result};
 use crate::memory::GuestRam;
 use crate::wire::codec::Codec;
@@ -65,6 +66,9 @@ pub struct PageReceiver {
     pub pages: u64,
     /// This receiver's connection and how many a migration has: it takes only its share.
     lane: (u32, u32),
+    /// Copies of each page that landed intact, for a pre-copy to carry on from after a
+    /// broken connection (`copies`).
+    copies: Option<Arc<Copies>>,
 }
 
 impl PageReceiver {
@@ -82,7 +86,25 @@ impl PageReceiver {
             unpacked: Vec::new(),
             pages: 0,
             lane: (0, 1),
+            copies: None,
         }
+    }
+
+    /// Counts the copies of each page that land intact (see `copies`).
+    pub fn counting_copies(mut self, pages: u64) -> Self {
+        self.copies = Some(Arc::new(Copies::new(pages)));
+        self
+    }
+
+    pub fn counts_copies(&self) -> bool {
+        self.copies.is_some()
+    }
+
+    /// What landed, for a source carrying on after a broken connection: every page received
+    /// and the copies of each (a page whose last copy failed its check counts none).
+    pub fn copies_held(&self) -> Option<(u64, Vec<(u16, u32)>)> {
+        let copies = self.copies.as_ref()?;
+        Some((self.pages, copies.runs(&self.suspect)))
     }
 
     /// A receiver for connection `lane` of `lanes`: pages of another lane are refused (two
@@ -195,6 +217,13 @@ impl PageReceiver {
             if !unchecked {
                 self.suspect.unset(pfn);
             }
+        }
+        if let Some(copies) = &self.copies {
+            self.full
+                .iter()
+                .map(|&(pfn, _)| pfn)
+                .for_each(|p| copies.add(p));
+            self.zeros.iter().for_each(|&p| copies.add(p));
         }
         self.pages += u64::from(shape.count);
         Ok(())

@@ -31,11 +31,13 @@ impl Session<'_> {
         self.status.migration_threads = (0..connections)
             .map(|lane| self.params.packers_of(lane) as u32)
             .sum();
-        let session = if connections > 1 {
+        // A live migration is named for a resume too; a file only for its writers.
+        let session = if connections > 1 || self.stream.has_peer() {
             lane::session_id()?
         } else {
             0
         };
+        self.session_id = session;
         self.send(&Message::Hello {
             vm: self.vm.descriptor(),
             mode,

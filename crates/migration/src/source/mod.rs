@@ -19,6 +19,7 @@ mod lanes;
 pub mod machine;
 mod postcopy;
 pub mod recovery;
+mod resume;
 mod rounds;
 mod serving;
 mod session;

@@ -59,6 +59,7 @@ impl Session<'_> {
         }
         // Log first, then look: a page the guest first touches while we scan is still caught.
         if mode == StreamMode::Precopy {
+            self.count_copies()?;
             self.held.dirty_log = Some(DirtyLog::start(self.vm)?);
             self.lap("dirty log on");
             self.take_free_page_hints()?;
@@ -79,14 +80,17 @@ impl Session<'_> {
             map: populated.clone(),
         })?;
         self.lap("populated map");
-        self.send_round(0, &populated)?;
+        let carry = self.send_round_or_resume(0, &populated)?;
         match (mode, self.params.mode) {
             (StreamMode::Precopy, Mode::Hybrid) => {
-                let dirty = self.vm.take_dirty()?;
+                let mut dirty = self.vm.take_dirty()?;
+                if let Some(again) = &carry {
+                    dirty.merge(again);
+                }
                 self.lap("harvest 1");
                 Ok(Handover::postcopy(dirty))
             }
-            (StreamMode::Precopy, _) => self.iterate(agreed.peer_postcopy),
+            (StreamMode::Precopy, _) => self.iterate(agreed.peer_postcopy, carry),
             _ => Ok(Handover {
                 pending: Bitmap::new(self.ram.gfn_end()),
                 postcopy: false,
@@ -123,7 +127,8 @@ impl Session<'_> {
     }
 
     /// Live rounds until the policy (or the user) says switch.
-    fn iterate(&mut self, peer_postcopy: bool) -> Result<Handover> {
+    /// `carry`: pages a resumed round 0 must send again.
+    fn iterate(&mut self, peer_postcopy: bool, mut carry: Option<Bitmap>) -> Result<Handover> {
         let limits = Limits {
             max_downtime_ms: self.params.max_downtime_ms as f64,
             max_rounds: self.params.max_rounds,
@@ -133,7 +138,10 @@ impl Session<'_> {
         let (mut previous, mut stalled) = (u64::MAX, 0);
         loop {
             self.check_continue()?;
-            let dirty = self.vm.take_dirty()?;
+            let mut dirty = self.vm.take_dirty()?;
+            if let Some(again) = carry.take() {
+                dirty.merge(&again);
+            }
             self.lap(format!("harvest {round}"));
             let count = dirty.count();
             stalled = if policy::shrank(previous, count) {
@@ -171,7 +179,7 @@ impl Session<'_> {
                     {
                         stalled = 0; // a slower guest is a new game
                     }
-                    self.send_round(round, &dirty)?
+                    carry = self.send_round_or_resume(round, &dirty)?;
                 }
                 Decision::SwitchOver { converged, why } => {
                     let postcopy = !converged && self.params.auto_postcopy;
@@ -256,8 +264,26 @@ impl Session<'_> {
         Ok(true)
     }
 
+    /// A live pre-copy over one connection counts the copies it queues of each page, so that
+    /// a broken connection can be carried on (`resume`).
+    fn count_copies(&mut self) -> Result<()> {
+        let resumable = self.params.resume_window_s > 0
+            && self.stream.has_peer()
+            && self.params.connections == 1
+            && matches!(self.params.mode, Mode::Precopy | Mode::Hybrid);
+        if resumable {
+            self.copies = Some(crate::copies::Copies::new(self.ram.gfn_end()));
+            let seconds = self.params.resume_window_s.min(u64::from(u32::MAX)) as u32;
+            self.send(&Message::ResumeWindow { seconds })?;
+        }
+        Ok(())
+    }
+
     /// Sends the pages of `set` as round `round` (over every lane).
     pub(super) fn send_round(&mut self, round: u32, set: &Bitmap) -> Result<()> {
+        if let Some(copies) = &self.copies {
+            copies.add_all(set);
+        }
         let began = Instant::now();
         let before = self.sent();
         let total = set.count();

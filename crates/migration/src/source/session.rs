@@ -57,6 +57,14 @@ pub(crate) struct Session<'a> {
     pub send_time: Duration,
     /// A live update's messages, the only bytes on its socket (other modes count pages).
     pub message_bytes: u64,
+    /// Names this migration to its extra connections and to a resume (random; 0 for a file
+    /// written by one writer).
+    pub session_id: u64,
+    /// Copies of each page queued, for a pre-copy that can carry on after a broken connection
+    /// (`resume`); `None` where it cannot.
+    pub copies: Option<crate::copies::Copies>,
+    /// Pages counted as sent that never landed (lost with a broken connection).
+    pub pages_lost: u64,
     /// What this migration changed on the VM, put back on every way out (see `guards`).
     pub held: Held<'a>,
     /// Whether the VM ran when the migration began (a failure leaves it as it was).
@@ -114,6 +122,9 @@ impl<'a> Session<'a> {
             laps: Laps::starting(Instant::now()),
             send_time: Duration::ZERO,
             message_bytes: 0,
+            session_id: 0,
+            copies: None,
+            pages_lost: 0,
             held: Held::new(vm),
             was_running: vm.is_running(),
             cpu,

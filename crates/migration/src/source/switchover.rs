@@ -242,7 +242,7 @@ impl Session<'_> {
         self.send(&Message::DeviceState { state: devices })?;
         let c = self.sent();
         self.send(&Message::StateEnd {
-            pages_sent: c.full + c.zero,
+            pages_sent: c.full + c.zero - self.pages_lost,
             memory_checksum: checksum,
         })?;
         self.step(Event::StateSent)

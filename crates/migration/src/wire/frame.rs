@@ -15,7 +15,7 @@ use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
-pub const VERSION: u32 = 10;
+pub const VERSION: u32 = 11;
 /// The oldest stream version this ferry still reads: a source writes the oldest version that
 /// carries everything its stream will hold, so that builds of different versions can still
 /// hand a VM over (live update both ways) while the messages that stream uses keep their bytes.
@@ -184,11 +184,14 @@ pub fn read_message(r: &mut impl Read) -> Result<Message> {
     }
 }
 
+/// How an error says the stream ended early (the peer closed the connection mid-stream).
+pub const TRUNCATED: &str = "stream truncated";
+
 /// `read_exact` whose error says what was being read when the stream ended.
 pub fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &str) -> Result<()> {
     r.read_exact(buf).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::Protocol(format!("stream truncated in {what}"))
+            Error::Protocol(format!("{TRUNCATED} in {what}"))
         } else {
             Error::transport(format!("reading {what}"), e)
         }
@@ -242,7 +245,7 @@ mod tests {
     fn golden_stream_header() {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
-        assert_eq!(h, b"FERRYMIG\x0a\0\0\0\0\0\0\0");
+        assert_eq!(h, b"FERRYMIG\x0b\0\0\0\0\0\0\0");
     }
 
     #[test]
@@ -259,7 +262,7 @@ mod tests {
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
         assert!(
-            e.to_string().contains("version 10"),
+            e.to_string().contains("version 11"),
             "names both versions: {e}"
         );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();

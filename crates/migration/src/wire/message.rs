@@ -158,6 +158,17 @@ pub enum Message {
     /// RAM range, in order), then one file for each device slot marked true in `devices`
     /// (a disk's image, a NIC's tap).
     Files { memory: u32, devices: Vec<bool> },
+    /// Source → destination, first on a new connection: carry on pre-copy `session`, whose
+    /// connection broke while the VM still ran on the source.
+    ResumePrecopy { session: u64 },
+    /// Destination → source: what it holds of pre-copy after a break: `pages` (every page it
+    /// received) and, per guest page, how many copies of it arrived (wrapping at 2^16), as
+    /// runs of (count, pages). A page whose count is not the source's is sent again.
+    CopiesHeld { pages: u64, runs: Vec<(u16, u32)> },
+    /// Source → destination, before round 0 of a pre-copy it can carry on: should the
+    /// connection break before the switch, it tries for `seconds` to carry it on over a new
+    /// one, so the destination waits as long with what it holds.
+    ResumeWindow { seconds: u32 },
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -225,6 +236,9 @@ catalogue! {
     26 => CheckpointTaken,
     27 => Populated,
     28 => Files,
+    29 => ResumePrecopy,
+    30 => CopiesHeld,
+    31 => ResumeWindow,
 }
 
 impl Message {
@@ -299,6 +313,16 @@ impl Message {
                 e.u32(*memory);
                 e.u32(devices.len() as u32);
                 devices.iter().for_each(|&d| e.bool(d));
+            }
+            Message::ResumePrecopy { session } => e.u64(*session),
+            Message::ResumeWindow { seconds } => e.u32(*seconds),
+            Message::CopiesHeld { pages, runs } => {
+                e.u64(*pages);
+                e.u32(runs.len() as u32);
+                for &(count, len) in runs {
+                    e.u16(count);
+                    e.u32(len);
+                }
             }
             Message::Join { session, lane } => {
                 e.u64(*session);
@@ -398,6 +422,14 @@ impl Message {
             }
             Kind::CheckpointTaken => Message::CheckpointTaken { seq: d.u64()? },
             Kind::Populated => Message::Populated { map: d.page_map()? },
+            Kind::ResumePrecopy => Message::ResumePrecopy { session: d.u64()? },
+            Kind::ResumeWindow => Message::ResumeWindow { seconds: d.u32()? },
+            Kind::CopiesHeld => Message::CopiesHeld {
+                pages: d.u64()?,
+                runs: (0..d.count(6)?)
+                    .map(|_| Ok((d.u16()?, d.u32()?)))
+                    .collect::<Result<_>>()?,
+            },
             Kind::Files => Message::Files {
                 memory: d.u32()?,
                 devices: (0..d.count(1)?).map(|_| d.bool()).collect::<Result<_>>()?,
@@ -940,13 +972,25 @@ mod tests {
                 },
                 "1c00 02000000 03000000 010001",
             ),
+            (
+                Message::ResumePrecopy { session: 7 },
+                "1d00 0700000000000000",
+            ),
+            (
+                Message::CopiesHeld {
+                    pages: 5,
+                    runs: vec![(1, 3), (0, 2)],
+                },
+                "1e00 0500000000000000 02000000 0100 03000000 0000 02000000",
+            ),
+            (Message::ResumeWindow { seconds: 60 }, "1f00 3c000000"),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 28, "a golden example per message");
+        assert_eq!(all.len(), 31, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());

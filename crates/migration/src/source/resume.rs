@@ -1,0 +1,136 @@
+//! Carrying a pre-copy on when its connection breaks while the VM still runs here: the dirty
+//! log stays on, the source dials the destination again (for up to `resume_window_s`), says
+//! `ResumePrecopy`, and hears from `CopiesHeld` how many copies of each page landed. The
+//! pages whose count is not ours (their last copy was lost on the way, or never left) go
+//! again with the next round, together with what the guest dirtied meanwhile: nothing that
+//! arrived intact crosses twice. Nothing changes for the VM: it never stopped running here.
+
+use std::time::{Duration, Instant};
+
+use super::lane;
+use super::session::Session;
+use crate::bitmap::Bitmap;
+use crate::error::{Error, Result};
+use crate::wire::{self, Message};
+
+/// The first wait between tries; it doubles up to `LAST_RETRY`.
+const FIRST_RETRY: Duration = Duration::from_millis(100);
+const LAST_RETRY: Duration = Duration::from_secs(2);
+/// How often a wait between tries looks for a cancel.
+const CANCEL_POLL: Duration = Duration::from_millis(50);
+
+impl Session<'_> {
+    /// Sends round `round`; should the connection break, carries the migration on over a new
+    /// one and returns the pages that must go again (`None`: the round went whole).
+    pub(super) fn send_round_or_resume(
+        &mut self,
+        round: u32,
+        set: &Bitmap,
+    ) -> Result<Option<Bitmap>> {
+        match self.send_round(round, set) {
+            Ok(()) => Ok(None),
+            Err(e) if self.copies.is_some() && e.is_break() && !self.is_paused() => {
+                self.resume_precopy(e).map(Some)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Tries to reconnect until the window closes; the pages the destination lacks.
+    fn resume_precopy(&mut self, cut: Error) -> Result<Bitmap> {
+        let window = Duration::from_secs(self.params.resume_window_s);
+        let broke = Instant::now();
+        self.status.note = Some(format!(
+            "the connection broke ({}); reconnecting for up to {} s, the VM runs on here",
+            cut.report(),
+            window.as_secs()
+        ));
+        self.publish();
+        let mut wait = FIRST_RETRY;
+        let last = loop {
+            self.check_continue()?;
+            let error = match self.reconnect() {
+                Ok(again) => {
+                    self.carried_on(broke, &again);
+                    return Ok(again);
+                }
+                Err(e) if e.is_break() => e,
+                Err(e) => return Err(e),
+            };
+            if broke.elapsed() + wait > window {
+                break error;
+            }
+            self.wait_for_retry(wait)?;
+            wait = (wait * 2).min(LAST_RETRY);
+        };
+        Err(Error::transport(
+            format!(
+                "the connection broke ({}) and no new one carried the migration on within {} s",
+                cut.report(),
+                window.as_secs()
+            ),
+            std::io::Error::other(last.report()),
+        ))
+    }
+
+    /// Waits `wait`, hearing a cancel.
+    fn wait_for_retry(&self, wait: Duration) -> Result<()> {
+        let until = Instant::now() + wait;
+        while Instant::now() < until {
+            self.check_continue()?;
+            std::thread::sleep(CANCEL_POLL.min(until - Instant::now()));
+        }
+        Ok(())
+    }
+
+    /// One try: a new connection, the destination's counts, and a fresh sender on it.
+    fn reconnect(&mut self) -> Result<Bitmap> {
+        let dial = self
+            .dial
+            .as_ref()
+            .ok_or_else(|| Error::State("this migration cannot dial again".into()))?;
+        let mut stream = dial(0)?;
+        wire::write_stream_header(&mut stream)?;
+        let resume = Message::ResumePrecopy {
+            session: self.session_id,
+        };
+        wire::write_message(&mut stream, &resume)?;
+        let (received, runs) = match wire::read_message(&mut stream)? {
+            Message::CopiesHeld { pages, runs } => (pages, runs),
+            Message::Abort { reason } => return Err(Error::Peer(reason)),
+            other => return Err(Error::out_of_turn("source", other.name(), "Resuming")),
+        };
+        let copies = self
+            .copies
+            .as_ref()
+            .expect("only a counted pre-copy resumes");
+        let again = copies.differing(&runs)?;
+        // What never landed is not counted as sent: the destination checks the total.
+        let sent = self.pages.counters.full + self.pages.counters.zero;
+        self.pages_lost = sent.saturating_sub(received);
+        let (mut pages, limiter) = lane::page_sender(self.params, 0, &stream, &self.cpu);
+        pages.counters = self.pages.counters;
+        self.pages = pages;
+        self.limiter = limiter;
+        self.cancel_closes(&stream);
+        self.stream = stream;
+        Ok(again)
+    }
+
+    fn carried_on(&mut self, broke: Instant, again: &Bitmap) {
+        let crossed = again.iter().filter(|&gfn| self.sent_once.get(gfn)).count() as u64;
+        let r = &mut self.status.report;
+        r.resumes += 1;
+        // Those that had crossed before (the rest of the round was never sent).
+        r.pages_sent_again += crossed;
+        let resumes = r.resumes;
+        self.status.note = Some(format!(
+            "the connection broke and a new one carried the migration on after {:.1} s: {} \
+             pages go again, {crossed} of them a second time",
+            broke.elapsed().as_secs_f64(),
+            again.count()
+        ));
+        self.lap(format!("resume {resumes}"));
+        self.publish();
+    }
+}
