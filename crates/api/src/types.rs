@@ -196,7 +196,9 @@ pub struct MigrationRequest {
     /// then carry on from the newest one should the destination die (`vm.migrate-rollback`).
     pub checkpoint_ms: Option<i64>,
     /// Pre-copy: for how long (s) a broken connection is carried on over a new one while the
-    /// VM runs on here (0: the migration fails at once; default 60).
+    /// VM runs on here (0: the migration fails at once; default 60). Left out of a request
+    /// when not given, so that this client still drives a ferry from before it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume_window_s: Option<i64>,
 }
 
