@@ -46,7 +46,8 @@ pub enum Command {
     /// does not run it: ferry cannot know, so it never does this by itself.
     MigrateRollback(TakeBackArgs),
     /// Carry on a post-copy whose connection broke: on the destination `--listen URL`, then on
-    /// the source `--to URL`.
+    /// the source `--to URL`. A pre-copy carries itself on (`--resume-window-s`); while it
+    /// dials again, `--to URL` on the source points it at another address of its destination.
     MigrateResume(MigrateResumeArgs),
     /// Make a CA and a certificate for each named host, for TLS migrations (--tls-*).
     Certs(CertsArgs),

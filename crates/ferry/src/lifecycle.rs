@@ -130,7 +130,8 @@ pub fn allow(request: &ApiRequest, state: Lifecycle) -> Result<(), ApiError> {
         ApiRequest::MigrateRollback(_) => state == PostcopyPausedSource,
         ApiRequest::MigrateResume(r) => match (r.listen.is_some(), r.destination.is_some()) {
             (true, false) => state == PostcopyPausedDestination,
-            (false, true) => state == PostcopyPausedSource,
+            // Migrating: a pre-copy dialling again after its link broke (the handler checks).
+            (false, true) => matches!(state, PostcopyPausedSource | Migrating),
             _ => true, // the handler names the malformed body
         },
         ApiRequest::CorruptPage(_) | ApiRequest::DirtyLogging(_) => {

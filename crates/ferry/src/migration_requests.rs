@@ -89,7 +89,8 @@ impl Controller {
         Ok(m.status_json())
     }
 
-    /// `vm.migrate-resume`: carries on a post-copy whose connection broke, on either side.
+    /// `vm.migrate-resume`: carries on a post-copy whose connection broke, on either side; on
+    /// a source whose pre-copy is dialling again after a break, dials `destination` now.
     pub fn migrate_resume(&self, req: &MigrateResumeRequest) -> Result<Value, ApiError> {
         let m = &self.migrations;
         match (&req.listen, &req.destination) {
@@ -115,6 +116,15 @@ impl Controller {
             (None, Some(destination)) => {
                 let endpoint: Endpoint = destination.parse().map_err(api_error)?;
                 m.security.check(&endpoint).map_err(ApiError::bad_request)?;
+                // A pre-copy dialling again after its link broke tries this address now.
+                if m.outgoing.redirect(endpoint.clone()) {
+                    return Ok(Value::Null);
+                }
+                if m.outgoing.running() {
+                    return Err(ApiError::conflict(
+                        "the running migration's connection has not broken: nothing to resume",
+                    ));
+                }
                 let vm: Arc<dyn Migratable> = self.vm()?.clone();
                 m.final_status_read.store(false, Ordering::Release);
                 m.outgoing

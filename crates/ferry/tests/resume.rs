@@ -73,3 +73,41 @@ fn a_link_that_stays_down_ends_the_migration_when_its_window_closes() {
     src.wait_info("passes on the source", T, |i| i.passes > info.passes);
     assert_eq!(src.info().verify_errors, 0);
 }
+
+#[test]
+fn an_operator_points_a_reconnecting_precopy_at_another_address() {
+    if !kvm_available() {
+        return;
+    }
+    let mut src = Ferry::writer("write ws=64M seq verify");
+    // The relay's link stays down; the destination is still reachable straight.
+    let (dst, relay) = destination_behind(Point::Round0, Action::Cut);
+    let direct = relay.target_url();
+    let migrating = {
+        let (socket, url) = (src.socket.clone(), relay.url.clone());
+        std::thread::spawn(move || {
+            let socket = socket.to_str().unwrap().to_string();
+            ferry_output(&["migrate", "--api-socket", &socket, "--to", &url, "--json"])
+        })
+    };
+    wait_for("the source to dial again", T, || {
+        let note = src.migration_status().note.unwrap_or_default();
+        note.contains("reconnecting").then_some(())
+    });
+    let out = ferry_output(&[
+        "migrate-resume",
+        "--api-socket",
+        src.socket.to_str().unwrap(),
+        "--to",
+        &direct,
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let out = migrating.join().unwrap();
+    let report: api::MigrationStatus = serde_json::from_slice(&out.stdout).unwrap_or_default();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(report.resumes, 1);
+    assert!(src.wait_exit(T).success());
+    let passes = dst.info().passes;
+    let info = dst.wait_info("a pass on the destination", T, |i| i.passes > passes);
+    assert_eq!(info.verify_errors, 0);
+}

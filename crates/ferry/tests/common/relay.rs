@@ -186,6 +186,8 @@ struct Shared {
 
 pub struct Relay {
     pub url: String,
+    /// Where it relays to (`host:port`).
+    target: String,
     reached: Receiver<()>,
     release: Sender<()>,
     shared: Arc<Shared>,
@@ -210,6 +212,7 @@ impl Relay {
             was_cut: Default::default(),
         });
         let target = target.to_string();
+        let target_copy = target.clone();
         let relay_shared = shared.clone();
         let thread = std::thread::spawn(move || {
             let Some(src) = accept_until_closing(&listener, &shared) else {
@@ -236,6 +239,7 @@ impl Relay {
         });
         Relay {
             url,
+            target: target_copy,
             reached,
             release,
             shared: relay_shared,
@@ -246,6 +250,11 @@ impl Relay {
     /// Waits up to `limit` for the point; false if the migration never got there.
     pub fn wait_reached(&self, limit: Duration) -> bool {
         self.reached.recv_timeout(limit).is_ok()
+    }
+
+    /// The relayed-to address, as a migration URL: the destination, reached straight.
+    pub fn target_url(&self) -> String {
+        format!("tcp:{}", self.target)
     }
 
     /// Lets a held frame go on.

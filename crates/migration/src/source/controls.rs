@@ -24,7 +24,14 @@ pub struct Controls {
     /// Set as `Go` leaves, under this lock: a cancel either comes first (and `Go` never
     /// leaves) or finds it set and is refused (the VM may run on the destination already).
     pub go_sent: Mutex<bool>,
+    /// Set while a pre-copy whose connection broke dials again (see `resume`).
+    pub reconnecting: AtomicBool,
+    /// Where an operator said to dial next (`vm.migrate-resume` while `reconnecting`).
+    pub redial: Mutex<Option<Redial>>,
 }
+
+/// Opens a connection to where an operator pointed a reconnecting pre-copy.
+pub type Redial = Box<dyn Fn() -> crate::error::Result<Stream> + Send>;
 
 /// What an interrupted post-copy still owes the destination.
 #[derive(Clone)]

@@ -461,6 +461,18 @@ impl Outgoing {
     }
 
     /// Carries on an interrupted post-copy over a new connection to `endpoint`.
+    /// Points a pre-copy whose connection broke, while it dials again, at `endpoint` (the
+    /// destination is reachable there now): it tries it at once. False when no pre-copy is
+    /// reconnecting.
+    pub fn redirect(&self, endpoint: Endpoint) -> bool {
+        if !self.controls.reconnecting.load(Ordering::Acquire) {
+            return false;
+        }
+        let tls = self.tls();
+        *self.controls.redial.locked() = Some(Box::new(move || endpoint.connect(tls.as_ref())));
+        true
+    }
+
     pub fn resume_postcopy(
         self: &Arc<Self>,
         vm: Arc<dyn Migratable>,

@@ -5,12 +5,15 @@
 //! again with the next round, together with what the guest dirtied meanwhile: nothing that
 //! arrived intact crosses twice. Nothing changes for the VM: it never stopped running here.
 
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use super::controls::Controls;
 use super::lane;
 use super::session::Session;
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
+use crate::sync::Locked;
 use crate::wire::{self, Message};
 
 /// The first wait between tries; it doubles up to `LAST_RETRY`.
@@ -47,6 +50,7 @@ impl Session<'_> {
         ));
         self.publish();
         let mut wait = FIRST_RETRY;
+        let _reconnecting = Reconnecting::new(self.controls);
         let last = loop {
             self.check_continue()?;
             let error = match self.reconnect() {
@@ -73,11 +77,14 @@ impl Session<'_> {
         ))
     }
 
-    /// Waits `wait`, hearing a cancel.
+    /// Waits `wait`, hearing a cancel; an operator's new address ends it at once.
     fn wait_for_retry(&self, wait: Duration) -> Result<()> {
         let until = Instant::now() + wait;
         while Instant::now() < until {
             self.check_continue()?;
+            if self.controls.redial.locked().is_some() {
+                return Ok(());
+            }
             std::thread::sleep(CANCEL_POLL.min(until - Instant::now()));
         }
         Ok(())
@@ -89,7 +96,11 @@ impl Session<'_> {
             .dial
             .as_ref()
             .ok_or_else(|| Error::State("this migration cannot dial again".into()))?;
-        let mut stream = dial(0)?;
+        let redial = self.controls.redial.locked().take();
+        let mut stream = match redial {
+            Some(redial) => redial()?,
+            None => dial(0)?,
+        };
         wire::write_stream_header(&mut stream)?;
         let resume = Message::ResumePrecopy {
             session: self.session_id,
@@ -132,5 +143,22 @@ impl Session<'_> {
         ));
         self.lap(format!("resume {resumes}"));
         self.publish();
+    }
+}
+
+/// Says a pre-copy is dialling again for as long as it lives (for `Outgoing::redirect`).
+struct Reconnecting<'a>(&'a Controls);
+
+impl<'a> Reconnecting<'a> {
+    fn new(controls: &'a Controls) -> Self {
+        controls.reconnecting.store(true, Ordering::Release);
+        Self(controls)
+    }
+}
+
+impl Drop for Reconnecting<'_> {
+    fn drop(&mut self) {
+        self.0.reconnecting.store(false, Ordering::Release);
+        *self.0.redial.locked() = None;
     }
 }
