@@ -296,12 +296,7 @@ class QemuPeer:
         machine = f"{CPR_MACHINE},memory-backend=ram0,aux-ram-share=on"
         src_clock, dst_clock = SerialClock(), SerialClock()
         src = self.start("src", scenario, src_clock, None, machine=machine, extra=memory)
-        busy = " idle" not in f" {scenario['cmdline']}"
-        wait_until("guest serial progress", scenario.get("ready_s", 120),
-                   lambda: src_clock.guest_error() or (
-                       src_clock.counter("all_passed") >= 1 if busy else len(src_clock.lines()) > 3))
-        if scenario.get("warmup_s"):
-            time.sleep(scenario["warmup_s"])
+        wait_ready(src_clock, scenario)
         stamp = time.time_ns()
         main = {"channel-type": "main", "addr": {"transport": "socket", "type": "unix",
                                                  "path": os.path.join(self.work, f"main-{stamp}.sock")}}
@@ -340,6 +335,7 @@ class QemuPeer:
             wait_until("a pass after the update", scenario.get("ready_s", 120),
                        lambda: dst_clock.guest_error() or dst_clock.counter("all_passed") > passes)
             errors_after = dst_clock.counter("errors")
+        busy = " idle" not in f" {scenario['cmdline']}"
         passes_after = dst_clock.counter("all_passed") if busy else None
         source_exit = None
         for tag, q in (("src", src), ("dst", dst)):
@@ -395,13 +391,7 @@ class QemuPeer:
         machine = scenario.get("qemu_machine")
         src_clock, dst_clock = SerialClock(), SerialClock()
         src = self.start("src", scenario, src_clock, link.ns_src, machine=machine, extra=extra)
-        # Steady state: a writer has populated its whole working set once (same rule as ferry).
-        busy = " idle" not in f" {scenario['cmdline']}"
-        wait_until("guest serial progress", scenario.get("ready_s", 120),
-                   lambda: src_clock.guest_error() or (
-                       src_clock.counter("all_passed") >= 1 if busy else len(src_clock.lines()) > 3))
-        if scenario.get("warmup_s"):
-            time.sleep(scenario["warmup_s"])
+        wait_ready(src_clock, scenario)
         # The balloon profile: the guest settled (DSB took its free memory), its work rate.
         settled = balloon.settle(src_clock, scenario)
         port = free_port()
@@ -494,3 +484,14 @@ def parse_mib(size):
     unit = size[-1].upper()
     n = int(size[:-1]) if unit in "KMG" else int(size)
     return {"G": n * 1024, "M": n, "K": max(1, n // 1024)}.get(unit, n >> 20)
+
+
+def wait_ready(clock, scenario):
+    """Steady state, as the guest's console tells it: a writer has populated its whole working
+    set once (the same rule as ferry's), an idle guest has said a few lines."""
+    busy = " idle" not in f" {scenario['cmdline']}"
+    wait_until("guest serial progress", scenario.get("ready_s", 120),
+               lambda: clock.guest_error() or (
+                   clock.counter("all_passed") >= 1 if busy else len(clock.lines()) > 3))
+    if scenario.get("warmup_s"):
+        time.sleep(scenario["warmup_s"])
