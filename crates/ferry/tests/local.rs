@@ -17,33 +17,10 @@ use migration::io::transport::Stream;
 use migration::wire::{self, Message};
 
 const T: Duration = Duration::from_secs(60);
-/// The guest cycles over this many sectors: every one is read back each cycle.
-const SECTORS: u64 = 256;
 
-/// A VM that can be updated in place (memfd memory) writing memory and a disk in `dir`, once
-/// it has been round its sectors.
-fn updatable_vm(dir: &Path) -> (PathBuf, Ferry) {
-    let path = dir.join("disk.img");
-    std::fs::File::create(&path)
-        .and_then(|f| f.set_len(4 << 20))
-        .expect("disk file");
-    let disk = format!("path={}", path.display());
-    let cmdline = format!("write ws=16M seq verify blk blk_sectors={SECTORS}");
-    let guest = guest();
-    let vm = Ferry::start(&[
-        "--guest",
-        guest.to_str().unwrap(),
-        "--memory",
-        "256M",
-        "--memory-backend",
-        "memfd",
-        "--cmdline",
-        &cmdline,
-        "--disk",
-        &disk,
-    ]);
-    vm.wait_info("a first round of the disk", T, |i| i.blk_writes >= SECTORS);
-    (path, vm)
+/// A VM that can be updated in place, run by this build.
+fn updatable(dir: &Path) -> (PathBuf, Ferry) {
+    updatable_vm(Path::new(FERRY), dir)
 }
 
 /// A `ferry run --incoming unix:…` (nothing else: the VM brings its memory and devices) and
@@ -57,28 +34,13 @@ fn new_process() -> (Ferry, String) {
     (ferry, url)
 }
 
-/// The guest on `vm` goes on: every sector read back once more, memory verified, no error.
-fn assert_carries_on(vm: &Ferry, what: &str) {
-    let from = vm.info();
-    let info = vm.wait_info("every sector read back again", T, |i| {
-        i.blk_reads > from.blk_reads + SECTORS && i.passes > from.passes
-    });
-    assert_eq!(info.state, "running", "{what}");
-    assert_eq!(
-        info.blk_errors, 0,
-        "{what}: sectors read back wrong: {:?}",
-        info.blk_error_sectors
-    );
-    assert_eq!(info.verify_errors, 0, "{what}: memory verify errors");
-}
-
 #[test]
 fn a_live_update_passes_memory_and_disk_and_copies_no_page() {
     if !kvm_available() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (path, mut old) = updatable_vm(dir.path());
+    let (path, mut old) = updatable(dir.path());
     let (mut new, url) = new_process();
     let (report, ok, errors) = migrate(&old, &url, &["--local", "--checksum"]);
     assert!(ok, "{errors}");
@@ -128,7 +90,7 @@ fn what_a_live_update_cannot_do_is_refused_and_the_vm_runs_on() {
     drop(anonymous);
 
     let dir = tempfile::tempdir().unwrap();
-    let (_path, vm) = updatable_vm(dir.path());
+    let (_path, vm) = updatable(dir.path());
     for (args, why) in [
         (vec!["--local"], "unix:PATH"),
         (vec!["--local", "--connections", "2"], "connections"),
@@ -201,7 +163,7 @@ fn a_new_process_that_dies_before_go_leaves_the_vm_and_its_disk_in_the_old() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (path, vm) = updatable_vm(dir.path());
+    let (path, vm) = updatable(dir.path());
     for until in [Until::Files, Until::State] {
         let sock = dir.path().join(format!("{until:?}.sock"));
         let listener = UnixListener::bind(&sock).unwrap();

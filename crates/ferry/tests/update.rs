@@ -20,7 +20,6 @@ use common::*;
 const FIRST_WITH_LIVE_UPDATE: &str = "6cde7bc";
 
 const T: Duration = Duration::from_secs(60);
-const SECTORS: u64 = 256;
 
 /// The earlier build's binary, built from git the first time it is asked for.
 fn earlier_build() -> &'static PathBuf {
@@ -53,16 +52,6 @@ fn waiting(binary: &std::path::Path, socket: &str, dir: &std::path::Path) -> (Fe
     (Ferry::start_as(binary, &["--incoming", &url]), url)
 }
 
-/// The guest on `vm` goes on: every sector read back once more, memory verified, no error.
-fn assert_carries_on(vm: &Ferry, what: &str) {
-    let from = vm.info();
-    let info = vm.wait_info("every sector read back again", T, |i| {
-        i.blk_reads > from.blk_reads + SECTORS && i.passes > from.passes
-    });
-    assert_eq!(info.blk_errors, 0, "{what}: {:?}", info.blk_error_sectors);
-    assert_eq!(info.verify_errors, 0, "{what}: memory verify errors");
-}
-
 #[test]
 fn an_earlier_build_hands_its_vm_to_this_one_and_back() {
     if !kvm_available() {
@@ -71,28 +60,7 @@ fn an_earlier_build_hands_its_vm_to_this_one_and_back() {
     let earlier = earlier_build();
     let this = PathBuf::from(FERRY);
     let dir = tempfile::tempdir().unwrap();
-    let disk = dir.path().join("disk.img");
-    std::fs::File::create(&disk)
-        .and_then(|f| f.set_len(4 << 20))
-        .unwrap();
-    let guest = guest();
-    let cmdline = format!("write ws=16M seq verify blk blk_sectors={SECTORS}");
-    let mut vm = Ferry::start_as(
-        earlier,
-        &[
-            "--guest",
-            guest.to_str().unwrap(),
-            "--memory",
-            "256M",
-            "--memory-backend",
-            "memfd",
-            "--cmdline",
-            &cmdline,
-            "--disk",
-            &format!("path={}", disk.display()),
-        ],
-    );
-    vm.wait_info("a first round of the disk", T, |i| i.blk_writes >= SECTORS);
+    let (_disk, mut vm) = updatable_vm(earlier, dir.path());
     for (to, name, socket) in [
         (&this, "this build", "this.sock"),
         (earlier, "the earlier build", "earlier.sock"),

@@ -445,6 +445,57 @@ pub fn assert_every_page_arrived(
     info
 }
 
+/// Sectors a disk workload cycles over in the live update tests: each is read back every
+/// cycle.
+pub const UPDATE_SECTORS: u64 = 256;
+
+/// A VM that can be updated in place (memfd memory), run by `binary`, writing memory and a
+/// disk in `dir` (returned), once it has been round its sectors.
+pub fn updatable_vm(binary: &Path, dir: &Path) -> (PathBuf, Ferry) {
+    let path = dir.join("disk.img");
+    std::fs::File::create(&path)
+        .and_then(|f| f.set_len(4 << 20))
+        .expect("disk file");
+    let disk = format!("path={}", path.display());
+    let cmdline = format!("write ws=16M seq verify blk blk_sectors={UPDATE_SECTORS}");
+    let guest = guest();
+    let args = [
+        "--guest",
+        guest.to_str().unwrap(),
+        "--memory",
+        "256M",
+        "--memory-backend",
+        "memfd",
+        "--cmdline",
+        &cmdline,
+        "--disk",
+        &disk,
+    ];
+    let vm = Ferry::start_as(binary, &args);
+    vm.wait_info("a first round of the disk", Duration::from_secs(60), |i| {
+        i.blk_writes >= UPDATE_SECTORS
+    });
+    (path, vm)
+}
+
+/// The guest of an `updatable_vm` on `vm` goes on: every sector read back once more, memory
+/// verified, no error.
+pub fn assert_carries_on(vm: &Ferry, what: &str) {
+    let from = vm.info();
+    let info = vm.wait_info(
+        "every sector read back again",
+        Duration::from_secs(60),
+        |i| i.blk_reads > from.blk_reads + UPDATE_SECTORS && i.passes > from.passes,
+    );
+    assert_eq!(info.state, "running", "{what}");
+    assert_eq!(
+        info.blk_errors, 0,
+        "{what}: sectors read back wrong: {:?}",
+        info.blk_error_sectors
+    );
+    assert_eq!(info.verify_errors, 0, "{what}: memory verify errors");
+}
+
 /// A second VM on the disk at `path` is refused: some process holds its lock.
 pub fn assert_second_writer_refused(path: &Path) {
     let guest = guest();
