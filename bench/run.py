@@ -184,6 +184,37 @@ def update():
     return rows
 
 
+RESUME_MEMORY = "4G"
+RESUME_STALL_S = 30
+
+
+def resume(memory=RESUME_MEMORY, stall_s=RESUME_STALL_S, at_percent=80):
+    """A pre-copy that survives a broken link (docs/guide.md, `--resume-window-s`): a guest
+    that writes and checks 7/8 of its memory (`write ws=3584M seq verify` in 4 GiB: round 0
+    carries nearly all of it), moved over one plain TCP connection through a relay
+    (fb/cutter.py) that reads the source's frames and, at `at_percent` % of round 0's pages,
+    resets the connection (`cut`: the source dials the same address again, and that connection
+    is carried) or forwards nothing either way for `stall_s` s (`stall`: the sides' 30 s I/O
+    timeouts are meant to break it, and the source to carry on over a new one), beside the same
+    move through the same relay with no fault. The goal: it finishes after resuming with at
+    most 30 % of guest memory sent again (`pages_sent_again`); the relay's byte count against
+    the baseline's says how much more crossed in all. `--checksum`; ferry's defaults otherwise."""
+    mib = size_bytes(memory) >> 20
+    ws = mib * 7 // 8
+    # Populating: ~40 k pages/s at worst (see `scale`), then a pass checked on the destination.
+    ready_s = max(120, 60 + ws * 256 // 40000)
+    labels = {"none": "no fault", "cut": f"cut at {at_percent} % of round 0",
+              "stall": f"{stall_s} s stall at {at_percent} % of round 0"}
+    rows = []
+    for fault, label in labels.items():
+        sc = scenario(f"write seq {ws}M / {memory} {label}", memory, f"write ws={ws}M seq verify",
+                      timeout_s=300, ready_s=ready_s, extra=["--checksum"])
+        sc.update(relay={"fault": fault, "at_percent": at_percent, "stall_s": stall_s},
+                  qemu=False)
+        rows.append(sc)
+    return rows
+
+
 def runs_on(peer, sc):
     """Whether `peer` runs scenario `sc`: QEMU has no hybrid mode, and no ferry option
     (`extra`) to compare with; its warm migration is `stop`, then pre-copy. A live update
@@ -277,6 +308,12 @@ PROFILES = {
     "update": {
         "links": ["loopback"], "peers": ["ferry", qemu.CPR], "repeats": 3, "boot": [], "dirty": False,
         "scenarios": update(),
+    },
+    # A pre-copy cut, or stalled, at 80 % of round 0 and carried on over a new connection,
+    # beside the same move with no fault; --resume-memory shrinks the guest.
+    "resume": {
+        "links": ["loopback"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
+        "scenarios": resume(),
     },
     "tiny": {
         "links": ["loopback"], "peers": ["ferry"], "repeats": 1, "boot": [], "dirty": False,
@@ -450,6 +487,8 @@ def run(args):
     if args.profile == "scale":
         profile = dict(profile, scenarios=scale(args.scale_memory, args.scale_ws, args.scale_vcpus,
                                                 args.scale_codec_ws))
+    if args.profile == "resume":
+        profile = dict(profile, scenarios=resume(args.resume_memory, args.resume_stall_s))
     if args.profile == "balloon":
         profile = dict(profile, scenarios=balloon(args.balloon_memory))
         left_out = sorted({w for sc in profile["scenarios"] for w in sc["balloon"]["left_out"]})
@@ -571,6 +610,8 @@ def run(args):
                                      "outcome": outcome}
                             if sc.get("balloon"):
                                 entry["balloon"] = {k: sc["balloon"][k] for k in ("variant", "mode")}
+                            if sc.get("relay"):
+                                entry["resume"] = dict(sc["relay"], memory=sc["memory"])
                             if must and goodput:
                                 entry["floor_ms"] = sorted(must)[len(must) // 2] / goodput * 1e3
                             results["scenarios"].append(entry)
@@ -620,7 +661,8 @@ def run(args):
     # A run of some of the links still measures each of them whole; so does a sweep of some
     # variants (each variant's row stands alone).
     whole = not (args.only or args.repeats or args.delay_ms or args.fail_scenario
-                 or args.balloon_memory != BALLOON_MEMORY) and (
+                 or args.balloon_memory != BALLOON_MEMORY or args.resume_memory != RESUME_MEMORY
+                 or args.resume_stall_s != RESUME_STALL_S) and (
         not args.peers or profile.get("pick"))
     if whole and args.profile in page.RAW_FILES:
         # A whole run of a page's profile is what the results page cites.
@@ -663,6 +705,10 @@ def main():
     p.add_argument("--balloon-memory", default=BALLOON_MEMORY,
                    help="balloon profile: guest memory (default 4G: a 512 MiB working set after a "
                         "3800 MiB peak; smaller guests scale both down)")
+    p.add_argument("--resume-memory", default=RESUME_MEMORY,
+                   help="resume profile: guest memory (default 4G; the writer's set is 7/8 of it)")
+    p.add_argument("--resume-stall-s", type=int, default=RESUME_STALL_S,
+                   help="resume profile: how long the stall forwards nothing (default 30 s)")
     p.add_argument("--skip-ceilings", action="store_true",
                    help="scale profile: leave out the host's ceilings (plain streams at once, "
                    "faulting memory in), e.g. when an earlier run on this host measured them")

@@ -8,6 +8,7 @@ import subprocess
 import time
 
 from . import balloon
+from .cutter import Cutter
 from .serial import SerialClock, observed_downtime_ms
 from .links import ADDR_DST
 from .util import FERRY, GUEST, BenchError, CpuMeter, cpu_row, free_port, wait_until
@@ -279,7 +280,14 @@ class FerryPeer:
         flags = self.flags if scenario["mode"] == "precopy" else []
         mode = flags[flags.index("--mode") + 1] if "--mode" in flags else scenario["mode"]
         flags = [f for i, f in enumerate(flags) if "--mode" not in flags[max(0, i - 1):i + 1]]
-        argv = [FERRY, "migrate", "--api-socket", src, "--to", f"tcp:{link.dst_host}:{port}",
+        to = f"tcp:{link.dst_host}:{port}"
+        # The resume profile: through a relay that cuts or stalls the link at a set point.
+        relay = scenario.get("relay")
+        cutter = Cutter(self.procs, self.work, link, port, relay["fault"], relay["at_percent"],
+                        relay["stall_s"]) if relay else None
+        if cutter:
+            to = cutter.url
+        argv = [FERRY, "migrate", "--api-socket", src, "--to", to,
                 "--mode", mode, "--max-downtime-ms", str(scenario["max_downtime_ms"]),
                 "--timeout-s", str(scenario["timeout_s"]), "--json"]
         if scenario.get("prepaging"):
@@ -291,13 +299,17 @@ class FerryPeer:
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         wire = link.wire_bytes() - wire_before
         if out.returncode != 0:
-            raise BenchError(f"ferry migrate failed: {out.stderr.strip()} {out.stdout[-400:]}")
+            seen = cutter.said() if cutter else ""
+            raise BenchError(f"ferry migrate failed{seen}: {out.stderr.strip()} {out.stdout[-400:]}")
         # A successful source exits: its CPU is read from its exit.
         cpu = meter.seconds(src_exits=True) if meter else None
         report = json.loads(out.stdout)
         time.sleep(0.5)  # let the destination print a few lines
         dinfo = self.info(dst)
         dst_status = api(dst, "GET", "vm.migration") or {}
+        resumed = self.resume_row(scenario, report, cutter, dst, dinfo, started) if cutter else {}
+        if resumed:
+            dinfo = self.info(dst)
         taken = dst_status.get("checkpoints") or {}
         api(dst, "PUT", "vm.shutdown")
         applied = report.get("checkpoints") or {}
@@ -367,6 +379,33 @@ class FerryPeer:
             "breakdown_destination": dst_status.get("breakdown"),
             **cpu_row(cpu, scenario),
             **balloon.row(settled, wire, dst_clock),
+            **resumed,
+        }
+
+    def resume_row(self, scenario, report, cutter, dst, dinfo, started):
+        """The resume profile's fields: what the report says of the break (`resumes`, the pages
+        sent again), the relay's count of what crossed it, the checksums, and what a writer that
+        checks its pages found wrong in one whole pass on the destination."""
+        stats = cutter.stats()
+        if " verify" in f" {scenario['cmdline']}":
+            passes = all_passed(dinfo)
+            wait_until("a pass on the destination", scenario.get("ready_s", 120),
+                       lambda: all_passed(self.info(dst)) > passes)
+        memory_pages = report["memory_pages"]
+        src_sum, dst_sum = report.get("memory_checksum_source"), report.get("memory_checksum_destination")
+        return {
+            "resumes": report.get("resumes"),
+            "pages_sent_again": report.get("pages_sent_again"),
+            "memory_pages": memory_pages,
+            "memory_bytes": memory_pages * 4096,
+            "sent_again_share": (report["pages_sent_again"] / memory_pages
+                                 if memory_pages and report.get("pages_sent_again") is not None else None),
+            "memory_checksum_source": src_sum,
+            "memory_checksum_destination": dst_sum,
+            "checksums_equal": src_sum == dst_sum if src_sum is not None else None,
+            "note": report.get("note"),
+            "phase": report.get("phase"),
+            **cutter.row(stats, started),
         }
 
     def boot_metrics(self, memory):

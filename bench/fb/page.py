@@ -1,13 +1,13 @@
 """The results page's tables (docs/benchmarks.md, between its markers), written from the JSON
 of the runs it cites: the headline, QEMU's sweep, ferry's flag check, the floor, the balloon and
-live update in place."""
+live update in place, and the pre-copy across a broken link."""
 import json
 import os
 import shutil
 
 from . import plot
 from .qemu import VARIANTS
-from .report import balloon_table, breakdown_tables, update_table
+from .report import balloon_table, breakdown_tables, resume_table, update_table
 from .util import REPO
 
 DOCS = os.path.join(REPO, "docs")
@@ -16,7 +16,8 @@ PAGE = os.path.join(DOCS, "benchmarks.md")
 BEGIN, END = "<!-- tables: written by bench/run.py -->", "<!-- end of tables -->"
 # Raw data each profile leaves for the page, under docs/benchmarks/.
 RAW_FILES = {"headline": "headline.json", "sweep": "qemu-sweep.json", "flags": "ferry-flags.json",
-             "floor": "idle-floor.json", "balloon": "balloon.json", "update": "live-update.json"}
+             "floor": "idle-floor.json", "balloon": "balloon.json", "update": "live-update.json",
+             "resume": "resume.json"}
 # The headline's chart, beside its raw data.
 CHART = "headline.svg"
 # The floor's goal: an idle guest's total (ms) by its memory, and its downtime on both clocks.
@@ -316,6 +317,11 @@ def tables(limits):
         idle = breakdown_tables([e for e in update["scenarios"] if e["peer"] == "ferry"])
         if idle:
             lines += ["### Where ferry's idle update spends its time", ""] + idle[2:]
+    resumed = load("resume")
+    if resumed:
+        lines += ["## A pre-copy across a broken link (`bench/run.py --profile resume`)", "",
+                  provenance(resumed, "Resume"), ""] + resume_table(
+                      resumed, lambda e, m, scale=1.0, digits=1: spread(e, m, scale, digits))
     bal = load("balloon")
     if bal:
         lines += ["## Free memory and the balloon (`bench/run.py --profile balloon`)", "",

@@ -29,9 +29,107 @@ BALLOON_METRICS = ["ws_bytes", "bytes_per_ws", "guest_pages_per_s", "pages_skipp
                    "verify_errors_after"]
 
 
+# The resume profile's (`--profile resume`), summarized where a row went through the relay.
+RESUME_METRICS = ["resumes", "pages_sent_again", "sent_again_share", "pages_resent", "pages_full",
+                  "pages_zero", "memory_pages", "relay_bytes", "relay_bytes_to_destination",
+                  "extra_share", "relay_connections", "point_ms", "stall_ms",
+                  "first_connection_closed_ms_after_point", "verify_errors_after"]
+# The resume profile's goal: at most this share of guest memory sent again.
+RESUME_GOAL_SHARE = 0.30
+
+
 def summarize_rows(rows):
     extra = BALLOON_METRICS if any("ws_bytes" in r for r in rows) else []
+    extra += RESUME_METRICS if any("relay_fault" in r for r in rows) else []
     return {m: summarize([r.get(m) for r in rows]) for m in METRICS + extra}
+
+
+def resume_shares(results):
+    """Each resume run's `extra_share`: what the relay forwarded beyond the median of the
+    same link's and memory's no-fault runs, as a share of guest memory: how much more crossed,
+    whatever the report counts. Rows are summarized again."""
+    entries = [e for e in results["scenarios"] if e.get("resume")]
+    for e in entries:
+        base = next((b for b in entries if b["resume"]["fault"] == "none" and b["link"] == e["link"]
+                     and b["resume"]["memory"] == e["resume"]["memory"] and b["peer"] == e["peer"]), None)
+        s = summarize([r.get("relay_bytes") for r in (base or {}).get("runs", [])])
+        for r in e["runs"]:
+            r["extra_share"] = ((r["relay_bytes"] - s["median"]) / r["memory_bytes"]
+                                if s and r.get("relay_bytes") is not None and r.get("memory_bytes") else None)
+        e["summary"] = summarize_rows(e["runs"])
+    return entries
+
+
+def resume_table(results, cell=None):
+    """The resume profile per link, memory and fault: the total on the destination's clock and
+    ferry's own, the downtime, the breaks carried on, the pages sent again (and their share of
+    guest memory, against the goal), every page sent after its first copy, what the relay
+    forwarded and the share of memory beyond the no-fault runs, the relay's connections and how
+    the first one ended, the checksums, and a pass verified on the destination. `cell(entry,
+    metric, scale, digits)` formats a summarized metric (default: median [min–max])."""
+    rows = [e for e in results["scenarios"] if e.get("resume")]
+    if not rows:
+        return []
+    cell = cell or (lambda e, m, scale=1.0, digits=1: fmt(e.get("summary", {}), m, scale, digits))
+    faults = ["none", "cut", "stall"]
+    rows = sorted(rows, key=lambda e: (e["link"], e["resume"]["memory"], faults.index(e["resume"]["fault"])
+                                       if e["resume"]["fault"] in faults else 9, e["peer"]))
+
+    def runs_say(e, key, show=str):
+        vals = [r.get(key) for r in e.get("runs", [])]
+        return ", ".join(dict.fromkeys("-" if v is None else show(v) for v in vals)) if vals else "-"
+
+    def verdict(e):
+        runs = e.get("runs", [])
+        if e["resume"]["fault"] == "none" or not runs:
+            return "-"
+        misses = []
+        if e.get("error"):
+            misses.append("a run failed")
+        if any((r.get("resumes") or 0) < 1 for r in runs):
+            misses.append("no resume in " + ", ".join(f"run {i + 1}" for i, r in enumerate(runs)
+                                                       if (r.get("resumes") or 0) < 1))
+        worst = max((r["sent_again_share"] for r in runs if r.get("sent_again_share") is not None),
+                    default=None)
+        if worst is None or worst > RESUME_GOAL_SHARE:
+            misses.append("sent again " + ("-" if worst is None else f"{worst * 100:.1f} %"))
+        if any(r.get("checksums_equal") is not True for r in runs):
+            misses.append("checksums")
+        if any(r.get("verify_errors_after") for r in runs):
+            misses.append("verify errors")
+        return "met" if not misses else "not met: " + ", ".join(misses)
+
+    lines = ["| link | scenario | runs | total ms (destination's clock) | total ms (ferry's own) "
+             "| downtime ms | resumes | pages sent again | sent again ÷ memory | pages resent "
+             "| pages full | MB through the relay | MB (ferry's bytes_on_wire) | extra ÷ memory "
+             "| relay connections | first connection ended | checksums equal | verify errors after a pass "
+             "| goal (≤ 30 % sent again, resumed) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for e in rows:
+        name = e["scenario"] + (f" (failed: {e['error']})" if e.get("error") else "") + (
+            f" ({e['outcome']})" if e.get("outcome") else "")
+        errors = [r.get("verify_errors_after") for r in e.get("runs", [])]
+        lines.append(
+            f"| {e['link']} | {name} | {len(e.get('runs', []))} | {cell(e, 'total_ms', digits=0)} "
+            f"| {cell(e, 'total_ms_reported', digits=0)} | {cell(e, 'downtime_ms', digits=2)} "
+            f"| {runs_say(e, 'resumes')} | {cell(e, 'pages_sent_again', digits=0)} "
+            f"| {cell(e, 'sent_again_share', 0.01)} % | {cell(e, 'pages_resent', digits=0)} "
+            f"| {cell(e, 'pages_full', digits=0)} | {cell(e, 'relay_bytes', 1e6, 0)} "
+            f"| {cell(e, 'bytes', 1e6, 0)} | {cell(e, 'extra_share', 0.01)} % "
+            f"| {runs_say(e, 'relay_connections')} | {runs_say(e, 'first_connection_ended')} "
+            f"| {runs_say(e, 'checksums_equal', lambda v: 'yes' if v else 'NO')} "
+            f"| {str(sum(errors)) if errors and None not in errors else '-'} | {verdict(e)} |")
+    return lines + ["", "One plain TCP connection over loopback through a relay (bench/fb/cutter.py) that "
+                        "reads the source's frames: at the point (round 0's pages, as `Populated` named "
+                        "them, this share sent) it resets the connection (cut), or forwards nothing either "
+                        "way for the stall's length and then carries on if the connection still stands; "
+                        "the source's later connections go through untouched. Sent again: pages that had "
+                        "crossed and went a second time (`pages_sent_again`), ÷ the guest's pages "
+                        "(`memory_pages`); pages resent: every page sent after its first copy, guest "
+                        "writes included. MB through the relay: both ways, every connection; extra ÷ "
+                        "memory: that beyond the median of the no-fault runs, ÷ guest memory. Total: from the migrate request to the VM needing nothing more from "
+                        "the source, on the destination's clock. Verify errors: the writer's pages "
+                        "checked in one whole pass on the destination.", ""]
 
 
 def median(summary, metric):
@@ -250,8 +348,11 @@ def markdown(results):
         lines.append("")
     if any(is_update(e) for e in results["scenarios"]):
         lines += ["## Live update in place", ""] + update_table(results)
+    if any(e.get("resume") for e in results["scenarios"]):
+        lines += ["## A pre-copy across a broken link", ""] + resume_table(results)
     lines += breakdown_tables(results["scenarios"])
-    moves = [r for r in results["scenarios"] if r not in snaps and not is_update(r)]
+    moves = [r for r in results["scenarios"] if r not in snaps and not is_update(r)
+             and not r.get("resume")]
     if moves:
         lines += ["## Migrations", "",
                   "Total: from the migrate request to the VM needing nothing more from the source, "
@@ -498,6 +599,7 @@ def plots(results, outdir):
 
 def write_all(results, outdir):
     results["ratios"] = ratios(results)
+    resume_shares(results)
     with open(os.path.join(outdir, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     with open(os.path.join(outdir, "results.md"), "w") as f:
