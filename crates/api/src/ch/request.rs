@@ -149,7 +149,10 @@ mod tests {
             br#"{"destination_url":"unix:/x","local":"yes"}"#,
         )
         .unwrap_err();
-        assert!(e.status == 400 && e.message.contains("local"), "{e}");
+        assert!(
+            e.status == 400 && e.message.contains("expected a boolean"),
+            "{e}"
+        );
     }
 
     /// The bodies Cloud Hypervisor's own `ch-remote` (v53) sends, byte for byte: every field
