@@ -14,9 +14,12 @@ use crate::error::{Error, Result};
 pub struct Copies(Box<[AtomicU16]>);
 
 impl Copies {
-    /// Counts for pages `0..pages`, all zero.
+    /// Counts for pages `0..pages`, all zero. The memory is the allocator's zeroed memory, taken
+    /// from the host only where a count is written: a VM's untouched memory costs none.
     pub fn new(pages: u64) -> Self {
-        Self((0..pages).map(|_| AtomicU16::new(0)).collect())
+        let zeroed: Box<[u16]> = vec![0u16; pages as usize].into_boxed_slice();
+        // SAFETY: `AtomicU16` has the size, alignment and bit validity of `u16`.
+        Self(unsafe { Box::from_raw(Box::into_raw(zeroed) as *mut [AtomicU16]) })
     }
 
     /// One more copy of page `gfn` (ignored outside the counted pages).
