@@ -19,6 +19,8 @@ use crate::wire::{self, Message};
 /// The first wait between tries; it doubles up to `LAST_RETRY`.
 const FIRST_RETRY: Duration = Duration::from_millis(100);
 const LAST_RETRY: Duration = Duration::from_secs(2);
+/// How long each step of a farewell may take.
+const FAREWELL_WAIT: Duration = Duration::from_secs(1);
 /// How often a wait between tries looks for a cancel.
 const CANCEL_POLL: Duration = Duration::from_millis(50);
 
@@ -126,6 +128,31 @@ impl Session<'_> {
         self.cancel_closes(&stream);
         self.stream = stream;
         Ok(again)
+    }
+
+    /// Tells a destination that waits to carry a broken pre-copy on that it will not be
+    /// (`abort`): over a new connection, named by the session, within a second or so; a
+    /// destination that cannot be reached waits its window out.
+    pub(super) fn say_farewell(&self, abort: &Message) {
+        let Some(dial) = self.dial.as_ref() else {
+            return;
+        };
+        let Ok(mut stream) = dial(0) else {
+            return;
+        };
+        let resume = Message::ResumePrecopy {
+            session: self.session_id,
+        };
+        let heard = stream
+            .set_timeouts(Some(FAREWELL_WAIT))
+            .and_then(|()| wire::write_stream_header(&mut stream))
+            .and_then(|()| wire::write_message(&mut stream, &resume))
+            .and_then(|()| wire::read_message(&mut stream));
+        if let Ok(Message::CopiesHeld { .. }) = heard
+            && wire::write_message(&mut stream, abort).is_ok()
+        {
+            stream.close_after_last_word(FAREWELL_WAIT);
+        }
     }
 
     fn carried_on(&mut self, broke: Instant, again: &Bitmap) {

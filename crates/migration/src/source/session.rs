@@ -281,11 +281,16 @@ impl<'a> Session<'a> {
         // `Go`, so the order cannot make two copies).
         if self.stream.has_peer() {
             let _ = self.stream.set_timeouts(Some(Duration::from_millis(200)));
-            let _ = self.send(&Message::Abort {
+            let abort = Message::Abort {
                 reason: error.report(),
-            });
+            };
+            let told = self.send(&abort).is_ok() && !error.is_break();
             self.stream
                 .close_after_last_word(Duration::from_millis(300));
+            // A destination told it may wait for a resume would otherwise wait its window out.
+            if !told && self.copies.is_some() {
+                self.say_farewell(&abort);
+            }
         }
         let mut error = error;
         if let Some(paused) = self.held.paused.take()
