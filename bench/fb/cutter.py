@@ -197,15 +197,9 @@ class Relay:
                     n, error = 0, e
                 else:
                     error = None
-                # A stall holds whatever came, a close too (said as it came).
-                seen = self.when()
-                if gated:
-                    with self.gate:
-                        pass
-                if error:
-                    return f"{self.side(key, True)}: {error.strerror}{seen}"
-                if n == 0:
-                    return f"closed by the {self.side(key, True)}{seen}"
+                ended = self.read_ended(key, n, error, gated)
+                if ended:
+                    return ended
                 left = n
                 while left:
                     try:
@@ -227,19 +221,27 @@ class Relay:
                 n, error = src.recv_into(buf), None
             except OSError as e:
                 n, error = 0, e
-            seen = self.when()
-            if gated:
-                with self.gate:
-                    pass
-            if error:
-                return f"{self.side(key, True)}: {error.strerror}{seen}"
-            if n == 0:
-                return f"closed by the {self.side(key, True)}{seen}"
+            ended = self.read_ended(key, n, error, gated)
+            if ended:
+                return ended
             try:
                 dst.sendall(view[:n])
             except OSError as e:
                 return f"{self.side(key, False)}: {e.strerror}{self.when()}"
             rec[key] += n
+
+    def read_ended(self, key, n, error, gated):
+        """After a read of `n` bytes (or `error`): why the pump stops, or None to go on. A stall
+        holds whatever came, a close too (said as it came)."""
+        seen = self.when()
+        if gated:
+            with self.gate:
+                pass
+        if error:
+            return f"{self.side(key, True)}: {error.strerror}{seen}"
+        if n == 0:
+            return f"closed by the {self.side(key, True)}{seen}"
+        return None
 
     @staticmethod
     def side(key, reading):

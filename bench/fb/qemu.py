@@ -364,12 +364,7 @@ class QemuPeer:
             "stop_to_resume_ms": (resumed - stopped) * 1e3,
             "guest_downtime_ms": None,
             "serial_downtime_ms": serial_downtime,
-            "bytes": ram.get("transferred"),
-            "must_move_bytes": None,
-            "rounds": ram.get("dirty-sync-count"),
-            "round_table": [],
-            "pages_full": ram.get("normal"),
-            "pages_zero": ram.get("duplicate"),
+            **ram_row(ram),
             "pages_transferred": (ram.get("normal") or 0) + (ram.get("duplicate") or 0),
             "verify_errors_after": errors_after,
             "passes_after": passes_after,
@@ -433,12 +428,7 @@ class QemuPeer:
             "downtime_ms": info.get("downtime"),
             "guest_downtime_ms": None,
             "serial_downtime_ms": observed_downtime_ms(src_clock, dst_clock, started),
-            "bytes": ram.get("transferred"),
-            "must_move_bytes": None,
-            "rounds": ram.get("dirty-sync-count"),
-            "round_table": [],
-            "pages_full": ram.get("normal"),
-            "pages_zero": ram.get("duplicate"),
+            **ram_row(ram),
             "pages_skipped": None,
             "pages_resent": None,
             "converged": None,
@@ -495,3 +485,10 @@ def wait_ready(clock, scenario):
                    clock.counter("all_passed") >= 1 if busy else len(clock.lines()) > 3))
     if scenario.get("warmup_s"):
         time.sleep(scenario["warmup_s"])
+
+
+def ram_row(ram):
+    """A result row's figures from QEMU's `ram` migration statistics."""
+    return {"bytes": ram.get("transferred"), "must_move_bytes": None,
+            "rounds": ram.get("dirty-sync-count"), "round_table": [],
+            "pages_full": ram.get("normal"), "pages_zero": ram.get("duplicate")}
