@@ -53,6 +53,9 @@ pub enum Error {
     State(String),
 }
 
+/// How an error says the stream ended early (the peer closed the connection mid-stream).
+const TRUNCATED: &str = "stream truncated";
+
 /// What kind of failure an error is, for the API edge to answer with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -87,12 +90,17 @@ impl Error {
         }
     }
 
+    /// The stream ended while `what` was being read: the peer closed the connection.
+    pub fn truncated(what: &str) -> Self {
+        Error::Protocol(format!("{TRUNCATED} in {what}"))
+    }
+
     /// Whether the connection broke (reset, timed out, closed by the peer mid-stream), as
     /// opposed to an answer or a stream that is wrong: what a resume can carry on from.
     pub fn is_break(&self) -> bool {
         match self {
             Error::Transport { .. } => true,
-            Error::Protocol(why) => why.starts_with(crate::wire::frame::TRUNCATED),
+            Error::Protocol(why) => why.starts_with(TRUNCATED),
             _ => false,
         }
     }

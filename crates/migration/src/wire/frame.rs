@@ -184,14 +184,11 @@ pub fn read_message(r: &mut impl Read) -> Result<Message> {
     }
 }
 
-/// How an error says the stream ended early (the peer closed the connection mid-stream).
-pub const TRUNCATED: &str = "stream truncated";
-
 /// `read_exact` whose error says what was being read when the stream ended.
 pub fn read_exact(r: &mut impl Read, buf: &mut [u8], what: &str) -> Result<()> {
     r.read_exact(buf).map_err(|e| {
         if e.kind() == std::io::ErrorKind::UnexpectedEof {
-            Error::Protocol(format!("{TRUNCATED} in {what}"))
+            Error::truncated(what)
         } else {
             Error::transport(format!("reading {what}"), e)
         }
