@@ -492,6 +492,10 @@ pub struct MigrationStatus {
     pub completed_at_unix_ns: Option<u64>,
     pub pages_pushed: u64,
     pub pages_requested: u64,
+    /// Post-copy over several connections: of the pages pushed, those pushed on the extra
+    /// ones (the main connection then carries only the answers to page requests).
+    #[serde(default)]
+    pub pages_pushed_on_lanes: u64,
     pub postcopy_report: Option<PostcopyReport>,
     /// Post-copy checkpoints (`checkpoint_ms`), when asked for.
     pub checkpoints: Option<CheckpointStats>,

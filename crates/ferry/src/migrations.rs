@@ -190,6 +190,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         completed_at_unix_ns: r.completed_at_unix_ns,
         pages_pushed: p.pages.pushed,
         pages_requested: p.pages.requested,
+        pages_pushed_on_lanes: p.pages.pushed_on_lanes,
         postcopy_report: r.postcopy_report.as_ref().map(|c| api::PostcopyReport {
             network_faults: c.network_faults,
             zero_faults: c.zero_faults,

@@ -127,9 +127,13 @@ pub fn render(s: &MigrationStatus) -> String {
         );
     }
     if s.postcopy {
+        let lanes = match s.pages_pushed_on_lanes {
+            0 => String::new(),
+            n => format!(" ({n} on the extra connections)"),
+        };
         let _ = writeln!(
             o,
-            "  post-copy: {} pages pushed, {} requested",
+            "  post-copy: {} pages pushed{lanes}, {} requested",
             s.pages_pushed, s.pages_requested
         );
         if let Some(n) = s.stale_pages_dropped_before_pause {

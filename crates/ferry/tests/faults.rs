@@ -180,6 +180,13 @@ fn modes() -> Vec<(&'static str, Vec<Point>)> {
         ),
         ("warm", vec![Setup, Round0, State, Go, Completion]),
         ("postcopy", [&[Setup, Pause, State][..], &postcopy].concat()),
+        // Post-copy over two connections: the extra one pushes, the main one answers the
+        // faults; a point after `Go` counts the pages on both (the fault lands on whichever
+        // carries the page that reaches it), and cuts and stalls take both.
+        (
+            POSTCOPY_LANES,
+            [&[Setup, Pause, State][..], &postcopy].concat(),
+        ),
         (
             "hybrid",
             [&[Setup, Round0, Pause, State][..], &postcopy].concat(),
@@ -193,11 +200,20 @@ const GO_WITH_STATE: &str = "precopy go-with-state";
 /// The matrix's name for `--mode precopy --connections 2`.
 const TWO_CONNECTIONS: &str = "precopy 2 connections";
 
+/// The matrix's name for `--mode postcopy --connections 2`.
+const POSTCOPY_LANES: &str = "postcopy 2 connections";
+
+/// Whether the VM's pages follow it after the switch in `mode`.
+fn is_postcopy(mode: &str) -> bool {
+    matches!(mode, "postcopy" | "hybrid" | POSTCOPY_LANES)
+}
+
 /// `ferry migrate` arguments for a mode of the matrix.
 fn mode_args(mode: &str) -> Vec<&str> {
     match mode {
         GO_WITH_STATE => vec!["--mode", "precopy", "--go-with-state"],
         TWO_CONNECTIONS => vec!["--mode", "precopy", "--connections", "2"],
+        POSTCOPY_LANES => vec!["--mode", "postcopy", "--connections", "2"],
         m => vec!["--mode", m],
     }
 }
@@ -217,7 +233,7 @@ fn moment(mode: &str, point: Point) -> Moment {
 /// What the design promises for a fault at a point.
 fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
     use Outcome::*;
-    let postcopy = matches!(mode, "postcopy" | "hybrid");
+    let postcopy = is_postcopy(mode);
     // A blip while rounds run is carried on; anywhere else it is a cut.
     let fault = match (point, fault) {
         (Point::Round0 | Point::Round0Share(_) | Point::RoundK, Fault::Blip) => {
@@ -444,7 +460,7 @@ fn start_migration(
             // Both sides checksum memory at the switch: a corrupt page cannot pass unseen.
             "--checksum",
         ]);
-        if matches!(mode, "postcopy" | "hybrid") {
+        if is_postcopy(mode) {
             // Post-copy sends the VM back every 20 ms: a dead destination costs less.
             args.extend(["--checkpoint-ms", "20"]);
         }
@@ -581,7 +597,7 @@ fn all_cases() -> Vec<Case> {
 /// and during post-copy, where the operator takes the VM back), spread over the modes and
 /// points, two stop requests: a SIGTERM the source must defer (at `Go`), and a stop that
 /// ends an arrival (at the state); and strangers at the door of a two-connection migration.
-const SHORT: [(&str, Point, Fault); 14] = [
+const SHORT: [(&str, Point, Fault); 16] = [
     ("precopy", Point::Go, Fault::Stop(Side::Source, How::Signal)),
     (TWO_CONNECTIONS, Point::Setup, Fault::Strangers),
     (
@@ -600,6 +616,8 @@ const SHORT: [(&str, Point, Fault); 14] = [
     ("hybrid", Point::Postcopy(50), Fault::KillDestination),
     ("hybrid", Point::Postcopy(90), Fault::Stall),
     ("precopy", Point::RoundK, Fault::Blip),
+    (POSTCOPY_LANES, Point::Postcopy(50), Fault::Corrupt),
+    (POSTCOPY_LANES, Point::Postcopy(90), Fault::Cut),
 ];
 
 fn short_cases() -> Vec<Case> {

@@ -142,6 +142,29 @@ fn hybrid_over_three_compressed_connections() {
     assert!(r.compression.frames_zstd > 0, "{:?}", r.compression);
 }
 
+/// Post-copy over several connections: the extra ones push every page that is not asked for,
+/// and the main one carries only the answers to the guest's faults.
+#[test]
+fn postcopy_pushes_on_the_extra_connections() {
+    if !kvm_available() {
+        return;
+    }
+    for mode in ["postcopy", "hybrid"] {
+        let r = postcopy_keeps_every_page(
+            2,
+            "write ws=128M random verify",
+            &["--mode", mode, "--connections", "4"],
+        );
+        assert_eq!(r.connections, 4, "{r:?}");
+        assert!(r.pages_pushed > 0, "{mode}: {r:?}");
+        assert_eq!(
+            r.pages_pushed_on_lanes, r.pages_pushed,
+            "{mode}: every push went on an extra connection"
+        );
+        assert!(r.pages_requested > 0, "{mode}: the guest faulted: {r:?}");
+    }
+}
+
 #[test]
 fn non_converging_precopy_switches_to_postcopy_by_itself() {
     if !kvm_available() {

@@ -82,6 +82,9 @@ pub struct PageCounts {
     /// Post-copy: pushed by the source / requested by the destination's faults.
     pub pushed: u64,
     pub requested: u64,
+    /// Of the pushed pages, those pushed on the extra connections (the main one then carries
+    /// only the answers to requests).
+    pub pushed_on_lanes: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -89,6 +89,35 @@ struct Conversation {
 }
 
 impl Conversation {
+    /// Takes in one frame of an extra connection: post-copy's pushes travel there, and count
+    /// toward its points; the rest of the conversation is the main connection's.
+    fn on_lane(&mut self, point: Point, to_destination: bool, frame: &[u8]) -> bool {
+        let hit = to_destination
+            && self.went
+            && frame[0] != KIND_CONTROL
+            && self.pushed_to(point, page_count(frame));
+        self.fire_once(hit)
+    }
+
+    /// Counts `count` more pages sent after `Go`; whether they reach the point.
+    fn pushed_to(&mut self, point: Point, count: u32) -> bool {
+        let before = self.pushed * 100;
+        self.pushed += u64::from(count);
+        match point {
+            Point::Postcopy(p) => {
+                let goal = u64::from(p) * self.pending.max(1);
+                before < goal && self.pushed * 100 >= goal
+            }
+            _ => false,
+        }
+    }
+
+    fn fire_once(&mut self, hit: bool) -> bool {
+        let fire = hit && !self.fired;
+        self.fired |= fire;
+        fire
+    }
+
     /// Takes in one frame; returns whether it is the point.
     fn at(&mut self, point: Point, to_destination: bool, frame: &[u8]) -> bool {
         let payload = &frame[FRAME_HEADER_LEN..frame.len() - 4];
@@ -122,19 +151,10 @@ impl Conversation {
             }
             (true, Some(_)) => false,
             (true, None) => {
-                // A page frame: `count u32` opens its payload.
-                let count = u32::from_le_bytes(payload[..4].try_into().unwrap());
+                let count = page_count(frame);
                 self.frames_in_round += 1;
                 if self.went {
-                    let before = self.pushed * 100;
-                    self.pushed += u64::from(count);
-                    match point {
-                        Point::Postcopy(p) => {
-                            let goal = u64::from(p) * self.pending.max(1);
-                            before < goal && self.pushed * 100 >= goal
-                        }
-                        _ => false,
-                    }
+                    self.pushed_to(point, count)
                 } else if self.caught_up {
                     false
                 } else {
@@ -164,10 +184,13 @@ impl Conversation {
                 && to_destination
                 && self.caught_up
                 && !matches!(message, Some(Message::Sync { .. } | Message::Stale { .. })));
-        let fire = hit && !self.fired;
-        self.fired |= fire;
-        fire
+        self.fire_once(hit)
     }
+}
+
+/// The pages of a page frame: `count u32` opens its payload.
+fn page_count(frame: &[u8]) -> u32 {
+    u32::from_le_bytes(frame[FRAME_HEADER_LEN..][..4].try_into().unwrap())
 }
 
 struct Shared {
@@ -222,8 +245,8 @@ impl Relay {
                 return;
             };
             // A migration's extra connections (`--connections`) come through here too: their
-            // frames are forwarded whole, cut and stalled with the main one's, but never the
-            // point (that is the conversation's).
+            // frames are forwarded whole, cut and stalled with the main one's; only post-copy's
+            // pushes on them count toward a point (the rest is the conversation's).
             let lanes = {
                 let shared = shared.clone();
                 std::thread::spawn(move || {
@@ -372,8 +395,10 @@ fn pump(
         }
         // A lane waits here while a stall holds the conversation.
         let mut conversation = shared.conversation.lock().unwrap();
-        let fire = carries == Carries::Conversation
-            && conversation.at(shared.point, to_destination, &frame);
+        let fire = match carries {
+            Carries::Conversation => conversation.at(shared.point, to_destination, &frame),
+            Carries::Lane => conversation.on_lane(shared.point, to_destination, &frame),
+        };
         drop(conversation);
         if fire {
             let _ = shared.reached.lock().unwrap().send(());

@@ -142,6 +142,8 @@ pub(super) struct Filled {
     /// The pages post-copy still has to bring (post-copy only).
     pub pending: Option<Bitmap>,
     pub checkpoint_every: Option<u32>,
+    /// The extra connections post-copy's pushes come on (`PushOnLanes`; else none).
+    pub push_lanes: Vec<Stream>,
 }
 
 /// The memory and state of one arriving VM, while they fill.
@@ -154,6 +156,10 @@ pub(super) struct Filling {
     cpu: CpuMeter,
     pages: PageReceiver,
     lanes: Option<LaneReceivers>,
+    /// The extra connections once their rounds ended, open for post-copy's pushes.
+    lanes_ended: Vec<Stream>,
+    /// The source said post-copy pushes on them (`PushOnLanes`).
+    push_on_lanes: bool,
     // After the lanes: dropped after them, so that its zero filler outlives every receiver
     // that might still fault.
     installing: Option<Installing>,
@@ -212,6 +218,8 @@ impl Filling {
             cpu,
             pages,
             lanes,
+            lanes_ended: Vec::new(),
+            push_on_lanes: false,
             installing: None,
             prefault: None,
             vcpus: vec![None; hello.descriptor.vcpus as usize],
@@ -291,6 +299,7 @@ impl Filling {
             (State, Message::Checkpoints { every_ms }) if self.pending.is_some() => {
                 self.on_checkpoints(every_ms)
             }
+            (State, Message::PushOnLanes) if self.pending.is_some() => self.on_push_on_lanes(),
             (Memory | State, Message::VcpuState { index, state }) => {
                 self.on_vcpu_state(index, state)
             }
@@ -307,7 +316,8 @@ impl Filling {
                 _,
                 m @ (Message::PostcopyPending { .. }
                 | Message::Stale { .. }
-                | Message::Checkpoints { .. }),
+                | Message::Checkpoints { .. }
+                | Message::PushOnLanes),
             ) if !self.live => Err(Error::Protocol(format!(
                 "a snapshot stream carries {}, which only a live migration may",
                 m.name()
@@ -410,6 +420,18 @@ impl Filling {
         Ok(Event::Nothing)
     }
 
+    fn on_push_on_lanes(&mut self) -> Result<Event> {
+        if self.connections < 2 || self.push_on_lanes {
+            return Err(Error::Protocol(format!(
+                "PushOnLanes on a migration of {} connection(s){}",
+                self.connections,
+                if self.push_on_lanes { ", twice" } else { "" }
+            )));
+        }
+        self.push_on_lanes = true;
+        Ok(Event::Nothing)
+    }
+
     fn on_vcpu_state(&mut self, index: u32, state: Vec<u8>) -> Result<Event> {
         let count = self.vcpus.len();
         let slot = self.vcpus.get_mut(index as usize).ok_or_else(|| {
@@ -456,10 +478,10 @@ impl Filling {
     }
 
     fn finish_lanes(&mut self) -> Result<()> {
-        match self.lanes.take() {
-            Some(lanes) => lanes.finish(&mut self.pages),
-            None => Ok(()),
+        if let Some(lanes) = self.lanes.take() {
+            self.lanes_ended = lanes.finish(&mut self.pages)?;
         }
+        Ok(())
     }
 
     /// What was collected, once `StateEnd` came: every vCPU's state and the devices'.
@@ -470,6 +492,8 @@ impl Filling {
             devices,
             pending,
             checkpoint_every,
+            lanes_ended,
+            push_on_lanes,
             ..
         } = self;
         let vcpus = vcpus
@@ -484,6 +508,12 @@ impl Filling {
             devices,
             pending,
             checkpoint_every,
+            // Unless post-copy pushes on them, the extra connections close here.
+            push_lanes: if push_on_lanes {
+                lanes_ended
+            } else {
+                Vec::new()
+            },
         })
     }
 }

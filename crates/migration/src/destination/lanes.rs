@@ -24,7 +24,7 @@ const JOIN_WAIT: Duration = Duration::from_secs(10);
 pub(super) struct LaneReceivers {
     /// Each lane's reader, in lane order. Every one is joined before this value is gone: a
     /// reader writes into guest memory, which the caller may unmap once the receive ends.
-    threads: Vec<JoinHandle<Option<PageReceiver>>>,
+    threads: Vec<JoinHandle<Option<(PageReceiver, Stream)>>>,
     /// Handles on each lane's connection: closed when the receive ends, so no thread waits on.
     streams: Vec<Stream>,
     /// The first lane failure, kept before the main connection is closed because of it.
@@ -178,7 +178,7 @@ impl LaneReceivers {
             .spawn(move || {
                 let _tracked = cpu.track(Work::Receive, Worker::Lane(lane));
                 match receive_lane(stream, &ram, pages, lane, &progress, &stop) {
-                    Ok(pages) => Some(pages),
+                    Ok(done) => Some(done),
                     Err(e) => {
                         failed.locked().get_or_insert(e);
                         main.shutdown();
@@ -192,8 +192,8 @@ impl LaneReceivers {
     }
 
     /// Waits (at most `IO_TIMEOUT`) for every lane's `LaneEnd` and adds what each wrote to
-    /// `main`.
-    pub fn finish(mut self, main: &mut PageReceiver) -> Result<()> {
+    /// `main`. Returns the lanes' connections, in lane order, open for post-copy's pushes.
+    pub fn finish(mut self, main: &mut PageReceiver) -> Result<Vec<Stream>> {
         for s in &self.streams {
             s.set_timeouts(Some(IO_TIMEOUT))?;
         }
@@ -207,6 +207,7 @@ impl LaneReceivers {
                 .sum()
         };
         let (mut last, mut deadline) = (moved(), Instant::now() + IO_TIMEOUT);
+        let mut ended = Vec::with_capacity(self.threads.len());
         // One at a time off the list: on a failure the readers not yet joined stay in it,
         // for `Drop` to stop and join.
         while !self.threads.is_empty() {
@@ -226,12 +227,18 @@ impl LaneReceivers {
                 continue;
             }
             match self.threads.remove(0).join() {
-                Ok(Some(lane)) => main.absorb(&lane),
+                Ok(Some((lane, stream))) => {
+                    main.absorb(&lane);
+                    ended.push(stream);
+                }
                 Ok(None) => return Err(self.failure().unwrap_or_else(lane_failed)),
                 Err(_) => return Err(Error::State("a lane's receiver panicked".into())),
             }
         }
-        Ok(())
+        // Every reader ended at its `LaneEnd`: the connections stay open (`Drop` would shut
+        // them down through these handles).
+        self.streams.clear();
+        Ok(ended)
     }
 
     /// Waits (at most `IO_TIMEOUT`) until every extra lane has put in place as many pages as
@@ -293,7 +300,7 @@ fn receive_lane(
     lane: u32,
     progress: &AtomicU64,
     stop: &AtomicBool,
-) -> Result<PageReceiver> {
+) -> Result<(PageReceiver, Stream)> {
     loop {
         if stop.load(Ordering::Acquire) {
             return Err(Error::State(format!(
@@ -305,7 +312,9 @@ fn receive_lane(
                 pages.receive(&mut stream, ram, &header, len)?;
                 progress.store(pages.pages, Ordering::Release);
             }
-            Frame::Message(Message::LaneEnd { pages: n }) if n == pages.pages => return Ok(pages),
+            Frame::Message(Message::LaneEnd { pages: n }) if n == pages.pages => {
+                return Ok((pages, stream));
+            }
             Frame::Message(Message::LaneEnd { pages: n }) => {
                 return Err(Error::Protocol(format!(
                     "connection {lane}: the source sent {n} pages but {} arrived",

@@ -20,7 +20,7 @@ use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::board::StatusBoard;
 use crate::buckets::FaultLatency;
 use crate::error::{Error, Result};
-use crate::io::transport::Stream;
+use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
 use crate::scan::{memory_checksum_of, page_digest, populated_pages};
 use crate::vm::Migratable;
@@ -76,6 +76,8 @@ pub struct Postcopy {
     requests: Arc<Mutex<Option<Stream>>>,
     stop: Arc<AtomicBool>,
     progress: Mutex<Installed>,
+    /// The source asked for a checksum of memory: each page is added as it lands.
+    summing: bool,
     resumed: Instant,
     uffd: Arc<Uffd>,
     pending: Arc<Bitmap>,
@@ -192,6 +194,7 @@ impl Postcopy {
                 duplicates: 0,
                 checksum: base_checksum,
             }),
+            summing: checksum,
             resumed: Instant::now(),
             uffd: Arc::new(uffd),
             present: Arc::new(AtomicBitmap::new(pending.pages())),
@@ -308,33 +311,15 @@ impl Postcopy {
             .map_err(|e| Error::vm_caused("cannot start the post-copy fault handler", e))
     }
 
-    /// Installs pages from the stream until the source says it sent them all; then ends
-    /// post-copy (the memory is ordinary again) and tells the source.
-    pub fn receive_pages(&self, stream: &mut Stream) -> Result<PostcopyReport> {
-        let mut scratch = FrameBuffers::default();
+    /// Installs pages from the stream (and from `lanes`, the extra connections the source
+    /// pushes on, each read by a thread of its own) until the source says it sent them all;
+    /// then ends post-copy (the memory is ordinary again) and tells the source.
+    pub fn receive_pages(&self, stream: &mut Stream, lanes: Vec<Stream>) -> Result<PostcopyReport> {
         let want = self.pending.count();
-        loop {
-            let m = match wire::read_frame(stream)? {
-                Frame::Pages { header, len } => {
-                    let pages = read_page_frame(stream, &self.ram, &header, len, &mut scratch)?;
-                    self.install_arrived(pages)?;
-                    continue;
-                }
-                Frame::Message(m) => m,
-            };
-            match m {
-                Message::CheckpointTaken { seq } => {
-                    let c = self.checkpointer.locked();
-                    if let Some(c) = c.as_ref() {
-                        c.confirmed(seq);
-                    }
-                }
-                Message::PostcopyDone { .. } => break,
-                Message::Abort { reason } => return Err(Error::Peer(reason)),
-                m => {
-                    return Err(Error::out_of_turn("destination", m.name(), "Postcopy"));
-                }
-            }
+        if lanes.is_empty() {
+            self.receive_main(stream)?;
+        } else {
+            self.receive_with_lanes(stream, lanes)?;
         }
         let installed = self.progress.locked().pages;
         if installed != want {
@@ -359,6 +344,108 @@ impl Postcopy {
         // The connection stays attached for the guest report that may still follow.
         self.reply(&Message::PostcopyComplete(report.clone()))?;
         Ok(report)
+    }
+
+    /// The main connection: the answers to page requests (and, with no lanes, the pushes),
+    /// up to the source's `PostcopyDone`.
+    fn receive_main(&self, stream: &mut Stream) -> Result<()> {
+        let mut scratch = FrameBuffers::default();
+        loop {
+            let m = match wire::read_frame(stream)? {
+                Frame::Pages { header, len } => {
+                    let pages = read_page_frame(stream, &self.ram, &header, len, &mut scratch)?;
+                    self.install_arrived(pages)?;
+                    continue;
+                }
+                Frame::Message(m) => m,
+            };
+            match m {
+                Message::CheckpointTaken { seq } => {
+                    let c = self.checkpointer.locked();
+                    if let Some(c) = c.as_ref() {
+                        c.confirmed(seq);
+                    }
+                }
+                Message::PostcopyDone { .. } => return Ok(()),
+                Message::Abort { reason } => return Err(Error::Peer(reason)),
+                m => {
+                    return Err(Error::out_of_turn("destination", m.name(), "Postcopy"));
+                }
+            }
+        }
+    }
+
+    /// The main connection here, each lane on a thread of its own, until `PostcopyDone` and
+    /// every lane's `LaneEnd`. A lane that fails closes the main connection (its failure is
+    /// the reason); a main connection that fails closes the lanes.
+    fn receive_with_lanes(&self, stream: &mut Stream, lanes: Vec<Stream>) -> Result<()> {
+        let failed: Mutex<Option<Error>> = Mutex::new(None);
+        let main = stream.try_clone()?;
+        let mut closers = Vec::with_capacity(lanes.len());
+        for lane in &lanes {
+            lane.set_timeouts(Some(IO_TIMEOUT))?;
+            closers.push(lane.try_clone()?);
+        }
+        let fail = |e: Error| {
+            failed.locked().get_or_insert(e);
+            main.shutdown();
+        };
+        let received = std::thread::scope(|scope| {
+            for (i, lane) in lanes.into_iter().enumerate() {
+                let n = i as u32 + 1;
+                let spawned = std::thread::Builder::new()
+                    .name(format!("postcopy-lane-{n}"))
+                    .spawn_scoped(scope, move || {
+                        if let Err(e) = self.receive_lane(lane, n) {
+                            fail(e);
+                        }
+                    });
+                if let Err(e) = spawned {
+                    fail(Error::vm_caused(
+                        "cannot start a lane's post-copy reader",
+                        e,
+                    ));
+                }
+            }
+            let received = self.receive_main(stream);
+            if received.is_err() {
+                closers.iter().for_each(Stream::shutdown);
+            }
+            received
+        });
+        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => received,
+        }
+    }
+
+    /// One lane's pushes, up to its `LaneEnd`.
+    fn receive_lane(&self, mut stream: Stream, lane: u32) -> Result<()> {
+        let mut scratch = FrameBuffers::default();
+        let mut pages = 0;
+        loop {
+            match wire::read_frame(&mut stream)? {
+                Frame::Pages { header, len } => {
+                    let arrived =
+                        read_page_frame(&mut stream, &self.ram, &header, len, &mut scratch)?;
+                    pages += self.install_arrived(arrived)?;
+                }
+                Frame::Message(Message::LaneEnd { pages: n }) if n == pages => return Ok(()),
+                Frame::Message(Message::LaneEnd { pages: n }) => {
+                    return Err(Error::Protocol(format!(
+                        "connection {lane}: the source pushed {n} pages after the switch but \
+                         {pages} arrived"
+                    )));
+                }
+                Frame::Message(Message::Abort { reason }) => return Err(Error::Peer(reason)),
+                Frame::Message(other) => {
+                    return Err(Error::Protocol(format!(
+                        "connection {lane} carries post-copy's pushes only, not {}",
+                        other.name()
+                    )));
+                }
+            }
+        }
     }
 
     /// Writes `msg` to the source on the attached connection (post-copy's one writer).
@@ -401,26 +488,55 @@ impl Postcopy {
     }
 
     /// Installs the pages of one frame that are still missing; a copy of a page already
-    /// here (a fault answered, a push that crossed it) counts as a duplicate.
+    /// here (a fault answered, a push that crossed it) counts as a duplicate. Returns how many
+    /// pages the frame carried. Several connections' readers install side by side: each page
+    /// is claimed in `present` once in place, and the counts are taken once a frame.
     fn install_arrived<'d>(
         &self,
         pages: impl IntoIterator<Item = (u64, Option<&'d [u8]>)>,
-    ) -> Result<()> {
+    ) -> Result<u64> {
+        let (mut seen, mut duplicates, mut sum) = (0, 0, 0u64);
+        let mut landed = Vec::new();
         for (gfn, data) in pages {
-            let mut p = self.progress.locked();
+            seen += 1;
             if !self.pending.get(gfn) || self.present.get(gfn) {
-                p.duplicates += 1;
+                duplicates += 1;
                 continue;
             }
             self.install(gfn, data)?;
-            p.pages += 1;
-            if let (Some(sum), Some(d)) = (p.checksum.as_mut(), data) {
-                *sum = sum.wrapping_add(page_digest(gfn, d));
+            if self.present.set(gfn) {
+                duplicates += 1; // installed meanwhile by another reader, with this content
+                continue;
+            }
+            if let (true, Some(d)) = (self.summing, data) {
+                sum = sum.wrapping_add(page_digest(gfn, d));
+            }
+            landed.push(gfn);
+        }
+        {
+            let mut p = self.progress.locked();
+            p.pages += landed.len() as u64;
+            p.duplicates += duplicates;
+            if let Some(total) = p.checksum.as_mut() {
+                *total = total.wrapping_add(sum);
             }
         }
-        Ok(())
+        // Marked present before this lock: a fault never waits for a page already here.
+        let mut log = self.faults.locked();
+        for gfn in landed {
+            let how = match log.waiting.remove(&gfn) {
+                Some(t) => {
+                    log.latencies_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                    Timeline::REQUESTED
+                }
+                None => Timeline::PUSHED,
+            };
+            log.timeline.add(self.resumed, how);
+        }
+        Ok(seen)
     }
 
+    /// Puts one page in place (waking whoever faulted on it); `install_arrived` marks it.
     fn install(&self, pfn: u64, data: Option<&[u8]>) -> Result<()> {
         let page = self.ram.host_ptr(pfn, 1)? as *mut libc::c_void;
         // SAFETY: `page` is a page of the registered range; `data` is one page long.
@@ -453,16 +569,6 @@ impl Postcopy {
             }
             Err(e) => return Err(Error::vm_caused(format!("installing page {pfn:#x}"), e)),
         }
-        self.present.set(pfn);
-        let mut log = self.faults.locked();
-        let how = match log.waiting.remove(&pfn) {
-            Some(t) => {
-                log.latencies_ms.push(t.elapsed().as_secs_f64() * 1e3);
-                Timeline::REQUESTED
-            }
-            None => Timeline::PUSHED,
-        };
-        log.timeline.add(self.resumed, how);
         Ok(())
     }
 }

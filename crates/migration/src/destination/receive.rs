@@ -289,6 +289,7 @@ impl Receiver<'_> {
         vm.load_state(&filled.vcpus, &filled.devices)?;
         laps.lap("load state", &mut self.status.report);
         let present = filled.pages.present();
+        let lanes = filled.push_lanes;
         let postcopy = match filled.pending {
             Some(p) => Some(Postcopy::arm(
                 vm.clone(),
@@ -323,6 +324,7 @@ impl Receiver<'_> {
                 Some(PostcopyRun {
                     dest,
                     checkpoint_every: filled.checkpoint_every,
+                    lanes,
                 })
             }
             None => None,
@@ -402,6 +404,7 @@ impl Receiver<'_> {
         let PostcopyRun {
             dest,
             checkpoint_every,
+            lanes,
         } = run;
         if let Some(r) = reply {
             dest.attach(r);
@@ -413,7 +416,7 @@ impl Receiver<'_> {
             self.start_checkpoints(&vm, &dest, every_ms);
         }
         spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Postcopy(dest.clone()));
-        let received = dest.receive_pages(stream);
+        let received = dest.receive_pages(stream, lanes);
         self.status.fault_latency = dest.fault_latency();
         match received {
             Ok(report) => {
@@ -476,6 +479,8 @@ struct Loaded {
 struct PostcopyRun {
     dest: Arc<Postcopy>,
     checkpoint_every: Option<u32>,
+    /// The extra connections the source pushes on (none: it pushes on the main one).
+    lanes: Vec<Stream>,
 }
 
 /// What `hand_over` leaves once the VM runs here.

@@ -42,7 +42,7 @@ pub(crate) fn resume(
         },
     )?;
     dest.attach(stream.try_clone()?);
-    let result = dest.receive_pages(&mut stream);
+    let result = dest.receive_pages(&mut stream, Vec::new());
     if result.is_err() {
         dest.detach();
     }

@@ -76,6 +76,26 @@ impl Lane {
         Ok(())
     }
 
+    /// The lane's connection (for how much it has queued).
+    pub(super) fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// Sends `gfns` whole (a batch of post-copy's pushes).
+    pub(super) fn send_batch(&mut self, ram: &GuestRam, gfns: &[u64]) -> Result<()> {
+        for &gfn in gfns {
+            self.pages
+                .push(&mut self.stream, ram, gfn, &mut self.limiter)?;
+        }
+        self.pages.flush(&mut self.stream, ram, &mut self.limiter)
+    }
+
+    /// Ends post-copy's pushes on this lane, `pages` of them since the switch (the lane
+    /// ended its rounds with `end` before the switch).
+    pub(super) fn end_pushes(&mut self, pages: u64) -> Result<()> {
+        wire::write_message(&mut self.stream, &Message::LaneEnd { pages })
+    }
+
     /// Sends this lane's share of the round's pages.
     pub(super) fn send_share(&mut self, lane: u32, share: &RoundShare<'_>) -> Result<()> {
         let result = self.send_pages(lane, share);

@@ -1,14 +1,19 @@
 //! Serving post-copy: the VM runs on the destination; its pages follow. Requests are served
 //! first, everything else is pushed in the planner's order (see `prepaging`); each page leaves
-//! at most once. A reader thread hears the destination while the session pushes.
+//! at most once. A reader thread hears the destination while the session pushes. Over several
+//! connections the extra ones ("lanes") push, each on a thread of its own taking the planner's
+//! next pages in batches, and the main connection carries only the answers to requests: a
+//! fault's page never waits behind a push on its connection.
 
 use crate::sync::Locked;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::checkpoints::Checkpoints;
 use super::controls::Leftover;
+use super::lane::Lane;
 use super::machine::Event;
 use super::serving::GUEST_REPORT_WAIT;
 use super::session::Session;
@@ -25,6 +30,13 @@ use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Pages pushed between two looks at the request queue.
 const PUSH_BATCH: usize = 16;
+/// Pages a lane takes from the planner at once: a frame's worth, so that the planner's lock
+/// is taken once a frame, and a fault's new window reaches the lanes within a frame each.
+const LANE_BATCH: usize = 128;
+/// How often the main connection's thread looks at the lanes while no request comes.
+const LANES_LOOK: Duration = Duration::from_millis(2);
+/// How often the live status is published while lanes push.
+const PROGRESS_EVERY: Duration = Duration::from_millis(20);
 
 /// How many pushed bytes may wait in the socket and on the link at once. A page request's
 /// reply leaves behind whatever is queued, so a queue as deep as the kernel allows (megabytes:
@@ -41,25 +53,31 @@ const PUSH_QUEUE_EVERY: Duration = Duration::from_millis(10);
 /// How long the pusher waits for a request while the queue is full.
 const QUEUE_FULL_WAIT: Duration = Duration::from_micros(200);
 
-/// The push queue's limit for a link moving `rate` bytes/s with round trips of at least
-/// `min_rtt`.
-fn queue_limit_for(rate: u64, min_rtt: Duration) -> usize {
+/// The push queue's limit for a connection moving `rate` bytes/s with round trips of at least
+/// `min_rtt`, and at least `floor`.
+fn queue_limit_for(rate: u64, min_rtt: Duration, floor: usize) -> usize {
     let wanted = rate as f64 * (min_rtt.as_secs_f64() * 1.25 + PUSH_QUEUE_SLACK.as_secs_f64());
-    (wanted as usize).clamp(PUSH_QUEUE_MIN, PUSH_QUEUE_MAX)
+    (wanted as usize).clamp(floor, PUSH_QUEUE_MAX)
 }
 
 /// The push queue's limit (see `PUSH_QUEUE_MIN`). Keeps the best rate seen, so that the
 /// estimate does not shrink while the limit itself holds the link back.
 struct PushQueue {
     bytes: usize,
+    /// The floor: `PUSH_QUEUE_MIN`, shared out among the connections that push (their queues
+    /// all lie on one link, ahead of an answer).
+    floor: usize,
     best_rate: u64,
     next_look: Instant,
 }
 
 impl PushQueue {
-    fn new() -> PushQueue {
+    /// The queue of one of `pushers` connections pushing side by side.
+    fn shared_by(pushers: usize) -> PushQueue {
+        let floor = PUSH_QUEUE_MIN / pushers.max(1);
         PushQueue {
-            bytes: PUSH_QUEUE_MIN,
+            bytes: floor,
+            floor,
             best_rate: 0,
             next_look: Instant::now() + PUSH_QUEUE_EVERY,
         }
@@ -73,7 +91,7 @@ impl PushQueue {
             self.bytes = match stream.tcp_path() {
                 Some((rate, min_rtt)) => {
                     self.best_rate = self.best_rate.max(rate);
-                    queue_limit_for(self.best_rate, min_rtt)
+                    queue_limit_for(self.best_rate, min_rtt, self.floor)
                 }
                 // Not TCP (a Unix socket to this host): no link to queue on.
                 None => PUSH_QUEUE_MAX,
@@ -155,39 +173,58 @@ fn read_from_destination(
 pub(crate) struct Served {
     pub pushed: u64,
     pub requested: u64,
+    /// Of `pushed`, those pushed on the extra connections.
+    pub on_lanes: u64,
 }
 
 /// What a post-copy serving sends with: the connection, the memory, the sender and its
-/// limiter, and the reader's messages (`spawn_reader`).
+/// limiter, the reader's messages (`spawn_reader`), and the extra connections that push
+/// (none: the pushes share the connection with the answers).
 pub(crate) struct Outlet<'a> {
     pub stream: &'a mut Stream,
     pub ram: &'a GuestRam,
     pub limiter: &'a mut RateLimiter,
     pub sender: &'a mut PageSender,
     pub events: &'a Receiver<Result<Message>>,
+    pub lanes: &'a mut [Lane],
 }
 
 /// Sends every page of `pending`, requests first, and returns once the destination confirmed
 /// it has them all. `heard` sees every message (the guest report); `progress` sees the
-/// counters and the pages left after each batch.
+/// counters and the pages left now and then.
 pub(crate) fn serve(
     outlet: Outlet<'_>,
     pending: Bitmap,
     strategy: Strategy,
     heard: impl FnMut(&Message) -> Result<()>,
-    mut progress: impl FnMut(Served, u64),
+    progress: impl FnMut(Served, u64),
 ) -> Result<(Served, PostcopyReport)> {
+    let planner = Mutex::new(Planner::new(pending, strategy));
+    let Outlet {
+        stream,
+        ram,
+        limiter,
+        sender,
+        events,
+        lanes,
+    } = outlet;
     let mut s = Serving {
-        out: outlet,
-        planner: Planner::new(pending, strategy),
+        out: Outlet {
+            stream,
+            ram,
+            limiter,
+            sender,
+            events,
+            lanes: &mut [],
+        },
+        planner: &planner,
         served: Served::default(),
         heard,
     };
-    let mut queue = PushQueue::new();
-    while s.planner.remaining() > 0 {
-        s.answer_requests(&mut queue)?;
-        s.push_batch()?;
-        progress(s.served, s.planner.remaining());
+    if lanes.is_empty() {
+        s.push_here(progress)?;
+    } else {
+        s.push_on_lanes(lanes, progress)?;
     }
     let pages_sent = s.served.pushed + s.served.requested;
     wire::write_message(s.out.stream, &Message::PostcopyDone { pages_sent })?;
@@ -196,14 +233,128 @@ pub(crate) fn serve(
 }
 
 /// One post-copy serving under way.
-struct Serving<'a, H> {
+struct Serving<'a, 'p, H> {
     out: Outlet<'a>,
-    planner: Planner,
+    planner: &'p Mutex<Planner>,
     served: Served,
     heard: H,
 }
 
-impl<H: FnMut(&Message) -> Result<()>> Serving<'_, H> {
+/// What the lanes pushing side by side share with the thread that answers.
+struct Pushes<'p> {
+    planner: &'p Mutex<Planner>,
+    /// Pages the lanes have pushed.
+    pushed: AtomicU64,
+    /// Lanes still pushing.
+    running: AtomicUsize,
+    /// Set when one side failed: the others stop at their next batch.
+    stop: AtomicBool,
+    pushers: usize,
+}
+
+impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
+    fn remaining(&self) -> u64 {
+        self.planner.locked().remaining()
+    }
+
+    /// One connection: pushes and answers share it, requests first.
+    fn push_here(&mut self, mut progress: impl FnMut(Served, u64)) -> Result<()> {
+        let mut queue = PushQueue::shared_by(1);
+        while self.remaining() > 0 {
+            self.answer_requests(&mut queue)?;
+            self.push_batch()?;
+            progress(self.served, self.remaining());
+        }
+        Ok(())
+    }
+
+    /// Several connections: each lane pushes on a thread of its own until the planner has
+    /// nothing left, then ends with `LaneEnd`; this thread answers the requests meanwhile.
+    fn push_on_lanes(
+        &mut self,
+        lanes: &mut [Lane],
+        mut progress: impl FnMut(Served, u64),
+    ) -> Result<()> {
+        let pushes = Pushes {
+            planner: self.planner,
+            pushed: AtomicU64::new(0),
+            running: AtomicUsize::new(lanes.len()),
+            stop: AtomicBool::new(false),
+            pushers: lanes.len(),
+        };
+        // Handles to close a lane blocked in a write when this side fails.
+        let closers: Vec<Stream> = lanes
+            .iter()
+            .map(|l| l.stream().try_clone())
+            .collect::<Result<_>>()?;
+        let ram = self.out.ram.clone();
+        std::thread::scope(|scope| {
+            let threads: Vec<_> = lanes
+                .iter_mut()
+                .map(|lane| {
+                    let (pushes, ram) = (&pushes, &ram);
+                    scope.spawn(move || {
+                        let pushed = push_on_lane(lane, ram, pushes);
+                        if pushed.is_err() {
+                            pushes.stop.store(true, Ordering::Release);
+                        }
+                        pushes.running.fetch_sub(1, Ordering::AcqRel);
+                        pushed
+                    })
+                })
+                .collect();
+            let answered = self.answer_while_lanes_push(&pushes, &mut progress);
+            if answered.is_err() {
+                pushes.stop.store(true, Ordering::Release);
+                closers.iter().for_each(Stream::shutdown);
+            }
+            let mut first = answered.err();
+            for t in threads {
+                let r = t
+                    .join()
+                    .unwrap_or_else(|_| Err(Error::State("a pushing thread panicked".into())));
+                if let Err(e) = r
+                    && first.as_ref().is_none_or(|f| matches!(f, Error::State(_)))
+                {
+                    first = Some(e);
+                }
+            }
+            self.served.pushed = pushes.pushed.load(Ordering::Acquire);
+            self.served.on_lanes = self.served.pushed;
+            first.map_or(Ok(()), Err)
+        })
+    }
+
+    /// Answers requests until every lane has ended its pushes.
+    fn answer_while_lanes_push(
+        &mut self,
+        pushes: &Pushes<'_>,
+        progress: &mut impl FnMut(Served, u64),
+    ) -> Result<()> {
+        let mut published = Instant::now();
+        while pushes.running.load(Ordering::Acquire) > 0 {
+            if pushes.stop.load(Ordering::Acquire) {
+                return Err(Error::State("a connection of this migration failed".into()));
+            }
+            match self.out.events.recv_timeout(LANES_LOOK) {
+                Ok(msg) => {
+                    if let Some(r) = self.handle(msg?)? {
+                        return Err(completed_early(&r));
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return Err(gone()),
+            }
+            if published.elapsed() >= PROGRESS_EVERY {
+                published = Instant::now();
+                self.served.pushed = pushes.pushed.load(Ordering::Relaxed);
+                self.served.on_lanes = self.served.pushed;
+                progress(self.served, self.remaining());
+            }
+        }
+        Ok(())
+    }
+
     /// Answers the requests waiting. While the push queue is full, only requests (each waits
     /// for at most what the queue holds); a queue that stays full as long as a write may
     /// block means the destination stopped reading.
@@ -216,9 +367,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, H> {
             let msg = if full_since.is_some() || queue.full(self.out.stream) {
                 let since = *full_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > IO_TIMEOUT {
-                    return Err(Error::Protocol(format!(
-                        "the destination has not read a page for {IO_TIMEOUT:?}"
-                    )));
+                    return Err(not_reading());
                 }
                 match self.out.events.recv_timeout(QUEUE_FULL_WAIT) {
                     Ok(msg) => msg,
@@ -233,9 +382,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, H> {
                 }
             };
             if let Some(r) = self.handle(msg?)? {
-                return Err(Error::Protocol(format!(
-                    "the destination reported completion with pages missing ({r:?})"
-                )));
+                return Err(completed_early(&r));
             }
         }
     }
@@ -244,7 +391,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, H> {
     fn push_batch(&mut self) -> Result<()> {
         let o = &mut self.out;
         for _ in 0..PUSH_BATCH {
-            let Some(gfn) = self.planner.next_page() else {
+            let Some(gfn) = self.planner.locked().next_page() else {
                 break;
             };
             o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
@@ -298,14 +445,68 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, H> {
                 "the destination asked for page {gfn:#x}, outside guest RAM"
             )));
         }
-        self.planner.recenter(gfn);
-        if self.planner.take(gfn) {
+        let due = {
+            let mut planner = self.planner.locked();
+            planner.recenter(gfn);
+            planner.take(gfn)
+        };
+        if due {
             o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
             o.sender.flush(o.stream, o.ram, o.limiter)?;
             self.served.requested += 1;
         }
         Ok(())
     }
+}
+
+/// One lane's pushes: the planner's next pages, a batch at a time, kept within the lane's
+/// share of the link's queue; then `LaneEnd` with what it pushed.
+fn push_on_lane(lane: &mut Lane, ram: &GuestRam, pushes: &Pushes<'_>) -> Result<()> {
+    let mut queue = PushQueue::shared_by(pushes.pushers);
+    let mut batch = Vec::with_capacity(LANE_BATCH);
+    let mut pushed = 0u64;
+    loop {
+        if pushes.stop.load(Ordering::Acquire) {
+            return Err(Error::State(
+                "another connection of this migration failed".into(),
+            ));
+        }
+        batch.clear();
+        {
+            let mut planner = pushes.planner.locked();
+            batch.extend((0..LANE_BATCH).map_while(|_| planner.next_page()));
+        }
+        if batch.is_empty() {
+            return lane.end_pushes(pushed);
+        }
+        lane.send_batch(ram, &batch)?;
+        pushed += batch.len() as u64;
+        pushes
+            .pushed
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        let full_since = Instant::now();
+        while queue.full(lane.stream()) {
+            if full_since.elapsed() > IO_TIMEOUT {
+                return Err(not_reading());
+            }
+            if pushes.stop.load(Ordering::Acquire) {
+                break;
+            }
+            std::thread::sleep(QUEUE_FULL_WAIT);
+        }
+    }
+}
+
+fn not_reading() -> Error {
+    Error::Protocol(format!(
+        "the destination has not read a page for {IO_TIMEOUT:?}"
+    ))
+}
+
+fn completed_early(r: &PostcopyReport) -> Error {
+    Error::Protocol(format!(
+        "the destination reported completion with pages missing ({r:?})"
+    ))
 }
 
 fn gone() -> Error {
@@ -322,7 +523,7 @@ impl Session<'_> {
             checkpoints,
         } = follow;
         let events = spawn_reader(self.stream.try_clone()?, checkpoints)?;
-        let before = self.pages.counters;
+        let before = self.sent();
         let mut state = self.state;
         let mut guest_report = None;
         let board = self.board;
@@ -333,6 +534,7 @@ impl Session<'_> {
             limiter: &mut self.limiter,
             sender: &mut self.pages,
             events: &events,
+            lanes: &mut self.lanes,
         };
         let (served, report) = serve(
             outlet,
@@ -351,6 +553,7 @@ impl Session<'_> {
             },
             |s, left| {
                 board_status.progress.pages.pushed = s.pushed;
+                board_status.progress.pages.pushed_on_lanes = s.on_lanes;
                 board_status.progress.pages.requested = s.requested;
                 board_status.progress.pages_remaining = left;
                 board.publish(board_status);
@@ -360,9 +563,10 @@ impl Session<'_> {
         let finished = Instant::now();
         self.note_cpu();
         *self.leftover.locked() = None;
-        let after = self.pages.counters;
+        let after = self.sent();
         let p = &mut self.status.progress;
         p.pages.pushed = served.pushed;
+        p.pages.pushed_on_lanes = served.on_lanes;
         p.pages.requested = served.requested;
         let round = p.rounds.len() as u32;
         p.rounds.push(RoundStats {
@@ -414,15 +618,28 @@ mod tests {
         let ms = Duration::from_millis;
         // 1 Gbit/s, 100 µs: 140 KB would do, the floor holds.
         assert_eq!(
-            queue_limit_for(125_000_000, ms(0) + Duration::from_micros(100)),
+            queue_limit_for(
+                125_000_000,
+                ms(0) + Duration::from_micros(100),
+                PUSH_QUEUE_MIN
+            ),
             PUSH_QUEUE_MIN
         );
+        // Four connections pushing side by side share the floor (10 MB/s: 10 KB would do).
+        let quarter = PushQueue::shared_by(4).floor;
+        assert_eq!(
+            queue_limit_for(10_000_000, ms(0), quarter),
+            PUSH_QUEUE_MIN / 4
+        );
         // 1 Gbit/s across 50 ms: the bandwidth-delay product and a quarter, and 1 ms more.
-        let wan = queue_limit_for(125_000_000, ms(50)) as i64;
+        let wan = queue_limit_for(125_000_000, ms(50), PUSH_QUEUE_MIN) as i64;
         assert!((wan - 7_937_500).abs() <= 1, "{wan}");
         // 10 Gbit/s across 100 ms would want 157 MB: the ceiling.
-        assert_eq!(queue_limit_for(1_250_000_000, ms(100)), PUSH_QUEUE_MAX);
+        assert_eq!(
+            queue_limit_for(1_250_000_000, ms(100), PUSH_QUEUE_MIN),
+            PUSH_QUEUE_MAX
+        );
         // Nothing measured yet.
-        assert_eq!(queue_limit_for(0, ms(0)), PUSH_QUEUE_MIN);
+        assert_eq!(queue_limit_for(0, ms(0), PUSH_QUEUE_MIN), PUSH_QUEUE_MIN);
     }
 }

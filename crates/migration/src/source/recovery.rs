@@ -69,6 +69,7 @@ pub(crate) fn resume(
         limiter: &mut limiter,
         sender: &mut sender,
         events: &events,
+        lanes: &mut [],
     };
     let (served, report) = serve(
         outlet,

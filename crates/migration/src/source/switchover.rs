@@ -120,10 +120,16 @@ impl Session<'_> {
     fn announce_postcopy(&mut self, pending: Bitmap) -> Result<Follow> {
         // Post-copy installs whole pages: no delta may follow.
         self.pages.forget_deltas();
+        for lane in &mut self.lanes {
+            lane.pages.forget_deltas();
+        }
         self.status.postcopy = true;
         self.send(&Message::PostcopyPending {
             map: pending.clone(),
         })?;
+        if !self.lanes.is_empty() {
+            self.send(&Message::PushOnLanes)?;
+        }
         let mut checkpoints = None;
         if let Some(every_ms) = self.params.checkpoint_ms {
             checkpoints = Some(Arc::new(Checkpoints::new(

@@ -169,6 +169,11 @@ pub enum Message {
     /// connection break before the switch, it tries for `seconds` to carry it on over a new
     /// one, so the destination waits as long with what it holds.
     ResumeWindow { seconds: u32 },
+    /// Source → destination, after `PostcopyPending` of a migration over several connections:
+    /// post-copy pushes its pages on the extra connections, each of which ends again with
+    /// `LaneEnd` (the pages pushed on it after the switch); the main connection carries only
+    /// the answers to page requests, which then never wait behind a push.
+    PushOnLanes,
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -239,6 +244,7 @@ catalogue! {
     29 => ResumePrecopy,
     30 => CopiesHeld,
     31 => ResumeWindow,
+    32 => PushOnLanes,
 }
 
 impl Message {
@@ -288,7 +294,11 @@ impl Message {
                 e.opt_u64(*memory_checksum);
             }
             Message::Loaded { memory_checksum } => e.opt_u64(*memory_checksum),
-            Message::Go | Message::ResumePostcopy | Message::StaleDropped | Message::Synced => {}
+            Message::Go
+            | Message::ResumePostcopy
+            | Message::StaleDropped
+            | Message::Synced
+            | Message::PushOnLanes => {}
             Message::Resumed { state_to_resume_ns } => e.u64(*state_to_resume_ns),
             Message::GuestReport {
                 observed_downtime_ns,
@@ -424,6 +434,7 @@ impl Message {
             Kind::Populated => Message::Populated { map: d.page_map()? },
             Kind::ResumePrecopy => Message::ResumePrecopy { session: d.u64()? },
             Kind::ResumeWindow => Message::ResumeWindow { seconds: d.u32()? },
+            Kind::PushOnLanes => Message::PushOnLanes,
             Kind::CopiesHeld => Message::CopiesHeld {
                 pages: d.u64()?,
                 runs: (0..d.count(6)?)
@@ -984,13 +995,14 @@ mod tests {
                 "1e00 0500000000000000 02000000 0100 03000000 0000 02000000",
             ),
             (Message::ResumeWindow { seconds: 60 }, "1f00 3c000000"),
+            (Message::PushOnLanes, "2000"),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 31, "a golden example per message");
+        assert_eq!(all.len(), 32, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());
