@@ -219,6 +219,31 @@ def resume(memory=RESUME_MEMORY, stall_s=RESUME_STALL_S, at_percent=80):
     return rows
 
 
+LANES_MEMORY = "5G"
+LANES_WS = "4G"
+
+
+def postcopy_lanes(memory=LANES_MEMORY, ws=LANES_WS):
+    """Post-copy on many connections (docs/guide.md): `vcpus` writers fill a `ws` set, then the
+    VM moves warm (paused: only the transfer counts) and by post-copy (it runs on the
+    destination while its pages follow), each on 1, 2 and 4 connections. The goal: post-copy's
+    total within 1.2x warm's at the same connection count, and the destination's fault latency
+    p99 at most 2 ms on 10 Gbit while the pages are pushed at full rate."""
+    pages = size_bytes(ws) // 4096
+    rows = []
+    for vcpus in (2, 4):
+        # Populating: ~40 k pages/s per vCPU at worst (see `scale`).
+        ready_s = 60 + pages // (40000 * vcpus)
+        for n in (1, 2, 4):
+            for mode in ("warm", "postcopy"):
+                sc = scenario(f"write seq {ws} / {memory} {vcpus} vCPUs {n} conn {MODE_LABELS.get(mode, mode)}",
+                              memory, f"write ws={ws} seq", vcpus=vcpus, mode=mode, timeout_s=300,
+                              warmup_s=0, ready_s=ready_s, extra=["--connections", str(n)])
+                sc["qemu"] = False
+                rows.append(sc)
+    return rows
+
+
 def runs_on(peer, sc):
     """Whether `peer` runs scenario `sc`: QEMU has no hybrid mode, and no ferry option
     (`extra`) to compare with; its warm migration is `stop`, then pre-copy. A live update
@@ -318,6 +343,11 @@ PROFILES = {
     "resume": {
         "links": ["loopback"], "peers": ["ferry"], "repeats": 3, "boot": [], "dirty": False,
         "scenarios": resume(),
+    },
+    # Post-copy pushed over the migration's connections, beside warm at the same count.
+    "postcopy-lanes": {
+        "links": ["loopback", "10gbit"], "peers": ["ferry"], "repeats": 2, "boot": [], "dirty": False,
+        "scenarios": postcopy_lanes(),
     },
     "tiny": {
         "links": ["loopback"], "peers": ["ferry"], "repeats": 1, "boot": [], "dirty": False,
