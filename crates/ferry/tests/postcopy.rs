@@ -37,10 +37,18 @@ fn postcopy_keeps_every_page_of(spec: VmSpec, extra: &[&str]) -> MigrationStatus
     assert_eq!(report.phase, MigrationPhase::Completed);
     assert!(report.postcopy, "the switch went to post-copy: {report:?}");
     let pc = report.postcopy_report.clone().expect("post-copy report");
-    assert_eq!(
-        pc.duplicates, 0,
-        "each page crosses the wire at most once after the switch"
-    );
+    if report.pages_pushed_on_lanes == 0 {
+        assert_eq!(
+            pc.duplicates, 0,
+            "each page crosses the wire at most once after the switch"
+        );
+    } else {
+        // A fault on a page whose push is still on its way is answered anyway.
+        assert!(
+            pc.duplicates <= report.pages_requested,
+            "a page crosses twice only when asked for: {pc:?}"
+        );
+    }
     assert_every_page_arrived(&mut src, &dst, &report, 2 * vcpus as u64);
     report
 }

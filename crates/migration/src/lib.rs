@@ -29,6 +29,7 @@ pub mod source;
 pub mod status;
 pub mod sync;
 pub mod totals;
+mod urgent;
 pub mod vm;
 pub mod wire;
 pub mod zero;

@@ -8,7 +8,7 @@
 
 use crate::sync::Locked;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -82,7 +82,14 @@ pub struct Postcopy {
     uffd: Arc<Uffd>,
     pending: Arc<Bitmap>,
     present: Arc<AtomicBitmap>,
+    /// Pending pages a reader has taken to install: each is installed by one reader only
+    /// (over several connections a page may come twice, and the guest may have written the
+    /// first copy by the time the second comes).
+    claimed: AtomicBitmap,
+    /// Pending pages a fault asked the source for.
+    asked: Arc<AtomicBitmap>,
     faults: Arc<Mutex<FaultLog>>,
+    timeline: Mutex<Timeline>,
     checkpointer: Mutex<Option<Checkpointer>>,
     /// The VM, told while its memory is registered (`Migratable::hold_page_discards`).
     vm: Arc<dyn Migratable>,
@@ -130,13 +137,14 @@ pub(super) fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, received: &Bit
     Ok(())
 }
 
+/// The faults that went to the network, and what they waited. Taken by the fault handler and
+/// by a reader only for a page that was asked for: the readers' bulk work never holds it.
 #[derive(Default)]
 struct FaultLog {
     waiting: HashMap<u64, Instant>,
     latencies_ms: Vec<f64>,
     network: u64,
     zero: u64,
-    timeline: Timeline,
 }
 
 /// Faults and arrivals per 10 ms since the switch, for the faults-vs-pushes plot.
@@ -150,12 +158,71 @@ impl Timeline {
     /// Ten minutes; later events count in the last bucket.
     const MAX_BUCKETS: usize = 60_000;
 
-    fn add(&mut self, since: Instant, what: usize) {
-        let bucket = ((since.elapsed().as_millis() / 10) as usize).min(Self::MAX_BUCKETS - 1);
+    /// Counts `n` of `what` at `at`, `resumed` being the switch.
+    fn add(&mut self, resumed: Instant, at: Instant, what: usize, n: usize) {
+        let since = at.saturating_duration_since(resumed);
+        let bucket = ((since.as_millis() / 10) as usize).min(Self::MAX_BUCKETS - 1);
         if self.0.len() <= bucket {
             self.0.resize(bucket + 1, [0; 3]);
         }
-        self.0[bucket][what] += 1;
+        self.0[bucket][what] += n as u32;
+    }
+}
+
+/// What the fault handler works with.
+struct FaultPath {
+    uffd: Arc<Uffd>,
+    ram: GuestRam,
+    pending: Arc<Bitmap>,
+    present: Arc<AtomicBitmap>,
+    asked: Arc<AtomicBitmap>,
+    faults: Arc<Mutex<FaultLog>>,
+    requests: Arc<Mutex<Option<Stream>>>,
+}
+
+impl FaultPath {
+    /// A missing page touched: here already (woken), never populated (a zero page), or
+    /// asked for, once.
+    fn on_fault(&self, page: *mut libc::c_void) {
+        let Some(pfn) = self.ram.gfn_of_host(page as u64) else {
+            return;
+        };
+        if self.present.get(pfn) {
+            let _ = self.uffd.wake(page, PAGE_SIZE);
+        } else if !self.pending.get(pfn) {
+            // SAFETY: a page of the registered range.
+            let _ = unsafe { self.uffd.zeropage(page, PAGE_SIZE, true) };
+            if !self.present.set(pfn) {
+                self.faults.locked().zero += 1;
+            }
+        } else if !self.asked.set(pfn) {
+            self.ask(pfn, page);
+        } else if self.present.get(pfn) {
+            let _ = self.uffd.wake(page, PAGE_SIZE);
+        }
+    }
+
+    /// The first fault on a pending page: asks the source for it, unless it was put in
+    /// place meanwhile. Its reader marks it present, then looks whether it was asked for;
+    /// this side marks it asked, then looks whether it is present (both with a full fence
+    /// between): one of the two sees the other, so a page never waits unasked for, and a
+    /// page that came is never left waiting.
+    fn ask(&self, pfn: u64, page: *mut libc::c_void) {
+        let mut log = self.faults.locked();
+        log.waiting.insert(pfn, Instant::now());
+        fence(Ordering::SeqCst);
+        if self.present.get(pfn) {
+            log.waiting.remove(&pfn);
+            drop(log);
+            let _ = self.uffd.wake(page, PAGE_SIZE);
+            return;
+        }
+        log.network += 1;
+        drop(log);
+        let mut slot = self.requests.locked();
+        if let Some(s) = slot.as_mut() {
+            let _ = wire::write_message(s, &Message::PageRequest { gfn: pfn });
+        }
     }
 }
 
@@ -198,8 +265,11 @@ impl Postcopy {
             resumed: Instant::now(),
             uffd: Arc::new(uffd),
             present: Arc::new(AtomicBitmap::new(pending.pages())),
+            claimed: AtomicBitmap::new(pending.pages()),
+            asked: Arc::new(AtomicBitmap::new(pending.pages())),
             pending: Arc::new(pending),
             faults: Arc::new(Mutex::new(FaultLog::default())),
+            timeline: Mutex::default(),
             checkpointer: Mutex::new(None),
             vm,
         })
@@ -257,55 +327,21 @@ impl Postcopy {
 
     /// Resolves faults until post-copy ends: zero pages here, the rest requested.
     pub fn spawn_fault_handler(&self) -> Result<()> {
-        let resumed = self.resumed;
-        let (uffd, ram, pending, present, faults, stop, requests) = (
-            self.uffd.clone(),
-            self.ram.clone(),
-            self.pending.clone(),
-            self.present.clone(),
-            self.faults.clone(),
-            self.stop.clone(),
-            self.requests.clone(),
-        );
+        let path = FaultPath {
+            uffd: self.uffd.clone(),
+            ram: self.ram.clone(),
+            pending: self.pending.clone(),
+            present: self.present.clone(),
+            asked: self.asked.clone(),
+            faults: self.faults.clone(),
+            requests: self.requests.clone(),
+        };
+        let stop = self.stop.clone();
         std::thread::Builder::new()
             .name("postcopy-faults".into())
             .spawn(move || {
-                each_fault(&uffd, &stop, |page| {
-                    let Some(pfn) = ram.gfn_of_host(page as u64) else {
-                        return;
-                    };
-                    if present.get(pfn) {
-                        let _ = uffd.wake(page, PAGE_SIZE);
-                    } else if !pending.get(pfn) {
-                        // SAFETY: a page of the registered range.
-                        let _ = unsafe { uffd.zeropage(page, PAGE_SIZE, true) };
-                        if !present.set(pfn) {
-                            faults.locked().zero += 1;
-                        }
-                    } else {
-                        let first = {
-                            let mut log = faults.locked();
-                            // Installed since the look above? `install` marks a page present
-                            // before it takes this lock, so a page never waits here unasked
-                            // for or asked for after it came.
-                            let first = !present.get(pfn) && !log.waiting.contains_key(&pfn);
-                            if first {
-                                log.waiting.insert(pfn, Instant::now());
-                                log.network += 1;
-                                log.timeline.add(resumed, Timeline::NETWORK_FAULT);
-                            }
-                            first
-                        };
-                        if present.get(pfn) {
-                            let _ = uffd.wake(page, PAGE_SIZE);
-                        } else if first {
-                            let mut slot = requests.locked();
-                            if let Some(s) = slot.as_mut() {
-                                let _ = wire::write_message(s, &Message::PageRequest { gfn: pfn });
-                            }
-                        }
-                    }
-                });
+                let _urgent = crate::urgent::urgent();
+                each_fault(&path.uffd, &stop, |page| path.on_fault(page));
             })
             .map(|_| ())
             .map_err(|e| Error::vm_caused("cannot start the post-copy fault handler", e))
@@ -407,7 +443,10 @@ impl Postcopy {
                     ));
                 }
             }
+            // Only the answers to faults come here now.
+            let urgent = crate::urgent::urgent();
             let received = self.receive_main(stream);
+            drop(urgent);
             if received.is_err() {
                 closers.iter().for_each(Stream::shutdown);
             }
@@ -483,14 +522,14 @@ impl Postcopy {
             fault_latency_max_ms: lat.last().copied(),
             resume_ms: self.resumed.elapsed().as_secs_f64() * 1e3,
             memory_checksum: p.checksum,
-            timeline_10ms: log.timeline.0.clone(),
+            timeline_10ms: self.timeline.locked().0.clone(),
         }
     }
 
     /// Installs the pages of one frame that are still missing; a copy of a page already
     /// here (a fault answered, a push that crossed it) counts as a duplicate. Returns how many
     /// pages the frame carried. Several connections' readers install side by side: each page
-    /// is claimed in `present` once in place, and the counts are taken once a frame.
+    /// is claimed once (`claimed`), and the counts are taken once a frame.
     fn install_arrived<'d>(
         &self,
         pages: impl IntoIterator<Item = (u64, Option<&'d [u8]>)>,
@@ -499,15 +538,12 @@ impl Postcopy {
         let mut landed = Vec::new();
         for (gfn, data) in pages {
             seen += 1;
-            if !self.pending.get(gfn) || self.present.get(gfn) {
+            if !self.pending.get(gfn) || self.claimed.set(gfn) {
                 duplicates += 1;
                 continue;
             }
             self.install(gfn, data)?;
-            if self.present.set(gfn) {
-                duplicates += 1; // installed meanwhile by another reader, with this content
-                continue;
-            }
+            self.present.set(gfn);
             if let (true, Some(d)) = (self.summing, data) {
                 sum = sum.wrapping_add(page_digest(gfn, d));
             }
@@ -521,19 +557,37 @@ impl Postcopy {
                 *total = total.wrapping_add(sum);
             }
         }
-        // Marked present before this lock: a fault never waits for a page already here.
-        let mut log = self.faults.locked();
-        for gfn in landed {
-            let how = match log.waiting.remove(&gfn) {
-                Some(t) => {
-                    log.latencies_ms.push(t.elapsed().as_secs_f64() * 1e3);
-                    Timeline::REQUESTED
-                }
-                None => Timeline::PUSHED,
-            };
-            log.timeline.add(self.resumed, how);
-        }
+        self.note_landed(&landed);
         Ok(seen)
+    }
+
+    /// Ends the wait of every fault on a page of `landed` (marked present) and counts them
+    /// on the timeline; takes the fault handler's lock only for pages it asked for.
+    fn note_landed(&self, landed: &[u64]) {
+        fence(Ordering::SeqCst); // see `FaultPath::ask`
+        let now = Instant::now();
+        let mut waited = Vec::new();
+        if landed.iter().any(|&gfn| self.asked.get(gfn)) {
+            let mut log = self.faults.locked();
+            for &gfn in landed {
+                if let Some(t) = log.waiting.remove(&gfn) {
+                    log.latencies_ms
+                        .push(now.duration_since(t).as_secs_f64() * 1e3);
+                    waited.push(t);
+                }
+            }
+        }
+        let mut timeline = self.timeline.locked();
+        for &t in &waited {
+            timeline.add(self.resumed, t, Timeline::NETWORK_FAULT, 1);
+        }
+        timeline.add(self.resumed, now, Timeline::REQUESTED, waited.len());
+        timeline.add(
+            self.resumed,
+            now,
+            Timeline::PUSHED,
+            landed.len() - waited.len(),
+        );
     }
 
     /// Puts one page in place (waking whoever faulted on it); `install_arrived` marks it.
@@ -550,9 +604,9 @@ impl Postcopy {
         };
         match done {
             Ok(_) => {}
-            // Already mapped: nothing here maps a pending page but this function, so the
-            // page must already hold this very content; anything else would be a page the
-            // guest sees wrong, and is an error.
+            // Already mapped: a pending page is mapped only here, by the one reader that
+            // claimed it, so the page must already hold this very content; anything else
+            // would be a page the guest sees wrong, and is an error.
             Err(userfaultfd::Error::CopyFailed(e)) | Err(userfaultfd::Error::ZeropageFailed(e))
                 if e as i32 == libc::EEXIST =>
             {

@@ -18,7 +18,7 @@ use super::machine::Event;
 use super::serving::GUEST_REPORT_WAIT;
 use super::session::Session;
 use super::switchover::Follow;
-use crate::bitmap::Bitmap;
+use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::error::{Error, Result};
 use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
@@ -116,6 +116,7 @@ pub(crate) fn spawn_reader(
     std::thread::Builder::new()
         .name("postcopy-requests".into())
         .spawn(move || {
+            let _urgent = crate::urgent::urgent();
             loop {
                 let msg = read_from_destination(&mut stream, checkpoints.as_deref(), reader);
                 let failed = msg.is_err();
@@ -199,7 +200,7 @@ pub(crate) fn serve(
     heard: impl FnMut(&Message) -> Result<()>,
     progress: impl FnMut(Served, u64),
 ) -> Result<(Served, PostcopyReport)> {
-    let planner = Mutex::new(Planner::new(pending, strategy));
+    let claims = Claims::new(pending, strategy);
     let Outlet {
         stream,
         ram,
@@ -217,9 +218,10 @@ pub(crate) fn serve(
             events,
             lanes: &mut [],
         },
-        planner: &planner,
+        claims: &claims,
         served: Served::default(),
         heard,
+        answers_only: !lanes.is_empty(),
     };
     if lanes.is_empty() {
         s.push_here(progress)?;
@@ -235,14 +237,70 @@ pub(crate) fn serve(
 /// One post-copy serving under way.
 struct Serving<'a, 'p, H> {
     out: Outlet<'a>,
-    planner: &'p Mutex<Planner>,
+    claims: &'p Claims,
     served: Served,
     heard: H,
+    /// The lanes push: this connection carries only answers.
+    answers_only: bool,
+}
+
+/// No fault to center the pushes on.
+const NO_PIVOT: u64 = u64::MAX;
+
+/// The pages still to leave, shared by the thread that answers and the threads that push:
+/// each page is claimed once, by whoever sends it. The planner orders the pushes under a lock
+/// the answers never wait for (a pushing thread that holds it may be off its core).
+struct Claims {
+    due: Bitmap,
+    claimed: AtomicBitmap,
+    planner: Mutex<Planner>,
+    /// The last fault's page, for the planner to center on at its next batch.
+    pivot: AtomicU64,
+    total: u64,
+}
+
+impl Claims {
+    fn new(pending: Bitmap, strategy: Strategy) -> Self {
+        Self {
+            claimed: AtomicBitmap::new(pending.pages()),
+            total: pending.count(),
+            planner: Mutex::new(Planner::new(pending.clone(), strategy)),
+            due: pending,
+            pivot: AtomicU64::new(NO_PIVOT),
+        }
+    }
+
+    /// A page the destination asked for: whether to send it now. It is the answer's if no
+    /// push claimed it yet; with `again`, also if one did: over several connections that push
+    /// may wait in another connection's queues (the sender's and the receiver's: megabytes),
+    /// and the fault should not wait for it. The destination keeps whichever copy comes first.
+    /// The pushes move there.
+    fn claim_request(&self, gfn: u64, again: bool) -> bool {
+        self.pivot.store(gfn, Ordering::Relaxed);
+        self.due.get(gfn) && (!self.claimed.set(gfn) || again)
+    }
+
+    /// Up to `n` more pages to push, claimed, in the planner's order (none: all have left).
+    fn next_pushes(&self, batch: &mut Vec<u64>, n: usize) {
+        batch.clear();
+        let mut planner = self.planner.locked();
+        let pivot = self.pivot.swap(NO_PIVOT, Ordering::Relaxed);
+        if pivot != NO_PIVOT {
+            planner.recenter(pivot);
+        }
+        while batch.len() < n {
+            match planner.next_page() {
+                Some(gfn) if !self.claimed.set(gfn) => batch.push(gfn),
+                Some(_) => {} // answered already
+                None => break,
+            }
+        }
+    }
 }
 
 /// What the lanes pushing side by side share with the thread that answers.
 struct Pushes<'p> {
-    planner: &'p Mutex<Planner>,
+    claims: &'p Claims,
     /// Pages the lanes have pushed.
     pushed: AtomicU64,
     /// Lanes still pushing.
@@ -253,16 +311,18 @@ struct Pushes<'p> {
 }
 
 impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
+    /// Pages not sent yet.
     fn remaining(&self) -> u64 {
-        self.planner.locked().remaining()
+        self.claims.total - self.served.pushed - self.served.requested
     }
 
     /// One connection: pushes and answers share it, requests first.
     fn push_here(&mut self, mut progress: impl FnMut(Served, u64)) -> Result<()> {
         let mut queue = PushQueue::shared_by(1);
+        let mut batch = Vec::with_capacity(PUSH_BATCH);
         while self.remaining() > 0 {
             self.answer_requests(&mut queue)?;
-            self.push_batch()?;
+            self.push_batch(&mut batch)?;
             progress(self.served, self.remaining());
         }
         Ok(())
@@ -276,7 +336,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
         mut progress: impl FnMut(Served, u64),
     ) -> Result<()> {
         let pushes = Pushes {
-            planner: self.planner,
+            claims: self.claims,
             pushed: AtomicU64::new(0),
             running: AtomicUsize::new(lanes.len()),
             stop: AtomicBool::new(false),
@@ -331,6 +391,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
         pushes: &Pushes<'_>,
         progress: &mut impl FnMut(Served, u64),
     ) -> Result<()> {
+        let _urgent = crate::urgent::urgent();
         let mut published = Instant::now();
         while pushes.running.load(Ordering::Acquire) > 0 {
             if pushes.stop.load(Ordering::Acquire) {
@@ -388,15 +449,13 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
     }
 
     /// Pushes the planner's next pages.
-    fn push_batch(&mut self) -> Result<()> {
+    fn push_batch(&mut self, batch: &mut Vec<u64>) -> Result<()> {
+        self.claims.next_pushes(batch, PUSH_BATCH);
         let o = &mut self.out;
-        for _ in 0..PUSH_BATCH {
-            let Some(gfn) = self.planner.locked().next_page() else {
-                break;
-            };
+        for &gfn in batch.iter() {
             o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
-            self.served.pushed += 1;
         }
+        self.served.pushed += batch.len() as u64;
         o.sender.flush(o.stream, o.ram, o.limiter)
     }
 
@@ -445,12 +504,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
                 "the destination asked for page {gfn:#x}, outside guest RAM"
             )));
         }
-        let due = {
-            let mut planner = self.planner.locked();
-            planner.recenter(gfn);
-            planner.take(gfn)
-        };
-        if due {
+        if self.claims.claim_request(gfn, self.answers_only) {
             o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
             o.sender.flush(o.stream, o.ram, o.limiter)?;
             self.served.requested += 1;
@@ -471,11 +525,7 @@ fn push_on_lane(lane: &mut Lane, ram: &GuestRam, pushes: &Pushes<'_>) -> Result<
                 "another connection of this migration failed".into(),
             ));
         }
-        batch.clear();
-        {
-            let mut planner = pushes.planner.locked();
-            batch.extend((0..LANE_BATCH).map_while(|_| planner.next_page()));
-        }
+        pushes.claims.next_pushes(&mut batch, LANE_BATCH);
         if batch.is_empty() {
             return lane.end_pushes(pushed);
         }
