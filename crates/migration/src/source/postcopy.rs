@@ -256,14 +256,15 @@ struct Claims {
     planner: Mutex<Planner>,
     /// The last fault's page, for the planner to center on at its next batch.
     pivot: AtomicU64,
-    total: u64,
+    /// Pages no one has claimed yet.
+    left: AtomicU64,
 }
 
 impl Claims {
     fn new(pending: Bitmap, strategy: Strategy) -> Self {
         Self {
             claimed: AtomicBitmap::new(pending.pages()),
-            total: pending.count(),
+            left: AtomicU64::new(pending.count()),
             planner: Mutex::new(Planner::new(pending.clone(), strategy)),
             due: pending,
             pivot: AtomicU64::new(NO_PIVOT),
@@ -277,7 +278,21 @@ impl Claims {
     /// The pushes move there.
     fn claim_request(&self, gfn: u64, again: bool) -> bool {
         self.pivot.store(gfn, Ordering::Relaxed);
-        self.due.get(gfn) && (!self.claimed.set(gfn) || again)
+        self.due.get(gfn) && (self.claim(gfn) || again)
+    }
+
+    /// Whether `gfn` was still unclaimed (it is now).
+    fn claim(&self, gfn: u64) -> bool {
+        let first = !self.claimed.set(gfn);
+        if first {
+            self.left.fetch_sub(1, Ordering::Relaxed);
+        }
+        first
+    }
+
+    /// Pages not sent yet.
+    fn left(&self) -> u64 {
+        self.left.load(Ordering::Relaxed)
     }
 
     /// Up to `n` more pages to push, claimed, in the planner's order (none: all have left).
@@ -290,7 +305,7 @@ impl Claims {
         }
         while batch.len() < n {
             match planner.next_page() {
-                Some(gfn) if !self.claimed.set(gfn) => batch.push(gfn),
+                Some(gfn) if self.claim(gfn) => batch.push(gfn),
                 Some(_) => {} // answered already
                 None => break,
             }
@@ -313,7 +328,7 @@ struct Pushes<'p> {
 impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
     /// Pages not sent yet.
     fn remaining(&self) -> u64 {
-        self.claims.total - self.served.pushed - self.served.requested
+        self.claims.left()
     }
 
     /// One connection: pushes and answers share it, requests first.
