@@ -354,6 +354,7 @@ class FerryPeer:
             "postcopy": report.get("postcopy", False),
             "pages_pushed": report.get("pages_pushed"),
             "pages_requested": report.get("pages_requested"),
+            "pages_pushed_on_lanes": report.get("pages_pushed_on_lanes"),
             "network_faults": pc.get("network_faults"),
             "zero_faults": pc.get("zero_faults"),
             "network_fault_share": (pc["network_faults"] / sent_after) if pc and sent_after else None,

@@ -7,7 +7,7 @@ import shutil
 
 from . import plot
 from .qemu import VARIANTS
-from .report import balloon_table, breakdown_tables, resume_table, update_table
+from .report import balloon_table, breakdown_tables, lanes_table, resume_table, update_table
 from .util import REPO
 
 DOCS = os.path.join(REPO, "docs")
@@ -17,7 +17,7 @@ BEGIN, END = "<!-- tables: written by bench/run.py -->", "<!-- end of tables -->
 # Raw data each profile leaves for the page, under docs/benchmarks/.
 RAW_FILES = {"headline": "headline.json", "sweep": "qemu-sweep.json", "flags": "ferry-flags.json",
              "floor": "idle-floor.json", "balloon": "balloon.json", "update": "live-update.json",
-             "resume": "resume.json"}
+             "resume": "resume.json", "postcopy-lanes": "postcopy-lanes.json"}
 # The headline's chart, beside its raw data.
 CHART = "headline.svg"
 # The floor's goal: an idle guest's total (ms) by its memory, and its downtime on both clocks.
@@ -322,6 +322,11 @@ def tables(limits):
         lines += ["## A pre-copy across a broken link (`bench/run.py --profile resume`)", "",
                   provenance(resumed, "Resume"), ""] + resume_table(
                       resumed, lambda e, m, scale=1.0, digits=1: spread(e, m, scale, digits))
+    lanes = load("postcopy-lanes")
+    if lanes:
+        lines += ["## Post-copy on many connections (`bench/run.py --profile postcopy-lanes`)", "",
+                  provenance(lanes, "Post-copy lanes"), ""] + lanes_table(
+                      lanes, lambda e, m, scale=1.0, digits=1: spread(e, m, scale, digits))
     bal = load("balloon")
     if bal:
         lines += ["## Free memory and the balloon (`bench/run.py --profile balloon`)", "",

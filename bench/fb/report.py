@@ -60,6 +60,66 @@ def resume_shares(results):
     return entries
 
 
+# The postcopy-lanes profile's goal: post-copy's total within this many times warm's at the
+# same connection count, and its fault latency p99 within this many ms (on 10 Gbit).
+LANES_GOAL_RATIO = 1.2
+LANES_GOAL_P99_MS = 2.0
+LANES_NAME = re.compile(r"(\d+) vCPUs (\d+) conn (warm|post-copy)$")
+
+
+def lanes_table(results, cell=None):
+    """The postcopy-lanes profile per link, vCPUs and connections: warm's total and
+    post-copy's (both on the destination's clock), their ratio against the goal, post-copy's
+    network faults, duplicates and fault latency (p50 / p99 / max, the destination's), and the
+    guest's downtime. `cell(entry, metric, scale, digits)` formats a summarized metric (default:
+    median [min–max])."""
+    cell = cell or (lambda e, m, scale=1.0, digits=1: fmt(e.get("summary", {}), m, scale, digits))
+    cells = {}
+    for e in results["scenarios"]:
+        m = LANES_NAME.search(e["scenario"])
+        if m and e.get("runs"):
+            cells.setdefault((e["link"], int(m[1]), int(m[2])), {})[m[3]] = e
+    if not cells:
+        return []
+
+    def median(e, metric):
+        s = (e or {}).get("summary", {}).get(metric)
+        return s["median"] if s else None
+
+    def runs_max(e, key):
+        vals = [r.get(key) for r in (e or {}).get("runs", []) if r.get(key) is not None]
+        return max(vals) if vals else None
+
+    lines = ["| link | vCPUs | connections | warm total ms | post-copy total ms | post-copy ÷ warm "
+             "| network faults | duplicates | fault latency p50 / p99 / max ms | guest downtime ms "
+             "(post-copy) | goal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (link, vcpus, conns), by in sorted(cells.items(), key=lambda kv: (kv[0][0] != "loopback", kv[0])):
+        warm, post = by.get("warm"), by.get("post-copy")
+        w, p = median(warm, "total_ms"), median(post, "total_ms")
+        ratio = p / w if p and w else None
+        p99 = runs_max(post, "fault_latency_p99_ms")
+        misses = []
+        if ratio is None or ratio > LANES_GOAL_RATIO:
+            misses.append("ratio " + ("-" if ratio is None else f"{ratio:.2f}"))
+        if link.startswith("10gbit") and (p99 is None or p99 > LANES_GOAL_P99_MS):
+            misses.append("p99 " + ("-" if p99 is None else f"{p99:.2f} ms"))
+        latency = " / ".join(cell(post, k, digits=2) if k != "fault_latency_max_ms" else
+                             ("-" if runs_max(post, k) is None else f"{runs_max(post, k):.2f}")
+                             for k in ("fault_latency_p50_ms", "fault_latency_p99_ms",
+                                       "fault_latency_max_ms"))
+        dups = [r.get("duplicates") for r in (post or {}).get("runs", [])]
+        lines.append(f"| {link} | {vcpus} | {conns} | {cell(warm, 'total_ms')} | {cell(post, 'total_ms')} "
+                     f"| {'-' if ratio is None else f'{ratio:.2f}'} | {cell(post, 'network_faults', digits=0)} "
+                     f"| {', '.join('-' if d is None else str(d) for d in dups) or '-'} | {latency} "
+                     f"| {cell(post, 'guest_downtime_ms')} "
+                     f"| {'met' if not misses else 'not met: ' + ', '.join(misses)} |")
+    lines += ["", f"Goal: post-copy's total at most {LANES_GOAL_RATIO}× warm's at the same connection "
+                  f"count; on 10 Gbit also a fault latency p99 of at most {LANES_GOAL_P99_MS} ms "
+                  "(the worst run's). Max: the worst run's.", ""]
+    return lines
+
+
 def resume_table(results, cell=None):
     """The resume profile per link, memory and fault: the total on the destination's clock and
     ferry's own, the downtime, the breaks carried on, the pages sent again (and their share of

@@ -118,7 +118,8 @@ pub struct MigrateArgs {
     /// Post-copy push order: bubble (pre-paging around the last fault) or linear (push only).
     #[arg(long)]
     pub prepaging: Option<String>,
-    /// Connections the pages travel on, each with its own sender thread (1..=16).
+    /// Connections the pages travel on, each with its own sender thread (1..=16). After a
+    /// switch to post-copy the extra ones push and the main one answers the guest's faults.
     #[arg(long, allow_negative_numbers = true)]
     pub connections: Option<i64>,
     /// Page data compressed per frame: none, lz4, zstd, or auto (the default: each connection
