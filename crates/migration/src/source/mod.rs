@@ -4,7 +4,7 @@
 //!
 //! Files in the order data flows: `session` (the phases in order, the outcome) → `handshake`
 //! → `rounds` (pre-copy) → `switchover` (pause, state, Go) → `serving` (after the switch; `postcopy`'s
-//! pages follow) → `recovery` (carrying on over a new connection). Each phase hands the next
+//! pages follow, `pushes` saying who sends each) → `recovery` (carrying on over a new connection). Each phase hands the next
 //! its result; `guards` hold what the migration changed on the VM (pause, dirty logging,
 //! throttle) and put it back on every way out. `machine` is the conversation's rules;
 //! `lanes` runs a session's extra connections, each a `lane`; `controls` is what `Outgoing`
@@ -18,6 +18,7 @@ mod lane;
 mod lanes;
 pub mod machine;
 mod postcopy;
+mod pushes;
 pub mod recovery;
 mod resume;
 mod rounds;

@@ -1,0 +1,237 @@
+//! Post-copy's pushes: which pages are still to leave and who sends each (`Claims`), how much
+//! a pushing connection may keep queued ahead of an answer (`PushQueue`), and an extra
+//! connection's pushes (`push_on_lane`). Serving them is `postcopy`.
+
+use crate::sync::Locked;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::lane::Lane;
+use crate::bitmap::{AtomicBitmap, Bitmap};
+use crate::error::{Error, Result};
+use crate::io::transport::{IO_TIMEOUT, Stream};
+use crate::memory::GuestRam;
+use crate::prepaging::{Planner, Strategy};
+
+/// Pages a lane takes from the planner at once: a frame's worth, so that the planner's lock
+/// is taken once a frame, and a fault's new window reaches the lanes within a frame each.
+const LANE_BATCH: usize = 128;
+
+/// How many pushed bytes may wait in the socket and on the link at once. A page request's
+/// reply leaves behind whatever is queued, so a queue as deep as the kernel allows (megabytes:
+/// tens of ms on 1 Gbit/s) is a fault that waits that long. Kept to what keeps the link busy —
+/// its bandwidth-delay product, from TCP's own estimates, with a quarter more so that a limit
+/// too small for the link grows by a quarter a round trip — plus `PUSH_QUEUE_SLACK` of its
+/// rate, within these bounds. It starts at the floor: right after the switch is when the guest
+/// faults most. A stream that is not TCP has no link to queue on and no limit but the ceiling.
+const PUSH_QUEUE_MIN: usize = 256 << 10;
+const PUSH_QUEUE_MAX: usize = 64 << 20;
+const PUSH_QUEUE_SLACK: Duration = Duration::from_millis(1);
+/// How often the limit is sized again.
+const PUSH_QUEUE_EVERY: Duration = Duration::from_millis(10);
+/// How long the pusher waits for a request while the queue is full.
+pub(super) const QUEUE_FULL_WAIT: Duration = Duration::from_micros(200);
+
+/// The push queue's limit for a connection moving `rate` bytes/s with round trips of at least
+/// `min_rtt`, and at least `floor`.
+fn queue_limit_for(rate: u64, min_rtt: Duration, floor: usize) -> usize {
+    let wanted = rate as f64 * (min_rtt.as_secs_f64() * 1.25 + PUSH_QUEUE_SLACK.as_secs_f64());
+    (wanted as usize).clamp(floor, PUSH_QUEUE_MAX)
+}
+
+/// The push queue's limit (see `PUSH_QUEUE_MIN`). Keeps the best rate seen, so that the
+/// estimate does not shrink while the limit itself holds the link back.
+pub(super) struct PushQueue {
+    bytes: usize,
+    /// The floor: `PUSH_QUEUE_MIN`, shared out among the connections that push (their queues
+    /// all lie on one link, ahead of an answer).
+    floor: usize,
+    best_rate: u64,
+    next_look: Instant,
+}
+
+impl PushQueue {
+    /// The queue of one of `pushers` connections pushing side by side.
+    pub(super) fn shared_by(pushers: usize) -> PushQueue {
+        let floor = PUSH_QUEUE_MIN / pushers.max(1);
+        PushQueue {
+            bytes: floor,
+            floor,
+            best_rate: 0,
+            next_look: Instant::now() + PUSH_QUEUE_EVERY,
+        }
+    }
+
+    /// Whether pushing more now would deepen the queue a reply waits behind.
+    pub(super) fn full(&mut self, stream: &Stream) -> bool {
+        let now = Instant::now();
+        if now >= self.next_look {
+            self.next_look = now + PUSH_QUEUE_EVERY;
+            self.bytes = match stream.tcp_path() {
+                Some((rate, min_rtt)) => {
+                    self.best_rate = self.best_rate.max(rate);
+                    queue_limit_for(self.best_rate, min_rtt, self.floor)
+                }
+                // Not TCP (a Unix socket to this host): no link to queue on.
+                None => PUSH_QUEUE_MAX,
+            };
+        }
+        stream.unsent() > self.bytes
+    }
+}
+/// No fault to center the pushes on.
+const NO_PIVOT: u64 = u64::MAX;
+
+/// The pages still to leave, shared by the thread that answers and the threads that push:
+/// each page is claimed once, by whoever sends it. The planner orders the pushes under a lock
+/// the answers never wait for (a pushing thread that holds it may be off its core).
+pub(super) struct Claims {
+    due: Bitmap,
+    claimed: AtomicBitmap,
+    planner: Mutex<Planner>,
+    /// The last fault's page, for the planner to center on at its next batch.
+    pivot: AtomicU64,
+    /// Pages no one has claimed yet.
+    left: AtomicU64,
+}
+
+impl Claims {
+    pub(super) fn new(pending: Bitmap, strategy: Strategy) -> Self {
+        Self {
+            claimed: AtomicBitmap::new(pending.pages()),
+            left: AtomicU64::new(pending.count()),
+            planner: Mutex::new(Planner::new(pending.clone(), strategy)),
+            due: pending,
+            pivot: AtomicU64::new(NO_PIVOT),
+        }
+    }
+
+    /// A page the destination asked for: whether to send it now. It is the answer's if no
+    /// push claimed it yet; with `again`, also if one did: over several connections that push
+    /// may wait in another connection's queues (the sender's and the receiver's: megabytes),
+    /// and the fault should not wait for it. The destination keeps whichever copy comes first.
+    /// The pushes move there.
+    pub(super) fn claim_request(&self, gfn: u64, again: bool) -> bool {
+        self.pivot.store(gfn, Ordering::Relaxed);
+        self.due.get(gfn) && (self.claim(gfn) || again)
+    }
+
+    /// Whether `gfn` was still unclaimed (it is now).
+    fn claim(&self, gfn: u64) -> bool {
+        let first = !self.claimed.set(gfn);
+        if first {
+            self.left.fetch_sub(1, Ordering::Relaxed);
+        }
+        first
+    }
+
+    /// Pages not sent yet.
+    pub(super) fn left(&self) -> u64 {
+        self.left.load(Ordering::Relaxed)
+    }
+
+    /// Up to `n` more pages to push, claimed, in the planner's order (none: all have left).
+    pub(super) fn next_pushes(&self, batch: &mut Vec<u64>, n: usize) {
+        batch.clear();
+        let mut planner = self.planner.locked();
+        let pivot = self.pivot.swap(NO_PIVOT, Ordering::Relaxed);
+        if pivot != NO_PIVOT {
+            planner.recenter(pivot);
+        }
+        while batch.len() < n {
+            match planner.next_page() {
+                Some(gfn) if self.claim(gfn) => batch.push(gfn),
+                Some(_) => {} // answered already
+                None => break,
+            }
+        }
+    }
+}
+
+/// What the lanes pushing side by side share with the thread that answers.
+pub(super) struct Pushes<'p> {
+    pub claims: &'p Claims,
+    /// Pages the lanes have pushed.
+    pub pushed: AtomicU64,
+    /// Lanes still pushing.
+    pub running: AtomicUsize,
+    /// Set when one side failed: the others stop at their next batch.
+    pub stop: AtomicBool,
+    pub pushers: usize,
+}
+
+/// One lane's pushes: the planner's next pages, a batch at a time, kept within the lane's
+/// share of the link's queue; then `LaneEnd` with what it pushed.
+pub(super) fn push_on_lane(lane: &mut Lane, ram: &GuestRam, pushes: &Pushes<'_>) -> Result<()> {
+    let mut queue = PushQueue::shared_by(pushes.pushers);
+    let mut batch = Vec::with_capacity(LANE_BATCH);
+    let mut pushed = 0u64;
+    loop {
+        if pushes.stop.load(Ordering::Acquire) {
+            return Err(Error::State(
+                "another connection of this migration failed".into(),
+            ));
+        }
+        pushes.claims.next_pushes(&mut batch, LANE_BATCH);
+        if batch.is_empty() {
+            return lane.end_pushes(pushed);
+        }
+        lane.send_batch(ram, &batch)?;
+        pushed += batch.len() as u64;
+        pushes
+            .pushed
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+        let full_since = Instant::now();
+        while queue.full(lane.stream()) {
+            if full_since.elapsed() > IO_TIMEOUT {
+                return Err(not_reading());
+            }
+            if pushes.stop.load(Ordering::Acquire) {
+                break;
+            }
+            std::thread::sleep(QUEUE_FULL_WAIT);
+        }
+    }
+}
+
+pub(super) fn not_reading() -> Error {
+    Error::Protocol(format!(
+        "the destination has not read a page for {IO_TIMEOUT:?}"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_push_queue_holds_a_round_trip_and_a_millisecond_of_the_link() {
+        let ms = Duration::from_millis;
+        // 1 Gbit/s, 100 µs: 140 KB would do, the floor holds.
+        assert_eq!(
+            queue_limit_for(
+                125_000_000,
+                ms(0) + Duration::from_micros(100),
+                PUSH_QUEUE_MIN
+            ),
+            PUSH_QUEUE_MIN
+        );
+        // Four connections pushing side by side share the floor (10 MB/s: 10 KB would do).
+        let quarter = PushQueue::shared_by(4).floor;
+        assert_eq!(
+            queue_limit_for(10_000_000, ms(0), quarter),
+            PUSH_QUEUE_MIN / 4
+        );
+        // 1 Gbit/s across 50 ms: the bandwidth-delay product and a quarter, and 1 ms more.
+        let wan = queue_limit_for(125_000_000, ms(50), PUSH_QUEUE_MIN) as i64;
+        assert!((wan - 7_937_500).abs() <= 1, "{wan}");
+        // 10 Gbit/s across 100 ms would want 157 MB: the ceiling.
+        assert_eq!(
+            queue_limit_for(1_250_000_000, ms(100), PUSH_QUEUE_MIN),
+            PUSH_QUEUE_MAX
+        );
+        // Nothing measured yet.
+        assert_eq!(queue_limit_for(0, ms(0), PUSH_QUEUE_MIN), PUSH_QUEUE_MIN);
+    }
+}
