@@ -400,6 +400,13 @@ fn run_case(c: &Case) -> Result {
         sides::describe(&mut src),
         sides::describe(&mut dst)
     );
+    if std::env::var("FERRY_FAULTS_DEBUG").is_ok() {
+        eprintln!(
+            "SRC STDERR:\n{}\nDST STDERR:\n{}",
+            src.stderr_text(),
+            dst.stderr_text()
+        );
+    }
     let outcome = if settled {
         outcome(c.fault, &mut src, &mut dst, recovered)
     } else {

@@ -115,8 +115,8 @@ pub(crate) struct Served {
 }
 
 /// What a post-copy serving sends with: the connection, the memory, the sender and its
-/// limiter, the reader's messages (`spawn_reader`), and the extra connections that push
-/// (none: the pushes share the connection with the answers).
+/// limiter, the reader's messages (`spawn_reader`), the extra connections that push (none: the
+/// pushes share the connection with the answers), and whether checkpoints come back.
 pub(crate) struct Outlet<'a> {
     pub stream: &'a mut Stream,
     pub ram: &'a GuestRam,
@@ -124,6 +124,8 @@ pub(crate) struct Outlet<'a> {
     pub sender: &'a mut PageSender,
     pub events: &'a Receiver<Result<Message>>,
     pub lanes: &'a mut [Lane],
+    /// The reader applies checkpoints to guest memory here while the pages are sent.
+    pub checkpoints: bool,
 }
 
 /// Sends every page of `pending`, requests first, and returns once the destination confirmed
@@ -144,6 +146,7 @@ pub(crate) fn serve(
         sender,
         events,
         lanes,
+        checkpoints,
     } = outlet;
     let mut s = Serving {
         out: Outlet {
@@ -153,11 +156,15 @@ pub(crate) fn serve(
             sender,
             events,
             lanes: &mut [],
+            checkpoints,
         },
         claims: &claims,
         served: Served::default(),
         heard,
-        answers_only: !lanes.is_empty(),
+        // A page a lane pushed may wait behind megabytes in that lane's queues: it is answered
+        // again, unless a checkpoint may rewrite it here while the lane still reads it (its
+        // frame would then fail its check). Over one connection nothing queues ahead of it.
+        answer_pushed: !lanes.is_empty() && !checkpoints,
     };
     if lanes.is_empty() {
         s.push_here(progress)?;
@@ -176,8 +183,8 @@ struct Serving<'a, 'p, H> {
     claims: &'p Claims,
     served: Served,
     heard: H,
-    /// The lanes push: this connection carries only answers.
-    answers_only: bool,
+    /// A requested page a push claimed is sent again (see `serve`).
+    answer_pushed: bool,
 }
 
 impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
@@ -374,7 +381,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
                 "the destination asked for page {gfn:#x}, outside guest RAM"
             )));
         }
-        if self.claims.claim_request(gfn, self.answers_only) {
+        if self.claims.claim_request(gfn, self.answer_pushed) {
             o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
             o.sender.flush(o.stream, o.ram, o.limiter)?;
             self.served.requested += 1;
@@ -402,6 +409,7 @@ impl Session<'_> {
             pending,
             checkpoints,
         } = follow;
+        let checkpointed = checkpoints.is_some();
         let events = spawn_reader(self.stream.try_clone()?, checkpoints)?;
         let before = self.sent();
         let mut state = self.state;
@@ -415,6 +423,7 @@ impl Session<'_> {
             sender: &mut self.pages,
             events: &events,
             lanes: &mut self.lanes,
+            checkpoints: checkpointed,
         };
         let (served, report) = serve(
             outlet,

@@ -70,6 +70,7 @@ pub(crate) fn resume(
         sender: &mut sender,
         events: &events,
         lanes: &mut [],
+        checkpoints: left.checkpoints.is_some(),
     };
     let (served, report) = serve(
         outlet,
