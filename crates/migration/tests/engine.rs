@@ -679,19 +679,37 @@ fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
         assert!(s.postcopy, "{mode:?}");
         assert_eq!(s.phase, Phase::Completed);
         let r = s.report.postcopy_report.expect("post-copy report");
-        assert_eq!(r.duplicates, 0, "{mode:?}: each page crossed once");
         let moved = s.progress.pages.pushed + s.progress.pages.requested;
+        if connections == 1 {
+            assert_eq!(r.duplicates, 0, "{mode:?}: each page crossed once");
+        } else {
+            // A fault on a page whose push is on its way is answered too; the destination
+            // keeps one copy.
+            assert!(
+                r.duplicates <= s.progress.pages.requested,
+                "{mode:?}: a second copy only for a request: {r:?}"
+            );
+            assert_eq!(
+                s.progress.pages.pushed_on_lanes, s.progress.pages.pushed,
+                "{mode:?}: the extra connections pushed"
+            );
+        }
         match mode {
             Mode::Postcopy => {
-                assert_eq!(moved, PAGES, "every page after the switch");
+                assert_eq!(
+                    moved - r.duplicates,
+                    PAGES,
+                    "every page after the switch, once kept"
+                );
                 assert!(
                     r.network_faults > 0,
                     "the guest's reads were served by request"
                 );
             }
             _ => assert!(
-                moved > 0 && moved <= 1024,
-                "only the dirtied pages: {moved}"
+                moved > 0 && moved - r.duplicates <= 1024,
+                "only the dirtied pages: {moved}, {} of them twice",
+                r.duplicates
             ),
         }
         assert_eq!(run.dest_status.phase, Phase::Completed);
