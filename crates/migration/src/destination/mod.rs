@@ -9,6 +9,7 @@ mod arrival;
 mod checkpoints;
 mod handover;
 mod install;
+mod installers;
 mod lanes;
 pub mod postcopy;
 mod prefault;

@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use userfaultfd::{Event, Uffd, UffdBuilder};
 
 use super::checkpoints::Checkpointer;
+use super::installers::{self, Installers};
 use crate::PAGE_SIZE;
 use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::board::StatusBoard;
@@ -24,7 +25,8 @@ use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
 use crate::scan::{memory_checksum_of, page_digest, populated_pages};
 use crate::vm::Migratable;
-use crate::wire::page_frame::{FrameBuffers, read_page_frame};
+use crate::wire::frame::FRAME_HEADER_LEN;
+use crate::wire::page_frame::{FrameBuffers, read_frame_into};
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
 /// Whether this host can serve post-copy (userfaultfd with kernel-mode faults, as KVM needs).
@@ -352,11 +354,7 @@ impl Postcopy {
     /// then ends post-copy (the memory is ordinary again) and tells the source.
     pub fn receive_pages(&self, stream: &mut Stream, lanes: Vec<Stream>) -> Result<PostcopyReport> {
         let want = self.pending.count();
-        if lanes.is_empty() {
-            self.receive_main(stream)?;
-        } else {
-            self.receive_with_lanes(stream, lanes)?;
-        }
+        self.receive_all(stream, lanes)?;
         let installed = self.progress.locked().pages;
         if installed != want {
             return Err(Error::Protocol(format!(
@@ -382,15 +380,67 @@ impl Postcopy {
         Ok(report)
     }
 
+    /// Reads the main connection here, each lane on a thread of its own, until `PostcopyDone`
+    /// and every lane's `LaneEnd`, and installs what they bring on the installing threads
+    /// (which finish the frames already read before this returns, failed or not). A lane or
+    /// installer that fails closes the main connection (its failure is the reason); a main
+    /// connection that fails closes the lanes.
+    fn receive_all(&self, stream: &mut Stream, lanes: Vec<Stream>) -> Result<()> {
+        let failed: Mutex<Option<Error>> = Mutex::new(None);
+        let main = stream.try_clone()?;
+        let mut closers = Vec::with_capacity(lanes.len());
+        for lane in &lanes {
+            lane.set_timeouts(Some(IO_TIMEOUT))?;
+            closers.push(lane.try_clone()?);
+        }
+        let fail = |e: Error| {
+            failed.locked().get_or_insert(e);
+            main.shutdown();
+        };
+        let install = |frame: &FrameBuffers| self.install_arrived(frame.pages()).map(drop);
+        let received = std::thread::scope(|scope| {
+            let installers = Installers::start(scope, installers::how_many(), &install, &fail);
+            // The readers end before the installers' queue closes.
+            std::thread::scope(|readers| {
+                for (i, lane) in lanes.into_iter().enumerate() {
+                    let n = i as u32 + 1;
+                    let installers = &installers;
+                    let spawned = std::thread::Builder::new()
+                        .name(format!("postcopy-lane-{n}"))
+                        .spawn_scoped(readers, move || {
+                            if let Err(e) = self.receive_lane(lane, n, installers) {
+                                fail(e);
+                            }
+                        });
+                    if let Err(e) = spawned {
+                        fail(Error::vm_caused(
+                            "cannot start a lane's post-copy reader",
+                            e,
+                        ));
+                    }
+                }
+                // With lanes, only the answers to faults come here.
+                let _urgent = crate::urgent::urgent();
+                let received = self.receive_main(stream, &installers);
+                if received.is_err() {
+                    closers.iter().for_each(Stream::shutdown);
+                }
+                received
+            })
+        });
+        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => received,
+        }
+    }
+
     /// The main connection: the answers to page requests (and, with no lanes, the pushes),
     /// up to the source's `PostcopyDone`.
-    fn receive_main(&self, stream: &mut Stream) -> Result<()> {
-        let mut scratch = FrameBuffers::default();
+    fn receive_main(&self, stream: &mut Stream, installers: &Installers) -> Result<()> {
         loop {
             let m = match wire::read_frame(stream)? {
                 Frame::Pages { header, len } => {
-                    let pages = read_page_frame(stream, &self.ram, &header, len, &mut scratch)?;
-                    self.install_arrived(pages)?;
+                    self.take_frame(stream, &header, len, installers)?;
                     continue;
                 }
                 Frame::Message(m) => m,
@@ -411,63 +461,13 @@ impl Postcopy {
         }
     }
 
-    /// The main connection here, each lane on a thread of its own, until `PostcopyDone` and
-    /// every lane's `LaneEnd`. A lane that fails closes the main connection (its failure is
-    /// the reason); a main connection that fails closes the lanes.
-    fn receive_with_lanes(&self, stream: &mut Stream, lanes: Vec<Stream>) -> Result<()> {
-        let failed: Mutex<Option<Error>> = Mutex::new(None);
-        let main = stream.try_clone()?;
-        let mut closers = Vec::with_capacity(lanes.len());
-        for lane in &lanes {
-            lane.set_timeouts(Some(IO_TIMEOUT))?;
-            closers.push(lane.try_clone()?);
-        }
-        let fail = |e: Error| {
-            failed.locked().get_or_insert(e);
-            main.shutdown();
-        };
-        let received = std::thread::scope(|scope| {
-            for (i, lane) in lanes.into_iter().enumerate() {
-                let n = i as u32 + 1;
-                let spawned = std::thread::Builder::new()
-                    .name(format!("postcopy-lane-{n}"))
-                    .spawn_scoped(scope, move || {
-                        if let Err(e) = self.receive_lane(lane, n) {
-                            fail(e);
-                        }
-                    });
-                if let Err(e) = spawned {
-                    fail(Error::vm_caused(
-                        "cannot start a lane's post-copy reader",
-                        e,
-                    ));
-                }
-            }
-            // Only the answers to faults come here now.
-            let urgent = crate::urgent::urgent();
-            let received = self.receive_main(stream);
-            drop(urgent);
-            if received.is_err() {
-                closers.iter().for_each(Stream::shutdown);
-            }
-            received
-        });
-        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            Some(e) => Err(e),
-            None => received,
-        }
-    }
-
     /// One lane's pushes, up to its `LaneEnd`.
-    fn receive_lane(&self, mut stream: Stream, lane: u32) -> Result<()> {
-        let mut scratch = FrameBuffers::default();
+    fn receive_lane(&self, mut stream: Stream, lane: u32, installers: &Installers) -> Result<()> {
         let mut pages = 0;
         loop {
             match wire::read_frame(&mut stream)? {
                 Frame::Pages { header, len } => {
-                    let arrived =
-                        read_page_frame(&mut stream, &self.ram, &header, len, &mut scratch)?;
-                    pages += self.install_arrived(arrived)?;
+                    pages += self.take_frame(&mut stream, &header, len, installers)?;
                 }
                 Frame::Message(Message::LaneEnd { pages: n }) if n == pages => return Ok(()),
                 Frame::Message(Message::LaneEnd { pages: n }) => {
@@ -485,6 +485,27 @@ impl Postcopy {
                 }
             }
         }
+    }
+
+    /// Reads a page frame and installs it here if a vCPU waits for one of its pages (or no
+    /// installer runs), else hands it to the installers. Returns how many pages it holds.
+    fn take_frame(
+        &self,
+        stream: &mut Stream,
+        header: &[u8; FRAME_HEADER_LEN],
+        len: u32,
+        installers: &Installers,
+    ) -> Result<u64> {
+        let mut frame = installers.buffers();
+        read_frame_into(stream, &self.ram, header, len, &mut frame)?;
+        let pages = frame.page_count();
+        let awaited = frame.pages().iter().any(|&(gfn, _)| self.asked.get(gfn));
+        if awaited || !installers.running() {
+            self.install_arrived(frame.pages())?;
+        } else {
+            installers.hand_over(frame)?;
+        }
+        Ok(pages)
     }
 
     /// Writes `msg` to the source on the attached connection (post-copy's one writer).

@@ -187,6 +187,24 @@ pub struct FrameBuffers {
 /// Each page of a frame with its data (`None`: a zero page), borrowed from the read buffer.
 pub type FramePages<'s> = Vec<(u64, Option<&'s [u8]>)>;
 
+impl FrameBuffers {
+    /// The pages of the frame last read into these buffers (`read_frame_into`).
+    pub fn pages(&self) -> FramePages<'_> {
+        let mut data = self.data.chunks_exact(PAGE_SIZE);
+        descriptors(&self.descs)
+            .map(|(pfn, enc)| match enc {
+                PageEncoding::Zero => (pfn, None),
+                _ => (pfn, data.next()),
+            })
+            .collect()
+    }
+
+    /// How many pages that frame holds.
+    pub fn page_count(&self) -> u64 {
+        (self.descs.len() / 8) as u64
+    }
+}
+
 /// Reads a whole page frame into `scratch` (post-copy installs pages with `UFFDIO_COPY`, which
 /// copies from a buffer) and returns each page with its data, `None` for a zero page.
 pub fn read_page_frame<'s>(
@@ -196,6 +214,19 @@ pub fn read_page_frame<'s>(
     len: u32,
     scratch: &'s mut FrameBuffers,
 ) -> Result<FramePages<'s>> {
+    read_frame_into(r, ram, header, len, scratch)?;
+    Ok(scratch.pages())
+}
+
+/// Reads a whole page frame into `scratch`, checked (descriptors, checksum, each page's CRC),
+/// for `FrameBuffers::pages` to give out, here or on another thread.
+pub fn read_frame_into(
+    r: &mut impl Read,
+    ram: &GuestRam,
+    header: &[u8; FRAME_HEADER_LEN],
+    len: u32,
+    scratch: &mut FrameBuffers,
+) -> Result<()> {
     let mut crc = crc32fast::Hasher::new();
     crc.update(header);
     let FrameBuffers {
@@ -231,11 +262,5 @@ pub fn read_page_frame<'s>(
             .codec
             .decompress(packed, data, PAGE_SIZE * shape.full)?;
     }
-    let mut data = data.chunks_exact(PAGE_SIZE);
-    Ok(descriptors(descs)
-        .map(|(pfn, enc)| match enc {
-            PageEncoding::Zero => (pfn, None),
-            _ => (pfn, data.next()),
-        })
-        .collect())
+    Ok(())
 }
