@@ -7,11 +7,13 @@
 //! is one no vCPU faults on, and the sooner all are in, the sooner the VM needs nothing more
 //! from the source.
 
-/// The nice value of such a thread: about nine times a default thread's weight.
-const URGENT_NICE: i32 = -10;
+/// The nice value of such a thread: about three times an `ahead` thread's weight, 28 times a
+/// default thread's.
+const URGENT_NICE: i32 = -15;
 
-/// The nice value of a thread whose bulk work goes before the guest's: three times the weight.
-const AHEAD_NICE: i32 = -5;
+/// The nice value of a thread whose bulk work goes before the guest's: nine times a default
+/// thread's weight (a busy vCPU's).
+const AHEAD_NICE: i32 = -10;
 
 fn this_thread() -> libc::id_t {
     // SAFETY: gettid has no preconditions.
