@@ -5,6 +5,7 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::ScopedJoinHandle;
 
 use crate::bitmap::Bitmap;
 use crate::cpu::CpuMeter;
@@ -182,4 +183,25 @@ pub(super) fn session_id() -> Result<u64> {
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
         .map_err(|e| Error::vm_caused("cannot read /dev/urandom", e))?;
     Ok(u64::from_le_bytes(b) | 1)
+}
+
+/// Joins the lanes' threads once this thread's own part (`mine`) ended. The first real
+/// failure is the outcome, not that of a lane that stopped because of it (`Error::State`).
+pub(super) fn join_lanes(
+    mine: Result<()>,
+    threads: Vec<ScopedJoinHandle<'_, Result<()>>>,
+    what: &str,
+) -> Result<()> {
+    let mut first = mine.err();
+    for t in threads {
+        let r = t
+            .join()
+            .unwrap_or_else(|_| Err(Error::State(format!("a {what} thread panicked"))));
+        if let Err(e) = r
+            && first.as_ref().is_none_or(|f| matches!(f, Error::State(_)))
+        {
+            first = Some(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
 }

@@ -6,11 +6,11 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::lane::{Lane, RoundShare, page_sender};
+use super::lane::{Lane, RoundShare, join_lanes, page_sender};
 use super::session::Session;
 use crate::bitmap::Bitmap;
 use crate::cpu::{Work, Worker};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::pages::SendCounters;
 use crate::status::CompressionCounts;
 use crate::wire::codec::Codec;
@@ -77,20 +77,7 @@ impl Session<'_> {
             if mine.is_err() {
                 stop.store(true, Ordering::Release);
             }
-            // The first real failure names the round's outcome (not a lane that stopped
-            // because of it).
-            let mut first = mine.err();
-            for t in threads {
-                let r = t
-                    .join()
-                    .unwrap_or_else(|_| Err(Error::State("a sender thread panicked".into())));
-                if let Err(e) = r
-                    && first.as_ref().is_none_or(|f| matches!(f, Error::State(_)))
-                {
-                    first = Some(e);
-                }
-            }
-            first.map_or(Ok(()), Err)
+            join_lanes(mine, threads, "sender")
         });
         self.lanes = lanes;
         result
