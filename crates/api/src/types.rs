@@ -371,7 +371,8 @@ pub struct CheckpointStats {
 
 /// This side's CPU time for one kind of work its threads did: `send` (a connection's
 /// sender), `pack` (a compressing thread), `receive` (a connection's receiver), `prefault`
-/// (faulting the destination's memory in ahead of the pages). An extra connection's sender
+/// (faulting the destination's memory in ahead of the pages), `install` (putting post-copy's
+/// pushed pages in place). An extra connection's sender
 /// runs on a thread of its own each round: its rounds count as one thread, their CPU and
 /// lives added up.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

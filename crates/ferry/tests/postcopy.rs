@@ -50,6 +50,13 @@ fn postcopy_keeps_every_page_of(spec: VmSpec, extra: &[&str]) -> MigrationStatus
         );
     }
     assert_every_page_arrived(&mut src, &dst, &report, 2 * vcpus as u64);
+    let arrived = dst.migration_status();
+    let installers = arrived.cpu.iter().find(|w| w.work == "install");
+    assert!(
+        installers.is_some_and(|w| w.threads >= 2 && w.cpu_s > 0.0),
+        "post-copy's installers are on the destination's CPU report: {:?}",
+        arrived.cpu
+    );
     report
 }
 
@@ -170,6 +177,8 @@ fn postcopy_pushes_on_the_extra_connections() {
             "{mode}: every push went on an extra connection"
         );
         assert!(r.pages_requested > 0, "{mode}: the guest faulted: {r:?}");
+        let senders = r.cpu.iter().find(|w| w.work == "send").map(|w| w.threads);
+        assert_eq!(senders, Some(4), "a sender per connection: {:?}", r.cpu);
     }
 }
 

@@ -23,11 +23,19 @@ pub enum Work {
     Receive,
     /// Faults the destination's memory in ahead of the pages (`destination::prefault`).
     Prefault,
+    /// Puts post-copy's pushed pages in place (`destination::installers`).
+    Install,
 }
 
 impl Work {
     /// In declaration order: `work as usize` is a work's place here.
-    const ALL: [Work; 4] = [Work::Send, Work::Pack, Work::Receive, Work::Prefault];
+    const ALL: [Work; 5] = [
+        Work::Send,
+        Work::Pack,
+        Work::Receive,
+        Work::Prefault,
+        Work::Install,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -35,6 +43,7 @@ impl Work {
             Work::Pack => "pack",
             Work::Receive => "receive",
             Work::Prefault => "prefault",
+            Work::Install => "install",
         }
     }
 }

@@ -8,6 +8,7 @@ use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::Scope;
 
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::sync::Locked;
 use crate::wire::page_frame::FrameBuffers;
@@ -33,12 +34,13 @@ pub(super) struct Installers {
 }
 
 impl Installers {
-    /// Starts `threads` threads in `scope`, each calling `install` on one frame at a time and
-    /// `fail` with the first error it meets (it then drops what comes, so no reader blocks).
-    /// They end when this is dropped and the queue is empty.
+    /// Starts `threads` threads in `scope` (tracked by `cpu`), each calling `install` on one
+    /// frame at a time and `fail` with the first error it meets (it then drops what comes, so
+    /// no reader blocks). They end when this is dropped and the queue is empty.
     pub fn start<'scope, 'env, I, F>(
         scope: &'scope Scope<'scope, 'env>,
         threads: usize,
+        cpu: &CpuMeter,
         install: &'env I,
         fail: &'env F,
     ) -> Self
@@ -51,10 +53,13 @@ impl Installers {
         let empty = Arc::new(Mutex::new(Vec::new()));
         let mut running = 0;
         for i in 0..threads {
-            let (frames, empty) = (frames.clone(), empty.clone());
+            let (frames, empty, cpu) = (frames.clone(), empty.clone(), cpu.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("postcopy-install-{i}"))
-                .spawn_scoped(scope, move || install_each(&frames, &empty, install, fail));
+                .spawn_scoped(scope, move || {
+                    let _tracked = cpu.track(Work::Install, Worker::Own);
+                    install_each(&frames, &empty, install, fail);
+                });
             match spawned {
                 Ok(_) => running += 1,
                 Err(e) => tracing::warn!("post-copy installs on fewer threads: {e}"),
@@ -125,7 +130,8 @@ mod tests {
             failures.fetch_add(1, Ordering::Relaxed);
         };
         std::thread::scope(|scope| {
-            let installers = Installers::start(scope, threads, &install, &fail);
+            let cpu = CpuMeter::default();
+            let installers = Installers::start(scope, threads, &cpu, &install, &fail);
             assert!(installers.running());
             for _ in 0..frames {
                 let frame = installers.buffers();

@@ -20,6 +20,7 @@ use crate::PAGE_SIZE;
 use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::board::StatusBoard;
 use crate::buckets::FaultLatency;
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
@@ -352,9 +353,14 @@ impl Postcopy {
     /// Installs pages from the stream (and from `lanes`, the extra connections the source
     /// pushes on, each read by a thread of its own) until the source says it sent them all;
     /// then ends post-copy (the memory is ordinary again) and tells the source.
-    pub fn receive_pages(&self, stream: &mut Stream, lanes: Vec<Stream>) -> Result<PostcopyReport> {
+    pub fn receive_pages(
+        &self,
+        stream: &mut Stream,
+        lanes: Vec<Stream>,
+        cpu: &CpuMeter,
+    ) -> Result<PostcopyReport> {
         let want = self.pending.count();
-        self.receive_all(stream, lanes)?;
+        self.receive_all(stream, lanes, cpu)?;
         let installed = self.progress.locked().pages;
         if installed != want {
             return Err(Error::Protocol(format!(
@@ -385,7 +391,7 @@ impl Postcopy {
     /// (which finish the frames already read before this returns, failed or not). A lane or
     /// installer that fails closes the main connection (its failure is the reason); a main
     /// connection that fails closes the lanes.
-    fn receive_all(&self, stream: &mut Stream, lanes: Vec<Stream>) -> Result<()> {
+    fn receive_all(&self, stream: &mut Stream, lanes: Vec<Stream>, cpu: &CpuMeter) -> Result<()> {
         let failed: Mutex<Option<Error>> = Mutex::new(None);
         let main = stream.try_clone()?;
         let mut closers = Vec::with_capacity(lanes.len());
@@ -399,7 +405,8 @@ impl Postcopy {
         };
         let install = |frame: &FrameBuffers| self.install_arrived(frame.pages()).map(drop);
         let received = std::thread::scope(|scope| {
-            let installers = Installers::start(scope, installers::how_many(), &install, &fail);
+            let threads = installers::how_many();
+            let installers = Installers::start(scope, threads, cpu, &install, &fail);
             // The readers end before the installers' queue closes.
             std::thread::scope(|readers| {
                 for (i, lane) in lanes.into_iter().enumerate() {
@@ -408,6 +415,7 @@ impl Postcopy {
                     let spawned = std::thread::Builder::new()
                         .name(format!("postcopy-lane-{n}"))
                         .spawn_scoped(readers, move || {
+                            let _tracked = cpu.track(Work::Receive, Worker::Lane(n));
                             if let Err(e) = self.receive_lane(lane, n, installers) {
                                 fail(e);
                             }
@@ -499,7 +507,7 @@ impl Postcopy {
         let mut frame = installers.buffers();
         read_frame_into(stream, &self.ram, header, len, &mut frame)?;
         let pages = frame.page_count();
-        let awaited = frame.pages().iter().any(|&(gfn, _)| self.asked.get(gfn));
+        let awaited = frame.gfns().any(|gfn| self.asked.get(gfn));
         if awaited || !installers.running() {
             self.install_arrived(frame.pages())?;
         } else {

@@ -416,7 +416,7 @@ impl Receiver<'_> {
             self.start_checkpoints(&vm, &dest, every_ms);
         }
         spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Postcopy(dest.clone()));
-        let received = dest.receive_pages(stream, lanes);
+        let received = dest.receive_pages(stream, lanes, &self.cpu);
         self.status.fault_latency = dest.fault_latency();
         match received {
             Ok(report) => {

@@ -3,6 +3,7 @@
 //! receive the rest.
 
 use super::postcopy::Postcopy;
+use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
 use crate::io::transport::{Listener, Stream};
 use crate::wire::{self, Frame, Message, PostcopyReport};
@@ -42,7 +43,8 @@ pub(crate) fn resume(
         },
     )?;
     dest.attach(stream.try_clone()?);
-    let result = dest.receive_pages(&mut stream, Vec::new());
+    // One connection; the report of the migration this carries on was taken when it broke.
+    let result = dest.receive_pages(&mut stream, Vec::new(), &CpuMeter::default());
     if result.is_err() {
         dest.detach();
     }

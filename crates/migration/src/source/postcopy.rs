@@ -13,13 +13,14 @@ use std::time::{Duration, Instant};
 
 use super::checkpoints::Checkpoints;
 use super::controls::Leftover;
-use super::lane::Lane;
+use super::lane::{Lane, join_lanes};
 use super::machine::Event;
 use super::pushes::{Claims, PushQueue, Pushes, QUEUE_FULL_WAIT, not_reading, push_on_lane};
 use super::serving::GUEST_REPORT_WAIT;
 use super::session::Session;
 use super::switchover::Follow;
 use crate::bitmap::Bitmap;
+use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
@@ -126,6 +127,8 @@ pub(crate) struct Outlet<'a> {
     pub lanes: &'a mut [Lane],
     /// The reader applies checkpoints to guest memory here while the pages are sent.
     pub checkpoints: bool,
+    /// Tracks the lanes' pushing threads.
+    pub cpu: &'a CpuMeter,
 }
 
 /// Sends every page of `pending`, requests first, and returns once the destination confirmed
@@ -147,6 +150,7 @@ pub(crate) fn serve(
         events,
         lanes,
         checkpoints,
+        cpu,
     } = outlet;
     let mut s = Serving {
         out: Outlet {
@@ -157,6 +161,7 @@ pub(crate) fn serve(
             events,
             lanes: &mut [],
             checkpoints,
+            cpu,
         },
         claims: &claims,
         served: Served::default(),
@@ -228,9 +233,11 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
         std::thread::scope(|scope| {
             let threads: Vec<_> = lanes
                 .iter_mut()
-                .map(|lane| {
-                    let (pushes, ram) = (&pushes, &ram);
+                .zip(1..)
+                .map(|(lane, n)| {
+                    let (pushes, ram, cpu) = (&pushes, &ram, self.out.cpu);
                     scope.spawn(move || {
+                        let _tracked = cpu.track(Work::Send, Worker::Lane(n));
                         let pushed = push_on_lane(lane, ram, pushes);
                         if pushed.is_err() {
                             pushes.stop.store(true, Ordering::Release);
@@ -245,20 +252,10 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
                 pushes.stop.store(true, Ordering::Release);
                 closers.iter().for_each(Stream::shutdown);
             }
-            let mut first = answered.err();
-            for t in threads {
-                let r = t
-                    .join()
-                    .unwrap_or_else(|_| Err(Error::State("a pushing thread panicked".into())));
-                if let Err(e) = r
-                    && first.as_ref().is_none_or(|f| matches!(f, Error::State(_)))
-                {
-                    first = Some(e);
-                }
-            }
+            let joined = join_lanes(answered, threads, "pushing");
             self.served.pushed = pushes.pushed.load(Ordering::Acquire);
             self.served.on_lanes = self.served.pushed;
-            first.map_or(Ok(()), Err)
+            joined
         })
     }
 
@@ -424,6 +421,7 @@ impl Session<'_> {
             events: &events,
             lanes: &mut self.lanes,
             checkpoints: checkpointed,
+            cpu: &self.cpu,
         };
         let (served, report) = serve(
             outlet,

@@ -7,6 +7,7 @@ use super::lane::DEFAULT_BATCH_PAGES;
 use super::postcopy::{Outlet, serve, spawn_reader};
 use crate::bitmap::Bitmap;
 use crate::board::StatusBoard;
+use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
 use crate::io::tls::Tls;
 use crate::io::transport::Endpoint;
@@ -71,6 +72,8 @@ pub(crate) fn resume(
         events: &events,
         lanes: &mut [],
         checkpoints: left.checkpoints.is_some(),
+        // One connection, on this thread: no lane to track.
+        cpu: &CpuMeter::default(),
     };
     let (served, report) = serve(
         outlet,

@@ -199,6 +199,11 @@ impl FrameBuffers {
             .collect()
     }
 
+    /// That frame's pages, without their data.
+    pub fn gfns(&self) -> impl Iterator<Item = u64> + '_ {
+        descriptors(&self.descs).map(|(pfn, _)| pfn)
+    }
+
     /// How many pages that frame holds.
     pub fn page_count(&self) -> u64 {
         (self.descs.len() / 8) as u64
