@@ -340,17 +340,35 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             match self.out.events.recv_timeout(left) {
-                Ok(msg) => {
-                    if let Some(r) = self.handle(msg?)? {
-                        return Ok(r);
-                    }
-                }
+                Ok(msg) => match self.handle(msg?) {
+                    Ok(Some(r)) => return Ok(r),
+                    Ok(None) => {}
+                    Err(e) => return self.completion_behind(e, deadline),
+                },
                 Err(RecvTimeoutError::Timeout) => {
                     return Err(Error::Protocol(
                         "the destination never confirmed that every page arrived".into(),
                     ));
                 }
                 Err(RecvTimeoutError::Disconnected) => return Err(gone()),
+            }
+        }
+    }
+
+    /// A reply (a checkpoint's receipt, a page) could not be written: the destination may
+    /// have said it has every page, behind the message answered, and gone (its VM stopped
+    /// there, as its user asked). Its word read before `deadline` still counts; nothing more
+    /// is written.
+    fn completion_behind(&mut self, failed: Error, deadline: Instant) -> Result<PostcopyReport> {
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.out.events.recv_timeout(left) {
+                Ok(Ok(Message::PostcopyComplete(r))) => {
+                    (self.heard)(&Message::PostcopyComplete(r.clone()))?;
+                    return Ok(r);
+                }
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) | Err(_) => return Err(failed),
             }
         }
     }
