@@ -10,6 +10,7 @@ use crate::sync::Locked;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering, fence};
 use std::sync::{Arc, Mutex};
+use std::thread::Scope;
 use std::time::{Duration, Instant};
 
 use userfaultfd::{Event, Uffd, UffdBuilder};
@@ -411,21 +412,7 @@ impl Postcopy {
             std::thread::scope(|readers| {
                 for (i, lane) in lanes.into_iter().enumerate() {
                     let n = i as u32 + 1;
-                    let installers = &installers;
-                    let spawned = std::thread::Builder::new()
-                        .name(format!("postcopy-lane-{n}"))
-                        .spawn_scoped(readers, move || {
-                            let _tracked = cpu.track(Work::Receive, Worker::Lane(n));
-                            if let Err(e) = self.receive_lane(lane, n, installers) {
-                                fail(e);
-                            }
-                        });
-                    if let Err(e) = spawned {
-                        fail(Error::vm_caused(
-                            "cannot start a lane's post-copy reader",
-                            e,
-                        ));
-                    }
+                    self.spawn_lane_reader(readers, lane, n, &installers, cpu, &fail);
                 }
                 // With lanes, only the answers to faults come here.
                 let _urgent = crate::urgent::urgent();
@@ -439,6 +426,32 @@ impl Postcopy {
         match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => Err(e),
             None => received,
+        }
+    }
+
+    /// Reads lane `n` on a `postcopy-lane-n` thread of `scope`; `fail` hears why it stopped.
+    fn spawn_lane_reader<'scope, F: Fn(Error) + Sync>(
+        &'scope self,
+        scope: &'scope Scope<'scope, '_>,
+        lane: Stream,
+        n: u32,
+        installers: &'scope Installers,
+        cpu: &'scope CpuMeter,
+        fail: &'scope F,
+    ) {
+        let spawned = std::thread::Builder::new()
+            .name(format!("postcopy-lane-{n}"))
+            .spawn_scoped(scope, move || {
+                let _tracked = cpu.track(Work::Receive, Worker::Lane(n));
+                if let Err(e) = self.receive_lane(lane, n, installers) {
+                    fail(e);
+                }
+            });
+        if let Err(e) = spawned {
+            fail(Error::vm_caused(
+                "cannot start a lane's post-copy reader",
+                e,
+            ));
         }
     }
 
