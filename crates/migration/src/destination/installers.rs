@@ -28,9 +28,9 @@ pub(super) fn how_many() -> usize {
 
 /// The installing threads of one post-copy, and the frames going to and coming back from them.
 pub(super) struct Installers {
+    /// `None`: no thread could start.
     queue: Option<SyncSender<FrameBuffers>>,
     empty: Arc<Mutex<Vec<FrameBuffers>>>,
-    running: usize,
 }
 
 impl Installers {
@@ -68,13 +68,12 @@ impl Installers {
         Installers {
             queue: (running > 0).then_some(queue),
             empty,
-            running,
         }
     }
 
     /// Whether any thread runs (if none could start, readers install themselves).
     pub fn running(&self) -> bool {
-        self.running > 0
+        self.queue.is_some()
     }
 
     /// Buffers to read the next frame into: one an installer emptied, or new ones.

@@ -189,14 +189,12 @@ pub type FramePages<'s> = Vec<(u64, Option<&'s [u8]>)>;
 
 impl FrameBuffers {
     /// The pages of the frame last read into these buffers (`read_frame_into`).
-    pub fn pages(&self) -> FramePages<'_> {
+    pub fn pages(&self) -> impl Iterator<Item = (u64, Option<&[u8]>)> + '_ {
         let mut data = self.data.chunks_exact(PAGE_SIZE);
-        descriptors(&self.descs)
-            .map(|(pfn, enc)| match enc {
-                PageEncoding::Zero => (pfn, None),
-                _ => (pfn, data.next()),
-            })
-            .collect()
+        descriptors(&self.descs).map(move |(pfn, enc)| match enc {
+            PageEncoding::Zero => (pfn, None),
+            _ => (pfn, data.next()),
+        })
     }
 
     /// That frame's pages, without their data.
@@ -220,7 +218,7 @@ pub fn read_page_frame<'s>(
     scratch: &'s mut FrameBuffers,
 ) -> Result<FramePages<'s>> {
     read_frame_into(r, ram, header, len, scratch)?;
-    Ok(scratch.pages())
+    Ok(scratch.pages().collect())
 }
 
 /// Reads a whole page frame into `scratch`, checked (descriptors, checksum, each page's CRC),
