@@ -151,6 +151,40 @@ struct FaultLog {
     zero: u64,
 }
 
+/// The receipts a source asked for on a connection that pushes (`Message::Receipts`): a
+/// running count of the pages taken off it, told every `every` pages. The source pushes no
+/// further ahead of them than its window, so what waits here (in the socket, in the
+/// installers' queue) stays short however well the pages compress.
+struct Receipts {
+    every: u64,
+    taken: u64,
+    told: u64,
+}
+
+impl Receipts {
+    fn asked(every: u32) -> Result<Self> {
+        if every == 0 {
+            return Err(Error::Protocol(
+                "the source asked for a receipt every 0 pages".into(),
+            ));
+        }
+        Ok(Self {
+            every: every.into(),
+            taken: 0,
+            told: 0,
+        })
+    }
+
+    /// `pages` more were taken off the connection: the receipt to send now, if one is due.
+    fn took(&mut self, pages: u64) -> Option<Message> {
+        self.taken += pages;
+        (self.taken - self.told >= self.every).then(|| {
+            self.told = self.taken;
+            Message::Taken { pages: self.taken }
+        })
+    }
+}
+
 /// Faults and arrivals per 10 ms since the switch, for the faults-vs-pushes plot.
 #[derive(Default)]
 struct Timeline(Vec<[u32; 3]>);
@@ -458,15 +492,22 @@ impl Postcopy {
     /// The main connection: the answers to page requests (and, with no lanes, the pushes),
     /// up to the source's `PostcopyDone`.
     fn receive_main(&self, stream: &mut Stream, installers: &Installers) -> Result<()> {
+        let mut receipts = None;
         loop {
             let m = match wire::read_frame(stream)? {
                 Frame::Pages { header, len } => {
-                    self.take_frame(stream, &header, len, installers)?;
+                    let pages = self.take_frame(stream, &header, len, installers)?;
+                    if let Some(taken) =
+                        receipts.as_mut().and_then(|r: &mut Receipts| r.took(pages))
+                    {
+                        self.reply(&taken)?;
+                    }
                     continue;
                 }
                 Frame::Message(m) => m,
             };
             match m {
+                Message::Receipts { every } => receipts = Some(Receipts::asked(every)?),
                 Message::CheckpointTaken { seq } => {
                     let c = self.checkpointer.locked();
                     if let Some(c) = c.as_ref() {
@@ -485,10 +526,18 @@ impl Postcopy {
     /// One lane's pushes, up to its `LaneEnd`.
     fn receive_lane(&self, mut stream: Stream, lane: u32, installers: &Installers) -> Result<()> {
         let mut pages = 0;
+        let mut receipts = None;
         loop {
             match wire::read_frame(&mut stream)? {
                 Frame::Pages { header, len } => {
-                    pages += self.take_frame(&mut stream, &header, len, installers)?;
+                    let n = self.take_frame(&mut stream, &header, len, installers)?;
+                    pages += n;
+                    if let Some(taken) = receipts.as_mut().and_then(|r: &mut Receipts| r.took(n)) {
+                        wire::write_message(&mut stream, &taken)?;
+                    }
+                }
+                Frame::Message(Message::Receipts { every }) => {
+                    receipts = Some(Receipts::asked(every)?);
                 }
                 Frame::Message(Message::LaneEnd { pages: n }) if n == pages => return Ok(()),
                 Frame::Message(Message::LaneEnd { pages: n }) => {
@@ -666,5 +715,24 @@ impl Postcopy {
             Err(e) => return Err(Error::vm_caused(format!("installing page {pfn:#x}"), e)),
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Receipts;
+    use crate::wire::Message;
+
+    #[test]
+    fn a_receipt_goes_every_so_many_pages_with_the_running_count() {
+        assert!(Receipts::asked(0).is_err(), "a receipt every 0 pages");
+        let mut r = Receipts::asked(128).unwrap();
+        assert_eq!(r.took(100), None);
+        assert_eq!(r.took(28), Some(Message::Taken { pages: 128 }));
+        assert_eq!(r.took(127), None);
+        // A large frame crosses the mark once: one receipt with the count so far.
+        assert_eq!(r.took(300), Some(Message::Taken { pages: 555 }));
+        assert_eq!(r.took(127), None);
+        assert_eq!(r.took(1), Some(Message::Taken { pages: 683 }));
     }
 }

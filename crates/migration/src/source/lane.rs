@@ -91,6 +91,22 @@ impl Lane {
         self.pages.flush(&mut self.stream, ram, &mut self.limiter)
     }
 
+    /// Asks the destination for receipts of post-copy's pushes on this lane (`PushQueue`).
+    pub(super) fn ask_receipts(&mut self) -> Result<()> {
+        super::pushes::PushQueue::ask_receipts(&mut self.stream)
+    }
+
+    /// The destination's next receipt on this lane: how many pages it took off it so far.
+    pub(super) fn read_receipt(&mut self) -> Result<u64> {
+        match wire::read_message(&mut self.stream)? {
+            Message::Taken { pages } => Ok(pages),
+            other => Err(Error::Protocol(format!(
+                "a lane carries only receipts of post-copy's pushes back, not {}",
+                other.name()
+            ))),
+        }
+    }
+
     /// Ends post-copy's pushes on this lane, `pages` of them since the switch (the lane
     /// ended its rounds with `end` before the switch).
     pub(super) fn end_pushes(&mut self, pages: u64) -> Result<()> {

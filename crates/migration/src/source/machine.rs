@@ -82,6 +82,7 @@ impl SourceState {
                 AwaitGuestReport
             }
             (Postcopy, Event::Heard(Message::PageRequest { .. })) => Postcopy,
+            (Postcopy, Event::Heard(Message::Taken { .. })) => Postcopy,
             (Postcopy, Event::Heard(Message::GuestReport { .. })) => Postcopy,
             (Postcopy, Event::Heard(Message::Checkpoint { .. })) => Postcopy,
             (Postcopy, Event::Heard(Message::PostcopyComplete(_))) => AwaitGuestReport,

@@ -168,8 +168,10 @@ pub(crate) fn serve(
         heard,
         // A page a lane pushed may wait behind megabytes in that lane's queues: it is answered
         // again, unless a checkpoint may rewrite it here while the lane still reads it (its
-        // frame would then fail its check). Over one connection nothing queues ahead of it.
+        // frame would then fail its check). Over one connection the window of pages not yet
+        // taken off it (`PushQueue`) is what an answer waits behind.
         answer_pushed: !lanes.is_empty() && !checkpoints,
+        main: PushQueue::shared_by(1),
     };
     if lanes.is_empty() {
         s.push_here(progress)?;
@@ -190,6 +192,8 @@ struct Serving<'a, 'p, H> {
     heard: H,
     /// A requested page a push claimed is sent again (see `serve`).
     answer_pushed: bool,
+    /// The main connection's queue, when the pushes share it with the answers.
+    main: PushQueue,
 }
 
 impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
@@ -200,10 +204,10 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
 
     /// One connection: pushes and answers share it, requests first.
     fn push_here(&mut self, mut progress: impl FnMut(Served, u64)) -> Result<()> {
-        let mut queue = PushQueue::shared_by(1);
+        PushQueue::ask_receipts(self.out.stream)?;
         let mut batch = Vec::with_capacity(PUSH_BATCH);
         while self.remaining() > 0 {
-            self.answer_requests(&mut queue)?;
+            self.answer_requests()?;
             self.push_batch(&mut batch)?;
             progress(self.served, self.remaining());
         }
@@ -290,16 +294,17 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
         Ok(())
     }
 
-    /// Answers the requests waiting. While the push queue is full, only requests (each waits
-    /// for at most what the queue holds); a queue that stays full as long as a write may
-    /// block means the destination stopped reading.
-    fn answer_requests(&mut self, queue: &mut PushQueue) -> Result<()> {
+    /// Answers the requests waiting and takes in the receipts. While the push queue is full,
+    /// only requests and receipts (each request waits for at most what the queue holds); a
+    /// queue that stays full as long as a write may block means the destination stopped
+    /// reading.
+    fn answer_requests(&mut self) -> Result<()> {
         let mut full_since = None;
         loop {
-            if !queue.full(self.out.stream) {
+            if !self.main.full(self.out.stream) {
                 full_since = None;
             }
-            let msg = if full_since.is_some() || queue.full(self.out.stream) {
+            let msg = if full_since.is_some() || self.main.full(self.out.stream) {
                 let since = *full_since.get_or_insert_with(Instant::now);
                 if since.elapsed() > IO_TIMEOUT {
                     return Err(not_reading());
@@ -330,6 +335,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
             o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
         }
         self.served.pushed += batch.len() as u64;
+        self.main.sent(batch.len() as u64);
         o.sender.flush(o.stream, o.ram, o.limiter)
     }
 
@@ -379,6 +385,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
         match msg {
             Message::PageRequest { gfn } => self.answer(gfn)?,
             Message::PostcopyComplete(r) => return Ok(Some(r)),
+            Message::Taken { pages } => self.main.taken(pages)?,
             // Applied by the reader: the destination may forget its pages.
             Message::Checkpoint { seq, .. } => {
                 wire::write_message(self.out.stream, &Message::CheckpointTaken { seq })?;
@@ -400,6 +407,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
             o.sender.push(o.stream, o.ram, gfn, o.limiter)?;
             o.sender.flush(o.stream, o.ram, o.limiter)?;
             self.served.requested += 1;
+            self.main.sent(1);
         }
         Ok(())
     }

@@ -8,11 +8,13 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use super::lane::Lane;
+use crate::PAGE_SIZE;
 use crate::bitmap::{AtomicBitmap, Bitmap};
 use crate::error::{Error, Result};
 use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
 use crate::prepaging::{Planner, Strategy};
+use crate::wire::{self, Message};
 
 /// Pages a lane takes from the planner at once: a frame's worth, so that the planner's lock
 /// is taken once a frame, and a fault's new window reaches the lanes within a frame each.
@@ -33,6 +35,18 @@ const PUSH_QUEUE_EVERY: Duration = Duration::from_millis(10);
 /// How long the pusher waits for a request while the queue is full.
 pub(super) const QUEUE_FULL_WAIT: Duration = Duration::from_micros(200);
 
+/// How often the destination says how many pages it took off a pushing connection
+/// (`Receipts`): a lane's batch.
+pub(super) const RECEIPT_EVERY: u32 = LANE_BATCH as u32;
+/// The fewest pages a pushing connection may have out that the destination has not taken off
+/// it yet. The bytes on the link say nothing of what waits in the destination's socket and
+/// install queue: a page that compresses a hundredfold makes a megabyte there a hundred
+/// megabytes of pages to install, each ahead of a reply on the same connection and each
+/// claimed by a connection that may be the last to finish. So the pages are counted too,
+/// against the byte limit's worth of pages or this, whichever is more. Four receipts' worth
+/// keeps pages flowing while a receipt is on its way.
+const WINDOW_MIN_PAGES: u64 = 4 * RECEIPT_EVERY as u64;
+
 /// The push queue's limit for a connection moving `rate` bytes/s with round trips of at least
 /// `min_rtt`, and at least `floor`.
 fn queue_limit_for(rate: u64, min_rtt: Duration, floor: usize) -> usize {
@@ -40,8 +54,9 @@ fn queue_limit_for(rate: u64, min_rtt: Duration, floor: usize) -> usize {
     (wanted as usize).clamp(floor, PUSH_QUEUE_MAX)
 }
 
-/// The push queue's limit (see `PUSH_QUEUE_MIN`). Keeps the best rate seen, so that the
-/// estimate does not shrink while the limit itself holds the link back.
+/// A pushing connection's queue: bytes not yet on the link (see `PUSH_QUEUE_MIN`) and pages
+/// the destination has not taken off it (see `WINDOW_MIN_PAGES`). Keeps the best rate seen,
+/// so that the estimate does not shrink while the limit itself holds the link back.
 pub(super) struct PushQueue {
     bytes: usize,
     /// The floor: `PUSH_QUEUE_MIN`, shared out among the connections that push (their queues
@@ -49,6 +64,10 @@ pub(super) struct PushQueue {
     floor: usize,
     best_rate: u64,
     next_look: Instant,
+    /// Pages sent on the connection since the receipts were asked for.
+    sent: u64,
+    /// Of those, the destination's latest count of what it took off the connection.
+    taken: u64,
 }
 
 impl PushQueue {
@@ -60,11 +79,53 @@ impl PushQueue {
             floor,
             best_rate: 0,
             next_look: Instant::now() + PUSH_QUEUE_EVERY,
+            sent: 0,
+            taken: 0,
         }
+    }
+
+    /// Asks the destination for its receipts on `stream`, before the first push there.
+    pub(super) fn ask_receipts(stream: &mut Stream) -> Result<()> {
+        wire::write_message(
+            stream,
+            &Message::Receipts {
+                every: RECEIPT_EVERY,
+            },
+        )
+    }
+
+    /// `pages` more pages went out on the connection.
+    pub(super) fn sent(&mut self, pages: u64) {
+        self.sent += pages;
+    }
+
+    /// The destination's receipt: it took `pages` pages off the connection so far.
+    pub(super) fn taken(&mut self, pages: u64) -> Result<()> {
+        if pages > self.sent || pages < self.taken {
+            return Err(Error::Protocol(format!(
+                "the destination says it took {pages} pages off a connection that carried {} \
+                 (it had said {})",
+                self.sent, self.taken
+            )));
+        }
+        self.taken = pages;
+        Ok(())
     }
 
     /// Whether pushing more now would deepen the queue a reply waits behind.
     pub(super) fn full(&mut self, stream: &Stream) -> bool {
+        self.awaits_receipt() || self.link_full(stream)
+    }
+
+    /// Whether the destination holds as many pages it has not taken off the connection as
+    /// the window allows: pushing waits for its next receipt.
+    pub(super) fn awaits_receipt(&self) -> bool {
+        let window = (self.bytes / PAGE_SIZE) as u64;
+        self.sent - self.taken >= window.max(WINDOW_MIN_PAGES)
+    }
+
+    /// Whether the bytes not yet on the link reach the limit.
+    fn link_full(&mut self, stream: &Stream) -> bool {
         let now = Instant::now();
         if now >= self.next_look {
             self.next_look = now + PUSH_QUEUE_EVERY;
@@ -80,6 +141,7 @@ impl PushQueue {
         stream.unsent() > self.bytes
     }
 }
+
 /// No fault to center the pushes on.
 const NO_PIVOT: u64 = u64::MAX;
 
@@ -162,11 +224,12 @@ pub(super) struct Pushes<'p> {
 }
 
 /// One lane's pushes: the planner's next pages, a batch at a time, kept within the lane's
-/// share of the link's queue; then `LaneEnd` with what it pushed.
+/// share of the link's queue and its window of pages the destination has not taken yet; then
+/// `LaneEnd` with what it pushed.
 pub(super) fn push_on_lane(lane: &mut Lane, ram: &GuestRam, pushes: &Pushes<'_>) -> Result<()> {
     let mut queue = PushQueue::shared_by(pushes.pushers);
+    lane.ask_receipts()?;
     let mut batch = Vec::with_capacity(LANE_BATCH);
-    let mut pushed = 0u64;
     loop {
         if pushes.stop.load(Ordering::Acquire) {
             return Err(Error::State(
@@ -175,23 +238,35 @@ pub(super) fn push_on_lane(lane: &mut Lane, ram: &GuestRam, pushes: &Pushes<'_>)
         }
         pushes.claims.next_pushes(&mut batch, LANE_BATCH);
         if batch.is_empty() {
-            return lane.end_pushes(pushed);
+            return lane.end_pushes(queue.sent);
         }
         lane.send_batch(ram, &batch)?;
-        pushed += batch.len() as u64;
+        queue.sent(batch.len() as u64);
         pushes
             .pushed
             .fetch_add(batch.len() as u64, Ordering::Relaxed);
-        let full_since = Instant::now();
-        while queue.full(lane.stream()) {
-            if full_since.elapsed() > IO_TIMEOUT {
-                return Err(not_reading());
-            }
-            if pushes.stop.load(Ordering::Acquire) {
-                break;
-            }
-            std::thread::sleep(QUEUE_FULL_WAIT);
+        wait_for_room(lane, &mut queue, &pushes.stop)?;
+    }
+}
+
+/// Waits until the lane may push again: reads the destination's receipts while its window is
+/// full, and lets the link's queue drain.
+fn wait_for_room(lane: &mut Lane, queue: &mut PushQueue, stop: &AtomicBool) -> Result<()> {
+    let full_since = Instant::now();
+    loop {
+        if queue.awaits_receipt() {
+            // Blocks at most the lane's read timeout: a destination that stopped reading
+            // stops sending receipts.
+            queue.taken(lane.read_receipt()?)?;
+            continue;
         }
+        if !queue.full(lane.stream()) || stop.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        if full_since.elapsed() > IO_TIMEOUT {
+            return Err(not_reading());
+        }
+        std::thread::sleep(QUEUE_FULL_WAIT);
     }
 }
 
@@ -233,5 +308,34 @@ mod tests {
         );
         // Nothing measured yet.
         assert_eq!(queue_limit_for(0, ms(0), PUSH_QUEUE_MIN), PUSH_QUEUE_MIN);
+    }
+
+    #[test]
+    fn pushing_waits_for_a_receipt_once_the_window_of_pages_is_out() {
+        let mut q = PushQueue::shared_by(1);
+        q.sent(WINDOW_MIN_PAGES - 1);
+        assert!(!q.awaits_receipt());
+        q.sent(1);
+        assert!(q.awaits_receipt(), "a window's worth out, none taken");
+        q.taken(RECEIPT_EVERY as u64).unwrap();
+        assert!(!q.awaits_receipt());
+        // A limit in bytes worth more pages widens the window.
+        q.bytes = 4 * WINDOW_MIN_PAGES as usize * PAGE_SIZE;
+        q.sent(2 * WINDOW_MIN_PAGES);
+        assert!(!q.awaits_receipt());
+    }
+
+    #[test]
+    fn a_receipt_for_pages_never_sent_or_going_back_is_refused() {
+        let mut q = PushQueue::shared_by(2);
+        q.sent(256);
+        let e = q.taken(257).unwrap_err().to_string();
+        assert!(
+            e.contains("took 257 pages") && e.contains("carried 256"),
+            "{e}"
+        );
+        q.taken(200).unwrap();
+        let e = q.taken(100).unwrap_err().to_string();
+        assert!(e.contains("had said 200"), "{e}");
     }
 }

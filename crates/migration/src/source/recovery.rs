@@ -81,6 +81,7 @@ pub(crate) fn resume(
         left.params.prepaging,
         |msg| match msg {
             Message::PageRequest { .. }
+            | Message::Taken { .. }
             | Message::PostcopyComplete(_)
             | Message::GuestReport { .. }
             | Message::Checkpoint { .. } => Ok(()),

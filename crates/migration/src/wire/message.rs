@@ -174,6 +174,14 @@ pub enum Message {
     /// `LaneEnd` (the pages pushed on it after the switch); the main connection carries only
     /// the answers to page requests, which then never wait behind a push.
     PushOnLanes,
+    /// Source → destination, on a connection that carries post-copy's pushes, before them:
+    /// every `every` pages taken off this connection, say so with `Taken`. The source keeps
+    /// what the destination has not taken yet within a window, so that a reply never waits
+    /// behind more than that, however well the pages compress.
+    Receipts { every: u32 },
+    /// Destination → source, on a connection that asked for `Receipts`: `pages` pages have
+    /// been taken off it since (a running count).
+    Taken { pages: u64 },
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -245,6 +253,8 @@ catalogue! {
     30 => CopiesHeld,
     31 => ResumeWindow,
     32 => PushOnLanes,
+    33 => Receipts,
+    34 => Taken,
 }
 
 impl Message {
@@ -338,7 +348,8 @@ impl Message {
                 e.u64(*session);
                 e.u32(*lane);
             }
-            Message::LaneEnd { pages } => e.u64(*pages),
+            Message::LaneEnd { pages } | Message::Taken { pages } => e.u64(*pages),
+            Message::Receipts { every } => e.u32(*every),
             Message::Checkpoints { every_ms } => e.u32(*every_ms),
             Message::Checkpoint {
                 seq,
@@ -435,6 +446,8 @@ impl Message {
             Kind::ResumePrecopy => Message::ResumePrecopy { session: d.u64()? },
             Kind::ResumeWindow => Message::ResumeWindow { seconds: d.u32()? },
             Kind::PushOnLanes => Message::PushOnLanes,
+            Kind::Receipts => Message::Receipts { every: d.u32()? },
+            Kind::Taken => Message::Taken { pages: d.u64()? },
             Kind::CopiesHeld => Message::CopiesHeld {
                 pages: d.u64()?,
                 runs: (0..d.count(6)?)
@@ -996,13 +1009,15 @@ mod tests {
             ),
             (Message::ResumeWindow { seconds: 60 }, "1f00 3c000000"),
             (Message::PushOnLanes, "2000"),
+            (Message::Receipts { every: 128 }, "2100 80000000"),
+            (Message::Taken { pages: 256 }, "2200 0001000000000000"),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 32, "a golden example per message");
+        assert_eq!(all.len(), 34, "a golden example per message");
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());
