@@ -3,9 +3,11 @@
 //! answers, the reader that installs the answer); on a host whose cores are all busy (vCPUs,
 //! the pushes) each one that waits for a core adds a scheduler slice to the fault. These
 //! threads sleep most of the time, so a larger share for them takes little from the rest.
-//! Post-copy's installing threads come next, ahead of the vCPUs: every page they put in place
-//! is one no vCPU faults on, and the sooner all are in, the sooner the VM needs nothing more
-//! from the source.
+//! The threads that carry post-copy's pushes come next, ahead of the vCPUs (the source's
+//! pushers, the destination's readers of pushes and its installers): every page they put in
+//! place is one no vCPU faults on, and the sooner all are in, the sooner the VM needs nothing
+//! more from the source. They form one pipeline paced by the destination's receipts, so one
+//! stage left waiting for a core behind busy vCPUs idles the others.
 
 /// The nice value of such a thread: about three times an `ahead` thread's weight, 28 times a
 /// default thread's.
@@ -33,7 +35,7 @@ pub(crate) fn urgent() -> Urgent {
 }
 
 /// The calling thread runs ahead of the vCPUs (but behind urgent threads) until this is
-/// dropped: post-copy's installing threads.
+/// dropped: post-copy's pushing, reading and installing threads.
 pub(crate) fn ahead() -> Urgent {
     raised_to(AHEAD_NICE)
 }

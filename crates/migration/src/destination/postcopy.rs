@@ -477,6 +477,7 @@ impl Postcopy {
             .name(format!("postcopy-lane-{n}"))
             .spawn_scoped(scope, move || {
                 let _tracked = cpu.track(Work::Receive, Worker::Lane(n));
+                let _ahead = crate::urgent::ahead();
                 if let Err(e) = self.receive_lane(lane, n, installers) {
                     fail(e);
                 }

@@ -204,8 +204,9 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
 
     /// One connection: pushes and answers share it, requests first.
     fn push_here(&mut self, mut progress: impl FnMut(Served, u64)) -> Result<()> {
+        let _ahead = crate::urgent::ahead();
         PushQueue::ask_receipts(self.out.stream)?;
-        let mut batch = Vec::with_capacity(PUSH_BATCH);
+        let mut batch = Vec::new();
         while self.remaining() > 0 {
             self.answer_requests()?;
             self.push_batch(&mut batch)?;
@@ -242,6 +243,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
                     let (pushes, ram, cpu) = (&pushes, &ram, self.out.cpu);
                     scope.spawn(move || {
                         let _tracked = cpu.track(Work::Send, Worker::Lane(n));
+                        let _ahead = crate::urgent::ahead();
                         let pushed = push_on_lane(lane, ram, pushes);
                         if pushed.is_err() {
                             pushes.stop.store(true, Ordering::Release);
