@@ -30,8 +30,6 @@ use crate::ratelimit::RateLimiter;
 use crate::status::RoundStats;
 use crate::wire::{self, Frame, Message, PostcopyReport};
 
-/// Pages pushed between two looks at the request queue.
-const PUSH_BATCH: usize = 16;
 /// How often the main connection's thread looks at the lanes while no request comes.
 const LANES_LOOK: Duration = Duration::from_millis(2);
 /// How often the live status is published while lanes push.
@@ -331,7 +329,8 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
 
     /// Pushes the planner's next pages.
     fn push_batch(&mut self, batch: &mut Vec<u64>) -> Result<()> {
-        self.claims.next_pushes(batch, PUSH_BATCH);
+        let n = self.main.batch_pages();
+        self.claims.next_pushes(batch, n);
         let o = &mut self.out;
         for &gfn in batch.iter() {
             o.sender.push(o.stream, o.ram, gfn, o.limiter)?;

@@ -47,6 +47,12 @@ pub(super) const RECEIPT_EVERY: u32 = LANE_BATCH as u32;
 /// keeps pages flowing while a receipt is on its way.
 const WINDOW_MIN_PAGES: u64 = 4 * RECEIPT_EVERY as u64;
 
+/// Pages pushed between two looks at the requests over one connection: at most a quarter of
+/// the push queue's limit, so that a request waits little for its turn, and no fewer than
+/// this, so that a frame's fixed costs (its header, the handing over to an installer on the
+/// destination) stay small.
+const FEWEST_BATCH_PAGES: usize = 16;
+
 /// The push queue's limit for a connection moving `rate` bytes/s with round trips of at least
 /// `min_rtt`, and at least `floor`.
 fn queue_limit_for(rate: u64, min_rtt: Duration, floor: usize) -> usize {
@@ -110,6 +116,12 @@ impl PushQueue {
         }
         self.taken = pages;
         Ok(())
+    }
+
+    /// How many pages to push at once over a connection that also answers (see
+    /// `FEWEST_BATCH_PAGES`); a lane's batch at most.
+    pub(super) fn batch_pages(&self) -> usize {
+        (self.bytes / PAGE_SIZE / 4).clamp(FEWEST_BATCH_PAGES, LANE_BATCH)
     }
 
     /// Whether pushing more now would deepen the queue a reply waits behind.
@@ -308,6 +320,16 @@ mod tests {
         );
         // Nothing measured yet.
         assert_eq!(queue_limit_for(0, ms(0), PUSH_QUEUE_MIN), PUSH_QUEUE_MIN);
+    }
+
+    #[test]
+    fn one_connection_pushes_a_quarter_of_its_queue_at_once() {
+        let mut q = PushQueue::shared_by(1);
+        assert_eq!(q.batch_pages(), FEWEST_BATCH_PAGES, "256 KiB: 16 pages");
+        q.bytes = 1 << 20;
+        assert_eq!(q.batch_pages(), 64);
+        q.bytes = PUSH_QUEUE_MAX;
+        assert_eq!(q.batch_pages(), LANE_BATCH);
     }
 
     #[test]
