@@ -261,6 +261,17 @@ impl Accepted {
     }
 }
 
+/// A socket's queue in bytes, as the ioctl `request` (`TIOCOUTQ`: to send; `FIONREAD`: to
+/// read) tells; 0 where it cannot.
+fn socket_queue(fd: RawFd, request: libc::Ioctl) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: both requests write one int for a socket we own.
+    if unsafe { libc::ioctl(fd, request, &mut n) } < 0 {
+        return 0;
+    }
+    n.max(0) as usize
+}
+
 /// Sets what every migration TCP socket needs, on both sides: no delay (control messages go
 /// at once), keepalive and a limit on unacknowledged data (a dead peer is noticed).
 fn tune_tcp(s: &TcpStream) -> std::io::Result<()> {
@@ -384,20 +395,24 @@ impl Stream {
 
     /// Bytes written but not yet sent by the kernel (socket send queue); 0 for files.
     pub fn unsent(&self) -> usize {
-        let queued = |fd: std::os::fd::RawFd| {
-            let mut n: libc::c_int = 0;
-            // SAFETY: TIOCOUTQ writes one int for a socket we own.
-            if unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) } < 0 {
-                return 0;
-            }
-            n.max(0) as usize
-        };
+        let queued = |fd| socket_queue(fd, libc::TIOCOUTQ);
         match self {
             Stream::Tcp(s) => queued(s.as_raw_fd()),
             Stream::Unix(s) => queued(s.as_raw_fd()),
             // What the pump has not taken yet, and what the network has not.
             Stream::Tls(s, wire) => queued(s.as_raw_fd()) + queued(wire.as_raw_fd()),
             Stream::File(_) => 0,
+        }
+    }
+
+    /// Whether bytes have arrived that were not read yet (a read would not wait for the
+    /// first of them); never for files.
+    pub fn has_unread(&self) -> bool {
+        match self {
+            Stream::Tcp(s) => socket_queue(s.as_raw_fd(), libc::FIONREAD) > 0,
+            // The TLS pump hands plaintext over on this side of the socket pair.
+            Stream::Unix(s) | Stream::Tls(s, _) => socket_queue(s.as_raw_fd(), libc::FIONREAD) > 0,
+            Stream::File(_) => false,
         }
     }
 
@@ -667,6 +682,31 @@ mod tests {
         assert!(Stream::Tcp(tcp).peer_on_this_host());
         let file = SnapshotFile::Plain(tempfile::tempfile().unwrap());
         assert!(!Stream::File(file).peer_on_this_host());
+    }
+
+    /// What came and was not read is seen without reading it, on a socket and over TCP.
+    #[test]
+    fn tells_bytes_come_but_not_read() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (mut a, mut b) = (Stream::Unix(a), Stream::Unix(b));
+        assert!(!b.has_unread());
+        a.write_all(b"receipt").unwrap();
+        assert!(b.has_unread());
+        let mut got = [0u8; 7];
+        b.read_exact(&mut got).unwrap();
+        assert!(!b.has_unread());
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut tcp = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let peer = Stream::Tcp(listener.accept().unwrap().0);
+        tcp.write_all(b"x").unwrap();
+        // Loopback delivers within the write, or soon after (a deferred softirq).
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !peer.has_unread() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        assert!(peer.has_unread());
+        let file = SnapshotFile::Plain(tempfile::tempfile().unwrap());
+        assert!(!Stream::File(file).has_unread());
     }
 
     fn int_option(fd: RawFd, level: i32, name: i32) -> i32 {

@@ -96,6 +96,11 @@ impl Lane {
         super::pushes::PushQueue::ask_receipts(&mut self.stream)
     }
 
+    /// Whether a receipt has come on this lane that was not read yet.
+    pub(super) fn has_receipt(&self) -> bool {
+        self.stream.has_unread()
+    }
+
     /// The destination's next receipt on this lane: how many pages it took off it so far.
     pub(super) fn read_receipt(&mut self) -> Result<u64> {
         match wire::read_message(&mut self.stream)? {

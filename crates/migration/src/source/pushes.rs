@@ -261,12 +261,14 @@ pub(super) fn push_on_lane(lane: &mut Lane, ram: &GuestRam, pushes: &Pushes<'_>)
     }
 }
 
-/// Waits until the lane may push again: reads the destination's receipts while its window is
-/// full, and lets the link's queue drain.
+/// Waits until the lane may push again: reads the destination's receipts (every one that has
+/// come, and more while its window is full), and lets the link's queue drain. Receipts left
+/// unread would fill this side's socket, then stop the destination's reader as it writes the
+/// next one, and with it the lane.
 fn wait_for_room(lane: &mut Lane, queue: &mut PushQueue, stop: &AtomicBool) -> Result<()> {
     let full_since = Instant::now();
     loop {
-        if queue.awaits_receipt() {
+        if queue.awaits_receipt() || lane.has_receipt() {
             // Blocks at most the lane's read timeout: a destination that stopped reading
             // stops sending receipts.
             queue.taken(lane.read_receipt()?)?;
@@ -359,5 +361,75 @@ mod tests {
         q.taken(200).unwrap();
         let e = q.taken(100).unwrap_err().to_string();
         assert!(e.contains("had said 200"), "{e}");
+    }
+
+    /// A lane reads every receipt that came, even while its window has room: left unread they
+    /// would fill its socket, stop the destination's reader as it writes the next one, and
+    /// with it the lane, until the I/O timeout.
+    #[test]
+    fn a_lane_reads_every_receipt_that_came() {
+        use crate::memory::RamRange;
+        use crate::pages::PageSender;
+        use crate::ratelimit::RateLimiter;
+        use crate::wire::page_frame::{FrameBuffers, read_frame_into};
+        use crate::wire::{Frame, read_frame};
+        use std::os::fd::AsRawFd;
+        use std::os::unix::net::UnixStream;
+
+        const PAGES: u64 = 8192;
+        let mut mem = vec![0x5au8; PAGES as usize * PAGE_SIZE];
+        let range = RamRange {
+            gpa: 0,
+            len: mem.len() as u64,
+        };
+        // SAFETY: `mem` outlives `ram`, and both sides only read it.
+        let ram = unsafe { GuestRam::new(&[(range, mem.as_mut_ptr())]) }.unwrap();
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        // The destination's side holds few unread receipts: its small send buffer fills.
+        let small: libc::c_int = 4096;
+        // SAFETY: an int option of a socket we hold.
+        unsafe {
+            libc::setsockopt(
+                theirs.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDBUF,
+                (&small as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        let ours = Stream::Unix(ours);
+        ours.set_timeouts(Some(Duration::from_secs(5))).unwrap();
+        let mut theirs = Stream::Unix(theirs);
+        let reader_ram = ram.clone();
+        let destination = std::thread::spawn(move || {
+            let mut frame = FrameBuffers::default();
+            let mut taken = 0;
+            loop {
+                match read_frame(&mut theirs).unwrap() {
+                    Frame::Pages { header, len } => {
+                        read_frame_into(&mut theirs, &reader_ram, &header, len, &mut frame)
+                            .unwrap();
+                        taken += frame.page_count();
+                        wire::write_message(&mut theirs, &Message::Taken { pages: taken }).unwrap();
+                    }
+                    Frame::Message(Message::Receipts { .. }) => {}
+                    Frame::Message(Message::LaneEnd { pages }) => return (pages, taken),
+                    Frame::Message(m) => panic!("unexpected {}", m.name()),
+                }
+            }
+        });
+        let mut lane = Lane::new(ours, PageSender::new(128), RateLimiter::new(None));
+        let mut all = Bitmap::new(PAGES);
+        (0..PAGES).for_each(|p| all.set(p));
+        let claims = Claims::new(all, Strategy::Linear);
+        let pushes = Pushes {
+            claims: &claims,
+            pushed: AtomicU64::new(0),
+            running: AtomicUsize::new(1),
+            stop: AtomicBool::new(false),
+            pushers: 1,
+        };
+        push_on_lane(&mut lane, &ram, &pushes).unwrap();
+        assert_eq!(destination.join().unwrap(), (PAGES, PAGES));
     }
 }
