@@ -699,7 +699,9 @@ fn postcopy_and_hybrid_move_every_page_and_serve_faults() {
                 assert_eq!(
                     moved - r.duplicates,
                     PAGES,
-                    "every page after the switch, once kept"
+                    "{mode:?} over {connections}: every page after the switch, once kept \
+                     ({r:?}, {:?})",
+                    s.progress.pages
                 );
                 assert!(
                     r.network_faults > 0,

@@ -340,9 +340,12 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
         o.sender.flush(o.stream, o.ram, o.limiter)
     }
 
-    /// Everything was sent: waits for the destination's word that everything arrived,
-    /// answering the requests still on their way.
+    /// Everything was sent: waits for the destination's word that everything arrived. A
+    /// request still on its way asks for a page already sent, on a lane at worst, ahead of
+    /// `LaneEnd`: it is not answered again, as the destination reads nothing after
+    /// `PostcopyDone` (such an answer was counted as sent, never as received).
     fn await_complete(&mut self) -> Result<PostcopyReport> {
+        self.answer_pushed = false;
         let deadline = Instant::now() + COMPLETE_WAIT;
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
