@@ -91,9 +91,9 @@ impl Lane {
         self.pages.flush(&mut self.stream, ram, &mut self.limiter)
     }
 
-    /// Asks the destination for receipts of post-copy's pushes on this lane (`PushQueue`).
-    pub(super) fn ask_receipts(&mut self) -> Result<()> {
-        super::pushes::PushQueue::ask_receipts(&mut self.stream)
+    /// Writes `msg` on this lane (post-copy's request for receipts).
+    pub(super) fn write_message(&mut self, msg: &Message) -> Result<()> {
+        wire::write_message(&mut self.stream, msg)
     }
 
     /// Whether a receipt has come on this lane that was not read yet.

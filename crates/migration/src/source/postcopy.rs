@@ -203,7 +203,7 @@ impl<H: FnMut(&Message) -> Result<()>> Serving<'_, '_, H> {
     /// One connection: pushes and answers share it, requests first.
     fn push_here(&mut self, mut progress: impl FnMut(Served, u64)) -> Result<()> {
         let _ahead = crate::urgent::ahead();
-        PushQueue::ask_receipts(self.out.stream)?;
+        wire::write_message(self.out.stream, &PushQueue::receipts_asked())?;
         let mut batch = Vec::new();
         while self.remaining() > 0 {
             self.answer_requests()?;

@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::io::transport::{IO_TIMEOUT, Stream};
 use crate::memory::GuestRam;
 use crate::prepaging::{Planner, Strategy};
-use crate::wire::{self, Message};
+use crate::wire::Message;
 
 /// Pages a lane takes from the planner at once: a frame's worth, so that the planner's lock
 /// is taken once a frame, and a fault's new window reaches the lanes within a frame each.
@@ -90,14 +90,11 @@ impl PushQueue {
         }
     }
 
-    /// Asks the destination for its receipts on `stream`, before the first push there.
-    pub(super) fn ask_receipts(stream: &mut Stream) -> Result<()> {
-        wire::write_message(
-            stream,
-            &Message::Receipts {
-                every: RECEIPT_EVERY,
-            },
-        )
+    /// What asks the destination for its receipts on a connection, before the first push.
+    pub(super) fn receipts_asked() -> Message {
+        Message::Receipts {
+            every: RECEIPT_EVERY,
+        }
     }
 
     /// `pages` more pages went out on the connection.
@@ -240,7 +237,7 @@ pub(super) struct Pushes<'p> {
 /// `LaneEnd` with what it pushed.
 pub(super) fn push_on_lane(lane: &mut Lane, ram: &GuestRam, pushes: &Pushes<'_>) -> Result<()> {
     let mut queue = PushQueue::shared_by(pushes.pushers);
-    lane.ask_receipts()?;
+    lane.write_message(&PushQueue::receipts_asked())?;
     let mut batch = Vec::with_capacity(LANE_BATCH);
     loop {
         if pushes.stop.load(Ordering::Acquire) {
@@ -372,7 +369,7 @@ mod tests {
         use crate::pages::PageSender;
         use crate::ratelimit::RateLimiter;
         use crate::wire::page_frame::{FrameBuffers, read_frame_into};
-        use crate::wire::{Frame, read_frame};
+        use crate::wire::{self, Frame, read_frame};
         use std::os::fd::AsRawFd;
         use std::os::unix::net::UnixStream;
 
