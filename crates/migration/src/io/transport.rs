@@ -320,7 +320,8 @@ fn secs(d: Duration) -> i32 {
     d.as_secs() as i32
 }
 
-fn set_int(fd: RawFd, level: i32, name: i32, value: i32) -> std::io::Result<()> {
+/// Sets an int socket option.
+pub(crate) fn set_int(fd: RawFd, level: i32, name: i32, value: i32) -> std::io::Result<()> {
     // SAFETY: an int option on a socket we hold, read from a local of the size given.
     let r = unsafe {
         libc::setsockopt(

@@ -383,17 +383,8 @@ mod tests {
         let ram = unsafe { GuestRam::new(&[(range, mem.as_mut_ptr())]) }.unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
         // The destination's side holds few unread receipts: its small send buffer fills.
-        let small: libc::c_int = 4096;
-        // SAFETY: an int option of a socket we hold.
-        unsafe {
-            libc::setsockopt(
-                theirs.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_SNDBUF,
-                (&small as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
+        crate::io::transport::set_int(theirs.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUF, 4096)
+            .unwrap();
         let ours = Stream::Unix(ours);
         ours.set_timeouts(Some(Duration::from_secs(5))).unwrap();
         let mut theirs = Stream::Unix(theirs);
