@@ -9,8 +9,16 @@
 //! more from the source. They form one pipeline paced by the destination's receipts, so one
 //! stage left waiting for a core behind busy vCPUs idles the others.
 
-/// The nice value of such a thread: about three times an `ahead` thread's weight, 28 times a
-/// default thread's.
+/// The real-time priority of such a thread: the lowest of `SCHED_FIFO`, above every ordinary
+/// thread. A waking thread of the default policy, however high its nice value, may now and then
+/// wait for a running one to reach the end of its slice, and a fault passes through several
+/// such wakeups; a real-time one runs at once. These threads do little per wakeup, and the
+/// kernel's real-time throttling keeps a share of every core for the rest even if one never
+/// slept.
+const URGENT_FIFO: i32 = 1;
+
+/// The nice value of such a thread where real-time scheduling is not allowed: about three
+/// times an `ahead` thread's weight, 28 times a default thread's.
 const URGENT_NICE: i32 = -15;
 
 /// The nice value of a thread whose bulk work goes before the guest's: nine times a default
@@ -22,15 +30,33 @@ fn this_thread() -> libc::id_t {
     unsafe { libc::gettid() as libc::id_t }
 }
 
-/// The calling thread runs urgent until this is dropped (then as before). Where raising a
+/// The calling thread runs raised until this is dropped (then as before). Where raising a
 /// thread's priority is not allowed (no `CAP_SYS_NICE`) it runs as before, which costs
 /// latency only.
 pub(crate) struct Urgent {
     tid: libc::id_t,
-    before: Option<i32>,
+    before: Before,
 }
 
+/// What to put back when an `Urgent` ends.
+enum Before {
+    Nothing,
+    Nice(i32),
+    /// The policy it ran under (its nice value is kept across the change).
+    Policy(libc::c_int),
+}
+
+/// The calling thread runs real-time (or, where that is refused, at `URGENT_NICE`).
 pub(crate) fn urgent() -> Urgent {
+    let tid = this_thread();
+    // SAFETY: reads the calling thread's policy.
+    let policy = unsafe { libc::sched_getscheduler(tid as libc::pid_t) };
+    if policy == libc::SCHED_OTHER && set_policy(tid, libc::SCHED_FIFO, URGENT_FIFO) {
+        return Urgent {
+            tid,
+            before: Before::Policy(policy),
+        };
+    }
     raised_to(URGENT_NICE)
 }
 
@@ -42,21 +68,30 @@ pub(crate) fn ahead() -> Urgent {
 
 fn raised_to(nice: i32) -> Urgent {
     let tid = this_thread();
-    let before = nice_of(tid);
-    if before.is_some_and(|n| n > nice) && !set_nice(tid, nice) {
-        tracing::debug!(
-            "post-copy's fault path runs at the default priority: {}",
-            std::io::Error::last_os_error()
-        );
-        return Urgent { tid, before: None };
-    }
+    let before = match nice_of(tid) {
+        Some(n) if n > nice && set_nice(tid, nice) => Before::Nice(n),
+        Some(n) if n > nice => {
+            tracing::debug!(
+                "post-copy's fault path runs at the default priority: {}",
+                std::io::Error::last_os_error()
+            );
+            Before::Nothing
+        }
+        _ => Before::Nothing,
+    };
     Urgent { tid, before }
 }
 
 impl Drop for Urgent {
     fn drop(&mut self) {
-        if let Some(n) = self.before {
-            set_nice(self.tid, n);
+        match self.before {
+            Before::Nothing => {}
+            Before::Nice(n) => {
+                set_nice(self.tid, n);
+            }
+            Before::Policy(p) => {
+                set_policy(self.tid, p, 0);
+            }
         }
     }
 }
@@ -75,30 +110,65 @@ fn set_nice(tid: libc::id_t, nice: i32) -> bool {
     unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) == 0 }
 }
 
+fn set_policy(tid: libc::id_t, policy: libc::c_int, priority: i32) -> bool {
+    let param = libc::sched_param {
+        sched_priority: priority,
+    };
+    // SAFETY: sets one thread's scheduling policy from a parameter that lives across the call.
+    unsafe { libc::sched_setscheduler(tid as libc::pid_t, policy, &param) == 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn policy_of(tid: libc::id_t) -> libc::c_int {
+        // SAFETY: reads one thread's policy.
+        unsafe { libc::sched_getscheduler(tid as libc::pid_t) }
+    }
+
+    /// Runs `check` on a fresh thread with the thread's id and its nice value before.
+    fn on_a_thread(check: fn(libc::id_t, i32)) {
+        std::thread::spawn(move || {
+            let tid = this_thread();
+            check(tid, nice_of(tid).unwrap());
+        })
+        .join()
+        .unwrap();
+    }
+
     #[test]
-    fn a_thread_runs_raised_then_as_before() {
-        for (raise, nice) in [(urgent as fn() -> Urgent, URGENT_NICE), (ahead, AHEAD_NICE)] {
-            std::thread::spawn(move || {
-                let tid = this_thread();
-                let before = nice_of(tid).unwrap();
-                let raised = {
-                    let u = raise();
-                    let now = nice_of(tid).unwrap();
-                    match u.before {
-                        Some(_) => assert_eq!(now, nice.min(before)),
-                        None => assert_eq!(now, before, "not allowed: unchanged"),
+    fn an_urgent_thread_runs_real_time_or_raised_then_as_before() {
+        on_a_thread(|tid, before| {
+            {
+                let u = urgent();
+                match u.before {
+                    Before::Policy(p) => {
+                        assert_eq!(p, libc::SCHED_OTHER);
+                        assert_eq!(policy_of(tid), libc::SCHED_FIFO);
                     }
-                    now
-                };
-                assert!(raised <= before);
-                assert_eq!(nice_of(tid).unwrap(), before, "restored when dropped");
-            })
-            .join()
-            .unwrap();
-        }
+                    Before::Nice(_) => assert_eq!(nice_of(tid).unwrap(), URGENT_NICE),
+                    Before::Nothing => assert_eq!(nice_of(tid).unwrap(), before, "not allowed"),
+                }
+            }
+            assert_eq!(policy_of(tid), libc::SCHED_OTHER, "restored when dropped");
+            assert_eq!(nice_of(tid).unwrap(), before, "its nice value kept");
+        });
+    }
+
+    #[test]
+    fn a_thread_ahead_runs_raised_then_as_before() {
+        on_a_thread(|tid, before| {
+            {
+                let u = ahead();
+                let now = nice_of(tid).unwrap();
+                match u.before {
+                    Before::Nice(n) => assert_eq!((n, now), (before, AHEAD_NICE)),
+                    Before::Nothing => assert_eq!(now, before, "not allowed or already above"),
+                    Before::Policy(_) => panic!("a thread ahead keeps its policy"),
+                }
+            }
+            assert_eq!(nice_of(tid).unwrap(), before, "restored when dropped");
+        });
     }
 }
