@@ -238,7 +238,8 @@ def postcopy_lanes(memory=LANES_MEMORY, ws=LANES_WS):
             for mode in ("warm", "postcopy"):
                 sc = scenario(f"write seq {ws} / {memory} {vcpus} vCPUs {n} conn {MODE_LABELS.get(mode, mode)}",
                               memory, f"write ws={ws} seq", vcpus=vcpus, mode=mode, timeout_s=300,
-                              warmup_s=0, ready_s=ready_s, extra=["--connections", str(n)])
+                              warmup_s=0, ready_s=ready_s, extra=["--connections", str(n)],
+                              cpu_gib=size_bytes(ws) / 2**30)
                 sc["qemu"] = False
                 rows.append(sc)
     return rows

@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import statistics
 import sys
 
 from .util import summarize
@@ -10,7 +11,7 @@ METRICS = ["total_ms", "total_ms_reported", "wire_bytes", "downtime_ms", "destin
            "network_faults", "network_fault_share", "zero_faults", "resume_ms", "pages_transferred",
            "fault_latency_p50_ms", "fault_latency_p99_ms", "rate_after", "checkpoint_count",
            "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max",
-           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib", "gb_per_s", "restore_ms",
+           "cpu_s_source", "cpu_s_destination", "cpu_s_per_gib", "cpu_s_guest_destination", "gb_per_s", "restore_ms",
            "stop_to_resume_ms"]
 
 
@@ -70,9 +71,10 @@ LANES_NAME = re.compile(r"(\d+) vCPUs (\d+) conn (warm|post-copy)$")
 def lanes_table(results, cell=None):
     """The postcopy-lanes profile per link, vCPUs and connections: warm's total and
     post-copy's (both on the destination's clock), their ratio against the goal, post-copy's
-    network faults, duplicates and fault latency (p50 / p99 / max, the destination's), and the
-    guest's downtime. `cell(entry, metric, scale, digits)` formats a summarized metric (default:
-    median [min–max])."""
+    network faults, duplicates and fault latency (p50 / p99 / max, the destination's), the
+    guest's downtime, and where the cores went: both VMMs' CPU for the move (warm, post-copy)
+    and the guest's on the destination meanwhile. `cell(entry, metric, scale, digits)` formats
+    a summarized metric (default: median [min–max])."""
     cell = cell or (lambda e, m, scale=1.0, digits=1: fmt(e.get("summary", {}), m, scale, digits))
     cells = {}
     for e in results["scenarios"]:
@@ -92,8 +94,8 @@ def lanes_table(results, cell=None):
 
     lines = ["| link | vCPUs | connections | warm total ms | post-copy total ms | post-copy ÷ warm "
              "| network faults | duplicates | fault latency p50 / p99 / max ms | guest downtime ms "
-             "(post-copy) | goal |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(post-copy) | move CPU s warm / post-copy | guest CPU s (post-copy) | goal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for (link, vcpus, conns), by in sorted(cells.items(), key=lambda kv: (kv[0][0] != "loopback", kv[0])):
         warm, post = by.get("warm"), by.get("post-copy")
         w, p = median(warm, "total_ms"), median(post, "total_ms")
@@ -109,15 +111,26 @@ def lanes_table(results, cell=None):
                              for k in ("fault_latency_p50_ms", "fault_latency_p99_ms",
                                        "fault_latency_max_ms"))
         dups = [r.get("duplicates") for r in (post or {}).get("runs", [])]
+        move_cpu = " / ".join(move_cpu_s(e) for e in (warm, post))
         lines.append(f"| {link} | {vcpus} | {conns} | {cell(warm, 'total_ms')} | {cell(post, 'total_ms')} "
                      f"| {'-' if ratio is None else f'{ratio:.2f}'} | {cell(post, 'network_faults', digits=0)} "
                      f"| {', '.join('-' if d is None else str(d) for d in dups) or '-'} | {latency} "
-                     f"| {cell(post, 'guest_downtime_ms')} "
+                     f"| {cell(post, 'guest_downtime_ms')} | {move_cpu} "
+                     f"| {cell(post, 'cpu_s_guest_destination')} "
                      f"| {'met' if not misses else 'not met: ' + ', '.join(misses)} |")
     lines += ["", f"Goal: post-copy's total at most {LANES_GOAL_RATIO}× warm's at the same connection "
                   f"count; on 10 Gbit also a fault latency p99 of at most {LANES_GOAL_P99_MS} ms "
-                  "(the worst run's). Max: the worst run's.", ""]
+                  "(the worst run's). Max: the worst run's. Move CPU: both VMMs' threads but the "
+                  "guest's, source and destination, median; guest CPU: the destination's vCPU "
+                  "threads from the request to the end.", ""]
     return lines
+
+
+def move_cpu_s(entry):
+    """The median of a lanes row's CPU for the move on both hosts, guest threads left out."""
+    runs = [r["cpu_s_source"] + r["cpu_s_destination"] for r in (entry or {}).get("runs", [])
+            if r.get("cpu_s_source") is not None and r.get("cpu_s_destination") is not None]
+    return f"{statistics.median(runs):.1f}" if runs else "-"
 
 
 def resume_table(results, cell=None):

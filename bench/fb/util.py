@@ -123,6 +123,7 @@ class CpuMeter:
         self.before = [process_cpu_s(p) for p in self.pids]
 
     def seconds(self, src_exits):
+        """(source, destination, the destination's guest threads): CPU seconds since it began."""
         dst_total, dst_guest = process_cpu_s(self.pids[1])
         if src_exits:
             # The source's guest was paused throughout (warm), so its guest threads add nothing.
@@ -130,18 +131,19 @@ class CpuMeter:
         else:
             total, guest = process_cpu_s(self.pids[0])
             src = (total - self.before[0][0]) - (guest - self.before[0][1])
-        dst = (dst_total - self.before[1][0]) - (dst_guest - self.before[1][1])
-        return src, dst
+        guest = dst_guest - self.before[1][1]
+        return src, (dst_total - self.before[1][0]) - guest, guest
 
 
 def cpu_row(cpu, scenario):
     """The CPU a migration cost (source, destination) as result fields: seconds, and seconds per
-    GiB of the scenario's populated memory (`cpu_gib`)."""
+    GiB of the scenario's populated memory (`cpu_gib`); beside them, what the guest's threads
+    took on the destination meanwhile (post-copy runs the guest there while its pages come)."""
     if not cpu:
         return {}
-    src, dst = cpu
+    src, dst, guest = cpu
     return {"cpu_s_source": src, "cpu_s_destination": dst,
-            "cpu_s_per_gib": (src + dst) / scenario["cpu_gib"]}
+            "cpu_s_per_gib": (src + dst) / scenario["cpu_gib"], "cpu_s_guest_destination": guest}
 
 
 def summarize(values):
