@@ -378,7 +378,7 @@ class FerryPeer:
             # Where each side's time went, stretch by stretch on its own clock.
             "breakdown_source": report.get("breakdown"),
             "breakdown_destination": dst_status.get("breakdown"),
-            **cpu_row(cpu, scenario),
+            **cpu_row(cpu, scenario, meter and meter.guest_until(dst_status["completed_at_unix_ns"] / 1e9)),
             **balloon.row(settled, wire, dst_clock),
             **resumed,
         }

@@ -122,7 +122,8 @@ def lanes_table(results, cell=None):
                   f"count; on 10 Gbit also a fault latency p99 of at most {LANES_GOAL_P99_MS} ms "
                   "(the worst run's). Max: the worst run's. Move CPU: both VMMs' threads but the "
                   "guest's, source and destination, median; guest CPU: the destination's vCPU "
-                  "threads from the request to the end.", ""]
+                  "threads from the request to the VM needing nothing more from the source "
+                  "(sampled every 50 ms).", ""]
     return lines
 
 

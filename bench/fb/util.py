@@ -4,6 +4,7 @@ import signal
 import socket
 import statistics
 import subprocess
+import threading
 import time
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
@@ -116,14 +117,31 @@ def exited_cpu_s(pid, timeout=30):
 
 class CpuMeter:
     """Host CPU a migration costs its two VMM processes, their guest threads left out: sampled
-    when it starts and when it ends (a source that exits at the end is read from its exit)."""
+    when it starts and when it ends (a source that exits at the end is read from its exit).
+    The destination's guest threads are also read every `GUEST_EVERY_S` meanwhile, so what
+    they took up to a moment (the end of post-copy) can be told apart from what came after."""
+
+    GUEST_EVERY_S = 0.05
 
     def __init__(self, src_pid, dst_pid):
         self.pids = (src_pid, dst_pid)
         self.before = [process_cpu_s(p) for p in self.pids]
+        self.guest_samples = [(time.time(), self.before[1][1])]
+        self.stop = threading.Event()
+        self.sampler = threading.Thread(target=self._sample_guest, daemon=True)
+        self.sampler.start()
+
+    def _sample_guest(self):
+        while not self.stop.wait(self.GUEST_EVERY_S):
+            try:
+                self.guest_samples.append((time.time(), process_cpu_s(self.pids[1])[1]))
+            except OSError:
+                return  # the destination ended
 
     def seconds(self, src_exits):
-        """(source, destination, the destination's guest threads): CPU seconds since it began."""
+        """(source, destination): CPU seconds since it began, guest threads left out."""
+        self.stop.set()
+        self.sampler.join()
         dst_total, dst_guest = process_cpu_s(self.pids[1])
         if src_exits:
             # The source's guest was paused throughout (warm), so its guest threads add nothing.
@@ -131,19 +149,26 @@ class CpuMeter:
         else:
             total, guest = process_cpu_s(self.pids[0])
             src = (total - self.before[0][0]) - (guest - self.before[0][1])
-        guest = dst_guest - self.before[1][1]
-        return src, (dst_total - self.before[1][0]) - guest, guest
+        return src, (dst_total - self.before[1][0]) - (dst_guest - self.before[1][1])
+
+    def guest_until(self, unix_s):
+        """The destination's guest CPU seconds from the start to the last sample before
+        `unix_s` (within `GUEST_EVERY_S` of it)."""
+        taken = [cpu for at, cpu in self.guest_samples if at <= unix_s]
+        return taken[-1] - self.before[1][1]
 
 
-def cpu_row(cpu, scenario):
+def cpu_row(cpu, scenario, guest_until_done=None):
     """The CPU a migration cost (source, destination) as result fields: seconds, and seconds per
     GiB of the scenario's populated memory (`cpu_gib`); beside them, what the guest's threads
-    took on the destination meanwhile (post-copy runs the guest there while its pages come)."""
+    took on the destination until the move was done, where known (post-copy runs the guest
+    there while its pages come)."""
     if not cpu:
         return {}
-    src, dst, guest = cpu
+    src, dst = cpu
     return {"cpu_s_source": src, "cpu_s_destination": dst,
-            "cpu_s_per_gib": (src + dst) / scenario["cpu_gib"], "cpu_s_guest_destination": guest}
+            "cpu_s_per_gib": (src + dst) / scenario["cpu_gib"],
+            "cpu_s_guest_destination": guest_until_done}
 
 
 def summarize(values):
