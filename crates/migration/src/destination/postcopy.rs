@@ -621,26 +621,39 @@ impl Postcopy {
     /// Installs the pages of one frame that are still missing; a copy of a page already
     /// here (a fault answered, a push that crossed it) counts as a duplicate. Returns how many
     /// pages the frame carried. Several connections' readers install side by side: each page
-    /// is claimed once (`claimed`), and the counts are taken once a frame.
+    /// is claimed once (`claimed`), and the counts are taken once a frame. Pages that follow
+    /// one another, in guest memory and in the frame, go in together (`install_run`).
     fn install_arrived<'d>(
         &self,
         pages: impl IntoIterator<Item = (u64, Option<&'d [u8]>)>,
     ) -> Result<u64> {
         let (mut seen, mut duplicates, mut sum) = (0, 0, 0u64);
         let mut landed = Vec::new();
+        let mut run: Vec<&'d [u8]> = Vec::new();
+        let mut run_first = 0;
         for (gfn, data) in pages {
             seen += 1;
             if !self.pending.get(gfn) || self.claimed.set(gfn) {
                 duplicates += 1;
                 continue;
             }
-            self.install(gfn, data)?;
-            self.present.set(gfn);
             if let (true, Some(d)) = (self.summing, data) {
                 sum = sum.wrapping_add(page_digest(gfn, d));
             }
             landed.push(gfn);
+            let Some(d) = data else {
+                self.install_run(run_first, &mut run)?;
+                self.install(gfn, None)?;
+                self.present.set(gfn);
+                continue;
+            };
+            if !self.run_goes_on(run_first, &run, gfn, d) {
+                self.install_run(run_first, &mut run)?;
+                run_first = gfn;
+            }
+            run.push(d);
         }
+        self.install_run(run_first, &mut run)?;
         {
             let mut p = self.progress.locked();
             p.pages += landed.len() as u64;
@@ -651,6 +664,53 @@ impl Postcopy {
         }
         self.note_landed(&landed);
         Ok(seen)
+    }
+
+    /// Whether page `gfn` with `data` follows the run of pages from `first` (`run`): the next
+    /// page of the same memory region, its data right after the run's in the frame.
+    fn run_goes_on(&self, first: u64, run: &[&[u8]], gfn: u64, data: &[u8]) -> bool {
+        let Some(last) = run.last() else {
+            return false;
+        };
+        let next = first + run.len() as u64;
+        gfn == next
+            && last.as_ptr_range().end == data.as_ptr()
+            && self.ram.pages_to_region_end(first) > run.len() as u64
+    }
+
+    /// Installs the pages of `run` (empty afterwards), from page `first` on, whose data lie one
+    /// after another in memory: each `UFFDIO_COPY` copies and maps as many as it can (and wakes
+    /// whoever waits on one of them), and stops before a page already in place, which then
+    /// goes alone through `install` (and its check).
+    fn install_run(&self, first: u64, run: &mut Vec<&[u8]>) -> Result<()> {
+        let mut done = 0;
+        while done < run.len() {
+            let gfn = first + done as u64;
+            let left = run.len() - done;
+            let to = self.ram.host_ptr(gfn, left as u64)? as *mut libc::c_void;
+            // SAFETY: `to` spans `left` pages of the registered range (`host_ptr` checked it),
+            // and the data from `run[done]` on are `left` pages in one buffer (`run_goes_on`).
+            let copied = unsafe {
+                self.uffd
+                    .copy(run[done].as_ptr().cast(), to, left * PAGE_SIZE, true)
+            };
+            match copied {
+                Ok(bytes) | Err(userfaultfd::Error::PartiallyCopied(bytes))
+                    if bytes >= PAGE_SIZE =>
+                {
+                    done += bytes / PAGE_SIZE;
+                }
+                _ => {
+                    self.install(gfn, Some(run[done]))?;
+                    done += 1;
+                }
+            }
+        }
+        for gfn in first..first + run.len() as u64 {
+            self.present.set(gfn);
+        }
+        run.clear();
+        Ok(())
     }
 
     /// Ends the wait of every fault on a page of `landed` (marked present) and counts them
