@@ -695,8 +695,9 @@ impl Postcopy {
                     .copy(run[done].as_ptr().cast(), to, left * PAGE_SIZE, true)
             };
             match copied {
+                // (A count the kernel cannot have copied goes the single page's way too.)
                 Ok(bytes) | Err(userfaultfd::Error::PartiallyCopied(bytes))
-                    if bytes >= PAGE_SIZE =>
+                    if (PAGE_SIZE..=left * PAGE_SIZE).contains(&bytes) =>
                 {
                     done += bytes / PAGE_SIZE;
                 }
