@@ -488,16 +488,17 @@ def build():
     with open(FERRY, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     qemu_version = out(qemu.QEMU, "--version") if qemu.available() else None
+    qemu_line = qemu_version.splitlines()[0] if qemu_version else None
     # A kit copied to a host without git (`make scale-kit`) says which commit it was built from.
     kit = os.path.join(os.path.dirname(FERRY), "COMMIT")
     if os.path.exists(kit):
         commit, state = open(kit).read().split()  # "<sha> clean|changed"
         return {"commit": commit, "tree_changed": state == "changed", "ferry_sha256": digest,
-                "qemu": None, "kit": os.path.dirname(FERRY)}
+                "qemu": qemu_line, "kit": os.path.dirname(FERRY)}
     return {"commit": out("git", "rev-parse", "HEAD"),
             "tree_changed": bool(out("git", "status", "--porcelain", "--untracked-files=no")),
             "ferry_sha256": digest,
-            "qemu": qemu_version.splitlines()[0] if qemu_version else None}
+            "qemu": qemu_line}
 
 
 def save_partial(results, outdir):
