@@ -185,6 +185,15 @@ impl Receipts {
     }
 }
 
+/// Whether page `gfn` with `data` follows the run of pages from `first` (`run`) in a region
+/// that ends at `end`: the next page, its data right after the run's in the frame.
+fn run_goes_on(first: u64, end: u64, run: &[&[u8]], gfn: u64, data: &[u8]) -> bool {
+    let Some(last) = run.last() else {
+        return false;
+    };
+    gfn == first + run.len() as u64 && gfn < end && last.as_ptr_range().end == data.as_ptr()
+}
+
 /// Faults and arrivals per 10 ms since the switch, for the faults-vs-pushes plot.
 #[derive(Default)]
 struct Timeline(Vec<[u32; 3]>);
@@ -630,7 +639,8 @@ impl Postcopy {
         let (mut seen, mut duplicates, mut sum) = (0, 0, 0u64);
         let mut landed = Vec::new();
         let mut run: Vec<&'d [u8]> = Vec::new();
-        let mut run_first = 0;
+        // The run's first page, and the end of its memory region (a run stays within one).
+        let (mut run_first, mut run_end) = (0, 0);
         for (gfn, data) in pages {
             seen += 1;
             if !self.pending.get(gfn) || self.claimed.set(gfn) {
@@ -647,9 +657,10 @@ impl Postcopy {
                 self.present.set(gfn);
                 continue;
             };
-            if !self.run_goes_on(run_first, &run, gfn, d) {
+            if !run_goes_on(run_first, run_end, &run, gfn, d) {
                 self.install_run(run_first, &mut run)?;
                 run_first = gfn;
+                run_end = gfn + self.ram.pages_to_region_end(gfn);
             }
             run.push(d);
         }
@@ -664,18 +675,6 @@ impl Postcopy {
         }
         self.note_landed(&landed);
         Ok(seen)
-    }
-
-    /// Whether page `gfn` with `data` follows the run of pages from `first` (`run`): the next
-    /// page of the same memory region, its data right after the run's in the frame.
-    fn run_goes_on(&self, first: u64, run: &[&[u8]], gfn: u64, data: &[u8]) -> bool {
-        let Some(last) = run.last() else {
-            return false;
-        };
-        let next = first + run.len() as u64;
-        gfn == next
-            && last.as_ptr_range().end == data.as_ptr()
-            && self.ram.pages_to_region_end(first) > run.len() as u64
     }
 
     /// Installs the pages of `run` (empty afterwards), from page `first` on, whose data lie one
