@@ -22,7 +22,12 @@ struct Vmm {
 }
 
 impl Vmm {
+    /// A VMM that lets arriving VMs open disks in `dir` only.
     fn start(dir: &Path, name: &str) -> Vmm {
+        Self::start_allowing(dir, name, dir)
+    }
+
+    fn start_allowing(dir: &Path, name: &str, disks: &Path) -> Vmm {
         let socket = dir.join(format!("{name}.sock"));
         let events = dir.join(format!("{name}.events"));
         let metrics = dir.join(format!("{name}.metrics"));
@@ -34,6 +39,8 @@ impl Vmm {
             .arg(format!("path={}", events.display()))
             .arg("--metrics")
             .arg(format!("unix:{}", metrics.display()))
+            .arg("--allow-disk-dir")
+            .arg(disks)
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn ferry ch");
@@ -342,6 +349,91 @@ fn a_live_update_through_the_profile() {
     let full = value(&arrived, r#"ferry_migration_pages_total{kind="full"}"#);
     assert!(matches!(full, None | Some(0.0)), "no page copied: {full:?}");
     verifies(&dst, "after the update");
+}
+
+/// A peer does not choose host files: a receiver opens an arriving VM's disks only beneath
+/// the directories its own operator allowed, after resolving links, and refuses the VM before
+/// a page crosses, naming the path; the VM runs on at the source.
+#[test]
+fn a_receiver_opens_only_disks_its_operator_allowed() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (allowed, other, outside) = (
+        dir.path().join("allowed"),
+        dir.path().join("other"),
+        dir.path().join("outside"),
+    );
+    for d in [&allowed, &other, &outside] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let secret = outside.join("secret.img");
+    std::fs::File::create(&secret)
+        .and_then(|f| f.set_len(4 << 20))
+        .unwrap();
+    let link = allowed.join("link.img");
+    std::os::unix::fs::symlink(&secret, &link).unwrap();
+    let src = Vmm::start_allowing(dir.path(), "src", &outside);
+    let mut vm = config(&format!(
+        "write ws=16M seq verify blk blk_sectors={SECTORS}"
+    ));
+    vm["disks"] = json!([{"path": link}]);
+    src.ok("PUT", "vm.create", Some(vm));
+    src.ok("PUT", "vm.boot", None);
+    verifies(&src, "before any move");
+
+    let refusals = [
+        (&allowed, "resolves to"), // through a link out of the allowed directory
+        (&other, "is outside the directories"),
+    ];
+    for (n, (allow, words)) in refusals.into_iter().enumerate() {
+        let dst = Vmm::start_allowing(dir.path(), &format!("dst{n}"), allow);
+        let url = format!("unix:{}", dir.path().join(format!("m{n}.sock")).display());
+        let receiver = receive(&dst, json!({"receiver_url": url}));
+        // The sender hears the refusal in the handshake, in the receiver's words.
+        let sent = src.call(
+            "PUT",
+            "vm.send-migration",
+            Some(json!({"destination_url": url})),
+        );
+        assert_error(sent, 500, words);
+        let (status, answer) = receiver.join().unwrap();
+        let text = answer.to_string();
+        assert!(status >= 400 && text.contains(words), "{status} {text}");
+        assert!(
+            text.contains("link.img"),
+            "the refusal names the path: {text}"
+        );
+        assert_error(dst.call("GET", "vm.info", None), 404, "not created");
+        let failed = || {
+            src.events()
+                .iter()
+                .filter(|(_, e)| e == "migration-failed")
+                .count()
+        };
+        wait_for(
+            "the source to see the refusal",
+            Duration::from_secs(30),
+            || (failed() > n).then_some(()),
+        );
+        assert_eq!(src.ok("GET", "vm.info", None)["state"], "Running");
+        verifies(&src, "after a refused move");
+    }
+
+    let dst = Vmm::start_allowing(dir.path(), "dst", &outside);
+    let url = format!("unix:{}", dir.path().join("m.sock").display());
+    let receiver = receive(&dst, json!({"receiver_url": url}));
+    src.ok(
+        "PUT",
+        "vm.send-migration",
+        Some(json!({"destination_url": url})),
+    );
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
+    verifies(&dst, "after the allowed move");
+    let disks = &dst.ok("GET", "vm.info", None)["config"]["disks"];
+    assert_eq!(disks[0]["path"], secret.to_str().unwrap(), "{disks}");
 }
 
 fn tls_dir(dir: &Path) -> PathBuf {

@@ -30,6 +30,10 @@ pub struct ChArgs {
     pub plain_tcp: bool,
     /// ferry's own: where to serve OpenMetrics (`--metrics tcp:HOST:PORT|unix:PATH`).
     pub metrics: Option<MetricsAddr>,
+    /// ferry's own: directories an arriving VM's disks may lie in (`--allow-disk-dir`).
+    pub allow_disk_dirs: Vec<PathBuf>,
+    /// ferry's own: taps an arriving VM's NICs may attach to (`--allow-tap NAME|PREFIX*`).
+    pub allow_taps: Vec<String>,
     pub version: bool,
 }
 
@@ -106,6 +110,11 @@ fn one<'a>(flags: &'a BTreeMap<String, Vec<String>>, name: &str) -> Result<Optio
     }
 }
 
+/// Every value of a flag that may repeat.
+fn list<'a>(flags: &'a BTreeMap<String, Vec<String>>, name: &str) -> impl Iterator<Item = &'a str> {
+    flags.get(name).into_iter().flatten().map(String::as_str)
+}
+
 /// `--serial`/`--console` as CH writes them: off, null, tty, pty, file=PATH, socket=PATH.
 fn console(s: &str) -> Value {
     match s.split_once('=') {
@@ -135,6 +144,8 @@ const KNOWN: &[&str] = &[
     "console",
     "plain-tcp",
     "metrics",
+    "allow-disk-dir",
+    "allow-tap",
     "v",
     "version",
     "V",
@@ -158,6 +169,8 @@ pub fn parse(argv: &[String]) -> Result<ChArgs> {
         metrics: one(&flags, "metrics")?
             .map(|s| s.parse().map_err(|e| anyhow!("--metrics {e}")))
             .transpose()?,
+        allow_disk_dirs: list(&flags, "allow-disk-dir").map(PathBuf::from).collect(),
+        allow_taps: list(&flags, "allow-tap").map(String::from).collect(),
         version: flags.contains_key("version") || flags.contains_key("V"),
         ..Default::default()
     };

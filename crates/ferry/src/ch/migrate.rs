@@ -20,6 +20,7 @@ use migration::io::tls::{Tls, TlsFiles};
 use serde_json::Value;
 use vmm::{Vm, VmConfig};
 
+use super::allow::Allowed;
 use super::machine;
 use super::vmm::{ChVmm, Slot, as_ch, not_created, per_request, wrong_state};
 use crate::controller::Controller;
@@ -119,7 +120,7 @@ impl ChVmm {
             "migration-receive-ready",
             &[("url", req.receiver_url.clone())],
         );
-        let outcome = self.arrive(source, per_request(tls));
+        let outcome = self.arrive(source, per_request(tls), Some(&self.allowed));
         let event = if outcome.is_ok() {
             "migration-receive-finished"
         } else {
@@ -130,7 +131,13 @@ impl ChVmm {
     }
 
     /// Takes a VM from `source` into this empty VMM; it runs here once this returns `Ok`.
-    fn arrive(&self, source: Source, security: Security) -> Result<Arc<Controller>, ApiError> {
+    /// `allowed`: what a VM from a peer may open here (None: a snapshot the operator named).
+    fn arrive(
+        &self,
+        source: Source,
+        security: Security,
+        allowed: Option<&Allowed>,
+    ) -> Result<Arc<Controller>, ApiError> {
         let controller = Controller::new(Phase::Incoming, security);
         {
             let mut slot = self.slot();
@@ -148,7 +155,10 @@ impl ChVmm {
             source,
             &crate::run::terminate_requested,
             |descriptor, files| {
-                let config = VmConfig::from_descriptor(descriptor)?;
+                let mut config = VmConfig::from_descriptor(descriptor)?;
+                if let Some(allowed) = allowed {
+                    allowed.admit(&mut config, files.as_ref())?;
+                }
                 let out = machine::serial(&serial).map_err(|e| migration::Error::vm(e.message))?;
                 Vm::arriving(config, out, files)
                     .map(Arc::new)
@@ -218,7 +228,7 @@ impl ChVmm {
         let source = Source::snapshot(&dir.join(SNAPSHOT_FILE))
             .map_err(|e| ApiError::bad_request(e.report()))?;
         self.events.emit("vm", "restoring", &[]);
-        let c = self.arrive(source, per_request(None))?;
+        let c = self.arrive(source, per_request(None), None)?;
         let vm = c.vm()?;
         match (req.resume, vm.state() == vmm::VmState::Running) {
             (false, true) => c.handle(ApiRequest::Pause).map_err(as_ch)?,

@@ -4,6 +4,7 @@
 //! Kata) can drive ferry. The VMM starts empty unless `--kernel` names a VM to boot.
 //! ferry's own API stays what `ferry run` serves (docs/orchestrators.md says why apart).
 
+mod allow;
 mod cli;
 mod events;
 mod machine;
@@ -87,7 +88,8 @@ pub fn main(argv: &[String]) -> Result<i32> {
     let events = events::Events::new(event_file(args.event_monitor.as_ref())?);
     events.emit("vmm", "starting", &[]);
     let serial = args.arrival_serial.unwrap_or(ConsoleMode::Off);
-    let vmm = vmm::ChVmm::new(events, args.plain_tcp, serial);
+    let allowed = allow::Allowed::new(&args.allow_disk_dirs, &args.allow_taps)?;
+    let vmm = vmm::ChVmm::new(events, args.plain_tcp, serial, allowed);
     let metrics = args
         .metrics
         .as_ref()

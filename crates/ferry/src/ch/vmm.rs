@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use vmm::VmState;
 use vmm::devices::GuestEvent;
 
+use super::allow::Allowed;
 use super::events::Events;
 use super::machine;
 use crate::controller::Controller;
@@ -43,6 +44,8 @@ pub struct ChVmm {
     pub plain_tcp: bool,
     /// Where an arriving VM's serial port goes.
     pub arrival_serial: ConsoleMode,
+    /// The disks and taps a VM arriving from a peer may open here.
+    pub allowed: Allowed,
     /// When the current migration began, on this host's clock.
     pub migration_began: Mutex<Option<Instant>>,
     /// The migrations' board of the latest VM here, kept once it has gone for `--metrics`.
@@ -68,7 +71,12 @@ pub fn as_ch(e: ApiError) -> ApiError {
 }
 
 impl ChVmm {
-    pub fn new(events: Events, plain_tcp: bool, arrival_serial: ConsoleMode) -> Arc<Self> {
+    pub fn new(
+        events: Events,
+        plain_tcp: bool,
+        arrival_serial: ConsoleMode,
+        allowed: Allowed,
+    ) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
             me: me.clone(),
             slot: Mutex::new(Slot::Empty),
@@ -77,6 +85,7 @@ impl ChVmm {
             exit: (Mutex::new(None), Condvar::new()),
             plain_tcp,
             arrival_serial,
+            allowed,
             migration_began: Mutex::new(None),
             last_board: Mutex::new(None),
         })
