@@ -195,3 +195,54 @@ fn a_new_process_that_dies_before_go_leaves_the_vm_and_its_disk_in_the_old() {
     assert!(out.status.success(), "{out:?}");
     assert_carries_on(&vm, "reclaimed");
 }
+
+/// A stranger who bound the socket first in a shared directory (here: uid 65534 in a
+/// world-writable one) gets nothing of the VM, not even its `Hello`: the source asks the
+/// kernel who listens (`SO_PEERCRED`) before it writes a byte. The VM runs on.
+#[test]
+fn a_stranger_listening_first_gets_nothing_of_the_vm() {
+    use std::io::{BufRead, BufReader};
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let sock = shared.join("update.sock");
+    // The stranger reads all it is sent, files included, and says how much came.
+    let script = "import socket, sys\n\
+        s = socket.socket(socket.AF_UNIX)\n\
+        s.bind(sys.argv[1]); s.listen(1); print('listening', flush=True)\n\
+        c, _ = s.accept(); got, fds = 0, 0\n\
+        while True:\n\
+        \x20   data, passed, _, _ = socket.recv_fds(c, 65536, 64)\n\
+        \x20   got += len(data); fds += len(passed)\n\
+        \x20   if not data: break\n\
+        print(got, fds, flush=True)\n";
+    let mut stranger = Command::new("python3")
+        .args(["-c", script, sock.to_str().unwrap()])
+        .uid(65534)
+        .gid(65534)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("python3 (scripts/install-deps.sh installs it)");
+    let mut said = BufReader::new(stranger.stdout.take().unwrap()).lines();
+    assert_eq!(said.next().unwrap().unwrap(), "listening");
+    let (_path, vm) = updatable(dir.path());
+    let (report, ok, errors) = migrate(&vm, &format!("unix:{}", sock.display()), &["--local"]);
+    assert!(!ok);
+    assert!(errors.contains("runs as uid 65534"), "{errors}");
+    assert_eq!(report.pages_full, 0);
+    assert_eq!(
+        said.next().unwrap().unwrap(),
+        "0 0",
+        "bytes and files it got"
+    );
+    assert!(stranger.wait().unwrap().success());
+    assert_carries_on(&vm, "after the stranger");
+}

@@ -111,18 +111,8 @@ pub fn guest_memory_from_files(size: u64, files: Vec<std::fs::File>) -> Result<G
         .into_iter()
         .zip(files)
         .map(|(r, file)| {
-            let bytes = file
-                .metadata()
-                .map_err(|e| Error::Memory(format!("a passed memory file: {e}")))?
-                .len();
-            if bytes < r.len {
-                return Err(Error::Memory(format!(
-                    "the memory file passed for the RAM at {:#x} holds {} of its {}",
-                    r.gpa,
-                    MemorySize(bytes),
-                    MemorySize(r.len)
-                )));
-            }
+            check_passed_memfd(&file, r.len)
+                .map_err(|e| Error::Memory(format!("the RAM at {:#x}: {e}", r.gpa)))?;
             map_region(r, Some(file))
         })
         .collect::<Result<Vec<_>>>()?;
@@ -248,22 +238,64 @@ fn report_resident(
     Ok(())
 }
 
+/// The seals ferry puts on guest memory's memfds: its size is fixed for good, so that no one
+/// who holds the file (a live update's peer) can shrink it under a mapping.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
 fn memfd(size: u64) -> Result<std::fs::File> {
-    use std::os::fd::FromRawFd;
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
     // SAFETY: memfd_create takes a NUL-terminated name and returns a new fd or -1.
-    let fd = unsafe { libc::memfd_create(c"ferry-guest".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(c"ferry-guest".as_ptr(), flags) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error().into());
     }
     // SAFETY: fd is a fresh, owned descriptor.
     let file = unsafe { std::fs::File::from_raw_fd(fd) };
     file.set_len(size)?;
+    // SAFETY: F_ADD_SEALS on a descriptor this function owns.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, SEALS) } < 0 {
+        return Err(std::io::Error::last_os_error().into());
+    }
     Ok(file)
+}
+
+/// Checks that a memory file a live update passed is what ferry makes: a memfd of exactly
+/// `len` bytes whose size is sealed (or, from a ferry before the seals, sealed shut as
+/// memfds are by default).
+fn check_passed_memfd(file: &std::fs::File, len: u64) -> std::result::Result<(), String> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: F_GET_SEALS only reads the file's seals; it fails on anything but a memfd.
+    let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 {
+        return Err(format!(
+            "the passed file is not a memfd: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    if seals != SEALS && seals != libc::F_SEAL_SEAL {
+        return Err(format!(
+            "the passed memfd carries seals {seals:#x}, not ferry's {SEALS:#x}"
+        ));
+    }
+    let bytes = file
+        .metadata()
+        .map_err(|e| format!("the passed file: {e}"))?
+        .len();
+    if bytes != len {
+        return Err(format!(
+            "the passed memfd holds {}, not {}",
+            MemorySize(bytes),
+            MemorySize(len)
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::FromRawFd;
 
     #[test]
     fn parses_sizes_people_write() {
@@ -315,6 +347,33 @@ mod tests {
             assert!(discard(&m, MIN_MEMORY - 4096, 8192, &mut |_, _| {}).is_err());
             assert!(discard(&m, 100, 4096, &mut |_, _| {}).is_err());
         }
+    }
+
+    /// A live update maps only a memfd of the range's size whose size is sealed: a plain file,
+    /// a memfd its sender could still shrink (a SIGBUS in the VMM later) or one of another
+    /// size is refused, naming why.
+    #[test]
+    fn a_passed_memory_file_must_be_a_sealed_memfd_of_the_range_size() {
+        let len = MIN_MEMORY;
+        check_passed_memfd(&memfd(len).unwrap(), len).unwrap();
+        let plain = tempfile::tempfile().unwrap();
+        plain.set_len(len).unwrap();
+        let e = check_passed_memfd(&plain, len).unwrap_err();
+        assert!(e.contains("not a memfd"), "{e}");
+        // SAFETY: a fresh memfd that allows seals and carries none.
+        let open = unsafe {
+            std::fs::File::from_raw_fd(libc::memfd_create(
+                c"open".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            ))
+        };
+        open.set_len(len).unwrap();
+        let e = check_passed_memfd(&open, len).unwrap_err();
+        assert!(e.contains("seals 0x0"), "{e}");
+        let e = check_passed_memfd(&memfd(len).unwrap(), 2 * len).unwrap_err();
+        assert!(e.contains("holds"), "{e}");
+        let sealed = memfd(len).unwrap();
+        assert!(sealed.set_len(len / 2).is_err(), "the size is sealed");
     }
 
     #[test]

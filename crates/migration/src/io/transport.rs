@@ -339,6 +339,31 @@ pub(crate) fn set_int(fd: RawFd, level: i32, name: i32, value: i32) -> std::io::
     }
 }
 
+/// The user the process at the other end of a Unix socket ran as when it connected or
+/// listened.
+fn peer_uid(fd: RawFd) -> std::io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: SO_PEERCRED fills a ucred of the length given, both locals that outlive the call.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(cred.uid)
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
         if let Listener::Unix(_, path) = self {
@@ -506,6 +531,26 @@ impl Stream {
             .map_err(|e| Error::transport("cannot pass files to the peer", e.into()))?;
         if sent != 1 {
             return Err(Error::Protocol("the files' byte did not leave".into()));
+        }
+        Ok(())
+    }
+
+    /// Checks that the peer runs as this process's user or as root, as the kernel vouches
+    /// (`SO_PEERCRED`, taken when the peer listened): a socket in a directory others can
+    /// write may have been bound by a stranger first. Only a Unix socket says.
+    pub fn check_peer_is_own(&self) -> Result<()> {
+        if let Stream::Unix(s) = self {
+            let peer = peer_uid(s.as_raw_fd())
+                .map_err(|e| Error::transport("cannot learn who the peer is", e))?;
+            // SAFETY: geteuid cannot fail.
+            let me = unsafe { libc::geteuid() };
+            if peer != me && peer != 0 {
+                return Err(Error::Setup(format!(
+                    "the process listening there runs as uid {peer}, not this VMM's uid {me} \
+                     or root: no VM's memory or disks go to it (is the socket's directory \
+                     private?)"
+                )));
+            }
         }
         Ok(())
     }

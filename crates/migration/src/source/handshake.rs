@@ -22,7 +22,14 @@ pub(super) struct Agreed {
 impl Session<'_> {
     pub(super) fn handshake(&mut self, mode: StreamMode) -> Result<Agreed> {
         let version = match mode {
-            StreamMode::Local => wire::frame::LOCAL_SINCE,
+            StreamMode::Local => {
+                // Nothing goes to a stranger, not the VM's Hello, not an Abort.
+                if let Err(e) = self.stream.check_peer_is_own() {
+                    self.stream.shutdown();
+                    return Err(e);
+                }
+                wire::frame::LOCAL_SINCE
+            }
             _ => wire::frame::VERSION,
         };
         wire::frame::write_stream_header_as(&mut self.stream, version)?;
