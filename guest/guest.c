@@ -12,6 +12,11 @@
  *   balloon                      drive the virtio-balloon: follow the host's target, report
  *                                freed pages, hint free pages when the host asks, give
  *                                memory statistics (see "the balloon")
+ *   balloon_flood                a hostile balloon driver (implies balloon): vCPU 0 keeps
+ *                                one inflate request in flight, a chain of 16 buffers each
+ *                                naming 65536 scattered pages (a million in all), and posts
+ *                                the next as soon as one comes back; nothing else of the
+ *                                balloon is driven
  *   hint_any                     pages that come back from a free page hint may hold any
  *                                content (the spec's rule; QEMU leaves them as last sent)
  *                                instead of zero or their last stamp
@@ -90,6 +95,7 @@ struct config {
     u64 peak_bytes;   /* churn: the first cycle's largest working set (0: ws) */
     int balloon;      /* drive the virtio-balloon */
     int dsb;          /* dynamic self-ballooning */
+    int flood;        /* balloon_flood */
     int hint_any;     /* a page back from a hint may hold anything */
     u64 dsb_ms;
     u64 dsb_pct;
@@ -324,6 +330,7 @@ static void parse_word(const char *w, u64 len)
     else if (word_is(w, len, "churn")) cfg.mode = MODE_CHURN;
     else if (word_is(w, len, "balloon")) cfg.balloon = 1;
     else if (word_is(w, len, "dsb")) cfg.balloon = cfg.dsb = 1;
+    else if (word_is(w, len, "balloon_flood")) cfg.balloon = cfg.flood = 1;
     else if (word_is(w, len, "hint_any")) cfg.hint_any = 1;
     else if (word_is(w, len, "seq")) cfg.random = 0;
     else if (word_is(w, len, "random")) cfg.random = 1;
@@ -343,7 +350,7 @@ static void parse_word(const char *w, u64 len)
 static void parse_cmdline(const char *s)
 {
     cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD,
-                          0, 2048, 2000, 0, {0}, 0, 0, 0, 0, 0, 0, 5000, 95};
+                          0, 2048, 2000, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 5000, 95};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -635,6 +642,8 @@ static struct {
     u64 count, capacity, touch;
 } churn;
 
+static void flood_carve(void);
+
 static void plan_layout(void)
 {
     int allocator = cfg.mode == MODE_CHURN || cfg.balloon;
@@ -651,6 +660,8 @@ static void plan_layout(void)
         text_pool = (u64 *)carve(POOL_BYTES);
     if (allocator)
         pa_carve(ram_room());
+    if (cfg.flood)
+        flood_carve();
     if (cfg.mode == MODE_CHURN) {
         u64 peak = cfg.peak_bytes > cfg.ws_bytes ? cfg.peak_bytes : cfg.ws_bytes;
         churn.capacity = peak / PAGE_SIZE;
@@ -1443,6 +1454,8 @@ static struct {
     u64 count;                          /* pages in the balloon */
     u64 cursor;                         /* where a deflate looks first */
     u64 inflated, deflated, reported, hinted; /* pages, for the serial line */
+    int flooding;                       /* balloon_flood: a request is in flight */
+    u64 floods;                         /* balloon_flood: requests the device answered */
 } bal;
 
 static void balloon_progress(void)
@@ -1460,6 +1473,10 @@ static void balloon_progress(void)
     if (cfg.mode == MODE_CHURN) {
         put_str(" ws_pages=");
         put_u64(churn.count);
+    }
+    if (cfg.flood) {
+        put_str(" floods=");
+        put_u64(bal.floods);
     }
 }
 
@@ -1774,12 +1791,50 @@ static void balloon_tick(struct worker *w)
     balloon_report(w, 1);
 }
 
+/*
+ * balloon_flood: what a hostile guest may do to its VMM. One inflate request is kept in
+ * flight, a chain of every descriptor the queue has, each buffer naming FLOOD_PFNS pages: the
+ * odd pages of a carved region, over and over, so that no two make a run. The pages are the
+ * flood's own; nothing in the guest uses them.
+ */
+#define FLOOD_PFNS 65536       /* page numbers in one buffer (256 KiB) */
+#define FLOOD_SPREAD 256       /* pairs of pages in the region whose odd pages are named */
+static u32 *flood_pfns;
+
+static void flood_carve(void)
+{
+    flood_pfns = (u32 *)carve(FLOOD_PFNS * sizeof(u32));
+    u32 first = (u32)(carve(FLOOD_SPREAD * 2 * PAGE_SIZE) / PAGE_SIZE);
+    for (u32 i = 0; i < FLOOD_PFNS; i++)
+        flood_pfns[i] = first + 2 * (i % FLOOD_SPREAD) + 1;
+}
+
+static void balloon_flood(void)
+{
+    struct virtq_used_elem done;
+    if (bal.flooding && !virtq_pop(&bal_inflateq, &done))
+        return;
+    bal.floods += (u64)bal.flooding;
+    u16 n = (u16)bal_inflateq.num;
+    for (u16 i = 0; i < n; i++)
+        bal_inflateq.desc[i] = (struct virtq_desc){(u64)flood_pfns, FLOOD_PFNS * sizeof(u32),
+                                                   i + 1 < n ? VIRTQ_DESC_F_NEXT : 0,
+                                                   (u16)(i + 1)};
+    virtq_post(&bal_inflateq, 0);
+    vdev_notify(&bal.dev, 0);
+    bal.flooding = 1;
+}
+
 /* vCPU 0's balloon step: fresh statistics when the host asked, the period's tick when due,
  * and a report when a batch of freed pages waits. Costs two memory reads when idle. */
 static void balloon_step(struct worker *w)
 {
     if (!w->balloon)
         return;
+    if (cfg.flood) {
+        balloon_flood();
+        return;
+    }
     struct virtq_used_elem e;
     if (bal.stats && virtq_pop(&bal_statsq, &e))
         balloon_fill_stats();

@@ -295,3 +295,42 @@ fn dsb_keeps_free_memory_off_the_wire_in_postcopy() {
         assert_eq!(r.postcopy_report.as_ref().map(|p| p.duplicates), Some(0));
     }
 }
+
+/// A hostile guest keeps an inflate request of a million scattered pages in flight
+/// (`balloon_flood`, each page a run of its own to give back). The device serves it a turn at
+/// a time and lets go of its lock between turns: `vm.info` answers while a request is half
+/// served (the pages inflated are no whole number of requests; served whole, the counters
+/// could only be read between requests), and a migration pauses the VM between two turns and
+/// completes, the guest's memory verified on the destination, where the flood goes on.
+#[test]
+fn a_guest_flooding_its_balloon_stalls_neither_the_api_nor_a_migration() {
+    if !kvm_available() {
+        return;
+    }
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    const REQUEST: u64 = 16 * 65536;
+    let mut src = Ferry::boot_with(
+        VmSpec {
+            memory: MEMORY,
+            vcpus: 2,
+            cmdline: "write ws=16M seq verify vcpus=2 balloon_flood",
+            ..Default::default()
+        },
+        &["--balloon"],
+    );
+    src.wait_info("a flood request half served", T, |i| {
+        let inflated = balloon(i).pages_inflated;
+        inflated > 0 && !inflated.is_multiple_of(REQUEST)
+    });
+    let url = format!("unix:{}", src.scratch("mig.sock").display());
+    let dst = Ferry::start(&["--incoming", &url, "--balloon"]);
+    let (report, ok, said) = migrate(&src, &url, &["--checksum"]);
+    assert!(ok, "{said}\n{report:?}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    let info = assert_every_page_arrived(&mut src, &dst, &report, 2);
+    assert_eq!(info.verify_errors, 0);
+    let arrived = balloon(&info).pages_inflated;
+    dst.wait_info("the flood to go on at the destination", T, |i| {
+        balloon(i).pages_inflated > arrived
+    });
+}

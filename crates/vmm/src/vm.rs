@@ -23,7 +23,7 @@ use crate::devices::virtio::block::{Block, DiskConfig};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::{Net, NetConfig};
 use crate::devices::virtio::{FIRST_GSI, MAX_SLOTS, SLOT_SIZE, WriteLog};
-use crate::devices::{DeviceBus, HeartbeatDevice, SerialDevice, serial};
+use crate::devices::{DeviceBus, DeviceSlot, HeartbeatDevice, SerialDevice, serial};
 use crate::dirty_log::Protect;
 use crate::error::{Error, Result, kvm};
 use crate::layout::DEVICE_WINDOW_START;
@@ -581,7 +581,7 @@ impl Vm {
             Part::Clock => f(&mut state::Clock(&self.fd)),
             Part::Serial => f(&mut *self.bus.serial.locked()),
             Part::Heartbeat => f(&mut *self.heartbeat()),
-            Part::Virtio(slot) => f(&mut *self.bus.virtio[slot].locked()),
+            Part::Virtio(slot) => f(&mut *self.bus.virtio[slot].lock()),
         }
     }
 
@@ -599,7 +599,7 @@ impl Vm {
     /// `keep_locks`, in another process on this one, which shares the disks' locks).
     pub fn release_devices(&self, keep_locks: bool) -> Result<()> {
         for d in &self.bus.virtio {
-            d.locked()
+            d.lock()
                 .device_mut()
                 .release(keep_locks)
                 .map_err(|e| Error::State(format!("releasing a disk: {e}")))?;
@@ -614,7 +614,7 @@ impl Vm {
         for d in &self.bus.virtio {
             let deadline = std::time::Instant::now() + CLAIM_WAIT;
             loop {
-                let claimed = d.locked().device_mut().claim();
+                let claimed = d.lock().device_mut().claim();
                 match claimed {
                     Ok(()) => break,
                     Err(e)
@@ -635,13 +635,13 @@ impl Vm {
         self.bus
             .virtio
             .iter()
-            .map(|d| d.locked().device().file())
+            .map(|d| d.lock().device().file())
             .collect()
     }
 
     /// Each virtio device as a destination must match it, in slot order.
     pub fn device_descriptors(&self) -> Vec<migration::DeviceDescriptor> {
-        let describe = |d: &Mutex<MmioTransport>| d.locked().device().descriptor();
+        let describe = |d: &DeviceSlot| d.lock().device().descriptor();
         self.bus.virtio.iter().map(describe).collect()
     }
 
@@ -652,7 +652,7 @@ impl Vm {
             .iter()
             .enumerate()
             .map(|(slot, d)| {
-                let d = d.locked();
+                let d = d.lock();
                 let (by_eventfd, by_exit) = self.bus.notifications(slot);
                 let mut counters = d.device().counters();
                 counters.push(("notifies_by_eventfd", by_eventfd));

@@ -21,6 +21,11 @@ use crate::memory::GuestMemory;
 pub use heartbeat::{GuestEvent, HeartbeatDevice, HeartbeatState, Progress};
 pub use serial::{SerialDevice, SerialDeviceState};
 use virtio::mmio::MmioTransport;
+
+/// A virtio device and its transport, behind a fair lock: a device's I/O thread serves a
+/// guest's requests a turn at a time, and a caller waiting between two turns (an API call, a
+/// pause) is handed the lock before the next one.
+pub type DeviceSlot = parking_lot::FairMutex<MmioTransport>;
 use virtio::{SLOT_SIZE, WriteLog};
 
 /// The longest a pause waits for a device to finish what it is doing.
@@ -34,7 +39,7 @@ pub struct DeviceBus {
     pub serial: Mutex<SerialDevice>,
     pub heartbeat: Mutex<HeartbeatDevice>,
     /// virtio-mmio devices, slot by slot from `DEVICE_WINDOW_START`.
-    pub virtio: Vec<Mutex<MmioTransport>>,
+    pub virtio: Vec<DeviceSlot>,
     /// Per device, one eventfd per queue that KVM signals on the driver's `QueueNotify` (empty
     /// where KVM would not: then the vCPU that writes it serves the queue).
     notifiers: Vec<Vec<EventFd>>,
@@ -90,7 +95,7 @@ impl DeviceBus {
                 .map(|_| EventFd::new(EFD_NONBLOCK))
                 .collect::<std::io::Result<_>>()?,
             notifies: (0..virtio.len()).map(|_| Default::default()).collect(),
-            virtio: virtio.into_iter().map(Mutex::new).collect(),
+            virtio: virtio.into_iter().map(DeviceSlot::new).collect(),
             notifiers,
             vmm_writes: Mutex::new(Bitmap::new(gfn_end)),
             quiesced: AtomicBool::new(false),
@@ -108,9 +113,8 @@ impl DeviceBus {
         for (slot, d) in self.virtio.iter().enumerate() {
             let deadline = std::time::Instant::now() + QUIESCE_WAIT;
             loop {
-                match d.try_lock() {
-                    Ok(_) | Err(std::sync::TryLockError::Poisoned(_)) => break,
-                    Err(std::sync::TryLockError::WouldBlock) => {}
+                if d.try_lock().is_some() {
+                    break;
                 }
                 if std::time::Instant::now() > deadline {
                     self.unquiesce();
@@ -174,7 +178,7 @@ impl DeviceBus {
 
     fn start_io_threads(self: &Arc<Self>, memory: &GuestMemory) -> std::io::Result<()> {
         for slot in 0..self.virtio.len() {
-            let input = self.virtio[slot].locked().device().input_fd();
+            let input = self.virtio[slot].lock().device().input_fd();
             if input.is_none() && self.notifiers[slot].is_empty() {
                 continue; // nothing to wait for: served on the vCPU threads
             }
@@ -231,9 +235,11 @@ impl DeviceBus {
         let mut notified = vec![true; notifiers.len()];
         let mut input_ready = has_input;
         let mut events = vec![EpollEvent::default(); notifiers.len() + 2];
+        let mut unfinished = false;
         while !self.stopped.load(Ordering::Acquire) {
-            // A bounded wait, so that `stopped` is seen.
-            let n = match epoll.wait(20, &mut events) {
+            // A bounded wait, so that `stopped` is seen; none when a turn left work.
+            let timeout = if unfinished { 0 } else { 20 };
+            let n = match epoll.wait(timeout, &mut events) {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
@@ -251,16 +257,20 @@ impl DeviceBus {
                 }
             }
             let (served, waiting) = {
-                let mut d = self.virtio[slot].locked();
+                let mut d = self.virtio[slot].lock();
                 // Under the device's lock, so that `quiesce` (which takes it next) finds
                 // nothing half done.
                 if self.quiesced.load(Ordering::Acquire) {
                     (false, false)
                 } else {
                     let mut written = Written::default();
+                    unfinished = false;
+                    // A queue served for a turn with work left is served again after the device
+                    // was let go (the lock is fair: a waiter gets it first).
                     for (queue, flag) in notified.iter_mut().enumerate() {
-                        if std::mem::take(flag) {
-                            d.notify(queue, memory, &mut written);
+                        if std::mem::take(flag) && d.notify(queue, memory, &mut written) {
+                            *flag = true;
+                            unfinished = true;
                         }
                     }
                     // Input that cannot be delivered (no buffer, a driver not yet running, a
@@ -282,7 +292,7 @@ impl DeviceBus {
     }
 
     /// The virtio device whose slot holds `addr`, and the offset in it.
-    fn virtio_at(&self, addr: u64) -> Option<(&Mutex<MmioTransport>, u64)> {
+    fn virtio_at(&self, addr: u64) -> Option<(&DeviceSlot, u64)> {
         let offset = addr.checked_sub(DEVICE_WINDOW_START)?;
         let slot = (offset / SLOT_SIZE) as usize;
         self.virtio.get(slot).map(|d| (d, offset % SLOT_SIZE))
@@ -290,7 +300,7 @@ impl DeviceBus {
 
     pub fn mmio_read(&self, addr: u64, data: &mut [u8]) {
         match self.virtio_at(addr) {
-            Some((d, offset)) => d.locked().read(offset, data),
+            Some((d, offset)) => d.lock().read(offset, data),
             None => data.fill(0xff), // nothing there: reads float high
         }
     }
@@ -319,7 +329,7 @@ impl DeviceBus {
                 self.notifies[slot][1].fetch_add(1, Ordering::Relaxed);
             }
             let mut written = Written::default();
-            d.locked().write(offset, data, memory, &mut written);
+            d.lock().write(offset, data, memory, &mut written);
             self.log(written);
         }
     }

@@ -2,20 +2,19 @@
 //! holds, and holding its discards while post-copy owns guest memory.
 
 use migration::sync::Locked;
-use std::sync::Mutex;
 
 use virtio_bindings::virtio_ids::VIRTIO_ID_BALLOON;
 
 use super::Vm;
+use crate::devices::DeviceSlot;
 use crate::devices::virtio::balloon::{self, Balloon, BalloonInfo};
-use crate::devices::virtio::mmio::MmioTransport;
 use crate::error::{Error, Result};
 
 impl Vm {
     /// The balloon's slot, if the VM has one.
-    fn balloon_slot(&self) -> Option<&Mutex<MmioTransport>> {
+    fn balloon_slot(&self) -> Option<&DeviceSlot> {
         self.bus.virtio.iter().find(|d| {
-            let d = d.locked();
+            let d = d.lock();
             d.device().device_type() == VIRTIO_ID_BALLOON
         })
     }
@@ -23,7 +22,7 @@ impl Vm {
     /// Runs `f` on the balloon and its transport, if the VM has one.
     fn with_balloon<R>(&self, f: impl FnOnce(&mut Balloon) -> R) -> Option<R> {
         let slot = self.balloon_slot()?;
-        let mut t = slot.locked();
+        let mut t = slot.lock();
         balloon::of(t.device_mut()).map(f)
     }
 
@@ -82,7 +81,7 @@ impl Vm {
         let Some(slot) = self.balloon_slot() else {
             return false;
         };
-        let mut t = slot.locked();
+        let mut t = slot.lock();
         let changed = balloon::of(t.device_mut()).is_some_and(change);
         if changed {
             t.config_changed();

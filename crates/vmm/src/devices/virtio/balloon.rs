@@ -40,12 +40,10 @@ use virtio_queue::desc::split::Descriptor;
 use vm_memory::GuestMemoryBackend;
 use vmm_sys_util::timerfd::TimerFd;
 
-use super::{
-    DriverError, VirtioDevice, WriteLog, complete, each_chain, read_config_bytes, serve_chains,
-};
+use super::{DriverError, VirtioDevice, WriteLog, complete, each_chain, read_config_bytes};
 use crate::memory::GuestMemory;
 pub use buffers::GuestStats;
-use buffers::{PAGE, Refused, Runs, pfn_runs, read_stats, report_ranges};
+use buffers::{PAGE, Refused, Runs, Served, Turn, pfn_runs, read_stats, report_ranges};
 
 const F_MUST_TELL_HOST: u64 = 1 << 0;
 const F_STATS_VQ: u64 = 1 << 1;
@@ -240,7 +238,16 @@ pub struct Balloon {
     given: Option<Bitmap>,
     counters: BalloonCounters,
     hints: Hints,
+    /// Per queue: the chain a turn left half served (its head, and where it goes on). The
+    /// chain stays available to the driver's eyes until it is done: a VM that moves
+    /// meanwhile has it served again, whole, on the destination (giving back is idempotent).
+    partial: [Option<(u16, u64)>; QUEUES],
+    /// Per queue: a turn ended with work left (`unfinished`).
+    more: [bool; QUEUES],
 }
+
+/// Inflate, deflate, statistics, hints, reports.
+const QUEUES: usize = 5;
 
 impl Balloon {
     pub fn new(config: &BalloonConfig) -> Result<Self, String> {
@@ -257,6 +264,8 @@ impl Balloon {
             given: None,
             counters: BalloonCounters::default(),
             hints: Hints::default(),
+            partial: [None; QUEUES],
+            more: [false; QUEUES],
         })
     }
 
@@ -354,6 +363,11 @@ impl Balloon {
         .nth(index)
     }
 
+    #[cfg(test)]
+    fn role_index(&self, role: Role) -> Option<usize> {
+        (0..QUEUES).find(|&i| self.role(i) == Some(role))
+    }
+
     fn stats_queue(&self) -> Option<usize> {
         (self.features & F_STATS_VQ != 0).then_some(2)
     }
@@ -425,20 +439,25 @@ impl Balloon {
     fn serve_hint(
         &mut self,
         descs: &[Descriptor],
+        at: (u64, &Turn),
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
-    ) -> Result<u64, Refused> {
+    ) -> Result<Served, Refused> {
+        let nothing = Served {
+            refused: 0,
+            resume_at: None,
+        };
         if let [d] = descs
             && !d.is_write_only()
         {
             let id = buffers::read_cmd_id(d, memory)?;
             self.hints.driver_said(id);
-            return Ok(0);
+            return Ok(nothing);
         }
         if !self.hints.taken() {
-            return Ok(0); // a stale session's: its pages stay the guest's
+            return Ok(nothing); // a stale session's: its pages stay the guest's
         }
-        Ok(report_ranges(descs, memory, &mut |g, l| {
+        Ok(report_ranges(descs, memory, at.0, at.1, &mut |g, l| {
             self.hint(g, l, memory, log)
         }))
     }
@@ -451,27 +470,79 @@ impl Balloon {
         }
     }
 
-    /// Serves one inflate, deflate or report buffer (given back empty).
+    /// Serves one inflate, deflate, hint or report buffer (given back empty) from `from` on,
+    /// for one `turn`: where the next turn goes on, or `None` when it is done.
     fn serve(
         &mut self,
         role: Role,
         descs: &[Descriptor],
+        (from, turn): (u64, &Turn),
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
-    ) {
-        let refused = match role {
-            Role::Inflate => pfn_runs(descs, memory, &mut |g, l| self.inflate(g, l, memory, log)),
-            Role::Deflate => pfn_runs(descs, memory, &mut |g, l| self.deflate(g, l)),
-            Role::Report => Ok(report_ranges(descs, memory, &mut |g, l| {
+    ) -> Option<u64> {
+        let served = match role {
+            Role::Inflate => pfn_runs(descs, memory, from, turn, &mut |g, l| {
+                self.inflate(g, l, memory, log)
+            }),
+            Role::Deflate => pfn_runs(descs, memory, from, turn, &mut |g, l| self.deflate(g, l)),
+            Role::Report => Ok(report_ranges(descs, memory, from, turn, &mut |g, l| {
                 self.report(g, l, memory, log)
             })),
-            Role::Hint => self.serve_hint(descs, memory, log),
-            Role::Stats => Ok(0),
+            Role::Hint => self.serve_hint(descs, (from, turn), memory, log),
+            Role::Stats => Ok(Served {
+                refused: 0,
+                resume_at: None,
+            }),
         };
-        match refused {
-            Ok(n) => self.refuse(n, &format!("{n} pages or ranges outside RAM ({role:?})")),
-            Err(Refused(why)) => self.refuse(1, &format!("{why} ({role:?})")),
+        match served {
+            Ok(Served { refused, resume_at }) => {
+                let why = format!("{refused} pages or ranges outside RAM ({role:?})");
+                self.refuse(refused, &why);
+                resume_at
+            }
+            Err(Refused(why)) => {
+                self.refuse(1, &format!("{why} ({role:?})"));
+                None
+            }
         }
+    }
+
+    /// Serves the chains the driver made available on queue `index` for one turn: a chain
+    /// the turn cannot finish is put back and goes on from where it stopped next turn.
+    fn serve_turn(
+        &mut self,
+        index: usize,
+        role: Role,
+        queue: &mut Queue,
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Result<bool, DriverError> {
+        use virtio_queue::{QueueOwnedT, QueueT};
+        let turn = Turn::new();
+        let mut used = false;
+        while !turn.spent() {
+            let Some(chain) = queue.pop_descriptor_chain(memory) else {
+                return Ok(used);
+            };
+            let head = chain.head_index();
+            let descs: Vec<Descriptor> = chain.collect();
+            let from = match self.partial[index].take() {
+                Some((h, at)) if h == head => at,
+                _ => 0,
+            };
+            match self.serve(role, &descs, (from, &turn), memory, log) {
+                Some(at) => {
+                    self.partial[index] = Some((head, at));
+                    queue.go_to_previous_position();
+                }
+                None => {
+                    complete(queue, memory, head, 0, log)?;
+                    used = true;
+                }
+            }
+        }
+        self.more[index] = true;
+        Ok(used)
     }
 
     /// Reads each statistics buffer the driver posted and holds the newest (an older one is
@@ -555,6 +626,8 @@ impl VirtioDevice for Balloon {
         self.actual = 0;
         self.stats_head = None;
         self.hints.driver = CMD_ID_STOP;
+        self.partial = [None; QUEUES];
+        self.more = [false; QUEUES];
         let _ = self.timer.clear();
         // The driver owns every page again: none inflated meanwhile may be discarded later.
         if let Some(held) = &mut self.held {
@@ -575,10 +648,11 @@ impl VirtioDevice for Balloon {
         if role == Role::Stats {
             return self.take_stats(queue, memory, log);
         }
-        serve_chains(queue, memory, log, |descs, log| {
-            self.serve(role, descs, memory, log);
-            Ok(0)
-        })
+        self.serve_turn(index, role, queue, memory, log)
+    }
+
+    fn unfinished(&mut self, index: usize) -> bool {
+        self.more.get_mut(index).is_some_and(std::mem::take)
     }
 
     fn counters(&self) -> Vec<(&'static str, u64)> {
@@ -769,6 +843,12 @@ mod tests {
         /// Offers a chain of buffers (address, length, device-writable) on queue `q` and
         /// notifies it.
         fn offer(&mut self, q: usize, bufs: &[(u64, u32, bool)]) {
+            self.post(q, bufs);
+            self.w(VIRTIO_MMIO_QUEUE_NOTIFY, q as u32);
+        }
+
+        /// Offers a chain on queue `q` without a notification.
+        fn post(&mut self, q: usize, bufs: &[(u64, u32, bool)]) {
             for (i, &(addr, len, writable)) in bufs.iter().enumerate() {
                 let d = desc_table(q) + 16 * i as u64;
                 let more = if i + 1 < bufs.len() { NEXT } else { 0 };
@@ -787,7 +867,11 @@ mod tests {
                 .unwrap();
             self.offered[q] = idx + 1;
             self.m.write_obj(idx + 1, GuestAddress(avail + 2)).unwrap();
-            self.w(VIRTIO_MMIO_QUEUE_NOTIFY, q as u32);
+        }
+
+        /// Serves queue `q` for one turn, as its I/O thread does: true with work left.
+        fn turn(&mut self, q: usize) -> bool {
+            self.t.notify(q, &self.m, &mut self.log)
         }
 
         /// Offers an array of page numbers.
@@ -866,6 +950,65 @@ mod tests {
             (FIRST + 2..FIRST + 8).collect::<Vec<_>>(),
             "deflated: taken back"
         );
+    }
+
+    /// A buffer of scattered pages is served a turn at a time (the device's lock let go in
+    /// between): the chain stays with the device until its last turn, each page is given back
+    /// once, and a reset forgets a half-served chain.
+    #[test]
+    fn a_buffer_of_scattered_pages_is_served_in_bounded_turns() {
+        let mut r = Rig::new(ALL);
+        let odd: Vec<u32> = (0..1000).map(|i| (FIRST + 2 * i + 1) as u32).collect();
+        r.stamp(FIRST..FIRST + 2000);
+        let bytes: Vec<u8> = odd.iter().flat_map(|p| p.to_le_bytes()).collect();
+        r.m.write_slice(&bytes, GuestAddress(BUF)).unwrap();
+        r.post(0, &[(BUF, bytes.len() as u32, false)]);
+        let mut turns = vec![];
+        while r.turn(0) {
+            let inflated = r.counters().inflated_pages;
+            turns.push(inflated);
+            if inflated < 1000 {
+                assert_eq!(r.used(0), 0, "not given back before its last turn");
+            }
+            assert!(turns.len() < 100, "bounded");
+        }
+        // A scattered page costs its number and a run: a few hundred a turn.
+        assert!(turns.len() >= 3, "{turns:?}");
+        assert!(turns.windows(2).all(|w| w[1] - w[0] < 300), "{turns:?}");
+        assert_eq!(r.used(0), 1);
+        assert_eq!(r.counters().inflated_pages, 1000);
+        assert!(odd.iter().all(|&p| r.word(u64::from(p)) == 0));
+        assert!(
+            (0..1000).all(|i| r.word(FIRST + 2 * i) != 0),
+            "even pages kept"
+        );
+
+        // Half served, then the driver resets: nothing carries over to the next chain.
+        r.post(0, &[(BUF, bytes.len() as u32, false)]);
+        assert!(r.turn(0));
+        r.balloon().reset();
+        assert!(r.balloon().partial.iter().all(Option::is_none));
+    }
+
+    /// A report of more pages than a turn gives back is given back over several turns.
+    #[test]
+    fn a_long_report_is_given_back_a_turn_at_a_time() {
+        let mut r = Rig::new(ALL);
+        let q = r.balloon().role_index(Role::Report).unwrap();
+        let pages = 3000;
+        r.stamp(FIRST..FIRST + pages);
+        // Eight ranges (the same pages each time): more than two turns' worth in all.
+        let range = (FIRST * PAGE, (pages * PAGE) as u32, true);
+        r.post(q, &[range; 8]);
+        let mut turns = 1;
+        while r.turn(q) {
+            turns += 1;
+            assert!(turns < 100);
+        }
+        assert!(turns >= 2, "{turns}");
+        assert_eq!(r.counters().reported_pages, 8 * pages);
+        assert!((FIRST..FIRST + pages).all(|p| r.word(p) == 0));
+        assert_eq!(r.used(q), 1);
     }
 
     /// Buffers of the wrong shape are refused whole and given back; the device serves on.

@@ -169,7 +169,8 @@ impl MmioTransport {
             VIRTIO_MMIO_QUEUE_USED_HIGH => {
                 self.configure(|q| q.set_used_ring_address(None, Some(v)))
             }
-            VIRTIO_MMIO_QUEUE_NOTIFY => self.notify(v as usize, memory, log),
+            // Without an ioeventfd the vCPU that notified serves the queue, every turn of it.
+            VIRTIO_MMIO_QUEUE_NOTIFY => while self.notify(v as usize, memory, log) {},
             VIRTIO_MMIO_INTERRUPT_ACK => self.regs.interrupt_status &= !v,
             VIRTIO_MMIO_STATUS => self.set_status(v, memory),
             _ => {}
@@ -281,16 +282,18 @@ impl MmioTransport {
         };
     }
 
-    /// The driver notified queue `index` (through `QueueNotify`, or its ioeventfd): serves it.
-    pub fn notify(&mut self, index: usize, memory: &GuestMemory, log: &mut dyn WriteLog) {
+    /// The driver notified queue `index` (through `QueueNotify`, or its ioeventfd): serves it
+    /// for one turn. True when work is left for another (`VirtioDevice::unfinished`).
+    pub fn notify(&mut self, index: usize, memory: &GuestMemory, log: &mut dyn WriteLog) -> bool {
         if !self.running() || self.regs.broken.is_some() {
-            return;
+            return false;
         }
         if !self.queues.get(index).is_some_and(|q| q.ready()) {
-            return;
+            return false;
         }
         let served = self.device.process(index, &mut self.queues, memory, log);
         self.settle(served, &format!("queue {index}"));
+        self.device.unfinished(index) && self.regs.broken.is_none()
     }
 
     /// The backend has input (the device's I/O thread saw its fd ready); true when some was

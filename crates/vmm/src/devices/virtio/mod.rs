@@ -188,6 +188,11 @@ pub trait VirtioDevice: Send + crate::persist::Component {
     fn input_pending(&self) -> bool {
         false
     }
+    /// Whether the last `process` of queue `index` ended its turn with work left: its I/O
+    /// thread lets go of the device (so that API calls and pauses get in) and comes back.
+    fn unfinished(&mut self, _index: usize) -> bool {
+        false
+    }
     /// Takes a driver's write into configuration space (read-only unless the device says
     /// otherwise: a balloon's `actual`).
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}

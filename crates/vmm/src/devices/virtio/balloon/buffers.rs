@@ -53,7 +53,61 @@ pub(super) fn region_end(memory: &GuestMemory, gpa: u64) -> Option<u64> {
     Some(r.start_addr().0 + r.len())
 }
 
-/// Consecutive pages, gathered into one run while they stay in one RAM region.
+/// How much of a guest's buffers one turn serves under the device's lock. A buffer may name
+/// millions of scattered pages, each a pair of system calls to give back: served whole, it
+/// would hold the lock (and every API call, scrape or pause that needs the device) for as
+/// long as the guest likes. A turn spends `TURN_UNITS`: a page number read or a page given
+/// back costs 1, each run given back (its system calls) `RUN_UNITS` more.
+pub struct Turn {
+    left: std::cell::Cell<u64>,
+}
+
+const TURN_UNITS: u64 = 4 * 1024;
+const RUN_UNITS: u64 = 64;
+/// The longest run given back at once, in pages: a turn's worth.
+const MAX_RUN_PAGES: u64 = TURN_UNITS - RUN_UNITS;
+
+impl Turn {
+    pub fn new() -> Self {
+        Self {
+            left: std::cell::Cell::new(TURN_UNITS),
+        }
+    }
+
+    fn spend(&self, units: u64) {
+        self.left.set(self.left.get().saturating_sub(units));
+    }
+
+    /// A run of `len` bytes given back.
+    fn gave(&self, len: u64) {
+        self.spend(RUN_UNITS + len / PAGE);
+    }
+
+    pub fn spent(&self) -> bool {
+        self.left.get() == 0
+    }
+}
+
+/// A buffer served, or served up to a point: `resume_at` is where the next turn goes on (in
+/// page numbers for an inflate or deflate, in pages for a report), `None` when it is done.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Served {
+    /// Page numbers or ranges that named no RAM, left out.
+    pub refused: u64,
+    pub resume_at: Option<u64>,
+}
+
+impl Served {
+    fn done(refused: u64) -> Self {
+        Self {
+            refused,
+            resume_at: None,
+        }
+    }
+}
+
+/// Consecutive pages, gathered into one run while they stay in one RAM region and the run
+/// is shorter than a turn's worth.
 #[derive(Default)]
 pub(super) struct Runs {
     run: Option<(u64, u64, u64)>, // first address, bytes, end of its region
@@ -62,7 +116,11 @@ pub(super) struct Runs {
 impl Runs {
     pub(super) fn add(&mut self, gpa: u64, region_end: u64, out: &mut dyn FnMut(u64, u64)) {
         match &mut self.run {
-            Some((first, len, end)) if *first + *len == gpa && gpa < *end => *len += PAGE,
+            Some((first, len, end))
+                if *first + *len == gpa && gpa < *end && *len < MAX_RUN_PAGES * PAGE =>
+            {
+                *len += PAGE
+            }
             _ => {
                 self.flush(out);
                 self.run = Some((gpa, PAGE, region_end));
@@ -78,57 +136,96 @@ impl Runs {
 }
 
 /// Calls `run` with each run of consecutive pages (address, bytes) that the page frame
-/// numbers (32-bit, 4 KiB pages) in `descs` name, in order; returns how many named no page of
-/// RAM, which are left out. Refused whole: a buffer the device may only write, one whose
-/// length is not a multiple of 4 bytes, one outside RAM.
+/// numbers (32-bit, 4 KiB pages) in `descs` name, in order, from the `from`th number on, for
+/// one `turn`. Numbers that name no page of RAM are left out and counted. Refused whole: a
+/// buffer the device may only write, one whose length is not a multiple of 4 bytes, one
+/// outside RAM.
 pub fn pfn_runs(
     descs: &[Descriptor],
     memory: &GuestMemory,
+    from: u64,
+    turn: &Turn,
     run: &mut dyn FnMut(u64, u64),
-) -> Result<u64, Refused> {
+) -> Result<Served, Refused> {
     readable(descs, memory, 4)?;
+    let mut out = |gpa: u64, len: u64| {
+        turn.gave(len);
+        run(gpa, len);
+    };
+    let total: u64 = descs.iter().map(|d| u64::from(d.len()) / 4).sum();
     let mut bytes = [0u8; PFN_CHUNK * 4];
     let (mut runs, mut refused) = (Runs::default(), 0);
+    let mut first = 0u64; // the index of this buffer's first number
     for d in descs {
-        let mut at = 0u64;
-        while at < u64::from(d.len()) {
-            let n = (u64::from(d.len()) - at).min(bytes.len() as u64) as usize;
+        let count = u64::from(d.len()) / 4;
+        let mut at = from.saturating_sub(first).min(count);
+        while at < count {
+            let n = (count - at).min(PFN_CHUNK as u64) as usize;
             memory
-                .read_slice(&mut bytes[..n], GuestAddress(d.addr().0 + at))
+                .read_slice(&mut bytes[..n * 4], GuestAddress(d.addr().0 + at * 4))
                 .map_err(|e| Refused(format!("reading page numbers: {e}")))?;
-            for pfn in bytes[..n].chunks_exact(4) {
+            for pfn in bytes[..n * 4].chunks_exact(4) {
                 let gpa = u64::from(u32::from_le_bytes(pfn.try_into().unwrap())) * PAGE;
                 match region_end(memory, gpa) {
-                    Some(end) => runs.add(gpa, end, run),
+                    Some(end) => runs.add(gpa, end, &mut out),
                     None => refused += 1,
                 }
+                turn.spend(1);
+                at += 1;
+                if turn.spent() && first + at < total {
+                    runs.flush(&mut out);
+                    return Ok(Served {
+                        refused,
+                        resume_at: Some(first + at),
+                    });
+                }
             }
-            at += n as u64;
         }
+        first += count;
     }
-    runs.flush(run);
-    Ok(refused)
+    runs.flush(&mut out);
+    Ok(Served::done(refused))
 }
 
 /// Calls `range` with each range (address, bytes) a free page report names: one per buffer,
 /// whole pages inside one RAM region, in either direction (Linux hands them over as buffers
-/// the device may write). Returns how many buffers named no such range, which are left out.
+/// the device may write), from the `from`th page of the report on, in pieces of at most a
+/// turn's worth, for one `turn`. Buffers that name no such range are left out and counted.
 pub fn report_ranges(
     descs: &[Descriptor],
     memory: &GuestMemory,
+    from: u64,
+    turn: &Turn,
     range: &mut dyn FnMut(u64, u64),
-) -> u64 {
-    let mut refused = 0;
+) -> Served {
+    let total: u64 = descs.iter().map(|d| u64::from(d.len()) / PAGE).sum();
+    let (mut refused, mut first) = (0, 0u64); // first: the report's page where a buffer begins
     for d in descs {
         let (gpa, len) = (d.addr().0, u64::from(d.len()));
+        let pages = len / PAGE;
         let fits = region_end(memory, gpa).is_some_and(|end| gpa.checked_add(len) <= Some(end));
-        if fits && len > 0 && gpa.is_multiple_of(PAGE) && len.is_multiple_of(PAGE) {
-            range(gpa, len);
-        } else {
-            refused += 1;
+        if !(fits && len > 0 && gpa.is_multiple_of(PAGE) && len.is_multiple_of(PAGE)) {
+            // Counted in the turn that reaches it, not again in a later one.
+            refused += u64::from(from <= first);
+            first += pages;
+            continue;
         }
+        let mut at = from.saturating_sub(first).min(pages);
+        while at < pages {
+            let n = (pages - at).min(MAX_RUN_PAGES);
+            turn.gave(n * PAGE);
+            range(gpa + at * PAGE, n * PAGE);
+            at += n;
+            if turn.spent() && first + at < total {
+                return Served {
+                    refused,
+                    resume_at: Some(first + at),
+                };
+            }
+        }
+        first += pages;
     }
-    refused
+    Served::done(refused)
 }
 
 /// A free page hinting command id: one buffer the device reads, a le32.
