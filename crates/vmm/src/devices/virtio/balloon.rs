@@ -195,9 +195,10 @@ impl Default for Hints {
 }
 
 impl Hints {
-    /// Whether a hinted range is taken now: the driver hints under the session shown.
+    /// Whether a hinted range is taken now: the driver hints under the session shown, and
+    /// has not said STOP to it (saying its id again after STOP reopens nothing).
     fn taken(&self) -> bool {
-        self.shown >= CMD_ID_FIRST && self.driver == self.shown
+        self.shown >= CMD_ID_FIRST && self.driver == self.shown && self.finished != self.shown
     }
 
     /// The driver said `id` on the hint queue.
@@ -1111,6 +1112,9 @@ mod tests {
         assert!(r.balloon().hints_finished());
         r.offer(HINT, &range(FIRST + 4, 2));
         assert_ne!(r.word(FIRST + 4), 0, "after STOP, a hint is not taken");
+        r.say_hint_id(HINT, id);
+        r.offer(HINT, &range(FIRST + 6, 2));
+        assert_ne!(r.word(FIRST + 6), 0, "the finished session's id said again");
         // A new session: a hint under the old id is stale.
         assert!(r.balloon().start_hints());
         assert_eq!(r.config(8), id + 1);
