@@ -20,11 +20,12 @@ build: deps guest
 
 # Unit and end-to-end tests (doc-tests: none); the last line sums up every runner.
 # The fuzz harnesses replay their committed corpus (fuzz/corpus) as plain tests.
+# --no-fail-fast: a failure in one test binary does not hide the results of the others.
 test: build
-	set -o pipefail; $(CARGO) test --release --workspace --lib --bins --tests -- --test-threads=2 2>&1 \
-		| tee target/test.log
-	set -o pipefail; $(CARGO) test --release --manifest-path fuzz/Cargo.toml --target-dir target 2>&1 \
-		| tee -a target/test.log
+	set -o pipefail; $(CARGO) test --no-fail-fast --release --workspace --lib --bins --tests \
+		-- --test-threads=2 2>&1 | tee target/test.log
+	set -o pipefail; $(CARGO) test --no-fail-fast --release --manifest-path fuzz/Cargo.toml \
+		--target-dir target 2>&1 | tee -a target/test.log
 	@awk '/^test result:/ {p += $$4; f += $$6} END {printf "tests: %d passed, %d failed\n", p, f}' target/test.log
 
 lint: deps guest
