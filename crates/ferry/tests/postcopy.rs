@@ -369,3 +369,56 @@ fn resume_with_nothing_to_resume_is_refused() {
     assert!(err.to_string().contains("exactly one"), "{err}");
     assert_eq!(vm.info().state, "running");
 }
+
+/// The destination's threads that run real-time (`SCHED_FIFO`), by name.
+fn real_time_threads(f: &Ferry) -> Vec<String> {
+    let pid = f.child.as_ref().expect("a process of its own").id();
+    let tasks = std::fs::read_dir(format!("/proc/{pid}/task")).expect("its threads");
+    let mut names = Vec::new();
+    for task in tasks.flatten() {
+        let read = |file: &str| std::fs::read_to_string(task.path().join(file));
+        let (Ok(stat), Ok(comm)) = (read("stat"), read("comm")) else {
+            continue; // the thread ended meanwhile
+        };
+        // After the name in parentheses, `policy` is field 41 of stat (the 39th after it).
+        let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+        let policy = after_name.split_whitespace().nth(38);
+        if policy == Some("1") {
+            names.push(comm.trim().to_string());
+        }
+    }
+    names.sort();
+    names
+}
+
+/// Over one connection the destination's reader of answers reads every push too: it must not
+/// run real-time (it would hold a core for as long as the source sends). Only the fault
+/// handler does, which sleeps between faults. Checked while post-copy is held half way.
+#[test]
+fn over_one_connection_only_the_fault_handler_runs_real_time() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::writer("write ws=16M seq verify rate=2000");
+    let (dst, relay) = destination_behind(Point::Postcopy(50), Action::Hold);
+    src.api()
+        .put(
+            "vm.send-migration",
+            Some(&serde_json::json!({"destination": relay.url, "mode": "postcopy"})),
+        )
+        .expect("the migration starts");
+    assert!(relay.wait_reached(T), "post-copy never got half way");
+    let fifo = real_time_threads(&dst);
+    relay.release();
+    // Without the right to raise priorities nothing runs real-time, and there is nothing to
+    // check; with it, the fault handler does.
+    assert!(
+        fifo.is_empty() || fifo == ["postcopy-faults"],
+        "real-time threads: {fifo:?}"
+    );
+    let done = wait_for("post-copy to complete", T, || {
+        let s = dst.migration_status();
+        (s.phase == MigrationPhase::Completed).then_some(s)
+    });
+    assert_eq!(done.postcopy_report.unwrap().duplicates, 0);
+}

@@ -448,6 +448,9 @@ impl Postcopy {
             main.shutdown();
         };
         let install = |frame: &FrameBuffers| self.install_arrived(frame.pages()).map(drop);
+        // Real-time only for a reader of answers alone: one that reads every push too never
+        // sleeps while the source sends, and would hold a core for as long as the peer liked.
+        let answers_only = !lanes.is_empty();
         let received = std::thread::scope(|scope| {
             let threads = installers::how_many();
             let installers = Installers::start(scope, threads, cpu, &install, &fail);
@@ -458,7 +461,10 @@ impl Postcopy {
                     self.spawn_lane_reader(readers, lane, n, &installers, cpu, &fail);
                 }
                 // With lanes, only the answers to faults come here.
-                let _urgent = crate::urgent::urgent();
+                let _priority = match answers_only {
+                    true => crate::urgent::urgent(),
+                    false => crate::urgent::ahead(),
+                };
                 let received = self.receive_main(stream, &installers);
                 if received.is_err() {
                     closers.iter().for_each(Stream::shutdown);
