@@ -161,7 +161,7 @@ const RESIDENCY_CHUNK: usize = 4096;
 /// host: they take no memory and read as zeros, as pages never touched do, so a migration
 /// skips them. A memfd's pages are punched out of the file (unmapping them would leave their
 /// content there). `held` hears each run of pages (address, bytes) that held data just before
-/// (in RAM, as `mincore` sees it; a page only read since it was given back maps the host's
+/// (`held_pages`: in RAM or in swap; a page only read since it was given back maps the host's
 /// zero page, and counts too): their content has changed, to zeros.
 pub fn discard(
     memory: &GuestMemory,
@@ -179,10 +179,14 @@ pub fn discard(
     let host = region
         .get_host_address(MemoryRegionAddress(offset))
         .map_err(|e| std::io::Error::other(e.to_string()))?;
-    report_resident(host, gpa, len, held)?;
-    let advice = match region.file_offset() {
-        Some(_) => libc::MADV_REMOVE,
-        None => libc::MADV_DONTNEED,
+    let backing = match region.file_offset() {
+        Some(f) => Backing::File(f.file(), f.start() + offset),
+        None => Backing::Anonymous(host),
+    };
+    report_held(&backing, gpa, len, held)?;
+    let advice = match backing {
+        Backing::File(..) => libc::MADV_REMOVE,
+        Backing::Anonymous(_) => libc::MADV_DONTNEED,
     };
     // SAFETY: `len` bytes of our own guest mapping (checked above); the guest gave them up.
     if unsafe { libc::madvise(host.cast(), len as usize, advice) } != 0 {
@@ -193,47 +197,135 @@ pub fn discard(
 
 const PAGE: u64 = 4096;
 
-/// Tells `held` the runs of the `len` bytes mapped at `host` (guest address `gpa`) that are in
-/// RAM.
-fn report_resident(
-    host: *mut u8,
+/// What holds a range of guest RAM.
+enum Backing<'a> {
+    /// A memfd, from this offset.
+    File(&'a std::fs::File, u64),
+    /// Anonymous memory mapped here.
+    Anonymous(*mut u8),
+}
+
+/// Tells `held` the runs of the `len` bytes (guest address `gpa`) that hold data.
+fn report_held(
+    backing: &Backing,
     gpa: u64,
     len: u64,
     held: &mut dyn FnMut(u64, u64),
 ) -> std::io::Result<()> {
-    let mut vec = [0u8; RESIDENCY_CHUNK];
+    let mut flags = vec![false; RESIDENCY_CHUNK];
     let pages = len / PAGE;
     let mut run: Option<(u64, u64)> = None; // first page, pages
     let mut done = 0u64;
     while done < pages {
-        let n = (pages - done).min(RESIDENCY_CHUNK as u64);
-        // SAFETY: `n` pages of our own mapping from `host` (the caller checked the range);
-        // `vec` holds a byte for each.
-        let rc = unsafe {
-            libc::mincore(
-                host.add((done * PAGE) as usize).cast(),
-                (n * PAGE) as usize,
-                vec.as_mut_ptr(),
-            )
-        };
-        if rc != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        for (i, b) in vec[..n as usize].iter().enumerate() {
+        let n = (pages - done).min(RESIDENCY_CHUNK as u64) as usize;
+        held_pages(backing, done * PAGE, &mut flags[..n])?;
+        for (i, &data) in flags[..n].iter().enumerate() {
             let page = done + i as u64;
-            run = match (run, b & 1 != 0) {
+            run = match (run, data) {
                 (Some((first, k)), true) if first + k == page => Some((first, k + 1)),
-                (Some((first, k)), resident) => {
+                (Some((first, k)), data) => {
                     held(gpa + first * PAGE, k * PAGE);
-                    resident.then_some((page, 1))
+                    data.then_some((page, 1))
                 }
-                (None, resident) => resident.then_some((page, 1)),
+                (None, data) => data.then_some((page, 1)),
             };
         }
-        done += n;
+        done += n as u64;
     }
     if let Some((first, k)) = run {
         held(gpa + first * PAGE, k * PAGE);
+    }
+    Ok(())
+}
+
+/// Sets `out[i]` for each page from `at` bytes into `backing` that holds data. A memfd's data
+/// is what `SEEK_DATA` finds (pages in RAM and in swap alike); anonymous memory's is what
+/// `mincore` says is in RAM, and what the page table says was swapped out (`/proc/self/pagemap`
+/// bit 62): a swapped page given back must count as changed too, or a migration would leave
+/// the destination its old content.
+fn held_pages(backing: &Backing, at: u64, out: &mut [bool]) -> std::io::Result<()> {
+    match *backing {
+        Backing::File(file, offset) => file_data(file, offset + at, out),
+        Backing::Anonymous(host) => {
+            // SAFETY: the caller checked that the pages lie in our own mapping.
+            let host = unsafe { host.add(at as usize) };
+            resident(host, out)?;
+            if out.iter().any(|&r| !r) {
+                let swapped = swapped(host, out.len())?;
+                out.iter_mut().zip(swapped).for_each(|(o, s)| *o |= s);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `mincore` for `out.len()` pages mapped at `host`.
+fn resident(host: *mut u8, out: &mut [bool]) -> std::io::Result<()> {
+    let mut vec = vec![0u8; out.len()];
+    // SAFETY: pages of our own mapping from `host`; `vec` holds a byte for each.
+    let rc = unsafe { libc::mincore(host.cast(), out.len() * PAGE as usize, vec.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    out.iter_mut().zip(vec).for_each(|(o, b)| *o = b & 1 != 0);
+    Ok(())
+}
+
+/// Whether each of `pages` pages mapped at `host` is swapped out (pagemap bit 62; the flags
+/// are readable without privileges, only frame numbers are hidden).
+fn swapped(host: *mut u8, pages: usize) -> std::io::Result<Vec<bool>> {
+    Ok(pagemap(host, pages)?
+        .into_iter()
+        .map(|e| e & PAGEMAP_SWAPPED != 0)
+        .collect())
+}
+
+const PAGEMAP_SWAPPED: u64 = 1 << 62;
+
+/// The pagemap entries of `pages` pages mapped at `host`.
+fn pagemap(host: *mut u8, pages: usize) -> std::io::Result<Vec<u64>> {
+    use std::os::unix::fs::FileExt;
+    static PAGEMAP: std::sync::OnceLock<std::io::Result<std::fs::File>> =
+        std::sync::OnceLock::new();
+    let file = PAGEMAP
+        .get_or_init(|| std::fs::File::open("/proc/self/pagemap"))
+        .as_ref()
+        .map_err(|e| std::io::Error::new(e.kind(), format!("/proc/self/pagemap: {e}")))?;
+    let mut bytes = vec![0u8; pages * 8];
+    file.read_exact_at(&mut bytes, host as u64 / PAGE * 8)?;
+    Ok(bytes
+        .chunks_exact(8)
+        .map(|e| u64::from_le_bytes(e.try_into().unwrap()))
+        .collect())
+}
+
+/// Which of `out.len()` pages of `file` from byte `at` hold data (`SEEK_DATA`/`SEEK_HOLE`).
+fn file_data(file: &std::fs::File, at: u64, out: &mut [bool]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let end = at + out.len() as u64 * PAGE;
+    out.fill(false);
+    let seek = |from: u64, whence: libc::c_int| -> std::io::Result<Option<u64>> {
+        // SAFETY: lseek on a descriptor we hold; it moves only its offset, which nothing
+        // else here uses (guest memory is mapped, never read through the file).
+        let r = unsafe { libc::lseek(file.as_raw_fd(), from as libc::off_t, whence) };
+        match r {
+            r if r >= 0 => Ok(Some(r as u64)),
+            _ => match std::io::Error::last_os_error() {
+                e if e.raw_os_error() == Some(libc::ENXIO) => Ok(None), // no data past `from`
+                e => Err(e),
+            },
+        }
+    };
+    let mut from = at;
+    while from < end {
+        let Some(data) = seek(from, libc::SEEK_DATA)?.filter(|&d| d < end) else {
+            break;
+        };
+        let hole = seek(data, libc::SEEK_HOLE)?.unwrap_or(end).min(end);
+        let first = ((data - at) / PAGE) as usize;
+        let last = (hole - at).div_ceil(PAGE) as usize;
+        out[first..last].fill(true);
+        from = hole;
     }
     Ok(())
 }
@@ -374,6 +466,39 @@ mod tests {
         assert!(e.contains("holds"), "{e}");
         let sealed = memfd(len).unwrap();
         assert!(sealed.set_len(len / 2).is_err(), "the size is sealed");
+    }
+
+    /// What `discard` counts as holding data: a memfd's pages by `SEEK_DATA` (in RAM or in
+    /// swap), anonymous pages by `mincore` and the page table's swap bit, read at the right
+    /// entries of `/proc/self/pagemap` (its present bit agrees with `mincore`).
+    #[test]
+    fn held_pages_are_found_in_files_and_page_tables() {
+        use vm_memory::{Bytes, GuestMemoryBackend, GuestMemoryRegion, MemoryRegionAddress};
+        for backend in [MemoryBackend::Anonymous, MemoryBackend::Memfd] {
+            let m = create_guest_memory(MIN_MEMORY, backend).unwrap();
+            for page in [1u64, 2, 7] {
+                m.write_obj(1u64, GuestAddress(page * 4096)).unwrap();
+            }
+            let region = m.find_region(GuestAddress(0)).unwrap();
+            let host = region.get_host_address(MemoryRegionAddress(0)).unwrap();
+            let backing = match region.file_offset() {
+                Some(f) => Backing::File(f.file(), f.start()),
+                None => Backing::Anonymous(host),
+            };
+            let mut out = [false; 9];
+            held_pages(&backing, 0, &mut out).unwrap();
+            let held: Vec<usize> = (0..9).filter(|&i| out[i]).collect();
+            assert_eq!(held, [1, 2, 7], "{backend:?}");
+            let present: Vec<usize> = pagemap(host, 9)
+                .unwrap()
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| *e & (1 << 63) != 0)
+                .map(|(i, _)| i)
+                .collect();
+            assert_eq!(present, [1, 2, 7], "{backend:?}: pagemap's present bit");
+            assert_eq!(swapped(host, 9).unwrap(), [false; 9], "no swap here");
+        }
     }
 
     #[test]
