@@ -295,6 +295,11 @@ pub struct RunArgs {
     /// anyone who reaches the port can send a VM. For trusted, isolated networks only.
     #[arg(long, conflicts_with = "tls_cert")]
     pub plain_tcp: bool,
+    /// The seccomp sandbox (docs/security.md): vCPU and device threads may ask the kernel only
+    /// for what they need, and no thread may run a program, mount, trace or load a module.
+    /// `off` for debugging only.
+    #[arg(long, value_enum, default_value = "on")]
+    pub sandbox: Sandbox,
     /// Serve the test and benchmark hooks (vm.debug-corrupt-page, vm.debug-dirty-logging);
     /// without it they answer 403.
     #[arg(long)]
@@ -313,4 +318,11 @@ pub struct CertsArgs {
     /// A host name or IP address to issue a certificate for (repeat for each host).
     #[arg(long = "name", required = true)]
     pub names: Vec<String>,
+}
+
+/// `--sandbox`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Sandbox {
+    On,
+    Off,
 }

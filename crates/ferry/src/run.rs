@@ -40,6 +40,8 @@ pub fn run(args: RunArgs) -> Result<i32> {
         ApiServer::ensure_available(socket)?;
     }
     install_termination_handler();
+    vmm::sandbox::enter_process(args.sandbox == crate::cli::Sandbox::On)
+        .map_err(anyhow::Error::msg)?;
     // A missing disk is said at once, not when a migration arrives.
     for disk in &args.disks {
         use std::os::unix::fs::FileTypeExt;

@@ -12,6 +12,7 @@ pub mod layout;
 pub mod memory;
 pub mod migratable;
 pub mod persist;
+pub mod sandbox;
 pub mod state;
 pub mod vcpu;
 pub mod vm;

@@ -337,6 +337,12 @@ enum Step {
 
 impl VcpuContext {
     fn run(self) {
+        // The guest drives this thread: it may ask the kernel only for what a vCPU needs.
+        if let Err(e) = crate::sandbox::enter_device_thread() {
+            self.fail(e);
+            self.control.thread_exited();
+            return;
+        }
         loop {
             if self.control.wants_park() && self.control.park_until_released() {
                 break;

@@ -34,6 +34,8 @@ pub struct ChArgs {
     pub allow_disk_dirs: Vec<PathBuf>,
     /// ferry's own: taps an arriving VM's NICs may attach to (`--allow-tap NAME|PREFIX*`).
     pub allow_taps: Vec<String>,
+    /// CH's `--seccomp true|false`: ferry's sandbox, on unless `false`.
+    pub sandbox: bool,
     pub version: bool,
 }
 
@@ -146,6 +148,7 @@ const KNOWN: &[&str] = &[
     "metrics",
     "allow-disk-dir",
     "allow-tap",
+    "seccomp",
     "v",
     "version",
     "V",
@@ -171,6 +174,13 @@ pub fn parse(argv: &[String]) -> Result<ChArgs> {
             .transpose()?,
         allow_disk_dirs: list(&flags, "allow-disk-dir").map(PathBuf::from).collect(),
         allow_taps: list(&flags, "allow-tap").map(String::from).collect(),
+        sandbox: match one(&flags, "seccomp")? {
+            None | Some("true") => true,
+            Some("false") => false,
+            Some(other) => {
+                bail!("--seccomp {other}: ferry takes true or false (it has no logging mode)")
+            }
+        },
         version: flags.contains_key("version") || flags.contains_key("V"),
         ..Default::default()
     };

@@ -85,6 +85,7 @@ pub fn main(argv: &[String]) -> Result<i32> {
         bail!("give --api-socket path=PATH|fd=N, or --kernel to boot a VM");
     }
     crate::run::install_termination_handler();
+    ::vmm::sandbox::enter_process(args.sandbox).map_err(anyhow::Error::msg)?;
     let events = events::Events::new(event_file(args.event_monitor.as_ref())?);
     events.emit("vmm", "starting", &[]);
     let serial = args.arrival_serial.unwrap_or(ConsoleMode::Off);

@@ -189,7 +189,11 @@ impl DeviceBus {
             let thread = std::thread::Builder::new()
                 .name(format!("virtio-io-{slot}"))
                 .spawn(move || {
-                    if let Err(e) = bus.serve_events(slot, &epoll, input.is_some(), &memory) {
+                    // The guest drives this thread: only what a device needs is allowed.
+                    let served = crate::sandbox::enter_device_thread()
+                        .map_err(std::io::Error::other)
+                        .and_then(|()| bus.serve_events(slot, &epoll, input.is_some(), &memory));
+                    if let Err(e) = served {
                         tracing::error!("virtio device {slot}: its I/O thread stopped: {e}");
                     }
                 })?;
