@@ -275,6 +275,10 @@ pub struct RunArgs {
     /// on tcp:HOST:PORT (or HOST:PORT) or unix:PATH (see docs/metrics.md).
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<crate::metrics::MetricsAddr>,
+    /// Answer a scrape only with `Authorization: Bearer TOKEN`, TOKEN the one word in FILE
+    /// (mode 0600; Prometheus's `authorization: credentials_file` sends it).
+    #[arg(long, value_name = "FILE", requires = "metrics")]
+    pub metrics_token_file: Option<PathBuf>,
     /// Wait for one incoming migration (tcp:HOST:PORT or unix:PATH) instead of booting.
     #[arg(long, conflicts_with_all = ["guest", "kernel", "cmdline", "restore"])]
     pub incoming: Option<String>,

@@ -5,13 +5,14 @@
 //! so they only grow; gauges show the migration now. Served by a small reader of its own
 //! that answers `GET /metrics` only, with the same whole-request deadline as the API.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
@@ -26,12 +27,16 @@ use prometheus_client::registry::Registry;
 
 use crate::controller::Controller;
 
-/// How long a scraper has to send its request and take the answer.
+/// How long a scraper has to send its request (it sends it at once), and to take the answer.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The longest request taken (a scrape's is a few hundred bytes).
 const MAX_REQUEST: usize = 8 << 10;
 /// Scrapes served at once; past this a connection is closed unanswered.
 const MAX_CONNECTIONS: usize = 8;
+/// Of those, from one address (TCP): a client that opens connections and sends nothing
+/// holds at most this many, so the others' scrapes still get in.
+const MAX_PER_PEER: usize = 2;
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 const PROMETHEUS_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -102,8 +107,69 @@ impl Scraped for Controller {
     }
 }
 
-/// Starts serving `source`'s metrics at `addr`.
-pub fn start(addr: &MetricsAddr, source: Arc<dyn Scraped>) -> Result<MetricsServer> {
+/// Who may scrape: anyone who reaches the endpoint, or only a request that carries the
+/// operator's bearer token (`--metrics-token-file`, as Prometheus's
+/// `authorization: credentials_file` sends it).
+#[derive(Clone, Default)]
+pub struct Access {
+    token: Option<String>,
+}
+
+impl Access {
+    /// The token in `path`: one line, readable by its owner only.
+    pub fn from_file(path: &std::path::Path) -> Result<Self> {
+        use std::os::unix::fs::PermissionsExt;
+        let what = || format!("--metrics-token-file {}", path.display());
+        let mode = std::fs::metadata(path)
+            .with_context(what)?
+            .permissions()
+            .mode();
+        if mode & 0o077 != 0 {
+            anyhow::bail!(
+                "{}: readable by other users (mode {:o}); chmod 600 it",
+                what(),
+                mode & 0o777
+            );
+        }
+        let token = std::fs::read_to_string(path).with_context(what)?;
+        let token = token.trim();
+        if token.is_empty() || token.chars().any(|c| c.is_whitespace()) {
+            anyhow::bail!("{}: holds no token (one word, on one line)", what());
+        }
+        Ok(Self {
+            token: Some(token.into()),
+        })
+    }
+
+    /// Whether the request `head` may be answered.
+    fn allows(&self, head: &str) -> bool {
+        let Some(token) = &self.token else {
+            return true;
+        };
+        head.lines()
+            .filter_map(|l| l.split_once(':'))
+            .filter(|(name, _)| name.trim().eq_ignore_ascii_case("authorization"))
+            .filter_map(|(_, value)| value.trim().strip_prefix("Bearer "))
+            .any(|given| same(given.trim().as_bytes(), token.as_bytes()))
+    }
+}
+
+/// Everyone, or with `token_file` only those who carry its token.
+pub fn access(token_file: Option<&std::path::Path>) -> Result<Access> {
+    token_file.map_or(Ok(Access::default()), Access::from_file)
+}
+
+/// Compares in time that does not depend on where the two differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
+}
+
+/// Starts serving `source`'s metrics at `addr`, to whom `access` allows.
+pub fn start(
+    addr: &MetricsAddr,
+    source: Arc<dyn Scraped>,
+    access: Access,
+) -> Result<MetricsServer> {
     let (listener, path) = match addr {
         MetricsAddr::Tcp(a) => (
             Listener::Tcp(TcpListener::bind(a).with_context(|| format!("--metrics {a}"))?),
@@ -122,38 +188,84 @@ pub fn start(addr: &MetricsAddr, source: Arc<dyn Scraped>) -> Result<MetricsServ
     let registry = Arc::new(registry);
     std::thread::Builder::new()
         .name("metrics-accept".into())
-        .spawn(move || accept(listener, registry))?;
+        .spawn(move || accept(listener, &Endpoint { registry, access }))?;
     Ok(MetricsServer { path })
 }
 
-fn accept(listener: Listener, registry: Arc<Registry>) {
-    let open = Arc::new(AtomicUsize::new(0));
-    loop {
-        let conn: Box<dyn Conn> = match &listener {
-            Listener::Tcp(l) => match l.accept() {
-                Ok((c, _)) => Box::new(c),
-                Err(_) => continue,
-            },
-            Listener::Unix(l) => match l.accept() {
-                Ok((c, _)) => Box::new(c),
-                Err(_) => continue,
-            },
-        };
-        if open.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-            open.fetch_sub(1, Ordering::AcqRel);
-            continue; // dropped: the scraper retries at its next interval
+/// What a scrape is answered from, and who may scrape.
+struct Endpoint {
+    registry: Arc<Registry>,
+    access: Access,
+}
+
+/// The connections being served, in all and per TCP peer.
+#[derive(Default)]
+struct Open {
+    all: AtomicUsize,
+    by_peer: Mutex<HashMap<IpAddr, usize>>,
+}
+
+impl Open {
+    /// Takes a place for a connection from `peer` (None: a Unix socket's), if one is free.
+    fn take(&self, peer: Option<IpAddr>) -> bool {
+        if let Some(ip) = peer {
+            let mut by_peer = self.by_peer.lock().unwrap_or_else(|e| e.into_inner());
+            let n = by_peer.entry(ip).or_default();
+            if *n >= MAX_PER_PEER {
+                return false;
+            }
+            *n += 1;
         }
-        let (mine, registry) = (open.clone(), registry.clone());
-        let spawned = std::thread::Builder::new()
-            .name("metrics-scrape".into())
-            .spawn(move || {
-                serve(conn, &registry);
-                mine.fetch_sub(1, Ordering::AcqRel);
-            });
-        if spawned.is_err() {
-            open.fetch_sub(1, Ordering::AcqRel);
+        if self.all.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            self.give_back(peer);
+            return false;
+        }
+        true
+    }
+
+    fn give_back(&self, peer: Option<IpAddr>) {
+        self.all.fetch_sub(1, Ordering::AcqRel);
+        if let Some(ip) = peer {
+            let mut by_peer = self.by_peer.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = by_peer.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    by_peer.remove(&ip);
+                }
+            }
         }
     }
+}
+
+fn accept(listener: Listener, endpoint: &Endpoint) {
+    let open = Arc::new(Open::default());
+    std::thread::scope(|scope| {
+        loop {
+            let (conn, peer): (Box<dyn Conn>, Option<IpAddr>) = match &listener {
+                Listener::Tcp(l) => match l.accept() {
+                    Ok((c, at)) => (Box::new(c), Some(at.ip())),
+                    Err(_) => continue,
+                },
+                Listener::Unix(l) => match l.accept() {
+                    Ok((c, _)) => (Box::new(c), None),
+                    Err(_) => continue,
+                },
+            };
+            if !open.take(peer) {
+                continue; // dropped: the scraper retries at its next interval
+            }
+            let mine = open.clone();
+            let spawned = std::thread::Builder::new()
+                .name("metrics-scrape".into())
+                .spawn_scoped(scope, move || {
+                    serve(conn, endpoint);
+                    mine.give_back(peer);
+                });
+            if spawned.is_err() {
+                open.give_back(peer);
+            }
+        }
+    });
 }
 
 /// A scraper's connection, over TCP or a Unix socket.
@@ -175,16 +287,27 @@ impl Conn for std::os::unix::net::UnixStream {
     }
 }
 
-fn serve(mut conn: Box<dyn Conn>, registry: &Registry) {
+fn serve(mut conn: Box<dyn Conn>, endpoint: &Endpoint) {
     let (status, content_type, body) = match read_request_head(conn.as_mut()) {
-        Ok(head) => answer(&head, registry),
+        Ok(head) if !endpoint.access.allows(&head) => (
+            "401 Unauthorized",
+            PLAIN,
+            "this endpoint wants Authorization: Bearer <the token of --metrics-token-file>\n"
+                .into(),
+        ),
+        Ok(head) => answer(&head, &endpoint.registry),
         Err(e) => ("400 Bad Request", PLAIN, format!("{e}\n")),
+    };
+    let challenge = match status.starts_with("401") {
+        true => "WWW-Authenticate: Bearer\r\n",
+        false => "",
     };
     let head = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\
-         Connection: close\r\n\r\n",
+         {challenge}Connection: close\r\n\r\n",
         body.len()
     );
+    conn.set_timeout(CLIENT_TIMEOUT);
     let _ = conn.write_all(head.as_bytes());
     let _ = conn.write_all(body.as_bytes());
 }
@@ -252,7 +375,7 @@ fn to_prometheus_text(openmetrics: &str) -> String {
 /// Reads the request's head (at most `MAX_REQUEST` bytes, all of it within
 /// `CLIENT_TIMEOUT`).
 fn read_request_head(conn: &mut dyn Conn) -> std::io::Result<String> {
-    let deadline = Instant::now() + CLIENT_TIMEOUT;
+    let deadline = Instant::now() + REQUEST_TIMEOUT;
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 512];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") {

@@ -302,7 +302,11 @@ fn start_servers(
         None => None,
     };
     let metrics = match &args.metrics {
-        Some(addr) => Some(metrics::start(addr, controller.clone())?),
+        Some(addr) => Some(metrics::start(
+            addr,
+            controller.clone(),
+            metrics::access(args.metrics_token_file.as_deref())?,
+        )?),
         None => None,
     };
     Ok((api, metrics))

@@ -158,3 +158,92 @@ fn the_balloon_shows_in_metrics() {
     assert!(must(&body, "ferry_balloon_freed_bytes_total") >= 0.0);
     assert!(must(&body, "ferry_balloon_guest_free_bytes") > 0.0);
 }
+
+/// A TCP connection to 127.0.0.1:`port` from 127.0.0.`host`.
+fn connect_from(host: u8, port: u16) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let at = |ip: [u8; 4], port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(ip),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a fresh socket, bound and connected with addresses that outlive the calls, then
+    // owned by the stream.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0);
+        let from = at([127, 0, 0, host], 0);
+        assert_eq!(
+            libc::bind(fd, (&from as *const libc::sockaddr_in).cast(), len),
+            0
+        );
+        let to = at([127, 0, 0, 1], port);
+        assert_eq!(
+            libc::connect(fd, (&to as *const libc::sockaddr_in).cast(), len),
+            0
+        );
+        std::net::TcpStream::from_raw_fd(fd)
+    }
+}
+
+/// With `--metrics-token-file` a scrape without the token, or with another, is answered 401;
+/// with it, 200. A client that opens connections and sends nothing holds two places: a scrape
+/// from another address still gets in at once. A token file others can read is refused.
+#[test]
+fn scrapes_need_the_token_and_idle_connections_do_not_starve_them() {
+    use std::os::unix::fs::PermissionsExt;
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cret-token\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let port = free_port();
+    let addr = format!("tcp:127.0.0.1:{port}");
+    let _vm = Ferry::boot_with(
+        VmSpec::default(),
+        &[
+            "--metrics",
+            &addr,
+            "--metrics-token-file",
+            token.to_str().unwrap(),
+        ],
+    );
+    let idle: Vec<_> = (0..10).map(|_| connect_from(2, port)).collect();
+    let get = |authorization: &str| {
+        let mut conn = connect_from(1, port);
+        let request = format!("GET /metrics HTTP/1.1\r\nHost: f\r\n{authorization}\r\n");
+        conn.write_all(request.as_bytes()).unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let none = get("");
+    assert!(none.starts_with("HTTP/1.1 401"), "{none}");
+    assert!(none.contains("WWW-Authenticate: Bearer"), "{none}");
+    let wrong = get("Authorization: Bearer s3cret-tokem\r\n");
+    assert!(wrong.starts_with("HTTP/1.1 401"), "{wrong}");
+    let right = get("authorization: Bearer s3cret-token\r\n");
+    assert!(right.starts_with("HTTP/1.1 200"), "{right}");
+    assert!(right.contains("ferry_"), "{right}");
+    drop(idle);
+
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let out = ferry_output(&[
+        "run",
+        "--guest",
+        guest().to_str().unwrap(),
+        "--metrics",
+        &format!("tcp:127.0.0.1:{}", free_port()),
+        "--metrics-token-file",
+        token.to_str().unwrap(),
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("chmod 600"), "{stderr}");
+}

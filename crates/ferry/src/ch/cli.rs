@@ -30,6 +30,8 @@ pub struct ChArgs {
     pub plain_tcp: bool,
     /// ferry's own: where to serve OpenMetrics (`--metrics tcp:HOST:PORT|unix:PATH`).
     pub metrics: Option<MetricsAddr>,
+    /// ferry's own: the bearer token a scrape must carry (`--metrics-token-file FILE`).
+    pub metrics_token_file: Option<PathBuf>,
     /// ferry's own: directories an arriving VM's disks may lie in (`--allow-disk-dir`).
     pub allow_disk_dirs: Vec<PathBuf>,
     /// ferry's own: taps an arriving VM's NICs may attach to (`--allow-tap NAME|PREFIX*`).
@@ -146,6 +148,7 @@ const KNOWN: &[&str] = &[
     "console",
     "plain-tcp",
     "metrics",
+    "metrics-token-file",
     "allow-disk-dir",
     "allow-tap",
     "seccomp",
@@ -172,6 +175,7 @@ pub fn parse(argv: &[String]) -> Result<ChArgs> {
         metrics: one(&flags, "metrics")?
             .map(|s| s.parse().map_err(|e| anyhow!("--metrics {e}")))
             .transpose()?,
+        metrics_token_file: one(&flags, "metrics-token-file")?.map(PathBuf::from),
         allow_disk_dirs: list(&flags, "allow-disk-dir").map(PathBuf::from).collect(),
         allow_taps: list(&flags, "allow-tap").map(String::from).collect(),
         sandbox: match one(&flags, "seccomp")? {
@@ -316,7 +320,28 @@ mod tests {
         assert!(e.to_string().contains("--metrics 9100"), "{e}");
         let e = parse(&argv("--kernel /k --console pty")).unwrap_err();
         assert!(e.to_string().contains("console.mode=Pty"), "{e}");
-        let e = parse(&argv("--seccomp false")).unwrap_err();
-        assert!(e.to_string().contains("--seccomp"), "{e}");
+        let e = parse(&argv("--seccomp log")).unwrap_err();
+        assert!(e.to_string().contains("--seccomp log"), "{e}");
+    }
+
+    /// CH's `--seccomp` turns ferry's sandbox off with `false`; it is on otherwise.
+    #[test]
+    fn seccomp_is_the_sandbox() {
+        assert!(parse(&argv("--api-socket /a")).unwrap().sandbox);
+        assert!(
+            parse(&argv("--api-socket /a --seccomp true"))
+                .unwrap()
+                .sandbox
+        );
+        assert!(
+            !parse(&argv("--api-socket /a --seccomp false"))
+                .unwrap()
+                .sandbox
+        );
+        let a = parse(&argv(
+            "--api-socket /a --metrics-token-file /t --metrics unix:/m",
+        ))
+        .unwrap();
+        assert_eq!(a.metrics_token_file, Some("/t".into()));
     }
 }

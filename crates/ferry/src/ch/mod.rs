@@ -94,7 +94,10 @@ pub fn main(argv: &[String]) -> Result<i32> {
     let metrics = args
         .metrics
         .as_ref()
-        .map(|a| crate::metrics::start(a, vmm.clone()))
+        .map(|a| {
+            let access = crate::metrics::access(args.metrics_token_file.as_deref())?;
+            crate::metrics::start(a, vmm.clone(), access)
+        })
         .transpose()?;
     let server = args
         .api_socket
