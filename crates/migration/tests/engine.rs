@@ -1797,3 +1797,146 @@ fn a_silent_destination_is_cancelled_in_any_state_before_go() {
         assert_as_it_was(&src, &case);
     }
 }
+
+/// What `f` gives, once it gives something, asked every 10 ms for at most `limit`.
+fn wait_until<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nothing within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A TCP connection to 127.0.0.1:`port` from 127.0.0.`host`, with `first` sent on it.
+fn open_tcp_from(host: u8, port: u16, first: &Message) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let at = |ip: [u8; 4], port: u16| libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr {
+            s_addr: u32::from_ne_bytes(ip),
+        },
+        sin_zero: [0; 8],
+    };
+    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: a fresh socket, bound and connected with addresses that outlive the calls, then
+    // owned by the stream.
+    let mut s = unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0);
+        let from = at([127, 0, 0, host], 0);
+        assert_eq!(
+            libc::bind(fd, (&from as *const libc::sockaddr_in).cast(), len),
+            0
+        );
+        let to = at([127, 0, 0, 1], port);
+        assert_eq!(
+            libc::connect(fd, (&to as *const libc::sockaddr_in).cast(), len),
+            0
+        );
+        std::net::TcpStream::from_raw_fd(fd)
+    };
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    migration::wire::write_stream_header(&mut s).unwrap();
+    migration::wire::write_message(&mut s, first).unwrap();
+    s
+}
+
+/// A destination listening on plain TCP at 127.0.0.1 (its port), ended by `stop`.
+fn tcp_destination(
+    board: &StatusBoard,
+    stop: &Arc<AtomicBool>,
+) -> (u16, JoinHandle<migration::Result<Option<Arc<FakeVm>>>>) {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let endpoint: Endpoint = format!("tcp:127.0.0.1:{port}").parse().unwrap();
+    let source = Source::listen(&endpoint, None).unwrap();
+    let (board, stop) = (board.clone(), stop.clone());
+    let dest = std::thread::spawn(move || {
+        Incoming::new(board, None).receive(
+            source,
+            &|| stop.load(Ordering::Acquire),
+            |_, _| Ok(FakeVm::new()),
+            |_| {},
+        )
+    });
+    (port, dest)
+}
+
+fn told(stream: &mut std::net::TcpStream) -> String {
+    match migration::wire::read_message(stream) {
+        Err(migration::Error::Peer(reason)) => reason,
+        other => panic!("a stranger must be told why, got {other:?}"),
+    }
+}
+
+/// Over plain TCP a migration's session id crosses in clear: a stranger elsewhere who learnt
+/// it may still not join the migration (an extra lane) nor carry it on (a resume). Later
+/// connections must come from the first's peer. And however long a window the source asks
+/// for, the destination waits at most `MAX_RESUME_WINDOW` (plus its last try's 10 s).
+#[test]
+fn later_connections_must_come_from_the_migrations_peer() {
+    let (board, stop) = (StatusBoard::default(), Arc::new(AtomicBool::new(false)));
+    let (port, dest) = tcp_destination(&board, &stop);
+    let hello = |connections, session| Message::Hello {
+        vm: FakeVm::new().descriptor(),
+        mode: StreamMode::Precopy,
+        source: "a test".into(),
+        connections,
+        session,
+    };
+    let mut main = open_tcp_from(1, port, &hello(2, 7));
+    assert!(matches!(
+        migration::wire::read_message(&mut main).unwrap(),
+        Message::Ready { .. }
+    ));
+    let mut stranger = open_tcp_from(
+        2,
+        port,
+        &Message::Join {
+            session: 7,
+            lane: 1,
+        },
+    );
+    let why = told(&mut stranger);
+    assert!(why.contains("it comes from 127.0.0.2"), "{why}");
+    let _lane = open_tcp_from(
+        1,
+        port,
+        &Message::Join {
+            session: 7,
+            lane: 1,
+        },
+    );
+    drop(main);
+    assert!(dest.join().unwrap().is_err());
+
+    let (port, dest) = tcp_destination(&board, &stop);
+    let mut main = open_tcp_from(1, port, &hello(1, 9));
+    assert!(matches!(
+        migration::wire::read_message(&mut main).unwrap(),
+        Message::Ready { .. }
+    ));
+    let window = Message::ResumeWindow { seconds: u32::MAX };
+    migration::wire::write_message(&mut main, &window).unwrap();
+    drop(main); // the link breaks
+    let note = wait_until(Duration::from_secs(20), || {
+        board.read().note.filter(|n| n.contains("waiting up to"))
+    });
+    let cap = migration::destination::MAX_RESUME_WINDOW.as_secs() + 10;
+    assert!(note.contains(&format!("up to {cap} s")), "{note}");
+    let mut stranger = open_tcp_from(2, port, &Message::ResumePrecopy { session: 9 });
+    let why = told(&mut stranger);
+    assert!(why.contains("it comes from 127.0.0.2"), "{why}");
+    stop.store(true, Ordering::Release);
+    assert!(dest.join().unwrap().is_err(), "stopped, no VM arrived");
+}

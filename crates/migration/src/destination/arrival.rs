@@ -13,7 +13,7 @@ use super::prefault::{self, FaultIn, Plan, Prefaulter};
 use crate::bitmap::Bitmap;
 use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
-use crate::io::transport::{Listener, Stream};
+use crate::io::transport::{Listener, PeerIdentity, Stream};
 use crate::memory::GuestRam;
 use crate::pages::PageReceiver;
 use crate::vm::VmDescriptor;
@@ -169,9 +169,16 @@ pub(super) struct Filling {
     pending: Option<Bitmap>,
     checkpoint_every: Option<u32>,
     round_started: Instant,
-    /// How long the source tries to carry a broken connection on (it said: `ResumeWindow`).
+    /// How long the source tries to carry a broken connection on (it said: `ResumeWindow`,
+    /// at most `MAX_RESUME_WINDOW`).
     resume_window: Option<Duration>,
+    /// Who sent the VM: a connection that carries the migration on must come from it.
+    peer: PeerIdentity,
 }
+
+/// The longest a destination keeps a broken pre-copy's VM waiting for its source, whatever
+/// window the source asks for: a source that never comes must not hold the host's memory.
+pub const MAX_RESUME_WINDOW: Duration = Duration::from_secs(600);
 
 impl Filling {
     /// Starts filling `ram` for `hello`: the extra connections it names join through
@@ -185,6 +192,7 @@ impl Filling {
         cpu: CpuMeter,
     ) -> Result<Self> {
         let n = hello.connections;
+        let peer = stream.peer_identity()?;
         let mut pages = PageReceiver::new(&ram).for_lane(0, n);
         if hello.resumable() {
             pages = pages.counting_copies(ram.gfn_end());
@@ -228,8 +236,14 @@ impl Filling {
             checkpoint_every: None,
             round_started: Instant::now(),
             resume_window: None,
+            peer,
             ram,
         })
+    }
+
+    /// Who sent the VM.
+    pub fn peer(&self) -> &PeerIdentity {
+        &self.peer
     }
 
     /// Pages landed so far.
@@ -286,7 +300,8 @@ impl Filling {
             (Memory, Message::Populated { map }) => self.on_populated(map),
             (Memory, Message::RoundEnd { round, pages }) => Ok(self.on_round_end(round, pages)),
             (Memory, Message::ResumeWindow { seconds }) if self.pages.counts_copies() => {
-                self.resume_window = Some(Duration::from_secs(u64::from(seconds)));
+                let asked = Duration::from_secs(u64::from(seconds));
+                self.resume_window = Some(asked.min(MAX_RESUME_WINDOW));
                 Ok(Event::Nothing)
             }
             (Memory, Message::Sync { lane_pages }) => self.on_sync(&lane_pages, stream),

@@ -56,6 +56,7 @@ pub(super) fn accept(
         )));
     }
     let deadline = Instant::now() + JOIN_WAIT;
+    let peer = main.peer_identity()?;
     let mut joined = LaneReceivers::new(lanes, cpu);
     let mut taken = vec![false; lanes as usize];
     taken[0] = true; // the main connection
@@ -68,7 +69,14 @@ pub(super) fn accept(
                 JOIN_WAIT.as_secs()
             )));
         };
+        let stranger = peer.refuses(&opened.stream);
         let why = match opened.first {
+            Message::Join { session: s, .. } if s == session && stranger.is_some() => {
+                format!(
+                    "not a connection of this migration's peer: {}",
+                    stranger.unwrap_or_default()
+                )
+            }
             Message::Join { session: s, lane } if s == session => {
                 match taken.get_mut(lane as usize) {
                     Some(t) if !*t => {

@@ -66,7 +66,7 @@ fn first_live_stream(
         }
     }
 }
-pub use arrival::Expect;
+pub use arrival::{Expect, MAX_RESUME_WINDOW};
 use receive::{Arrived, Receiver};
 
 /// Where an incoming VM comes from, opened before anyone may send it.

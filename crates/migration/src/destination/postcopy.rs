@@ -23,7 +23,7 @@ use crate::board::StatusBoard;
 use crate::buckets::FaultLatency;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
-use crate::io::transport::{IO_TIMEOUT, Stream};
+use crate::io::transport::{IO_TIMEOUT, PeerIdentity, Stream};
 use crate::memory::GuestRam;
 use crate::scan::{memory_checksum_of, page_digest, populated_pages};
 use crate::vm::Migratable;
@@ -97,6 +97,9 @@ pub struct Postcopy {
     checkpointer: Mutex<Option<Checkpointer>>,
     /// The VM, told while its memory is registered (`Migratable::hold_page_discards`).
     vm: Arc<dyn Migratable>,
+    /// Who serves the pages (learnt from the first connection attached): a connection that
+    /// carries post-copy on must come from it.
+    peer: Mutex<Option<PeerIdentity>>,
 }
 
 impl Drop for Postcopy {
@@ -319,7 +322,17 @@ impl Postcopy {
             timeline: Mutex::default(),
             checkpointer: Mutex::new(None),
             vm,
+            peer: Mutex::new(None),
         })
+    }
+
+    /// Why `stream` may not carry this post-copy on; `None` when it may (it comes from the
+    /// peer of the first connection).
+    pub fn refuses(&self, stream: &Stream) -> Option<String> {
+        self.peer
+            .locked()
+            .as_ref()
+            .and_then(|peer| peer.refuses(stream))
     }
 
     /// Sends the source a checkpoint of `vm` every `every` until post-copy ends (dirty logging
@@ -345,6 +358,12 @@ impl Postcopy {
     /// Connects page requests to `stream` (a clone of the migration connection) and asks
     /// again for every page still awaited (after a reconnection they may have been lost).
     pub fn attach(&self, stream: Stream) {
+        {
+            let mut peer = self.peer.locked();
+            if peer.is_none() {
+                *peer = stream.peer_identity().ok();
+            }
+        }
         let mut slot = self.requests.locked();
         *slot = Some(stream);
         let waiting: Vec<u64> = {

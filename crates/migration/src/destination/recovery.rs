@@ -28,7 +28,12 @@ pub(crate) fn resume(
                 continue;
             }
         };
-        match open_resume(&mut stream) {
+        match open_resume(&mut stream).and_then(|()| match dest.refuses(&stream) {
+            None => Ok(()),
+            Some(why) => Err(Error::Setup(format!(
+                "not a connection of this migration's peer: {why}"
+            ))),
+        }) {
             Ok(()) => break stream,
             Err(e) => tracing::warn!(
                 "ignored a connection to the resume listener: {}",

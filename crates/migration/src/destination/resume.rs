@@ -54,7 +54,14 @@ impl Receiver<'_> {
                     std::io::Error::from(std::io::ErrorKind::TimedOut),
                 ));
             };
+            let stranger = filling.peer().refuses(&opened.stream);
             match opened.first {
+                Message::ResumePrecopy { session }
+                    if session == hello.session && stranger.is_some() =>
+                {
+                    let why = stranger.unwrap_or_default();
+                    opened.refuse(format!("not a connection of this migration's peer: {why}"));
+                }
                 Message::ResumePrecopy { session } if session == hello.session => {
                     let (mut new, _) = opened.admit();
                     new.set_timeouts(Some(IO_TIMEOUT))?;

@@ -136,10 +136,12 @@ impl Tls {
     }
 }
 
-/// A TLS connection as the engine uses it: plaintext on `app`, ciphertext on `wire`.
+/// A TLS connection as the engine uses it: plaintext on `app`, ciphertext on `wire`, and the
+/// certificate the peer presented (DER), which names who it is.
 pub struct Secured {
     pub app: UnixStream,
     pub wire: Arc<TcpStream>,
+    pub peer: Arc<[u8]>,
 }
 
 fn secure(mut tcp: TcpStream, mut conn: Connection, deadline: Instant) -> Result<Secured> {
@@ -148,6 +150,11 @@ fn secure(mut tcp: TcpStream, mut conn: Connection, deadline: Instant) -> Result
         conn.complete_io(&mut Within::new(&mut tcp, deadline))
             .map_err(tls_err)?;
     }
+    let peer: Arc<[u8]> = conn
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .map(|cert| cert.as_ref().into())
+        .ok_or_else(|| Error::Protocol("TLS: the peer presented no certificate".into()))?;
     let (app, pump_end) = UnixStream::pair().map_err(|e| Error::transport("TLS pump", e))?;
     let wire = Arc::new(tcp);
     let pump_wire = wire.clone();
@@ -159,7 +166,7 @@ fn secure(mut tcp: TcpStream, mut conn: Connection, deadline: Instant) -> Result
             }
         })
         .map_err(|e| Error::transport("TLS pump", e))?;
-    Ok(Secured { app, wire })
+    Ok(Secured { app, wire, peer })
 }
 
 /// Moves plaintext between the engine's socket and the TLS connection, and ciphertext between

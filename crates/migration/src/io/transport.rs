@@ -61,8 +61,9 @@ impl std::fmt::Display for Endpoint {
 pub enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
-    /// TLS: plaintext on the local socket, ciphertext on the TCP socket (see `tls`).
-    Tls(UnixStream, std::sync::Arc<TcpStream>),
+    /// TLS: plaintext on the local socket, ciphertext on the TCP socket (see `tls`), and the
+    /// certificate the peer presented.
+    Tls(UnixStream, std::sync::Arc<TcpStream>, std::sync::Arc<[u8]>),
     /// A snapshot file, or one lane of one written by several writers.
     File(SnapshotFile),
 }
@@ -125,7 +126,7 @@ impl Endpoint {
                 match tls {
                     Some(tls) => {
                         let secured = tls.connect(s, self.host())?;
-                        Stream::Tls(secured.app, secured.wire)
+                        Stream::Tls(secured.app, secured.wire, secured.peer)
                     }
                     None => Stream::Tcp(s),
                 }
@@ -253,7 +254,7 @@ impl Accepted {
         Ok(match (self, tls) {
             (Accepted::Tcp(s), Some(tls)) => {
                 let secured = tls.accept(s, deadline)?;
-                Stream::Tls(secured.app, secured.wire)
+                Stream::Tls(secured.app, secured.wire, secured.peer)
             }
             (Accepted::Tcp(s), None) => Stream::Tcp(s),
             (Accepted::Unix(s), _) => Stream::Unix(s),
@@ -339,6 +340,52 @@ pub(crate) fn set_int(fd: RawFd, level: i32, name: i32, value: i32) -> std::io::
     }
 }
 
+/// Who is at the other end of a connection. A migration's later connections (its extra
+/// lanes, a pre-copy or post-copy carried on) must come from the same: its session id alone
+/// would admit anyone who learnt it, and without TLS it crosses in clear.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PeerIdentity {
+    /// The certificate it presented under TLS (DER): the CA vouches for it.
+    Certificate(std::sync::Arc<[u8]>),
+    /// Its address, over plain TCP: all a connection without TLS says of its peer.
+    Address(std::net::IpAddr),
+    /// The user it runs as, over a Unix socket (the kernel vouches).
+    User(u32),
+    /// A file has no peer.
+    Nobody,
+}
+
+impl PeerIdentity {
+    /// Why `stream` may not join a migration whose peer this is; `None` when it may. A
+    /// connection of another kind (an operator carrying a post-copy on over a Unix socket
+    /// after TCP) cannot be compared: it is admitted as its own transport admits (a Unix
+    /// listener is private to this user, a TCP one takes TLS where the first did).
+    pub fn refuses(&self, stream: &Stream) -> Option<String> {
+        match stream.peer_identity() {
+            Ok(theirs) if theirs == *self => None,
+            Ok(theirs) if std::mem::discriminant(&theirs) != std::mem::discriminant(self) => None,
+            Ok(theirs) => Some(format!(
+                "it comes from {theirs}, and this migration from {self}"
+            )),
+            Err(e) => Some(e.report()),
+        }
+    }
+}
+
+impl std::fmt::Display for PeerIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            // A short name to tell two apart in a message (not a security fingerprint).
+            PeerIdentity::Certificate(der) => {
+                write!(f, "the TLS certificate {:08x}", crc32fast::hash(der))
+            }
+            PeerIdentity::Address(ip) => write!(f, "{ip}"),
+            PeerIdentity::User(uid) => write!(f, "uid {uid}"),
+            PeerIdentity::Nobody => f.write_str("a file"),
+        }
+    }
+}
+
 /// The user the process at the other end of a Unix socket ran as when it connected or
 /// listened.
 fn peer_uid(fd: RawFd) -> std::io::Result<u32> {
@@ -379,7 +426,7 @@ impl Stream {
                 s.set_read_timeout(t)?;
                 s.set_write_timeout(t)?;
             }
-            Stream::Unix(s) | Stream::Tls(s, _) => {
+            Stream::Unix(s) | Stream::Tls(s, ..) => {
                 s.set_read_timeout(t)?;
                 s.set_write_timeout(t)?;
             }
@@ -393,7 +440,7 @@ impl Stream {
         Ok(match self {
             Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
             Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-            Stream::Tls(s, wire) => Stream::Tls(s.try_clone()?, wire.clone()),
+            Stream::Tls(s, wire, peer) => Stream::Tls(s.try_clone()?, wire.clone(), peer.clone()),
             Stream::File(f) => Stream::File(f.try_clone()?),
         })
     }
@@ -402,7 +449,7 @@ impl Stream {
     fn tcp(&self) -> Option<&TcpStream> {
         match self {
             Stream::Tcp(s) => Some(s),
-            Stream::Tls(_, wire) => Some(wire),
+            Stream::Tls(_, wire, _) => Some(wire),
             Stream::Unix(_) | Stream::File(_) => None,
         }
     }
@@ -426,7 +473,7 @@ impl Stream {
             Stream::Tcp(s) => queued(s.as_raw_fd()),
             Stream::Unix(s) => queued(s.as_raw_fd()),
             // What the pump has not taken yet, and what the network has not.
-            Stream::Tls(s, wire) => queued(s.as_raw_fd()) + queued(wire.as_raw_fd()),
+            Stream::Tls(s, wire, _) => queued(s.as_raw_fd()) + queued(wire.as_raw_fd()),
             Stream::File(_) => 0,
         }
     }
@@ -437,7 +484,7 @@ impl Stream {
         match self {
             Stream::Tcp(s) => socket_queue(s.as_raw_fd(), libc::FIONREAD) > 0,
             // The TLS pump hands plaintext over on this side of the socket pair.
-            Stream::Unix(s) | Stream::Tls(s, _) => socket_queue(s.as_raw_fd(), libc::FIONREAD) > 0,
+            Stream::Unix(s) | Stream::Tls(s, ..) => socket_queue(s.as_raw_fd(), libc::FIONREAD) > 0,
             Stream::File(_) => false,
         }
     }
@@ -535,6 +582,25 @@ impl Stream {
         Ok(())
     }
 
+    /// Who the peer is, as far as the connection tells: what a later connection of the same
+    /// migration (an extra lane, a resume) must match.
+    pub fn peer_identity(&self) -> Result<PeerIdentity> {
+        let identity = match self {
+            Stream::Tls(_, _, cert) => PeerIdentity::Certificate(cert.clone()),
+            Stream::Tcp(s) => PeerIdentity::Address(
+                s.peer_addr()
+                    .map_err(|e| Error::transport("cannot learn the peer's address", e))?
+                    .ip(),
+            ),
+            Stream::Unix(s) => PeerIdentity::User(
+                peer_uid(s.as_raw_fd())
+                    .map_err(|e| Error::transport("cannot learn who the peer is", e))?,
+            ),
+            Stream::File(_) => PeerIdentity::Nobody,
+        };
+        Ok(identity)
+    }
+
     /// Checks that the peer runs as this process's user or as root, as the kernel vouches
     /// (`SO_PEERCRED`, taken when the peer listened): a socket in a directory others can
     /// write may have been bound by a stranger first. Only a Unix socket says.
@@ -608,7 +674,7 @@ impl Stream {
         }
         let half = match self {
             Stream::Tcp(s) => s.shutdown(std::net::Shutdown::Write),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.shutdown(std::net::Shutdown::Write),
+            Stream::Unix(s) | Stream::Tls(s, ..) => s.shutdown(std::net::Shutdown::Write),
             Stream::File(_) => Ok(()),
         };
         if half.is_err() || self.set_timeouts(Some(Duration::from_millis(50))).is_err() {
@@ -635,7 +701,7 @@ impl Stream {
             Stream::Tcp(s) => {
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
-            Stream::Unix(s) | Stream::Tls(s, _) => {
+            Stream::Unix(s) | Stream::Tls(s, ..) => {
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
             Stream::File(_) => {}
@@ -653,14 +719,14 @@ impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.read(buf),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.read(buf),
+            Stream::Unix(s) | Stream::Tls(s, ..) => s.read(buf),
             Stream::File(s) => s.read(buf),
         }
     }
     fn read_vectored(&mut self, bufs: &mut [std::io::IoSliceMut<'_>]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.read_vectored(bufs),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.read_vectored(bufs),
+            Stream::Unix(s) | Stream::Tls(s, ..) => s.read_vectored(bufs),
             Stream::File(s) => s.read_vectored(bufs),
         }
     }
@@ -670,21 +736,21 @@ impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write(buf),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.write(buf),
+            Stream::Unix(s) | Stream::Tls(s, ..) => s.write(buf),
             Stream::File(s) => s.write(buf),
         }
     }
     fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
         match self {
             Stream::Tcp(s) => s.write_vectored(bufs),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.write_vectored(bufs),
+            Stream::Unix(s) | Stream::Tls(s, ..) => s.write_vectored(bufs),
             Stream::File(s) => s.write_vectored(bufs),
         }
     }
     fn flush(&mut self) -> std::io::Result<()> {
         match self {
             Stream::Tcp(s) => s.flush(),
-            Stream::Unix(s) | Stream::Tls(s, _) => s.flush(),
+            Stream::Unix(s) | Stream::Tls(s, ..) => s.flush(),
             Stream::File(s) => s.flush(),
         }
     }
