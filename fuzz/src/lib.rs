@@ -15,6 +15,9 @@
 //! - `source`: a migration's source hearing a hostile destination's answers (`source`): it
 //!   never panics, an error says what went wrong, and without `Go` the VM runs here again.
 //! - `vm_state`: the vCPU and device state a KVM destination loads (`state`).
+//! - `ch_request`: one HTTP request on the Cloud Hypervisor profile's socket, up to the typed
+//!   request its VMM gets.
+//! - `virtio_queues`: a guest that programs a balloon or a disk any way it likes (`queues`).
 //!
 //! Every frame of a stream carries a CRC, so a mutated input would almost always stop at the
 //! first checksum. The stream and snapshot targets therefore rewrite each frame's trailer to
@@ -24,6 +27,7 @@
 
 mod live;
 mod plain_vm;
+mod queues;
 mod source;
 mod state;
 
@@ -42,6 +46,7 @@ use migration::{HandedFiles, Incoming, Migratable, PAGE_SIZE, StatusBoard, VmDes
 
 pub use live::{LANE_MARK, live_destination};
 pub use plain_vm::PlainVm;
+pub use queues::virtio_queues;
 pub use source::{params_from, source};
 pub use state::vm_state;
 
@@ -211,6 +216,13 @@ pub fn api(data: &[u8]) {
     }
 }
 
+pub fn ch_request(data: &[u8]) {
+    if let Err(e) = api::server::parse_ch_request(&mut &data[..]) {
+        assert!((400..600).contains(&e.status), "status {}", e.status);
+        assert!(!e.message.is_empty(), "an error that says nothing");
+    }
+}
+
 /// The pages a page frame's payload names as full (encoding 0), as far as they lie in RAM.
 fn full_pages_named(payload: &[u8], ram: &migration::GuestRam) -> Vec<u64> {
     let Some(count) = payload.get(..4) else {
@@ -286,6 +298,16 @@ mod tests {
     #[test]
     fn vm_state_corpus() {
         replay("vm_state", super::vm_state);
+    }
+
+    #[test]
+    fn ch_request_corpus() {
+        replay("ch_request", super::ch_request);
+    }
+
+    #[test]
+    fn virtio_queues_corpus() {
+        replay("virtio_queues", super::virtio_queues);
     }
 
     #[test]

@@ -156,6 +156,13 @@ pub fn parse_request(conn: &mut impl Read) -> Result<ApiRequest, ApiError> {
     ApiRequest::parse(&method, &path, &body)
 }
 
+/// Reads and parses one request of Cloud Hypervisor's contract (`ferry ch`; fuzzed by
+/// `fuzz/fuzz_targets/ch_request.rs`).
+pub fn parse_ch_request(conn: &mut impl Read) -> Result<crate::ch::ChRequest, ApiError> {
+    let (method, path, body) = read_request(conn)?;
+    crate::ch::ChRequest::parse(&method, &path, &body)
+}
+
 /// Reads one request: its method, path and body, within the limits above.
 fn read_request(conn: &mut impl Read) -> Result<(String, String, Vec<u8>), ApiError> {
     let mut reader = BufReader::new(conn.take(MAX_HEADER as u64));
