@@ -258,8 +258,11 @@ fn accept(listener: Listener, endpoint: &Endpoint) {
             let spawned = std::thread::Builder::new()
                 .name("metrics-scrape".into())
                 .spawn_scoped(scope, move || {
-                    serve(conn, endpoint);
+                    let answered = serve(conn, endpoint);
+                    // The place is free before the client sees the connection end: a client
+                    // that scrapes again at once finds it.
                     mine.give_back(peer);
+                    drop(answered);
                 });
             if spawned.is_err() {
                 open.give_back(peer);
@@ -287,7 +290,8 @@ impl Conn for std::os::unix::net::UnixStream {
     }
 }
 
-fn serve(mut conn: Box<dyn Conn>, endpoint: &Endpoint) {
+/// Answers one request; returns the connection, still open.
+fn serve(mut conn: Box<dyn Conn>, endpoint: &Endpoint) -> Box<dyn Conn> {
     let (status, content_type, body) = match read_request_head(conn.as_mut()) {
         Ok(head) if !endpoint.access.allows(&head) => (
             "401 Unauthorized",
@@ -310,6 +314,7 @@ fn serve(mut conn: Box<dyn Conn>, endpoint: &Endpoint) {
     conn.set_timeout(CLIENT_TIMEOUT);
     let _ = conn.write_all(head.as_bytes());
     let _ = conn.write_all(body.as_bytes());
+    conn
 }
 
 const PLAIN: &str = "text/plain; charset=utf-8";

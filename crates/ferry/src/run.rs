@@ -293,20 +293,21 @@ fn configure(controller: &Controller, args: &RunArgs) -> Result<()> {
 }
 
 /// The control API and the metrics endpoint, each if asked for; they serve until dropped.
+/// The metrics endpoint listens first: once the API answers, a scrape is taken too.
 fn start_servers(
     controller: &Arc<Controller>,
     args: &RunArgs,
 ) -> Result<(Option<ApiServer>, Option<MetricsServer>)> {
-    let api = match &args.api_socket {
-        Some(path) => Some(ApiServer::start(path, controller.clone())?),
-        None => None,
-    };
     let metrics = match &args.metrics {
         Some(addr) => Some(metrics::start(
             addr,
             controller.clone(),
             metrics::access(args.metrics_token_file.as_deref())?,
         )?),
+        None => None,
+    };
+    let api = match &args.api_socket {
+        Some(path) => Some(ApiServer::start(path, controller.clone())?),
         None => None,
     };
     Ok((api, metrics))
