@@ -161,33 +161,9 @@ fn the_balloon_shows_in_metrics() {
 
 /// A TCP connection to 127.0.0.1:`port` from 127.0.0.`host`.
 fn connect_from(host: u8, port: u16) -> std::net::TcpStream {
-    use std::os::fd::FromRawFd;
-    let at = |ip: [u8; 4], port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(ip),
-        },
-        sin_zero: [0; 8],
-    };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: a fresh socket, bound and connected with addresses that outlive the calls, then
-    // owned by the stream.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0);
-        let from = at([127, 0, 0, host], 0);
-        assert_eq!(
-            libc::bind(fd, (&from as *const libc::sockaddr_in).cast(), len),
-            0
-        );
-        let to = at([127, 0, 0, 1], port);
-        assert_eq!(
-            libc::connect(fd, (&to as *const libc::sockaddr_in).cast(), len),
-            0
-        );
-        std::net::TcpStream::from_raw_fd(fd)
-    }
+    use std::net::{Ipv4Addr, SocketAddrV4};
+    let to = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port);
+    sockets::tcp::connect_from(Ipv4Addr::new(127, 0, 0, host), to).unwrap()
 }
 
 /// With `--metrics-token-file` a scrape without the token, or with another, is answered 401;
@@ -220,7 +196,8 @@ fn scrapes_need_the_token_and_idle_connections_do_not_starve_them() {
         let request = format!("GET /metrics HTTP/1.1\r\nHost: f\r\n{authorization}\r\n");
         conn.write_all(request.as_bytes()).unwrap();
         let mut answer = String::new();
-        conn.read_to_string(&mut answer).unwrap();
+        conn.read_to_string(&mut answer)
+            .unwrap_or_else(|e| panic!("{authorization:?}: {e}; read {answer:?}"));
         answer
     };
     let none = get("");

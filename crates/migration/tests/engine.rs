@@ -1815,33 +1815,9 @@ fn wait_until<T>(limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
 
 /// A TCP connection to 127.0.0.1:`port` from 127.0.0.`host`, with `first` sent on it.
 fn open_tcp_from(host: u8, port: u16, first: &Message) -> std::net::TcpStream {
-    use std::os::fd::FromRawFd;
-    let at = |ip: [u8; 4], port: u16| libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: port.to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(ip),
-        },
-        sin_zero: [0; 8],
-    };
-    let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: a fresh socket, bound and connected with addresses that outlive the calls, then
-    // owned by the stream.
-    let mut s = unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
-        assert!(fd >= 0);
-        let from = at([127, 0, 0, host], 0);
-        assert_eq!(
-            libc::bind(fd, (&from as *const libc::sockaddr_in).cast(), len),
-            0
-        );
-        let to = at([127, 0, 0, 1], port);
-        assert_eq!(
-            libc::connect(fd, (&to as *const libc::sockaddr_in).cast(), len),
-            0
-        );
-        std::net::TcpStream::from_raw_fd(fd)
-    };
+    use std::net::{Ipv4Addr, SocketAddrV4};
+    let to = SocketAddrV4::new(Ipv4Addr::LOCALHOST, port);
+    let mut s = sockets::tcp::connect_from(Ipv4Addr::new(127, 0, 0, host), to).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     migration::wire::write_stream_header(&mut s).unwrap();
     migration::wire::write_message(&mut s, first).unwrap();

@@ -1,7 +1,8 @@
 //! Socket helpers that ferry's migration engine and its API server both use, and nothing
 //! else: reads and writes held to one deadline for a whole exchange (`deadline`), and Unix
-//! socket files only their owner can connect to (`unix`). A crate of its own so that the API
+//! socket files only their owner can connect to (`unix`), TCP from a chosen address (`tcp`). A crate of its own so that the API
 //! needs none of the engine.
 
 pub mod deadline;
+pub mod tcp;
 pub mod unix;
