@@ -176,7 +176,12 @@ fn postcopy_pushes_on_the_extra_connections() {
             r.pages_pushed_on_lanes, r.pages_pushed,
             "{mode}: every push went on an extra connection"
         );
-        assert!(r.pages_requested > 0, "{mode}: the guest faulted: {r:?}");
+        // After pre-copy's round 0 only the pages dirtied meanwhile are pending (about a
+        // thousand): three lanes may push them all before the guest touches one, so only
+        // post-copy (every page pending) must have faulted.
+        if mode == "postcopy" {
+            assert!(r.pages_requested > 0, "{mode}: the guest faulted: {r:?}");
+        }
         let senders = r.cpu.iter().find(|w| w.work == "send").map(|w| w.threads);
         assert_eq!(senders, Some(4), "a sender per connection: {:?}", r.cpu);
     }
