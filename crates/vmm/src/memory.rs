@@ -212,8 +212,10 @@ fn report_held(
     len: u64,
     held: &mut dyn FnMut(u64, u64),
 ) -> std::io::Result<()> {
-    let mut flags = vec![false; RESIDENCY_CHUNK];
     let pages = len / PAGE;
+    // Sized to the range: a balloon gives scattered pages back one run (often one page) at a
+    // time, and a chunk's worth per call would be allocated for each.
+    let mut flags = vec![false; (pages as usize).min(RESIDENCY_CHUNK)];
     let mut run: Option<(u64, u64)> = None; // first page, pages
     let mut done = 0u64;
     while done < pages {
