@@ -70,12 +70,14 @@ pub fn will_stall(m: &Measured) -> bool {
     dirties_at_least(m, NO_PROGRESS)
 }
 
-/// Whether pre-copy cannot converge, judged from one round: the guest dirties pages faster
-/// than the link sends them and what is left does not fit the downtime budget, so every
-/// further round would resend as much as it sends. With `--auto-postcopy` the source then
-/// switches to post-copy at once instead of waiting for rounds to stall.
+/// Whether pre-copy cannot converge, judged from one round: the next round cannot shrink
+/// the dirty set (`will_stall`, or a round already did not) and what is left does not fit the
+/// downtime budget, so every further round would resend about as much as it sends. A guest
+/// that rewrites its whole set measures at the link's rate, never clearly above it, so
+/// `outpaced` alone would leave it to chance. With `--auto-postcopy` the source then switches
+/// to post-copy at once instead of waiting for rounds to stall.
 pub fn cannot_converge(m: &Measured, limits: &Limits) -> bool {
-    outpaced(m)
+    (will_stall(m) || m.stalled_rounds > 0)
         && expected_downtime_ms(m.pages_remaining, m.bandwidth_bytes_per_s) > limits.max_downtime_ms
 }
 
@@ -269,7 +271,11 @@ mod tests {
         // take ~820 ms against a 10 ms budget.
         let mut x = m(1, 20_000, 30_000.0);
         assert!(cannot_converge(&x, &LIMITS));
-        // Slower than the link: more rounds help.
+        // A whole set rewritten each round measures at the link's rate, a hair either side:
+        // 24,000 pages/s ≈ 98 MB/s.
+        x.dirty_pages_per_s = 24_000.0;
+        assert!(cannot_converge(&x, &LIMITS));
+        // Clearly slower than the link: more rounds help.
         x.dirty_pages_per_s = 10_000.0;
         assert!(!cannot_converge(&x, &LIMITS));
         // Outpaced but already within budget: the switch is what decide() says anyway.
