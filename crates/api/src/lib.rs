@@ -6,6 +6,7 @@ pub mod ch;
 pub mod client;
 pub mod error;
 pub mod request;
+pub mod scrape;
 pub mod server;
 pub mod types;
 

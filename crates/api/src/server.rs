@@ -143,8 +143,8 @@ fn serve(mut conn: UnixStream, service: &dyn Service) {
     // One deadline for the whole request: a timeout per read would let a client sending a
     // byte now and then hold its connection (one of `MAX_CONNECTIONS`) for good.
     let deadline = Instant::now() + CLIENT_TIMEOUT;
-    let outcome = read_request(&mut Within::new(&mut conn, deadline))
-        .and_then(|(method, path, body)| service.call(&method, &path, &body));
+    let outcome = read_request(&mut Within::new(&mut conn, deadline), MAX_BODY)
+        .and_then(|r| service.call(&r.method, &r.path, &r.body));
     let _ = conn.set_write_timeout(Some(CLIENT_TIMEOUT));
     let _ = respond(&mut conn, service, &outcome);
 }
@@ -152,19 +152,38 @@ fn serve(mut conn: UnixStream, service: &dyn Service) {
 /// Reads and parses one request from a client (the whole of what a client can make the API
 /// do before a handler runs; fuzzed by `fuzz/fuzz_targets/api.rs`).
 pub fn parse_request(conn: &mut impl Read) -> Result<ApiRequest, ApiError> {
-    let (method, path, body) = read_request(conn)?;
-    ApiRequest::parse(&method, &path, &body)
+    let r = read_request(conn, MAX_BODY)?;
+    ApiRequest::parse(&r.method, &r.path, &r.body)
 }
 
 /// Reads and parses one request of Cloud Hypervisor's contract (`ferry ch`; fuzzed by
 /// `fuzz/fuzz_targets/ch_request.rs`).
 pub fn parse_ch_request(conn: &mut impl Read) -> Result<crate::ch::ChRequest, ApiError> {
-    let (method, path, body) = read_request(conn)?;
-    crate::ch::ChRequest::parse(&method, &path, &body)
+    let r = read_request(conn, MAX_BODY)?;
+    crate::ch::ChRequest::parse(&r.method, &r.path, &r.body)
 }
 
-/// Reads one request: its method, path and body, within the limits above.
-fn read_request(conn: &mut impl Read) -> Result<(String, String, Vec<u8>), ApiError> {
+/// One HTTP request as read: its method (upper case), path, header lines and body.
+#[derive(Debug, Default)]
+pub struct HttpRequest {
+    pub method: String,
+    pub path: String,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl HttpRequest {
+    /// The values of every header named `name` (any case), trimmed.
+    pub fn header<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.headers
+            .iter()
+            .filter(move |(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Reads one request within the limits above, a body of at most `max_body` bytes.
+pub fn read_request(conn: &mut impl Read, max_body: usize) -> Result<HttpRequest, ApiError> {
     let mut reader = BufReader::new(conn.take(MAX_HEADER as u64));
     let mut line = String::new();
     let read_err = |e: std::io::Error| ApiError::bad_request(format!("reading the request: {e}"));
@@ -179,8 +198,11 @@ fn read_request(conn: &mut impl Read) -> Result<(String, String, Vec<u8>), ApiEr
             "unsupported protocol {version}"
         )));
     }
-    let (method, path) = (method.to_ascii_uppercase(), path.to_string());
-    let mut length = 0usize;
+    let mut request = HttpRequest {
+        method: method.to_ascii_uppercase(),
+        path: path.to_string(),
+        ..HttpRequest::default()
+    };
     loop {
         let mut header = String::new();
         if reader.read_line(&mut header).map_err(read_err)? == 0 {
@@ -197,22 +219,11 @@ fn read_request(conn: &mut impl Read) -> Result<(String, String, Vec<u8>), ApiEr
                 "malformed header line '{header}'"
             )));
         };
-        let value = value.trim();
-        if name.eq_ignore_ascii_case("content-length") {
-            let n: u64 = value
-                .parse()
-                .map_err(|_| ApiError::bad_request(format!("bad Content-Length '{value}'")))?;
-            if n > MAX_BODY as u64 {
-                return Err(ApiError::new(
-                    413,
-                    format!("a body of {n} bytes is larger than the 1 MiB allowed"),
-                ));
-            }
-            length = n as usize;
-        } else if name.eq_ignore_ascii_case("transfer-encoding") {
-            return Err(ApiError::new(411, "send the body with a Content-Length"));
-        }
+        request
+            .headers
+            .push((name.trim().into(), value.trim().into()));
     }
+    let length = body_length(&request, max_body)?;
     let mut body = vec![0u8; length];
     let buffered = reader.buffer().len().min(length);
     body[..buffered].copy_from_slice(&reader.buffer()[..buffered]);
@@ -222,7 +233,44 @@ fn read_request(conn: &mut impl Read) -> Result<(String, String, Vec<u8>), ApiEr
         .into_inner()
         .read_exact(&mut body[buffered..])
         .map_err(|e| ApiError::bad_request(format!("the body was cut short: {e}")))?;
-    Ok((method, path, body))
+    request.body = body;
+    Ok(request)
+}
+
+/// The body's length as the header announces it, refused before a byte of it is read when
+/// it is larger than `max_body` or comes in chunks.
+fn body_length(request: &HttpRequest, max_body: usize) -> Result<usize, ApiError> {
+    if request.header("transfer-encoding").next().is_some() {
+        return Err(ApiError::new(411, "send the body with a Content-Length"));
+    }
+    let Some(value) = request.header("content-length").last() else {
+        return Ok(0);
+    };
+    let n: u64 = value
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("bad Content-Length '{value}'")))?;
+    if n > max_body as u64 {
+        return Err(ApiError::new(
+            413,
+            format!(
+                "a body of {n} bytes is larger than the {} allowed here",
+                Bytes(max_body)
+            ),
+        ));
+    }
+    Ok(n as usize)
+}
+
+/// A byte count as people write it.
+struct Bytes(usize);
+
+impl std::fmt::Display for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            n if n >= 1 << 20 && n % (1 << 20) == 0 => write!(f, "{} MiB", n >> 20),
+            n => write!(f, "{n} bytes"),
+        }
+    }
 }
 
 fn respond(

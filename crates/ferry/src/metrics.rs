@@ -3,7 +3,8 @@
 //! reads, so the two never disagree. Counters add up every migration of this process (the
 //! status board keeps the totals of those that ended; the running one adds its progress),
 //! so they only grow; gauges show the migration now. Served by a small reader of its own
-//! that answers `GET /metrics` only, with the same whole-request deadline as the API.
+//! that answers `GET /metrics` only, read by the API's HTTP reader (`api::scrape`) within a
+//! whole-request deadline.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -16,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
+use api::scrape::{Scrape, read_scrape};
 use migration::StatusBoard;
 use migration::buckets::Buckets;
 use migration::status::{Phase, Role, Status};
@@ -24,14 +26,14 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
+use sockets::deadline::{Timed, Within};
 
 use crate::controller::Controller;
 
-/// How long a scraper has to send its request (it sends it at once), and to take the answer.
+/// How long a scraper has to send its request (it sends it at once; its head is 16 KiB at
+/// most, with no body), and to take the answer.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
-/// The longest request taken (a scrape's is a few hundred bytes).
-const MAX_REQUEST: usize = 8 << 10;
 /// Scrapes served at once; past this a connection is closed unanswered.
 const MAX_CONNECTIONS: usize = 8;
 /// Of those, from one address (TCP): a client that opens connections and sends nothing
@@ -141,27 +143,15 @@ impl Access {
         })
     }
 
-    /// Whether the request `head` may be answered.
-    fn allows(&self, head: &str) -> bool {
-        let Some(token) = &self.token else {
-            return true;
-        };
-        head.lines()
-            .filter_map(|l| l.split_once(':'))
-            .filter(|(name, _)| name.trim().eq_ignore_ascii_case("authorization"))
-            .filter_map(|(_, value)| value.trim().strip_prefix("Bearer "))
-            .any(|given| same(given.trim().as_bytes(), token.as_bytes()))
+    /// Whether `scrape` may be answered.
+    fn allows(&self, scrape: &Scrape) -> bool {
+        self.token.as_ref().is_none_or(|t| scrape.carries(t))
     }
 }
 
 /// Everyone, or with `token_file` only those who carry its token.
 pub fn access(token_file: Option<&std::path::Path>) -> Result<Access> {
     token_file.map_or(Ok(Access::default()), Access::from_file)
-}
-
-/// Compares in time that does not depend on where the two differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |d, (x, y)| d | (x ^ y)) == 0
 }
 
 /// Starts serving `source`'s metrics at `addr`, to whom `access` allows.
@@ -272,35 +262,26 @@ fn accept(listener: Listener, endpoint: &Endpoint) {
 }
 
 /// A scraper's connection, over TCP or a Unix socket.
-trait Conn: Read + Write + Send {
-    fn set_timeout(&self, t: Duration);
-}
+trait Conn: Read + Write + Timed + Send {}
 
-impl Conn for std::net::TcpStream {
-    fn set_timeout(&self, t: Duration) {
-        let _ = self.set_read_timeout(Some(t));
-        let _ = self.set_write_timeout(Some(t));
-    }
-}
-
-impl Conn for std::os::unix::net::UnixStream {
-    fn set_timeout(&self, t: Duration) {
-        let _ = self.set_read_timeout(Some(t));
-        let _ = self.set_write_timeout(Some(t));
-    }
-}
+impl<S: Read + Write + Timed + Send> Conn for S {}
 
 /// Answers one request; returns the connection, still open.
 fn serve(mut conn: Box<dyn Conn>, endpoint: &Endpoint) -> Box<dyn Conn> {
-    let (status, content_type, body) = match read_request_head(conn.as_mut()) {
-        Ok(head) if !endpoint.access.allows(&head) => (
-            "401 Unauthorized",
+    let deadline = Instant::now() + REQUEST_TIMEOUT;
+    let (status, content_type, body) = match read_scrape(&mut Within::new(&mut conn, deadline)) {
+        Ok(scrape) if !endpoint.access.allows(&scrape) => (
+            "401 Unauthorized".into(),
             PLAIN,
             "this endpoint wants Authorization: Bearer <the token of --metrics-token-file>\n"
                 .into(),
         ),
-        Ok(head) => answer(&head, &endpoint.registry),
-        Err(e) => ("400 Bad Request", PLAIN, format!("{e}\n")),
+        Ok(scrape) => answer(&scrape, &endpoint.registry),
+        Err(e) => (
+            format!("{} {}", e.status, reason(e.status)),
+            PLAIN,
+            format!("{}\n", e.message),
+        ),
     };
     let challenge = match status.starts_with("401") {
         true => "WWW-Authenticate: Bearer\r\n",
@@ -311,48 +292,34 @@ fn serve(mut conn: Box<dyn Conn>, endpoint: &Endpoint) -> Box<dyn Conn> {
          {challenge}Connection: close\r\n\r\n",
         body.len()
     );
-    conn.set_timeout(CLIENT_TIMEOUT);
+    let _ = conn.set_io_timeout(CLIENT_TIMEOUT);
     let _ = conn.write_all(head.as_bytes());
     let _ = conn.write_all(body.as_bytes());
     conn
 }
 
+/// The reason phrase of a status the endpoint answers with.
+fn reason(status: u16) -> &'static str {
+    match status {
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        411 => "Length Required",
+        413 => "Payload Too Large",
+        _ => "Bad Request",
+    }
+}
+
 const PLAIN: &str = "text/plain; charset=utf-8";
 
-/// What a request gets: the exposition for `GET /metrics` (OpenMetrics when its `Accept`
-/// asks for it, else Prometheus's text format), a refusal for anything else.
-fn answer(head: &str, registry: &Registry) -> (&'static str, &'static str, String) {
-    let mut words = head.lines().next().unwrap_or_default().split_whitespace();
-    match (words.next(), words.next()) {
-        (Some("GET"), Some("/metrics")) => {
-            let mut body = String::new();
-            if let Err(e) = prometheus_client::encoding::text::encode(&mut body, registry) {
-                return ("500 Internal Server Error", PLAIN, format!("{e}\n"));
-            }
-            let openmetrics = head.lines().any(|l| {
-                let l = l.to_ascii_lowercase();
-                l.starts_with("accept:") && l.contains("application/openmetrics-text")
-            });
-            match openmetrics {
-                true => ("200 OK", OPENMETRICS, body),
-                false => ("200 OK", PROMETHEUS_TEXT, to_prometheus_text(&body)),
-            }
-        }
-        (Some("GET"), Some(path)) => (
-            "404 Not Found",
-            PLAIN,
-            format!("no {path} here: GET /metrics\n"),
-        ),
-        (Some(_), Some(_)) => (
-            "405 Method Not Allowed",
-            PLAIN,
-            "GET /metrics only\n".into(),
-        ),
-        _ => (
-            "400 Bad Request",
-            PLAIN,
-            "not an HTTP request line\n".into(),
-        ),
+/// The exposition `scrape` asks for: OpenMetrics, or Prometheus's text format.
+fn answer(scrape: &Scrape, registry: &Registry) -> (String, &'static str, String) {
+    let mut body = String::new();
+    if let Err(e) = prometheus_client::encoding::text::encode(&mut body, registry) {
+        return ("500 Internal Server Error".into(), PLAIN, format!("{e}\n"));
+    }
+    match scrape.openmetrics {
+        true => ("200 OK".into(), OPENMETRICS, body),
+        false => ("200 OK".into(), PROMETHEUS_TEXT, to_prometheus_text(&body)),
     }
 }
 
@@ -375,26 +342,6 @@ fn to_prometheus_text(openmetrics: &str) -> String {
         out.push('\n');
     }
     out
-}
-
-/// Reads the request's head (at most `MAX_REQUEST` bytes, all of it within
-/// `CLIENT_TIMEOUT`).
-fn read_request_head(conn: &mut dyn Conn) -> std::io::Result<String> {
-    let deadline = Instant::now() + REQUEST_TIMEOUT;
-    let mut head = Vec::with_capacity(512);
-    let mut buf = [0u8; 512];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || head.len() >= MAX_REQUEST {
-            return Err(std::io::Error::other("no whole request in time"));
-        }
-        conn.set_timeout(left);
-        match conn.read(&mut buf)? {
-            0 => return Err(std::io::Error::other("the request ended early")),
-            n => head.extend_from_slice(&buf[..n]),
-        }
-    }
-    Ok(String::from_utf8_lossy(&head).into_owned())
 }
 
 /// What a scrape reads: the source's VM and migrations.
@@ -654,20 +601,16 @@ mod tests {
     }
 
     #[test]
-    fn only_get_metrics_is_served() {
+    fn a_scrape_gets_the_format_it_asks_for() {
         let registry = Registry::default();
-        let (status, kind, body) = answer("GET /metrics HTTP/1.1\r\nHost: x", &registry);
-        assert_eq!((status, kind), ("200 OK", PROMETHEUS_TEXT));
+        let scrape = |raw: &str| api::scrape::read_scrape(&mut raw.as_bytes()).unwrap();
+        let (status, kind, body) = answer(&scrape("GET /metrics HTTP/1.1\r\n\r\n"), &registry);
+        assert_eq!((status.as_str(), kind), ("200 OK", PROMETHEUS_TEXT));
         assert!(!body.contains("# EOF"));
-        let asked = "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0";
-        let (status, kind, body) = answer(asked, &registry);
-        assert_eq!((status, kind), ("200 OK", OPENMETRICS));
+        let asked =
+            "GET /metrics HTTP/1.1\r\nAccept: application/openmetrics-text;version=1.0.0\r\n\r\n";
+        let (status, kind, body) = answer(&scrape(asked), &registry);
+        assert_eq!((status.as_str(), kind), ("200 OK", OPENMETRICS));
         assert!(body.ends_with("# EOF\n"));
-        assert_eq!(answer("GET / HTTP/1.1", &registry).0, "404 Not Found");
-        assert_eq!(
-            answer("POST /metrics HTTP/1.1", &registry).0,
-            "405 Method Not Allowed"
-        );
-        assert_eq!(answer("", &registry).0, "400 Bad Request");
     }
 }

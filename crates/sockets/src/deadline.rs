@@ -26,6 +26,12 @@ impl Timed for UnixStream {
     }
 }
 
+impl<T: Timed + ?Sized> Timed for Box<T> {
+    fn set_io_timeout(&self, t: Duration) -> std::io::Result<()> {
+        (**self).set_io_timeout(t)
+    }
+}
+
 /// `io`, each read and write of which may wait only until `deadline`.
 pub struct Within<'a, S> {
     io: &'a mut S,
