@@ -17,6 +17,7 @@
 //! - `vm_state`: the vCPU and device state a KVM destination loads (`state`).
 //! - `ch_request`: one HTTP request on the Cloud Hypervisor profile's socket, up to the typed
 //!   request its VMM gets.
+//! - `scrape`: one HTTP request on the metrics endpoint, up to the scrape it asks for.
 //! - `virtio_queues`: a guest that programs a balloon or a disk any way it likes (`queues`).
 //!
 //! Every frame of a stream carries a CRC, so a mutated input would almost always stop at the
@@ -223,6 +224,20 @@ pub fn ch_request(data: &[u8]) {
     }
 }
 
+pub fn scrape(data: &[u8]) {
+    const TOKEN: &str = "fuzz-token";
+    match api::scrape::read_scrape(&mut &data[..]) {
+        Ok(s) => assert!(
+            !s.carries(TOKEN) || data.windows(TOKEN.len()).any(|w| w == TOKEN.as_bytes()),
+            "a scrape carries a token it never sent"
+        ),
+        Err(e) => {
+            assert!((400..600).contains(&e.status), "status {}", e.status);
+            assert!(!e.message.is_empty(), "an error that says nothing");
+        }
+    }
+}
+
 /// The pages a page frame's payload names as full (encoding 0), as far as they lie in RAM.
 fn full_pages_named(payload: &[u8], ram: &migration::GuestRam) -> Vec<u64> {
     let Some(count) = payload.get(..4) else {
@@ -303,6 +318,11 @@ mod tests {
     #[test]
     fn ch_request_corpus() {
         replay("ch_request", super::ch_request);
+    }
+
+    #[test]
+    fn scrape_corpus() {
+        replay("scrape", super::scrape);
     }
 
     #[test]
