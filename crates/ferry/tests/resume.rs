@@ -42,6 +42,11 @@ fn a_precopy_cut_at_80_percent_of_round_0_carries_on_and_sends_little_again() {
         "memory arrived equal"
     );
     assert!(src.wait_exit(T).success(), "the source let go");
+    let arrived = dst.migration_status();
+    assert_eq!(
+        arrived.resumes, 1,
+        "the destination counts the resume: {arrived:?}"
+    );
     let passes = dst.info().passes;
     let info = dst.wait_info("a pass on the destination", T, |i| i.passes > passes);
     assert_eq!(info.verify_errors, 0);

@@ -363,7 +363,7 @@ fn memfd(size: u64) -> Result<std::fs::File> {
 /// Checks that a memory file a live update passed is what ferry makes: a memfd of exactly
 /// `len` bytes whose size is sealed (or, from a ferry before the seals, sealed shut as
 /// memfds are by default).
-fn check_passed_memfd(file: &std::fs::File, len: u64) -> std::result::Result<(), String> {
+pub fn check_passed_memfd(file: &std::fs::File, len: u64) -> std::result::Result<(), String> {
     use std::os::fd::AsRawFd;
     // SAFETY: F_GET_SEALS only reads the file's seals; it fails on anything but a memfd.
     let seals = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) };

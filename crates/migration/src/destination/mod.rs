@@ -68,6 +68,7 @@ fn first_live_stream(
 }
 pub use arrival::{Expect, MAX_RESUME_WINDOW};
 use receive::{Arrived, Receiver};
+pub use resume::WAITING as WAITING_FOR_RESUME;
 
 /// Where an incoming VM comes from, opened before anyone may send it.
 pub enum Source {

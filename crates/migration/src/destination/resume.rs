@@ -18,6 +18,9 @@ use crate::wire::{self, Message};
 /// may start as its window closes.
 const LAST_TRY: Duration = Duration::from_secs(10);
 
+/// How the status note begins while the destination waits for the source to carry on.
+pub const WAITING: &str = "the connection broke";
+
 impl Receiver<'_> {
     /// Waits for the source to carry the migration on; replaces `stream` with the new
     /// connection. `cut`: why the old one ended, the error if none comes.
@@ -34,7 +37,7 @@ impl Receiver<'_> {
         };
         let wait = window + LAST_TRY;
         self.status.note = Some(format!(
-            "the connection broke ({}); waiting up to {} s for the source to carry on",
+            "{WAITING} ({}); waiting up to {} s for the source to carry on",
             cut.report(),
             wait.as_secs()
         ));
@@ -67,9 +70,12 @@ impl Receiver<'_> {
                     new.set_timeouts(Some(IO_TIMEOUT))?;
                     let held = filling.copies_held().expect("a resumable filling counts");
                     wire::write_message(&mut new, &held)?;
-                    *stream = new;
+                    // Said before the old connection closes: whoever sees it close finds
+                    // the migration carried on.
+                    self.status.report.resumes += 1;
                     self.status.note = Some("the source carried the migration on".into());
                     self.board.publish(&self.status);
+                    *stream = new;
                     return Ok(());
                 }
                 Message::ResumePrecopy { .. } => {
