@@ -12,6 +12,10 @@
 //! - `api`: one HTTP request on the API socket, up to the typed request a handler gets.
 //! - `live_destination`: a live migration's conversation on the destination, from what the
 //!   source sends on its connections (`live`): a refused stream must never resume the VM.
+//! - `resume`: a pre-copy carried on over a new connection after its first one broke, from
+//!   what the new connection sends after its `ResumePrecopy` (`live`).
+//! - `local_destination`: a live update's destination taking the files its source passes
+//!   (`local`): only a memfd of the right size with ferry's seals is taken as guest memory.
 //! - `source`: a migration's source hearing a hostile destination's answers (`source`): it
 //!   never panics, an error says what went wrong, and without `Go` the VM runs here again.
 //! - `vm_state`: the vCPU and device state a KVM destination loads (`state`).
@@ -27,6 +31,7 @@
 //! the `live_destination` and `source` targets, on each connection's frames.
 
 mod live;
+mod local;
 mod plain_vm;
 mod queues;
 mod source;
@@ -45,7 +50,8 @@ use migration::wire::page_frame::{FrameBuffers, read_page_frame};
 use migration::wire::{self, Frame, Message};
 use migration::{HandedFiles, Incoming, Migratable, PAGE_SIZE, StatusBoard, VmDescriptor};
 
-pub use live::{LANE_MARK, live_destination};
+pub use live::{LANE_MARK, RESUME_MARK, live_destination, resume, resume_prefix};
+pub use local::{local_destination, local_seed};
 pub use plain_vm::PlainVm;
 pub use queues::virtio_queues;
 pub use source::{params_from, source};
@@ -303,6 +309,16 @@ mod tests {
     #[test]
     fn live_destination_corpus() {
         replay("live_destination", super::live_destination);
+    }
+
+    #[test]
+    fn local_destination_corpus() {
+        replay("local_destination", super::local_destination);
+    }
+
+    #[test]
+    fn resume_corpus() {
+        replay("resume", super::resume);
     }
 
     #[test]

@@ -2,9 +2,14 @@
 //! bring it. The input is what the source sends on its main connection (stream header, then
 //! frames), then, after each `LANE_MARK`, what it sends on one extra connection after its
 //! `Join` (the harness opens the extra connections the `Hello` asks for, each with the right
-//! `Join`, so that the fuzzer spends its time on what follows). Each connection is a `unix:`
+//! `Join`, so that the fuzzer spends its time on what follows), and, after a `RESUME_MARK`,
+//! what it sends on a connection that carries the migration on after the main one ended
+//! (after its `ResumePrecopy` naming the `Hello`'s session). Each connection is a `unix:`
 //! socket to the destination's listener, fed by a thread of its own while another reads
 //! whatever the destination answers until it hangs up.
+//!
+//! `resume`: the resume conversation alone: the main connection carries a fixed `Hello` and
+//! `ResumeWindow` and ends; the input is what the connection that carries it on sends.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -14,56 +19,118 @@ use std::sync::{Arc, Mutex, Once, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use migration::destination::Source;
+use migration::destination::{Source, WAITING_FOR_RESUME};
 use migration::wire::frame::STREAM_HEADER_LEN;
 use migration::wire::lanes::MAX_CONNECTIONS;
 use migration::wire::{self, Message, StreamMode};
-use migration::{Endpoint, Incoming, StatusBoard};
+use migration::{Endpoint, Incoming, Migratable, StatusBoard};
 
-use crate::{Built, repair_frames};
+use crate::{Built, PlainVm, repair_frames};
 
 /// Separates the main connection's bytes from each extra connection's in an input.
 pub const LANE_MARK: &[u8] = b"--lane--";
+/// Separates the connections before a break from the one that carries the migration on.
+pub const RESUME_MARK: &[u8] = b"--resume--";
+
+/// The session of the `resume` target's fixed `Hello`.
+const RESUME_SESSION: u64 = 0x5e55_1011;
 
 /// How long a connection's thread waits on a destination that neither reads nor answers
 /// (a safety net: the destination ends every conversation before that).
 const PEER_WAIT: Duration = Duration::from_secs(5);
 
 pub fn live_destination(data: &[u8]) {
+    receive_live(data);
+}
+
+/// `live_destination`; what the destination's status said at the end.
+fn receive_live(data: &[u8]) -> migration::status::Status {
     ignore_sigpipe();
-    let mut parts = split(data, LANE_MARK);
+    let (before, resumed) = match find(data, RESUME_MARK) {
+        Some(at) => (&data[..at], Some(&data[at + RESUME_MARK.len()..])),
+        None => (data, None),
+    };
+    let mut parts = split(before, LANE_MARK);
     let mut main = parts.remove(0).to_vec();
     repair_frames(&mut main, STREAM_HEADER_LEN);
     let path = socket_path();
     let listener = Endpoint::Unix(path.clone())
         .listen(None)
         .expect("a listener in this process's own directory");
-    let lanes = match lanes_asked(&main) {
-        Some((session, n)) => (1..n)
+    let hello = hello_of(&main);
+    let lanes = match hello {
+        Some((session, n)) if n >= 2 => (1..n)
             .map(|lane| {
                 let part = parts.get(lane as usize - 1).copied().unwrap_or_default();
-                let mut payload = part.to_vec();
-                repair_frames(&mut payload, 0);
-                joined(session, lane, &payload)
+                joined(Message::Join { session, lane }, part)
             })
             .collect(),
-        None => Vec::new(),
+        _ => Vec::new(),
     };
+    let resumed = resumed.map(|part| {
+        let session = hello.map_or(0, |(session, _)| session);
+        joined(Message::ResumePrecopy { session }, part)
+    });
     let peers = Arc::new(Peers::default());
-    // The listener stops waiting once the destination hung up on the main connection.
-    let hung_up = peers.open(&path, main, lanes);
+    let board = StatusBoard::default();
+    // The listener stops waiting once the destination hung up on every connection, or waits
+    // for a second resume the input does not hold.
+    let (main_ended, all_ended) = peers.open(&path, main, lanes, resumed);
+    let waits_again = || {
+        let status = board.read();
+        status.report.resumes >= 1
+            && status
+                .note
+                .as_deref()
+                .is_some_and(|n| n.starts_with(WAITING_FOR_RESUME))
+    };
+    let stop = || {
+        all_ended.load(Ordering::Acquire) || (main_ended.load(Ordering::Acquire) && waits_again())
+    };
     let built = Built::default();
-    let incoming = Incoming::new(StatusBoard::default(), None);
-    let result = incoming.receive(
-        Source::Listening(listener),
-        &|| hung_up.load(Ordering::Acquire),
-        built.builder(),
-        |_| {},
-    );
+    let incoming = Incoming::new(board.clone(), None);
+    let result = incoming.receive(Source::Listening(listener), &stop, built.builder(), |_| {});
     // A post-copy cut short is kept there (for a resume) until it goes.
     drop(incoming);
     peers.close();
     built.check(&result, "live migration");
+    board.read()
+}
+
+/// The resume conversation: a pre-copy of `PlainVm::small` whose main connection ends after
+/// its `Hello` and `ResumeWindow`, carried on by a connection that sends `data`.
+pub fn resume(data: &[u8]) {
+    receive_resumed(data);
+}
+
+fn receive_resumed(data: &[u8]) -> migration::status::Status {
+    let mut input = resume_prefix().clone();
+    input.extend_from_slice(RESUME_MARK);
+    input.extend_from_slice(data);
+    receive_live(&input)
+}
+
+/// The `resume` target's main connection: the stream header, `Hello`, `ResumeWindow`.
+pub fn resume_prefix() -> &'static Vec<u8> {
+    static PREFIX: OnceLock<Vec<u8>> = OnceLock::new();
+    PREFIX.get_or_init(|| {
+        let mut out = Vec::new();
+        wire::write_stream_header(&mut out).unwrap();
+        let hello = Message::Hello {
+            vm: PlainVm::small().descriptor(),
+            mode: StreamMode::Precopy,
+            source: "ferry fuzz".into(),
+            connections: 1,
+            session: RESUME_SESSION,
+        };
+        wire::write_message(&mut out, &hello).unwrap();
+        wire::write_message(&mut out, &Message::ResumeWindow { seconds: 1 }).unwrap();
+        out
+    })
+}
+
+fn find(data: &[u8], mark: &[u8]) -> Option<usize> {
+    data.windows(mark.len()).position(|w| w == mark)
 }
 
 /// `data` cut at each `mark`.
@@ -78,9 +145,8 @@ fn split<'a>(data: &'a [u8], mark: &[u8]) -> Vec<&'a [u8]> {
     parts
 }
 
-/// The session and the connections a live stream's `Hello` asks for, when it asks for extra
-/// connections the destination would wait for.
-fn lanes_asked(main: &[u8]) -> Option<(u64, u32)> {
+/// The session and the connections a live stream's `Hello` names.
+fn hello_of(main: &[u8]) -> Option<(u64, u32)> {
     let mut r = main;
     wire::read_stream_header(&mut r).ok()?;
     match wire::read_message(&mut r).ok()? {
@@ -89,19 +155,22 @@ fn lanes_asked(main: &[u8]) -> Option<(u64, u32)> {
             connections,
             session,
             ..
-        } if mode != StreamMode::Snapshot && (2..=MAX_CONNECTIONS).contains(&connections) => {
+        } if mode != StreamMode::Snapshot && connections <= MAX_CONNECTIONS => {
             Some((session, connections))
         }
         _ => None,
     }
 }
 
-/// What an extra connection sends: the stream header, its `Join`, then `payload`.
-fn joined(session: u64, lane: u32, payload: &[u8]) -> Vec<u8> {
+/// What a connection after the main one sends: the stream header, its first message
+/// (`first`: a `Join` or a `ResumePrecopy`), then `payload` with its frames' CRCs repaired.
+fn joined(first: Message, payload: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
     wire::write_stream_header(&mut out).unwrap();
-    wire::write_message(&mut out, &Message::Join { session, lane }).unwrap();
+    wire::write_message(&mut out, &first).unwrap();
+    let at = out.len();
     out.extend_from_slice(payload);
+    repair_frames(&mut out, at);
     out
 }
 
@@ -137,29 +206,49 @@ struct Peers {
 
 impl Peers {
     /// Connects to `path` and sends `bytes`, reading what comes back until the destination
-    /// hangs up; the flag returned says it did. Once the destination first answers (it took
-    /// this connection as its migration: a source opens its extra connections after `Ready`),
-    /// opens one connection for each of `lanes` and sends it. Once hung up, a connection made
-    /// and dropped wakes a listener still waiting for a migration (it looks at its stop flag).
-    fn open(self: &Arc<Self>, path: &Path, bytes: Vec<u8>, lanes: Vec<Vec<u8>>) -> Arc<AtomicBool> {
-        let hung_up = Arc::new(AtomicBool::new(false));
+    /// hangs up; the flags returned say it did, on the main connection and on every one.
+    /// Once the destination first answers (it took this connection as its migration: a
+    /// source opens its extra connections after `Ready`), opens one connection for each of
+    /// `lanes` and sends it, and one that sends `resumed` (it waits, unread, until the
+    /// destination looks for a resume). Once all hung up, a connection made and dropped
+    /// wakes a listener still waiting for a migration (it looks at its stop flag).
+    fn open(
+        self: &Arc<Self>,
+        path: &Path,
+        bytes: Vec<u8>,
+        lanes: Vec<Vec<u8>>,
+        resumed: Option<Vec<u8>>,
+    ) -> (Arc<AtomicBool>, Arc<AtomicBool>) {
+        let main_ended = Arc::new(AtomicBool::new(false));
+        let all_ended = Arc::new(AtomicBool::new(false));
         let Some(socket) = self.connect(path, bytes) else {
-            hung_up.store(true, Ordering::Release);
-            return hung_up;
+            main_ended.store(true, Ordering::Release);
+            all_ended.store(true, Ordering::Release);
+            return (main_ended, all_ended);
         };
-        let (flag, path, peers) = (hung_up.clone(), path.to_path_buf(), self.clone());
-        let mut lanes = Some(lanes);
+        let (main, all) = (main_ended.clone(), all_ended.clone());
+        let (path, peers) = (path.to_path_buf(), self.clone());
+        let mut later = Some((lanes, resumed));
         let thread = std::thread::spawn(move || {
+            let mut resume_socket = None;
             read_all(socket, || {
-                for lane in lanes.take().into_iter().flatten() {
+                let Some((lanes, resumed)) = later.take() else {
+                    return;
+                };
+                for lane in lanes {
                     peers.connect(&path, lane);
                 }
+                resume_socket = resumed.and_then(|r| peers.connect(&path, r));
             });
-            flag.store(true, Ordering::Release);
+            main.store(true, Ordering::Release);
+            if let Some(s) = resume_socket {
+                read_all(s, || {});
+            }
+            all.store(true, Ordering::Release);
             drop(UnixStream::connect(&path));
         });
         self.threads.lock().unwrap().push(thread);
-        hung_up
+        (main_ended, all_ended)
     }
 
     /// A connection to `path` whose own thread sends `bytes`, then ends the sending direction.
@@ -206,6 +295,17 @@ fn read_all(mut socket: UnixStream, mut answered: impl FnMut()) {
 
 #[cfg(test)]
 mod tests {
+    /// The harness reaches what it is for: the seeds' new connection carries the
+    /// migration on.
+    #[test]
+    fn a_resume_seed_is_carried_on() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/resume");
+        for seed in ["precopy.ferry", "precopy-cut-again.ferry"] {
+            let status = super::receive_resumed(&std::fs::read(dir.join(seed)).unwrap());
+            assert_eq!(status.report.resumes, 1, "{seed}: {:?}", status.note);
+        }
+    }
+
     #[test]
     fn inputs_split_at_each_mark() {
         let parts = super::split(b"main--lane--one--lane----lane--", super::LANE_MARK);

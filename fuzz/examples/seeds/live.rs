@@ -7,8 +7,9 @@ use std::path::PathBuf;
 use std::sync::{Arc, mpsc};
 use std::thread::JoinHandle;
 
-use ferry_fuzz::{LANE_MARK, PlainVm};
+use ferry_fuzz::{LANE_MARK, PlainVm, RESUME_MARK};
 use migration::destination::Source;
+use migration::wire::frame::{FRAME_HEADER_LEN, KIND_CONTROL, KIND_PAGES, STREAM_HEADER_LEN};
 use migration::wire::{self, Message};
 use migration::{Endpoint, Incoming, Migratable, MigrationParams, Outgoing, StatusBoard};
 
@@ -39,12 +40,79 @@ pub fn seeds(write: &dyn Fn(&str, &str, &[u8])) {
             &format!("{name}.ferry"),
             &destination_input(&connections),
         );
+        if name.starts_with("precopy") {
+            resume_seeds(name, &connections[0].sent, write);
+        }
         if connections.len() == 1 {
             let mut input = vec![knobs];
             input.extend_from_slice(&connections[0].answered);
             write("source", &format!("{name}.ferry"), &input);
         }
     }
+}
+
+/// Seeds of a resumed pre-copy from the main connection of one that ran whole: for `resume`,
+/// its frames after `Hello` and `ResumeWindow`; for `live_destination`, the stream cut after
+/// its first page frame and carried on with the rest.
+fn resume_seeds(name: &str, sent: &[u8], write: &dyn Fn(&str, &str, &[u8])) {
+    let frames = frames(sent);
+    let is = |frame: &[u8], want: fn(&Message) -> bool| {
+        frame[0] == KIND_CONTROL && want(&wire::read_message(&mut &frame[..]).unwrap())
+    };
+    let after_window = frames
+        .iter()
+        .position(|f| is(f, |m| matches!(m, Message::ResumeWindow { .. })))
+        .expect("a pre-copy names its resume window")
+        + 1;
+    let rest: Vec<u8> = frames[after_window..].concat();
+    write("resume", &format!("{name}.ferry"), &rest);
+    if name == "precopy" {
+        local_seeds(&rest, write);
+    }
+    let cut = frames[after_window..]
+        .iter()
+        .position(|f| f[0] == KIND_PAGES)
+        .map_or(frames.len(), |i| after_window + i + 1);
+    // Carried on, then cut again: the destination waits for a second resume.
+    write(
+        "resume",
+        &format!("{name}-cut-again.ferry"),
+        &frames[after_window..cut].concat(),
+    );
+    let mut input = sent[..STREAM_HEADER_LEN].to_vec();
+    input.extend(frames[..cut].concat());
+    input.extend_from_slice(RESUME_MARK);
+    input.extend(frames[cut..].concat());
+    write("live_destination", &format!("{name}-resumed.ferry"), &input);
+}
+
+/// Seeds of `local_destination`: the files ferry passes (two sealed memfds, one per RAM
+/// range of `PlainVm::small`), an earlier ferry's, unsealed, short ones, and other kinds of
+/// file, before `tail`.
+fn local_seeds(tail: &[u8], write: &dyn Fn(&str, &str, &[u8])) {
+    for (name, kinds) in [
+        ("sealed", &[0u8, 0][..]),
+        ("sealed-shut", &[1, 1]),
+        ("unsealed", &[2, 0]),
+        ("short-pipe-socket", &[3, 5, 6]),
+        ("null", &[4]),
+    ] {
+        let seed = ferry_fuzz::local_seed(kinds, tail);
+        write("local_destination", &format!("{name}.ferry"), &seed);
+    }
+}
+
+/// The frames of a stream, after its header.
+fn frames(stream: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    let mut at = STREAM_HEADER_LEN;
+    while at + FRAME_HEADER_LEN <= stream.len() {
+        let len = u32::from_le_bytes(stream[at + 4..at + 8].try_into().unwrap()) as usize;
+        let end = at + FRAME_HEADER_LEN + len + 4;
+        out.push(&stream[at..end]);
+        at = end;
+    }
+    out
 }
 
 /// The main connection's bytes, then each extra one's after its `Join`.
