@@ -178,7 +178,14 @@ pub fn start(
     let registry = Arc::new(registry);
     std::thread::Builder::new()
         .name("metrics-accept".into())
-        .spawn(move || accept(listener, &Endpoint { registry, access }))?;
+        .spawn(move || {
+            // Past this point, the endpoint's threads open nothing (see vmm::sandbox).
+            if let Err(e) = vmm::sandbox::enter_metrics_thread() {
+                tracing::error!("the metrics endpoint does not serve: {e}");
+                return;
+            }
+            accept(listener, &Endpoint { registry, access })
+        })?;
     Ok(MetricsServer { path })
 }
 

@@ -6,6 +6,9 @@
 //!   drives. They get an allow-list: memory, files they already hold (read, write, sync,
 //!   give back), KVM's ioctls, waiting and signals. Nothing opens a file, makes a socket,
 //!   spawns a process or a thread, or changes a privilege.
+//! - **The metrics endpoint's threads** (the one port a stranger may reach without a
+//!   certificate) get an allow-list too: connections they were handed, threads to serve
+//!   them, memory and waiting. Nothing opens a file, makes a socket or touches KVM.
 //! - **Every thread** (the API, the migration, the rest) gets a deny-list of what a VMM never
 //!   does: run a program, trace or write another process, mount, change namespaces, load a
 //!   module or a BPF program, reboot, set the clock, and so on. `clone3` answers `ENOSYS` (its
@@ -67,6 +70,64 @@ const DEVICE_SYSCALLS: &[libc::c_long] = &[
     libc::SYS_futex,
     libc::SYS_sched_yield,
     libc::SYS_sched_getaffinity,
+    libc::SYS_nanosleep,
+    libc::SYS_clock_nanosleep,
+    libc::SYS_clock_gettime,
+    libc::SYS_gettimeofday,
+    libc::SYS_restart_syscall,
+    libc::SYS_rt_sigreturn,
+    libc::SYS_rt_sigprocmask,
+    libc::SYS_sigaltstack,
+    libc::SYS_getrandom,
+    libc::SYS_gettid,
+    libc::SYS_getpid,
+    libc::SYS_tgkill,
+    libc::SYS_exit,
+    libc::SYS_exit_group,
+];
+
+/// What the metrics endpoint's threads may do: take connections, read a request and write
+/// the answer on them, and start a thread for each; memory, waiting and the thread's end.
+/// It opens no file, makes no socket, touches no device: a bug in what parses a stranger's
+/// request holds little.
+const METRICS_SYSCALLS: &[libc::c_long] = &[
+    // Connections.
+    libc::SYS_accept,
+    libc::SYS_accept4,
+    libc::SYS_read,
+    libc::SYS_write,
+    libc::SYS_readv,
+    libc::SYS_writev,
+    libc::SYS_recvfrom,
+    libc::SYS_sendto,
+    libc::SYS_setsockopt,
+    libc::SYS_getsockopt,
+    libc::SYS_getpeername,
+    libc::SYS_getsockname,
+    libc::SYS_shutdown,
+    libc::SYS_close,
+    libc::SYS_poll,
+    libc::SYS_ppoll,
+    libc::SYS_fcntl,
+    // Memory: the allocator, a new thread's stack and its guard.
+    libc::SYS_mmap,
+    libc::SYS_munmap,
+    libc::SYS_mremap,
+    libc::SYS_mprotect,
+    libc::SYS_madvise,
+    libc::SYS_brk,
+    // Threads: `clone` itself is checked by the process's filter (threads only). `clone3`
+    // must pass this filter so that the process's answers `ENOSYS` (the C library then uses
+    // `clone`): a trap would win over it, and the C library makes a thread with every signal
+    // blocked, so the trap's `SIGSYS` would end the process.
+    libc::SYS_clone,
+    libc::SYS_clone3,
+    libc::SYS_set_robust_list,
+    libc::SYS_rseq,
+    libc::SYS_sched_getaffinity,
+    // Waiting, time, signals, the thread's end.
+    libc::SYS_futex,
+    libc::SYS_sched_yield,
     libc::SYS_nanosleep,
     libc::SYS_clock_nanosleep,
     libc::SYS_clock_gettime,
@@ -166,6 +227,20 @@ pub fn device_filter() -> BpfProgram {
     compile(rules, SeccompAction::Trap, SeccompAction::Allow)
 }
 
+/// The metrics endpoint's allow-list (and `prctl` to name a thread).
+pub fn metrics_filter() -> BpfProgram {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = METRICS_SYSCALLS
+        .iter()
+        .map(|&nr| (nr, Vec::new()))
+        .collect();
+    let naming = condition(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64);
+    rules.insert(
+        libc::SYS_prctl,
+        vec![SeccompRule::new(vec![naming]).expect("one condition")],
+    );
+    compile(rules, SeccompAction::Trap, SeccompAction::Allow)
+}
+
 /// The process's deny-list, and `clone` that makes a process.
 pub fn process_filter() -> BpfProgram {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
@@ -212,6 +287,16 @@ pub fn enter_device_thread() -> Result<(), String> {
     }
     seccompiler::apply_filter(DEVICE_FILTER.get_or_init(device_filter))
         .map_err(|e| format!("sandbox: cannot narrow a device thread: {e}"))
+}
+
+/// Narrows the calling thread, and the threads it starts, to the metrics endpoint's
+/// allow-list, when the sandbox is on.
+pub fn enter_metrics_thread() -> Result<(), String> {
+    if !ON.get().copied().unwrap_or(false) {
+        return Ok(());
+    }
+    seccompiler::apply_filter(&metrics_filter())
+        .map_err(|e| format!("sandbox: cannot narrow the metrics endpoint's thread: {e}"))
 }
 
 /// System calls the sandbox refused since the process started.
@@ -273,8 +358,10 @@ mod tests {
     }
 
     /// A device thread may read, wait and give pages back, but not make a socket, open a file
-    /// or run a program: those fail with EPERM and are counted; the thread goes on. Another
-    /// thread (the deny-list) may make a socket, not unshare or change its root.
+    /// or run a program: those fail with EPERM and are counted; the thread goes on. The
+    /// metrics endpoint serves a scrape on a thread of its own, refused nothing, but makes no
+    /// socket and opens no file. Another thread (the deny-list) may make a socket, not
+    /// unshare or change its root.
     #[test]
     fn device_threads_are_refused_what_the_guest_should_never_get() {
         install_sigsys_handler().unwrap();
@@ -300,6 +387,42 @@ mod tests {
         .join()
         .unwrap();
         assert!(refused() >= before + 4, "each refusal counted");
+
+        // The endpoint is handed its listener; the client lives outside the filter.
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = listener.local_addr().unwrap();
+        let before = refused();
+        let endpoint = std::thread::spawn(move || {
+            seccompiler::apply_filter(&metrics_filter()).unwrap();
+            // A scrape on a thread of its own, named as the endpoint names it.
+            let served = std::thread::Builder::new()
+                .name("metrics-scrape".into())
+                .spawn(move || {
+                    let (mut conn, _) = listener.accept().unwrap();
+                    conn.set_read_timeout(Some(std::time::Duration::from_secs(5)))
+                        .unwrap();
+                    let mut got = [0u8; 3];
+                    std::io::Read::read_exact(&mut conn, &mut got).unwrap();
+                    std::io::Write::write_all(&mut conn, b"ok").unwrap();
+                    got
+                })
+                .unwrap();
+            assert_eq!(&served.join().unwrap(), b"GET");
+            assert_eq!(refused(), before, "serving a scrape is refused nothing");
+            // SAFETY: plain system calls with valid arguments.
+            unsafe {
+                assert_eq!(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0), -1);
+                assert_eq!(errno(), libc::EPERM);
+                assert_eq!(libc::open(c"/etc/hostname".as_ptr(), libc::O_RDONLY), -1);
+                assert_eq!(errno(), libc::EPERM);
+            }
+        });
+        let mut client = std::net::TcpStream::connect(at).unwrap();
+        std::io::Write::write_all(&mut client, b"GET").unwrap();
+        let mut answer = Vec::new();
+        std::io::Read::read_to_end(&mut client, &mut answer).unwrap();
+        assert_eq!(answer, b"ok");
+        endpoint.join().unwrap();
 
         std::thread::spawn(|| {
             seccompiler::apply_filter(&process_filter()).unwrap();

@@ -336,6 +336,16 @@ impl Drop for Ferry {
             let _ = child.kill();
             let _ = child.wait();
         }
+        // Every test runs with the sandbox on: it must never have refused ferry's own work.
+        let refused: Vec<String> = self
+            .stderr_text()
+            .lines()
+            .filter(|l| l.contains("the sandbox refused"))
+            .map(String::from)
+            .collect();
+        if !refused.is_empty() && !std::thread::panicking() {
+            panic!("the sandbox refused ferry's own work: {refused:?}");
+        }
     }
 }
 
