@@ -33,7 +33,7 @@ for t in $targets; do
     # the guest report, the source's migration thread) ending after the input returns:
     # LeakSanitizer's check after each input, and at exit, reports their data as leaks.
     leaks=1
-    case $t in live_destination | source) leaks=0 ;; esac
+    case $t in live_destination | source | resume | local_destination) leaks=0 ;; esac
     ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=$leaks cargo +nightly fuzz run -O "$t" "target/fuzz-work/$t" "fuzz/corpus/$t" -- \
         -max_total_time="$seconds" -timeout=120 -rss_limit_mb=4096 -detect_leaks=$leaks \
         -print_final_stats=1 >"$log" 2>&1 || status=$?
