@@ -73,20 +73,20 @@ fn receive_live(data: &[u8]) -> migration::status::Status {
     });
     let peers = Arc::new(Peers::default());
     let board = StatusBoard::default();
-    // The listener stops waiting once the destination hung up on every connection, or waits
-    // for a second resume the input does not hold.
+    // The destination stops once it hung up on every connection, or once it waits for a
+    // resume the input does not hold: none at all, or a second one.
+    let has_resume = resumed.is_some();
     let (main_ended, all_ended) = peers.open(&path, main, lanes, resumed);
-    let waits_again = || {
+    let waits_in_vain = || {
         let status = board.read();
-        status.report.resumes >= 1
-            && status
-                .note
-                .as_deref()
-                .is_some_and(|n| n.starts_with(WAITING_FOR_RESUME))
+        let waiting = status
+            .note
+            .as_deref()
+            .is_some_and(|n| n.starts_with(WAITING_FOR_RESUME));
+        waiting
+            && (!has_resume || (status.report.resumes >= 1 && main_ended.load(Ordering::Acquire)))
     };
-    let stop = || {
-        all_ended.load(Ordering::Acquire) || (main_ended.load(Ordering::Acquire) && waits_again())
-    };
+    let stop = || all_ended.load(Ordering::Acquire) || waits_in_vain();
     let built = Built::default();
     let incoming = Incoming::new(board.clone(), None);
     let result = incoming.receive(Source::Listening(listener), &stop, built.builder(), |_| {});
