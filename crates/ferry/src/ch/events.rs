@@ -1,10 +1,11 @@
-//! `--event-monitor`: Cloud Hypervisor's event stream — one JSON object per line, written and
-//! flushed as it happens: `{"timestamp":{"secs":S,"nanos":N},"source":"vm","event":"booted",
-//! "properties":null}`. The timestamp is the time since the VMM started, as CH's is.
+//! `--event-monitor`: Cloud Hypervisor's event stream — one JSON object per line, each in one
+//! `write` as it happens: `{"timestamp":{"secs":S,"nanos":N},"source":"vm","event":"booted",
+//! "properties":null}`. The timestamp is the time since the VMM started, as CH's is. One write
+//! per event matters: libvirt's reader takes what one read returns as whole events, and on a
+//! pipe a line cut in pieces is taken as broken ones.
 
 use migration::sync::Locked;
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::Write;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -12,13 +13,13 @@ use std::time::Instant;
 use serde_json::json;
 
 pub struct Events {
-    out: Option<Mutex<File>>,
+    out: Option<Mutex<Box<dyn Write + Send>>>,
     started: Instant,
 }
 
 impl Events {
     /// Events to `out`, or nowhere.
-    pub fn new(out: Option<File>) -> Self {
+    pub fn new(out: Option<Box<dyn Write + Send>>) -> Self {
         Self {
             out: out.map(Mutex::new),
             started: Instant::now(),
@@ -42,8 +43,9 @@ impl Events {
             "event": event,
             "properties": properties,
         });
-        let mut out = out.locked();
-        let _ = writeln!(out, "{line}").and_then(|_| out.flush());
+        let mut text = line.to_string();
+        text.push('\n');
+        let _ = out.locked().write_all(text.as_bytes());
     }
 }
 
@@ -52,10 +54,32 @@ mod tests {
     use super::*;
     use std::io::Read;
 
+    /// Counts the writes it is given.
+    struct Writes(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Write for Writes {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn each_event_is_one_write() {
+        let writes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let events = Events::new(Some(Box::new(Writes(writes.clone()))));
+        events.emit("vmm", "starting", &[]);
+        events.emit("vm", "migration-progress", &[("round", "2".into())]);
+        assert_eq!(writes.load(std::sync::atomic::Ordering::Relaxed), 2);
+    }
+
     #[test]
     fn one_object_per_line() {
         let mut file = tempfile::tempfile().unwrap();
-        let events = Events::new(Some(file.try_clone().unwrap()));
+        let events = Events::new(Some(Box::new(file.try_clone().unwrap())));
         events.emit("vmm", "starting", &[]);
         events.emit("vm", "migration-progress", &[("round", "2".into())]);
         let mut text = String::new();

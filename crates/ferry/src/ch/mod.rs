@@ -86,7 +86,10 @@ pub fn main(argv: &[String]) -> Result<i32> {
     }
     crate::run::install_termination_handler();
     ::vmm::sandbox::enter_process(args.sandbox).map_err(anyhow::Error::msg)?;
-    let events = events::Events::new(event_file(args.event_monitor.as_ref())?);
+    let events = events::Events::new(
+        event_file(args.event_monitor.as_ref())?
+            .map(|f| Box::new(f) as Box<dyn std::io::Write + Send>),
+    );
     events.emit("vmm", "starting", &[]);
     let serial = args.arrival_serial.unwrap_or(ConsoleMode::Off);
     let allowed = allow::Allowed::new(&args.allow_disk_dirs, &args.allow_taps)?;
