@@ -42,6 +42,8 @@ struct ControlState {
     wish: Wish,
     parked: usize,
     alive: usize,
+    /// Threads that began to run, under their names.
+    started: usize,
 }
 
 /// What every vCPU thread looks at between two `KVM_RUN`s.
@@ -64,6 +66,7 @@ impl RunControl {
                 wish: if start_paused { Wish::Pause } else { Wish::Run },
                 parked: 0,
                 alive: vcpus,
+                started: 0,
             }),
             changed: Condvar::new(),
             throttle: AtomicU8::new(0),
@@ -109,6 +112,47 @@ impl RunControl {
         s.wish == Wish::Stop
     }
 
+    fn thread_started(&self) {
+        self.lock().started += 1;
+        self.changed.notify_all();
+    }
+
+    /// Waits until every vCPU thread runs under its name (`vcpu{N}`): an orchestrator pins
+    /// the threads it finds by name as soon as the boot is answered.
+    fn wait_all_started(&self, timeout: Duration) -> Result<()> {
+        self.wait_until(
+            timeout,
+            |s| s.started >= s.alive,
+            |s| format!("only {} of {} vCPU threads started", s.started, s.alive),
+        )
+    }
+
+    /// Waits until `done` holds of the state, or fails after `timeout` saying `short_of`.
+    fn wait_until(
+        &self,
+        timeout: Duration,
+        done: impl Fn(&ControlState) -> bool,
+        short_of: impl Fn(&ControlState) -> String,
+    ) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.lock();
+        while !done(&s) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(Error::Vcpu {
+                    cpu: 0,
+                    reason: short_of(&s),
+                });
+            }
+            s = self
+                .changed
+                .wait_timeout(s, left)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
     fn thread_exited(&self) {
         let mut s = self.lock();
         s.alive -= 1;
@@ -136,23 +180,11 @@ impl RunControl {
 
     /// Waits until every live vCPU thread is parked.
     fn wait_all_parked(&self, timeout: Duration) -> Result<()> {
-        let deadline = Instant::now() + timeout;
-        let mut s = self.lock();
-        while s.parked < s.alive {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(Error::Vcpu {
-                    cpu: 0,
-                    reason: format!("only {} of {} vCPUs parked in time", s.parked, s.alive),
-                });
-            }
-            s = self
-                .changed
-                .wait_timeout(s, left)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
-        }
-        Ok(())
+        self.wait_until(
+            timeout,
+            |s| s.parked >= s.alive,
+            |s| format!("only {} of {} vCPUs parked in time", s.parked, s.alive),
+        )
     }
 }
 
@@ -242,6 +274,7 @@ impl VcpuSet {
             threads: Mutex::new(threads),
             kicker: Mutex::new(None),
         };
+        set.control.wait_all_started(PARK_TIMEOUT)?;
         if start_paused {
             set.control.wait_all_parked(PARK_TIMEOUT)?;
         }
@@ -337,6 +370,8 @@ enum Step {
 
 impl VcpuContext {
     fn run(self) {
+        // The thread has its name by now (the standard library sets it first).
+        self.control.thread_started();
         // The guest drives this thread: it may ask the kernel only for what a vCPU needs.
         if let Err(e) = crate::sandbox::enter_device_thread() {
             self.fail(e);
