@@ -83,6 +83,16 @@ impl Vmm {
             .collect()
     }
 
+    /// The names of the process's threads, as libvirt reads them.
+    fn thread_names(&self) -> Vec<String> {
+        let tasks = format!("/proc/{}/task", self.child.id());
+        std::fs::read_dir(tasks)
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|name| name.trim().to_string())
+            .collect()
+    }
+
     fn said(&self, event: &str) -> bool {
         self.events().iter().any(|(_, e)| e == event)
     }
@@ -170,6 +180,9 @@ fn lifecycle_and_live_migration_through_the_profile() {
         "already created",
     );
     src.ok("PUT", "vm.boot", None);
+    // Boot answers once the vCPU threads run under their names: libvirt pins them at once.
+    let threads = src.thread_names();
+    assert!(threads.iter().any(|t| t == "vcpu0"), "{threads:?}");
     assert_error(src.call("PUT", "vm.boot", None), 500, "already booted");
     let info = src.ok("GET", "vm.info", None);
     assert_eq!(info["state"], "Running");
@@ -185,6 +198,23 @@ fn lifecycle_and_live_migration_through_the_profile() {
     assert_eq!(src.ok("GET", "vm.info", None)["state"], "Paused");
     assert_error(src.call("PUT", "vm.pause", None), 500, "not running");
     src.ok("PUT", "vm.resume", None);
+    // A reboot says only what CH says: a shutdown between would read as the guest gone.
+    let before = src.events().len();
+    src.ok("PUT", "vm.reboot", None);
+    let said: Vec<String> = src.events()[before..]
+        .iter()
+        .map(|(_, e)| e.clone())
+        .collect();
+    assert_eq!(said, ["rebooting", "rebooted"]);
+    assert_eq!(src.ok("GET", "vm.info", None)["state"], "Running");
+    wait_for(
+        "a first pass after the reboot",
+        Duration::from_secs(60),
+        || {
+            (src.ok("GET", "vm.counters", None)["guest"]["passes"].as_u64() >= Some(1))
+                .then_some(())
+        },
+    );
     assert_error(
         src.call("PUT", "vm.power-button", None),
         400,

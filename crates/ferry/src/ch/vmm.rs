@@ -61,6 +61,16 @@ pub fn wrong_state(message: impl Into<String>) -> ApiError {
     ApiError::internal(message)
 }
 
+/// A VM that arrived by migration or restore has no payload here to boot.
+fn check_bootable(spec: &VmSpec) -> Result<(), ApiError> {
+    match spec.kernel.is_empty() {
+        true => Err(wrong_state(
+            "the VM arrived by migration or restore: it has no payload here to boot",
+        )),
+        false => Ok(()),
+    }
+}
+
 /// A controller's refusal in CH's terms: CH answers 400 for bad input, 404 for no VM and
 /// 500 for the rest (ferry's 409 for a wrong state, 502 for a failed peer).
 pub fn as_ch(e: ApiError) -> ApiError {
@@ -229,17 +239,19 @@ impl ChVmm {
             Slot::Arriving(_) => return Err(wrong_state("the VM is still arriving")),
             Slot::Live(c, _) => return self.boot_live(c),
         };
-        if spec.kernel.is_empty() {
-            return Err(wrong_state(
-                "the VM arrived by migration or restore: it has no payload here to boot",
-            ));
-        }
+        check_bootable(&spec)?;
         self.events.emit("vm", "booting", &[]);
+        self.start_vm(spec)?;
+        self.events.emit("vm", "booted", &[]);
+        Ok(Value::Null)
+    }
+
+    /// Boots `spec`'s payload; answers once its vCPU threads run.
+    fn start_vm(&self, spec: VmSpec) -> Result<(), ApiError> {
         let vm = machine::boot(&spec)?;
         let security = per_request(None);
         self.go_live(Controller::with_vm(Arc::new(vm), security), spec);
-        self.events.emit("vm", "booted", &[]);
-        Ok(Value::Null)
+        Ok(())
     }
 
     /// `vm.boot` of a booted VM: CH resumes a paused one and refuses a running one.
@@ -319,6 +331,13 @@ impl ChVmm {
 
     /// `vm.shutdown`: the VM stops; its config stays (CH's `vm.info` then says Created).
     fn shutdown(&self) -> Result<Value, ApiError> {
+        self.stop_vm()?;
+        self.events.emit("vm", "shutdown", &[]);
+        Ok(Value::Null)
+    }
+
+    /// Stops the live VM, unless a migration holds it; returns its config.
+    fn stop_vm(&self) -> Result<VmSpec, ApiError> {
         let c = self.live()?;
         if c.migrations.running() || c.lifecycle().holds_stop() {
             return Err(wrong_state(format!(
@@ -326,20 +345,26 @@ impl ChVmm {
                 c.lifecycle().name()
             )));
         }
-        let spec = match &*self.slot() {
-            Slot::Live(_, spec) => spec.clone(),
-            _ => return Err(wrong_state("VM is not booted")),
-        };
-        self.end_vm(Slot::Created(spec));
-        self.events.emit("vm", "shutdown", &[]);
-        Ok(Value::Null)
+        let spec = self.live_spec()?;
+        self.end_vm(Slot::Created(spec.clone()));
+        Ok(spec)
     }
 
+    fn live_spec(&self) -> Result<VmSpec, ApiError> {
+        match &*self.slot() {
+            Slot::Live(_, spec) => Ok(spec.clone()),
+            _ => Err(wrong_state("VM is not booted")),
+        }
+    }
+
+    /// `vm.reboot`: the VM stops and boots again from its payload. As CH's, it says only
+    /// `rebooting` and `rebooted`: a `shutdown` between them reads as the guest gone (libvirt
+    /// turns the domain off).
     fn reboot(&self) -> Result<Value, ApiError> {
-        self.live()?;
+        check_bootable(&self.live_spec()?)?;
         self.events.emit("vm", "rebooting", &[]);
-        self.shutdown()?;
-        self.boot()?;
+        let spec = self.stop_vm()?;
+        self.start_vm(spec)?;
         self.events.emit("vm", "rebooted", &[]);
         Ok(Value::Null)
     }
