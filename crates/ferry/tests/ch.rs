@@ -332,6 +332,64 @@ fn lifecycle_and_live_migration_through_the_profile() {
     }
 }
 
+/// libvirt's `<console type='pty'>`: the guest's serial output on a pseudo-terminal whose
+/// path `vm.info` names, the same one after a reboot; a console ferry cannot give (a pty
+/// beside a file serial) is refused by name.
+#[test]
+fn a_pty_console_shows_the_guest_across_a_reboot() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let vmm = Vmm::start(dir.path(), "pty");
+    let mut both = config("idle serial_ms=100");
+    both["serial"] = json!({"mode": "File", "file": dir.path().join("s").display().to_string()});
+    both["console"] = json!({"mode": "Pty"});
+    assert_error(
+        vmm.call("PUT", "vm.create", Some(both)),
+        400,
+        "no virtio-console",
+    );
+    let mut pty = config("idle serial_ms=100");
+    pty["console"] = json!({"mode": "Pty"});
+    vmm.ok("PUT", "vm.create", Some(pty));
+    vmm.ok("PUT", "vm.boot", None);
+    let console = vmm.ok("GET", "vm.info", None)["config"]["console"].clone();
+    assert_eq!(console["mode"], "Pty");
+    let path = console["file"]
+        .as_str()
+        .expect("the pty's path")
+        .to_string();
+    // The boot's memory map, then its progress: read up to there, nothing of it is left.
+    wait_for_text(&path, "ferry-guest: hb=");
+    vmm.ok("PUT", "vm.reboot", None);
+    let again = vmm.ok("GET", "vm.info", None)["config"]["console"]["file"].clone();
+    assert_eq!(
+        again.as_str(),
+        Some(path.as_str()),
+        "a reboot keeps the pty"
+    );
+    wait_for_text(&path, "ferry-guest: e820");
+}
+
+/// Reads the terminal at `path` until `text` comes.
+fn wait_for_text(path: &str, text: &str) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut tty = std::fs::File::options()
+        .read(true)
+        .custom_flags(libc::O_NOCTTY | libc::O_NONBLOCK)
+        .open(path)
+        .unwrap();
+    let mut seen = Vec::new();
+    wait_for(text, Duration::from_secs(30), || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = tty.read(&mut buf) {
+            seen.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&seen).contains(text).then_some(())
+    });
+}
+
 /// CH's `tls_dir` (its file names) over ferry's certificates: one directory for both sides.
 /// CH's local migration is ferry's live update: an empty VMM takes the VM over with its
 /// memory (`memory.shared`) and its disk, no page copied.

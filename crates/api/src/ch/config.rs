@@ -24,6 +24,10 @@ pub enum ConsoleMode {
     /// Tty: this process's standard output.
     Tty,
     File(String),
+    /// A pseudo-terminal ferry opens; its path (`/dev/pts/N`) once it is open.
+    Pty(Option<String>),
+    /// A Unix socket ferry listens on, at this path.
+    Socket(String),
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -159,13 +163,12 @@ const NET: &[(&str, AtDefault)] = &[
 const NET_USED: &[&str] = &["tap", "mac", "id"];
 
 const CONSOLE: &[(&str, AtDefault)] = &[
-    ("socket", AtDefault::Empty),
     ("iommu", AtDefault::Is("false")),
     ("id", AtDefault::Empty),
     ("pci_segment", AtDefault::Is("0")),
     ("pci_device_id", AtDefault::Empty),
 ];
-const CONSOLE_USED: &[&str] = &["mode", "file"];
+const CONSOLE_USED: &[&str] = &["mode", "file", "socket"];
 
 fn bad(message: impl Into<String>) -> ApiError {
     ApiError::bad_request(message)
@@ -258,6 +261,9 @@ impl VmSpec {
             bad("payload.kernel is required: ferry boots a PVH ELF or a Linux bzImage")
         })?;
         let (memory_bytes, shared_memory) = memory(top.get("memory"))?;
+        let serial = console(top.get("serial"), "serial", ConsoleMode::Off)?;
+        let console = console(top.get("console"), "console", ConsoleMode::Off)?;
+        check_consoles(&serial, &console)?;
         Ok(Self {
             kernel,
             cmdline: string(payload, "payload", "cmdline")?.unwrap_or_default(),
@@ -267,18 +273,13 @@ impl VmSpec {
             vcpus: cpus(top.get("cpus"))?,
             disks: disks(top)?,
             nets: nets(top)?,
-            serial: console(top.get("serial"), "serial", ConsoleMode::Off)?,
-            console: console(top.get("console"), "console", ConsoleMode::Off)?,
+            serial,
+            console,
         })
     }
 
     /// The config as `vm.info` shows it: CH's shape, with what ferry fills in said.
     pub fn to_json(&self) -> Value {
-        let mode = |m: &ConsoleMode| match m {
-            ConsoleMode::Off => json!({"mode": "Off"}),
-            ConsoleMode::Tty => json!({"mode": "Tty"}),
-            ConsoleMode::File(f) => json!({"mode": "File", "file": f}),
-        };
         json!({
             "cpus": {"boot_vcpus": self.vcpus, "max_vcpus": self.vcpus},
             "memory": {"size": self.memory_bytes, "shared": self.shared_memory},
@@ -293,8 +294,8 @@ impl VmSpec {
             "net": self.nets.iter().enumerate().map(|(i, n)| json!({
                 "tap": n.tap, "mac": n.mac, "id": format!("_net{i}"),
             })).collect::<Vec<_>>(),
-            "serial": mode(&self.serial),
-            "console": mode(&self.console),
+            "serial": self.serial.to_json(),
+            "console": self.console.to_json(),
         })
     }
 }
@@ -374,27 +375,91 @@ fn console(
     let map = fields(value, path, CONSOLE_USED, CONSOLE)?;
     let mode = string(map, path, "mode")?.ok_or_else(|| bad(format!("{path}.mode is required")))?;
     let file = string(map, path, "file")?;
-    let out = match (mode.as_str(), file) {
-        ("Off" | "Null", None) => ConsoleMode::Off,
-        ("Tty", None) if path == "serial" => ConsoleMode::Tty,
-        ("File", Some(f)) if path == "serial" => ConsoleMode::File(f),
-        ("File", None) => return Err(bad(format!("{path}.mode File needs {path}.file"))),
-        (_, Some(_)) if mode != "File" => {
-            return Err(bad(format!("{path}.file is only for mode File")));
+    let socket = string(map, path, "socket")?;
+    let out = match (mode.as_str(), file, socket) {
+        ("Off" | "Null", None, None) => ConsoleMode::Off,
+        ("Tty", None, None) => ConsoleMode::Tty,
+        // vm.info names the pty it opened; a config posted back gets a new one.
+        ("Pty", _, None) => ConsoleMode::Pty(None),
+        ("File", Some(f), None) => ConsoleMode::File(f),
+        ("Socket", None, Some(s)) => ConsoleMode::Socket(s),
+        ("File", None, _) => return Err(bad(format!("{path}.mode File needs {path}.file"))),
+        ("Socket", _, None) => {
+            return Err(bad(format!("{path}.mode Socket needs {path}.socket")));
         }
-        (other, _) if path == "console" => {
+        ("Off" | "Null" | "Tty" | "Pty" | "File" | "Socket", _, _) => {
             return Err(bad(format!(
-                "console.mode={other}: ferry has no virtio-console; give Off or Null (the \
-                 guest's output goes to the serial port: serial.mode Tty or File)"
+                "{path}: file is only for mode File, socket only for mode Socket"
             )));
         }
-        (other, _) => {
+        (other, _, _) => {
             return Err(bad(format!(
-                "serial.mode={other}: ferry's serial port goes to Off, Null, Tty or File"
+                "{path}.mode={other}: ferry takes Off, Null, Tty, Pty, File or Socket"
             )));
         }
     };
     Ok(out)
+}
+
+/// ferry has one serial port and no virtio-console: a console other than Off or Tty (CH's
+/// default, which a guest without a virtio-console never writes to) goes to the serial port,
+/// so the serial must be off or the same.
+fn check_consoles(serial: &ConsoleMode, console: &ConsoleMode) -> Result<(), ApiError> {
+    match console {
+        ConsoleMode::Off | ConsoleMode::Tty => Ok(()),
+        c if serial == c || *serial == ConsoleMode::Off => Ok(()),
+        _ => Err(bad(format!(
+            "console={} with serial={}: ferry has no virtio-console; the console is its \
+             serial port, so give it only with serial Off (or the same as serial)",
+            mode_name(console),
+            mode_name(serial)
+        ))),
+    }
+}
+
+fn mode_name(m: &ConsoleMode) -> &'static str {
+    match m {
+        ConsoleMode::Off => "Off",
+        ConsoleMode::Tty => "Tty",
+        ConsoleMode::File(_) => "File",
+        ConsoleMode::Pty(_) => "Pty",
+        ConsoleMode::Socket(_) => "Socket",
+    }
+}
+
+impl ConsoleMode {
+    /// CH's JSON for it.
+    fn to_json(&self) -> Value {
+        match self {
+            ConsoleMode::File(f) | ConsoleMode::Pty(Some(f)) => {
+                json!({"mode": mode_name(self), "file": f})
+            }
+            ConsoleMode::Socket(s) => json!({"mode": "Socket", "socket": s}),
+            m => json!({"mode": mode_name(m)}),
+        }
+    }
+}
+
+impl VmSpec {
+    /// Where the guest's serial port goes: the serial's mode, or, with the serial Off, the
+    /// console's (a guest's `console=ttyS0` is what a console shows here).
+    pub fn serial_port(&self) -> &ConsoleMode {
+        match (&self.serial, &self.console) {
+            (ConsoleMode::Off, ConsoleMode::Tty) => &ConsoleMode::Off,
+            (ConsoleMode::Off, console) => console,
+            (serial, _) => serial,
+        }
+    }
+
+    /// Records the pseudo-terminal `path` the serial port was given, on the serial and on a
+    /// console that is its twin.
+    pub fn set_pty(&mut self, path: &str) {
+        for m in [&mut self.serial, &mut self.console] {
+            if matches!(m, ConsoleMode::Pty(_)) {
+                *m = ConsoleMode::Pty(Some(path.to_string()));
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -426,6 +491,29 @@ mod tests {
         assert_eq!(again, s, "vm.info's config is a config ferry takes back");
     }
 
+    /// libvirt's `<console type='pty'>`: the serial port goes to a pseudo-terminal, whose
+    /// path `vm.info` then gives on the console (and on a serial that is its twin).
+    #[test]
+    fn a_pty_console_is_the_serial_port() {
+        let mut s = spec(json!({"payload": {"kernel": "/k"}, "console": {"mode": "Pty"}})).unwrap();
+        assert_eq!(s.serial_port(), &ConsoleMode::Pty(None));
+        s.set_pty("/dev/pts/7");
+        let info = s.to_json();
+        assert_eq!(
+            info["console"],
+            json!({"mode": "Pty", "file": "/dev/pts/7"})
+        );
+        assert_eq!(info["serial"], json!({"mode": "Off"}));
+        assert_eq!(spec(info).unwrap().console, ConsoleMode::Pty(None));
+        // CH's defaults (serial Null, console Tty) leave the port off; a socket serial wins.
+        let defaults = json!({"payload": {"kernel": "/k"}, "serial": {"mode": "Null"}, "console": {"mode": "Tty"}});
+        assert_eq!(spec(defaults).unwrap().serial_port(), &ConsoleMode::Off);
+        let socket = json!({"payload": {"kernel": "/k"}, "serial": {"mode": "Socket", "socket": "/run/s"}, "console": {"mode": "Tty"}});
+        let socket = spec(socket).unwrap();
+        assert_eq!(socket.serial_port(), &ConsoleMode::Socket("/run/s".into()));
+        assert_eq!(spec(socket.to_json()).unwrap(), socket);
+    }
+
     #[test]
     fn refuses_what_it_cannot_honour_naming_it() {
         let with = |extra: Value| {
@@ -442,8 +530,12 @@ mod tests {
         assert!(e.contains("disks[0].direct=true"), "{e}");
         let e = with(json!({"cpus": {"boot_vcpus": 1, "max_vcpus": 4}}));
         assert!(e.contains("cpus.max_vcpus=4"), "{e}");
-        let e = with(json!({"console": {"mode": "Pty"}}));
-        assert!(e.contains("console.mode=Pty"), "{e}");
+        let e = with(json!({"console": {"mode": "Pty"}, "serial": {"mode": "File", "file": "/s"}}));
+        assert!(e.contains("console=Pty with serial=File"), "{e}");
+        let e = with(json!({"serial": {"mode": "Socket"}}));
+        assert!(e.contains("serial.mode Socket needs serial.socket"), "{e}");
+        let e = with(json!({"serial": {"mode": "Telnet"}}));
+        assert!(e.contains("serial.mode=Telnet"), "{e}");
         let e = with(json!({"balloon": {"size": 1}}));
         assert!(e.contains("balloon"), "{e}");
         let e = spec(json!({"payload": {"firmware": "/fw"}})).unwrap_err();

@@ -272,14 +272,15 @@ fn config(flags: &BTreeMap<String, Vec<String>>) -> Result<Option<Value>> {
         nets.push(json!({"tap": o.get("tap"), "mac": o.get("mac")}));
     }
     c.insert("net".into(), Value::Array(nets));
-    // CH's default serial is null; its default console (tty) is a virtio-console ferry lacks.
+    // CH's defaults: serial null, console tty (a virtio-console: ferry's guest writes to its
+    // serial port, so a console goes there only with the serial off; see VmSpec::serial_port).
     c.insert(
         "serial".into(),
         console(one(flags, "serial")?.unwrap_or("null")),
     );
     c.insert(
         "console".into(),
-        console(one(flags, "console")?.unwrap_or("off")),
+        console(one(flags, "console")?.unwrap_or("tty")),
     );
     Ok(Some(Value::Object(c)))
 }
@@ -318,8 +319,13 @@ mod tests {
         assert!(e.to_string().contains("'hugepages'"), "{e}");
         let e = parse(&argv("--api-socket /a --metrics 9100")).unwrap_err();
         assert!(e.to_string().contains("--metrics 9100"), "{e}");
-        let e = parse(&argv("--kernel /k --console pty")).unwrap_err();
-        assert!(e.to_string().contains("console.mode=Pty"), "{e}");
+        let e = parse(&argv("--kernel /k --console pty --serial file=/s")).unwrap_err();
+        assert!(e.to_string().contains("no virtio-console"), "{e}");
+        let pty = parse(&argv("--kernel /k --console pty"))
+            .unwrap()
+            .spec
+            .unwrap();
+        assert_eq!(pty.serial_port(), &ConsoleMode::Pty(None));
         let e = parse(&argv("--seccomp log")).unwrap_err();
         assert!(e.to_string().contains("--seccomp log"), "{e}");
     }

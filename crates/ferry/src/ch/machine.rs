@@ -11,15 +11,6 @@ fn failed(e: impl std::fmt::Display) -> ApiError {
     ApiError::internal(format!("the VM could not boot: {e:#}"))
 }
 
-/// Where the guest's serial port writes.
-pub fn serial(mode: &ConsoleMode) -> Result<Box<dyn std::io::Write + Send>, ApiError> {
-    match mode {
-        ConsoleMode::Off => Ok(Box::new(std::io::sink())),
-        ConsoleMode::Tty => run::open_serial("stdout").map_err(failed),
-        ConsoleMode::File(f) => run::open_serial(f).map_err(failed),
-    }
-}
-
 /// A PVH ELF boots by its PVH entry (with `vcpus=N` on its command line, which ferry's
 /// workload guest reads); anything else, or an ELF with an initramfs, by the Linux protocol.
 fn image(spec: &VmSpec) -> Result<(BootImage, String), ApiError> {
@@ -77,10 +68,11 @@ fn config(spec: &VmSpec) -> Result<VmConfig, ApiError> {
     })
 }
 
-pub fn boot(spec: &VmSpec) -> Result<Vm, ApiError> {
+/// Boots `spec`'s payload, its serial port writing to `serial`.
+pub fn boot(spec: &VmSpec, serial: Box<dyn std::io::Write + Send>) -> Result<Vm, ApiError> {
     let (image, cmdline) = image(spec)?;
     let config = config(spec)?;
-    run::boot_vm(config, &image, &cmdline, serial(&spec.serial)?).map_err(failed)
+    run::boot_vm(config, &image, &cmdline, serial).map_err(failed)
 }
 
 /// What `vm.info` says of a VM that arrived (by migration or restore): its shape; it has no

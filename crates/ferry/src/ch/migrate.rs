@@ -159,7 +159,9 @@ impl ChVmm {
                 if let Some(allowed) = allowed {
                     allowed.admit(&mut config, files.as_ref())?;
                 }
-                let out = machine::serial(&serial).map_err(|e| migration::Error::vm(e.message))?;
+                let out = super::console::Port::open(&serial)
+                    .map_err(|e| migration::Error::vm(e.message))?
+                    .writer();
                 Vm::arriving(config, out, files)
                     .map(Arc::new)
                     .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))

@@ -6,6 +6,7 @@
 
 mod allow;
 mod cli;
+mod console;
 mod events;
 mod machine;
 mod migrate;

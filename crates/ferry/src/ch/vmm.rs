@@ -17,6 +17,7 @@ use vmm::VmState;
 use vmm::devices::GuestEvent;
 
 use super::allow::Allowed;
+use super::console::Port;
 use super::events::Events;
 use super::machine;
 use crate::controller::Controller;
@@ -48,6 +49,8 @@ pub struct ChVmm {
     pub allowed: Allowed,
     /// When the current migration began, on this host's clock.
     pub migration_began: Mutex<Option<Instant>>,
+    /// The booted VM's serial port, kept across a reboot (its pty keeps its path).
+    port: Mutex<Option<Port>>,
     /// The migrations' board of the latest VM here, kept once it has gone for `--metrics`.
     last_board: Mutex<Option<StatusBoard>>,
 }
@@ -98,6 +101,7 @@ impl ChVmm {
             allowed,
             migration_began: Mutex::new(None),
             last_board: Mutex::new(None),
+            port: Mutex::new(None),
         })
     }
 
@@ -246,9 +250,19 @@ impl ChVmm {
         Ok(Value::Null)
     }
 
-    /// Boots `spec`'s payload; answers once its vCPU threads run.
-    fn start_vm(&self, spec: VmSpec) -> Result<(), ApiError> {
-        let vm = machine::boot(&spec)?;
+    /// Boots `spec`'s payload on the serial port it had (a reboot) or a new one; answers
+    /// once its vCPU threads run.
+    fn start_vm(&self, mut spec: VmSpec) -> Result<(), ApiError> {
+        let kept = self.port.locked().take();
+        let port = match kept {
+            Some(port) => port,
+            None => Port::open(spec.serial_port())?,
+        };
+        let vm = machine::boot(&spec, port.writer())?;
+        if let Some(pty) = &port.pty {
+            spec.set_pty(pty);
+        }
+        *self.port.locked() = Some(port);
         let security = per_request(None);
         self.go_live(Controller::with_vm(Arc::new(vm), security), spec);
         Ok(())
@@ -332,6 +346,7 @@ impl ChVmm {
     /// `vm.shutdown`: the VM stops; its config stays (CH's `vm.info` then says Created).
     fn shutdown(&self) -> Result<Value, ApiError> {
         self.stop_vm()?;
+        *self.port.locked() = None;
         self.events.emit("vm", "shutdown", &[]);
         Ok(Value::Null)
     }
@@ -378,6 +393,7 @@ impl ChVmm {
             _ => {}
         }
         self.end_vm(Slot::Empty);
+        *self.port.locked() = None;
         self.events.emit("vm", "deleted", &[]);
         Ok(Value::Null)
     }
