@@ -10,6 +10,7 @@
 //! gets 503 at once.
 
 use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -34,6 +35,23 @@ pub trait Handler: Send + Sync + 'static {
 pub trait Service: Send + Sync + 'static {
     /// Answers one request; `Ok(Value::Null)` answers 204 No Content.
     fn call(&self, method: &str, path: &str, body: &[u8]) -> Result<Value, ApiError>;
+    /// Answers a request that came with files (`SCM_RIGHTS`); only a service with endpoints
+    /// that take files answers one.
+    fn call_with_files(
+        &self,
+        method: &str,
+        path: &str,
+        body: &[u8],
+        files: Vec<OwnedFd>,
+    ) -> Result<Value, ApiError> {
+        if !files.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "{path} takes no files ({} passed with the request)",
+                files.len()
+            )));
+        }
+        self.call(method, path, body)
+    }
     /// The body of an error answer.
     fn error_body(&self, e: &ApiError) -> String;
     /// Whether the status line carries a reason phrase (`HTTP/1.1 200 OK`). Cloud
@@ -65,6 +83,8 @@ pub struct ApiServer {
 }
 
 const MAX_BODY: usize = 1 << 20;
+/// Files a request may pass (a NIC's taps).
+const MAX_PASSED_FILES: usize = 8;
 const MAX_HEADER: usize = 16 << 10;
 /// How long a client has to send its whole request, and to take the answer.
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -143,10 +163,24 @@ fn serve(mut conn: UnixStream, service: &dyn Service) {
     // One deadline for the whole request: a timeout per read would let a client sending a
     // byte now and then hold its connection (one of `MAX_CONNECTIONS`) for good.
     let deadline = Instant::now() + CLIENT_TIMEOUT;
-    let outcome = read_request(&mut Within::new(&mut conn, deadline), MAX_BODY)
-        .and_then(|r| service.call(&r.method, &r.path, &r.body));
+    let outcome = first_read(&conn).and_then(|(first, files)| {
+        let rest = Within::new(&mut conn, deadline);
+        read_request(&mut std::io::Cursor::new(first).chain(rest), MAX_BODY)
+            .and_then(|r| service.call_with_files(&r.method, &r.path, &r.body, files))
+    });
     let _ = conn.set_write_timeout(Some(CLIENT_TIMEOUT));
     let _ = respond(&mut conn, service, &outcome);
+}
+
+/// The request's first bytes, with the files passed along with them (a client passes them
+/// with the request, in one `sendmsg`, as libvirt does).
+fn first_read(conn: &UnixStream) -> Result<(Vec<u8>, Vec<OwnedFd>), ApiError> {
+    let _ = conn.set_read_timeout(Some(CLIENT_TIMEOUT));
+    let mut first = vec![0u8; 4096];
+    let (n, files) = sockets::passed::recv_with_files(conn, &mut first, MAX_PASSED_FILES)
+        .map_err(|e| ApiError::bad_request(format!("reading the request: {e}")))?;
+    first.truncate(n);
+    Ok((first, files))
 }
 
 /// Reads and parses one request from a client (the whole of what a client can make the API

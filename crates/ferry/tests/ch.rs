@@ -4,6 +4,7 @@
 mod common;
 
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -370,6 +371,108 @@ fn a_pty_console_shows_the_guest_across_a_reboot() {
         "a reboot keeps the pty"
     );
     wait_for_text(&path, "ferry-guest: e820");
+}
+
+/// libvirt's NICs: it makes the tap and passes its open file with `vm.add-net` before
+/// `vm.boot` (`SCM_RIGHTS`). The NIC boots on that file: the tap is transient and attached
+/// by the file, so attaching to it by name would be refused as busy.
+#[test]
+fn a_nic_passed_as_a_tap_file_boots_with_the_vm() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let vmm = Vmm::start(dir.path(), "nic");
+    let name = format!("fyln{}", std::process::id() % 100_000);
+    let tap = transient_tap(&name);
+    let add = json!({"mac": "52:54:00:12:34:56", "num_queues": 2});
+    assert_error(
+        call_with_files(&vmm.socket, "vm.add-net", &add, &[tap.as_raw_fd()]),
+        404,
+        "not created",
+    );
+    vmm.ok("PUT", "vm.create", Some(config("idle")));
+    let two = [tap.as_raw_fd(), tap.as_raw_fd()];
+    assert_error(
+        call_with_files(&vmm.socket, "vm.add-net", &add, &two),
+        400,
+        "one queue pair",
+    );
+    let (status, answer) = call_with_files(&vmm.socket, "vm.add-net", &add, &[tap.as_raw_fd()]);
+    assert_eq!(
+        (status, answer["id"].as_str()),
+        (200, Some("_net0")),
+        "{answer}"
+    );
+    let net = vmm.ok("GET", "vm.info", None)["config"]["net"][0].clone();
+    assert_eq!(
+        (net["tap"].as_str(), net["mac"].as_str()),
+        (Some(name.as_str()), Some("52:54:00:12:34:56"))
+    );
+    vmm.ok("PUT", "vm.boot", None);
+    assert!(vmm.ok("GET", "vm.counters", None)["_net0"].is_object());
+    assert_error(
+        call_with_files(&vmm.socket, "vm.add-net", &add, &[tap.as_raw_fd()]),
+        400,
+        "no hotplug",
+    );
+    assert_error(
+        call_with_files(&vmm.socket, "vm.pause", &json!({}), &[tap.as_raw_fd()]),
+        400,
+        "takes no files",
+    );
+}
+
+/// A tap that lives as long as the file returned (made by attaching to a new name).
+fn transient_tap(name: &str) -> std::fs::File {
+    #[repr(C)]
+    struct IfReq {
+        name: [u8; 16],
+        flags: libc::c_short,
+        _pad: [u8; 22],
+    }
+    let tun = std::fs::File::options()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .expect("/dev/net/tun");
+    let mut req = IfReq {
+        name: [0; 16],
+        flags: 0x0002 | 0x1000, // IFF_TAP | IFF_NO_PI
+        _pad: [0; 22],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    // SAFETY: TUNSETIFF reads and writes an ifreq, which `req` is, alive for the call.
+    let set = unsafe { libc::ioctl(tun.as_raw_fd(), 0x4004_54ca, &mut req) };
+    assert_eq!(
+        set,
+        0,
+        "TUNSETIFF {name}: {}",
+        std::io::Error::last_os_error()
+    );
+    tun
+}
+
+/// `PUT endpoint` with `body`, passing `files` with the request in one `sendmsg`, as
+/// libvirt does.
+fn call_with_files(
+    socket: &Path,
+    endpoint: &str,
+    body: &Value,
+    files: &[std::os::fd::RawFd],
+) -> (u16, Value) {
+    let s = UnixStream::connect(socket).unwrap();
+    let body = body.to_string();
+    let request = format!(
+        "PUT /api/v1/{endpoint} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    sockets::passed::send_with_files(&s, request.as_bytes(), files).unwrap();
+    let mut answer = String::new();
+    (&s).read_to_string(&mut answer).unwrap();
+    let status = answer[9..12].parse().unwrap();
+    let text = answer.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (status, serde_json::from_str(text).unwrap_or(Value::Null))
 }
 
 /// Reads the terminal at `path` until `text` comes.

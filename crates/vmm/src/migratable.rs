@@ -82,6 +82,7 @@ impl VmConfig {
                 DeviceDescriptor::Net { tap, mac, .. } => self.nets.push(NetConfig {
                     tap: tap.clone(),
                     mac: *mac,
+                    file: None,
                 }),
                 DeviceDescriptor::Balloon {
                     target_bytes,

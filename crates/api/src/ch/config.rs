@@ -41,6 +41,9 @@ pub struct Net {
     pub tap: String,
     /// As given (xx:xx:xx:xx:xx:xx); ferry's NIC parser checks it.
     pub mac: Option<String>,
+    /// The tap's open file, when the client passed it (`vm.add-net`, libvirt's way); `tap`
+    /// is then the name it is attached to.
+    pub file: Option<sockets::passed::PassedFd>,
 }
 
 /// The part of a `VmConfig` ferry honours.
@@ -159,6 +162,8 @@ const NET: &[(&str, AtDefault)] = &[
     ("offload_tso", AtDefault::Is("true")),
     ("offload_ufo", AtDefault::Is("true")),
     ("offload_csum", AtDefault::Is("true")),
+    // The files a client passes arrive with the request, not in the body.
+    ("fds", AtDefault::Empty),
 ];
 const NET_USED: &[&str] = &["tap", "mac", "id"];
 
@@ -351,17 +356,34 @@ fn nets(top: &Map<String, Value>) -> Result<Vec<Net>, ApiError> {
     let mut out = Vec::new();
     for (i, net) in list(top, "net")?.iter().enumerate() {
         let path = format!("net[{i}]");
-        let map = fields(net, &path, NET_USED, NET)?;
-        out.push(Net {
-            tap: string(map, &path, "tap")?.ok_or_else(|| {
-                bad(format!(
-                    "{path}.tap is required: ferry attaches a NIC to an existing tap device"
-                ))
-            })?,
-            mac: string(map, &path, "mac")?,
-        });
+        let (nic, named) = nic(net, &path)?;
+        if !named {
+            return Err(bad(format!(
+                "{path}.tap is required: ferry attaches a NIC to an existing tap device \
+                 (or to one whose file vm.add-net passes)"
+            )));
+        }
+        out.push(nic);
     }
     Ok(out)
+}
+
+/// A NIC of `vm.add-net`, and whether the body names its tap: a client that passes the tap's
+/// file (libvirt) names none, and the caller fills in the tap that file is attached to.
+pub fn added_net(body: &Value) -> Result<(Net, bool), ApiError> {
+    nic(body, "NetConfig")
+}
+
+fn nic(net: &Value, path: &str) -> Result<(Net, bool), ApiError> {
+    let map = fields(net, path, NET_USED, NET)?;
+    let tap = string(map, path, "tap")?;
+    let named = tap.is_some();
+    let nic = Net {
+        tap: tap.unwrap_or_default(),
+        mac: string(map, path, "mac")?,
+        file: None,
+    };
+    Ok((nic, named))
 }
 
 fn console(

@@ -3,7 +3,7 @@
 
 use serde_json::Value;
 
-use super::config::VmSpec;
+use super::config::{self, Net, VmSpec};
 use super::types::{ReceiveMigrationData, RestoreConfig, SendMigrationData, VmSnapshotConfig};
 use crate::error::ApiError;
 use crate::request::{PREFIX, json};
@@ -13,6 +13,9 @@ pub enum ChRequest {
     VmmPing,
     VmmShutdown,
     Create(Box<VmSpec>),
+    /// `vm.add-net` before `vm.boot`; `bool`: the body names the tap (else its file comes
+    /// with the request).
+    AddNet(Box<Net>, bool),
     Boot,
     Info,
     Counters,
@@ -42,7 +45,6 @@ const UNSUPPORTED: &[(&str, &str)] = &[
         "vm.add-disk",
         "ferry has no hotplug; give disks in vm.create",
     ),
-    ("vm.add-net", "ferry has no hotplug; give NICs in vm.create"),
     ("vm.add-fs", "ferry has no virtio-fs"),
     ("vm.add-pmem", "ferry has no virtio-pmem"),
     ("vm.add-vsock", "ferry has no vsock"),
@@ -70,6 +72,10 @@ impl ChRequest {
                     "PUT",
                     ChRequest::Create(Box::new(VmSpec::from_json(&config)?)),
                 )
+            }
+            "vm.add-net" => {
+                let (net, named) = config::added_net(&json(endpoint, body)?)?;
+                ("PUT", ChRequest::AddNet(Box::new(net), named))
             }
             "vm.boot" => ("PUT", ChRequest::Boot),
             "vm.info" => ("GET", ChRequest::Info),

@@ -130,6 +130,7 @@ mod tests {
             nets: vec![NetConfig {
                 tap: tap.into(),
                 mac: None,
+                file: None,
             }],
             balloon: None,
         }

@@ -44,7 +44,11 @@ fn config(spec: &VmSpec) -> Result<VmConfig, ApiError> {
                 Some(mac) => format!("tap={},mac={mac}", n.tap),
                 None => format!("tap={}", n.tap),
             };
-            text.parse::<NetConfig>().map_err(ApiError::bad_request)
+            let config = text.parse::<NetConfig>().map_err(ApiError::bad_request)?;
+            Ok(NetConfig {
+                file: n.file.clone(),
+                ..config
+            })
         })
         .collect::<Result<_, _>>()?;
     Ok(VmConfig {
@@ -100,6 +104,7 @@ pub fn spec_of(vm: &Vm, serial: &ConsoleMode) -> VmSpec {
             .map(|n| Net {
                 tap: n.tap.clone(),
                 mac: n.mac.as_ref().map(vmm::devices::virtio::net::format_mac),
+                file: None,
             })
             .collect(),
         serial: serial.clone(),

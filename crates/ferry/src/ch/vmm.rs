@@ -4,17 +4,20 @@
 //! wrong state, 400 for bad input.
 
 use migration::sync::Locked;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use api::ch::{ChRequest, ConsoleMode, VmSpec, VmmPingResponse};
+use api::ch::{ChRequest, ConsoleMode, Net, VmSpec, VmmPingResponse};
 use api::{ApiError, ApiRequest, Handler, Service};
 use migration::StatusBoard;
 use migration::io::tls::Tls;
 use serde_json::{Value, json};
+use sockets::passed::PassedFd;
 use vmm::VmState;
 use vmm::devices::GuestEvent;
+use vmm::devices::virtio::tap::Tap;
 
 use super::allow::Allowed;
 use super::console::Port;
@@ -236,6 +239,53 @@ impl ChVmm {
         Ok(Value::Null)
     }
 
+    /// `vm.add-net` before `vm.boot`, as libvirt adds each NIC, passing the tap's open file
+    /// (or naming an existing tap): the NIC joins the config. ferry has no hotplug.
+    fn add_net(&self, mut net: Net, named: bool, files: Vec<OwnedFd>) -> Result<Value, ApiError> {
+        let bad = |m: String| ApiError::bad_request(m);
+        match <[OwnedFd; 1]>::try_from(files) {
+            Ok([fd]) => {
+                let file = std::fs::File::from(fd);
+                let tap = Tap::name_of(&file).map_err(|e| {
+                    bad(format!("the file passed with vm.add-net is not a tap: {e}"))
+                })?;
+                if named && net.tap != tap {
+                    return Err(bad(format!(
+                        "vm.add-net names tap {} but passes the file of tap {tap}",
+                        net.tap
+                    )));
+                }
+                net.tap = tap;
+                net.file = Some(PassedFd::new(file.into()));
+            }
+            Err(files) if files.is_empty() && !named => {
+                return Err(bad(
+                    "vm.add-net names no tap and passes no tap's file".into()
+                ));
+            }
+            Err(files) if !files.is_empty() => {
+                return Err(bad(format!(
+                    "vm.add-net passed {} files: ferry's NIC has one queue pair, on one tap \
+                     file",
+                    files.len()
+                )));
+            }
+            Err(_) => {}
+        }
+        let mut slot = self.slot();
+        let spec = match &mut *slot {
+            Slot::Created(spec) => spec,
+            Slot::Empty => return Err(not_created()),
+            _ => {
+                return Err(bad(
+                    "vm.add-net: ferry has no hotplug; add NICs before vm.boot".into(),
+                ));
+            }
+        };
+        spec.nets.push(net);
+        Ok(json!({"id": format!("_net{}", spec.nets.len() - 1)}))
+    }
+
     pub fn boot(&self) -> Result<Value, ApiError> {
         let spec = match &*self.slot() {
             Slot::Empty => return Err(not_created()),
@@ -406,6 +456,7 @@ impl ChVmm {
                 Ok(Value::Null)
             }
             ChRequest::Create(spec) => self.create(*spec),
+            ChRequest::AddNet(net, named) => self.add_net(*net, named, Vec::new()),
             ChRequest::Boot => self.boot(),
             ChRequest::Info => self.info(),
             ChRequest::Counters => self.counters(),
@@ -430,6 +481,22 @@ impl ChVmm {
 impl Service for ChVmm {
     fn call(&self, method: &str, path: &str, body: &[u8]) -> Result<Value, ApiError> {
         self.handle(ChRequest::parse(method, path, body)?)
+    }
+    fn call_with_files(
+        &self,
+        method: &str,
+        path: &str,
+        body: &[u8],
+        files: Vec<OwnedFd>,
+    ) -> Result<Value, ApiError> {
+        match ChRequest::parse(method, path, body)? {
+            ChRequest::AddNet(net, named) => self.add_net(*net, named, files),
+            _ if !files.is_empty() => Err(ApiError::bad_request(format!(
+                "{path} takes no files ({} passed with the request)",
+                files.len()
+            ))),
+            request => self.handle(request),
+        }
     }
     fn error_body(&self, e: &ApiError) -> String {
         api::ch::error_body(e)

@@ -38,6 +38,9 @@ const ANNOUNCE_AT_MS: [u64; 5] = [0, 50, 200, 450, 800];
 pub struct NetConfig {
     pub tap: String,
     pub mac: Option<[u8; 6]>,
+    /// The tap's open file, when a client passed it (Cloud Hypervisor's `vm.add-net`):
+    /// used instead of attaching to `tap` by name, which the kernel would refuse as busy.
+    pub file: Option<sockets::passed::PassedFd>,
 }
 
 impl std::str::FromStr for NetConfig {
@@ -53,7 +56,11 @@ impl std::str::FromStr for NetConfig {
             }
         }
         let tap = tap.ok_or_else(|| format!("--net '{s}' names no tap= (use tap=NAME)"))?;
-        Ok(Self { tap, mac })
+        Ok(Self {
+            tap,
+            mac,
+            file: None,
+        })
     }
 }
 
@@ -100,7 +107,16 @@ impl Net {
     /// Attaches to the tap; `claimed`: the VM boots here (a VM that arrives announces its MAC
     /// when it takes the NIC over).
     pub fn open(config: &NetConfig, claimed: bool) -> Result<Self, String> {
-        Ok(Self::on(Tap::open(&config.tap)?, config, claimed))
+        let tap = match &config.file {
+            Some(passed) => {
+                let file = passed
+                    .try_clone_file()
+                    .map_err(|e| format!("the file passed for tap '{}': {e}", config.tap))?;
+                Tap::from_file(file, &config.tap)?
+            }
+            None => Tap::open(&config.tap)?,
+        };
+        Ok(Self::on(tap, config, claimed))
     }
 
     /// The NIC `config` asks for, on a tap already attached (passed by a live update).
@@ -152,6 +168,7 @@ impl Net {
         let config = NetConfig {
             tap: name.clone(),
             mac: Some(mac),
+            file: None,
         };
         match Tap::transient(&name) {
             Ok(tap) => Some(Self::on(tap, &config, true)),

@@ -76,9 +76,37 @@ impl Tap {
         })
     }
 
-    /// A tap already attached (passed by a live update): checks that `file` is attached to
-    /// tap `name`, as the VM's NIC says it is.
+    /// A tap already attached (passed by a live update or a client): checks that `file` is
+    /// attached to tap `name`, as the VM's NIC says it is, and makes it non-blocking (the
+    /// device's thread must never wait on it).
     pub fn from_file(file: File, name: &str) -> Result<Self, String> {
+        let attached = Self::name_of(&file)
+            .map_err(|e| format!("the file passed for tap '{name}' is not a tap: {e}"))?;
+        if attached != name {
+            return Err(format!(
+                "the file passed for tap '{name}' is attached to '{attached}'"
+            ));
+        }
+        // SAFETY: F_GETFL/F_SETFL on a descriptor `file` owns.
+        let nonblocking = unsafe {
+            let flags = libc::fcntl(file.as_raw_fd(), libc::F_GETFL);
+            flags >= 0
+                && libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !nonblocking {
+            return Err(format!(
+                "tap '{name}': cannot make its file non-blocking: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(Self {
+            file,
+            name: name.to_string(),
+        })
+    }
+
+    /// The tap an open tap file is attached to.
+    pub fn name_of(file: &File) -> std::io::Result<String> {
         let mut req = IfReq {
             name: [0; libc::IFNAMSIZ],
             flags: 0,
@@ -86,26 +114,14 @@ impl Tap {
         };
         // SAFETY: TUNGETIFF writes an ifreq, which `req` is, alive for the call.
         if unsafe { libc::ioctl(file.as_raw_fd(), TUNGETIFF, &mut req) } != 0 {
-            return Err(format!(
-                "the file passed for tap '{name}' is not a tap: {}",
-                std::io::Error::last_os_error()
-            ));
+            return Err(std::io::Error::last_os_error());
         }
         let len = req
             .name
             .iter()
             .position(|&b| b == 0)
             .unwrap_or(req.name.len());
-        let attached = String::from_utf8_lossy(&req.name[..len]);
-        if attached != name {
-            return Err(format!(
-                "the file passed for tap '{name}' is attached to '{attached}'"
-            ));
-        }
-        Ok(Self {
-            file,
-            name: name.to_string(),
-        })
+        Ok(String::from_utf8_lossy(&req.name[..len]).into_owned())
     }
 
     /// Another handle on the same tap (a second attach would be refused as busy).
