@@ -1,7 +1,9 @@
 //! Cloud Hypervisor's `VmConfig`, read for what ferry honours. Every field of CH's schema is
 //! known here: one ferry honours is taken; one it lacks is accepted only at CH's default value
-//! (or null), since a client that fills every field in (ch-remote, libvirt) asks for nothing
-//! by it; any other value, and any field CH does not have, is refused naming its path.
+//! (or null, or as CH's `vm.info` writes the default), since a client that fills every field
+//! in (ch-remote, libvirt, a config read back from CH) asks for nothing by it; any other value
+//! is refused naming its path. A field CH's schema here does not have (a newer CH's) is
+//! accepted and logged, as CH itself accepts it.
 
 use serde_json::{Map, Value, json};
 
@@ -67,12 +69,18 @@ const DEFAULT_MEMORY: u64 = 512 << 20;
 
 const TOP: &[(&str, AtDefault)] = &[
     ("rate_limit_groups", AtDefault::Empty),
-    ("rng", AtDefault::Empty),
+    (
+        "rng",
+        AtDefault::Is(r#"{"src": "/dev/urandom", "iommu": false}"#),
+    ),
     ("balloon", AtDefault::Empty),
     ("fs", AtDefault::Empty),
     ("generic_vhost_user", AtDefault::Empty),
     ("pmem", AtDefault::Empty),
-    ("debug_console", AtDefault::Empty),
+    (
+        "debug_console",
+        AtDefault::Is(r#"{"file": null, "mode": "Off", "iobase": 233}"#),
+    ),
     ("devices", AtDefault::Empty),
     ("user_devices", AtDefault::Empty),
     ("vdpa", AtDefault::Empty),
@@ -87,6 +95,7 @@ const TOP: &[(&str, AtDefault)] = &[
     ("tpm", AtDefault::Empty),
     ("landlock_enable", AtDefault::Is("false")),
     ("landlock_rules", AtDefault::Empty),
+    ("preserved_fds", AtDefault::Empty),
 ];
 const TOP_USED: &[&str] = &[
     "cpus", "memory", "payload", "disks", "net", "serial", "console",
@@ -102,10 +111,10 @@ const PAYLOAD_USED: &[&str] = &["kernel", "cmdline", "initramfs"];
 const CPUS: &[(&str, AtDefault)] = &[
     ("topology", AtDefault::Empty),
     ("kvm_hyperv", AtDefault::Is("false")),
-    ("max_phys_bits", AtDefault::Empty),
+    ("max_phys_bits", AtDefault::Is("46")),
     ("nested", AtDefault::Is("true")),
     ("affinity", AtDefault::Empty),
-    ("features", AtDefault::Empty),
+    ("features", AtDefault::Is(r#"{"amx": false}"#)),
     ("core_scheduling", AtDefault::Is("\"Vm\"")),
 ];
 const CPUS_USED: &[&str] = &["boot_vcpus", "max_vcpus"];
@@ -207,7 +216,8 @@ fn fields<'a>(
             continue;
         }
         let Some((_, default)) = lacks.iter().find(|(n, _)| n == name) else {
-            return Err(bad(format!("{path}.{name}: unknown field")));
+            tracing::warn!("{path}.{name}: a field ferry does not know, ignored");
+            continue;
         };
         if !is_default(value, *default) {
             return Err(bad(format!(
@@ -513,6 +523,61 @@ mod tests {
         assert_eq!(again, s, "vm.info's config is a config ferry takes back");
     }
 
+    /// What CH v54's `vm.info` says of a VM booted with a kernel, one disk and one NIC and
+    /// everything else at its defaults, as CH serializes them (rng, debug_console, the CPU's
+    /// address bits and features, a Tty console), with a field a newer CH adds: taken, and
+    /// what ferry takes of it is what CH runs.
+    #[test]
+    fn chs_own_vm_info_config_is_taken() {
+        let info = json!({
+            "cpus": {"boot_vcpus": 2, "max_vcpus": 2, "topology": null, "kvm_hyperv": false,
+                     "max_phys_bits": 46, "affinity": null, "features": {"amx": false},
+                     "nested": true},
+            "memory": {"size": 1073741824u64, "mergeable": false, "hotplug_method": "Acpi",
+                       "hotplug_size": null, "hotplugged_size": null, "shared": false,
+                       "hugepages": false, "hugepage_size": null, "prefault": false,
+                       "zones": null, "thp": true},
+            "payload": {"firmware": null, "kernel": "/k", "cmdline": "console=ttyS0",
+                        "initramfs": null},
+            "rate_limit_groups": null,
+            "disks": [{"path": "/d.img", "readonly": false, "direct": false, "iommu": false,
+                       "num_queues": 1, "queue_size": 128, "vhost_user": false,
+                       "vhost_socket": null, "rate_limit_group": null,
+                       "rate_limiter_config": null, "id": "_disk0", "disable_io_uring": false,
+                       "disable_aio": false, "pci_segment": 0, "serial": null,
+                       "queue_affinity": null}],
+            "net": [{"tap": "tap0", "ip": "192.168.249.1", "mask": "255.255.255.0",
+                     "mac": "52:54:00:00:00:01", "host_mac": null, "mtu": null, "iommu": false,
+                     "num_queues": 2, "queue_size": 256, "vhost_user": false,
+                     "vhost_socket": null, "vhost_mode": "Client", "id": "_net1", "fds": null,
+                     "rate_limiter_config": null, "pci_segment": 0, "offload_tso": true,
+                     "offload_ufo": true, "offload_csum": true}],
+            "rng": {"src": "/dev/urandom", "iommu": false},
+            "balloon": null, "fs": null, "pmem": null,
+            "serial": {"file": null, "mode": "Null", "iommu": false, "socket": null},
+            "console": {"file": null, "mode": "Tty", "iommu": false, "socket": null},
+            "debug_console": {"file": null, "mode": "Off", "iobase": 233},
+            "devices": null, "user_devices": null, "vdpa": null, "vsock": null,
+            "pvpanic": false, "iommu": false, "numa": null, "watchdog": false,
+            "platform": null, "tpm": null, "preserved_fds": null, "landlock_enable": false,
+            "landlock_rules": null,
+            "a_field_of_a_newer_ch": {"x": 1}
+        });
+        let s = spec(info).unwrap();
+        assert_eq!(
+            (s.vcpus, s.memory_bytes, s.disks.len(), s.nets.len()),
+            (2, 1 << 30, 1, 1)
+        );
+        assert_eq!(s.serial_port(), &ConsoleMode::Off);
+        // CH's defaults that mean a device ferry lacks, given otherwise, are still refused.
+        let e =
+            spec(json!({"payload": {"kernel": "/k"}, "rng": {"src": "/dev/random"}})).unwrap_err();
+        assert!(e.contains("rng="), "{e}");
+        let e =
+            spec(json!({"payload": {"kernel": "/k"}, "cpus": {"max_phys_bits": 39}})).unwrap_err();
+        assert!(e.contains("cpus.max_phys_bits=39"), "{e}");
+    }
+
     /// libvirt's `<console type='pty'>`: the serial port goes to a pseudo-terminal, whose
     /// path `vm.info` then gives on the console (and on a serial that is its twin).
     #[test]
@@ -545,7 +610,6 @@ mod tests {
             }
             spec(body).unwrap_err()
         };
-        assert!(with(json!({"frobnicate": 1})).contains("VmConfig.frobnicate: unknown field"));
         let e = with(json!({"memory": {"size": 4096, "hugepages": true}}));
         assert!(e.contains("memory.hugepages=true"), "{e}");
         let e = with(json!({"disks": [{"path": "/d", "direct": true}]}));
