@@ -309,6 +309,29 @@ fn lifecycle_and_live_migration_through_the_profile() {
             .iter()
             .any(|(s, e)| s == "migration" && e == "progress")
     );
+    // CH's order at the source: each pre-copy round, the pause at the switch, the end.
+    in_order(
+        &said,
+        &[
+            "migration-started",
+            "migration-memory-iteration",
+            "pausing",
+            "paused",
+            "migration-finished",
+        ],
+    );
+    let received: Vec<String> = dst.events().into_iter().map(|(_, e)| e).collect();
+    in_order(
+        &received,
+        &[
+            "migration-receive-ready",
+            "restoring",
+            "restored",
+            "resuming",
+            "resumed",
+            "migration-receive-finished",
+        ],
+    );
 
     // Shutdown keeps the config (CH: Created again); delete forgets it.
     dst.ok("PUT", "vm.shutdown", None);
@@ -333,9 +356,9 @@ fn lifecycle_and_live_migration_through_the_profile() {
     }
 }
 
-/// libvirt's `<console type='pty'>`: the guest's serial output on a pseudo-terminal whose
-/// path `vm.info` names, the same one after a reboot; a console ferry cannot give (a pty
-/// beside a file serial) is refused by name.
+/// libvirt's `<console type='pty'>` and Virtink's pty console beside a serial: the guest's
+/// serial output on a pseudo-terminal whose path `vm.info` names, the same one after a
+/// reboot, and in the serial's file too (ferry's console is its serial port).
 #[test]
 fn a_pty_console_shows_the_guest_across_a_reboot() {
     if !kvm_available() {
@@ -343,17 +366,11 @@ fn a_pty_console_shows_the_guest_across_a_reboot() {
     }
     let dir = tempfile::tempdir().unwrap();
     let vmm = Vmm::start(dir.path(), "pty");
+    let serial = dir.path().join("serial.log");
     let mut both = config("idle serial_ms=100");
-    both["serial"] = json!({"mode": "File", "file": dir.path().join("s").display().to_string()});
+    both["serial"] = json!({"mode": "File", "file": serial.display().to_string()});
     both["console"] = json!({"mode": "Pty"});
-    assert_error(
-        vmm.call("PUT", "vm.create", Some(both)),
-        400,
-        "no virtio-console",
-    );
-    let mut pty = config("idle serial_ms=100");
-    pty["console"] = json!({"mode": "Pty"});
-    vmm.ok("PUT", "vm.create", Some(pty));
+    vmm.ok("PUT", "vm.create", Some(both));
     vmm.ok("PUT", "vm.boot", None);
     let console = vmm.ok("GET", "vm.info", None)["config"]["console"].clone();
     assert_eq!(console["mode"], "Pty");
@@ -363,6 +380,11 @@ fn a_pty_console_shows_the_guest_across_a_reboot() {
         .to_string();
     // The boot's memory map, then its progress: read up to there, nothing of it is left.
     wait_for_text(&path, "ferry-guest: hb=");
+    let logged = std::fs::read_to_string(&serial).unwrap();
+    assert!(
+        logged.contains("ferry-guest: e820"),
+        "the serial's file too: {logged}"
+    );
     vmm.ok("PUT", "vm.reboot", None);
     let again = vmm.ok("GET", "vm.info", None)["config"]["console"]["file"].clone();
     assert_eq!(
@@ -371,6 +393,29 @@ fn a_pty_console_shows_the_guest_across_a_reboot() {
         "a reboot keeps the pty"
     );
     wait_for_text(&path, "ferry-guest: e820");
+    // vmm.shutdown of a running VM says, as CH's, that the VM shut down and was deleted.
+    let before = vmm.events().len();
+    vmm.ok("PUT", "vmm.shutdown", None);
+    let mut vmm = vmm;
+    wait_for("the VMM to exit", Duration::from_secs(20), || {
+        vmm.child.try_wait().unwrap()
+    });
+    let said: Vec<String> = vmm.events()[before..]
+        .iter()
+        .map(|(s, e)| format!("{s} {e}"))
+        .collect();
+    assert_eq!(said, ["vm shutdown", "vm deleted", "vmm shutdown"]);
+}
+
+/// `events` holds `wanted` in this order (others may come between).
+fn in_order(events: &[String], wanted: &[&str]) {
+    let mut rest = events.iter();
+    for w in wanted {
+        assert!(
+            rest.any(|e| e == w),
+            "{wanted:?} in this order in {events:?}: no {w} where it belongs"
+        );
+    }
 }
 
 /// libvirt's NICs: it makes the tap and passes its open file with `vm.add-net` before

@@ -278,7 +278,6 @@ impl VmSpec {
         let (memory_bytes, shared_memory) = memory(top.get("memory"))?;
         let serial = console(top.get("serial"), "serial", ConsoleMode::Off)?;
         let console = console(top.get("console"), "console", ConsoleMode::Off)?;
-        check_consoles(&serial, &console)?;
         Ok(Self {
             kernel,
             cmdline: string(payload, "payload", "cmdline")?.unwrap_or_default(),
@@ -433,22 +432,6 @@ fn console(
     Ok(out)
 }
 
-/// ferry has one serial port and no virtio-console: a console other than Off or Tty (CH's
-/// default, which a guest without a virtio-console never writes to) goes to the serial port,
-/// so the serial must be off or the same.
-fn check_consoles(serial: &ConsoleMode, console: &ConsoleMode) -> Result<(), ApiError> {
-    match console {
-        ConsoleMode::Off | ConsoleMode::Tty => Ok(()),
-        c if serial == c || *serial == ConsoleMode::Off => Ok(()),
-        _ => Err(bad(format!(
-            "console={} with serial={}: ferry has no virtio-console; the console is its \
-             serial port, so give it only with serial Off (or the same as serial)",
-            mode_name(console),
-            mode_name(serial)
-        ))),
-    }
-}
-
 fn mode_name(m: &ConsoleMode) -> &'static str {
     match m {
         ConsoleMode::Off => "Off",
@@ -473,14 +456,21 @@ impl ConsoleMode {
 }
 
 impl VmSpec {
-    /// Where the guest's serial port goes: the serial's mode, or, with the serial Off, the
-    /// console's (a guest's `console=ttyS0` is what a console shows here).
-    pub fn serial_port(&self) -> &ConsoleMode {
-        match (&self.serial, &self.console) {
-            (ConsoleMode::Off, ConsoleMode::Tty) => &ConsoleMode::Off,
-            (ConsoleMode::Off, console) => console,
-            (serial, _) => serial,
+    /// Where the guest's serial port writes. ferry has one serial port and no virtio-console,
+    /// so a console is the serial port too: its output goes where `serial` says and where
+    /// `console` says (a guest's `console=ttyS0` is what a console shows here), but for a
+    /// `Tty` console (CH's default) beside a serial of its own, which would only repeat the
+    /// serial on standard output.
+    pub fn serial_ports(&self) -> Vec<&ConsoleMode> {
+        let mut ports = Vec::new();
+        if self.serial != ConsoleMode::Off {
+            ports.push(&self.serial);
         }
+        let repeat = self.console == ConsoleMode::Tty && self.serial != ConsoleMode::Off;
+        if self.console != ConsoleMode::Off && self.console != self.serial && !repeat {
+            ports.push(&self.console);
+        }
+        ports
     }
 
     /// Records the pseudo-terminal `path` the serial port was given, on the serial and on a
@@ -568,7 +558,7 @@ mod tests {
             (s.vcpus, s.memory_bytes, s.disks.len(), s.nets.len()),
             (2, 1 << 30, 1, 1)
         );
-        assert_eq!(s.serial_port(), &ConsoleMode::Off);
+        assert_eq!(s.serial_ports(), [&ConsoleMode::Tty]);
         // CH's defaults that mean a device ferry lacks, given otherwise, are still refused.
         let e =
             spec(json!({"payload": {"kernel": "/k"}, "rng": {"src": "/dev/random"}})).unwrap_err();
@@ -583,7 +573,7 @@ mod tests {
     #[test]
     fn a_pty_console_is_the_serial_port() {
         let mut s = spec(json!({"payload": {"kernel": "/k"}, "console": {"mode": "Pty"}})).unwrap();
-        assert_eq!(s.serial_port(), &ConsoleMode::Pty(None));
+        assert_eq!(s.serial_ports(), [&ConsoleMode::Pty(None)]);
         s.set_pty("/dev/pts/7");
         let info = s.to_json();
         assert_eq!(
@@ -592,12 +582,19 @@ mod tests {
         );
         assert_eq!(info["serial"], json!({"mode": "Off"}));
         assert_eq!(spec(info).unwrap().console, ConsoleMode::Pty(None));
-        // CH's defaults (serial Null, console Tty) leave the port off; a socket serial wins.
+        // CH's defaults (serial Null, console Tty): standard output, as CH's console goes.
         let defaults = json!({"payload": {"kernel": "/k"}, "serial": {"mode": "Null"}, "console": {"mode": "Tty"}});
-        assert_eq!(spec(defaults).unwrap().serial_port(), &ConsoleMode::Off);
+        assert_eq!(spec(defaults).unwrap().serial_ports(), [&ConsoleMode::Tty]);
         let socket = json!({"payload": {"kernel": "/k"}, "serial": {"mode": "Socket", "socket": "/run/s"}, "console": {"mode": "Tty"}});
         let socket = spec(socket).unwrap();
-        assert_eq!(socket.serial_port(), &ConsoleMode::Socket("/run/s".into()));
+        assert_eq!(
+            socket.serial_ports(),
+            [&ConsoleMode::Socket("/run/s".into())]
+        );
+        // Virtink's: a Tty serial and a Pty console, both the serial port.
+        let virtink = json!({"payload": {"kernel": "/k"}, "serial": {"mode": "Tty"}, "console": {"mode": "Pty"}});
+        let both = [&ConsoleMode::Tty, &ConsoleMode::Pty(None)];
+        assert_eq!(spec(virtink).unwrap().serial_ports(), both);
         assert_eq!(spec(socket.to_json()).unwrap(), socket);
     }
 
@@ -616,8 +613,6 @@ mod tests {
         assert!(e.contains("disks[0].direct=true"), "{e}");
         let e = with(json!({"cpus": {"boot_vcpus": 1, "max_vcpus": 4}}));
         assert!(e.contains("cpus.max_vcpus=4"), "{e}");
-        let e = with(json!({"console": {"mode": "Pty"}, "serial": {"mode": "File", "file": "/s"}}));
-        assert!(e.contains("console=Pty with serial=File"), "{e}");
         let e = with(json!({"serial": {"mode": "Socket"}}));
         assert!(e.contains("serial.mode Socket needs serial.socket"), "{e}");
         let e = with(json!({"serial": {"mode": "Telnet"}}));

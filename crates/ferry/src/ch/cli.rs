@@ -272,8 +272,8 @@ fn config(flags: &BTreeMap<String, Vec<String>>) -> Result<Option<Value>> {
         nets.push(json!({"tap": o.get("tap"), "mac": o.get("mac")}));
     }
     c.insert("net".into(), Value::Array(nets));
-    // CH's defaults: serial null, console tty (a virtio-console: ferry's guest writes to its
-    // serial port, so a console goes there only with the serial off; see VmSpec::serial_port).
+    // CH's defaults: serial null, console tty (a virtio-console; ferry's console is its serial
+    // port: see VmSpec::serial_ports).
     c.insert(
         "serial".into(),
         console(one(flags, "serial")?.unwrap_or("null")),
@@ -319,13 +319,12 @@ mod tests {
         assert!(e.to_string().contains("'hugepages'"), "{e}");
         let e = parse(&argv("--api-socket /a --metrics 9100")).unwrap_err();
         assert!(e.to_string().contains("--metrics 9100"), "{e}");
-        let e = parse(&argv("--kernel /k --console pty --serial file=/s")).unwrap_err();
-        assert!(e.to_string().contains("no virtio-console"), "{e}");
-        let pty = parse(&argv("--kernel /k --console pty"))
+        let pty = parse(&argv("--kernel /k --console pty --serial file=/s"))
             .unwrap()
             .spec
             .unwrap();
-        assert_eq!(pty.serial_port(), &ConsoleMode::Pty(None));
+        let both = [&ConsoleMode::File("/s".into()), &ConsoleMode::Pty(None)];
+        assert_eq!(pty.serial_ports(), both);
         let e = parse(&argv("--seccomp log")).unwrap_err();
         assert!(e.to_string().contains("--seccomp log"), "{e}");
     }

@@ -26,29 +26,18 @@ pub struct Port {
 }
 
 impl Port {
-    /// Opens where `mode` sends the guest's output.
-    pub fn open(mode: &ConsoleMode) -> Result<Self, ApiError> {
-        let failed = |what: &str, e: std::io::Error| {
-            ApiError::internal(format!("the VM's serial port: {what}: {e}"))
-        };
-        let (out, pty): (Box<dyn Write + Send>, _) = match mode {
-            ConsoleMode::Off => (Box::new(std::io::sink()), None),
-            ConsoleMode::Tty => (open_file("stdout")?, None),
-            ConsoleMode::File(f) => (open_file(f)?, None),
-            ConsoleMode::Pty(_) => {
-                let (master, slave, path) = open_pty().map_err(|e| failed("a pty", e))?;
-                (
-                    Box::new(Dropping::Pty {
-                        master,
-                        _slave: slave,
-                    }),
-                    Some(path),
-                )
-            }
-            ConsoleMode::Socket(path) => {
-                let clients = listen(path).map_err(|e| failed(path, e))?;
-                (Box::new(Dropping::Clients(clients)), None)
-            }
+    /// Opens each place in `modes` the guest's output goes (none: it is dropped).
+    pub fn open(modes: &[&ConsoleMode]) -> Result<Self, ApiError> {
+        let mut outs = Vec::new();
+        let mut pty = None;
+        for mode in modes {
+            let (out, path) = open_one(mode)?;
+            outs.push(out);
+            pty = pty.or(path);
+        }
+        let out: Box<dyn Write + Send> = match outs.len() {
+            1 => outs.remove(0),
+            _ => Box::new(Tee(outs)),
         };
         Ok(Self {
             out: Arc::new(Mutex::new(out)),
@@ -59,6 +48,48 @@ impl Port {
     /// A writer for the VM's serial port.
     pub fn writer(&self) -> Box<dyn Write + Send> {
         Box::new(Shared(self.out.clone()))
+    }
+}
+
+/// Where `mode` sends the guest's output, and a pty's path.
+fn open_one(mode: &ConsoleMode) -> Result<(Box<dyn Write + Send>, Option<String>), ApiError> {
+    let failed = |what: &str, e: std::io::Error| {
+        ApiError::internal(format!("the VM's serial port: {what}: {e}"))
+    };
+    Ok(match mode {
+        ConsoleMode::Off => (Box::new(std::io::sink()), None),
+        ConsoleMode::Tty => (open_file("stdout")?, None),
+        ConsoleMode::File(f) => (open_file(f)?, None),
+        ConsoleMode::Pty(_) => {
+            let (master, slave, path) = open_pty().map_err(|e| failed("a pty", e))?;
+            (
+                Box::new(Dropping::Pty {
+                    master,
+                    _slave: slave,
+                }),
+                Some(path),
+            )
+        }
+        ConsoleMode::Socket(path) => {
+            let clients = listen(path).map_err(|e| failed(path, e))?;
+            (Box::new(Dropping::Clients(clients)), None)
+        }
+    })
+}
+
+/// The same bytes to each.
+struct Tee(Vec<Box<dyn Write + Send>>);
+
+impl Write for Tee {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        // One place that fails does not keep the output from the others.
+        for out in &mut self.0 {
+            let _ = out.write_all(buf);
+        }
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.0.iter_mut().try_for_each(|o| o.flush())
     }
 }
 
@@ -173,7 +204,7 @@ mod tests {
 
     #[test]
     fn a_pty_carries_the_guest_bytes_and_never_blocks() {
-        let port = Port::open(&ConsoleMode::Pty(None)).unwrap();
+        let port = Port::open(&[&ConsoleMode::Pty(None)]).unwrap();
         let path = port.pty.clone().unwrap();
         assert!(path.starts_with("/dev/pts/"), "{path}");
         let mut reader = File::options()
@@ -197,7 +228,7 @@ mod tests {
     fn a_socket_port_writes_to_its_clients() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("serial.sock");
-        let port = Port::open(&ConsoleMode::Socket(path.display().to_string())).unwrap();
+        let port = Port::open(&[&ConsoleMode::Socket(path.display().to_string())]).unwrap();
         let mut client = UnixStream::connect(&path).unwrap();
         let mut out = port.writer();
         // The client is taken on by the listener's thread: write until it gets a byte.

@@ -131,7 +131,8 @@ impl ChVmm {
     }
 
     /// Takes a VM from `source` into this empty VMM; it runs here once this returns `Ok`.
-    /// `allowed`: what a VM from a peer may open here (None: a snapshot the operator named).
+    /// `allowed`: what a VM from a peer may open here (None: a snapshot the operator named,
+    /// whose restore says its own events).
     fn arrive(
         &self,
         source: Source,
@@ -155,11 +156,14 @@ impl ChVmm {
             source,
             &crate::run::terminate_requested,
             |descriptor, files| {
+                if allowed.is_some() {
+                    self.events.emit("vm", "restoring", &[]);
+                }
                 let mut config = VmConfig::from_descriptor(descriptor)?;
                 if let Some(allowed) = allowed {
                     allowed.admit(&mut config, files.as_ref())?;
                 }
-                let out = super::console::Port::open(&serial)
+                let out = super::console::Port::open(&[&serial])
                     .map_err(|e| migration::Error::vm(e.message))?
                     .writer();
                 Vm::arriving(config, out, files)
@@ -169,6 +173,12 @@ impl ChVmm {
             |vm| {
                 controller.set_vm(vm.clone());
                 controller.set_phase(Phase::Live);
+                // A migration's VM runs here now: said as CH's destination says it.
+                if allowed.is_some() {
+                    for event in ["restored", "resuming", "resumed"] {
+                        self.events.emit("vm", event, &[]);
+                    }
+                }
             },
         );
         done.store(true, Ordering::Release);
@@ -269,6 +279,7 @@ impl ChVmm {
             .name("ch-progress".into())
             .spawn(move || {
                 let mut last = (MigrationPhase::None, u32::MAX);
+                let mut said = Said::default();
                 loop {
                     let s = to_api(&c.migrations.board.read());
                     if (s.phase, s.round) != last && s.phase != MigrationPhase::None {
@@ -276,6 +287,7 @@ impl ChVmm {
                         this.events
                             .emit("migration", "progress", &progress_properties(&s));
                     }
+                    said.catch_up(&this.events, &s);
                     if !s.phase.is_running() && s.phase != MigrationPhase::None
                         || done.load(Ordering::Acquire)
                     {
@@ -293,10 +305,59 @@ impl ChVmm {
         }
         let error = s.error.clone().unwrap_or_default();
         match s.phase {
-            MigrationPhase::Completed => self.events.emit("vm", "migration-finished", &[]),
+            MigrationPhase::Completed => {
+                if s.postcopy {
+                    self.events.emit("vm", "postcopy-migration-completed", &[]);
+                }
+                self.events.emit("vm", "migration-finished", &[])
+            }
             _ => self
                 .events
                 .emit("vm", "migration-failed", &[("error", error)]),
+        }
+    }
+}
+
+/// What a source's event stream has said of its migration, as CH's says it: each pre-copy
+/// round as it completes (`migration-memory-iteration`, its number as `id`), then the pause
+/// at the switch (`pausing`, `paused`). The status is read every 50 ms, so rounds shorter
+/// than that are said together, in order.
+#[derive(Default)]
+struct Said {
+    rounds: u32,
+    paused: bool,
+}
+
+impl Said {
+    fn catch_up(&mut self, events: &super::events::Events, s: &api::MigrationStatus) {
+        if s.role != "source" {
+            return;
+        }
+        let switched = matches!(
+            s.phase,
+            MigrationPhase::Switchover
+                | MigrationPhase::PostcopyActive
+                | MigrationPhase::Completed
+                | MigrationPhase::Unconfirmed
+                | MigrationPhase::PostcopyPaused
+        );
+        let completed = if switched {
+            s.rounds.len() as u32
+        } else {
+            s.round
+        };
+        for id in self.rounds..completed {
+            events.emit(
+                "vm",
+                "migration-memory-iteration",
+                &[("id", id.to_string())],
+            );
+        }
+        self.rounds = self.rounds.max(completed);
+        if switched && !self.paused {
+            self.paused = true;
+            events.emit("vm", "pausing", &[]);
+            events.emit("vm", "paused", &[]);
         }
     }
 }

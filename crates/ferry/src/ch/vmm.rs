@@ -306,7 +306,7 @@ impl ChVmm {
         let kept = self.port.locked().take();
         let port = match kept {
             Some(port) => port,
-            None => Port::open(spec.serial_port())?,
+            None => Port::open(&spec.serial_ports())?,
         };
         let vm = machine::boot(&spec, port.writer())?;
         if let Some(pty) = &port.pty {
@@ -434,6 +434,23 @@ impl ChVmm {
         Ok(Value::Null)
     }
 
+    /// `vmm.shutdown`: as CH's, the VM is shut down and deleted first, and says so.
+    fn end_all(&self) {
+        let (live, created) = match &*self.slot() {
+            Slot::Live(..) => (true, true),
+            Slot::Created(_) => (false, true),
+            _ => (false, false),
+        };
+        self.end_vm(Slot::Empty);
+        *self.port.locked() = None;
+        if live {
+            self.events.emit("vm", "shutdown", &[]);
+        }
+        if created {
+            self.events.emit("vm", "deleted", &[]);
+        }
+    }
+
     fn delete(&self) -> Result<Value, ApiError> {
         match &*self.slot() {
             Slot::Arriving(_) => return Err(wrong_state("the VM is still arriving")),
@@ -452,6 +469,7 @@ impl ChVmm {
         match request {
             ChRequest::VmmPing => Ok(self.ping()),
             ChRequest::VmmShutdown => {
+                self.end_all();
                 self.exit(0);
                 Ok(Value::Null)
             }
