@@ -418,6 +418,55 @@ fn in_order(events: &[String], wanted: &[&str]) {
     }
 }
 
+/// A snapshot keeps the VM's config beside it (`config.json`, as CH's does): the restored VM
+/// writes its serial output where the config says, `vm.info` gives its payload, and it
+/// reboots from it.
+#[test]
+fn a_restored_vm_keeps_its_config_and_reboots() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let vmm = Vmm::start(dir.path(), "booted");
+    let serial = dir.path().join("serial.log");
+    let mut booted = config("idle serial_ms=100");
+    booted["serial"] = json!({"mode": "File", "file": serial.display().to_string()});
+    vmm.ok("PUT", "vm.create", Some(booted));
+    vmm.ok("PUT", "vm.boot", None);
+    vmm.ok("PUT", "vm.pause", None);
+    let snap = dir.path().join("snap");
+    std::fs::create_dir_all(&snap).unwrap();
+    let to = json!({"destination_url": format!("file://{}", snap.display())});
+    vmm.ok("PUT", "vm.snapshot", Some(to));
+    assert!(snap.join("config.json").exists());
+    drop(vmm);
+    std::fs::write(&serial, "").unwrap();
+    let restored = Vmm::start(dir.path(), "restored");
+    let from = json!({"source_url": format!("file://{}", snap.display()), "resume": true});
+    restored.ok("PUT", "vm.restore", Some(from));
+    let config = restored.ok("GET", "vm.info", None)["config"].clone();
+    assert_eq!(config["payload"]["kernel"].as_str(), guest().to_str());
+    assert_eq!(config["serial"]["file"].as_str(), serial.to_str());
+    wait_for(
+        "the restored guest on its serial",
+        Duration::from_secs(30),
+        || {
+            let text = std::fs::read_to_string(&serial).unwrap_or_default();
+            text.contains("ferry-guest: hb=").then_some(())
+        },
+    );
+    restored.ok("PUT", "vm.reboot", None);
+    assert_eq!(restored.ok("GET", "vm.info", None)["state"], "Running");
+    wait_for(
+        "the rebooted guest on its serial",
+        Duration::from_secs(30),
+        || {
+            let text = std::fs::read_to_string(&serial).unwrap_or_default();
+            text.contains("ferry-guest: e820").then_some(())
+        },
+    );
+}
+
 /// libvirt's NICs: it makes the tap and passes its open file with `vm.add-net` before
 /// `vm.boot` (`SCM_RIGHTS`). The NIC boots on that file: the tap is transient and attached
 /// by the file, so attaching to it by name would be refused as busy.

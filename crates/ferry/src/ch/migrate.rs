@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use api::ch::{
     CH_TIMEOUT_S, JobStats, ReceiveMigrationData, RestoreConfig, SendMigrationData,
-    VmSnapshotConfig, file_url, memory_mode,
+    VmSnapshotConfig, VmSpec, file_url, memory_mode,
 };
 use api::{ApiError, ApiRequest, Handler, MigrationPhase, MigrationRequest, SnapshotRequest};
 use migration::Endpoint;
@@ -29,6 +29,44 @@ use crate::migrations::{Security, api_error, to_api};
 
 /// The file ferry writes in a snapshot's directory.
 const SNAPSHOT_FILE: &str = "ferry.snapshot";
+/// The VM's config beside its snapshot, as CH keeps `config.json` in its snapshot directory.
+const CONFIG_FILE: &str = "config.json";
+
+/// Writes `spec` as `DIR/config.json` (whole or not at all).
+fn write_config(dir: &std::path::Path, spec: &VmSpec) -> Result<(), ApiError> {
+    let text = serde_json::to_string_pretty(&spec.to_json()).unwrap_or_default();
+    let (path, part) = (dir.join(CONFIG_FILE), dir.join(".config.json.part"));
+    std::fs::write(&part, text)
+        .and_then(|()| std::fs::rename(&part, &path))
+        .map_err(|e| ApiError::internal(format!("{}: {e}", path.display())))
+}
+
+/// `DIR/config.json`, where a snapshot has one (ferry's before it did not).
+fn read_config(dir: &std::path::Path) -> Result<Option<VmSpec>, ApiError> {
+    let path = dir.join(CONFIG_FILE);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(ApiError::bad_request(format!("{}: {e}", path.display()))),
+    };
+    let value: Value = serde_json::from_str(&text)
+        .map_err(|e| ApiError::bad_request(format!("{}: {e}", path.display())))?;
+    VmSpec::from_json(&value)
+        .map(Some)
+        .map_err(|e| ApiError::bad_request(format!("{}: {}", path.display(), e.message)))
+}
+
+/// A restored VM's config must describe the VM the snapshot held.
+fn check_restored(spec: VmSpec, vm: &Vm) -> Result<VmSpec, ApiError> {
+    let c = vm.config();
+    if (spec.memory_bytes, spec.vcpus) != (c.memory, c.vcpus) {
+        return Err(ApiError::bad_request(format!(
+            "{CONFIG_FILE} describes {} bytes and {} vCPUs, the snapshot {} and {}",
+            spec.memory_bytes, spec.vcpus, c.memory, c.vcpus
+        )));
+    }
+    Ok(spec)
+}
 const PAGE: u64 = 4096;
 
 /// TLS from CH's `tls_dir`: `ca-cert.pem` and this side's `{client,server}-{cert,key}.pem`.
@@ -120,7 +158,7 @@ impl ChVmm {
             "migration-receive-ready",
             &[("url", req.receiver_url.clone())],
         );
-        let outcome = self.arrive(source, per_request(tls), Some(&self.allowed));
+        let outcome = self.arrive(source, per_request(tls), Some(&self.allowed), None);
         let event = if outcome.is_ok() {
             "migration-receive-finished"
         } else {
@@ -133,11 +171,14 @@ impl ChVmm {
     /// Takes a VM from `source` into this empty VMM; it runs here once this returns `Ok`.
     /// `allowed`: what a VM from a peer may open here (None: a snapshot the operator named,
     /// whose restore says its own events).
+    /// `config`: the VM's config, where it came with it (a snapshot's `config.json`): its
+    /// serial port goes where that config says, and `vm.info` and a reboot have its payload.
     fn arrive(
         &self,
         source: Source,
         security: Security,
         allowed: Option<&Allowed>,
+        config: Option<VmSpec>,
     ) -> Result<Arc<Controller>, ApiError> {
         let controller = Controller::new(Phase::Incoming, security);
         {
@@ -152,6 +193,11 @@ impl ChVmm {
         let done = Arc::new(AtomicBool::new(false));
         self.watch_migration(controller.clone(), done.clone());
         let serial = self.arrival_serial.clone();
+        let ports = match &config {
+            Some(spec) => spec.serial_ports(),
+            None => vec![&serial],
+        };
+        let port = super::console::Port::open(&ports)?;
         let received = controller.migrations.incoming.receive(
             source,
             &crate::run::terminate_requested,
@@ -163,10 +209,7 @@ impl ChVmm {
                 if let Some(allowed) = allowed {
                     allowed.admit(&mut config, files.as_ref())?;
                 }
-                let out = super::console::Port::open(&[&serial])
-                    .map_err(|e| migration::Error::vm(e.message))?
-                    .writer();
-                Vm::arriving(config, out, files)
+                Vm::arriving(config, port.writer(), files)
                     .map(Arc::new)
                     .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))
             },
@@ -184,7 +227,15 @@ impl ChVmm {
         done.store(true, Ordering::Release);
         match received {
             Ok(Some(vm)) => {
-                self.go_live(controller.clone(), machine::spec_of(&vm, &serial));
+                let mut spec = match config {
+                    Some(spec) => check_restored(spec, &vm)?,
+                    None => machine::spec_of(&vm, &serial),
+                };
+                if let Some(pty) = &port.pty {
+                    spec.set_pty(pty);
+                }
+                self.keep_port(port);
+                self.go_live(controller.clone(), spec);
                 Ok(controller)
             }
             Ok(None) => {
@@ -229,6 +280,7 @@ impl ChVmm {
             },
         )
         .map_err(as_ch)?;
+        write_config(&dir, &self.live_spec()?)?;
         self.events.emit("vm", "snapshotted", &[]);
         Ok(Value::Null)
     }
@@ -239,8 +291,9 @@ impl ChVmm {
         let dir = file_url("source_url", &req.source_url)?;
         let source = Source::snapshot(&dir.join(SNAPSHOT_FILE))
             .map_err(|e| ApiError::bad_request(e.report()))?;
+        let config = read_config(&dir)?;
         self.events.emit("vm", "restoring", &[]);
-        let c = self.arrive(source, per_request(None), None)?;
+        let c = self.arrive(source, per_request(None), None, config)?;
         let vm = c.vm()?;
         match (req.resume, vm.state() == vmm::VmState::Running) {
             (false, true) => c.handle(ApiRequest::Pause).map_err(as_ch)?,

@@ -415,7 +415,12 @@ impl ChVmm {
         Ok(spec)
     }
 
-    fn live_spec(&self) -> Result<VmSpec, ApiError> {
+    /// Keeps the serial port of a VM that arrived (a reboot goes on with it).
+    pub fn keep_port(&self, port: Port) {
+        *self.port.locked() = Some(port);
+    }
+
+    pub fn live_spec(&self) -> Result<VmSpec, ApiError> {
         match &*self.slot() {
             Slot::Live(_, spec) => Ok(spec.clone()),
             _ => Err(wrong_state("VM is not booted")),
