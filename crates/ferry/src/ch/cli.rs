@@ -26,7 +26,8 @@ pub struct ChArgs {
     pub spec: Option<VmSpec>,
     /// Where an arriving VM's serial port goes (`--serial` without `--kernel`).
     pub arrival_serial: Option<ConsoleMode>,
-    /// ferry's own: TCP migrations without `tls_dir` allowed.
+    /// TCP migrations without `tls_dir` allowed, as CH allows them (not with ferry's own
+    /// `--require-tls`).
     pub plain_tcp: bool,
     /// ferry's own: where to serve OpenMetrics (`--metrics tcp:HOST:PORT|unix:PATH`).
     pub metrics: Option<MetricsAddr>,
@@ -147,6 +148,7 @@ const KNOWN: &[&str] = &[
     "serial",
     "console",
     "plain-tcp",
+    "require-tls",
     "metrics",
     "metrics-token-file",
     "allow-disk-dir",
@@ -171,7 +173,9 @@ pub fn parse(argv: &[String]) -> Result<ChArgs> {
         event_monitor: one(&flags, "event-monitor")?
             .map(|s| target("event-monitor", s))
             .transpose()?,
-        plain_tcp: flags.contains_key("plain-tcp"),
+        // CH migrates over plain TCP when no tls_dir is given; --require-tls (ferry's own)
+        // refuses that. --plain-tcp, once needed, is the default now.
+        plain_tcp: !flags.contains_key("require-tls"),
         metrics: one(&flags, "metrics")?
             .map(|s| s.parse().map_err(|e| anyhow!("--metrics {e}")))
             .transpose()?,
@@ -327,6 +331,22 @@ mod tests {
         assert_eq!(pty.serial_ports(), both);
         let e = parse(&argv("--seccomp log")).unwrap_err();
         assert!(e.to_string().contains("--seccomp log"), "{e}");
+    }
+
+    /// As CH, a `tcp:` migration without `tls_dir` goes in clear, unless `--require-tls`.
+    #[test]
+    fn plain_tcp_as_ch_unless_tls_is_required() {
+        assert!(parse(&argv("--api-socket /a")).unwrap().plain_tcp);
+        assert!(
+            parse(&argv("--api-socket /a --plain-tcp"))
+                .unwrap()
+                .plain_tcp
+        );
+        assert!(
+            !parse(&argv("--api-socket /a --require-tls"))
+                .unwrap()
+                .plain_tcp
+        );
     }
 
     /// CH's `--seccomp` turns ferry's sandbox off with `false`; it is on otherwise.

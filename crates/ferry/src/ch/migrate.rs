@@ -82,7 +82,7 @@ fn tls(dir: &str, side: &str) -> Result<Tls, ApiError> {
 
 impl ChVmm {
     /// The TLS a migration to or from `endpoint` uses: `tls_dir` only with TCP, and TCP only
-    /// with `tls_dir` unless ferry was started with `--plain-tcp`.
+    /// with `tls_dir`, or in clear as CH does unless ferry was started with `--require-tls`.
     fn migration_tls(
         &self,
         endpoint: &Endpoint,
@@ -96,8 +96,7 @@ impl ChVmm {
             ))),
             Some(dir) => tls(dir, side).map(Some),
             None if tcp && !self.plain_tcp => Err(ApiError::bad_request(format!(
-                "{endpoint}: a TCP migration needs tls_dir (or ferry started with --plain-tcp, \
-                 on a trusted network only)"
+                "{endpoint}: this VMM was started with --require-tls: give tls_dir"
             ))),
             None => Ok(None),
         }

@@ -58,8 +58,9 @@ pub struct ChVmm {
     last_board: Mutex<Option<StatusBoard>>,
 }
 
+/// No VM here: CH answers 500 (its `VmNotCreated` is an error like any other).
 pub fn not_created() -> ApiError {
-    ApiError::new(404, "VM is not created")
+    ApiError::internal("VM is not created")
 }
 
 /// A call in the wrong state: CH answers 500.
@@ -220,8 +221,9 @@ impl ChVmm {
     fn ping(&self) -> Value {
         let version = env!("CARGO_PKG_VERSION");
         serde_json::to_value(VmmPingResponse {
-            build_version: format!("ferry-{version}"),
-            version: format!("v54.0-ferry-{version}"),
+            // CH's: its git tag, and its crate version (what a client compares).
+            build_version: format!("v54.0 (ferry {version})"),
+            version: "54.0.0".into(),
             pid: i64::from(std::process::id()),
             features: vec!["kvm".into()],
         })
