@@ -414,7 +414,8 @@ fn in_order(events: &[String], wanted: &[&str]) {
 
 /// A snapshot keeps the VM's config beside it (`config.json`, as CH's does): the restored VM
 /// writes its serial output where the config says, `vm.info` gives its payload, and it
-/// reboots from it.
+/// reboots from it. Its NIC comes back on the new tap the restore passes (`net_fds`, as
+/// libvirt restores on taps it made anew).
 #[test]
 fn a_restored_vm_keeps_its_config_and_reboots() {
     if !kvm_available() {
@@ -426,6 +427,15 @@ fn a_restored_vm_keeps_its_config_and_reboots() {
     let mut booted = config("idle serial_ms=100");
     booted["serial"] = json!({"mode": "File", "file": serial.display().to_string()});
     vmm.ok("PUT", "vm.create", Some(booted));
+    // Its NIC on a tap passed as libvirt passes it, and a new one at the restore.
+    let pid = std::process::id() % 100_000;
+    let (first, second) = (
+        transient_tap(&format!("fyra{pid}")),
+        transient_tap(&format!("fyrb{pid}")),
+    );
+    let add = json!({"mac": "52:54:00:12:34:57"});
+    let (status, _) = call_with_files(&vmm.socket, "vm.add-net", &add, &[first.as_raw_fd()]);
+    assert_eq!(status, 200);
     vmm.ok("PUT", "vm.boot", None);
     vmm.ok("PUT", "vm.pause", None);
     let snap = dir.path().join("snap");
@@ -435,10 +445,25 @@ fn a_restored_vm_keeps_its_config_and_reboots() {
     assert!(snap.join("config.json").exists());
     drop(vmm);
     std::fs::write(&serial, "").unwrap();
+    drop(first);
     let restored = Vmm::start(dir.path(), "restored");
-    let from = json!({"source_url": format!("file://{}", snap.display()), "resume": true});
-    restored.ok("PUT", "vm.restore", Some(from));
+    let source = format!("file://{}", snap.display());
+    let none = json!({"source_url": source, "net_fds": [{"id": "_net0", "num_fds": 1}]});
+    assert_error(
+        call_with_files(&restored.socket, "vm.restore", &none, &[]),
+        400,
+        "passed 0",
+    );
+    let from =
+        json!({"source_url": source, "resume": true, "net_fds": [{"id": "_net0", "num_fds": 1}]});
+    let (status, answer) =
+        call_with_files(&restored.socket, "vm.restore", &from, &[second.as_raw_fd()]);
+    assert_eq!(status, 204, "{answer}");
     let config = restored.ok("GET", "vm.info", None)["config"].clone();
+    assert_eq!(
+        config["net"][0]["tap"].as_str(),
+        Some(format!("fyrb{pid}").as_str())
+    );
     assert_eq!(config["payload"]["kernel"].as_str(), guest().to_str());
     assert_eq!(config["serial"]["file"].as_str(), serial.to_str());
     wait_for(

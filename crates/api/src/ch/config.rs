@@ -46,6 +46,8 @@ pub struct Net {
     /// The tap's open file, when the client passed it (`vm.add-net`, libvirt's way); `tap`
     /// is then the name it is attached to.
     pub file: Option<sockets::passed::PassedFd>,
+    /// The client's name for it (`vm.info` calls it `_netN` when none was given).
+    pub id: Option<String>,
 }
 
 /// The part of a `VmConfig` ferry honours.
@@ -306,7 +308,7 @@ impl VmSpec {
                 "path": d.path, "readonly": d.readonly, "id": format!("_disk{i}"),
             })).collect::<Vec<_>>(),
             "net": self.nets.iter().enumerate().map(|(i, n)| json!({
-                "tap": n.tap, "mac": n.mac, "id": format!("_net{i}"),
+                "tap": n.tap, "mac": n.mac, "id": n.name(i),
             })).collect::<Vec<_>>(),
             "serial": self.serial.to_json(),
             "console": self.console.to_json(),
@@ -365,7 +367,11 @@ fn nets(top: &Map<String, Value>) -> Result<Vec<Net>, ApiError> {
     let mut out = Vec::new();
     for (i, net) in list(top, "net")?.iter().enumerate() {
         let path = format!("net[{i}]");
-        let (nic, named) = nic(net, &path)?;
+        let (mut nic, named) = nic(net, &path)?;
+        // The id vm.info gives a NIC without one is its place: the same NIC again.
+        if nic.id.as_deref() == Some(&format!("_net{i}")) {
+            nic.id = None;
+        }
         if !named {
             return Err(bad(format!(
                 "{path}.tap is required: ferry attaches a NIC to an existing tap device \
@@ -391,6 +397,7 @@ fn nic(net: &Value, path: &str) -> Result<(Net, bool), ApiError> {
         tap: tap.unwrap_or_default(),
         mac: string(map, path, "mac")?,
         file: None,
+        id: string(map, path, "id")?,
     };
     Ok((nic, named))
 }
@@ -452,6 +459,13 @@ impl ConsoleMode {
             ConsoleMode::Socket(s) => json!({"mode": "Socket", "socket": s}),
             m => json!({"mode": mode_name(m)}),
         }
+    }
+}
+
+impl Net {
+    /// Its id: the client's, or `_netN` by its place among the NICs.
+    pub fn name(&self, index: usize) -> String {
+        self.id.clone().unwrap_or_else(|| format!("_net{index}"))
     }
 }
 

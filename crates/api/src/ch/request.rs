@@ -188,9 +188,9 @@ mod tests {
         let e = ChRequest::parse(
             "PUT",
             "/api/v1/vm.restore",
-            br#"{"source_url":"file:///s","net_fds":[{"id":"net0","fds":[3]}]}"#,
+            br#"{"source_url":"file:///s","net_fds":[{"id":"net0","num_fds":2}]}"#,
         )
         .unwrap_err();
-        assert!(e.status == 400 && e.message.contains("net_fds="), "{e}");
+        assert!(e.status == 400 && e.message.contains("num_fds=2"), "{e}");
     }
 }

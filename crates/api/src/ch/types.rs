@@ -141,10 +141,10 @@ pub struct RestoreConfig {
     pub prefault: Option<Value>,
     #[serde(default)]
     pub memory_restore_mode: Option<Value>,
-    /// New descriptors for FD-backed NICs and VFIO devices, which ferry has not: `ch-remote`
-    /// sends them as null.
+    /// NICs whose new taps come with the request (`SCM_RIGHTS`, in this order), as libvirt
+    /// restores a VM on taps it made anew.
     #[serde(default)]
-    pub net_fds: Option<Value>,
+    pub net_fds: Option<Vec<RestoredNet>>,
     #[serde(default)]
     pub vfio_fds: Option<Value>,
     #[serde(default)]
@@ -154,6 +154,36 @@ pub struct RestoreConfig {
     pub resume: bool,
     #[serde(default)]
     pub zone_updates: Option<Value>,
+}
+
+/// CH's `RestoredNetConfig`: a restored NIC (`id`) and how many of the files passed with the
+/// request are its taps.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RestoredNet {
+    pub id: String,
+    #[serde(default)]
+    pub num_fds: usize,
+    /// Filled in by CH's server from the passed files; a client sends it empty.
+    #[serde(default)]
+    pub fds: Option<Value>,
+}
+
+impl RestoredNet {
+    fn check(&self) -> Result<(), ApiError> {
+        if self.num_fds != 1 {
+            return Err(ApiError::bad_request(format!(
+                "net_fds {}: num_fds={}: ferry's NIC has one queue pair, on one tap file",
+                self.id, self.num_fds
+            )));
+        }
+        only_default(
+            "net_fds.fds",
+            &self.fds,
+            Value::Null,
+            "the files come with the request",
+        )
+    }
 }
 
 impl RestoreConfig {
@@ -170,12 +200,9 @@ impl RestoreConfig {
             Value::String("Copy".into()),
             "ferry restores by copying",
         )?;
-        only_default(
-            "net_fds",
-            &self.net_fds,
-            Value::Null,
-            "ferry opens its taps by name",
-        )?;
+        for net in self.net_fds.iter().flatten() {
+            net.check()?;
+        }
         only_default("vfio_fds", &self.vfio_fds, Value::Null, "ferry has no VFIO")?;
         only_default(
             "iommufd_fd",

@@ -105,6 +105,7 @@ pub fn spec_of(vm: &Vm, serial: &ConsoleMode) -> VmSpec {
                 tap: n.tap.clone(),
                 mac: n.mac.as_ref().map(vmm::devices::virtio::net::format_mac),
                 file: None,
+                id: None,
             })
             .collect(),
         serial: serial.clone(),

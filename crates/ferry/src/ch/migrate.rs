@@ -4,6 +4,7 @@
 //! cancel. The engine, its parameters and its checks are the controller's own.
 
 use migration::sync::Locked;
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -18,6 +19,8 @@ use migration::Endpoint;
 use migration::destination::Source;
 use migration::io::tls::{Tls, TlsFiles};
 use serde_json::Value;
+use sockets::passed::PassedFd;
+use vmm::devices::virtio::tap::Tap;
 use vmm::{Vm, VmConfig};
 
 use super::allow::Allowed;
@@ -54,6 +57,55 @@ fn read_config(dir: &std::path::Path) -> Result<Option<VmSpec>, ApiError> {
     VmSpec::from_json(&value)
         .map(Some)
         .map_err(|e| ApiError::bad_request(format!("{}: {}", path.display(), e.message)))
+}
+
+/// A tap file a restore passed for one of the VM's NICs.
+pub struct RestoredTap {
+    name: String,
+    file: PassedFd,
+}
+
+/// The taps `req.net_fds` names, matched to the files passed with it (one each, in order) and
+/// to the VM's NICs by id (the config's, or `_netN`): by slot among the NICs.
+fn restored_taps(
+    req: &RestoreConfig,
+    files: Vec<OwnedFd>,
+    config: Option<&VmSpec>,
+) -> Result<Vec<(usize, RestoredTap)>, ApiError> {
+    let named = req.net_fds.as_deref().unwrap_or_default();
+    if named.len() != files.len() {
+        return Err(ApiError::bad_request(format!(
+            "net_fds names {} tap files; the request passed {}",
+            named.len(),
+            files.len()
+        )));
+    }
+    named
+        .iter()
+        .zip(files)
+        .map(|(net, fd)| {
+            let slot = match config {
+                Some(spec) => spec
+                    .nets
+                    .iter()
+                    .enumerate()
+                    .position(|(i, n)| n.name(i) == net.id),
+                None => net.id.strip_prefix("_net").and_then(|n| n.parse().ok()),
+            }
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("net_fds: the VM has no NIC {}", net.id))
+            })?;
+            let file = std::fs::File::from(fd);
+            let name = Tap::name_of(&file).map_err(|e| {
+                ApiError::bad_request(format!(
+                    "net_fds {}: the file passed is not a tap: {e}",
+                    net.id
+                ))
+            })?;
+            let file = PassedFd::new(file.into());
+            Ok((slot, RestoredTap { name, file }))
+        })
+        .collect()
 }
 
 /// A restored VM's config must describe the VM the snapshot held.
@@ -157,7 +209,13 @@ impl ChVmm {
             "migration-receive-ready",
             &[("url", req.receiver_url.clone())],
         );
-        let outcome = self.arrive(source, per_request(tls), Some(&self.allowed), None);
+        let outcome = self.arrive(
+            source,
+            per_request(tls),
+            Some(&self.allowed),
+            None,
+            Vec::new(),
+        );
         let event = if outcome.is_ok() {
             "migration-receive-finished"
         } else {
@@ -172,12 +230,14 @@ impl ChVmm {
     /// whose restore says its own events).
     /// `config`: the VM's config, where it came with it (a snapshot's `config.json`): its
     /// serial port goes where that config says, and `vm.info` and a reboot have its payload.
+    /// `taps`: NICs (by slot among the NICs) to build on a tap file passed with a restore.
     fn arrive(
         &self,
         source: Source,
         security: Security,
         allowed: Option<&Allowed>,
         config: Option<VmSpec>,
+        taps: Vec<(usize, RestoredTap)>,
     ) -> Result<Arc<Controller>, ApiError> {
         let controller = Controller::new(Phase::Incoming, security);
         {
@@ -205,6 +265,13 @@ impl ChVmm {
                     self.events.emit("vm", "restoring", &[]);
                 }
                 let mut config = VmConfig::from_descriptor(descriptor)?;
+                for (slot, tap) in &taps {
+                    let nic = config.nets.get_mut(*slot).ok_or_else(|| {
+                        migration::Error::vm(format!("net_fds names NIC {slot}; the VM has fewer"))
+                    })?;
+                    nic.tap = tap.name.clone();
+                    nic.file = Some(tap.file.clone());
+                }
                 if let Some(allowed) = allowed {
                     allowed.admit(&mut config, files.as_ref())?;
                 }
@@ -286,13 +353,22 @@ impl ChVmm {
 
     /// `vm.restore {"source_url": "file://DIR"}`: the VM of `DIR/ferry.snapshot`, paused
     /// unless `resume`.
-    pub fn restore(&self, req: &RestoreConfig) -> Result<Value, ApiError> {
+    /// `files`: the NICs' new taps `net_fds` names, in order.
+    pub fn restore(&self, req: &RestoreConfig, files: Vec<OwnedFd>) -> Result<Value, ApiError> {
         let dir = file_url("source_url", &req.source_url)?;
         let source = Source::snapshot(&dir.join(SNAPSHOT_FILE))
             .map_err(|e| ApiError::bad_request(e.report()))?;
-        let config = read_config(&dir)?;
+        let mut config = read_config(&dir)?;
+        let taps = restored_taps(req, files, config.as_ref())?;
+        if let Some(spec) = &mut config {
+            for (slot, tap) in &taps {
+                // A reboot goes on with the same tap file.
+                spec.nets[*slot].tap = tap.name.clone();
+                spec.nets[*slot].file = Some(tap.file.clone());
+            }
+        }
         self.events.emit("vm", "restoring", &[]);
-        let c = self.arrive(source, per_request(None), None, config)?;
+        let c = self.arrive(source, per_request(None), None, config, taps)?;
         let vm = c.vm()?;
         match (req.resume, vm.state() == vmm::VmState::Running) {
             (false, true) => c.handle(ApiRequest::Pause).map_err(as_ch)?,

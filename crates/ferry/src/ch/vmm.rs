@@ -494,7 +494,7 @@ impl ChVmm {
             )),
             ChRequest::Delete => self.delete(),
             ChRequest::Snapshot(r) => self.snapshot(&r),
-            ChRequest::Restore(r) => self.restore(&r),
+            ChRequest::Restore(r) => self.restore(&r, Vec::new()),
             ChRequest::SendMigration(r) => self.send_migration(&r),
             ChRequest::ReceiveMigration(r) => self.receive_migration(&r),
             ChRequest::MigrationProgress => self.progress(),
@@ -516,6 +516,7 @@ impl Service for ChVmm {
     ) -> Result<Value, ApiError> {
         match ChRequest::parse(method, path, body)? {
             ChRequest::AddNet(net, named) => self.add_net(*net, named, files),
+            ChRequest::Restore(r) => self.restore(&r, files),
             _ if !files.is_empty() => Err(ApiError::bad_request(format!(
                 "{path} takes no files ({} passed with the request)",
                 files.len()
