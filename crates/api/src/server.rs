@@ -44,12 +44,7 @@ pub trait Service: Send + Sync + 'static {
         body: &[u8],
         files: Vec<OwnedFd>,
     ) -> Result<Value, ApiError> {
-        if !files.is_empty() {
-            return Err(ApiError::bad_request(format!(
-                "{path} takes no files ({} passed with the request)",
-                files.len()
-            )));
-        }
+        no_files(path, &files)?;
         self.call(method, path, body)
     }
     /// The body of an error answer.
@@ -59,6 +54,16 @@ pub trait Service: Send + Sync + 'static {
     /// profile answers as CH's server does, with none (`HTTP/1.1 200 `).
     fn reason_phrase(&self) -> bool {
         true
+    }
+}
+
+/// Refuses `files` passed with a request for `path`, which takes none.
+pub fn no_files(path: &str, files: &[OwnedFd]) -> Result<(), ApiError> {
+    match files.len() {
+        0 => Ok(()),
+        n => Err(ApiError::bad_request(format!(
+            "{path} takes no files ({n} passed with the request)"
+        ))),
     }
 }
 

@@ -66,7 +66,11 @@ const DEVICE_SYSCALLS: &[libc::c_long] = &[
     libc::SYS_madvise,
     libc::SYS_mincore,
     libc::SYS_brk,
-    // Waiting, time, signals, the thread's end.
+];
+
+/// What every thread on an allow-list may do: wait, tell the time, take and return from
+/// signals, end.
+const THREAD_BASICS: &[libc::c_long] = &[
     libc::SYS_futex,
     libc::SYS_sched_yield,
     libc::SYS_sched_getaffinity,
@@ -124,24 +128,6 @@ const METRICS_SYSCALLS: &[libc::c_long] = &[
     libc::SYS_clone3,
     libc::SYS_set_robust_list,
     libc::SYS_rseq,
-    libc::SYS_sched_getaffinity,
-    // Waiting, time, signals, the thread's end.
-    libc::SYS_futex,
-    libc::SYS_sched_yield,
-    libc::SYS_nanosleep,
-    libc::SYS_clock_nanosleep,
-    libc::SYS_clock_gettime,
-    libc::SYS_gettimeofday,
-    libc::SYS_restart_syscall,
-    libc::SYS_rt_sigreturn,
-    libc::SYS_rt_sigprocmask,
-    libc::SYS_sigaltstack,
-    libc::SYS_getrandom,
-    libc::SYS_gettid,
-    libc::SYS_getpid,
-    libc::SYS_tgkill,
-    libc::SYS_exit,
-    libc::SYS_exit_group,
 ];
 
 /// What no thread of a VMM does.
@@ -217,10 +203,18 @@ fn compile(
         .expect("the filters are valid")
 }
 
+/// Rules that allow `calls` and the thread basics, whatever their arguments.
+fn allowed(calls: &[libc::c_long]) -> BTreeMap<i64, Vec<SeccompRule>> {
+    calls
+        .iter()
+        .chain(THREAD_BASICS)
+        .map(|&nr| (nr, Vec::new()))
+        .collect()
+}
+
 /// The device threads' allow-list: anything else is refused.
 pub fn device_filter() -> BpfProgram {
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-        DEVICE_SYSCALLS.iter().map(|&nr| (nr, Vec::new())).collect();
+    let mut rules = allowed(DEVICE_SYSCALLS);
     let kvm = condition(1, SeccompCmpOp::MaskedEq(0xff00), KVM_IOCTL_TYPE << 8);
     let kvm = SeccompRule::new(vec![kvm]).expect("one condition");
     rules.insert(libc::SYS_ioctl, vec![kvm]);
@@ -229,10 +223,7 @@ pub fn device_filter() -> BpfProgram {
 
 /// The metrics endpoint's allow-list (and `prctl` to name a thread).
 pub fn metrics_filter() -> BpfProgram {
-    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = METRICS_SYSCALLS
-        .iter()
-        .map(|&nr| (nr, Vec::new()))
-        .collect();
+    let mut rules = allowed(METRICS_SYSCALLS);
     let naming = condition(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64);
     rules.insert(
         libc::SYS_prctl,

@@ -517,11 +517,10 @@ impl Service for ChVmm {
         match ChRequest::parse(method, path, body)? {
             ChRequest::AddNet(net, named) => self.add_net(*net, named, files),
             ChRequest::Restore(r) => self.restore(&r, files),
-            _ if !files.is_empty() => Err(ApiError::bad_request(format!(
-                "{path} takes no files ({} passed with the request)",
-                files.len()
-            ))),
-            request => self.handle(request),
+            request => {
+                api::server::no_files(path, &files)?;
+                self.handle(request)
+            }
         }
     }
     fn error_body(&self, e: &ApiError) -> String {
