@@ -5,7 +5,7 @@ CARGO ?= cargo
 GUEST := guest/build/guest.elf
 FERRY := target/release/ferry
 
-.PHONY: all deps guest build test demo bench faults lint fuzz scale-kit clean
+.PHONY: all deps guest build install test demo bench faults lint fuzz scale-kit clean
 
 all: build
 
@@ -17,6 +17,13 @@ guest: deps
 
 build: deps guest
 	$(CARGO) build --release --workspace
+
+# ferry into $(PREFIX)/bin, and the name orchestrators exec for Cloud Hypervisor (libvirt's
+# ch driver, Virtink, Kata): `cloud-hypervisor`, a link to ferry, which answers as CH under it.
+PREFIX ?= /usr/local
+install: build
+	install -D -m 0755 $(FERRY) $(DESTDIR)$(PREFIX)/bin/ferry
+	ln -sfn ferry $(DESTDIR)$(PREFIX)/bin/cloud-hypervisor
 
 # Unit and end-to-end tests (doc-tests: none); the last line sums up every runner.
 # The fuzz harnesses replay their committed corpus (fuzz/corpus) as plain tests.

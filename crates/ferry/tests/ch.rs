@@ -486,6 +486,24 @@ fn a_restored_vm_keeps_its_config_and_reboots() {
     );
 }
 
+/// Orchestrators exec `cloud-hypervisor`; `make install` links that name to ferry, which
+/// then answers as CH: its version line (what libvirt reads) and CH's flags.
+#[test]
+fn the_cloud_hypervisor_name_answers_as_ch() {
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("cloud-hypervisor");
+    std::os::unix::fs::symlink(FERRY, &link).unwrap();
+    let out = Command::new(&link).arg("--version").output().unwrap();
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && line.starts_with("cloud-hypervisor v54.0.0"),
+        "{line}"
+    );
+    let bad = Command::new(&link).arg("--frobnicate").output().unwrap();
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--frobnicate"));
+}
+
 /// libvirt's NICs: it makes the tap and passes its open file with `vm.add-net` before
 /// `vm.boot` (`SCM_RIGHTS`). The NIC boots on that file: the tap is transient and attached
 /// by the file, so attaching to it by name would be refused as busy.
