@@ -50,7 +50,7 @@ use migration::wire::page_frame::{FrameBuffers, read_page_frame};
 use migration::wire::{self, Frame, Message};
 use migration::{HandedFiles, Incoming, Migratable, PAGE_SIZE, StatusBoard, VmDescriptor};
 
-pub use live::{LANE_MARK, RESUME_MARK, live_destination, resume, resume_prefix};
+pub use live::{LANE_MARK, RESUME_MARK, live_destination, resume};
 pub use local::{local_destination, local_seed};
 pub use plain_vm::PlainVm;
 pub use queues::virtio_queues;

@@ -111,7 +111,7 @@ fn receive_resumed(data: &[u8]) -> migration::status::Status {
 }
 
 /// The `resume` target's main connection: the stream header, `Hello`, `ResumeWindow`.
-pub fn resume_prefix() -> &'static Vec<u8> {
+fn resume_prefix() -> &'static Vec<u8> {
     static PREFIX: OnceLock<Vec<u8>> = OnceLock::new();
     PREFIX.get_or_init(|| {
         let mut out = Vec::new();

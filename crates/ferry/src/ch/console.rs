@@ -19,7 +19,6 @@ use crate::run;
 
 /// An open serial port: a writer the VM can be given again (a reboot keeps the pty), and
 /// the pty's path.
-#[derive(Clone)]
 pub struct Port {
     out: Arc<Mutex<Box<dyn Write + Send>>>,
     pub pty: Option<String>,
