@@ -15,6 +15,8 @@ const T: Duration = Duration::from_secs(180);
 /// The churning guest: a 16 MiB working set after a first cycle up to 128 MiB.
 const CHURN: &str = "churn ws=16M peak=128M verify";
 const PEAK_PAGES: u64 = 128 << 8;
+/// Its working set after the first cycle, in pages.
+const WS_PAGES: u64 = 16 << 8;
 const MEMORY: &str = "512M";
 
 fn balloon(info: &VmInfo) -> BalloonStatus {
@@ -231,7 +233,9 @@ fn dsb_keeps_free_memory_off_the_wire_in_precopy() {
     );
     // Round 0 sends every page that holds data: without DSB all the guest once touched.
     assert!(round0(&without) >= PEAK_PAGES, "{without:?}");
-    assert!(round0(&with) < PEAK_PAGES / 8, "{with:?}");
+    // With DSB round 0 sends the working set and the guest's own pages (its image, page
+    // tables, the balloon's buffers), not what it freed: under twice the working set.
+    assert!(round0(&with) < 2 * WS_PAGES, "{with:?}");
     let bytes0 = |r: &MigrationStatus| r.rounds.first().map_or(0, |r| r.bytes);
     assert!(bytes0(&with) * 4 < bytes0(&without), "{with:?}");
     // Each later round resends what the guest dirtied or gave back meanwhile (the latter as
