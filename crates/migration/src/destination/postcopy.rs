@@ -116,15 +116,16 @@ struct Installed {
     checksum: Option<u64>,
 }
 
-/// Makes every pending page that arrived in an earlier round (and was dirtied since) missing
-/// again, so that the guest's first touch asks for the newer copy. Most of them are dropped
-/// before the pause (`Stale`); the rest inside the downtime, so runs of consecutive pending pages are dropped with one call each (a pending page
-/// that never arrived is absent already, so a run may include it), which makes the cost grow
-/// with the runs, not the pages.
-pub(super) fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, received: &Bitmap) -> Result<()> {
+/// Makes every pending page that is here (`stale`: it arrived in an earlier round and was
+/// dirtied since, or was written here) missing again, so that the guest's first touch asks
+/// for the source's copy. Most of them are dropped
+/// before the pause (`Stale`); the rest inside the downtime, so runs of consecutive pending
+/// pages are dropped with one call each (a pending page that is not here is absent already,
+/// so a run may include it), which makes the cost grow with the runs, not the pages.
+pub(super) fn drop_stale_copies(ram: &GuestRam, pending: &Bitmap, stale: &Bitmap) -> Result<()> {
     let mut run: Option<(u64, u64, bool)> = None; // first page, pages, holds a stale copy
     for pfn in pending.iter() {
-        let stale = received.get(pfn);
+        let stale = stale.get(pfn);
         run = match run {
             Some((first, n, any)) if first + n == pfn && ram.pages_to_region_end(first) > n => {
                 Some((first, n + 1, any || stale))
@@ -286,7 +287,12 @@ impl Postcopy {
         checksum: bool,
     ) -> Result<Self> {
         let ram = vm.ram();
-        drop_stale_copies(&ram, &pending, received)?;
+        // A pending page can be here without having arrived: KVM writes guest memory when
+        // the state loads (the wall clock a Linux guest's kvmclock MSR names). The source's
+        // copy is the guest's; the one here is stale like any copy from an earlier round.
+        let mut stale = populated_pages(&ram)?;
+        stale.merge(received);
+        drop_stale_copies(&ram, &pending, &stale)?;
         let base_checksum = if checksum {
             let mut here = populated_pages(&ram)?;
             for pfn in pending.iter() {
