@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+use vmm::cpuid::CpuModel;
 use vmm::devices::virtio::balloon::BalloonConfig;
 use vmm::{DiskConfig, MemoryBackend, MemorySize, NetConfig};
 
@@ -240,6 +241,11 @@ pub struct RunArgs {
     /// How guest memory is backed: anonymous or memfd.
     #[arg(long, default_value = "anonymous")]
     pub memory_backend: MemoryBackend,
+    /// The CPU model a booted guest sees: host (all KVM supports) or baseline (what every KVM
+    /// runs, one that emulates guest kernels too). Default: baseline where KVM emulates guest
+    /// kernels (PVM), host elsewhere. An arriving VM keeps its source's.
+    #[arg(long, conflicts_with_all = ["incoming", "restore"])]
+    pub cpu_model: Option<CpuModel>,
     /// vCPUs (default 1). With --incoming, as --memory: the VM expected, built ahead.
     #[arg(long, conflicts_with = "restore")]
     pub vcpus: Option<usize>,

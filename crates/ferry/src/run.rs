@@ -119,8 +119,9 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
     Ok(supervise(&controller))
 }
 
-/// Boots `image` with `config`: the command line gains the word for each virtio-mmio device
-/// (a guest finds them there, as Linux does). A PVH image's `vcpus=N` word is the caller's.
+/// Boots `image` with `config`. A PVH image (ferry's workload guest) finds each virtio-mmio
+/// device by a word its command line gains; Linux finds them in the ACPI DSDT, so its command
+/// line is left as given. A PVH image's `vcpus=N` word is the caller's.
 pub fn boot_vm(
     config: VmConfig,
     image: &BootImage,
@@ -128,8 +129,10 @@ pub fn boot_vm(
     serial: Box<dyn std::io::Write + Send>,
 ) -> Result<Vm> {
     let mut cmdline = cmdline.to_string();
-    for slot in 0..config.virtio_devices() {
-        cmdline.push_str(&vmm::devices::virtio::cmdline_word(slot));
+    if matches!(image, BootImage::Pvh(_)) {
+        for slot in 0..config.virtio_devices() {
+            cmdline.push_str(&vmm::devices::virtio::cmdline_word(slot));
+        }
     }
     Vm::boot(config, image, &cmdline, serial).context("cannot start the VM")
 }
@@ -204,6 +207,7 @@ fn config_of(args: &RunArgs) -> VmConfig {
         disks: args.disks.clone(),
         nets: args.nets.clone(),
         balloon: args.balloon.clone(),
+        cpu_model: args.cpu_model.unwrap_or_default(),
     }
 }
 

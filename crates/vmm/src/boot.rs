@@ -24,6 +24,7 @@ use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::{KernelLoader, KernelLoaderResult};
 use vm_memory::{Address, Bytes, GuestAddress};
 
+use crate::acpi::Machine;
 use crate::error::{Error, Result};
 use crate::layout::*;
 use crate::memory::GuestMemory;
@@ -65,7 +66,7 @@ pub fn load_pvh(
     memory_bytes: u64,
     path: &Path,
     cmdline: &str,
-    vcpus: usize,
+    machine: &Machine,
 ) -> Result<Entry> {
     let mut file = File::open(path).map_err(|e| image_err(path, e.to_string()))?;
     let loaded = Elf::load(memory, None, &mut file, Some(GuestAddress(IMAGE_ADDR)))
@@ -78,7 +79,7 @@ pub fn load_pvh(
         ));
     };
     write_cmdline(memory, cmdline)?;
-    let rsdp = crate::acpi::write_tables(memory, vcpus)?;
+    let rsdp = crate::acpi::write_tables(memory, machine)?;
     let map: Vec<hvm_memmap_table_entry> = e820(memory_bytes)
         .iter()
         .map(|e| hvm_memmap_table_entry {
@@ -114,11 +115,11 @@ pub fn load_linux(
     kernel: &Path,
     initrd: Option<&Path>,
     cmdline: &str,
-    vcpus: usize,
+    machine: &Machine,
 ) -> Result<Entry> {
     let (loaded, entry) = load_kernel(memory, kernel)?;
     write_cmdline(memory, cmdline)?;
-    let rsdp = crate::acpi::write_tables(memory, vcpus)?;
+    let rsdp = crate::acpi::write_tables(memory, machine)?;
     let mut params = boot_params::default();
     if let Some(header) = loaded.setup_header {
         params.hdr = header;
@@ -345,19 +346,26 @@ mod tests {
     use super::*;
     use crate::memory::{MemoryBackend, create_guest_memory};
 
+    fn one_vcpu() -> Machine {
+        Machine {
+            vcpus: 1,
+            virtio: Vec::new(),
+        }
+    }
+
     #[test]
     fn a_file_that_is_no_kernel_is_refused_by_name() {
         let mem = create_guest_memory(64 << 20, MemoryBackend::Anonymous).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let junk = dir.path().join("junk");
         std::fs::write(&junk, vec![0x5au8; 8192]).unwrap();
-        let e = load_linux(&mem, 64 << 20, &junk, None, "", 1).unwrap_err();
+        let e = load_linux(&mem, 64 << 20, &junk, None, "", &one_vcpu()).unwrap_err();
         assert!(
             e.to_string()
                 .contains("neither a bzImage nor an ELF kernel"),
             "{e}"
         );
-        let e = load_pvh(&mem, 64 << 20, &junk, "", 1).unwrap_err();
+        let e = load_pvh(&mem, 64 << 20, &junk, "", &one_vcpu()).unwrap_err();
         assert!(e.to_string().contains("not a loadable ELF"), "{e}");
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod acpi;
 pub mod boot;
+pub mod cpuid;
 pub mod devices;
 pub mod dirty_log;
 pub mod error;

@@ -117,6 +117,8 @@ impl VmConfig {
             disks: Vec::new(),
             nets: Vec::new(),
             balloon: None,
+            // The vCPUs' state brings the source's model.
+            cpu_model: crate::cpuid::CpuModel::default(),
             memory: d.memory_bytes,
             vcpus: d.vcpus as usize,
             backend: d
@@ -277,6 +279,7 @@ mod tests {
             disks: Vec::new(),
             nets: Vec::new(),
             balloon: None,
+            cpu_model: crate::cpuid::CpuModel::Host,
         };
         let d = shape.descriptor(devices);
         let built = VmConfig::from_descriptor(&d).unwrap();

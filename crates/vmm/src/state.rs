@@ -40,6 +40,10 @@ const MSR_TSC_DEADLINE: u32 = 0x6e0;
 /// The CPUID leaves that carry feature flags: (leaf, sub-leaf or None for any).
 const FEATURE_LEAVES: [u32; 7] = [0x1, 0x6, 0x7, 0xd, 0x8000_0001, 0x8000_0007, 0x8000_0008];
 
+/// Leaf 1 ECX: CR4.OSXSAVE mirrored. Leaf 7 ECX: CR4.PKE mirrored.
+const OSXSAVE: u32 = 1 << 27;
+const OSPKE: u32 = 1 << 4;
+
 /// Refuses a CPU model this host cannot provide, naming the first feature it lacks.
 pub fn check_cpuid(wanted: &[kvm_cpuid_entry2], supported: &CpuId) -> Result<()> {
     for w in wanted
@@ -52,7 +56,13 @@ pub fn check_cpuid(wanted: &[kvm_cpuid_entry2], supported: &CpuId) -> Result<()>
             .find(|s| s.function == w.function && s.index == w.index);
         let regs =
             |e: Option<&kvm_cpuid_entry2>| e.map_or([0; 4], |e| [e.eax, e.ebx, e.ecx, e.edx]);
-        let (want, have) = (regs(Some(w)), regs(here));
+        let (mut want, have) = (regs(Some(w)), regs(here));
+        // Bits the guest's own CR4 sets, which no supported CPUID lists.
+        match (w.function, w.index) {
+            (0x1, _) => want[2] &= !OSXSAVE,
+            (0x7, 0) => want[2] &= !OSPKE,
+            _ => {}
+        }
         // Leaf 1 EBX holds the APIC ID and counts, and leaf 0xd's EAX/EBX sizes: not flags.
         let checked: &[usize] = match w.function {
             0x1 => &[2, 3],

@@ -16,21 +16,21 @@ use migration::bitmap::{Bitmap, CHUNK_WORDS};
 use vm_memory::{Address, Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
 
-use crate::boot;
+use crate::cpuid::{self, CpuModel};
 use crate::devices::virtio::VirtioDevice;
 use crate::devices::virtio::balloon::{Balloon, BalloonConfig};
 use crate::devices::virtio::block::{Block, DiskConfig};
 use crate::devices::virtio::mmio::MmioTransport;
 use crate::devices::virtio::net::{Net, NetConfig};
-use crate::devices::virtio::{FIRST_GSI, MAX_SLOTS, SLOT_SIZE, WriteLog};
+use crate::devices::virtio::{self, MAX_SLOTS, WriteLog};
 use crate::devices::{DeviceBus, DeviceSlot, HeartbeatDevice, SerialDevice, serial};
 use crate::dirty_log::Protect;
 use crate::error::{Error, Result, kvm};
-use crate::layout::DEVICE_WINDOW_START;
 use crate::memory::{GuestMemory, MemoryBackend, create_guest_memory, guest_memory_from_files};
 use crate::persist::{Component, Fragment, Fragments, Persist};
 use crate::state;
 use crate::vcpu::{VcpuSet, VmEvent};
+use crate::{acpi, boot};
 
 const TSS_ADDRESS: usize = 0xfffb_d000;
 /// The most guest memory one KVM memory slot spans: RAM is registered in slots of this size,
@@ -101,12 +101,29 @@ pub struct VmConfig {
     pub nets: Vec<NetConfig>,
     /// A virtio-balloon, in the slot after the NICs.
     pub balloon: Option<BalloonConfig>,
+    /// What CPUID advertises to a booted VM (an arriving one keeps its source's).
+    pub cpu_model: CpuModel,
 }
 
 impl VmConfig {
     /// virtio-mmio devices, one slot each.
     pub fn virtio_devices(&self) -> usize {
         self.disks.len() + self.nets.len() + usize::from(self.balloon.is_some())
+    }
+
+    /// The machine the ACPI tables describe: the vCPUs and each virtio-mmio slot.
+    pub fn machine(&self) -> acpi::Machine {
+        let virtio = (0..self.virtio_devices())
+            .map(|slot| acpi::MmioDevice {
+                base: virtio::slot_base(slot),
+                size: virtio::SLOT_SIZE,
+                gsi: virtio::slot_gsi(slot),
+            })
+            .collect();
+        acpi::Machine {
+            vcpus: self.vcpus,
+            virtio,
+        }
     }
 }
 
@@ -177,6 +194,8 @@ struct Parts {
     bus: Arc<DeviceBus>,
     msrs: Vec<u32>,
     supported_cpuid: CpuId,
+    /// What the CPU model hides that KVM showed the vCPUs all the same.
+    not_honoured: Vec<cpuid::Feature>,
     dirty_protect: Protect,
 }
 
@@ -190,17 +209,20 @@ impl Vm {
         serial: serial::Output,
     ) -> Result<Self> {
         let parts = Parts::create(&config, serial, true, None)?;
+        let machine = config.machine();
+        // Where KVM did not hide what the model hides, Linux is told not to use it.
+        let linux_cmdline = format!("{cmdline}{}", cpuid::linux_words(&parts.not_honoured));
         let entry = match image {
             BootImage::Pvh(path) => {
-                boot::load_pvh(&parts.memory, config.memory, path, cmdline, config.vcpus)?
+                boot::load_pvh(&parts.memory, config.memory, path, cmdline, &machine)?
             }
             BootImage::Linux { kernel, initrd } => boot::load_linux(
                 &parts.memory,
                 config.memory,
                 kernel,
                 initrd.as_deref(),
-                cmdline,
-                config.vcpus,
+                &linux_cmdline,
+                &machine,
             )?,
         };
         let bsp = &parts.vcpu_fds[0];
@@ -660,7 +682,7 @@ impl Vm {
                 DeviceInfo {
                     describe: d.device().describe(),
                     slot,
-                    address: DEVICE_WINDOW_START + slot as u64 * SLOT_SIZE,
+                    address: virtio::slot_base(slot),
                     kind: d.device().device_type(),
                     counters,
                     path: d.device().backing().map(std::path::Path::to_path_buf),
@@ -775,7 +797,7 @@ impl Parts {
         let mut notifiers = Vec::new();
         for (slot, device) in devices.into_iter().enumerate() {
             let irq = EventFd::new(EFD_NONBLOCK)?;
-            fd.register_irqfd(&irq, FIRST_GSI + slot as u32)
+            fd.register_irqfd(&irq, virtio::slot_gsi(slot))
                 .map_err(kvm("KVM_IRQFD"))?;
             notifiers.push(queue_notifiers(&fd, slot, device.queue_max_sizes().len())?);
             virtio.push(MmioTransport::new(device, irq));
@@ -791,20 +813,30 @@ impl Parts {
             gfn_end,
         )?);
 
-        let cpuid = kvm_sys
+        let supported = kvm_sys
             .get_supported_cpuid(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm("KVM_GET_SUPPORTED_CPUID"))?;
+        let model = config.cpu_model.apply(&supported);
         let mut vcpu_fds = Vec::new();
         for i in 0..config.vcpus {
             let vcpu = fd.create_vcpu(i as u64).map_err(kvm("KVM_CREATE_VCPU"))?;
-            vcpu.set_cpuid2(&cpuid_for(&cpuid, i as u32))
+            vcpu.set_cpuid2(&cpuid_for(&model, i as u32))
                 .map_err(kvm("KVM_SET_CPUID2"))?;
             vcpu_fds.push(vcpu);
         }
         let msrs = state::migratable_msrs(&kvm_sys, &vcpu_fds[0])?;
-        let cpuid = vcpu_fds[0]
+        let got = vcpu_fds[0]
             .get_cpuid2(KVM_MAX_CPUID_ENTRIES)
             .map_err(kvm("KVM_GET_CPUID2"))?;
+        let not_honoured = config.cpu_model.not_honoured(&got);
+        if !not_honoured.is_empty() {
+            let names: Vec<&str> = not_honoured.iter().map(|f| f.name).collect();
+            tracing::info!(
+                "KVM put back CPU features the {} model hides: {}",
+                config.cpu_model,
+                names.join(" ")
+            );
+        }
         let dirty_protect = crate::dirty_log::enable_manual_protect(&fd);
         tracing::debug!("KVM dirty log protection: {dirty_protect:?}");
         Ok(Self {
@@ -813,7 +845,8 @@ impl Parts {
             vcpu_fds,
             bus,
             msrs,
-            supported_cpuid: cpuid,
+            supported_cpuid: cpuid::providable(&supported, &got),
+            not_honoured,
             dirty_protect,
         })
     }
@@ -881,9 +914,7 @@ fn slot_region(
 /// notifications to the vCPU thread (an MMIO exit, served there).
 fn queue_notifiers(fd: &VmFd, slot: usize, queues: usize) -> Result<Vec<EventFd>> {
     use kvm_ioctls::IoEventAddress;
-    let notify = DEVICE_WINDOW_START
-        + slot as u64 * SLOT_SIZE
-        + u64::from(crate::devices::virtio::mmio::QUEUE_NOTIFY);
+    let notify = virtio::slot_base(slot) + u64::from(virtio::mmio::QUEUE_NOTIFY);
     let addr = IoEventAddress::Mmio(notify);
     let mut fds: Vec<EventFd> = Vec::new();
     for queue in 0..queues as u32 {
@@ -901,7 +932,7 @@ fn queue_notifiers(fd: &VmFd, slot: usize, queues: usize) -> Result<Vec<EventFd>
     Ok(fds)
 }
 
-/// The host's supported CPUID with this vCPU's APIC ID filled in.
+/// The model's CPUID with this vCPU's APIC ID filled in.
 fn cpuid_for(supported: &CpuId, apic_id: u32) -> CpuId {
     let mut cpuid = supported.clone();
     for entry in cpuid.as_mut_slice() {
@@ -980,6 +1011,7 @@ pub(crate) mod tests {
             disks: Vec::new(),
             nets: Vec::new(),
             balloon: None,
+            cpu_model: CpuModel::Host,
         }
     }
 

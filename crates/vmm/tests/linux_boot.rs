@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 
 use vm_memory::{Bytes, GuestAddress};
+use vmm::acpi::Machine;
 use vmm::boot::{Entry, load_linux};
 use vmm::layout::{self, CMDLINE_ADDR, RSDP_ADDR, ZERO_PAGE_ADDR};
 use vmm::memory::{MemoryBackend, create_guest_memory};
@@ -38,7 +39,11 @@ fn a_debian_bzimage_gets_a_correct_zero_page_and_e820() {
     let initrd = dir.path().join("initrd");
     std::fs::write(&initrd, vec![0xa5u8; 3 << 20]).unwrap();
     let cmdline = "console=ttyS0 panic=-1";
-    let entry = load_linux(&mem, memory, &kernel(), Some(&initrd), cmdline, 2).unwrap();
+    let two_vcpus = Machine {
+        vcpus: 2,
+        virtio: Vec::new(),
+    };
+    let entry = load_linux(&mem, memory, &kernel(), Some(&initrd), cmdline, &two_vcpus).unwrap();
     assert_eq!(entry, Entry::Linux64 { entry: 0x10_0200 });
 
     let mut zp = vec![0u8; 4096];

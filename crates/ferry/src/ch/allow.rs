@@ -133,6 +133,7 @@ mod tests {
                 file: None,
             }],
             balloon: None,
+            cpu_model: vmm::cpuid::CpuModel::Host,
         }
     }
 

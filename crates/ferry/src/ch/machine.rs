@@ -2,6 +2,7 @@
 
 use api::ApiError;
 use api::ch::{ConsoleMode, Disk, Net, VmSpec};
+use vmm::cpuid::CpuModel;
 use vmm::{BootImage, DiskConfig, MemoryBackend, NetConfig, Vm, VmConfig};
 
 use crate::run;
@@ -69,6 +70,7 @@ fn config(spec: &VmSpec) -> Result<VmConfig, ApiError> {
             .collect(),
         nets,
         balloon: None,
+        cpu_model: CpuModel::default(),
     })
 }
 

@@ -28,13 +28,23 @@ pub const MAX_SLOTS: usize = 8;
 /// IOAPIC pins for the slots' interrupts (16 and up: the legacy ISA pins stay free).
 pub const FIRST_GSI: u32 = 16;
 
-/// How a guest learns of the device in `slot`: Linux's virtio-mmio command-line word, which
-/// ferry's workload guest reads too.
+/// The register window of the device in `slot`.
+pub fn slot_base(slot: usize) -> u64 {
+    crate::layout::DEVICE_WINDOW_START + slot as u64 * SLOT_SIZE
+}
+
+/// The IOAPIC pin of the device in `slot`.
+pub fn slot_gsi(slot: usize) -> u32 {
+    FIRST_GSI + slot as u32
+}
+
+/// How ferry's workload guest learns of the device in `slot`: Linux's virtio-mmio
+/// command-line word (Linux itself is told by the ACPI DSDT).
 pub fn cmdline_word(slot: usize) -> String {
-    let base = crate::layout::DEVICE_WINDOW_START + slot as u64 * SLOT_SIZE;
     format!(
-        " virtio_mmio.device=4K@{base:#x}:{}",
-        FIRST_GSI + slot as u32
+        " virtio_mmio.device=4K@{:#x}:{}",
+        slot_base(slot),
+        slot_gsi(slot)
     )
 }
 
