@@ -5,7 +5,7 @@ CARGO ?= cargo
 GUEST := guest/build/guest.elf
 FERRY := target/release/ferry
 
-.PHONY: all deps guest build install test demo bench faults lint fuzz scale-kit clean
+.PHONY: all deps guest linux-guest build install test demo bench faults lint fuzz scale-kit clean
 
 all: build
 
@@ -14,6 +14,11 @@ deps:
 
 guest: deps
 	@$(MAKE) -s -C guest
+
+# ferry's Linux guest (guest/linux): Debian's linux-source-6.12 built for ferry's machine, an
+# ext2 root with a syscall-free /init; the kernel is cached by a key on its config and patches.
+linux-guest: deps
+	@scripts/linux-guest.sh
 
 build: deps guest
 	$(CARGO) build --release --workspace
@@ -28,7 +33,7 @@ install: build
 # Unit and end-to-end tests (doc-tests: none); the last line sums up every runner.
 # The fuzz harnesses replay their committed corpus (fuzz/corpus) as plain tests.
 # --no-fail-fast: a failure in one test binary does not hide the results of the others.
-test: build
+test: build linux-guest
 	set -o pipefail; $(CARGO) test --no-fail-fast --release --workspace --lib --bins --tests \
 		-- --test-threads=2 2>&1 | tee target/test.log
 	set -o pipefail; $(CARGO) test --no-fail-fast --release --manifest-path fuzz/Cargo.toml \

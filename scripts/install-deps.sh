@@ -48,9 +48,9 @@ if [ ${#need[@]} -gt 0 ] || [ -n "${need_qemu:-}" ]; then
     fi
 fi
 
-# A real distribution kernel for the Linux boot-protocol tests (Linux itself cannot run on
-# PVM, but ferry's zero page and E820 for it can be checked): Debian's current amd64 kernel,
-# unpacked (not installed) into .cache/kernel.
+# A real distribution kernel for the Linux boot-protocol tests (its zero page and E820 are
+# checked; ferry's own Linux guest, make linux-guest, is the one that boots here): Debian's
+# current amd64 kernel, unpacked (not installed) into .cache/kernel.
 kernel_dir="$(dirname "$0")/../.cache/kernel"
 if [ ! -e "$kernel_dir/vmlinuz" ] && [ "$(id -u)" = 0 ]; then
     pkg=$(apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-/ {print $2; exit}')

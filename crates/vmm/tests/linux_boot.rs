@@ -1,7 +1,8 @@
 //! The Linux boot protocol as ferry speaks it, checked against a real distribution kernel
 //! (Debian's, unpacked by scripts/install-deps.sh): the kernel loaded where its header says,
-//! the zero page's header, command line, initrd and E820 map. Linux cannot run on this
-//! platform's KVM (PVM), so these are the structures a real boot would start from.
+//! the zero page's header, command line, initrd and E820 map: what a distribution kernel's
+//! boot starts from. (A distribution kernel's ring 0 needs instructions this platform's KVM
+//! cannot emulate; ferry's own Linux guest boots for real in crates/ferry/tests/linux.rs.)
 
 use std::path::PathBuf;
 

@@ -77,6 +77,33 @@ impl Testbed {
         bed
     }
 
+    /// Gives the generator's end of the switch the address `cidr` (`10.0.0.1/24`), so that
+    /// `knock` can reach a guest's IP stack.
+    pub fn address_switch(&self, cidr: &str) {
+        ip_in(&self.switch, &["addr", "add", cidr, "dev", "gen"]);
+    }
+
+    /// Whether the guest at `ip` answers: a UDP datagram to a port nobody listens on comes
+    /// back as ICMP port-unreachable from its kernel (a connected socket's `recv` fails with
+    /// ConnectionRefused). Up to `tries` tries, a second each: the first may wait for ARP,
+    /// and Linux rate-limits its ICMP errors.
+    pub fn knock(&self, ip: &str, tries: u32) -> bool {
+        let (ns, ip) = (self.switch.clone(), ip.to_string());
+        std::thread::spawn(move || {
+            enter_netns(&ns);
+            let sock = std::net::UdpSocket::bind("0.0.0.0:0").expect("a UDP socket");
+            sock.connect((ip.as_str(), 9)).expect("connect");
+            sock.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            (0..tries).any(|_| {
+                let _ = sock.send(b"knock");
+                let mut buf = [0u8; 16];
+                matches!(sock.recv(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused)
+            })
+        })
+        .join()
+        .expect("the knocking thread")
+    }
+
     /// Which switch port (`p0`, `p1`) the switch sends `mac` to now.
     pub fn port_of(&self, mac: &str) -> Option<String> {
         let out = Command::new("bridge")
@@ -228,15 +255,20 @@ impl Generator {
     }
 }
 
+/// Moves the calling thread (only it) into network namespace `ns`.
+fn enter_netns(ns: &str) {
+    let f = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("the namespace");
+    // SAFETY: setns on a namespace fd we opened, for this thread only.
+    let entered = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(entered, 0, "setns");
+}
+
 /// A raw packet socket bound to `ifname` inside namespace `ns` (entered by a short-lived
 /// thread: only that thread changes namespace; the socket stays in it).
 fn packet_socket(ns: &str, ifname: &str) -> OwnedFd {
     let (ns, ifname) = (ns.to_string(), ifname.to_string());
     std::thread::spawn(move || {
-        let f = std::fs::File::open(format!("/var/run/netns/{ns}")).expect("the namespace");
-        // SAFETY: setns on a namespace fd we opened, for this thread only.
-        let entered = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(entered, 0, "setns");
+        enter_netns(&ns);
         let proto = (libc::ETH_P_ALL as u16).to_be();
         // SAFETY: plain socket(2); the fd is owned below.
         let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, i32::from(proto)) };
