@@ -27,7 +27,7 @@ const STEP: Duration = Duration::from_secs(120);
 /// there: ferry's CPU model and ACPI tables are what it needs), mounts its root filesystem
 /// from virtio-blk, configures its NIC and answers on the network, runs /init, whose native
 /// writer verifies every page it stamped, and its balloon driver follows the target ferry
-/// sets.
+/// sets, reports free pages and its memory statistics.
 #[test]
 fn linux_boots_on_ferrys_machine_and_drives_its_devices() {
     if !kvm_available() {
@@ -77,6 +77,11 @@ fn linux_boots_on_ferrys_machine_and_drives_its_devices() {
     let b = info.balloon.unwrap();
     assert!(b.pages_inflated >= 32 << 8, "{b:?}");
     assert!(b.pages_reported > 0, "free page reporting: {b:?}");
+    let stats = vm.wait_info("the driver's statistics", STEP, |i| {
+        i.balloon.as_ref().is_some_and(|b| b.stats_updates >= 2)
+    });
+    let free = stats.balloon.unwrap().guest_free_bytes;
+    assert!(free.is_some_and(|f| f > 0 && f < 256 << 20), "{free:?}");
     target(0);
     actual(0);
     let after = vm.wait_writer("passes after the balloon", first.passes, 3, STEP);

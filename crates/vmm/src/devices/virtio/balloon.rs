@@ -781,7 +781,7 @@ pub fn of(device: &mut dyn VirtioDevice) -> Option<&mut Balloon> {
 mod tests {
     use super::*;
     use crate::devices::virtio::mmio::MmioTransport;
-    use crate::devices::virtio::test_driver::{bring_up, write_reg};
+    use crate::devices::virtio::test_driver::{set_up, write_reg};
     use crate::memory::{MIN_MEMORY, MemoryBackend, create_guest_memory};
     use crate::persist::{Component, Fragment};
     use virtio_bindings::virtio_mmio::*;
@@ -811,6 +811,13 @@ mod tests {
 
     impl Rig {
         fn new(features: u64) -> Rig {
+            let mut r = Rig::set_up(features);
+            r.w(VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
+            r
+        }
+
+        /// Features accepted and queues ready, `DRIVER_OK` not yet set.
+        fn set_up(features: u64) -> Rig {
             let balloon = Balloon::new(&BalloonConfig::default()).unwrap();
             let m = create_guest_memory(MIN_MEMORY, MemoryBackend::Anonymous).unwrap();
             let t = MmioTransport::new(Box::new(balloon), EventFd::new(0).unwrap());
@@ -829,7 +836,7 @@ mod tests {
                     )
                 })
                 .collect();
-            bring_up(&mut r.t, &r.m, &mut r.log, features as u32, 16, &rings);
+            set_up(&mut r.t, &r.m, &mut r.log, features as u32, 16, &rings);
             r
         }
 
@@ -1181,6 +1188,20 @@ mod tests {
         r.offer(2, &[(BUF, 15, false)]);
         assert_eq!(r.counters().refused, 1);
         assert_eq!(r.counters().stats_updates, 1);
+    }
+
+    /// Linux's driver posts its first statistics and notifies before it sets DRIVER_OK, when
+    /// a notification is not heard: the device reads them as it starts.
+    #[test]
+    fn statistics_posted_before_the_driver_was_ready_are_read_when_it_is() {
+        let mut r = Rig::set_up(ALL);
+        let stats = stat(4, 100 << 20);
+        r.m.write_slice(&stats, GuestAddress(BUF)).unwrap();
+        r.offer(2, &[(BUF, stats.len() as u32, false)]);
+        assert_eq!(r.counters().stats_updates, 0, "not heard before DRIVER_OK");
+        r.w(VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
+        assert_eq!(r.counters().stats_updates, 1);
+        assert_eq!(r.balloon().info().stats.free_bytes, Some(100 << 20));
     }
 
     #[test]

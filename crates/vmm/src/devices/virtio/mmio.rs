@@ -172,7 +172,11 @@ impl MmioTransport {
             // Without an ioeventfd the vCPU that notified serves the queue, every turn of it.
             VIRTIO_MMIO_QUEUE_NOTIFY => while self.notify(v as usize, memory, log) {},
             VIRTIO_MMIO_INTERRUPT_ACK => self.regs.interrupt_status &= !v,
-            VIRTIO_MMIO_STATUS => self.set_status(v, memory),
+            VIRTIO_MMIO_STATUS => {
+                if self.set_status(v, memory) {
+                    self.serve_early_notifications(memory, log);
+                }
+            }
             _ => {}
         }
     }
@@ -241,10 +245,11 @@ impl MmioTransport {
         }
     }
 
-    fn set_status(&mut self, v: u32, memory: &GuestMemory) {
+    /// Sets the driver's status; true when this write made the device run (DRIVER_OK).
+    fn set_status(&mut self, v: u32, memory: &GuestMemory) -> bool {
         if v == 0 {
             self.reset();
-            return;
+            return false;
         }
         let new = v & !self.regs.status;
         let mut status = v | (self.regs.status & VIRTIO_CONFIG_S_NEEDS_RESET);
@@ -269,6 +274,16 @@ impl MmioTransport {
                 .position(|q| q.ready() && !q.is_valid(memory))
         {
             self.needs_reset(format!("queue {i}: its rings lie outside guest RAM"));
+        }
+        new & status & VIRTIO_CONFIG_S_DRIVER_OK != 0
+    }
+
+    /// Serves each ready queue once as the device starts: a driver may have made buffers
+    /// available and notified before DRIVER_OK, when a notification is not heard (Linux's
+    /// balloon primes its statistics queue so; QEMU serves it at DRIVER_OK too).
+    fn serve_early_notifications(&mut self, memory: &GuestMemory, log: &mut dyn WriteLog) {
+        for index in 0..self.queues.len() {
+            while self.notify(index, memory, log) {}
         }
     }
 

@@ -30,6 +30,19 @@ pub fn bring_up(
     size: u32,
     rings: &[Rings],
 ) {
+    set_up(t, m, log, features, size, rings);
+    write_reg(t, m, log, VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
+}
+
+/// `bring_up` but for `DRIVER_OK`: features accepted, queues ready.
+pub fn set_up(
+    t: &mut MmioTransport,
+    m: &GuestMemory,
+    log: &mut Bitmap,
+    features: u32,
+    size: u32,
+    rings: &[Rings],
+) {
     let mut w = |t: &mut MmioTransport, reg, v| write_reg(t, m, log, reg, v);
     w(t, VIRTIO_MMIO_STATUS, 1 | 2);
     for (sel, word) in [(0, features), (1, 1)] {
@@ -46,5 +59,4 @@ pub fn bring_up(
         w(t, VIRTIO_MMIO_QUEUE_USED_LOW, used as u32);
         w(t, VIRTIO_MMIO_QUEUE_READY, 1);
     }
-    w(t, VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
 }
