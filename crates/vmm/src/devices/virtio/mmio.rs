@@ -172,11 +172,7 @@ impl MmioTransport {
             // Without an ioeventfd the vCPU that notified serves the queue, every turn of it.
             VIRTIO_MMIO_QUEUE_NOTIFY => while self.notify(v as usize, memory, log) {},
             VIRTIO_MMIO_INTERRUPT_ACK => self.regs.interrupt_status &= !v,
-            VIRTIO_MMIO_STATUS => {
-                if self.set_status(v, memory) {
-                    self.serve_early_notifications(memory, log);
-                }
-            }
+            VIRTIO_MMIO_STATUS => self.set_status(v, memory, log),
             _ => {}
         }
     }
@@ -245,11 +241,10 @@ impl MmioTransport {
         }
     }
 
-    /// Sets the driver's status; true when this write made the device run (DRIVER_OK).
-    fn set_status(&mut self, v: u32, memory: &GuestMemory) -> bool {
+    fn set_status(&mut self, v: u32, memory: &GuestMemory, log: &mut dyn WriteLog) {
         if v == 0 {
             self.reset();
-            return false;
+            return;
         }
         let new = v & !self.regs.status;
         let mut status = v | (self.regs.status & VIRTIO_CONFIG_S_NEEDS_RESET);
@@ -275,7 +270,9 @@ impl MmioTransport {
         {
             self.needs_reset(format!("queue {i}: its rings lie outside guest RAM"));
         }
-        new & status & VIRTIO_CONFIG_S_DRIVER_OK != 0
+        if new & status & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
+            self.serve_early_notifications(memory, log);
+        }
     }
 
     /// Serves each ready queue once as the device starts: a driver may have made buffers
