@@ -16,11 +16,12 @@ tarball=/usr/src/linux-source-6.12.tar.xz
 
 need=()
 [ -e "$tarball" ] || need+=(linux-source-6.12)
-for tool in flex bison bc cpio gcc make mke2fs; do
+for tool in flex bison bc cpio gcc make patch python3 xz mke2fs; do
     command -v "$tool" >/dev/null || need+=("$tool")
 done
 [ -e /usr/include/libelf.h ] || need+=(libelf-dev)  # objtool
 need=("${need[@]/mke2fs/e2fsprogs}")
+need=("${need[@]/xz/xz-utils}")
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" != 0 ]; then
         echo "linux-guest: missing packages: ${need[*]}; run as root or install them" >&2
