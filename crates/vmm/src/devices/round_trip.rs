@@ -14,7 +14,7 @@ use super::virtio::balloon::{Balloon, BalloonConfig};
 use super::virtio::block::{Block, DiskConfig};
 use super::virtio::mmio::MmioTransport;
 use super::virtio::net::Net;
-use super::virtio::test_driver::bring_up;
+use super::virtio::test_driver::{driver_ok, set_up};
 use crate::memory::{MIN_MEMORY, MemoryBackend, create_guest_memory};
 use crate::persist::{Component, assert_round_trip};
 
@@ -72,7 +72,8 @@ fn brought_up(device: Box<dyn VirtioDevice>, features: u32) -> MmioTransport {
         })
         .collect();
     let mut log = Bitmap::new(MIN_MEMORY / 4096);
-    bring_up(&mut t, &memory, &mut log, features, 16, &rings);
+    set_up(&mut t, &memory, &mut log, features, 16, &rings);
+    driver_ok(&mut t, &memory, &mut log);
     t
 }
 

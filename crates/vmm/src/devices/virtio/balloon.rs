@@ -781,7 +781,7 @@ pub fn of(device: &mut dyn VirtioDevice) -> Option<&mut Balloon> {
 mod tests {
     use super::*;
     use crate::devices::virtio::mmio::MmioTransport;
-    use crate::devices::virtio::test_driver::{set_up, write_reg};
+    use crate::devices::virtio::test_driver::{driver_ok, set_up, write_reg};
     use crate::memory::{MIN_MEMORY, MemoryBackend, create_guest_memory};
     use crate::persist::{Component, Fragment};
     use virtio_bindings::virtio_mmio::*;
@@ -812,7 +812,7 @@ mod tests {
     impl Rig {
         fn new(features: u64) -> Rig {
             let mut r = Rig::set_up(features);
-            r.w(VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
+            driver_ok(&mut r.t, &r.m, &mut r.log);
             r
         }
 
@@ -1199,7 +1199,7 @@ mod tests {
         r.m.write_slice(&stats, GuestAddress(BUF)).unwrap();
         r.offer(2, &[(BUF, stats.len() as u32, false)]);
         assert_eq!(r.counters().stats_updates, 0, "not heard before DRIVER_OK");
-        r.w(VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
+        driver_ok(&mut r.t, &r.m, &mut r.log);
         assert_eq!(r.counters().stats_updates, 1);
         assert_eq!(r.balloon().info().stats.free_bytes, Some(100 << 20));
     }

@@ -500,7 +500,9 @@ mod tests {
 
     /// The driver's side up to a live queue of `size` entries at `desc`.
     fn bring_up(t: &mut MmioTransport, m: &GuestMemory, log: &mut Bitmap, size: u32, desc: u64) {
-        crate::devices::virtio::test_driver::bring_up(t, m, log, 0, size, &[(desc, AVAIL, USED)]);
+        use crate::devices::virtio::test_driver::{driver_ok, set_up};
+        set_up(t, m, log, 0, size, &[(desc, AVAIL, USED)]);
+        driver_ok(t, m, log);
     }
 
     fn put_desc(m: &GuestMemory, i: u64, addr: u64, len: u32, flags: u16, next: u16) {

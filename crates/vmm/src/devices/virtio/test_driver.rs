@@ -20,21 +20,13 @@ pub fn read_reg(t: &MmioTransport, reg: u32) -> u32 {
     u32::from_le_bytes(b)
 }
 
-/// Negotiates `features` (with `VIRTIO_F_VERSION_1`), which the device must accept, sets up
-/// queue i on `rings[i]` with `size` entries, and sets `DRIVER_OK`.
-pub fn bring_up(
-    t: &mut MmioTransport,
-    m: &GuestMemory,
-    log: &mut Bitmap,
-    features: u32,
-    size: u32,
-    rings: &[Rings],
-) {
-    set_up(t, m, log, features, size, rings);
+/// Sets `DRIVER_OK`: the device runs.
+pub fn driver_ok(t: &mut MmioTransport, m: &GuestMemory, log: &mut Bitmap) {
     write_reg(t, m, log, VIRTIO_MMIO_STATUS, 1 | 2 | 8 | 4);
 }
 
-/// `bring_up` but for `DRIVER_OK`: features accepted, queues ready.
+/// Negotiates `features` (with `VIRTIO_F_VERSION_1`), which the device must accept, and sets
+/// up queue i on `rings[i]` with `size` entries; `driver_ok` then starts the device.
 pub fn set_up(
     t: &mut MmioTransport,
     m: &GuestMemory,
