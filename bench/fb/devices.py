@@ -27,7 +27,7 @@ import subprocess
 import threading
 import time
 
-from .ferry import api
+from .ferry import api, settled_migration
 from .links import shape, sh
 from .qemu import VARIANTS as QEMU_VARIANTS, QemuPeer, passes
 from .serial import SerialClock
@@ -217,7 +217,7 @@ class FerryVm:
         report = json.loads(out.stdout)
         self.api = dst
         return {"downtime_ms": report.get("downtime_ms"),
-                "guest_downtime_ms": report.get("guest_observed_downtime_ms"),
+                "guest_downtime_ms": settled_migration(dst).get("guest_observed_downtime_ms"),
                 "total_ms": report.get("total_ms"),
                 "guest_net_errors": self.counter("net_errors"),
                 "verify_errors": self.counter("verify_errors")}

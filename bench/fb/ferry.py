@@ -44,6 +44,16 @@ def api(socket_path, method, endpoint, body=None, timeout=30):
         raise BenchError(f"{endpoint}: not JSON ({e}): {text[:200]!r}") from e
 
 
+def settled_migration(dst):
+    """The destination's migration status once it holds the guest's own figures (downtime as
+    the guest saw it, its work rate after): it measures them a moment after the VM resumed,
+    so a migration completes before they are in."""
+    def settled():
+        status = api(dst, "GET", "vm.migration") or {}
+        return None if status.get("guest_report_pending") else status
+    return wait_until("the guest's figures on the destination", 15, settled, interval=0.05)
+
+
 def all_passed(info):
     """Passes every vCPU has finished (each wrote its whole share of the working set)."""
     return min((v["passes"] for v in info["per_vcpu"]), default=0)
@@ -204,8 +214,7 @@ class FerryPeer:
             source_exit = src_proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             source_exit = None  # still running: recorded as such
-        time.sleep(0.5)  # let the destination print a few lines
-        dst_status = api(dst, "GET", "vm.migration") or {}
+        dst_status = settled_migration(dst)
         dinfo = self.info(dst)
         # A writer that checks its pages: one whole pass on the destination, every page of the
         # set read back and checked in the memory the new process mapped.
@@ -225,7 +234,7 @@ class FerryPeer:
             "wire_bytes": None,  # no link: the bytes are the messages on the Unix socket
             "downtime_ms": report["downtime_ms"],
             "destination_downtime_ms": report.get("destination_downtime_ms"),
-            "guest_downtime_ms": report["guest_observed_downtime_ms"],
+            "guest_downtime_ms": dst_status["guest_observed_downtime_ms"],
             "serial_downtime_ms": observed_downtime_ms(src_clock, dst_clock, started),
             "ready_s": ready_s,
             "bytes": report["bytes_on_wire"],
@@ -304,9 +313,8 @@ class FerryPeer:
         # A successful source exits: its CPU is read from its exit.
         cpu = meter.seconds(src_exits=True) if meter else None
         report = json.loads(out.stdout)
-        time.sleep(0.5)  # let the destination print a few lines
+        dst_status = settled_migration(dst)
         dinfo = self.info(dst)
-        dst_status = api(dst, "GET", "vm.migration") or {}
         resumed = self.resume_row(scenario, report, cutter, dst, dinfo, started) if cutter else {}
         if resumed:
             dinfo = self.info(dst)
@@ -327,7 +335,7 @@ class FerryPeer:
             "wire_bytes": wire,
             "downtime_ms": report["downtime_ms"],
             "destination_downtime_ms": report.get("destination_downtime_ms"),
-            "guest_downtime_ms": report["guest_observed_downtime_ms"],
+            "guest_downtime_ms": dst_status["guest_observed_downtime_ms"],
             "serial_downtime_ms": observed_downtime_ms(src_clock, dst_clock, started),
             "ready_s": ready_s,  # from the source API up until the writer had passed its working set
             "bytes": report["bytes_on_wire"],
@@ -350,7 +358,7 @@ class FerryPeer:
             "verify_errors_after": dinfo["verify_errors"],
             "rate_before": report["guest_pages_per_s_before"],
             "rate_during": report["guest_pages_per_s_during"],
-            "rate_after": report["guest_pages_per_s_after"],
+            "rate_after": dst_status["guest_pages_per_s_after"],
             "postcopy": report.get("postcopy", False),
             "pages_pushed": report.get("pages_pushed"),
             "pages_requested": report.get("pages_requested"),

@@ -308,6 +308,22 @@ pub enum MigrationPhase {
 }
 
 impl MigrationPhase {
+    /// The phase as the API's JSON names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::Setup => "setup",
+            Self::Active => "active",
+            Self::Switchover => "switchover",
+            Self::PostcopyActive => "postcopy-active",
+            Self::Completed => "completed",
+            Self::Failed => "failed",
+            Self::Cancelled => "cancelled",
+            Self::Unconfirmed => "unconfirmed",
+            Self::PostcopyPaused => "postcopy-paused",
+        }
+    }
+
     pub fn is_running(self) -> bool {
         matches!(
             self,
@@ -468,6 +484,10 @@ pub struct MigrationStatus {
     pub guest_pages_per_s_before: Option<f64>,
     pub guest_pages_per_s_during: Option<f64>,
     pub guest_pages_per_s_after: Option<f64>,
+    /// The migration completed; the destination has yet to say what the guest saw (it lets
+    /// the guest run a moment first): the two guest figures above follow.
+    #[serde(default)]
+    pub guest_report_pending: bool,
     // post-copy
     pub destination_supports_postcopy: Option<bool>,
     pub postcopy: bool,

@@ -163,6 +163,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         guest_pages_per_s_before: r.guest_pages_per_s_before,
         guest_pages_per_s_during: r.guest_pages_per_s_during,
         guest_pages_per_s_after: r.guest_pages_per_s_after,
+        guest_report_pending: r.guest_report_pending,
         destination_supports_postcopy: s.destination_supports_postcopy,
         postcopy: s.postcopy,
         stale_pages_dropped_before_pause: r.stale_pages_dropped_before_pause,

@@ -6,8 +6,8 @@ use api::MigrationStatus;
 
 pub fn progress_line(s: &MigrationStatus) -> String {
     format!(
-        "{:?} round {} | {} pages left | dirty {:.0} pages/s | {:.0} Mbit/s | expected downtime {}{}",
-        s.phase,
+        "{} round {} | {} pages left | dirty {:.0} pages/s | {:.0} Mbit/s | expected downtime {}{}",
+        s.phase.name(),
         s.round,
         s.pages_remaining,
         s.dirty_pages_per_s,
@@ -31,9 +31,18 @@ fn opt_rate(v: Option<f64>) -> String {
         .unwrap_or_else(|| "-".into())
 }
 
+/// A figure the destination measures a moment after the VM resumed there.
+fn guest_figure(s: &MigrationStatus, figure: String) -> String {
+    if s.guest_report_pending {
+        "follows (the destination's `ferry migration` shows it)".into()
+    } else {
+        figure
+    }
+}
+
 pub fn render(s: &MigrationStatus) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "migration {:?} ({} to {})", s.phase, s.mode, s.peer);
+    let _ = writeln!(o, "migration {} ({} to {})", s.phase.name(), s.mode, s.peer);
     if let Some(e) = &s.error {
         let _ = writeln!(o, "  error: {e}");
     }
@@ -49,7 +58,7 @@ pub fn render(s: &MigrationStatus) -> String {
         ),
         (
             "downtime (guest-observed)",
-            opt_ms(s.guest_observed_downtime_ms),
+            guest_figure(s, opt_ms(s.guest_observed_downtime_ms)),
         ),
         ("total time", format!("{:.2} ms", s.total_ms)),
         ("memory pages", s.memory_pages.to_string()),
@@ -92,7 +101,10 @@ pub fn render(s: &MigrationStatus) -> String {
         ),
         ("guest rate before", opt_rate(s.guest_pages_per_s_before)),
         ("guest rate during", opt_rate(s.guest_pages_per_s_during)),
-        ("guest rate after", opt_rate(s.guest_pages_per_s_after)),
+        (
+            "guest rate after",
+            guest_figure(s, opt_rate(s.guest_pages_per_s_after)),
+        ),
         (
             "memory checksum src/dst",
             match (s.memory_checksum_source, s.memory_checksum_destination) {

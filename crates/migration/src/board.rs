@@ -5,7 +5,7 @@
 use crate::sync::Locked;
 use std::sync::{Arc, Mutex};
 
-use crate::status::{CheckpointStats, Phase, Status};
+use crate::status::{CheckpointStats, GuestAfter, Phase, Status};
 use crate::totals::Totals;
 
 /// Where the migration task publishes its status and readers read it. Only the task that
@@ -15,6 +15,9 @@ use crate::totals::Totals;
 pub struct StatusBoard {
     status: Arc<Mutex<Status>>,
     checkpoints: Arc<Mutex<Option<CheckpointStats>>>,
+    /// What the guest lived through, measured on the destination a moment after the VM ran
+    /// there: it arrives after the migration completed, from a thread of its own.
+    guest_after: Arc<Mutex<GuestAfter>>,
     /// Taken after `status`, under it: a reader of both sees a run in one or the other.
     totals: Arc<Mutex<Totals>>,
 }
@@ -33,14 +36,34 @@ impl StatusBoard {
         let totals = self.totals.locked().clone();
         let mut s = status.clone();
         drop(status);
-        s.checkpoints = self.checkpoints.locked().clone();
+        self.join(&mut s);
         (s, totals)
     }
 
     pub fn read(&self) -> Status {
         let mut s = self.status.locked().clone();
-        s.checkpoints = self.checkpoints.locked().clone();
+        self.join(&mut s);
         s
+    }
+
+    /// Adds what lives beside the status to a copy of it.
+    fn join(&self, s: &mut Status) {
+        s.checkpoints = self.checkpoints.locked().clone();
+        let after = *self.guest_after.locked();
+        s.report.guest_report_pending = after == GuestAfter::Pending;
+        if let GuestAfter::Seen {
+            observed_downtime,
+            pages_per_s_after,
+        } = after
+        {
+            s.report.guest_observed_downtime = observed_downtime;
+            s.report.guest_pages_per_s_after = pages_per_s_after;
+        }
+    }
+
+    /// Says what is known of the guest after the switch (see `GuestAfter`).
+    pub fn guest_after(&self, after: GuestAfter) {
+        *self.guest_after.locked() = after;
     }
 
     /// Changes the checkpoint figures (`None`: no checkpoints in this migration).

@@ -134,6 +134,21 @@ pub struct CompressionCounts {
     pub delta_bytes_saved: u64,
 }
 
+/// What is known of the guest after the switch: the destination lets it run a moment, then
+/// measures the downtime it saw and its work rate since.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum GuestAfter {
+    /// Not asked for (yet): no migration has switched, or the figures never came.
+    #[default]
+    Unknown,
+    /// The VM runs on the destination; the figures follow.
+    Pending,
+    Seen {
+        observed_downtime: Option<Duration>,
+        pages_per_s_after: Option<f64>,
+    },
+}
+
 /// What a finished migration measured (also a failed one, as far as it got).
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Report {
@@ -153,6 +168,9 @@ pub struct Report {
     pub guest_pages_per_s_before: Option<f64>,
     pub guest_pages_per_s_during: Option<f64>,
     pub guest_pages_per_s_after: Option<f64>,
+    /// The migration completed and the destination has yet to say what the guest saw (the
+    /// two figures above): it lets the guest run a moment first.
+    pub guest_report_pending: bool,
     pub postcopy_report: Option<PostcopyReport>,
     /// Post-copy after rounds: copies the guest had dirtied, dropped on the destination
     /// before the pause (the rest, dirtied after, are dropped inside it).

@@ -14,7 +14,7 @@ use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
 use crate::io::transport::{Listener, Stream};
 use crate::scan::memory_checksum;
-use crate::status::{CheckpointStats, Laps, Phase, RoundStats, Status, now_ns};
+use crate::status::{CheckpointStats, GuestAfter, Laps, Phase, RoundStats, Status, now_ns};
 use crate::vm::{HandedFiles, Migratable, VmDescriptor};
 use crate::wire::{self, Message, StreamMode};
 
@@ -155,10 +155,11 @@ impl Receiver<'_> {
         if let Some(run) = postcopy {
             return Ok(self.serve_postcopy(stream, vm, run, reply, resumed_at_ns, started));
         }
-        self.complete(started);
         if let Some(reply) = reply {
-            spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Stream(reply));
+            self.board.guest_after(GuestAfter::Pending);
+            spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Stream(reply), self.board);
         }
+        self.complete(started);
         Ok(Arrived::Complete(vm))
     }
 
@@ -237,6 +238,7 @@ impl Receiver<'_> {
         laps: &mut Laps,
     ) -> Result<(Filled, Option<u64>)> {
         self.board.checkpoints(|c| *c = None);
+        self.board.guest_after(GuestAfter::Unknown);
         loop {
             self.check_stop()?;
             let event = filling
@@ -415,7 +417,13 @@ impl Receiver<'_> {
         if let Some(every_ms) = checkpoint_every {
             self.start_checkpoints(&vm, &dest, every_ms);
         }
-        spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Postcopy(dest.clone()));
+        self.board.guest_after(GuestAfter::Pending);
+        spawn_guest_report(
+            vm.clone(),
+            resumed_at_ns,
+            Reply::Postcopy(dest.clone()),
+            self.board,
+        );
         let received = dest.receive_pages(stream, lanes, &self.cpu);
         self.status.fault_latency = dest.fault_latency();
         match received {
@@ -497,13 +505,24 @@ enum Reply {
     Postcopy(Arc<Postcopy>),
 }
 
-/// Lets the guest run a moment, then tells the source what it lived through.
-fn spawn_guest_report<V: Migratable + 'static>(vm: Arc<V>, resumed_at_ns: u64, reply: Reply) {
+/// Lets the guest run a moment, then tells the source (and this side's readers) what it
+/// lived through.
+fn spawn_guest_report<V: Migratable + 'static>(
+    vm: Arc<V>,
+    resumed_at_ns: u64,
+    reply: Reply,
+    board: &StatusBoard,
+) {
+    let shared = board.clone();
     let spawned = std::thread::Builder::new()
         .name("guest-report".into())
         .spawn(move || {
             std::thread::sleep(AFTER_WINDOW);
             let r = vm.guest_report(resumed_at_ns, AFTER_WINDOW.as_nanos() as u64);
+            shared.guest_after(GuestAfter::Seen {
+                observed_downtime: r.observed_downtime_ns.map(Duration::from_nanos),
+                pages_per_s_after: r.pages_per_s_after,
+            });
             let msg = Message::GuestReport {
                 observed_downtime_ns: r.observed_downtime_ns,
                 pages_per_s_after: r.pages_per_s_after,
@@ -519,6 +538,7 @@ fn spawn_guest_report<V: Migratable + 'static>(vm: Arc<V>, resumed_at_ns: u64, r
             }
         });
     if let Err(e) = spawned {
+        board.guest_after(GuestAfter::Unknown);
         tracing::warn!(
             "no guest report for the source: {}",
             crate::error::chain(&e)

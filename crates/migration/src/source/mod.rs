@@ -188,6 +188,7 @@ impl Outgoing {
         self.claim()?;
         let status = Status::new(Role::Source, Some(params.mode.into()), endpoint.to_string());
         self.board.checkpoints(|c| *c = None);
+        self.board.guest_after(crate::status::GuestAfter::Unknown);
         self.board.publish(&status);
         let this = self.clone();
         let spawned = std::thread::Builder::new()

@@ -16,7 +16,7 @@ use super::controls::Leftover;
 use super::lane::{Lane, join_lanes};
 use super::machine::Event;
 use super::pushes::{Claims, PushQueue, Pushes, QUEUE_FULL_WAIT, not_reading, push_on_lane};
-use super::serving::GUEST_REPORT_WAIT;
+use super::serving::GuestFigures;
 use super::session::Session;
 use super::switchover::Follow;
 use crate::bitmap::Bitmap;
@@ -430,7 +430,9 @@ fn gone() -> Error {
 impl Session<'_> {
     /// The VM runs on the destination; its pages follow, requested ones first. When the last
     /// one was in place.
-    pub(super) fn post_copy(&mut self, follow: Follow) -> Result<Instant> {
+    /// Serves post-copy to its end: when the last page was in place, and the guest's figures
+    /// as far as they came (the destination sends them a moment after it resumed).
+    pub(super) fn post_copy(&mut self, follow: Follow) -> Result<(Instant, GuestFigures)> {
         let began = Instant::now();
         let Follow {
             pending,
@@ -496,25 +498,11 @@ impl Session<'_> {
         });
         self.status.report.memory_checksum_destination = report.memory_checksum;
         self.status.report.postcopy_report = Some(report);
-        // The destination reports what the guest saw a moment after it resumed.
-        if guest_report.is_none() {
-            let deadline = Instant::now() + GUEST_REPORT_WAIT;
-            while guest_report.is_none() {
-                let left = deadline.saturating_duration_since(Instant::now());
-                match events.recv_timeout(left) {
-                    Ok(Ok(Message::GuestReport {
-                        observed_downtime_ns,
-                        pages_per_s_after,
-                    })) => guest_report = Some((observed_downtime_ns, pages_per_s_after)),
-                    Ok(Ok(_)) => {}
-                    _ => break,
-                }
-            }
-        }
-        if let Some((observed, rate)) = guest_report {
-            self.note_guest_report(observed, rate);
-        }
-        Ok(finished)
+        let guest = match guest_report {
+            Some((observed, rate)) => GuestFigures::Heard(observed, rate),
+            None => GuestFigures::Coming(events),
+        };
+        Ok((finished, guest))
     }
 
     pub(super) fn keep_leftover(&self, follow: &Follow) {

@@ -217,8 +217,6 @@ impl<'a> Session<'a> {
 
     /// Settles the outcome: on failure before `Go`, the source is left as it was.
     pub fn finish(mut self, result: Result<()>) -> Result<()> {
-        // A migration that failed says where its CPU went too.
-        self.note_cpu();
         self.held.throttle.release();
         let error = match result {
             Ok(()) => {
@@ -232,6 +230,8 @@ impl<'a> Session<'a> {
             }
             Err(e) => self.explain(e),
         };
+        // A migration that failed says how far it got: its time, bytes and CPU.
+        self.tally(Instant::now());
         let error = if self.may_run_there(&error) {
             self.leave_unconfirmed(error)
         } else {
