@@ -47,6 +47,38 @@ pub(super) struct RoundShare<'r> {
     pub lane_bytes: &'r AtomicU64,
     /// Where each lane's sender counts its CPU time.
     pub cpu: &'r CpuMeter,
+    /// Set when the user switches to post-copy: every sender stops where it is, and the
+    /// pages it had not sent follow the switch (`None`: this round is not cut short).
+    pub cut: Option<&'r AtomicBool>,
+    /// Where each lane (by its number) stopped when cut: the first page of its share it left
+    /// unsent (`u64::MAX`: it sent its whole share).
+    pub left_from: &'r [AtomicU64],
+}
+
+impl RoundShare<'_> {
+    /// Whether the round is being cut short for post-copy.
+    pub(super) fn cut_now(&self) -> bool {
+        self.cut.is_some_and(|c| c.load(Ordering::Acquire))
+    }
+
+    /// The pages of the round no sender sent (none unless the round was cut short).
+    pub(super) fn unsent(&self) -> Option<Bitmap> {
+        let from: Vec<u64> = self
+            .left_from
+            .iter()
+            .map(|l| l.load(Ordering::Acquire))
+            .collect();
+        if from.iter().all(|&f| f == u64::MAX) {
+            return None;
+        }
+        let mut unsent = Bitmap::new(self.set.pages());
+        for gfn in self.set.iter() {
+            if gfn >= from[lane_of(gfn, self.lanes) as usize] {
+                unsent.set(gfn);
+            }
+        }
+        Some(unsent)
+    }
 }
 
 impl Lane {
@@ -135,6 +167,10 @@ impl Lane {
             .iter()
             .filter(|&g| lane_of(g, share.lanes) == lane)
         {
+            if sent.is_multiple_of(STOP_EVERY_PAGES) && share.cut_now() {
+                share.left_from[lane as usize].store(gfn, Ordering::Release);
+                break;
+            }
             self.pages
                 .push(&mut self.stream, share.ram, gfn, &mut self.limiter)?;
             sent += 1;

@@ -41,15 +41,21 @@ impl Session<'_> {
     }
 
     /// Runs one round's extra lanes on their own threads while `main` sends lane 0 here.
+    /// Runs a round's senders: `main` on this thread, each extra lane on its own. With
+    /// `cuttable`, a switch to post-copy stops them all where they are: what they left unsent.
     pub(super) fn with_lanes(
         &mut self,
         set: &Bitmap,
+        cuttable: bool,
         main: impl FnOnce(&mut Self, &RoundShare<'_>) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<Option<Bitmap>> {
         let mut lanes = std::mem::take(&mut self.lanes);
         let (ram, cpu) = (self.ram.clone(), self.cpu.clone());
         let (stop, done) = (AtomicBool::new(false), AtomicU64::new(0));
         let lane_bytes = AtomicU64::new(lanes.iter().map(|l| l.pages.counters.bytes).sum());
+        let left_from: Vec<AtomicU64> = (0..=lanes.len())
+            .map(|_| AtomicU64::new(u64::MAX))
+            .collect();
         let share = RoundShare {
             set,
             ram: &ram,
@@ -59,6 +65,8 @@ impl Session<'_> {
             done: &done,
             lane_bytes: &lane_bytes,
             cpu: &cpu,
+            cut: cuttable.then_some(&self.controls.start_postcopy),
+            left_from: &left_from,
         };
         let result = std::thread::scope(|scope| {
             let threads: Vec<_> = lanes
@@ -80,7 +88,7 @@ impl Session<'_> {
             join_lanes(mine, threads, "sender")
         });
         self.lanes = lanes;
-        result
+        result.map(|()| share.unsent())
     }
 
     /// Page data from here on is read from a paused guest, so the frame checksum covers it.

@@ -26,14 +26,16 @@ const CANCEL_POLL: Duration = Duration::from_millis(50);
 
 impl Session<'_> {
     /// Sends round `round`; should the connection break, carries the migration on over a new
-    /// one and returns the pages that must go again (`None`: the round went whole).
+    /// one. Returns the pages that must go again, or that a round `cuttable` for post-copy
+    /// left unsent (`None`: the round went whole).
     pub(super) fn send_round_or_resume(
         &mut self,
         round: u32,
         set: &Bitmap,
+        cuttable: bool,
     ) -> Result<Option<Bitmap>> {
-        match self.send_round(round, set) {
-            Ok(()) => Ok(None),
+        match self.send_round(round, set, cuttable) {
+            Ok(unsent) => Ok(unsent),
             Err(e) if self.copies.is_some() && e.is_break() && !self.is_paused() => {
                 self.resume_precopy(e).map(Some)
             }

@@ -30,6 +30,9 @@ const STATUS_EVERY: Duration = Duration::from_millis(100);
 /// request; handing over gigabytes takes it a few requests).
 const HINTS_WAIT: Duration = Duration::from_secs(1);
 
+/// The note of a migration the user switched to post-copy.
+const ON_REQUEST: &str = "switched to post-copy on request";
+
 /// What the rounds leave for the switch.
 pub(super) struct Handover {
     /// The pages not sent since they were last written.
@@ -80,7 +83,8 @@ impl Session<'_> {
             map: populated.clone(),
         })?;
         self.lap("populated map");
-        let carry = self.send_round_or_resume(0, &populated)?;
+        let cuttable = mode == StreamMode::Precopy && agreed.peer_postcopy;
+        let carry = self.send_round_or_resume(0, &populated, cuttable)?;
         match (mode, self.params.mode) {
             (StreamMode::Precopy, Mode::Hybrid) => {
                 let mut dirty = self.vm.take_dirty()?;
@@ -152,7 +156,15 @@ impl Session<'_> {
             previous = count;
             let measured = self.measure(round, count, stalled);
             if self.controls.start_postcopy.load(Ordering::Acquire) && peer_postcopy {
-                self.status.note = Some("switched to post-copy on request".into());
+                // A round cut short for it has said so already.
+                if !self
+                    .status
+                    .note
+                    .as_deref()
+                    .is_some_and(|n| n.starts_with(ON_REQUEST))
+                {
+                    self.status.note = Some(ON_REQUEST.into());
+                }
                 return Ok(Handover::postcopy(dirty));
             }
             if self.params.auto_postcopy
@@ -179,7 +191,7 @@ impl Session<'_> {
                     {
                         stalled = 0; // a slower guest is a new game
                     }
-                    carry = self.send_round_or_resume(round, &dirty)?;
+                    carry = self.send_round_or_resume(round, &dirty, peer_postcopy)?;
                 }
                 Decision::SwitchOver { converged, why } => {
                     let postcopy = !converged && self.params.auto_postcopy;
@@ -280,16 +292,23 @@ impl Session<'_> {
     }
 
     /// Sends the pages of `set` as round `round` (over every lane).
-    pub(super) fn send_round(&mut self, round: u32, set: &Bitmap) -> Result<()> {
+    /// With `cuttable`, a switch to post-copy asked for meanwhile ends the round where it is:
+    /// the pages it left unsent, which follow the switch.
+    pub(super) fn send_round(
+        &mut self,
+        round: u32,
+        set: &Bitmap,
+        cuttable: bool,
+    ) -> Result<Option<Bitmap>> {
         if let Some(copies) = &self.copies {
             copies.add_all(set);
         }
         let began = Instant::now();
         let before = self.sent();
-        let total = set.count();
-        self.with_lanes(set, |this, share| {
+        let unsent = self.with_lanes(set, cuttable, |this, share| {
             this.send_main_share(share, began, before.bytes)
         })?;
+        let total = set.count() - unsent.as_ref().map_or(0, Bitmap::count);
         let elapsed = began.elapsed();
         self.send_time += elapsed;
         self.send(&Message::RoundEnd {
@@ -311,8 +330,13 @@ impl Session<'_> {
             dirty_pages_per_s: 0.0,
             throttle_percent: self.held.throttle.percent(),
         });
+        if unsent.is_some() {
+            self.status.note = Some(format!(
+                "{ON_REQUEST}: round {round} cut short after {total} pages"
+            ));
+        }
         self.publish();
-        Ok(())
+        Ok(unsent)
     }
 
     /// Lane 0's pages of a round, sent on the main connection, with the live status.
@@ -325,6 +349,11 @@ impl Session<'_> {
         let total = share.set.count();
         let mut last_status = Instant::now();
         for (i, gfn) in share.set.iter().enumerate() {
+            // A round that starts after the request sends nothing.
+            if i == 0 && share.cut_now() {
+                share.left_from[0].store(gfn, Ordering::Release);
+                break;
+            }
             if self.sent_once.get(gfn) {
                 self.status.progress.pages.resent += 1;
             } else {
@@ -340,6 +369,10 @@ impl Session<'_> {
             {
                 last_status = Instant::now();
                 self.check_continue()?;
+                if share.cut_now() {
+                    share.left_from[0].store(gfn + 1, Ordering::Release);
+                    break;
+                }
                 if share.stop.load(Ordering::Acquire) {
                     break; // a lane failed: its error names the round's outcome
                 }

@@ -151,7 +151,7 @@ impl Session<'_> {
     fn send_last_round(&mut self, pending: &Bitmap) -> Result<()> {
         let round = self.status.progress.rounds.len() as u32;
         if pending.count() > 0 || round == 0 {
-            self.send_round(round, pending)?;
+            self.send_round(round, pending, false)?;
         }
         Ok(())
     }
