@@ -3,14 +3,33 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+use migration::MigrationParams;
 use vmm::cpuid::CpuModel;
 use vmm::devices::virtio::balloon::BalloonConfig;
 use vmm::{DiskConfig, MemoryBackend, MemorySize, NetConfig};
 
+/// `ferry --version`: the release, the commit it was built from, and the migration stream
+/// versions it writes and reads (docs/protocol.md).
+fn version() -> &'static str {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION.get_or_init(|| {
+        format!(
+            "{} (commit {}, migration stream {}, reads {} and later)",
+            env!("CARGO_PKG_VERSION"),
+            env!("FERRY_COMMIT"),
+            migration::wire::frame::VERSION,
+            migration::wire::frame::OLDEST_READ
+        )
+    })
+}
+
+/// The engine's defaults, shown by `--help` and sent as given.
+const DEFAULTS: MigrationParams = MigrationParams::DEFAULT;
+
 #[derive(Parser, Debug)]
 #[command(
     name = "ferry",
-    version,
+    version = version(),
     about = "A VMM built to move running VMs between hosts"
 )]
 pub struct Cli {
@@ -32,7 +51,14 @@ pub enum Command {
     Shutdown(ApiArgs),
     /// Live-migrate the VM to a ferry started with --incoming, showing progress.
     Migrate(MigrateArgs),
-    /// Switch the running pre-copy migration to post-copy (like QEMU's migrate-start-postcopy).
+    /// Show the VM's migration on either side, running or ended (GET vm.migration); with
+    /// --watch, follow it until it ends. Exits as `ferry migrate` does.
+    Migration(WatchArgs),
+    /// Cancel the running migration and follow it to its end: the VM runs on at the source
+    /// (exit 3), unless it had already been handed over (exit 0).
+    Cancel(WatchArgs),
+    /// Switch the running pre-copy migration to post-copy (like QEMU's migrate-start-postcopy)
+    /// at once: the round being sent stops where it is and its pages follow the switch.
     StartPostcopy(ApiArgs),
     /// Write the paused VM to a file (cold migration); `ferry run --restore FILE` brings it back.
     Snapshot(SnapshotArgs),
@@ -153,14 +179,20 @@ pub struct MigrateArgs {
     /// meanwhile.
     #[arg(long, allow_negative_numbers = true)]
     pub resume_window_s: Option<i64>,
-    #[arg(long, allow_negative_numbers = true)]
-    pub max_downtime_ms: Option<i64>,
+    /// The pause the switch may take: pre-copy iterates until what is left would go in this
+    /// many ms at the link's measured pace.
+    #[arg(long, allow_negative_numbers = true, default_value_t = DEFAULTS.max_downtime_ms as i64)]
+    pub max_downtime_ms: i64,
+    /// Cap on the migration's bandwidth, all connections together, in Mbit/s (default: none).
     #[arg(long, allow_negative_numbers = true)]
     pub max_bandwidth_mbps: Option<i64>,
-    #[arg(long, allow_negative_numbers = true)]
-    pub max_rounds: Option<i64>,
-    #[arg(long, allow_negative_numbers = true)]
-    pub timeout_s: Option<i64>,
+    /// Pre-copy rounds before the switch happens whatever is left.
+    #[arg(long, allow_negative_numbers = true, default_value_t = i64::from(DEFAULTS.max_rounds))]
+    pub max_rounds: i64,
+    /// Give up (the VM runs on here) if the migration has not switched over by then, in
+    /// seconds.
+    #[arg(long, allow_negative_numbers = true, default_value_t = DEFAULTS.timeout_s as i64)]
+    pub timeout_s: i64,
     /// Both VMMs checksum guest memory at the switch and compare (adds downtime).
     #[arg(long)]
     pub checksum: bool,
@@ -210,6 +242,20 @@ pub struct TakeBackArgs {
     /// since the switch (the guest then finds writes on it that it does not remember).
     #[arg(long)]
     pub force: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct WatchArgs {
+    /// The Unix socket of the VM's control API.
+    #[arg(long)]
+    pub api_socket: PathBuf,
+    /// Follow the migration until it ends (and the guest's own figures are in); Ctrl-C stops
+    /// watching, the migration goes on.
+    #[arg(long)]
+    pub watch: bool,
+    /// Print the status as JSON.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Args, Debug)]

@@ -125,15 +125,7 @@ impl Controller {
             };
         };
         let i = vm.info();
-        let state = match &phase {
-            Phase::Incoming => "incoming",
-            Phase::Live if self.migrations.running() => "migrating",
-            Phase::Live if i.state == VmState::Running => "running",
-            Phase::Live => "paused",
-            Phase::Migrated => "migrated",
-            Phase::ShuttingDown => "shutting-down",
-            Phase::Failed(_) => "failed",
-        };
+        let state = self.lifecycle().word();
         let ms = |ns: u64| ns as f64 / 1e6;
         let last = i.total.last_heartbeat_ns;
         VmInfo {

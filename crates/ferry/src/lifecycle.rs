@@ -62,6 +62,19 @@ impl Lifecycle {
         }
     }
 
+    /// The state as `vm.info` and `ferry status` name it: one word, the migration's phase
+    /// names where a migration holds the VM (its role is in `vm.migration`).
+    pub fn word(self) -> &'static str {
+        match self {
+            Lifecycle::Switching => "switching-over",
+            Lifecycle::PostcopySource | Lifecycle::PostcopyDestination => "postcopy-active",
+            Lifecycle::PostcopyPausedSource | Lifecycle::PostcopyPausedDestination => {
+                "postcopy-paused"
+            }
+            other => other.name(),
+        }
+    }
+
     /// Whether the VM's memory is split between two hosts right now.
     pub fn mid_postcopy(self) -> bool {
         matches!(

@@ -6,6 +6,7 @@ mod ch;
 mod cli;
 mod controller;
 mod dirty_bench;
+mod follow;
 mod lifecycle;
 mod metrics;
 mod migrate;
@@ -14,6 +15,8 @@ mod migrations;
 mod report;
 mod run;
 mod status;
+
+use std::io::IsTerminal;
 
 use clap::Parser;
 
@@ -24,6 +27,8 @@ fn main() {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a person's terminal, never into a log file.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
     if ch::invoked_as_ch() {
         let argv: Vec<String> = std::env::args().skip(1).collect();
@@ -37,7 +42,9 @@ fn main() {
         cli::Command::Resume(a) => status::simple_put(&a, "vm.resume"),
         cli::Command::Shutdown(a) => status::simple_put(&a, "vm.shutdown"),
         cli::Command::Migrate(a) => migrate::migrate(&a),
-        cli::Command::StartPostcopy(a) => status::simple_put(&a, "vm.migrate-start-postcopy"),
+        cli::Command::Migration(a) => migrate::migration(&a),
+        cli::Command::Cancel(a) => migrate::cancel(&a),
+        cli::Command::StartPostcopy(a) => status::start_postcopy(&a),
         cli::Command::MigrateReclaim(a) => status::take_back(&a, "vm.migrate-reclaim"),
         cli::Command::MigrateRollback(a) => status::take_back(&a, "vm.migrate-rollback"),
         cli::Command::Snapshot(a) => migrate::snapshot(&a),

@@ -1,29 +1,15 @@
 //! `ferry migrate` and `ferry snapshot`: start through the API, show live progress, print the
-//! report. Ctrl-C cancels the migration (the VM keeps running on the source).
-
-use std::io::IsTerminal;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+//! report. Ctrl-C cancels the migration (the VM keeps running on the source). `ferry
+//! migration` and `ferry cancel` look at (or end) one already started.
 
 use anyhow::{Context, Result};
 use api::{
     ApiClient, AutoConvergeField, MigrationPhase, MigrationRequest, MigrationStatus,
     SnapshotRequest,
 };
-use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::cli::{MigrateArgs, SnapshotArgs};
-use crate::report;
-
-static INTERRUPTED: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_interrupt(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
-    INTERRUPTED.store(true, Ordering::Release);
-}
-
-const POLL: Duration = Duration::from_millis(100);
-/// Polls at most this often before giving up on a source that stopped answering.
-const MAX_POLLS: u32 = 100_000;
+use crate::cli::{MigrateArgs, SnapshotArgs, WatchArgs};
+use crate::follow::{self, OnInterrupt};
 
 pub fn migrate(args: &MigrateArgs) -> Result<i32> {
     let client = ApiClient::new(&args.api_socket);
@@ -34,10 +20,10 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         } else {
             args.mode.clone()
         }),
-        max_downtime_ms: args.max_downtime_ms,
+        max_downtime_ms: Some(args.max_downtime_ms),
         max_bandwidth_mbps: args.max_bandwidth_mbps,
-        max_rounds: args.max_rounds,
-        timeout_s: args.timeout_s,
+        max_rounds: Some(args.max_rounds),
+        timeout_s: Some(args.timeout_s),
         checksum: Some(args.checksum),
         auto_postcopy: Some(args.auto_postcopy),
         auto_converge: args.auto_converge.clone().map(AutoConvergeField::Named),
@@ -50,36 +36,11 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         resume_window_s: args.resume_window_s,
         go_with_state: args.go_with_state,
     };
-    let _ = vmm_sys_util::signal::register_signal_handler(libc::SIGINT, on_interrupt);
     client
         .put("vm.send-migration", Some(&serde_json::to_value(&request)?))
         .context("the migration did not start")?;
-
-    let bar = progress_bar(args.json);
-    let mut cancel_sent = false;
-    let mut last = MigrationStatus::default();
-    for _ in 0..MAX_POLLS {
-        if INTERRUPTED.load(Ordering::Acquire) && !cancel_sent {
-            bar.println("cancelling: the VM stays on the source");
-            let _ = client.put("vm.cancel-migration", None);
-            cancel_sent = true;
-        }
-        match client.get("vm.migration") {
-            // A cut-short answer (the source exiting mid-reply): ask again.
-            Ok(v) if v.is_null() => {}
-            Ok(v) => last = serde_json::from_value(v).context("vm.migration body")?,
-            // The source exits soon after a successful migration; what we have is final.
-            Err(_) if last.phase == MigrationPhase::Completed => break,
-            Err(e) => return Err(e).context("lost the source's API during the migration"),
-        }
-        if !last.phase.is_running() {
-            break;
-        }
-        bar.set_message(report::progress_line(&last));
-        std::thread::sleep(POLL);
-    }
-    bar.finish_and_clear();
-    finish(&last, args.json)
+    let last = follow::follow(&client, args.json, OnInterrupt::Cancel)?;
+    follow::finish(&last, args.json, &args.api_socket)
 }
 
 pub fn snapshot(args: &SnapshotArgs) -> Result<i32> {
@@ -94,31 +55,47 @@ pub fn snapshot(args: &SnapshotArgs) -> Result<i32> {
         .put("vm.snapshot", Some(&serde_json::to_value(&body)?))
         .context("snapshot failed")?;
     let status: MigrationStatus = serde_json::from_value(v)?;
-    finish(&status, args.json)
+    if status.phase == MigrationPhase::Completed && !args.json {
+        eprintln!(
+            "the VM stays paused here: `ferry resume` runs it on, `ferry shutdown` ends it once \
+             the snapshot is its home"
+        );
+    }
+    follow::finish(&status, args.json, &args.api_socket)
 }
 
-fn finish(status: &MigrationStatus, json: bool) -> Result<i32> {
-    if json {
-        println!("{}", serde_json::to_string_pretty(status)?);
-    } else {
-        print!("{}", report::render(status));
+/// `ferry migration`: the VM's migration (either side, any time); with `--watch`, followed
+/// until it ends and the guest's own figures are in.
+pub fn migration(args: &WatchArgs) -> Result<i32> {
+    let client = ApiClient::new(&args.api_socket);
+    let mut status: MigrationStatus =
+        serde_json::from_value(client.get("vm.migration")?).context("vm.migration body")?;
+    if args.watch {
+        if status.phase.is_running() {
+            status = follow::follow(&client, args.json, OnInterrupt::Leave)?;
+        }
+        status = follow::with_guest_figures(&client, status);
     }
-    Ok(if status.phase == MigrationPhase::Completed {
-        0
-    } else {
-        1
-    })
+    if status.phase == MigrationPhase::None && !args.json {
+        println!("no migration has run on this VM");
+        return Ok(0);
+    }
+    if status.phase.is_running() && !args.json {
+        println!("{}", crate::report::progress_line(&status));
+        return Ok(0);
+    }
+    follow::finish(&status, args.json, &args.api_socket)
 }
 
-fn progress_bar(json: bool) -> ProgressBar {
-    if json || !std::io::stderr().is_terminal() {
-        return ProgressBar::hidden();
+/// `ferry cancel`: cancels the running migration and follows it to its end.
+pub fn cancel(args: &WatchArgs) -> Result<i32> {
+    let client = ApiClient::new(&args.api_socket);
+    client
+        .put("vm.cancel-migration", None)
+        .context("the migration was not cancelled")?;
+    let last = follow::follow(&client, args.json, OnInterrupt::Leave)?;
+    if last.phase == MigrationPhase::Completed && !args.json {
+        eprintln!("too late to cancel: the VM had already been handed over");
     }
-    let bar = ProgressBar::new_spinner();
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {elapsed_precise} {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
-    );
-    bar.enable_steady_tick(Duration::from_millis(100));
-    bar
+    follow::finish(&last, args.json, &args.api_socket)
 }

@@ -22,6 +22,16 @@ pub fn simple_put(args: &ApiArgs, endpoint: &str) -> Result<i32> {
     Ok(0)
 }
 
+/// `vm.migrate-start-postcopy`, saying when it acts.
+pub fn start_postcopy(args: &ApiArgs) -> Result<i32> {
+    ApiClient::new(&args.api_socket).put("vm.migrate-start-postcopy", None)?;
+    println!(
+        "switching to post-copy: the round being sent stops where it is (`ferry migration \
+         --watch` follows)"
+    );
+    Ok(0)
+}
+
 /// `vm.migrate-reclaim` or `vm.migrate-rollback`, saying where the VM runs from.
 pub fn take_back(args: &TakeBackArgs, endpoint: &str) -> Result<i32> {
     let body = serde_json::to_value(api::TakeBackRequest { force: args.force })?;

@@ -128,7 +128,7 @@ fn a_destination_without_the_disk_is_refused_and_the_source_keeps_writing() {
     assert!(!ok, "a VM must not arrive without its disk");
     assert_eq!(src.wait_migration_end().phase, MigrationPhase::Failed);
     assert!(
-        errors.contains("the VM has 1 virtio devices (disk), this destination 0"),
+        errors.contains("the VM has 1 virtio device (disk), this destination no virtio device"),
         "{errors}"
     );
     // The source took its disk back and goes on writing it.
@@ -201,7 +201,11 @@ fn taking_a_vm_back_onto_a_disk_the_destination_wrote_needs_force() {
     let _ = dst.wait_exit(T);
     let err = src.api().put("vm.migrate-reclaim", None).unwrap_err();
     assert!(err.to_string().contains("writable disk"), "{err}");
-    assert_eq!(src.info().state, "paused", "refused: nothing changed");
+    assert_eq!(
+        src.info().state,
+        "postcopy-paused",
+        "refused: nothing changed"
+    );
     let out = ferry_output(&[
         "migrate-rollback",
         "--api-socket",

@@ -184,7 +184,7 @@ fn a_new_process_that_dies_before_go_leaves_the_vm_and_its_disk_in_the_old() {
     destination.join().unwrap();
     assert!(!ok);
     assert_eq!(report.phase, MigrationPhase::Unconfirmed);
-    assert_eq!(vm.info().state, "paused");
+    assert_eq!(vm.info().state, "unconfirmed");
     assert_second_writer_refused(&path);
     let out = ferry_output(&[
         "migrate-reclaim",

@@ -148,6 +148,15 @@ fn idle_guest_moves_over_tcp_and_heartbeats_continue() {
     assert!(after.heartbeat_seq > before.heartbeat_seq);
     assert_eq!(after.state, "running");
     assert!(after.migration_observed_downtime_ms.is_some());
+    // The destination's own view, once the guest's figures are in.
+    let socket = dst.socket.to_str().unwrap();
+    let out = ferry_output(&["migration", "--api-socket", socket, "--watch", "--json"]);
+    assert_eq!(out.status.code(), Some(0));
+    let seen: MigrationStatus = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(seen.role, "destination");
+    assert_eq!(seen.phase, MigrationPhase::Completed);
+    assert!(!seen.guest_report_pending);
+    assert!(seen.guest_observed_downtime_ms.is_some(), "{seen:?}");
 }
 
 #[test]
@@ -573,10 +582,18 @@ fn cancel_leaves_the_source_running() {
         return;
     }
     let src = Ferry::writer("write ws=128M seq verify");
+    let socket = src.socket.to_str().unwrap();
+    let none = ferry_output(&["migration", "--api-socket", socket]);
+    assert_eq!(none.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&none.stdout).contains("no migration has run"));
     let mut dst = start_slow_migration(&src);
-    src.put("vm.cancel-migration");
-    let status = src.wait_migration_end();
+    let out = ferry_output(&["cancel", "--api-socket", socket, "--json"]);
+    let status: MigrationStatus = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(status.phase, MigrationPhase::Cancelled, "{status:?}");
+    assert_exit_says(&status, out.status.code(), "");
+    let again = ferry_output(&["migration", "--api-socket", socket]);
+    assert_eq!(again.status.code(), Some(3), "the VM is safe on the source");
+    assert!(String::from_utf8_lossy(&again.stdout).contains("migration cancelled"));
     assert!(
         !dst.wait_exit(T).success(),
         "the destination never resumes a cancelled VM"

@@ -84,7 +84,7 @@ fn takes_the_vm_back_from_the_last_checkpoint(command: &str) {
     });
     assert_eq!(
         src.info().state,
-        "paused",
+        "postcopy-paused",
         "nothing runs before the operator says so"
     );
 

@@ -42,7 +42,7 @@ impl Mode {
     /// The delta cache this mode gets when none is asked for: live pre-copy rounds re-send
     /// what the guest dirtied, often a few bytes of a page, which its delta carries in a
     /// fraction of the link; a mode whose pages cross once would only pay for the copies.
-    pub fn default_delta_cache_mb(self) -> u64 {
+    pub const fn default_delta_cache_mb(self) -> u64 {
         match self {
             Mode::Precopy | Mode::Hybrid => DEFAULT_DELTA_CACHE_MB,
             Mode::Warm | Mode::Postcopy | Mode::Local => 0,
@@ -184,25 +184,30 @@ impl MigrationParams {
 
 impl Default for MigrationParams {
     fn default() -> Self {
-        Self {
-            mode: Mode::Precopy,
-            max_downtime_ms: 300,
-            max_bandwidth_mbps: None,
-            max_rounds: 30,
-            timeout_s: 600,
-            checksum: false,
-            auto_postcopy: false,
-            auto_converge: AutoConverge::WhenStalled,
-            prepaging: Strategy::Bubble,
-            connections: 1,
-            compression: Compression::Auto,
-            migration_threads: None,
-            delta_cache_mb: Mode::Precopy.default_delta_cache_mb(),
-            go_with_state: None,
-            checkpoint_ms: None,
-            resume_window_s: DEFAULT_RESUME_WINDOW_S,
-        }
+        Self::DEFAULT
     }
+}
+
+impl MigrationParams {
+    /// What a migration does where its request says nothing.
+    pub const DEFAULT: Self = Self {
+        mode: Mode::Precopy,
+        max_downtime_ms: 300,
+        max_bandwidth_mbps: None,
+        max_rounds: 30,
+        timeout_s: 600,
+        checksum: false,
+        auto_postcopy: false,
+        auto_converge: AutoConverge::WhenStalled,
+        prepaging: Strategy::Bubble,
+        connections: 1,
+        compression: Compression::Auto,
+        migration_threads: None,
+        delta_cache_mb: Mode::Precopy.default_delta_cache_mb(),
+        go_with_state: None,
+        checkpoint_ms: None,
+        resume_window_s: DEFAULT_RESUME_WINDOW_S,
+    };
 }
 
 impl MigrationParams {

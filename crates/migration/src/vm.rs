@@ -117,17 +117,18 @@ impl DeviceDescriptor {
 /// sees, naming the slot, the device and the difference.
 pub fn check_devices(vm: &[DeviceDescriptor], here: &[DeviceDescriptor]) -> Result<()> {
     if vm.len() != here.len() {
-        let kinds = |d: &[DeviceDescriptor]| {
-            let kinds: Vec<&str> = d.iter().map(DeviceDescriptor::kind).collect();
-            kinds.join(", ")
+        let listed = |d: &[DeviceDescriptor]| match d.len() {
+            0 => "no virtio device".to_string(),
+            n => {
+                let kinds: Vec<&str> = d.iter().map(DeviceDescriptor::kind).collect();
+                let s = if n == 1 { "" } else { "s" };
+                format!("{n} virtio device{s} ({})", kinds.join(", "))
+            }
         };
         return Err(Error::vm(format!(
-            "the VM has {} virtio devices ({}), this destination {} ({}): give it the VM's \
-             (--disk, --net, --balloon)",
-            vm.len(),
-            kinds(vm),
-            here.len(),
-            kinds(here)
+            "the VM has {}, this destination {}: give it the VM's (--disk, --net, --balloon)",
+            listed(vm),
+            listed(here)
         )));
     }
     for (slot, (theirs, ours)) in vm.iter().zip(here).enumerate() {
@@ -312,7 +313,15 @@ mod tests {
         );
         let e = refusal(&vm, &vm[..1]);
         assert!(
-            e.contains("the VM has 2 virtio devices (disk, NIC), this destination 1 (disk)"),
+            e.contains(
+                "the VM has 2 virtio devices (disk, NIC), this destination 1 virtio device \
+                 (disk)"
+            ),
+            "{e}"
+        );
+        let e = refusal(&[balloon(0, 1, 0x7)], &[]);
+        assert!(
+            e.contains("the VM has 1 virtio device (balloon), this destination no virtio device"),
             "{e}"
         );
     }

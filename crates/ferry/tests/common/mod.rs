@@ -541,7 +541,29 @@ pub fn migrate(src: &Ferry, to: &str, extra: &[&str]) -> (api::MigrationStatus, 
         status.error.clone().unwrap_or_default(),
         String::from_utf8_lossy(&out.stderr)
     );
+    assert_exit_says(&status, out.status.code(), &errors);
     (status, out.status.success(), errors)
+}
+
+/// `ferry migrate`'s exit status says where the VM is (docs/guide.md): 0 on the destination,
+/// 3 safe on the source, 4 an operator must act (and the next commands are printed); 1 no
+/// migration ran (2 for a command line clap refused).
+pub fn assert_exit_says(status: &api::MigrationStatus, code: Option<i32>, stderr: &str) {
+    use api::MigrationPhase as P;
+    let expected: &[i32] = match status.phase {
+        P::Completed => &[0],
+        P::Failed | P::Cancelled => &[3],
+        P::Unconfirmed | P::PostcopyPaused => &[4],
+        _ => &[1, 2],
+    };
+    assert!(
+        code.is_some_and(|c| expected.contains(&c)),
+        "{:?} exited {code:?}: {stderr}",
+        status.phase
+    );
+    if expected == [4] {
+        assert!(stderr.contains("--api-socket"), "no next step: {stderr}");
+    }
 }
 
 /// `--tls-cert/--tls-key/--tls-ca` for host `name` from a `ferry certs` directory.

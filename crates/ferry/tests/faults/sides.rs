@@ -66,14 +66,13 @@ fn reading(f: &Ferry) -> Option<Holds> {
     let info = f.api().get("vm.info").ok()?;
     let status = f.api().get("vm.migration").ok()?;
     let phase: MigrationPhase = serde_json::from_value(status["phase"].clone()).ok()?;
-    Some(match (info["state"].as_str()?, phase) {
-        ("running", MigrationPhase::PostcopyPaused) => Holds::Stranded,
-        ("running", _) => Holds::Runs,
-        ("paused", MigrationPhase::Unconfirmed | MigrationPhase::PostcopyPaused) => {
-            Holds::Paused(phase)
-        }
-        ("paused", _) => Holds::Runs,
-        ("incoming" | "migrated" | "failed", _) => Holds::Nothing,
+    let destination = status["role"].as_str()? == "destination";
+    Some(match info["state"].as_str()? {
+        // The destination runs the VM with part of its memory still on the source.
+        "postcopy-paused" if destination => Holds::Stranded,
+        "postcopy-paused" | "unconfirmed" => Holds::Paused(phase),
+        "running" | "paused" => Holds::Runs,
+        "incoming" | "migrated" | "failed" => Holds::Nothing,
         _ => return None,
     })
 }
