@@ -12,7 +12,7 @@ use std::net::{IpAddr, TcpListener};
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -74,6 +74,14 @@ impl FromStr for MetricsAddr {
 /// The endpoint while it serves; a Unix socket it made is removed when it is dropped.
 pub struct MetricsServer {
     path: Option<PathBuf>,
+    final_scrapes: Arc<AtomicU64>,
+}
+
+impl MetricsServer {
+    /// Scrapes answered with the figures of a VM that has moved away: its final counters.
+    pub fn final_scrapes(&self) -> u64 {
+        self.final_scrapes.load(Ordering::Acquire)
+    }
 }
 
 impl Drop for MetricsServer {
@@ -174,8 +182,16 @@ pub fn start(
         }
     };
     let mut registry = Registry::default();
-    registry.register_collector(Box::new(Exposition { source }));
-    let registry = Arc::new(registry);
+    registry.register_collector(Box::new(Exposition {
+        source: source.clone(),
+    }));
+    let final_scrapes = Arc::new(AtomicU64::new(0));
+    let endpoint = Endpoint {
+        registry: Arc::new(registry),
+        access,
+        source,
+        final_scrapes: final_scrapes.clone(),
+    };
     std::thread::Builder::new()
         .name("metrics-accept".into())
         .spawn(move || {
@@ -184,15 +200,21 @@ pub fn start(
                 tracing::error!("the metrics endpoint does not serve: {e}");
                 return;
             }
-            accept(listener, &Endpoint { registry, access })
+            accept(listener, &endpoint)
         })?;
-    Ok(MetricsServer { path })
+    Ok(MetricsServer {
+        path,
+        final_scrapes,
+    })
 }
 
 /// What a scrape is answered from, and who may scrape.
 struct Endpoint {
     registry: Arc<Registry>,
     access: Access,
+    source: Arc<dyn Scraped>,
+    /// See `MetricsServer::final_scrapes`.
+    final_scrapes: Arc<AtomicU64>,
 }
 
 /// The connections being served, in all and per TCP peer.
@@ -276,6 +298,11 @@ impl<S: Read + Write + Timed + Send> Conn for S {}
 /// Answers one request; returns the connection, still open.
 fn serve(mut conn: Box<dyn Conn>, endpoint: &Endpoint) -> Box<dyn Conn> {
     let deadline = Instant::now() + REQUEST_TIMEOUT;
+    // Read before the figures are: a status only moves on, so these figures are final.
+    let moved_away = endpoint
+        .source
+        .board()
+        .is_some_and(|b| b.read().moved_away());
     let (status, content_type, body) = match read_scrape(&mut Within::new(&mut conn, deadline)) {
         Ok(scrape) if !endpoint.access.allows(&scrape) => (
             "401 Unauthorized".into(),
@@ -300,8 +327,12 @@ fn serve(mut conn: Box<dyn Conn>, endpoint: &Endpoint) -> Box<dyn Conn> {
         body.len()
     );
     let _ = conn.set_io_timeout(CLIENT_TIMEOUT);
-    let _ = conn.write_all(head.as_bytes());
-    let _ = conn.write_all(body.as_bytes());
+    let sent = conn
+        .write_all(head.as_bytes())
+        .and_then(|()| conn.write_all(body.as_bytes()));
+    if sent.is_ok() && status.starts_with("200") && moved_away {
+        endpoint.final_scrapes.fetch_add(1, Ordering::AcqRel);
+    }
     conn
 }
 
@@ -317,6 +348,8 @@ fn reason(status: u16) -> &'static str {
 }
 
 const PLAIN: &str = "text/plain; charset=utf-8";
+/// Bytes of a guest page, the unit the engine counts memory in.
+const PAGE_BYTES: u64 = 4096;
 
 /// The exposition `scrape` asks for: OpenMetrics, or Prometheus's text format.
 fn answer(scrape: &Scrape, registry: &Registry) -> (String, &'static str, String) {
@@ -364,6 +397,7 @@ impl std::fmt::Debug for Exposition {
 
 impl Collector for Exposition {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        encode_build(&mut enc)?;
         if let Some(controller) = self.source.controller() {
             encode_vm(&controller, &mut enc)?;
         }
@@ -386,6 +420,23 @@ impl Collector for Exposition {
             &totals.fault_latency,
         )
     }
+}
+
+/// Which ferry answers: `ferry --version` as labels.
+fn encode_build(enc: &mut DescriptorEncoder) -> std::fmt::Result {
+    let stream = migration::wire::frame::VERSION.to_string();
+    enc.encode_descriptor(
+        "ferry_build_info",
+        "The ferry that answers: 1, with its version, commit and migration stream version.",
+        None,
+        MetricType::Gauge,
+    )?
+    .encode_family(&[
+        ("version", env!("CARGO_PKG_VERSION")),
+        ("commit", env!("FERRY_COMMIT")),
+        ("migration_stream", stream.as_str()),
+    ])?
+    .encode_gauge(&1i64)
 }
 
 fn encode_vm(c: &Controller, enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
@@ -490,12 +541,23 @@ fn encode_counters(
         None,
         MetricType::Counter,
     )?;
-    for ((role, phase), n) in &t.ended {
-        m.encode_family(&[("role", role_name(*role)), ("outcome", phase.name())])?
-            .encode_counter::<NoLabelSet, _, u64>(n, None)?;
+    // Every outcome is there from the start, at 0: `increase()` then sees the first one.
+    for role in [Role::Source, Role::Destination] {
+        for outcome in OUTCOMES {
+            let n = t
+                .ended
+                .iter()
+                .find(|(k, _)| *k == (role, outcome))
+                .map_or(0, |(_, n)| *n);
+            m.encode_family(&[("role", role_name(role)), ("outcome", outcome.name())])?
+                .encode_counter::<NoLabelSet, _, u64>(&n, None)?;
+        }
     }
     Ok(())
 }
+
+/// How a migration can end (`totals::has_ended`).
+const OUTCOMES: [Phase; 3] = [Phase::Completed, Phase::Failed, Phase::Cancelled];
 
 /// Gauges: the migration as it stands now.
 fn encode_gauges(s: &Status, enc: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
@@ -518,15 +580,15 @@ fn encode_gauges(s: &Status, enc: &mut DescriptorEncoder) -> Result<(), std::fmt
     )?;
     gauge(
         enc,
-        "ferry_migration_remaining_pages",
-        "Pages left to send in this round.",
-        p.pages_remaining as i64,
+        "ferry_migration_remaining_bytes",
+        "Guest memory left to send in this round.",
+        (p.pages_remaining * PAGE_BYTES) as i64,
     )?;
     gauge_f(
         enc,
-        "ferry_migration_dirty_rate_pages_per_second",
+        "ferry_migration_dirty_rate_bytes_per_second",
         "The guest's dirty rate, as the last round measured it.",
-        live(p.dirty_pages_per_s),
+        live(p.dirty_pages_per_s * PAGE_BYTES as f64),
     )?;
     gauge_f(
         enc,
@@ -566,7 +628,7 @@ fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> std::
 
 fn histogram(enc: &mut DescriptorEncoder, name: &str, help: &str, b: &Buckets) -> std::fmt::Result {
     enc.encode_descriptor(name, help, None, MetricType::Histogram)?
-        .encode_histogram::<NoLabelSet>(b.sum, b.count, &b.cumulative(), None)
+        .encode_histogram::<NoLabelSet>(b.sum, b.count, &b.per_bucket(), None)
 }
 
 #[cfg(test)]

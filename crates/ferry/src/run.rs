@@ -34,6 +34,8 @@ enum Incoming {
 const REPORT_LINGER: Duration = Duration::from_secs(10);
 /// How long the source stays after the final report was read, so the answer gets out.
 const ANSWER_GRACE: Duration = Duration::from_millis(300);
+/// With `--metrics`, how long the source waits for a scrape of its final counters.
+const FINAL_SCRAPE_WAIT: Duration = Duration::from_secs(30);
 
 pub fn run(args: RunArgs) -> Result<i32> {
     if let Some(socket) = &args.api_socket {
@@ -115,8 +117,8 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
     let vm = boot_vm(config_of(args), &image, &cmdline, serial)?;
     let controller = Controller::with_vm(Arc::new(vm), security);
     configure(&controller, args)?;
-    let _servers = start_servers(&controller, args)?;
-    Ok(supervise(&controller))
+    let (_api, metrics) = start_servers(&controller, args)?;
+    Ok(supervise(&controller, metrics.as_ref()))
 }
 
 /// Boots `image` with `config`. A PVH image (ferry's workload guest) finds each virtio-mmio
@@ -151,7 +153,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
     let arrival = Arrival::new(args)?;
     let controller = Controller::new(Phase::Incoming, security);
     configure(&controller, args)?;
-    let _servers = start_servers(&controller, args)?;
+    let (_api, metrics) = start_servers(&controller, args)?;
     let received = controller.migrations.incoming.receive(
         source,
         &|| TERMINATE.load(Ordering::Acquire),
@@ -188,7 +190,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
              signal again to stop it"
         );
     }
-    Ok(supervise(&controller))
+    Ok(supervise(&controller, metrics.as_ref()))
 }
 
 /// Guest memory and vCPUs unless given.
@@ -318,13 +320,12 @@ fn start_servers(
 }
 
 /// Runs until the VM ends, is shut down, or has migrated away; returns the exit status.
-fn supervise(controller: &Controller) -> i32 {
+fn supervise(controller: &Controller, metrics: Option<&MetricsServer>) -> i32 {
     let vm = match controller.vm() {
         Ok(vm) => vm.clone(),
         Err(_) => return 1,
     };
-    let mut migrated_at: Option<Instant> = None;
-    let mut report_read_at: Option<Instant> = None;
+    let mut migrated: Option<Leaving> = None;
     let mut said_wait = false;
     let code = loop {
         if let Some(event) = vm.next_event(Duration::from_millis(20))
@@ -356,25 +357,49 @@ fn supervise(controller: &Controller) -> i32 {
             }
         }
         if controller.phase() == Phase::Migrated {
-            let since = *migrated_at.get_or_insert_with(Instant::now);
-            // Once a client has read the final report, give its answer time to leave.
-            if controller
-                .migrations
-                .final_status_read
-                .load(Ordering::Acquire)
-            {
-                let read_at = *report_read_at.get_or_insert_with(Instant::now);
-                if read_at.elapsed() > ANSWER_GRACE {
-                    break 0;
-                }
-            }
-            if since.elapsed() > REPORT_LINGER {
+            let leaving = migrated.get_or_insert_with(Leaving::new);
+            if leaving.may_go(controller, metrics) {
                 break 0;
             }
         }
     };
     vm.shutdown();
     code
+}
+
+/// A source whose VM moved away stays until its last words are out: the final report read
+/// by a client (or `REPORT_LINGER`), and with a metrics endpoint one scrape of the final
+/// counters (or `FINAL_SCRAPE_WAIT`).
+struct Leaving {
+    since: Instant,
+    report_read_at: Option<Instant>,
+}
+
+impl Leaving {
+    fn new() -> Self {
+        Self {
+            since: Instant::now(),
+            report_read_at: None,
+        }
+    }
+
+    fn may_go(&mut self, controller: &Controller, metrics: Option<&MetricsServer>) -> bool {
+        // Once a client has read the final report, give its answer time to leave.
+        if controller
+            .migrations
+            .final_status_read
+            .load(Ordering::Acquire)
+        {
+            self.report_read_at.get_or_insert_with(Instant::now);
+        }
+        let report_out = self
+            .report_read_at
+            .is_some_and(|at| at.elapsed() > ANSWER_GRACE)
+            || self.since.elapsed() > REPORT_LINGER;
+        let scraped = metrics.is_none_or(|m| m.final_scrapes() > 0)
+            || self.since.elapsed() > FINAL_SCRAPE_WAIT;
+        report_out && scraped
+    }
 }
 
 fn on_event(controller: &Controller, event: VmEvent) -> Option<i32> {

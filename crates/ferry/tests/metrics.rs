@@ -22,7 +22,7 @@ fn migrations_show_in_metrics_on_both_hosts() {
     let dir = tempfile::tempdir().unwrap();
     let (src_metrics, dst_metrics) = (dir.path().join("src.sock"), dir.path().join("dst.sock"));
     let arg = |p: &Path| format!("unix:{}", p.display());
-    let src = Ferry::boot_with(
+    let mut src = Ferry::boot_with(
         VmSpec {
             cmdline: "write ws=64M seq verify",
             ..Default::default()
@@ -35,6 +35,12 @@ fn migrations_show_in_metrics_on_both_hosts() {
     assert_eq!(must(&before, "ferry_vm_vcpus"), 1.0);
     assert_eq!(must(&before, "ferry_vm_memory_bytes"), (1u64 << 30) as f64);
     assert_eq!(must(&before, "ferry_migration_bytes_total"), 0.0);
+    // Every outcome is a series from the start, and the build says which ferry answers.
+    for outcome in ["completed", "failed", "cancelled"] {
+        let series = format!(r#"ferry_migrations_total{{role="source",outcome="{outcome}"}}"#);
+        assert_eq!(must(&before, &series), 0.0);
+    }
+    assert!(before.contains(r#"ferry_build_info{version=""#), "{before}");
 
     // A slow migration: its counters move between two scrapes.
     let _first = start_slow_migration(&src);
@@ -46,6 +52,7 @@ fn migrations_show_in_metrics_on_both_hosts() {
         ),
         1.0
     );
+    assert!(must(&during, "ferry_migration_remaining_bytes") > 0.0);
     let moved = must(&during, "ferry_migration_bytes_total");
     assert!(moved >= (1 << 20) as f64, "{moved}");
     wait_for("the bytes counter to move", T, || {
@@ -69,6 +76,8 @@ fn migrations_show_in_metrics_on_both_hosts() {
     let dst = Ferry::start(&["--incoming", &url, "--metrics", &arg(&dst_metrics)]);
     let (report, ok, errors) = migrate(&src, &url, &[]);
     assert!(ok, "{errors}\n{report:?}");
+    // A source with a metrics endpoint stays until its final counters were scraped.
+    assert!(src.is_running(), "the source left before its last scrape");
     let done = scrape(&src_metrics);
     assert_eq!(
         must(
@@ -79,6 +88,21 @@ fn migrations_show_in_metrics_on_both_hosts() {
     );
     assert!(must(&done, "ferry_migration_bytes_total") > after_cancel);
     assert_eq!(must(&done, "ferry_migration_downtime_seconds_count"), 1.0);
+    // Buckets are cumulative and end at +Inf, which holds every observation.
+    assert_eq!(
+        must(
+            &done,
+            r#"ferry_migration_downtime_seconds_bucket{le="+Inf"}"#
+        ),
+        1.0
+    );
+    assert_eq!(
+        must(
+            &done,
+            r#"ferry_migration_downtime_seconds_bucket{le="5.0"}"#
+        ),
+        1.0
+    );
     assert!(must(&done, r#"ferry_migration_pages_total{kind="full"}"#) >= 16384.0);
     let arrived = scrape(&dst_metrics);
     assert_eq!(
@@ -99,6 +123,7 @@ fn migrations_show_in_metrics_on_both_hosts() {
         1.0
     );
     assert_eq!(dst.info().verify_errors, 0);
+    assert!(src.wait_exit(T).success(), "scraped, the source exits");
 }
 
 #[test]

@@ -50,16 +50,15 @@ impl Buckets {
         self.count += other.count;
     }
 
-    /// (bound, observations at most the bound), as an exposition lists them.
-    pub fn cumulative(&self) -> Vec<(f64, u64)> {
-        let mut running = 0;
+    /// (bound, observations in that bucket alone), ending with the `+Inf` bucket of those
+    /// above every bound: what an exposition encoder sums into its cumulative buckets.
+    pub fn per_bucket(&self) -> Vec<(f64, u64)> {
+        let above = self.count - self.counts.iter().sum::<u64>();
         self.bounds
             .iter()
-            .zip(&self.counts)
-            .map(|(&b, &c)| {
-                running += c;
-                (b, running)
-            })
+            .copied()
+            .zip(self.counts.iter().copied())
+            .chain([(f64::INFINITY, above)])
             .collect()
     }
 }
@@ -84,7 +83,10 @@ mod tests {
         b.observe(0.0001);
         b.observe(7.0);
         assert_eq!(b.count, 2);
-        assert_eq!(b.cumulative().last(), Some(&(1.0, 1)));
+        let buckets = b.per_bucket();
+        assert_eq!(buckets[0], (0.0001, 1));
+        assert_eq!(buckets[buckets.len() - 2], (1.0, 0));
+        assert_eq!(buckets.last(), Some(&(f64::INFINITY, 1)));
         assert!((b.sum - 7.0001).abs() < 1e-9);
     }
 }

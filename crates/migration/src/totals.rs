@@ -113,7 +113,7 @@ mod tests {
         );
         // Only a completed migration had a downtime.
         assert_eq!(t.downtime.count, 1);
-        assert_eq!(t.downtime.cumulative()[2], (0.002, 0));
-        assert_eq!(t.downtime.cumulative()[3], (0.005, 1));
+        assert_eq!(t.downtime.per_bucket()[2], (0.002, 0));
+        assert_eq!(t.downtime.per_bucket()[3], (0.005, 1));
     }
 }
