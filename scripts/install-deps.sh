@@ -15,7 +15,7 @@ command -v ip >/dev/null || need+=(iproute2)
 command -v tc >/dev/null || need+=(iproute2)
 command -v bridge >/dev/null || need+=(iproute2)  # the NIC test reads the bridge's table
 command -v curl >/dev/null || need+=(curl)
-command -v promtool >/dev/null || need+=(prometheus)  # promtool checks the metrics exposition
+command -v promtool >/dev/null || need_promtool=1  # promtool checks the metrics exposition
 command -v objcopy >/dev/null || need+=(binutils)
 [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/x86_64-linux-gnu/libclang*.so >/dev/null 2>&1 || need+=(libclang-dev)
 [ -x /usr/bin/python3 ] || need+=(python3)
@@ -30,9 +30,9 @@ add_backports() {
         "${uri:-http://deb.debian.org/debian}" /usr/share/keyrings/debian-archive-keyring.gpg >"$list"
 }
 
-if [ ${#need[@]} -gt 0 ] || [ -n "${need_qemu:-}" ]; then
+if [ ${#need[@]} -gt 0 ] || [ -n "${need_qemu:-}" ] || [ -n "${need_promtool:-}" ]; then
     if [ "$(id -u)" != 0 ]; then
-        echo "ferry: missing packages: ${need[*]} ${need_qemu:+QEMU 10}; run as root or install them" >&2
+        echo "ferry: missing packages: ${need[*]} ${need_qemu:+QEMU 10} ${need_promtool:+prometheus (promtool)}; run as root or install them" >&2
         exit 1
     fi
     export DEBIAN_FRONTEND=noninteractive
@@ -41,6 +41,12 @@ if [ ${#need[@]} -gt 0 ] || [ -n "${need_qemu:-}" ]; then
     if [ ${#need[@]} -gt 0 ]; then
         echo "ferry: installing ${need[*]}"
         apt-get install -y -q "${need[@]}"
+    fi
+    if [ -n "${need_promtool:-}" ]; then
+        # promtool ships in the server's package; its recommends (exporters, a web UI) are
+        # not needed to check an exposition.
+        echo "ferry: installing prometheus (for promtool) without its recommends"
+        apt-get install -y -q --no-install-recommends prometheus
     fi
     if [ -n "${need_qemu:-}" ]; then
         echo "ferry: installing QEMU 10 from bookworm-backports"
