@@ -23,6 +23,18 @@ pub struct StatusBoard {
 }
 
 impl StatusBoard {
+    /// A new migration's first status: what lived beside the last one's is forgotten.
+    pub fn begin(&self, s: &Status) {
+        self.forget_side();
+        self.publish(s);
+    }
+
+    /// Forgets the checkpoint figures and the guest's, which belong to one migration.
+    pub fn forget_side(&self) {
+        *self.checkpoints.locked() = None;
+        *self.guest_after.locked() = GuestAfter::Unknown;
+    }
+
     pub fn publish(&self, s: &Status) {
         let mut status = self.status.locked();
         self.totals.locked().count(s);

@@ -237,8 +237,7 @@ impl Receiver<'_> {
         hello: &Hello,
         laps: &mut Laps,
     ) -> Result<(Filled, Option<u64>)> {
-        self.board.checkpoints(|c| *c = None);
-        self.board.guest_after(GuestAfter::Unknown);
+        self.board.forget_side();
         loop {
             self.check_stop()?;
             let event = filling

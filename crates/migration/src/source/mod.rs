@@ -187,9 +187,7 @@ impl Outgoing {
         }
         self.claim()?;
         let status = Status::new(Role::Source, Some(params.mode.into()), endpoint.to_string());
-        self.board.checkpoints(|c| *c = None);
-        self.board.guest_after(crate::status::GuestAfter::Unknown);
-        self.board.publish(&status);
+        self.board.begin(&status);
         let this = self.clone();
         let spawned = std::thread::Builder::new()
             .name("migration".into())
@@ -359,7 +357,7 @@ impl Outgoing {
             }
         };
         let status = Status::new(Role::Source, Some(Transfer::Snapshot), name.to_string());
-        self.board.publish(&status);
+        self.board.begin(&status);
         // Opens the other writers' lanes of the same file.
         let opener = match &file {
             SnapshotFile::Writer(first) => Some(first.lane(0)),
