@@ -38,6 +38,14 @@ for _ in 1 2; do sleep 1; status "$work/src.sock" source; done
 
 echo "== ferry migrate --to tcp:127.0.0.1:$port --max-downtime-ms 20"
 "$FERRY" migrate --api-socket "$work/src.sock" --to "tcp:127.0.0.1:$port" --max-downtime-ms 20
+returned_ns=$(date +%s%N)
+"$FERRY" migration --api-socket "$work/dst.sock" --watch --json | python3 -c '
+import json, sys
+s = json.load(sys.stdin)
+print("== ferry migrate returned %.1f ms after the VM ran on the destination (both on this host'"'"'s clock)"
+      % ((int(sys.argv[1]) - s["resumed_at_unix_ns"]) / 1e6))
+print("== the destination (ferry migration --watch): downtime as the guest saw it %.2f ms, "
+      "its work rate after %.0f pages/s" % (s["guest_observed_downtime_ms"], s["guest_pages_per_s_after"]))' "$returned_ns"
 wait "$src_pid" && echo "== the source process exited with status 0"
 
 echo "== the guest runs on at the destination, verifying every page it wrote before the move"
