@@ -429,7 +429,7 @@ impl Outgoing {
     }
 
     /// Like QEMU's migrate-start-postcopy: the running pre-copy hands over by post-copy at
-    /// its next round.
+    /// once (the round being sent stops where it is; see `RoundShare::cut`).
     pub fn start_postcopy(&self) -> Result<()> {
         if !self.running() {
             return Err(Error::State("no migration is running".into()));
