@@ -40,6 +40,8 @@ fn guest_figure(s: &MigrationStatus, figure: String) -> String {
     }
 }
 
+/// The final table: what happened, then compression, post-copy, auto-converge, CPU, where the
+/// time went, and the rounds.
 pub fn render(s: &MigrationStatus) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "migration {} ({} to {})", s.phase.name(), s.mode, s.peer);
@@ -49,7 +51,33 @@ pub fn render(s: &MigrationStatus) -> String {
     if let Some(n) = &s.note {
         let _ = writeln!(o, "  note: {n}");
     }
-    let rows: [(&str, String); 21] = [
+    for (k, v) in summary(s) {
+        let _ = writeln!(o, "  {k:<33} {v}");
+    }
+    compression_lines(&mut o, s);
+    if s.postcopy {
+        postcopy_lines(&mut o, s);
+    }
+    if s.throttle_percent_max > 0 {
+        let _ = writeln!(
+            o,
+            "  auto-converge: the guest's vCPUs slept up to {} % of the time (released at the end)",
+            s.throttle_percent_max
+        );
+    }
+    if !s.cpu.is_empty() {
+        let _ = writeln!(o, "  {}", cpu_line(s));
+    }
+    if !s.breakdown.is_empty() {
+        let _ = writeln!(o, "  {}", breakdown_line(s));
+    }
+    rounds_table(&mut o, s);
+    o
+}
+
+/// The figures every migration has, one per row.
+fn summary(s: &MigrationStatus) -> [(&'static str, String); 21] {
+    [
         ("setup", format!("{:.2} ms", s.setup_ms)),
         ("downtime (source's clock)", opt_ms(s.downtime_ms)),
         (
@@ -112,10 +140,11 @@ pub fn render(s: &MigrationStatus) -> String {
                 _ => "-".into(),
             },
         ),
-    ];
-    for (k, v) in rows {
-        let _ = writeln!(o, "  {k:<33} {v}");
-    }
+    ]
+}
+
+/// What compression and delta encoding did, when they did anything.
+fn compression_lines(o: &mut String, s: &MigrationStatus) {
     let c = &s.compression;
     if c.frames_lz4 + c.frames_zstd > 0 || !matches!(c.asked.as_str(), "" | "none") {
         let _ = writeln!(
@@ -138,72 +167,65 @@ pub fn render(s: &MigrationStatus) -> String {
             c.delta_pages, c.delta_bytes_saved
         );
     }
-    if s.postcopy {
-        let lanes = match s.pages_pushed_on_lanes {
-            0 => String::new(),
-            n => format!(" ({n} on the extra connections)"),
-        };
+}
+
+/// Post-copy's pages and faults.
+fn postcopy_lines(o: &mut String, s: &MigrationStatus) {
+    let lanes = match s.pages_pushed_on_lanes {
+        0 => String::new(),
+        n => format!(" ({n} on the extra connections)"),
+    };
+    let _ = writeln!(
+        o,
+        "  post-copy: {} pages pushed{lanes}, {} requested",
+        s.pages_pushed, s.pages_requested
+    );
+    if let Some(n) = s.stale_pages_dropped_before_pause {
         let _ = writeln!(
             o,
-            "  post-copy: {} pages pushed{lanes}, {} requested",
-            s.pages_pushed, s.pages_requested
+            "  stale copies dropped on the destination before the pause: {n}"
         );
-        if let Some(n) = s.stale_pages_dropped_before_pause {
-            let _ = writeln!(
-                o,
-                "  stale copies dropped on the destination before the pause: {n}"
-            );
-        }
-        if let Some(r) = &s.postcopy_report {
-            let _ = writeln!(
-                o,
-                "  network faults {} | zero-page faults {} | pages there before first access {} | duplicates {}",
-                r.network_faults, r.zero_faults, r.pages_before_access, r.duplicates
-            );
-            let _ = writeln!(
-                o,
-                "  fault latency p50 {} p99 {} max {} | resume time (resume to last page) {:.2} ms",
-                opt_ms(r.fault_latency_p50_ms),
-                opt_ms(r.fault_latency_p99_ms),
-                opt_ms(r.fault_latency_max_ms),
-                r.resume_ms
-            );
-        }
     }
-    if s.throttle_percent_max > 0 {
+    if let Some(r) = &s.postcopy_report {
         let _ = writeln!(
             o,
-            "  auto-converge: the guest's vCPUs slept up to {} % of the time (released at the end)",
-            s.throttle_percent_max
+            "  network faults {} | zero-page faults {} | pages there before first access {} | duplicates {}",
+            r.network_faults, r.zero_faults, r.pages_before_access, r.duplicates
         );
-    }
-    if !s.cpu.is_empty() {
-        let _ = writeln!(o, "  {}", cpu_line(s));
-    }
-    if !s.breakdown.is_empty() {
-        let _ = writeln!(o, "  {}", breakdown_line(s));
-    }
-    if !s.rounds.is_empty() {
         let _ = writeln!(
             o,
-            "  {:>5} {:>10} {:>10} {:>12} {:>10} {:>14} {:>9}",
-            "round", "pages", "zero", "bytes", "ms", "dirty pages/s", "throttle"
+            "  fault latency p50 {} p99 {} max {} | resume time (resume to last page) {:.2} ms",
+            opt_ms(r.fault_latency_p50_ms),
+            opt_ms(r.fault_latency_p99_ms),
+            opt_ms(r.fault_latency_max_ms),
+            r.resume_ms
         );
-        for r in &s.rounds {
-            let _ = writeln!(
-                o,
-                "  {:>5} {:>10} {:>10} {:>12} {:>10.2} {:>14.0} {:>8}%",
-                r.round,
-                r.pages,
-                r.zero_pages,
-                r.bytes,
-                r.duration_ms,
-                r.dirty_pages_per_s,
-                r.throttle_percent
-            );
-        }
     }
-    o
+}
+
+/// One row per round.
+fn rounds_table(o: &mut String, s: &MigrationStatus) {
+    if s.rounds.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        o,
+        "  {:>5} {:>10} {:>10} {:>12} {:>10} {:>14} {:>9}",
+        "round", "pages", "zero", "bytes", "ms", "dirty pages/s", "throttle"
+    );
+    for r in &s.rounds {
+        let _ = writeln!(
+            o,
+            "  {:>5} {:>10} {:>10} {:>12} {:>10.2} {:>14.0} {:>8}%",
+            r.round,
+            r.pages,
+            r.zero_pages,
+            r.bytes,
+            r.duration_ms,
+            r.dirty_pages_per_s,
+            r.throttle_percent
+        );
+    }
 }
 
 /// Where this side's time went, stretch by stretch (ms on its clock); stretches of a few
