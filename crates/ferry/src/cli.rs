@@ -56,11 +56,12 @@ pub enum Command {
     Migration(WatchArgs),
     /// Cancel the running migration and follow it to its end: the VM runs on at the source
     /// (exit 3), unless it had already been handed over (exit 0).
-    Cancel(WatchArgs),
+    Cancel(CancelArgs),
     /// Switch the running pre-copy migration to post-copy (like QEMU's migrate-start-postcopy)
     /// at once: the round being sent stops where it is and its pages follow the switch.
     StartPostcopy(ApiArgs),
-    /// Write the paused VM to a file (cold migration); `ferry run --restore FILE` brings it back.
+    /// Write the VM to a file and leave it paused here (cold migration); `ferry run --restore
+    /// FILE` brings it back.
     Snapshot(SnapshotArgs),
     /// Run the VM here again, from the moment it paused for the switch, after a switch whose
     /// outcome the source cannot know (state `unconfirmed`, or `postcopy-paused` on the source).
@@ -111,13 +112,14 @@ pub struct MigrateResumeArgs {
 
 #[derive(Args, Debug)]
 pub struct MigrateArgs {
+    /// The Unix socket of the source VM's control API.
     #[arg(long)]
     pub api_socket: PathBuf,
     /// Destination: tcp:HOST:PORT or unix:PATH
     #[arg(long)]
     pub to: String,
     /// precopy (live), warm (pause, copy, resume there), postcopy (resume there at once,
-    /// pages follow) or hybrid (one pre-copy round, then post-copy)
+    /// pages follow), hybrid (one pre-copy round, then post-copy) or local (--local)
     #[arg(long, default_value = "precopy")]
     pub mode: String,
     /// Live update (--mode local): hand the VM to a ferry on this host (--to unix:PATH, a
@@ -203,6 +205,7 @@ pub struct MigrateArgs {
 
 #[derive(Args, Debug)]
 pub struct SnapshotArgs {
+    /// The Unix socket of the VM's control API.
     #[arg(long)]
     pub api_socket: PathBuf,
     /// The snapshot file to write.
@@ -218,6 +221,7 @@ pub struct SnapshotArgs {
     /// Threads that write the file at once, each its own lane of it (default 1; at most 16).
     #[arg(long, allow_negative_numbers = true)]
     pub writers: Option<i64>,
+    /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
 }
@@ -254,6 +258,16 @@ pub struct WatchArgs {
     #[arg(long)]
     pub watch: bool,
     /// Print the status as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct CancelArgs {
+    /// The Unix socket of the VM's control API.
+    #[arg(long)]
+    pub api_socket: PathBuf,
+    /// Print the final status as JSON.
     #[arg(long)]
     pub json: bool,
 }

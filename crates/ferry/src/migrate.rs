@@ -8,7 +8,7 @@ use api::{
     SnapshotRequest,
 };
 
-use crate::cli::{MigrateArgs, SnapshotArgs, WatchArgs};
+use crate::cli::{CancelArgs, MigrateArgs, SnapshotArgs, WatchArgs};
 use crate::follow::{self, OnInterrupt};
 
 pub fn migrate(args: &MigrateArgs) -> Result<i32> {
@@ -87,15 +87,18 @@ pub fn migration(args: &WatchArgs) -> Result<i32> {
     follow::finish(&status, args.json, &args.api_socket)
 }
 
-/// `ferry cancel`: cancels the running migration and follows it to its end.
-pub fn cancel(args: &WatchArgs) -> Result<i32> {
+/// `ferry cancel`: cancels the running migration and follows it to its end. One past `Go`
+/// cannot be cancelled: it is followed to its end all the same, and exits as it ended.
+pub fn cancel(args: &CancelArgs) -> Result<i32> {
     let client = ApiClient::new(&args.api_socket);
-    client
-        .put("vm.cancel-migration", None)
-        .context("the migration was not cancelled")?;
-    let last = follow::follow(&client, args.json, OnInterrupt::Leave)?;
-    if last.phase == MigrationPhase::Completed && !args.json {
-        eprintln!("too late to cancel: the VM had already been handed over");
+    if let Err(refused) = client.put("vm.cancel-migration", None) {
+        let now: MigrationStatus =
+            serde_json::from_value(client.get("vm.migration")?).context("vm.migration body")?;
+        if !now.phase.is_running() && now.phase != MigrationPhase::Completed {
+            return Err(refused).context("the migration was not cancelled");
+        }
+        eprintln!("too late to cancel: the VM is being handed over ({refused:#})");
     }
+    let last = follow::follow(&client, args.json, OnInterrupt::Leave)?;
     follow::finish(&last, args.json, &args.api_socket)
 }

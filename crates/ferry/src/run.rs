@@ -171,7 +171,11 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
             return Ok(0);
         }
         Err(e @ migration::Error::Stopped(_)) => {
-            eprintln!("ferry: {e}; the arrival ended and the source was told to run it on");
+            let after = match incoming {
+                Incoming::Listen(_) => "the arrival ended and the source was told to run it on",
+                Incoming::Snapshot(_) => "the restore ended; the snapshot file is unchanged",
+            };
+            eprintln!("ferry: {e}; {after}");
             return Ok(0);
         }
         Err(e) => {
