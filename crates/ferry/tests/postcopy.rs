@@ -217,24 +217,24 @@ fn non_converging_precopy_switches_to_postcopy_by_itself() {
     );
 }
 
-#[test]
-fn start_postcopy_switches_a_running_precopy() {
-    if !kvm_available() {
-        return;
-    }
-    let src = Ferry::writer("write ws=64M seq verify");
+/// Starts a pre-copy of `src` held to 100 Mbit/s, uncompressed, with `extra` request fields;
+/// its destination.
+fn slow_precopy(src: &Ferry, extra: serde_json::Value) -> Ferry {
     let url = format!("unix:{}", src.scratch("mig.sock").display());
     let dst = Ferry::incoming(&url);
+    let mut body =
+        serde_json::json!({"destination": url, "max_bandwidth_mbps": 100, "compression": "none"});
+    body.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().cloned().unwrap_or_default());
     src.api()
-        .put(
-            "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 100, "max_rounds": 1000, "compression": "none", "delta_cache_mb": 0})),
-        )
+        .put("vm.send-migration", Some(&body))
         .expect("start");
-    wait_for("round 1", T, || {
-        let s = src.migration_status();
-        (s.round >= 1).then_some(())
-    });
+    dst
+}
+
+/// `ferry start-postcopy`, then the migration's end: it completed by post-copy.
+fn switch_to_postcopy(src: &Ferry) -> MigrationStatus {
     src.put("vm.migrate-start-postcopy");
     let status = wait_for("the migration to end", T, || {
         let s = src.migration_status();
@@ -242,6 +242,24 @@ fn start_postcopy_switches_a_running_precopy() {
     });
     assert_eq!(status.phase, MigrationPhase::Completed, "{status:?}");
     assert!(status.postcopy);
+    status
+}
+
+#[test]
+fn start_postcopy_switches_a_running_precopy() {
+    if !kvm_available() {
+        return;
+    }
+    let src = Ferry::writer("write ws=64M seq verify");
+    let dst = slow_precopy(
+        &src,
+        serde_json::json!({"max_rounds": 1000, "delta_cache_mb": 0}),
+    );
+    wait_for("round 1", T, || {
+        let s = src.migration_status();
+        (s.round >= 1).then_some(())
+    });
+    switch_to_postcopy(&src);
     let start = dst.info();
     let info = dst.wait_info("passes on the destination", T, |i| {
         i.passes >= start.passes + 2
@@ -256,27 +274,14 @@ fn start_postcopy_cuts_the_round_in_flight_short() {
     }
     // 256 MiB of data at 100 Mbit/s: round 0 alone takes over 20 s.
     let src = Ferry::writer("write ws=256M seq verify");
-    let url = format!("unix:{}", src.scratch("mig.sock").display());
-    let dst = Ferry::incoming(&url);
-    src.api()
-        .put(
-            "vm.send-migration",
-            Some(&serde_json::json!({"destination": url, "max_bandwidth_mbps": 100, "compression": "none"})),
-        )
-        .expect("start");
+    let dst = slow_precopy(&src, serde_json::json!({}));
     wait_for("round 0 under way", T, || {
         let s = src.migration_status();
         (s.phase == MigrationPhase::Active && s.bytes_on_wire >= 8 << 20).then_some(())
     });
     let asked = src.migration_status();
     assert_eq!(asked.round, 0, "{asked:?}");
-    src.put("vm.migrate-start-postcopy");
-    let status = wait_for("the migration to end", T, || {
-        let s = src.migration_status();
-        (!s.phase.is_running()).then_some(s)
-    });
-    assert_eq!(status.phase, MigrationPhase::Completed, "{status:?}");
-    assert!(status.postcopy);
+    let status = switch_to_postcopy(&src);
     // Round 0 stopped where it was: the pages it left went by post-copy.
     let round0 = &status.rounds[0];
     assert!(
