@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs the README's CLI tour exactly as written (the ```sh block after its "tour" marker), so it
-# cannot go stale: every command must succeed, and a line that ends in `# → TEXT` must print
-# TEXT. `ferry` is the one in FERRY_BIN_DIR (default target/release), first on PATH.
+# cannot go stale: every command must succeed, a line that ends in `# → TEXT` must print TEXT,
+# and every ferry it starts in the background must have exited 0 by its end. `ferry` is the one in FERRY_BIN_DIR (default target/release), first on PATH.
 # make test runs it (crates/ferry/tests/tour.rs); by hand: scripts/tour.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ text = open("README.md").read()
 marker = text.index("<!-- tour:")
 block = text[text.index("```sh\n", marker) + 6:]
 block = block[:block.index("```\n")]
-out = []
+out = ["tour_pids=()"]
 for line in block.splitlines():
     m = re.match(r"^(.*\S)\s+# → (.*)$", line)
     if m:
@@ -28,6 +28,11 @@ for line in block.splitlines():
                    f"{{ echo {shlex.quote('tour: expected ' + want)} >&2; exit 1; }}")
     else:
         out.append(line)
+        if line.rstrip().endswith(" &"):  # a ferry started in the background
+            out.append('tour_pids+=("$!")')
+# Every ferry the tour started in the background must have exited 0 by its end.
+out.append('for pid in "${tour_pids[@]}"; do wait "$pid" || '
+           '{ echo "tour: a ferry it started exited $?" >&2; exit 1; }; done')
 open(sys.argv[1], "w").write("\n".join(out) + "\n")
 EOF
 
