@@ -97,6 +97,7 @@ pub struct ChArgs {
 
 #[derive(Args, Debug)]
 pub struct MigrateResumeArgs {
+    /// The Unix socket of this side's control API.
     #[arg(long)]
     pub api_socket: PathBuf,
     /// Destination side: where to wait for the source (tcp:HOST:PORT or unix:PATH).
@@ -208,7 +209,8 @@ pub struct SnapshotArgs {
     /// The Unix socket of the VM's control API.
     #[arg(long)]
     pub api_socket: PathBuf,
-    /// The snapshot file to write.
+    /// The snapshot file to write: a new file in the VM's `ferry run --snapshot-dir` (a bare
+    /// name lands there; a path elsewhere, or a VM without --snapshot-dir, is refused).
     #[arg(long)]
     pub to: PathBuf,
     /// Page data compressed per frame: none (default), lz4, zstd or auto.

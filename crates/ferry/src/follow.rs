@@ -2,7 +2,7 @@
 //! exit status that says what to do next (`Outcome`). `ferry migrate`, `ferry migration` and
 //! `ferry cancel` share it.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -79,10 +79,15 @@ pub fn next_steps(status: &MigrationStatus, socket: &Path) -> Option<String> {
 
 /// Prints the final report (or its JSON) and what to run next; the exit status.
 pub fn finish(status: &MigrationStatus, json: bool, socket: &Path) -> Result<i32> {
-    if json {
-        println!("{}", serde_json::to_string_pretty(status)?);
+    let text = if json {
+        serde_json::to_string_pretty(status)? + "\n"
     } else {
-        print!("{}", report::render(status));
+        report::render(status)
+    };
+    match std::io::stdout().lock().write_all(text.as_bytes()) {
+        // A reader that stops early (`| head`) is no failure of the migration's.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        r => r?,
     }
     if let Some(steps) = next_steps(status, socket) {
         eprint!("{steps}");
@@ -140,6 +145,21 @@ pub fn follow(client: &ApiClient, json: bool, interrupt: OnInterrupt) -> Result<
     }
     bar.finish_and_clear();
     Ok(last)
+}
+
+/// Waits while the VM is still to arrive here (`vm.info` says `incoming` and no migration
+/// has begun); the migration's status once one has (or as it stands when none will).
+pub fn until_arriving(client: &ApiClient) -> Result<MigrationStatus> {
+    for _ in 0..MAX_POLLS {
+        let status: MigrationStatus =
+            serde_json::from_value(client.get("vm.migration")?).context("vm.migration body")?;
+        let incoming = client.get("vm.info")?["state"] == "incoming";
+        if status.phase != MigrationPhase::None || !incoming {
+            return Ok(status);
+        }
+        std::thread::sleep(POLL);
+    }
+    anyhow::bail!("no migration arrived")
 }
 
 /// Reads the status again until the guest's own figures are in (bounded): the destination

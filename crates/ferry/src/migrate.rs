@@ -71,6 +71,10 @@ pub fn migration(args: &WatchArgs) -> Result<i32> {
     let mut status: MigrationStatus =
         serde_json::from_value(client.get("vm.migration")?).context("vm.migration body")?;
     if args.watch {
+        // A destination (or a restore) whose VM has not begun to arrive: its move is to come.
+        if status.phase == MigrationPhase::None {
+            status = follow::until_arriving(&client)?;
+        }
         if status.phase.is_running() {
             status = follow::follow(&client, args.json, OnInterrupt::Leave)?;
         }

@@ -44,7 +44,10 @@ fn guest_figure(s: &MigrationStatus, figure: String) -> String {
 /// time went, and the rounds.
 pub fn render(s: &MigrationStatus) -> String {
     let mut o = String::new();
-    let _ = writeln!(o, "migration {} ({} to {})", s.phase.name(), s.mode, s.peer);
+    let _ = match s.role.as_str() {
+        "destination" => writeln!(o, "arrival {} ({}, {})", s.phase.name(), s.mode, s.peer),
+        _ => writeln!(o, "migration {} ({} to {})", s.phase.name(), s.mode, s.peer),
+    };
     if let Some(e) = &s.error {
         let _ = writeln!(o, "  error: {e}");
     }
@@ -75,6 +78,15 @@ pub fn render(s: &MigrationStatus) -> String {
     o
 }
 
+/// A figure only the sending side measures: the source's report (or `ferry migrate`'s) has
+/// it, a destination's shows a dash.
+fn sent(s: &MigrationStatus, figure: String) -> String {
+    match s.role.as_str() {
+        "destination" => "- (the source's report has it)".into(),
+        _ => figure,
+    }
+}
+
 /// The figures every migration has, one per row.
 fn summary(s: &MigrationStatus) -> [(&'static str, String); 21] {
     [
@@ -97,18 +109,21 @@ fn summary(s: &MigrationStatus) -> [(&'static str, String); 21] {
         ),
         (
             "pages skipped (never populated)",
-            s.pages_skipped_unpopulated.to_string(),
+            sent(s, s.pages_skipped_unpopulated.to_string()),
         ),
         (
             "  of which given back by the guest",
-            s.pages_skipped_free.to_string(),
+            sent(s, s.pages_skipped_free.to_string()),
         ),
-        ("pages resent (dirtied again)", s.pages_resent.to_string()),
+        (
+            "pages resent (dirtied again)",
+            sent(s, s.pages_resent.to_string()),
+        ),
         (
             "connection breaks carried on",
             format!("{} ({} pages sent again)", s.resumes, s.pages_sent_again),
         ),
-        ("bytes on the wire", s.bytes_on_wire.to_string()),
+        ("bytes on the wire", sent(s, s.bytes_on_wire.to_string())),
         (
             // A snapshot's lanes are its writers.
             if s.mode == "snapshot" {
@@ -121,14 +136,20 @@ fn summary(s: &MigrationStatus) -> [(&'static str, String); 21] {
         ("migration threads", s.migration_threads.to_string()),
         (
             "average throughput",
-            format!("{:.1} Mbit/s", s.average_throughput_mbps),
+            sent(s, format!("{:.1} Mbit/s", s.average_throughput_mbps)),
         ),
         (
             "converged",
             s.converged.map(|c| c.to_string()).unwrap_or("-".into()),
         ),
-        ("guest rate before", opt_rate(s.guest_pages_per_s_before)),
-        ("guest rate during", opt_rate(s.guest_pages_per_s_during)),
+        (
+            "guest rate before",
+            sent(s, opt_rate(s.guest_pages_per_s_before)),
+        ),
+        (
+            "guest rate during",
+            sent(s, opt_rate(s.guest_pages_per_s_during)),
+        ),
         (
             "guest rate after",
             guest_figure(s, opt_rate(s.guest_pages_per_s_after)),

@@ -31,7 +31,7 @@ use crate::error::{Error, Result};
 use crate::io::gate::Gate;
 use crate::io::lanefile::SnapshotFile;
 use crate::io::tls::Tls;
-use crate::io::transport::{Endpoint, Listener, Stream};
+use crate::io::transport::{Endpoint, Listener, PeerIdentity, Stream};
 use crate::status::{Phase, Role, Status};
 use crate::vm::{HandedFiles, Migratable, VmDescriptor};
 use crate::wire::{self, Message, StreamMode};
@@ -152,19 +152,25 @@ impl Incoming {
                 let Some((s, hello)) = first_live_stream(&l, &stop_waiting)? else {
                     return Ok(None);
                 };
+                let from = match s.peer_identity() {
+                    Ok(PeerIdentity::Address(ip)) => format!("from {ip}"),
+                    Ok(PeerIdentity::Certificate(_)) => "over TLS".into(),
+                    Ok(PeerIdentity::User(uid)) => format!("from this host (uid {uid})"),
+                    _ => "incoming".into(),
+                };
                 // Kept until the migration's extra connections joined; then closed.
-                (
-                    s,
-                    hello,
-                    Expect::Live,
-                    "incoming migration".to_string(),
-                    Some(l),
-                )
+                (s, hello, Expect::Live, from, Some(l))
             }
             Source::Snapshot(mut s) => {
                 let hello =
                     wire::read_stream_header(&mut s).and_then(|()| wire::read_message(&mut s));
-                (s, hello, Expect::Snapshot, "snapshot".into(), None)
+                (
+                    s,
+                    hello,
+                    Expect::Snapshot,
+                    "from a snapshot file".into(),
+                    None,
+                )
             }
         };
         let mut receiver = Receiver {
