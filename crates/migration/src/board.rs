@@ -3,7 +3,8 @@
 //! totals of the migrations that ended.
 
 use crate::sync::Locked;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use crate::status::{CheckpointStats, GuestAfter, Phase, Status};
 use crate::totals::Totals;
@@ -14,6 +15,8 @@ use crate::totals::Totals;
 #[derive(Clone, Debug, Default)]
 pub struct StatusBoard {
     status: Arc<Mutex<Status>>,
+    /// Told of every status published, for those who wait for a phase (`wait_while`).
+    published: Arc<Condvar>,
     checkpoints: Arc<Mutex<Option<CheckpointStats>>>,
     /// What the guest lived through, measured on the destination a moment after the VM ran
     /// there: it arrives after the migration completed, from a thread of its own.
@@ -39,6 +42,26 @@ impl StatusBoard {
         let mut status = self.status.locked();
         self.totals.locked().count(s);
         *status = s.clone();
+        self.published.notify_all();
+    }
+
+    /// Waits while the published phase is one `waiting` holds, for at most `limit`; the phase
+    /// it ends on.
+    pub fn wait_while(&self, waiting: impl Fn(Phase) -> bool, limit: Duration) -> Phase {
+        let deadline = Instant::now() + limit;
+        let mut status = self.status.locked();
+        while waiting(status.phase) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            status = self
+                .published
+                .wait_timeout(status, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        status.phase
     }
 
     /// The status, and the totals of the migrations that ended, read together: a migration

@@ -29,7 +29,7 @@ mod switchover;
 use crate::sync::Locked;
 use std::fs::File;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::board::StatusBoard;
@@ -62,6 +62,8 @@ pub struct Outgoing {
     tls: Mutex<Option<Tls>>,
     controls: Controls,
     busy: Mutex<bool>,
+    /// Told when a migration lets go of the slot (`release`).
+    released: Condvar,
     leftover: Mutex<Option<Leftover>>,
     /// Whether the VM ran before the migration that ended unconfirmed (for `reclaim`).
     ran_before_unconfirmed: AtomicBool,
@@ -105,6 +107,7 @@ impl Outgoing {
             tls: Mutex::new(tls),
             controls: Controls::default(),
             busy: Mutex::new(false),
+            released: Condvar::new(),
             leftover: Mutex::new(None),
             ran_before_unconfirmed: AtomicBool::new(false),
         })
@@ -120,15 +123,13 @@ impl Outgoing {
     /// `SETTLE_WAIT` later): an operator acting on the published end must not be refused for
     /// the moment its thread takes to finish.
     fn settled(&self) -> std::sync::MutexGuard<'_, bool> {
-        let deadline = Instant::now() + SETTLE_WAIT;
-        loop {
-            let busy = self.busy.locked();
-            if !*busy || self.board.phase().is_running() || Instant::now() >= deadline {
-                return busy;
-            }
-            drop(busy);
-            std::thread::sleep(Duration::from_millis(2));
-        }
+        let busy = self.busy.locked();
+        self.released
+            .wait_timeout_while(busy, SETTLE_WAIT, |busy| {
+                *busy && !self.board.phase().is_running()
+            })
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
     }
 
     /// Claims the single migration slot; refused while one runs or where the VM may already
@@ -161,6 +162,7 @@ impl Outgoing {
 
     fn release(&self) {
         *self.busy.locked() = false;
+        self.released.notify_all();
     }
 
     /// Starts migrating `vm` to `endpoint` in the background, and returns once the
@@ -203,16 +205,9 @@ impl Outgoing {
             self.release();
             return Err(Error::vm_caused("cannot start the migration", e));
         }
-        let deadline = Instant::now() + SETUP_WAIT;
-        while Instant::now() < deadline {
+        if self.board.wait_while(|p| p == Phase::Setup, SETUP_WAIT) == Phase::Failed {
             let s = self.board.read();
-            match s.phase {
-                Phase::Setup => std::thread::sleep(Duration::from_millis(5)),
-                Phase::Failed => {
-                    return Err(Error::Setup(s.error.unwrap_or_default()));
-                }
-                _ => break,
-            }
+            return Err(Error::Setup(s.error.unwrap_or_default()));
         }
         Ok(())
     }
@@ -411,21 +406,17 @@ impl Outgoing {
     /// to a peer that reads nothing: after `CLOSE_AFTER` its connections are shut down (its
     /// destination then learns of it as a lost connection, not as a cancel).
     pub fn wait_ended(&self, limit: Duration) -> Phase {
-        let began = Instant::now();
-        let mut closed = false;
-        while self.running() && began.elapsed() < limit {
-            if !closed
-                && began.elapsed() >= CLOSE_AFTER
-                && self.controls.cancel.load(Ordering::Acquire)
-            {
-                closed = true;
-                for s in self.controls.connections.locked().iter() {
-                    s.shutdown();
-                }
-            }
-            std::thread::sleep(Duration::from_millis(5));
+        let running = |p: Phase| p.is_running();
+        let phase = self.board.wait_while(running, limit.min(CLOSE_AFTER));
+        if !phase.is_running() || limit <= CLOSE_AFTER {
+            return phase;
         }
-        self.board.phase()
+        if self.controls.cancel.load(Ordering::Acquire) {
+            for s in self.controls.connections.locked().iter() {
+                s.shutdown();
+            }
+        }
+        self.board.wait_while(running, limit - CLOSE_AFTER)
     }
 
     /// Like QEMU's migrate-start-postcopy: the running pre-copy hands over by post-copy at
