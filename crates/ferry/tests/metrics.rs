@@ -76,8 +76,15 @@ fn migrations_show_in_metrics_on_both_hosts() {
     let dst = Ferry::start(&["--incoming", &url, "--metrics", &arg(&dst_metrics)]);
     let (report, ok, errors) = migrate(&src, &url, &[]);
     assert!(ok, "{errors}\n{report:?}");
-    // A source with a metrics endpoint stays until its final counters were scraped.
+    // A source with a metrics endpoint stays until its final counters were scraped; the
+    // guest's own figures join its report meanwhile.
     assert!(src.is_running(), "the source left before its last scrape");
+    let end = wait_for("the guest's figures on the source", T, || {
+        let s = src.migration_status();
+        (!s.guest_report_pending).then_some(s)
+    });
+    assert!(end.guest_observed_downtime_ms.is_some(), "{end:?}");
+    assert!(end.guest_pages_per_s_after.is_some(), "{end:?}");
     let done = scrape(&src_metrics);
     assert_eq!(
         must(

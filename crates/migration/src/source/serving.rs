@@ -50,6 +50,7 @@ impl Session<'_> {
             let heard = self.hear_guest_report(guest);
             self.board.guest_after(heard);
         }
+        self.state = SourceState::Done;
         Ok(())
     }
 
@@ -62,6 +63,7 @@ impl Session<'_> {
                 observed_downtime_ns: observed,
                 pages_per_s_after: rate,
             }),
+            // The conversation waits for it (`AwaitGuestReport`): `hear` steps it on.
             GuestFigures::OnStream => {
                 let _ = self.stream.set_timeouts(Some(GUEST_REPORT_WAIT));
                 self.hear().ok()
@@ -88,7 +90,6 @@ impl Session<'_> {
     /// last page is in place; the others when the guest resumed. With `guest_expected`, the
     /// report says the guest's own figures follow.
     fn complete(&mut self, end: Instant, guest_expected: bool) {
-        self.state = SourceState::Done;
         self.tally(end);
         self.status.progress.pages_remaining = 0;
         self.status.phase = Phase::Completed;
