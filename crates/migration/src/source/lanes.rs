@@ -40,7 +40,6 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Runs one round's extra lanes on their own threads while `main` sends lane 0 here.
     /// Runs a round's senders: `main` on this thread, each extra lane on its own. With
     /// `cuttable`, a switch to post-copy stops them all where they are: what they left unsent.
     pub(super) fn with_lanes(
