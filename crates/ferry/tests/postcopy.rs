@@ -326,6 +326,15 @@ fn cut_during_postcopy_keeps_both_halves_alive() {
     let (report, ok, _) = migrate(&src, &proxy.url, &["--mode", "postcopy"]);
     assert!(!ok);
     assert_eq!(report.phase, MigrationPhase::PostcopyPaused, "{report:?}");
+    // A migration that stopped says how far it got: its time and bytes as well as its pages.
+    assert!(
+        report.pages_pushed + report.pages_requested > 0,
+        "{report:?}"
+    );
+    assert!(
+        report.total_ms > 0.0 && report.bytes_on_wire > 0,
+        "{report:?}"
+    );
     drop(proxy);
 
     // The destination holds the newest state: it must live on, and say what happened.
