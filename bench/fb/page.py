@@ -14,6 +14,11 @@ DOCS = os.path.join(REPO, "docs")
 RAW = os.path.join(DOCS, "benchmarks")
 PAGE = os.path.join(DOCS, "benchmarks.md")
 BEGIN, END = "<!-- tables: written by bench/run.py -->", "<!-- end of tables -->"
+# The profiles beside the headline get a page of their own, written whole.
+PROFILES_NAME = "profiles.md"
+PROFILES_HEAD = ("# Benchmarks: the other profiles\n\nWritten by `bench/run.py` from the raw files "
+                 "beside this page; the method, the machine and what the runs show are on "
+                 "[docs/benchmarks.md](../benchmarks.md).")
 # Raw data each profile leaves for the page, under docs/benchmarks/.
 RAW_FILES = {"headline": "headline.json", "sweep": "qemu-sweep.json", "flags": "ferry-flags.json",
              "floor": "idle-floor.json", "balloon": "balloon.json", "update": "live-update.json",
@@ -295,7 +300,7 @@ def floor_table(results):
 def tables(limits):
     """The generated part of the page, from whatever raw files docs/benchmarks/ holds."""
     lines = []
-    head, sweep, flags, floor = load("headline"), load("sweep"), load("flags"), load("floor")
+    head = load("headline")
     if head:
         lines += ["## Headline: ferry with no flags against QEMU at its best", "",
                   f"![ferry ÷ QEMU per link and scenario](benchmarks/{CHART})", ""] + headline_tables(head)
@@ -303,6 +308,16 @@ def tables(limits):
         idle = breakdown_tables([e for e in head["scenarios"] if e["peer"] == "ferry"])
         if idle:
             lines += ["### Where ferry's idle move spends its time", ""] + idle[2:]
+    lines += [f"The other profiles' tables (floor, QEMU's sweep, ferry's flags, live update, resume, "
+              f"post-copy lanes, balloon) are on [{PROFILES_NAME}](benchmarks/{PROFILES_NAME}), "
+              "written by the same runner.", ""]
+    return lines
+
+
+def profile_tables(limits):
+    """The second page: every profile's tables but the headline's."""
+    lines = []
+    sweep, flags, floor = load("sweep"), load("flags"), load("floor")
     if floor:
         lines += ["## The floor: idle guests by size (`bench/run.py --profile floor`)", ""] + floor_table(floor)
     if sweep:
@@ -348,3 +363,5 @@ def rewrite(limits):
             f.write(plot.svg(plot.rows_of(by_cell(headline), ratio), GOAL))
     with open(PAGE, "w") as f:
         f.write(head + BEGIN + "\n\n" + "\n".join(tables(limits)) + "\n" + END + tail)
+    with open(os.path.join(RAW, PROFILES_NAME), "w") as f:
+        f.write("\n".join([PROFILES_HEAD, ""] + profile_tables(limits)))
