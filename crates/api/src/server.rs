@@ -4,17 +4,18 @@
 //! with it. Here every limit is checked before anything is read or allocated: the header is at
 //! most 16 KiB, a body at most 1 MiB (a larger one is answered 413 unread), each connection
 //! has 10 s in all (not per read) to send its request and carries one request. Each
-//! connection is served on its own thread, so a long operation (a migration's setup, a
-//! snapshot) never blocks a status query, but at most 64 at once: idle or trickling clients
-//! cannot pile up threads or hold a place for longer than 10 s, and past the cap a connection
-//! gets 503 at once.
+//! connection is served on a thread of its own (threads are kept for the next connection,
+//! never ended), so a long operation (a migration's setup, a snapshot) never blocks a status
+//! query, but at most 64 at once: idle or trickling clients cannot pile up threads or hold a
+//! place for longer than 10 s, and past the cap a connection gets 503 at once.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::OwnedFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -138,29 +139,78 @@ impl Drop for ApiServer {
 }
 
 fn accept(listener: &UnixListener, handler: Arc<dyn Service>) {
-    let open = Arc::new(AtomicUsize::new(0));
+    let mut workers = Workers::new(handler.clone());
     for conn in listener.incoming() {
-        let Ok(mut conn) = conn else { continue };
-        if open.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-            open.fetch_sub(1, Ordering::AcqRel);
+        let Ok(conn) = conn else { continue };
+        if let Err(mut conn) = workers.hand(conn) {
             let _ = conn.set_write_timeout(Some(Duration::from_millis(100)));
             let _ = respond(
                 &mut conn,
                 handler.as_ref(),
                 &Err(ApiError::new(503, "the API is busy: try again")),
             );
-            continue;
         }
-        let (mine, handler) = (open.clone(), handler.clone());
-        let spawned = std::thread::Builder::new()
+    }
+}
+
+/// The threads that serve connections: made as they are needed, up to `MAX_CONNECTIONS`,
+/// and then kept. A thread that ended right after its answer would race a client that lists
+/// the process's threads right after it: libvirt moves each into a cgroup after `vm.boot`
+/// and `vm.restore`, and gives the VM up when one has gone.
+struct Workers {
+    handler: Arc<dyn Service>,
+    queue: Sender<UnixStream>,
+    waiting: Arc<Mutex<Receiver<UnixStream>>>,
+    /// Connections handed over and not yet answered.
+    busy: Arc<AtomicUsize>,
+    threads: usize,
+}
+
+impl Workers {
+    fn new(handler: Arc<dyn Service>) -> Self {
+        let (queue, waiting) = channel();
+        Self {
+            handler,
+            queue,
+            waiting: Arc::new(Mutex::new(waiting)),
+            busy: Arc::new(AtomicUsize::new(0)),
+            threads: 0,
+        }
+    }
+
+    /// Gives `conn` to an idle thread, or a new one; back when all `MAX_CONNECTIONS` are busy.
+    fn hand(&mut self, conn: UnixStream) -> Result<(), UnixStream> {
+        let busy = self.busy.load(Ordering::Acquire);
+        if busy >= MAX_CONNECTIONS {
+            return Err(conn);
+        }
+        if busy >= self.threads {
+            if self.spawn().is_err() {
+                return Err(conn);
+            }
+            self.threads += 1;
+        }
+        self.busy.fetch_add(1, Ordering::AcqRel);
+        self.queue.send(conn).map_err(|e| e.0)
+    }
+
+    fn spawn(&self) -> std::io::Result<()> {
+        let (waiting, busy, handler) = (
+            self.waiting.clone(),
+            self.busy.clone(),
+            self.handler.clone(),
+        );
+        std::thread::Builder::new()
             .name("api-request".into())
             .spawn(move || {
-                serve(conn, handler.as_ref());
-                mine.fetch_sub(1, Ordering::AcqRel);
-            });
-        if spawned.is_err() {
-            open.fetch_sub(1, Ordering::AcqRel);
-        }
+                loop {
+                    let next = waiting.lock().unwrap_or_else(|e| e.into_inner()).recv();
+                    let Ok(conn) = next else { return };
+                    serve(conn, handler.as_ref());
+                    busy.fetch_sub(1, Ordering::AcqRel);
+                }
+            })
+            .map(drop)
     }
 }
 
