@@ -192,7 +192,8 @@ impl ChVmm {
                 .emit("vm", "migration-failed", &[("error", e.message.clone())]);
             return Err(as_ch(e));
         }
-        self.watch_migration(c, Arc::new(AtomicBool::new(false)));
+        // It ends with the migration.
+        drop(self.watch_migration(c, Arc::new(AtomicBool::new(false))));
         Ok(Value::Null)
     }
 
@@ -250,7 +251,7 @@ impl ChVmm {
         self.scrape_from(&controller);
         *self.began() = Some(Instant::now());
         let done = Arc::new(AtomicBool::new(false));
-        self.watch_migration(controller.clone(), done.clone());
+        let watcher = self.watch_migration(controller.clone(), done.clone());
         let serial = self.arrival_serial.clone();
         let ports = match &config {
             Some(spec) => spec.serial_ports(),
@@ -291,6 +292,10 @@ impl ChVmm {
             },
         );
         done.store(true, Ordering::Release);
+        // Gone before the answer: a client may list the threads right after it (libvirt).
+        if let Some(watcher) = watcher {
+            let _ = watcher.join();
+        }
         match received {
             Ok(Some(vm)) => {
                 let mut spec = match config {
@@ -401,9 +406,13 @@ impl ChVmm {
 
     /// Says the migration's progress on the event stream as its phase or round changes, and
     /// its end; stops at its end or when `done` (an arrival that ended).
-    fn watch_migration(&self, c: Arc<Controller>, done: Arc<AtomicBool>) {
+    fn watch_migration(
+        &self,
+        c: Arc<Controller>,
+        done: Arc<AtomicBool>,
+    ) -> Option<std::thread::JoinHandle<()>> {
         let this = self.me();
-        let _ = std::thread::Builder::new()
+        std::thread::Builder::new()
             .name("ch-progress".into())
             .spawn(move || {
                 let mut last = (MigrationPhase::None, u32::MAX);
@@ -424,7 +433,8 @@ impl ChVmm {
                     }
                     std::thread::sleep(Duration::from_millis(50));
                 }
-            });
+            })
+            .ok()
     }
 
     fn said_end(&self, s: &api::MigrationStatus) {
