@@ -5,7 +5,7 @@ CARGO ?= cargo
 GUEST := guest/build/guest.elf
 FERRY := target/release/ferry
 
-.PHONY: all deps guest linux-guest build install test demo bench faults lint fuzz scale-kit clean
+.PHONY: all deps guest linux-guest libvirt-ch build install test demo bench faults lint fuzz scale-kit clean
 
 all: build
 
@@ -20,6 +20,11 @@ guest: deps
 linux-guest: deps
 	@scripts/linux-guest.sh
 
+# libvirt 11.3 with its Cloud Hypervisor driver (Debian ships none), for tests/libvirt.rs to
+# drive ferry through it; built from Debian's source into a cached prefix (target/libvirt-ch).
+libvirt-ch: deps
+	@scripts/libvirt-ch.sh >/dev/null
+
 build: deps guest
 	$(CARGO) build --release --workspace
 
@@ -33,7 +38,7 @@ install: build
 # Unit and end-to-end tests (doc-tests: none); the last line sums up every runner.
 # The fuzz harnesses replay their committed corpus (fuzz/corpus) as plain tests.
 # --no-fail-fast: a failure in one test binary does not hide the results of the others.
-test: build linux-guest
+test: build linux-guest libvirt-ch
 	set -o pipefail; $(CARGO) test --no-fail-fast --release --workspace --lib --bins --tests \
 		-- --test-threads=2 2>&1 | tee target/test.log
 	set -o pipefail; $(CARGO) test --no-fail-fast --release --manifest-path fuzz/Cargo.toml \

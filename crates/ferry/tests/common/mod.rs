@@ -1,6 +1,7 @@
 //! Helpers for end-to-end tests that start real ferry processes.
 #![allow(dead_code)]
 
+pub mod ch_api;
 pub mod linux;
 pub mod relay;
 pub mod scrape;
