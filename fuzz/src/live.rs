@@ -110,7 +110,8 @@ fn receive_resumed(data: &[u8]) -> migration::status::Status {
     receive_live(&input)
 }
 
-/// The `resume` target's main connection: the stream header, `Hello`, `ResumeWindow`.
+/// The `resume` target's main connection: the stream header, `Hello`, `Config`,
+/// `ResumeWindow`.
 fn resume_prefix() -> &'static Vec<u8> {
     static PREFIX: OnceLock<Vec<u8>> = OnceLock::new();
     PREFIX.get_or_init(|| {
@@ -124,6 +125,7 @@ fn resume_prefix() -> &'static Vec<u8> {
             session: RESUME_SESSION,
         };
         wire::write_message(&mut out, &hello).unwrap();
+        wire::write_message(&mut out, &Message::Config { config: None }).unwrap();
         wire::write_message(&mut out, &Message::ResumeWindow { seconds: 1 }).unwrap();
         out
     })

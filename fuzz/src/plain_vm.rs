@@ -150,6 +150,7 @@ impl Migratable for PlainVm {
             memory_backend: "anonymous".into(),
             running: self.is_running(),
             devices: self.devices.clone(),
+            config: None,
         }
     }
     fn ram(&self) -> GuestRam {

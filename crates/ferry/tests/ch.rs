@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -734,6 +734,86 @@ fn a_receiver_opens_only_disks_its_operator_allowed() {
     verifies(&dst, "after the allowed move");
     let disks = &dst.ok("GET", "vm.info", None)["config"]["disks"];
     assert_eq!(disks[0]["path"], secret.to_str().unwrap(), "{disks}");
+}
+
+/// A VM moves with its config (`Config` in ferry's stream), as CH's does: the destination's
+/// `vm.info` gives its payload and its console, a pty there too, and it reboots from its
+/// payload. The destination opens what the config names only beneath the directories its
+/// operator allows, as it does the disks: a serial file outside them refuses the VM before
+/// it moves.
+#[test]
+fn a_migrated_vm_brings_its_config_and_reboots_there() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (payload, logs) = (dir.path().join("payload"), dir.path().join("logs"));
+    std::fs::create_dir(&payload).unwrap();
+    std::fs::create_dir(&logs).unwrap();
+    let kernel = payload.join("guest.elf");
+    std::fs::copy(guest(), &kernel).unwrap();
+    let serial = logs.join("serial.log");
+    let src = Vmm::start(dir.path(), "src");
+    let cmdline = "write ws=16M seq verify serial_ms=100";
+    let mut vm = config(cmdline);
+    vm["payload"]["kernel"] = json!(kernel);
+    vm["serial"] = json!({"mode": "File", "file": serial});
+    vm["console"] = json!({"mode": "Pty"});
+    src.ok("PUT", "vm.create", Some(vm));
+    src.ok("PUT", "vm.boot", None);
+    verifies(&src, "before any move");
+
+    let refusing = Vmm::start_allowing(dir.path(), "refusing", &payload);
+    let url = format!("unix:{}", dir.path().join("m0.sock").display());
+    let receiver = receive(&refusing, json!({"receiver_url": url}));
+    let sent = src.call(
+        "PUT",
+        "vm.send-migration",
+        Some(json!({"destination_url": url})),
+    );
+    assert_error(sent, 500, "serial file");
+    let (status, answer) = receiver.join().unwrap();
+    assert!(
+        status >= 400 && answer.to_string().contains("--allow-disk-dir"),
+        "{answer}"
+    );
+    wait_for(
+        "the source to see the refusal",
+        Duration::from_secs(30),
+        || src.said("migration-failed").then_some(()),
+    );
+    verifies(&src, "after a refused move");
+
+    let dst = Vmm::start_allowing(dir.path(), "dst", dir.path());
+    let url = format!("unix:{}", dir.path().join("m1.sock").display());
+    let receiver = receive(&dst, json!({"receiver_url": url}));
+    src.ok(
+        "PUT",
+        "vm.send-migration",
+        Some(json!({"destination_url": url})),
+    );
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
+    verifies(&dst, "after the move");
+    let config = dst.ok("GET", "vm.info", None)["config"].clone();
+    assert_eq!(
+        config["payload"]["kernel"],
+        kernel.to_str().unwrap(),
+        "{config}"
+    );
+    assert_eq!(config["payload"]["cmdline"], cmdline, "{config}");
+    assert_eq!(
+        config["serial"]["file"],
+        serial.to_str().unwrap(),
+        "{config}"
+    );
+    let pty = config["console"]["file"]
+        .as_str()
+        .expect("a pty here")
+        .to_string();
+    dst.ok("PUT", "vm.reboot", None);
+    wait_for_text(&pty, "ferry-guest: e820");
+    verifies(&dst, "after a reboot where it arrived");
 }
 
 fn tls_dir(dir: &Path) -> PathBuf {

@@ -17,6 +17,10 @@ pub struct VmDescriptor {
     pub running: bool,
     /// Its virtio devices in slot order, as the source was given them.
     pub devices: Vec<DeviceDescriptor>,
+    /// The VM's config as its VMM keeps it, opaque to the engine (the Cloud Hypervisor
+    /// profile's `VmConfig` JSON); None where the VMM keeps none. It travels as `Config`,
+    /// after `Hello`.
+    pub config: Option<String>,
 }
 
 /// A virtio device as the source's VMM was given it, and what a destination's device must

@@ -187,6 +187,9 @@ impl FakeVm {
     }
 }
 
+/// The config the fake VMM keeps of its VM, which every migration carries (`Config`).
+const FAKE_CONFIG: &str = r#"{"profile": "fake"}"#;
+
 impl Migratable for FakeVm {
     fn descriptor(&self) -> VmDescriptor {
         VmDescriptor {
@@ -196,6 +199,7 @@ impl Migratable for FakeVm {
             memory_backend: "anonymous".into(),
             running: self.is_running(),
             devices: Vec::new(),
+            config: Some(FAKE_CONFIG.into()),
         }
     }
     fn ram(&self) -> GuestRam {
@@ -356,9 +360,13 @@ fn migrate_to(
         incoming.receive(
             source,
             &|| false,
-            |_, _| match refuse {
-                Some(why) => Err(migration::Error::vm(why)),
-                None => Ok(FakeVm::new()),
+            |d, _| {
+                // Every stream carries the VM's config to whoever builds it.
+                assert_eq!(d.config.as_deref(), Some(FAKE_CONFIG));
+                match refuse {
+                    Some(why) => Err(migration::Error::vm(why)),
+                    None => Ok(FakeVm::new()),
+                }
             },
             |vm| {
                 let vm = vm.clone();
@@ -1003,7 +1011,7 @@ fn a_snapshot_written_by_several_writers_restores_the_same_memory() {
         connections: 1,
         session: 0,
     };
-    migration::wire::write_message(&mut w, &hello).unwrap();
+    open_with(&mut w, &hello);
     std::io::Write::flush(&mut w).unwrap();
     assert_restore_refused(&forged, "written by 1 writers but the file holds 2");
 }
@@ -1349,11 +1357,20 @@ fn listening_destination() -> (
     (dir, sock, dest)
 }
 
+/// `first`, and after a `Hello` the VM's config, as a stream of this version carries it.
+fn open_with(s: &mut impl std::io::Write, first: &Message) {
+    migration::wire::write_message(s, first).unwrap();
+    if let Message::Hello { vm, .. } = first {
+        let config = vm.config.clone();
+        migration::wire::write_message(s, &Message::Config { config }).unwrap();
+    }
+}
+
 fn open_stream(sock: &std::path::Path, first: &Message) -> std::os::unix::net::UnixStream {
     let mut s = std::os::unix::net::UnixStream::connect(sock).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     migration::wire::write_stream_header(&mut s).unwrap();
-    migration::wire::write_message(&mut s, first).unwrap();
+    open_with(&mut s, first);
     s
 }
 
@@ -1820,7 +1837,7 @@ fn open_tcp_from(host: u8, port: u16, first: &Message) -> std::net::TcpStream {
     let mut s = sockets::tcp::connect_from(Ipv4Addr::new(127, 0, 0, host), to).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
     migration::wire::write_stream_header(&mut s).unwrap();
-    migration::wire::write_message(&mut s, first).unwrap();
+    open_with(&mut s, first);
     s
 }
 

@@ -53,6 +53,7 @@ impl VmConfig {
             }
             .into(),
             devices,
+            config: None,
         }
     }
 
@@ -135,6 +136,7 @@ impl Migratable for Vm {
     fn descriptor(&self) -> VmDescriptor {
         VmDescriptor {
             running: self.is_running(),
+            config: self.profile_config(),
             ..self.config().descriptor(self.device_descriptors())
         }
     }

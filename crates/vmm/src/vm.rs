@@ -184,6 +184,9 @@ pub struct Vm {
     /// The pages that held data at the last harvest (kept: a fresh bitmap of every page
     /// costs a fault per 4 KiB of it, inside the pause).
     populated: Mutex<Bitmap>,
+    /// The VM's config as the VMM's profile keeps it (the Cloud Hypervisor profile's
+    /// `VmConfig` JSON), which a migration carries to the destination (`Config`).
+    profile_config: Mutex<Option<String>>,
 }
 
 /// KVM objects made, vCPUs not yet started.
@@ -296,6 +299,7 @@ impl Vm {
             events: Mutex::new(rx),
             dirty_buffers: Mutex::new(buffers),
             populated: Mutex::new(Bitmap::new(0)),
+            profile_config: Mutex::new(None),
         })
     }
 
@@ -304,6 +308,16 @@ impl Vm {
     }
     pub fn config(&self) -> &VmConfig {
         &self.config
+    }
+
+    /// What a migration of this VM carries as its config (`Config`): the profile's, kept
+    /// up to date by the profile before it sends the VM.
+    pub fn keep_profile_config(&self, config: Option<String>) {
+        *self.profile_config.locked() = config;
+    }
+
+    pub fn profile_config(&self) -> Option<String> {
+        self.profile_config.locked().clone()
     }
     pub fn state(&self) -> VmState {
         if self.running.load(Ordering::Acquire) {

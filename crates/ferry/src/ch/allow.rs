@@ -1,13 +1,16 @@
 //! What an arriving VM may open on this host. In Cloud Hypervisor's contract the receiver is
-//! told nothing of the devices: the sender's `Hello` names the disks' paths and the taps. A
-//! peer must not choose host files, so the receiver opens only disks under directories its
-//! own operator named (`--allow-disk-dir`, matched after resolving links) and only taps its
-//! operator named (`--allow-tap`, `NAME` or a `PREFIX*`); anything else refuses the VM before
-//! a page crosses.
+//! told nothing of the devices: the sender's `Hello` names the disks' paths and the taps, and
+//! its `Config` the payload and where the serial port and console go. A peer must not choose
+//! host files, so the receiver opens only files under directories its own operator named
+//! (`--allow-disk-dir`, matched after resolving links: disks read-write, the payload when the
+//! VM boots again, a serial port's file or socket) and only taps its operator named
+//! (`--allow-tap`, `NAME` or a `PREFIX*`); anything else refuses the VM before a page crosses
+//! (a payload outside them refuses the reboot instead).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use api::ch::{ConsoleMode, VmSpec};
 use migration::HandedFiles;
 use vmm::VmConfig;
 
@@ -68,11 +71,54 @@ impl Allowed {
         Ok(())
     }
 
-    /// The file `path` resolves to, when it lies beneath an allowed directory.
+    /// Checks the files a VM's config from a peer has this host write or listen on, now: its
+    /// serial port's and console's files and sockets.
+    pub fn admit_ports(&self, spec: &VmSpec) -> migration::Result<()> {
+        for (what, mode) in [("serial", &spec.serial), ("console", &spec.console)] {
+            match mode {
+                ConsoleMode::File(path) => self.made_file(&format!("{what} file"), path),
+                ConsoleMode::Socket(path) => self.made_file(&format!("{what} socket"), path),
+                ConsoleMode::Off | ConsoleMode::Tty | ConsoleMode::Pty(_) => Ok(()),
+            }
+            .map_err(refused)?;
+        }
+        Ok(())
+    }
+
+    /// Checks the payload of a VM whose config came from a peer, before it boots again here.
+    pub fn admit_payload(&self, spec: &VmSpec) -> Result<(), String> {
+        self.beneath("payload.kernel", Path::new(&spec.kernel))?;
+        if let Some(initramfs) = &spec.initramfs {
+            self.beneath("payload.initramfs", Path::new(initramfs))?;
+        }
+        Ok(())
+    }
+
     fn disk(&self, path: &Path) -> Result<PathBuf, String> {
+        self.beneath("disk", path)
+    }
+
+    /// A file ferry makes (or truncates): the directory it goes in must resolve beneath an
+    /// allowed directory, and so must the file, if a link is already there.
+    fn made_file(&self, what: &str, path: &str) -> Result<(), String> {
+        let path = Path::new(path);
+        if path.symlink_metadata().is_ok() {
+            return self.beneath(what, path).map(drop);
+        }
+        let dir = path
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        self.beneath(&format!("the directory of {what} {}:", path.display()), dir)
+            .map(drop)
+    }
+
+    /// The file `path` (`what`, in an error) resolves to, when it lies beneath an allowed
+    /// directory.
+    fn beneath(&self, what: &str, path: &Path) -> Result<PathBuf, String> {
         let real = path
             .canonicalize()
-            .map_err(|e| format!("disk {}: {e}", path.display()))?;
+            .map_err(|e| format!("{what} {}: {e}", path.display()))?;
         if !self.disk_dirs.iter().any(|d| real.starts_with(d)) {
             let through = if real == path {
                 String::new()
@@ -80,7 +126,7 @@ impl Allowed {
                 format!(" (it resolves to {})", real.display())
             };
             return Err(format!(
-                "disk {}{through} is outside the directories this VMM may open \
+                "{what} {}{through} is outside the directories this VMM may open \
                  (--allow-disk-dir: {})",
                 path.display(),
                 self.dirs_named()
@@ -189,6 +235,61 @@ mod tests {
         let taps = Allowed::new(&[], &["tap0".into()]).unwrap();
         taps.admit(&mut config, Some(&handed)).unwrap();
         assert_eq!(config.disks[0].path, Path::new("/etc/shadow"));
+    }
+
+    #[test]
+    fn a_peer_config_opens_files_only_beneath_an_allowed_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let allowed_dir = dir.path().join("allowed");
+        std::fs::create_dir(&allowed_dir).unwrap();
+        let kernel = allowed_dir.join("vmlinux");
+        std::fs::write(&kernel, b"x").unwrap();
+        let allowed = Allowed::new(std::slice::from_ref(&allowed_dir), &[]).unwrap();
+        let body = |kernel: &Path, serial: serde_json::Value| {
+            serde_json::json!({
+                "payload": {"kernel": kernel},
+                "serial": serial,
+                "console": {"mode": "Pty"},
+            })
+        };
+        let spec = |kernel: &Path, serial| VmSpec::from_json(&body(kernel, serial)).unwrap();
+
+        let log = allowed_dir.join("serial.log");
+        let inside = spec(&kernel, serde_json::json!({"mode": "File", "file": log}));
+        allowed.admit_ports(&inside).unwrap();
+        allowed.admit_payload(&inside).unwrap();
+        let socket = allowed_dir.join("s.sock");
+        let sock = spec(
+            &kernel,
+            serde_json::json!({"mode": "Socket", "socket": socket}),
+        );
+        allowed.admit_ports(&sock).unwrap();
+
+        let shadow = dir.path().join("shadow");
+        std::fs::write(&shadow, b"secret").unwrap();
+        let link = allowed_dir.join("link.log");
+        std::os::unix::fs::symlink(&shadow, &link).unwrap();
+        for (serial, words) in [
+            (
+                serde_json::json!({"mode": "File", "file": shadow}),
+                "serial file",
+            ),
+            (
+                serde_json::json!({"mode": "File", "file": link}),
+                "resolves to",
+            ),
+            (
+                serde_json::json!({"mode": "Socket", "socket": dir.path().join("x.sock")}),
+                "serial socket",
+            ),
+        ] {
+            let e = allowed.admit_ports(&spec(&kernel, serial)).unwrap_err();
+            assert!(e.to_string().contains(words), "{words}: {e}");
+        }
+        let e = allowed
+            .admit_payload(&spec(&shadow, serde_json::json!({"mode": "Null"})))
+            .unwrap_err();
+        assert!(e.contains("payload.kernel") && e.contains("outside"), "{e}");
     }
 
     #[test]

@@ -33,7 +33,8 @@ pub struct ChArgs {
     pub metrics: Option<MetricsAddr>,
     /// ferry's own: the bearer token a scrape must carry (`--metrics-token-file FILE`).
     pub metrics_token_file: Option<PathBuf>,
-    /// ferry's own: directories an arriving VM's disks may lie in (`--allow-disk-dir`).
+    /// ferry's own: directories the files an arriving VM names may lie in: its disks, its
+    /// serial port's file or socket, its payload to boot again (`--allow-disk-dir`).
     pub allow_disk_dirs: Vec<PathBuf>,
     /// ferry's own: taps an arriving VM's NICs may attach to (`--allow-tap NAME|PREFIX*`).
     pub allow_taps: Vec<String>,

@@ -11,11 +11,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use api::ch::{
-    CH_TIMEOUT_S, JobStats, ReceiveMigrationData, RestoreConfig, SendMigrationData,
+    CH_TIMEOUT_S, ConsoleMode, JobStats, ReceiveMigrationData, RestoreConfig, SendMigrationData,
     VmSnapshotConfig, VmSpec, file_url, memory_mode,
 };
 use api::{ApiError, ApiRequest, Handler, MigrationPhase, MigrationRequest, SnapshotRequest};
 use migration::Endpoint;
+use migration::VmDescriptor;
 use migration::destination::Source;
 use migration::io::tls::{Tls, TlsFiles};
 use serde_json::Value;
@@ -24,6 +25,7 @@ use vmm::devices::virtio::tap::Tap;
 use vmm::{Vm, VmConfig};
 
 use super::allow::Allowed;
+use super::console::Port;
 use super::machine;
 use super::vmm::{ChVmm, Slot, as_ch, not_created, per_request, wrong_state};
 use crate::controller::Controller;
@@ -108,6 +110,41 @@ fn restored_taps(
         .collect()
 }
 
+/// The config a VM brought from its source (`Config`), made to say what was built here: its
+/// disks on the files admitted, its NICs on the taps attached. Refused, naming why, when it
+/// is not one this VMM reads, names other devices than the VM's, or has this host write or
+/// listen on a file outside the allowed directories.
+fn carried_spec(
+    descriptor: &VmDescriptor,
+    built: &VmConfig,
+    allowed: &Allowed,
+) -> migration::Result<Option<VmSpec>> {
+    let Some(text) = &descriptor.config else {
+        return Ok(None);
+    };
+    let bad = |why: String| migration::Error::Protocol(format!("the VM's config: {why}"));
+    let value: Value = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let mut spec = VmSpec::from_json(&value).map_err(|e| bad(e.message))?;
+    if (spec.disks.len(), spec.nets.len()) != (built.disks.len(), built.nets.len()) {
+        return Err(bad(format!(
+            "it names {} disks and {} NICs, the VM has {} and {}",
+            spec.disks.len(),
+            spec.nets.len(),
+            built.disks.len(),
+            built.nets.len()
+        )));
+    }
+    for (disk, here) in spec.disks.iter_mut().zip(&built.disks) {
+        disk.path = here.path.display().to_string();
+    }
+    for (nic, here) in spec.nets.iter_mut().zip(&built.nets) {
+        nic.tap = here.tap.clone();
+        nic.file = here.file.clone();
+    }
+    allowed.admit_ports(&spec)?;
+    Ok(Some(spec))
+}
+
 /// A restored VM's config must describe the VM the snapshot held.
 fn check_restored(spec: VmSpec, vm: &Vm) -> Result<VmSpec, ApiError> {
     let c = vm.config();
@@ -181,6 +218,7 @@ impl ChVmm {
             ..Default::default()
         };
         c.migrations.outgoing.set_tls(tls);
+        self.carry_config(&c)?;
         *self.began() = Some(Instant::now());
         self.events.emit(
             "vm",
@@ -195,6 +233,14 @@ impl ChVmm {
         // It ends with the migration.
         drop(self.watch_migration(c, Arc::new(AtomicBool::new(false))));
         Ok(Value::Null)
+    }
+
+    /// The VM's config as it is now, for its migration to carry (`Config`).
+    fn carry_config(&self, c: &Controller) -> Result<(), ApiError> {
+        let spec = self.live_spec()?;
+        c.vm()?
+            .keep_profile_config(Some(spec.to_json().to_string()));
+        Ok(())
     }
 
     fn began(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
@@ -229,8 +275,9 @@ impl ChVmm {
     /// Takes a VM from `source` into this empty VMM; it runs here once this returns `Ok`.
     /// `allowed`: what a VM from a peer may open here (None: a snapshot the operator named,
     /// whose restore says its own events).
-    /// `config`: the VM's config, where it came with it (a snapshot's `config.json`): its
-    /// serial port goes where that config says, and `vm.info` and a reboot have its payload.
+    /// `config`: the VM's config from the operator (a snapshot's `config.json`): its serial
+    /// port goes where that config says, and `vm.info` and a reboot have its payload. A VM from
+    /// a peer brings its own (`Config`), admitted by `allowed`.
     /// `taps`: NICs (by slot among the NICs) to build on a tap file passed with a restore.
     fn arrive(
         &self,
@@ -252,12 +299,7 @@ impl ChVmm {
         *self.began() = Some(Instant::now());
         let done = Arc::new(AtomicBool::new(false));
         let watcher = self.watch_migration(controller.clone(), done.clone());
-        let serial = self.arrival_serial.clone();
-        let ports = match &config {
-            Some(spec) => spec.serial_ports(),
-            None => vec![&serial],
-        };
-        let port = super::console::Port::open(&ports)?;
+        let mut landed = None;
         let received = controller.migrations.incoming.receive(
             source,
             &crate::run::terminate_requested,
@@ -265,20 +307,27 @@ impl ChVmm {
                 if allowed.is_some() {
                     self.events.emit("vm", "restoring", &[]);
                 }
-                let mut config = VmConfig::from_descriptor(descriptor)?;
+                let mut vm_config = VmConfig::from_descriptor(descriptor)?;
                 for (slot, tap) in &taps {
-                    let nic = config.nets.get_mut(*slot).ok_or_else(|| {
+                    let nic = vm_config.nets.get_mut(*slot).ok_or_else(|| {
                         migration::Error::vm(format!("net_fds names NIC {slot}; the VM has fewer"))
                     })?;
                     nic.tap = tap.name.clone();
                     nic.file = Some(tap.file.clone());
                 }
-                if let Some(allowed) = allowed {
-                    allowed.admit(&mut config, files.as_ref())?;
-                }
-                Vm::arriving(config, port.writer(), files)
+                let carried = match allowed {
+                    Some(allowed) => {
+                        allowed.admit(&mut vm_config, files.as_ref())?;
+                        carried_spec(descriptor, &vm_config, allowed)?
+                    }
+                    None => None,
+                };
+                let port = self.arrival_port(config.as_ref(), carried.as_ref())?;
+                let vm = Vm::arriving(vm_config, port.writer(), files)
                     .map(Arc::new)
-                    .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))
+                    .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))?;
+                landed = Some((port, carried));
+                Ok(vm)
             },
             |vm| {
                 controller.set_vm(vm.clone());
@@ -296,24 +345,34 @@ impl ChVmm {
         if let Some(watcher) = watcher {
             let _ = watcher.join();
         }
-        match received {
-            Ok(Some(vm)) => {
-                let mut spec = match config {
-                    Some(spec) => check_restored(spec, &vm)?,
-                    None => machine::spec_of(&vm, &serial),
+        match (received, landed) {
+            (Ok(Some(vm)), Some((port, carried))) => {
+                let from_peer = carried.is_some();
+                let mut spec = match (config, carried, &self.arrival_serial) {
+                    (Some(spec), ..) => check_restored(spec, &vm)?,
+                    (None, Some(mut spec), Some(mode)) => {
+                        spec.serial = mode.clone();
+                        spec.console = ConsoleMode::Off;
+                        check_restored(spec, &vm)?
+                    }
+                    (None, Some(spec), None) => check_restored(spec, &vm)?,
+                    (None, None, mode) => {
+                        machine::spec_of(&vm, mode.as_ref().unwrap_or(&ConsoleMode::Off))
+                    }
                 };
                 if let Some(pty) = &port.pty {
                     spec.set_pty(pty);
                 }
+                self.peer_config.store(from_peer, Ordering::Release);
                 self.keep_port(port);
                 self.go_live(controller.clone(), spec);
                 Ok(controller)
             }
-            Ok(None) => {
+            (Ok(_), _) => {
                 *self.slot() = Slot::Empty;
                 Err(wrong_state("stopped while waiting for the VM"))
             }
-            Err(e) => {
+            (Err(e), _) => {
                 *self.slot() = Slot::Empty;
                 Err(ApiError::internal(format!(
                     "the VM could not be received: {}",
@@ -321,6 +380,24 @@ impl ChVmm {
                 )))
             }
         }
+    }
+
+    /// The serial port of an arriving VM: where the operator's `config` says (a restore),
+    /// else where this VMM's `--serial` says, else where the config the VM `carried` says,
+    /// else nowhere.
+    fn arrival_port(
+        &self,
+        config: Option<&VmSpec>,
+        carried: Option<&VmSpec>,
+    ) -> migration::Result<Port> {
+        let ports = match (config, &self.arrival_serial, carried) {
+            (Some(spec), ..) => spec.serial_ports(),
+            (None, Some(mode), _) => vec![mode],
+            (None, None, Some(spec)) => spec.serial_ports(),
+            (None, None, None) => Vec::new(),
+        };
+        Port::open(&ports)
+            .map_err(|e| migration::Error::Setup(format!("serial port: {}", e.message)))
     }
 
     /// `vm.snapshot {"destination_url": "file://DIR"}`: the paused VM to `DIR/ferry.snapshot`.
@@ -339,6 +416,7 @@ impl ChVmm {
             )));
         }
         let path = dir.join(SNAPSHOT_FILE);
+        self.carry_config(&c)?;
         self.events.emit("vm", "snapshotting", &[]);
         let file = path.display().to_string();
         c.snapshot_into(

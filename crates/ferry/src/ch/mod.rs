@@ -18,7 +18,6 @@ use std::os::unix::net::UnixListener;
 
 use anyhow::{Context, Result, bail};
 use api::ApiServer;
-use api::ch::ConsoleMode;
 
 use cli::Target;
 
@@ -92,9 +91,8 @@ pub fn main(argv: &[String]) -> Result<i32> {
             .map(|f| Box::new(f) as Box<dyn std::io::Write + Send>),
     );
     events.emit("vmm", "starting", &[]);
-    let serial = args.arrival_serial.unwrap_or(ConsoleMode::Off);
     let allowed = allow::Allowed::new(&args.allow_disk_dirs, &args.allow_taps)?;
-    let vmm = vmm::ChVmm::new(events, args.plain_tcp, serial, allowed);
+    let vmm = vmm::ChVmm::new(events, args.plain_tcp, args.arrival_serial, allowed);
     let metrics = args
         .metrics
         .as_ref()

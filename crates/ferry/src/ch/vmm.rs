@@ -5,7 +5,7 @@
 
 use migration::sync::Locked;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -46,8 +46,11 @@ pub struct ChVmm {
     exit: (Mutex<Option<i32>>, Condvar),
     /// TCP migrations without `tls_dir` allowed (`--plain-tcp`).
     pub plain_tcp: bool,
-    /// Where an arriving VM's serial port goes.
-    pub arrival_serial: ConsoleMode,
+    /// Where an arriving VM's serial port goes (`--serial`), whatever the VM's config says.
+    pub arrival_serial: Option<ConsoleMode>,
+    /// The VM's config came from a migration peer: its payload is opened (to boot again) only
+    /// beneath the allowed directories.
+    pub peer_config: AtomicBool,
     /// The disks and taps a VM arriving from a peer may open here.
     pub allowed: Allowed,
     /// When the current migration began, on this host's clock.
@@ -68,16 +71,6 @@ pub fn wrong_state(message: impl Into<String>) -> ApiError {
     ApiError::internal(message)
 }
 
-/// A VM that arrived by migration or restore has no payload here to boot.
-fn check_bootable(spec: &VmSpec) -> Result<(), ApiError> {
-    match spec.kernel.is_empty() {
-        true => Err(wrong_state(
-            "the VM arrived by migration or restore: it has no payload here to boot",
-        )),
-        false => Ok(()),
-    }
-}
-
 /// A controller's refusal in CH's terms: CH answers 400 for bad input, 404 for no VM and
 /// 500 for the rest (ferry's 409 for a wrong state, 502 for a failed peer).
 pub fn as_ch(e: ApiError) -> ApiError {
@@ -91,7 +84,7 @@ impl ChVmm {
     pub fn new(
         events: Events,
         plain_tcp: bool,
-        arrival_serial: ConsoleMode,
+        arrival_serial: Option<ConsoleMode>,
         allowed: Allowed,
     ) -> Arc<Self> {
         Arc::new_cyclic(|me| Self {
@@ -102,6 +95,7 @@ impl ChVmm {
             exit: (Mutex::new(None), Condvar::new()),
             plain_tcp,
             arrival_serial,
+            peer_config: AtomicBool::new(false),
             allowed,
             migration_began: Mutex::new(None),
             last_board: Mutex::new(None),
@@ -230,11 +224,29 @@ impl ChVmm {
         .unwrap_or_default()
     }
 
+    /// Whether `spec` can boot here: a VM that arrived from a source that carried no config
+    /// has no payload, and a payload a peer named is opened only beneath the allowed
+    /// directories.
+    fn check_bootable(&self, spec: &VmSpec) -> Result<(), ApiError> {
+        if spec.kernel.is_empty() {
+            return Err(wrong_state(
+                "the VM arrived by migration or restore: it has no payload here to boot",
+            ));
+        }
+        if self.peer_config.load(Ordering::Acquire) {
+            self.allowed.admit_payload(spec).map_err(|e| {
+                wrong_state(format!("the VM's config came with it from its source: {e}"))
+            })?;
+        }
+        Ok(())
+    }
+
     fn create(&self, spec: VmSpec) -> Result<Value, ApiError> {
         let mut slot = self.slot();
         if !matches!(*slot, Slot::Empty) {
             return Err(wrong_state("VM is already created"));
         }
+        self.peer_config.store(false, Ordering::Release);
         *slot = Slot::Created(spec);
         drop(slot);
         self.events.emit("vm", "created", &[]);
@@ -295,7 +307,7 @@ impl ChVmm {
             Slot::Arriving(_) => return Err(wrong_state("the VM is still arriving")),
             Slot::Live(c, _) => return self.boot_live(c),
         };
-        check_bootable(&spec)?;
+        self.check_bootable(&spec)?;
         self.events.emit("vm", "booting", &[]);
         self.start_vm(spec)?;
         self.events.emit("vm", "booted", &[]);
@@ -433,7 +445,7 @@ impl ChVmm {
     /// `rebooting` and `rebooted`: a `shutdown` between them reads as the guest gone (libvirt
     /// turns the domain off).
     fn reboot(&self) -> Result<Value, ApiError> {
-        check_bootable(&self.live_spec()?)?;
+        self.check_bootable(&self.live_spec()?)?;
         self.events.emit("vm", "rebooting", &[]);
         let spec = self.stop_vm()?;
         self.start_vm(spec)?;

@@ -28,8 +28,16 @@ pub enum Expect {
     Snapshot,
 }
 
+/// A stream's first words: its version (from its header) and its first message.
+pub(super) struct Opening {
+    pub version: u32,
+    pub first: Message,
+}
+
 /// What a `Hello` promises, checked against what this destination was asked to take.
 pub(super) struct Hello {
+    /// The stream's version: what else it carries (`Config` from `CONFIG_SINCE`).
+    pub version: u32,
     pub descriptor: VmDescriptor,
     pub mode: StreamMode,
     pub source: String,
@@ -39,7 +47,8 @@ pub(super) struct Hello {
 
 impl Hello {
     /// The stream's first message, which must be a `Hello` of the kind `expect` names.
-    pub fn parse(first: Message, expect: Expect) -> Result<Self> {
+    pub fn parse(opening: Opening, expect: Expect) -> Result<Self> {
+        let Opening { version, first } = opening;
         let Message::Hello {
             vm: descriptor,
             mode,
@@ -54,6 +63,7 @@ impl Hello {
             });
         };
         let hello = Hello {
+            version,
             descriptor,
             mode,
             source,
@@ -80,6 +90,11 @@ impl Hello {
     /// A live migration (a source that answers), not a snapshot file.
     pub fn live(&self) -> bool {
         self.mode != StreamMode::Snapshot
+    }
+
+    /// Whether the VM's `Config` follows (after `Files` on a live update).
+    pub fn config_follows(&self) -> bool {
+        self.version >= wire::frame::CONFIG_SINCE
     }
 
     /// Checks that the VM built for this stream (`built` describes it) has its RAM and vCPUs
@@ -581,11 +596,19 @@ mod tests {
                 memory_backend: "anonymous".into(),
                 running: true,
                 devices: Vec::new(),
+                config: None,
             },
             mode,
             source: "script".into(),
             connections: 1,
             session: 7,
+        }
+    }
+
+    fn opening(first: Message) -> Opening {
+        Opening {
+            version: wire::frame::VERSION,
+            first,
         }
     }
 
@@ -597,7 +620,7 @@ mod tests {
         };
         // SAFETY: a fresh mapping of `len` bytes that only this RAM refers to (leaked).
         let ram = unsafe { GuestRam::new(&[(range, mapping(len) as *mut u8)]) }.unwrap();
-        let hello = Hello::parse(hello(StreamMode::Precopy, 2), Expect::Live).unwrap();
+        let hello = Hello::parse(opening(hello(StreamMode::Precopy, 2)), Expect::Live).unwrap();
         let (ours, theirs) = UnixStream::pair().unwrap();
         let mut stream = Stream::Unix(ours);
         let filling = Filling::open(
@@ -855,28 +878,28 @@ mod tests {
 
     #[test]
     fn a_stream_must_open_with_the_hello_the_listener_takes() {
-        let e = Hello::parse(Message::Go, Expect::Live)
+        let e = Hello::parse(opening(Message::Go), Expect::Live)
             .map(|_| ())
             .unwrap_err();
         assert!(
             e.to_string()
                 .contains("unexpected Go while the destination was in AwaitHello")
         );
-        let e = Hello::parse(hello(StreamMode::Snapshot, 1), Expect::Live)
+        let e = Hello::parse(opening(hello(StreamMode::Snapshot, 1)), Expect::Live)
             .map(|_| ())
             .unwrap_err();
         assert!(
             e.to_string()
                 .contains("a snapshot stream on a migration listener")
         );
-        let e = Hello::parse(hello(StreamMode::Precopy, 1), Expect::Snapshot)
+        let e = Hello::parse(opening(hello(StreamMode::Precopy, 1)), Expect::Snapshot)
             .map(|_| ())
             .unwrap_err();
         assert!(e.to_string().contains("not a ferry snapshot"));
         let e = Hello::parse(
-            Message::Abort {
+            opening(Message::Abort {
                 reason: "no".into(),
-            },
+            }),
             Expect::Live,
         )
         .map(|_| ())

@@ -130,7 +130,7 @@ pub(super) fn open_in_file(
     for lane in 1..lanes {
         let mut stream = Stream::File(file.lane(lane).expect("a file of several lanes"));
         let join =
-            wire::read_stream_header(&mut stream).and_then(|()| wire::read_message(&mut stream))?;
+            wire::read_stream_header(&mut stream).and_then(|_| wire::read_message(&mut stream))?;
         match join {
             Message::Join {
                 session: s,

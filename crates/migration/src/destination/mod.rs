@@ -45,7 +45,7 @@ const RESUME_HANDBACK_WAIT: Duration = Duration::from_secs(2);
 fn first_live_stream(
     listener: &Listener,
     stop: &dyn Fn() -> bool,
-) -> Result<Option<(Stream, Result<Message>)>> {
+) -> Result<Option<(Stream, Result<Opening>)>> {
     let gate = Gate::new(listener)?;
     loop {
         let Some(opened) = gate.next(stop)? else {
@@ -53,8 +53,9 @@ fn first_live_stream(
         };
         match &opened.first {
             Message::Hello { mode, .. } if *mode != StreamMode::Snapshot => {
-                let (s, hello) = opened.admit();
-                return Ok(Some((s, Ok(hello))));
+                let version = opened.version;
+                let (s, first) = opened.admit();
+                return Ok(Some((s, Ok(Opening { version, first }))));
             }
             Message::Hello { .. } => opened.refuse(
                 "a snapshot stream on a migration listener (use ferry run --restore)".into(),
@@ -66,6 +67,7 @@ fn first_live_stream(
         }
     }
 }
+use arrival::Opening;
 pub use arrival::{Expect, MAX_RESUME_WINDOW};
 use receive::{Arrived, Receiver};
 pub use resume::WAITING as WAITING_FOR_RESUME;
@@ -162,8 +164,10 @@ impl Incoming {
                 (s, hello, Expect::Live, from, Some(l))
             }
             Source::Snapshot(mut s) => {
-                let hello =
-                    wire::read_stream_header(&mut s).and_then(|()| wire::read_message(&mut s));
+                let hello = wire::read_stream_header(&mut s).and_then(|version| {
+                    let first = wire::read_message(&mut s)?;
+                    Ok(Opening { version, first })
+                });
                 (
                     s,
                     hello,

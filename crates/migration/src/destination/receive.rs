@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::arrival::{Event, Expect, Filled, Filling, Hello};
+use super::arrival::{Event, Expect, Filled, Filling, Hello, Opening};
 use super::handover::Handover;
 use super::postcopy::{self, Postcopy};
 use super::prefault::FaultIn;
@@ -68,7 +68,7 @@ impl Receiver<'_> {
     pub fn receive<V: Migratable + 'static>(
         &mut self,
         mut stream: Stream,
-        hello: Result<Message>,
+        hello: Result<Opening>,
         build: impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
     ) -> Result<Arrived<V>> {
@@ -101,7 +101,7 @@ impl Receiver<'_> {
     fn conversation<V: Migratable + 'static>(
         &mut self,
         stream: &mut Stream,
-        first: Message,
+        first: Opening,
         build: impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> Result<Arc<V>>,
         on_resumed: impl FnOnce(&Arc<V>),
         started: Instant,
@@ -109,8 +109,8 @@ impl Receiver<'_> {
         // The stream header and the first message were read by whoever accepted the stream.
         let mut laps = Laps::starting(started);
         stream.set_timeouts(Some(crate::io::transport::IO_TIMEOUT))?;
-        let hello = Hello::parse(first, self.expect)?;
-        let vm = self.build(stream, &hello, build, started)?;
+        let mut hello = Hello::parse(first, self.expect)?;
+        let vm = self.build(stream, &mut hello, build, started)?;
         if hello.live() {
             wire::write_message(
                 stream,
@@ -166,8 +166,8 @@ impl Receiver<'_> {
     /// Builds the VM `hello` describes and checks it is the one described.
     fn build<V: Migratable>(
         &mut self,
-        stream: &Stream,
-        hello: &Hello,
+        stream: &mut Stream,
+        hello: &mut Hello,
         build: impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> Result<Arc<V>>,
         started: Instant,
     ) -> Result<Arc<V>> {
@@ -181,6 +181,9 @@ impl Receiver<'_> {
             StreamMode::Local => Some(self.take_files(stream, hello)?),
             _ => None,
         };
+        if hello.config_follows() {
+            hello.descriptor.config = take_config(stream)?;
+        }
         let vm = build(&hello.descriptor, files)?;
         let ram = vm.ram();
         ram.forbid_huge_pages();
@@ -542,5 +545,18 @@ fn spawn_guest_report<V: Migratable + 'static>(
             "no guest report for the source: {}",
             crate::error::chain(&e)
         );
+    }
+}
+
+/// The VM's config, which follows `Hello` (and `Files`) from `CONFIG_SINCE` on.
+fn take_config(stream: &mut Stream) -> Result<Option<String>> {
+    match wire::read_message(stream)? {
+        Message::Config { config } => Ok(config),
+        Message::Abort { reason } => Err(Error::Peer(reason)),
+        other => Err(Error::out_of_turn(
+            "destination",
+            other.name(),
+            "AwaitConfig",
+        )),
     }
 }

@@ -40,6 +40,8 @@ const OPENING_FRAME_MAX: u32 = 1 << 20;
 /// until it is admitted or refused.
 pub struct Opened {
     pub stream: Stream,
+    /// The stream's version, from its header.
+    pub version: u32,
     pub first: Message,
     slot: Slot,
 }
@@ -178,12 +180,13 @@ fn open(conn: Accepted, slot: Slot, tls: Option<Tls>, send: &Sender<Opened>, rin
         }
     };
     match read_opening(&mut Within::new(&mut stream, deadline)) {
-        Ok(first) => {
+        Ok((version, first)) => {
             slot.doors.opened(&slot);
             if stream.set_timeouts(Some(IO_TIMEOUT)).is_ok()
                 && send
                     .send(Opened {
                         stream,
+                        version,
                         first,
                         slot,
                     })
@@ -196,9 +199,10 @@ fn open(conn: Accepted, slot: Slot, tls: Option<Tls>, send: &Sender<Opened>, rin
     }
 }
 
-/// Reads the stream header and the first message, which must be small.
-fn read_opening(r: &mut impl Read) -> Result<Message> {
-    wire::read_stream_header(r)?;
+/// Reads the stream header and the first message, which must be small: the stream's
+/// version and that message.
+fn read_opening(r: &mut impl Read) -> Result<(u32, Message)> {
+    let version = wire::read_stream_header(r)?;
     let mut header = [0u8; FRAME_HEADER_LEN];
     frame::read_exact(r, &mut header, "frame header")?;
     let len = u32::from_le_bytes(header[4..8].try_into().unwrap());
@@ -207,7 +211,10 @@ fn read_opening(r: &mut impl Read) -> Result<Message> {
             "a connection opened with a frame of {len} bytes (at most {OPENING_FRAME_MAX})"
         )));
     }
-    wire::read_message(&mut header.as_slice().chain(r))
+    Ok((
+        version,
+        wire::read_message(&mut header.as_slice().chain(r))?,
+    ))
 }
 
 /// Tells a peer that is turned away why (an `Abort`), and closes once it has had the chance

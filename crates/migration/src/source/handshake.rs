@@ -21,6 +21,7 @@ pub(super) struct Agreed {
 
 impl Session<'_> {
     pub(super) fn handshake(&mut self, mode: StreamMode) -> Result<Agreed> {
+        let vm = self.vm.descriptor();
         let version = match mode {
             StreamMode::Local => {
                 // Nothing goes to a stranger, not the VM's Hello, not an Abort.
@@ -28,7 +29,12 @@ impl Session<'_> {
                     self.stream.shutdown();
                     return Err(e);
                 }
-                wire::frame::LOCAL_SINCE
+                // A VM with no config of its profile moves in place to builds that predate
+                // `Config` too.
+                match vm.config {
+                    Some(_) => wire::frame::CONFIG_SINCE,
+                    None => wire::frame::LOCAL_SINCE,
+                }
             }
             _ => wire::frame::VERSION,
         };
@@ -45,13 +51,20 @@ impl Session<'_> {
             0
         };
         self.session_id = session;
+        let config = vm.config.clone();
         self.send(&Message::Hello {
-            vm: self.vm.descriptor(),
+            vm,
             mode,
             source: format!("ferry {}", env!("CARGO_PKG_VERSION")),
             connections,
             session,
         })?;
+        if mode == StreamMode::Local {
+            self.pass_files()?;
+        }
+        if version >= wire::frame::CONFIG_SINCE {
+            self.send(&Message::Config { config })?;
+        }
         if !self.stream.has_peer() {
             if connections > 1 {
                 self.open_lanes(session)?;
@@ -61,9 +74,6 @@ impl Session<'_> {
                 peer_postcopy: false,
                 round_trip: None,
             });
-        }
-        if mode == StreamMode::Local {
-            self.pass_files()?;
         }
         let peer_postcopy = self.hear_ready()?;
         if self.params.mode.wants_postcopy() && !peer_postcopy {

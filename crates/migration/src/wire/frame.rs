@@ -15,7 +15,7 @@ use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
-pub const VERSION: u32 = 13;
+pub const VERSION: u32 = 14;
 /// The oldest stream version this ferry still reads: a source writes the oldest version that
 /// carries everything its stream will hold, so that builds of different versions can still
 /// hand a VM over (live update both ways) while the messages that stream uses keep their bytes.
@@ -23,6 +23,8 @@ pub const OLDEST_READ: u32 = 10;
 /// The version a live update's stream is written as (`StreamMode::Local` and `Files` came in
 /// it; what that stream sends has kept its bytes since).
 pub const LOCAL_SINCE: u32 = 10;
+/// The first version whose streams carry `Config` after `Hello` (and `Files`).
+pub const CONFIG_SINCE: u32 = 14;
 pub const STREAM_HEADER_LEN: usize = 16;
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -81,7 +83,8 @@ pub fn write_stream_header_as(w: &mut impl Write, version: u32) -> Result<()> {
     Ok(())
 }
 
-pub fn read_stream_header(r: &mut impl Read) -> Result<()> {
+/// Reads a stream header: the stream's version, one this ferry reads.
+pub fn read_stream_header(r: &mut impl Read) -> Result<u32> {
     let mut h = [0u8; STREAM_HEADER_LEN];
     read_exact(r, &mut h, "stream header")?;
     if &h[..8] != MAGIC {
@@ -96,7 +99,7 @@ pub fn read_stream_header(r: &mut impl Read) -> Result<()> {
              and reads versions {OLDEST_READ} to {VERSION})"
         )));
     }
-    Ok(())
+    Ok(version)
 }
 
 pub fn frame_header(kind: u8, flags: u8, len: u32) -> [u8; FRAME_HEADER_LEN] {
@@ -242,7 +245,7 @@ mod tests {
     fn golden_stream_header() {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
-        assert_eq!(h, b"FERRYMIG\x0d\0\0\0\0\0\0\0");
+        assert_eq!(h, b"FERRYMIG\x0e\0\0\0\0\0\0\0");
     }
 
     #[test]
@@ -259,7 +262,7 @@ mod tests {
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
         assert!(
-            e.to_string().contains("version 13"),
+            e.to_string().contains("version 14"),
             "names both versions: {e}"
         );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();

@@ -182,6 +182,13 @@ pub enum Message {
     /// Destination → source, on a connection that asked for `Receipts`: `pages` pages have
     /// been taken off it since (a running count).
     Taken { pages: u64 },
+    /// Source → destination, right after `Hello` (after `Files` on a live update), in streams
+    /// of version `CONFIG_SINCE` on: the VM's config as its VMM keeps it, opaque to the
+    /// engine (the Cloud Hypervisor profile's `VmConfig` JSON), or none (`ferry run`'s VMs:
+    /// their destination is given their devices). The destination keeps it for the VM's
+    /// console, a reboot and `vm.info`, and opens nothing it names unless its operator allowed
+    /// it.
+    Config { config: Option<String> },
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -255,6 +262,7 @@ catalogue! {
     32 => PushOnLanes,
     33 => Receipts,
     34 => Taken,
+    35 => Config,
 }
 
 impl Message {
@@ -364,6 +372,7 @@ impl Message {
                 e.bytes(devices);
             }
             Message::CheckpointTaken { seq } => e.u64(*seq),
+            Message::Config { config } => e.opt_str(config.as_deref()),
         }
         e.0
     }
@@ -448,6 +457,9 @@ impl Message {
             Kind::PushOnLanes => Message::PushOnLanes,
             Kind::Receipts => Message::Receipts { every: d.u32()? },
             Kind::Taken => Message::Taken { pages: d.u64()? },
+            Kind::Config => Message::Config {
+                config: d.opt_string()?,
+            },
             Kind::CopiesHeld => Message::CopiesHeld {
                 pages: d.u64()?,
                 runs: (0..d.count(6)?)
@@ -506,6 +518,12 @@ impl Encoder {
     }
     fn str(&mut self, v: &str) {
         self.bytes(v.as_bytes());
+    }
+    fn opt_str(&mut self, v: Option<&str>) {
+        self.bool(v.is_some());
+        if let Some(v) = v {
+            self.str(v);
+        }
     }
     fn words(&mut self, v: &[u64]) {
         self.u32(v.len() as u32);
@@ -698,6 +716,13 @@ impl<'a> Decoder<'a> {
         String::from_utf8(self.bytes()?)
             .map_err(|_| Error::Protocol("a string that is not UTF-8".into()))
     }
+    fn opt_string(&mut self) -> Result<Option<String>> {
+        Ok(if self.bool()? {
+            Some(self.string()?)
+        } else {
+            None
+        })
+    }
     fn words(&mut self) -> Result<Vec<u64>> {
         let n = self.count(8)?;
         (0..n).map(|_| self.u64()).collect()
@@ -724,6 +749,8 @@ impl<'a> Decoder<'a> {
                 let n = self.count(14)?;
                 (0..n).map(|_| self.device()).collect::<Result<_>>()?
             },
+            // Not in `Hello`: `Config` carries it.
+            config: None,
         })
     }
     fn device(&mut self) -> Result<DeviceDescriptor> {
@@ -870,6 +897,7 @@ mod tests {
                                 features: 0x1_0000_0007,
                             },
                         ],
+                        config: None,
                     },
                     mode: StreamMode::Precopy,
                     source: "f".into(),
@@ -1011,13 +1039,24 @@ mod tests {
             (Message::PushOnLanes, "2000"),
             (Message::Receipts { every: 128 }, "2100 80000000"),
             (Message::Taken { pages: 256 }, "2200 0001000000000000"),
+            (Message::Config { config: None }, "2300 00"),
+            (
+                Message::Config {
+                    config: Some("{}".into()),
+                },
+                "2300 01 02000000 7b7d",
+            ),
         ]
     }
 
     #[test]
     fn every_message_has_fixed_bytes() {
         let all = golden();
-        assert_eq!(all.len(), 34, "a golden example per message");
+        assert_eq!(
+            all.len(),
+            36,
+            "a golden example per message (Config with and without)"
+        );
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());
