@@ -424,6 +424,7 @@ fn on_event(controller: &Controller, event: VmEvent) -> Option<i32> {
             controller.set_phase(Phase::Failed(reason));
             Some(1)
         }
+        VmEvent::Guest(GuestEvent::Device { .. }) => None,
     }
 }
 

@@ -425,7 +425,11 @@ impl VcpuContext {
             }
             VcpuExit::IoIn(port, data) => self.bus.port_in(port, data),
             VcpuExit::MmioRead(addr, data) => self.bus.mmio_read(addr, data),
-            VcpuExit::MmioWrite(addr, data) => self.bus.mmio_write(addr, data, &self.memory),
+            VcpuExit::MmioWrite(addr, data) => {
+                if let Some(event) = self.bus.mmio_write(addr, data, &self.memory) {
+                    let _ = self.events.send(VmEvent::Guest(event));
+                }
+            }
             VcpuExit::Hlt => {
                 let _ = self
                     .events

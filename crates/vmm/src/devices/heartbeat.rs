@@ -72,6 +72,11 @@ pub enum GuestEvent {
     Finished { failed: bool },
     /// The guest refused its configuration.
     Fatal(String),
+    /// The guest's driver activated or reset the virtio device in `slot`.
+    Device {
+        slot: usize,
+        change: super::virtio::mmio::DriverChange,
+    },
 }
 
 /// The device state that migrates.

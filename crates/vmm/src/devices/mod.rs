@@ -326,16 +326,18 @@ impl DeviceBus {
         )
     }
 
-    pub fn mmio_write(&self, addr: u64, data: &[u8], memory: &GuestMemory) {
-        if let Some((d, offset)) = self.virtio_at(addr) {
-            if offset == u64::from(virtio::mmio::QUEUE_NOTIFY) {
-                let slot = ((addr - DEVICE_WINDOW_START) / SLOT_SIZE) as usize;
-                self.notifies[slot][1].fetch_add(1, Ordering::Relaxed);
-            }
-            let mut written = Written::default();
-            d.lock().write(offset, data, memory, &mut written);
-            self.log(written);
+    /// A vCPU's write to a virtio device's window: said back when the driver activated or
+    /// reset the device.
+    pub fn mmio_write(&self, addr: u64, data: &[u8], memory: &GuestMemory) -> Option<GuestEvent> {
+        let (d, offset) = self.virtio_at(addr)?;
+        let slot = ((addr - DEVICE_WINDOW_START) / SLOT_SIZE) as usize;
+        if offset == u64::from(virtio::mmio::QUEUE_NOTIFY) {
+            self.notifies[slot][1].fetch_add(1, Ordering::Relaxed);
         }
+        let mut written = Written::default();
+        let change = d.lock().write(offset, data, memory, &mut written);
+        self.log(written);
+        change.map(|change| GuestEvent::Device { slot, change })
     }
 
     /// Adds what a device wrote to the VMM's writes (a short lock: never held while a device

@@ -60,6 +60,16 @@ pub struct QueueSnapshot {
     pub used_ring: u64,
 }
 
+/// What a driver's status write did to the device, for the VMM to say (Cloud Hypervisor's
+/// `virtio-device` events).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DriverChange {
+    /// `DRIVER_OK`: the driver set the device up and it runs.
+    Activated,
+    /// The driver reset a device that ran.
+    Reset,
+}
+
 pub struct MmioTransport {
     device: Box<dyn VirtioDevice>,
     queues: Vec<Queue>,
@@ -127,21 +137,22 @@ impl MmioTransport {
         data.copy_from_slice(&value.to_le_bytes());
     }
 
+    /// A driver's write; says when it activated the device or reset an active one.
     pub fn write(
         &mut self,
         offset: u64,
         data: &[u8],
         memory: &GuestMemory,
         log: &mut dyn WriteLog,
-    ) {
+    ) -> Option<DriverChange> {
         // Configuration space is the device's to take (or ignore); registers are 32 bits wide.
         if offset >= u64::from(VIRTIO_MMIO_CONFIG) {
             self.device
                 .write_config(offset - u64::from(VIRTIO_MMIO_CONFIG), data);
-            return;
+            return None;
         }
         let Ok(bytes) = <[u8; 4]>::try_from(data) else {
-            return;
+            return None;
         };
         let v = u32::from_le_bytes(bytes);
         match offset as u32 {
@@ -172,9 +183,10 @@ impl MmioTransport {
             // Without an ioeventfd the vCPU that notified serves the queue, every turn of it.
             VIRTIO_MMIO_QUEUE_NOTIFY => while self.notify(v as usize, memory, log) {},
             VIRTIO_MMIO_INTERRUPT_ACK => self.regs.interrupt_status &= !v,
-            VIRTIO_MMIO_STATUS => self.set_status(v, memory, log),
+            VIRTIO_MMIO_STATUS => return self.set_status(v, memory, log),
             _ => {}
         }
+        None
     }
 
     fn selected(&self) -> Option<&Queue> {
@@ -241,10 +253,16 @@ impl MmioTransport {
         }
     }
 
-    fn set_status(&mut self, v: u32, memory: &GuestMemory, log: &mut dyn WriteLog) {
+    fn set_status(
+        &mut self,
+        v: u32,
+        memory: &GuestMemory,
+        log: &mut dyn WriteLog,
+    ) -> Option<DriverChange> {
         if v == 0 {
+            let was_active = self.running();
             self.reset();
-            return;
+            return was_active.then_some(DriverChange::Reset);
         }
         let new = v & !self.regs.status;
         let mut status = v | (self.regs.status & VIRTIO_CONFIG_S_NEEDS_RESET);
@@ -272,7 +290,9 @@ impl MmioTransport {
         }
         if new & status & VIRTIO_CONFIG_S_DRIVER_OK != 0 {
             self.serve_early_notifications(memory, log);
+            return Some(DriverChange::Activated);
         }
+        None
     }
 
     /// Serves each ready queue once as the device starts: a driver may have made buffers
@@ -521,6 +541,22 @@ mod tests {
 
     const NEXT: u16 = 1;
     const WRITE: u16 = 2;
+
+    #[test]
+    fn the_transport_says_when_the_driver_activates_or_resets_the_device() {
+        use crate::devices::virtio::test_driver::set_up;
+        let (mut t, m, mut log, _f) = rig();
+        let status = |t: &mut MmioTransport, log: &mut Bitmap, v: u32| {
+            t.write(u64::from(VIRTIO_MMIO_STATUS), &v.to_le_bytes(), &m, log)
+        };
+        assert_eq!(status(&mut t, &mut log, 0), None, "a reset before it ran");
+        set_up(&mut t, &m, &mut log, 0, 16, &[(DESC, AVAIL, USED)]);
+        let ok = 1 | 2 | 8 | 4;
+        assert_eq!(status(&mut t, &mut log, ok), Some(DriverChange::Activated));
+        assert_eq!(status(&mut t, &mut log, ok), None, "said once");
+        assert_eq!(status(&mut t, &mut log, 0), Some(DriverChange::Reset));
+        assert_eq!(status(&mut t, &mut log, 0), None);
+    }
 
     #[test]
     fn a_written_sector_reads_back_and_the_device_writes_are_logged() {
