@@ -267,7 +267,6 @@ fn lifecycle_and_live_migration_through_the_profile() {
     let said: Vec<String> = src.events().into_iter().map(|(_, e)| e).collect();
     for e in [
         "starting",
-        "created",
         "booted",
         "paused",
         "resumed",
@@ -297,6 +296,7 @@ fn lifecycle_and_live_migration_through_the_profile() {
         &received,
         &[
             "migration-receive-ready",
+            "migration-receive-started",
             "restoring",
             "restored",
             "resuming",
@@ -682,6 +682,16 @@ fn a_receiver_opens_only_disks_its_operator_allowed() {
     src.ok("PUT", "vm.create", Some(vm));
     src.ok("PUT", "vm.boot", None);
     verifies(&src, "before any move");
+    // The guest's driver set the disk up: said as CH says it, with the disk's id.
+    let activated = std::fs::read_to_string(&src.events).unwrap();
+    assert!(
+        activated
+            .lines()
+            .any(|l| l.contains(r#""source":"virtio-device""#)
+                && l.contains(r#""event":"activated""#)
+                && l.contains(r#""id":"_disk0""#)),
+        "{activated}"
+    );
 
     let refusals = [
         (&allowed, "resolves to"), // through a link out of the allowed directory

@@ -304,7 +304,9 @@ impl ChVmm {
             source,
             &crate::run::terminate_requested,
             |descriptor, files| {
+                // A source connected (CH says so as it accepts it) and named the VM.
                 if allowed.is_some() {
+                    self.events.emit("vm", "migration-receive-started", &[]);
                     self.events.emit("vm", "restoring", &[]);
                 }
                 let mut vm_config = VmConfig::from_descriptor(descriptor)?;

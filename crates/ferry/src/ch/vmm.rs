@@ -17,6 +17,7 @@ use serde_json::{Value, json};
 use sockets::passed::PassedFd;
 use vmm::VmState;
 use vmm::devices::GuestEvent;
+use vmm::devices::virtio::mmio::DriverChange;
 use vmm::devices::virtio::tap::Tap;
 
 use super::allow::Allowed;
@@ -189,6 +190,10 @@ impl ChVmm {
         };
         while self.generation.load(Ordering::Acquire) == generation {
             let ended = match vm.next_event(Duration::from_millis(50)) {
+                Some(vmm::VmEvent::Guest(GuestEvent::Device { slot, change })) => {
+                    self.said_device(slot, change);
+                    None
+                }
                 Some(vmm::VmEvent::Guest(GuestEvent::Finished { failed })) => {
                     Some(i32::from(failed))
                 }
@@ -210,6 +215,26 @@ impl ChVmm {
                 return;
             }
         }
+    }
+
+    /// CH's `virtio-device` event for the device in virtio `slot` (disks, then NICs), by
+    /// its id in the config (`_disk0`, a NIC's own or `_net0`).
+    fn said_device(&self, slot: usize, change: DriverChange) {
+        let Ok(spec) = self.live_spec() else {
+            return;
+        };
+        let id = match slot.checked_sub(spec.disks.len()) {
+            None => format!("_disk{slot}"),
+            Some(nic) => match spec.nets.get(nic) {
+                Some(net) => net.name(nic),
+                None => return,
+            },
+        };
+        let event = match change {
+            DriverChange::Activated => "activated",
+            DriverChange::Reset => "reset",
+        };
+        self.events.emit("virtio-device", event, &[("id", id)]);
     }
 
     fn ping(&self) -> Value {
@@ -248,8 +273,6 @@ impl ChVmm {
         }
         self.peer_config.store(false, Ordering::Release);
         *slot = Slot::Created(spec);
-        drop(slot);
-        self.events.emit("vm", "created", &[]);
         Ok(Value::Null)
     }
 
