@@ -731,16 +731,7 @@ fn a_receiver_opens_only_disks_its_operator_allowed() {
         verifies(&src, "after a refused move");
     }
 
-    let dst = Vmm::start_allowing(dir.path(), "dst", &outside);
-    let url = format!("unix:{}", dir.path().join("m.sock").display());
-    let receiver = receive(&dst, json!({"receiver_url": url}));
-    src.ok(
-        "PUT",
-        "vm.send-migration",
-        Some(json!({"destination_url": url})),
-    );
-    let (status, answer) = receiver.join().unwrap();
-    assert_eq!(status, 204, "{answer}");
+    let dst = moved(&src, dir.path(), "dst", &outside);
     verifies(&dst, "after the allowed move");
     let disks = &dst.ok("GET", "vm.info", None)["config"]["disks"];
     assert_eq!(disks[0]["path"], secret.to_str().unwrap(), "{disks}");
@@ -794,16 +785,7 @@ fn a_migrated_vm_brings_its_config_and_reboots_there() {
     );
     verifies(&src, "after a refused move");
 
-    let dst = Vmm::start_allowing(dir.path(), "dst", dir.path());
-    let url = format!("unix:{}", dir.path().join("m1.sock").display());
-    let receiver = receive(&dst, json!({"receiver_url": url}));
-    src.ok(
-        "PUT",
-        "vm.send-migration",
-        Some(json!({"destination_url": url})),
-    );
-    let (status, answer) = receiver.join().unwrap();
-    assert_eq!(status, 204, "{answer}");
+    let dst = moved(&src, dir.path(), "dst", dir.path());
     verifies(&dst, "after the move");
     let config = dst.ok("GET", "vm.info", None)["config"].clone();
     assert_eq!(
@@ -824,6 +806,21 @@ fn a_migrated_vm_brings_its_config_and_reboots_there() {
     dst.ok("PUT", "vm.reboot", None);
     wait_for_text(&pty, "ferry-guest: e820");
     verifies(&dst, "after a reboot where it arrived");
+}
+
+/// `src`'s VM moved to a new VMM `name` in `dir` that allows files beneath `allow`.
+fn moved(src: &Vmm, dir: &Path, name: &str, allow: &Path) -> Vmm {
+    let dst = Vmm::start_allowing(dir, name, allow);
+    let url = format!("unix:{}", dir.join(format!("{name}-in.sock")).display());
+    let receiver = receive(&dst, json!({"receiver_url": url}));
+    src.ok(
+        "PUT",
+        "vm.send-migration",
+        Some(json!({"destination_url": url})),
+    );
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
+    dst
 }
 
 fn tls_dir(dir: &Path) -> PathBuf {
