@@ -484,6 +484,10 @@ pub struct MigrationStatus {
     pub guest_pages_per_s_before: Option<f64>,
     pub guest_pages_per_s_during: Option<f64>,
     pub guest_pages_per_s_after: Option<f64>,
+    /// Time auto-converge held the guest's vCPUs asleep during the migration, summed over
+    /// vCPUs (up to the pause; a source's figure).
+    #[serde(default)]
+    pub vcpus_throttled_ms: Option<f64>,
     /// The migration completed; the destination has yet to say what the guest saw (it lets
     /// the guest run a moment first): the two guest figures above follow.
     #[serde(default)]

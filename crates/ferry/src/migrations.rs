@@ -162,6 +162,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         average_throughput_mbps: r.average_throughput_mbps,
         guest_pages_per_s_before: r.guest_pages_per_s_before,
         guest_pages_per_s_during: r.guest_pages_per_s_during,
+        vcpus_throttled_ms: r.vcpus_throttled.map(ms),
         guest_pages_per_s_after: r.guest_pages_per_s_after,
         guest_report_pending: r.guest_report_pending,
         destination_supports_postcopy: s.destination_supports_postcopy,

@@ -62,9 +62,13 @@ pub fn render(s: &MigrationStatus) -> String {
         postcopy_lines(&mut o, s);
     }
     if s.throttle_percent_max > 0 {
+        let held = s
+            .vcpus_throttled_ms
+            .map_or(String::new(), |ms| format!(", {ms:.0} ms in all"));
         let _ = writeln!(
             o,
-            "  auto-converge: the guest's vCPUs slept up to {} % of the time (released at the end)",
+            "  auto-converge: the guest's vCPUs slept up to {} % of the time{held} (released at \
+             the end)",
             s.throttle_percent_max
         );
     }

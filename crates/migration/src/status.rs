@@ -168,6 +168,9 @@ pub struct Report {
     pub guest_pages_per_s_before: Option<f64>,
     pub guest_pages_per_s_during: Option<f64>,
     pub guest_pages_per_s_after: Option<f64>,
+    /// Time auto-converge held the guest's vCPUs asleep during the migration, summed over
+    /// vCPUs (up to the pause).
+    pub vcpus_throttled: Option<Duration>,
     /// The migration completed and the destination has yet to say what the guest saw (the
     /// two figures above): it lets the guest run a moment first.
     pub guest_report_pending: bool,

@@ -194,6 +194,11 @@ pub trait Migratable: Send + Sync {
     fn device_files(&self) -> Vec<Option<std::os::fd::RawFd>>;
     /// Auto-converge: every vCPU sleeps `percent` % of its time (0 releases; at most 99).
     fn set_throttle(&self, percent: u8) -> Result<()>;
+    /// The time the vCPUs slept for `set_throttle` since the last call, summed over vCPUs
+    /// (a VM that cannot tell says none).
+    fn take_throttled(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
     /// Serialised state of each vCPU, in vCPU order; the VM must be paused.
     fn save_vcpus(&self) -> Result<Vec<Vec<u8>>>;
     /// Serialised state of everything besides memory and vCPUs.

@@ -189,6 +189,10 @@ impl Migratable for Vm {
         Vm::set_throttle(self, percent).map_err(vm_err)
     }
 
+    fn take_throttled(&self) -> std::time::Duration {
+        Vm::take_throttled(self)
+    }
+
     fn resume(&self) -> migration::Result<()> {
         Vm::resume(self).map_err(vm_err)
     }

@@ -9,7 +9,7 @@
 
 use migration::sync::Locked;
 use std::cell::Cell;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -52,6 +52,8 @@ pub struct RunControl {
     changed: Condvar,
     /// Percent of every `THROTTLE_PERIOD` a vCPU sleeps (auto-converge); 0: not throttled.
     throttle: AtomicU8,
+    /// Time the vCPUs slept for the throttle, summed over vCPUs, since it was last taken.
+    throttled_ns: AtomicU64,
 }
 
 const PARK_TIMEOUT: Duration = Duration::from_secs(10);
@@ -70,6 +72,7 @@ impl RunControl {
             }),
             changed: Condvar::new(),
             throttle: AtomicU8::new(0),
+            throttled_ns: AtomicU64::new(0),
         }
     }
 
@@ -85,9 +88,12 @@ impl RunControl {
             return;
         }
         let s = self.lock();
+        let slept = Instant::now();
         let _ = self
             .changed
             .wait_timeout_while(s, THROTTLE_PERIOD * percent / 100, |s| s.wish == Wish::Run);
+        let slept = slept.elapsed().as_nanos() as u64;
+        self.throttled_ns.fetch_add(slept, Ordering::Relaxed);
         *period_start = Instant::now();
     }
 
@@ -285,6 +291,11 @@ impl VcpuSet {
         for t in self.threads.locked().iter() {
             let _ = t.kill(kick_signal());
         }
+    }
+
+    /// The time the vCPUs slept for the throttle since the last call, summed over vCPUs.
+    pub fn take_throttled(&self) -> Duration {
+        Duration::from_nanos(self.control.throttled_ns.swap(0, Ordering::Relaxed))
     }
 
     /// Makes every vCPU sleep `percent` % of its time (0: run freely; at most 99).

@@ -332,6 +332,11 @@ impl Vm {
         self.vcpus.set_throttle(percent)
     }
 
+    /// The time the vCPUs slept for the throttle since the last call, summed over vCPUs.
+    pub fn take_throttled(&self) -> std::time::Duration {
+        self.vcpus.take_throttled()
+    }
+
     /// Parks every vCPU with complete state. Pausing a paused VM is a no-op.
     pub fn pause(&self) -> Result<()> {
         let _transition = self.transition.locked();

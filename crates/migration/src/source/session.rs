@@ -179,6 +179,8 @@ impl<'a> Session<'a> {
         let _tracked = self.cpu.track(Work::Send, Worker::Lane(0));
         self.lap("connect");
         let start_ns = now_ns();
+        // Counted from here: what an earlier migration throttled is not this one's.
+        self.vm.take_throttled();
         self.status.report.guest_pages_per_s_before = self
             .vm
             .guest_progress_rate(start_ns.saturating_sub(RATE_WINDOW_NS), start_ns);

@@ -69,6 +69,7 @@ impl Session<'_> {
         self.lap("pause");
         self.status.report.guest_pages_per_s_during =
             self.vm.guest_progress_rate(start_ns, paused_at_ns);
+        self.status.report.vcpus_throttled = Some(self.vm.take_throttled());
         if self.held.dirty_log.is_some() {
             self.vm.take_dirty_into(&mut pending)?;
             self.lap("harvest paused");
