@@ -621,6 +621,10 @@ fn a_live_update_through_the_profile() {
     ));
     vm["memory"]["shared"] = json!(true);
     vm["disks"] = json!([{"path": disk}]);
+    // A socket the old process still serves while it hands the VM over: the new one cannot
+    // listen there, and the VM moves all the same, its serial port going nowhere.
+    let serial = dir.path().join("serial.sock");
+    vm["serial"] = json!({"mode": "Socket", "socket": serial});
     src.ok("PUT", "vm.create", Some(vm));
     src.ok("PUT", "vm.boot", None);
     verifies(&src, "before the update");
@@ -649,6 +653,8 @@ fn a_live_update_through_the_profile() {
     let full = value(&arrived, r#"ferry_migration_pages_total{kind="full"}"#);
     assert!(matches!(full, None | Some(0.0)), "no page copied: {full:?}");
     verifies(&dst, "after the update");
+    let info = dst.ok("GET", "vm.info", None);
+    assert_eq!(info["config"]["serial"]["mode"], "Off", "{info}");
 }
 
 /// A peer does not choose host files: a receiver opens an arriving VM's disks only beneath

@@ -324,7 +324,7 @@ impl ChVmm {
                     }
                     None => None,
                 };
-                let port = self.arrival_port(config.as_ref(), carried.as_ref())?;
+                let (port, carried) = self.arrival_port(config.as_ref(), carried)?;
                 let vm = Vm::arriving(vm_config, port.writer(), files)
                     .map(Arc::new)
                     .map_err(|e| migration::Error::vm_caused("cannot build the VM", e))?;
@@ -385,21 +385,34 @@ impl ChVmm {
     }
 
     /// The serial port of an arriving VM: where the operator's `config` says (a restore),
-    /// else where this VMM's `--serial` says, else where the config the VM `carried` says,
-    /// else nowhere.
+    /// else where this VMM's `--serial` says, else where the config the VM `carried` says
+    /// (when that cannot be opened here, e.g. a socket its old process on this host still
+    /// serves during a live update, nowhere, and its config says so), else nowhere.
     fn arrival_port(
         &self,
         config: Option<&VmSpec>,
-        carried: Option<&VmSpec>,
-    ) -> migration::Result<Port> {
-        let ports = match (config, &self.arrival_serial, carried) {
+        carried: Option<VmSpec>,
+    ) -> migration::Result<(Port, Option<VmSpec>)> {
+        let ports = match (config, &self.arrival_serial, &carried) {
             (Some(spec), ..) => spec.serial_ports(),
             (None, Some(mode), _) => vec![mode],
             (None, None, Some(spec)) => spec.serial_ports(),
             (None, None, None) => Vec::new(),
         };
-        Port::open(&ports)
-            .map_err(|e| migration::Error::Setup(format!("serial port: {}", e.message)))
+        let failed = |e: ApiError| migration::Error::Setup(format!("serial port: {}", e.message));
+        match (Port::open(&ports), carried) {
+            (Ok(port), carried) => Ok((port, carried)),
+            (Err(e), Some(mut spec)) if config.is_none() && self.arrival_serial.is_none() => {
+                tracing::warn!(
+                    "the arriving VM's serial port goes nowhere here: {}",
+                    e.message
+                );
+                spec.serial = ConsoleMode::Off;
+                spec.console = ConsoleMode::Off;
+                Ok((Port::open(&[]).map_err(failed)?, Some(spec)))
+            }
+            (Err(e), _) => Err(failed(e)),
+        }
     }
 
     /// `vm.snapshot {"destination_url": "file://DIR"}`: the paused VM to `DIR/ferry.snapshot`.
