@@ -227,8 +227,11 @@ fn domain(name: &str, cmdline: &str, disk: Option<&Path>, tap: Option<&str>) -> 
     )
 }
 
-fn gone(pid: i32) -> bool {
-    !Path::new(&format!("/proc/{pid}")).exists()
+/// Waits until the VMM process `pid` has exited.
+fn wait_gone(pid: i32) {
+    wait_for("the VMM to exit", Duration::from_secs(30), || {
+        (!Path::new(&format!("/proc/{pid}")).exists()).then_some(())
+    });
 }
 
 #[test]
@@ -252,9 +255,7 @@ fn ten_starts_and_shutdowns_keep_the_event_stream() {
         // libvirt learns that the VM went down only from the event stream.
         libvirt.virsh_ok(&["shutdown", &name]);
         libvirt.wait_state(&name, "shut off (shutdown)");
-        wait_for("the VMM to exit", Duration::from_secs(30), || {
-            gone(vmm).then_some(())
-        });
+        wait_gone(vmm);
     }
     let log = libvirt.log(&name);
     assert!(!log.contains("verify error"), "{log}");
@@ -314,9 +315,7 @@ fn a_domains_life_under_libvirt() {
     let passes_before = libvirt.guest(&name)["guest"]["passes"].as_u64().unwrap();
     libvirt.virsh_ok(&["save", &name, &saved.display().to_string()]);
     assert_eq!(libvirt.state(&name), "shut off (saved)");
-    wait_for("the saved VMM to exit", Duration::from_secs(30), || {
-        gone(vmm).then_some(())
-    });
+    wait_gone(vmm);
     libvirt.virsh_ok(&["restore", &saved.display().to_string()]);
     assert_eq!(libvirt.state(&name), "running (restored)");
     // The guest goes on from where it was saved: its passes were saved with its memory.
@@ -329,9 +328,7 @@ fn a_domains_life_under_libvirt() {
             .virsh_ok(&["dominfo", &name])
             .contains("Managed save:   yes")
     );
-    wait_for("the saved VMM to exit", Duration::from_secs(30), || {
-        gone(vmm).then_some(())
-    });
+    wait_gone(vmm);
     libvirt.virsh_ok(&["start", &name]);
     assert_eq!(libvirt.state(&name), "running (restored)");
     libvirt.wait_verified(&name, passes, 1);
@@ -339,9 +336,7 @@ fn a_domains_life_under_libvirt() {
     let vmm = libvirt.vmm_pid(&name);
     libvirt.virsh_ok(&["shutdown", &name]);
     libvirt.wait_state(&name, "shut off (shutdown)");
-    wait_for("the VMM to exit", Duration::from_secs(30), || {
-        gone(vmm).then_some(())
-    });
+    wait_gone(vmm);
     assert!(!Path::new(&format!("/sys/class/net/{tap}")).exists());
     let log = libvirt.log(&name);
     assert!(
