@@ -464,8 +464,17 @@ pub fn open_serial(target: &str) -> Result<Box<dyn std::io::Write + Send>> {
     Ok(Box::new(file))
 }
 
-extern "C" fn on_terminate(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
+extern "C" fn on_terminate(sig: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc::c_void) {
     TERMINATE.store(true, Ordering::Release);
+    // Said after the flag is set, so whoever reads it knows every check from here on sees
+    // the stop; write(2) is async-signal-safe where formatting is not.
+    let said: &[u8] = if sig == libc::SIGINT {
+        b"ferry: received SIGINT\n"
+    } else {
+        b"ferry: received SIGTERM\n"
+    };
+    // SAFETY: a write of a static buffer to stderr.
+    let _ = unsafe { libc::write(2, said.as_ptr().cast(), said.len()) };
 }
 
 /// Whether SIGTERM or SIGINT came.

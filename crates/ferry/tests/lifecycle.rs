@@ -22,7 +22,9 @@ enum Stop {
 }
 
 impl Stop {
-    /// Asks `f` to stop; the API's answer (the signal has none).
+    /// Asks `f` to stop; the API's answer (the signal has none). Returns once `f` took the
+    /// request in: a signal is delivered whenever the kernel gets to it, so this waits for
+    /// `f` to say it arrived.
     fn send(self, f: &Ferry) -> Result<(), String> {
         match self {
             Stop::Api => f
@@ -34,6 +36,9 @@ impl Stop {
                 let pid = f.child.as_ref().expect("a child").id() as i32;
                 // SAFETY: a plain kill(2) of our own child.
                 assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+                wait_for("the signal to arrive", T, || {
+                    f.stderr_text().contains("received SIGTERM").then_some(())
+                });
                 Ok(())
             }
         }

@@ -193,30 +193,22 @@ fn put(f: &Ferry, endpoint: &str) -> Heard {
     }
 }
 
-/// SIGTERM; once the process has taken it (no longer pending), watches it for `GRACE`.
+/// SIGTERM; once the process has taken it, watches it for `GRACE`.
 fn terminate(f: &mut Ferry) -> Heard {
     let Some(pid) = f.child.as_ref().map(|c| c.id()) else {
         return Heard::Gone;
     };
     // SAFETY: a signal to our own child, which has not been reaped (we hold its `Child`).
     unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
-    poll_until(ANSWER_WAIT, || !sigterm_pending(pid));
+    // ferry says when its handler ran: from then on every check it makes sees the stop.
+    poll_until(ANSWER_WAIT, || {
+        f.stderr_text().contains("received SIGTERM") || !f.is_running()
+    });
     if gone_within(f, GRACE) {
         Heard::Gone
     } else {
         Heard::Stayed
     }
-}
-
-/// Whether SIGTERM still waits to be taken by `pid` (its own or its threads' shared set).
-fn sigterm_pending(pid: u32) -> bool {
-    let bit = 1u64 << (libc::SIGTERM - 1);
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .filter_map(|l| l.strip_prefix("SigPnd:").or(l.strip_prefix("ShdPnd:")))
-        .filter_map(|mask| u64::from_str_radix(mask.trim(), 16).ok())
-        .any(|mask| mask & bit != 0)
 }
 
 #[cfg(test)]
