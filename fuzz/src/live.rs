@@ -110,7 +110,7 @@ fn receive_resumed(data: &[u8]) -> migration::status::Status {
     receive_live(&input)
 }
 
-/// The `resume` target's main connection: the stream header, `Hello`, `Config`,
+/// The `resume` target's main connection: the stream header, `Hello`, `Config`, `Storage`,
 /// `ResumeWindow`.
 fn resume_prefix() -> &'static Vec<u8> {
     static PREFIX: OnceLock<Vec<u8>> = OnceLock::new();
@@ -126,6 +126,8 @@ fn resume_prefix() -> &'static Vec<u8> {
         };
         wire::write_message(&mut out, &hello).unwrap();
         wire::write_message(&mut out, &Message::Config { config: None }).unwrap();
+        let disks = Vec::new();
+        wire::write_message(&mut out, &Message::Storage { disks }).unwrap();
         wire::write_message(&mut out, &Message::ResumeWindow { seconds: 1 }).unwrap();
         out
     })

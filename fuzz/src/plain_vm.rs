@@ -216,4 +216,14 @@ impl Migratable for PlainVm {
         true
     }
     fn end_free_page_hints(&self) {}
+    /// No disks: nothing moves with it.
+    fn log_disk_writes(&self) -> migration::Result<Vec<migration::CopiedDisk>> {
+        Ok(Vec::new())
+    }
+    fn end_disk_logs(&self) {}
+    fn disk_targets(&self, slots: &[u32]) -> migration::Result<Vec<std::fs::File>> {
+        Err(migration::Error::vm(format!(
+            "no disks here to take slots {slots:?}"
+        )))
+    }
 }

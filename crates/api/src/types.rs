@@ -200,6 +200,11 @@ pub struct MigrationRequest {
     /// when not given, so that this client still drives a ferry from before it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resume_window_s: Option<i64>,
+    /// The VM's disks move with it, in the migration's stream, for hosts that share no
+    /// storage (modes precopy and warm; default false). The destination writes each to its
+    /// own disk in the same slot. Left out of a request when not given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_storage: Option<bool>,
 }
 
 /// `auto_converge` as a request gives it: a policy's name, or a switch (`true`: "early",
@@ -366,6 +371,22 @@ pub struct RoundStats {
     pub throttle_percent: u8,
 }
 
+/// What moved of the VM's disks (`copy_storage`), as the source counted it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct StorageStats {
+    pub disks: u32,
+    /// Bytes the disks hold, all together.
+    pub disk_bytes: u64,
+    /// Bytes of data sent.
+    pub data_bytes: u64,
+    /// Bytes that went as zero ranges (holes and blocks of zeros): a few bytes on the wire.
+    pub zero_bytes: u64,
+    /// 64 KiB blocks sent again because the guest wrote them after they were sent.
+    pub blocks_resent: u64,
+    /// Blocks sent with the VM paused: the last ones the guest wrote.
+    pub blocks_in_pause: u64,
+}
+
 /// Post-copy checkpoints: the VM's newest state sent back from the destination to the source.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointStats {
@@ -524,6 +545,9 @@ pub struct MigrationStatus {
     pub postcopy_report: Option<PostcopyReport>,
     /// Post-copy checkpoints (`checkpoint_ms`), when asked for.
     pub checkpoints: Option<CheckpointStats>,
+    /// The disks' blocks, when they moved with the VM (`copy_storage`).
+    #[serde(default)]
+    pub storage: Option<StorageStats>,
     // verification aid
     pub memory_checksum_source: Option<u64>,
     pub memory_checksum_destination: Option<u64>,

@@ -182,6 +182,12 @@ pub struct MigrateArgs {
     /// meanwhile.
     #[arg(long, allow_negative_numbers = true)]
     pub resume_window_s: Option<i64>,
+    /// Move the VM's disks with it, for hosts that share no storage: their blocks travel in
+    /// the migration's stream, pre-copied in rounds with the guest's writes, the last ones
+    /// in the pause. The destination's `--disk` in each slot receives them (same size).
+    /// Modes precopy and warm.
+    #[arg(long)]
+    pub copy_storage: bool,
     /// The pause the switch may take: pre-copy iterates until what is left would go in this
     /// many ms at the link's measured pace.
     #[arg(long, allow_negative_numbers = true, default_value_t = DEFAULTS.max_downtime_ms as i64)]

@@ -35,6 +35,7 @@ pub fn migrate(args: &MigrateArgs) -> Result<i32> {
         checkpoint_ms: args.checkpoint_ms,
         resume_window_s: args.resume_window_s,
         go_with_state: args.go_with_state,
+        copy_storage: args.copy_storage.then_some(true),
     };
     client
         .put("vm.send-migration", Some(&serde_json::to_value(&request)?))

@@ -216,6 +216,14 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
             pause_ms_max: ms(c.pause_max),
             rolled_back_to: c.rolled_back_to,
         }),
+        storage: p.storage.as_ref().map(|c| api::StorageStats {
+            disks: c.disks,
+            disk_bytes: c.disk_bytes,
+            data_bytes: c.data_bytes,
+            zero_bytes: c.zero_bytes,
+            blocks_resent: c.blocks_resent,
+            blocks_in_pause: c.blocks_in_pause,
+        }),
         memory_checksum_source: r.memory_checksum_source,
         memory_checksum_destination: r.memory_checksum_destination,
         error: s.error.clone(),
@@ -341,6 +349,7 @@ pub fn params_from_request(
             }
             n => n.map_or(defaults.resume_window_s, |n| n as u64),
         },
+        copy_storage: req.copy_storage.unwrap_or(defaults.copy_storage),
     };
     params.validate().map_err(api_error)?;
     Ok((endpoint, params))

@@ -58,6 +58,14 @@ pub fn render(s: &MigrationStatus) -> String {
         let _ = writeln!(o, "  {k:<33} {v}");
     }
     compression_lines(&mut o, s);
+    if let Some(d) = &s.storage {
+        let _ = writeln!(
+            o,
+            "  disks moved: {} of {} bytes; data {} bytes, zeros {} bytes; blocks resent {}, \
+             in the pause {}",
+            d.disks, d.disk_bytes, d.data_bytes, d.zero_bytes, d.blocks_resent, d.blocks_in_pause
+        );
+    }
     if s.postcopy {
         postcopy_lines(&mut o, s);
     }

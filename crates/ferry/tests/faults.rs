@@ -221,7 +221,9 @@ fn mode_args(mode: &str) -> Vec<&str> {
 /// Where the switch stands when the frame at `point` is held.
 fn moment(mode: &str, point: Point) -> Moment {
     match point {
-        Point::Setup | Point::Round0 | Point::Round0Share(_) | Point::RoundK => Moment::Live,
+        Point::Setup | Point::Round0 | Point::Round0Share(_) | Point::RoundK | Point::Disk => {
+            Moment::Live
+        }
         Point::Pause | Point::State if mode == GO_WITH_STATE => Moment::AroundGo,
         Point::Pause | Point::State => Moment::Paused,
         Point::Go => Moment::GoHeld,
@@ -270,6 +272,7 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
             | Point::Round0
             | Point::Round0Share(_)
             | Point::RoundK
+            | Point::Disk
             | Point::Pause
             | Point::State,
             f,

@@ -16,6 +16,7 @@ pub mod buckets;
 pub mod copies;
 pub mod cpu;
 pub mod destination;
+pub mod disk_log;
 pub mod error;
 pub mod io;
 pub mod memory;
@@ -42,7 +43,9 @@ pub use memory::{GuestRam, RamRange};
 pub use params::{AutoConverge, Compression, MigrationParams, Mode, Strategy};
 pub use source::Outgoing;
 pub use status::{Phase, Role, Status, Transfer};
-pub use vm::{DeviceDescriptor, GuestReport, HandedFiles, Migratable, VmDescriptor, check_devices};
+pub use vm::{
+    CopiedDisk, DeviceDescriptor, GuestReport, HandedFiles, Migratable, VmDescriptor, check_devices,
+};
 
 pub const PAGE_SIZE: usize = 4096;
 pub const PAGE_SHIFT: u32 = 12;

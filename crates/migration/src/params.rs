@@ -160,6 +160,10 @@ pub struct MigrationParams {
     /// How long a pre-copy whose connection broke tries to reconnect and carry on (sending
     /// only what the destination lacks) while the VM runs on here; 0: it fails at once.
     pub resume_window_s: u64,
+    /// The VM's disks move with it, their blocks in this stream (pre-copied in rounds with
+    /// the guest's writes logged, the last ones in the pause): for hosts that share no
+    /// storage. The destination writes each to its own disk at the same slot.
+    pub copy_storage: bool,
 }
 
 /// Rounds a migration may take at most (copies of a page are counted in 16 bits: see
@@ -207,6 +211,7 @@ impl MigrationParams {
         go_with_state: None,
         checkpoint_ms: None,
         resume_window_s: DEFAULT_RESUME_WINDOW_S,
+        copy_storage: false,
     };
 }
 
@@ -272,6 +277,9 @@ impl MigrationParams {
         if self.mode == Mode::Local {
             self.check_local()?;
         }
+        if self.copy_storage {
+            self.check_copy_storage()?;
+        }
         let most = crate::wire::lanes::MAX_CONNECTIONS;
         if !(1..=most).contains(&self.connections) {
             return Err(Error::Param(format!(
@@ -294,6 +302,24 @@ impl MigrationParams {
                         .into(),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Disk blocks go before the switch, so only the modes that copy everything before it
+    /// take them: the source's disk stays the only authority until the VM runs elsewhere.
+    fn check_copy_storage(&self) -> Result<()> {
+        let mode = self.mode.name();
+        if !matches!(self.mode, Mode::Precopy | Mode::Warm) {
+            return Err(Error::Param(format!(
+                "copy_storage moves disks before the switch, in modes precopy and warm; mode                  {mode} hands over first (or, local, keeps the disks where they are)"
+            )));
+        }
+        if self.auto_postcopy {
+            return Err(Error::Param(
+                "copy_storage moves disks before the switch; auto_postcopy would switch before                  they arrived"
+                    .into(),
+            ));
         }
         Ok(())
     }

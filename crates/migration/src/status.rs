@@ -114,6 +114,24 @@ pub struct Progress {
     pub rounds: Vec<RoundStats>,
     /// Page frames by the codec their data went with, and what compression saved.
     pub compression: CompressionCounts,
+    /// The disks' blocks, when they move with the VM (`copy_storage`).
+    pub storage: Option<StorageCounts>,
+}
+
+/// What moved of the VM's disks (`copy_storage`), both sides' view.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StorageCounts {
+    pub disks: u32,
+    /// Bytes the disks hold, all together.
+    pub disk_bytes: u64,
+    /// Bytes of data sent (source) or written (destination).
+    pub data_bytes: u64,
+    /// Bytes that went as zero ranges: holes and blocks of zeros.
+    pub zero_bytes: u64,
+    /// Blocks sent again because the guest wrote them after they were sent.
+    pub blocks_resent: u64,
+    /// Blocks sent with the VM paused, the last ones the guest wrote.
+    pub blocks_in_pause: u64,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]

@@ -54,7 +54,7 @@ pub enum DeviceDescriptor {
 }
 
 impl DeviceDescriptor {
-    fn kind(&self) -> &'static str {
+    pub(crate) fn kind(&self) -> &'static str {
         match self {
             DeviceDescriptor::Disk { .. } => "disk",
             DeviceDescriptor::Net { .. } => "NIC",
@@ -229,6 +229,26 @@ pub trait Migratable: Send + Sync {
     fn free_page_hints_finished(&self) -> bool;
     /// Hinting is over: the guest may use the pages it hinted again.
     fn end_free_page_hints(&self);
+    /// On a source whose disks move with it (`copy_storage`): every virtio disk, each on a
+    /// file open for reading, with its writes from now on marked in its log until
+    /// `end_disk_logs`.
+    fn log_disk_writes(&self) -> Result<Vec<CopiedDisk>>;
+    /// The disks' writes are no longer logged.
+    fn end_disk_logs(&self);
+    /// On a destination whose disks arrive in the stream: the disks of these slots, each
+    /// locked here now (refused while another process holds one) and open for writing.
+    fn disk_targets(&self, slots: &[u32]) -> Result<Vec<std::fs::File>>;
+}
+
+/// A disk whose blocks travel with its VM.
+pub struct CopiedDisk {
+    /// Its virtio slot.
+    pub slot: u32,
+    /// Open on the disk's file, for reading.
+    pub file: std::fs::File,
+    pub bytes: u64,
+    /// Where the VMM marks the guest's writes.
+    pub log: std::sync::Arc<crate::disk_log::BlockLog>,
 }
 
 #[cfg(test)]

@@ -252,6 +252,15 @@ impl Migratable for FakeVm {
     fn device_files(&self) -> Vec<Option<std::os::fd::RawFd>> {
         Vec::new() // no devices
     }
+    fn log_disk_writes(&self) -> migration::Result<Vec<migration::CopiedDisk>> {
+        Ok(Vec::new()) // no disks
+    }
+    fn end_disk_logs(&self) {}
+    fn disk_targets(&self, slots: &[u32]) -> migration::Result<Vec<std::fs::File>> {
+        Err(migration::Error::vm(format!(
+            "no disks here to take slots {slots:?}"
+        )))
+    }
 
     fn release_devices(&self, _keep_locks: bool) -> migration::Result<()> {
         assert!(
@@ -1357,12 +1366,15 @@ fn listening_destination() -> (
     (dir, sock, dest)
 }
 
-/// `first`, and after a `Hello` the VM's config, as a stream of this version carries it.
+/// `first`, and after a `Hello` the VM's config and its shared disks (none move), as a
+/// stream of this version carries them.
 fn open_with(s: &mut impl std::io::Write, first: &Message) {
     migration::wire::write_message(s, first).unwrap();
     if let Message::Hello { vm, .. } = first {
         let config = vm.config.clone();
         migration::wire::write_message(s, &Message::Config { config }).unwrap();
+        let disks = Vec::new();
+        migration::wire::write_message(s, &Message::Storage { disks }).unwrap();
     }
 }
 

@@ -250,6 +250,18 @@ impl Migratable for Vm {
     fn end_free_page_hints(&self) {
         Vm::end_free_page_hints(self)
     }
+
+    fn log_disk_writes(&self) -> migration::Result<Vec<migration::CopiedDisk>> {
+        Vm::log_disk_writes(self).map_err(vm_err)
+    }
+
+    fn end_disk_logs(&self) {
+        Vm::end_disk_logs(self)
+    }
+
+    fn disk_targets(&self, slots: &[u32]) -> migration::Result<Vec<std::fs::File>> {
+        Vm::disk_targets(self, slots).map_err(vm_err)
+    }
 }
 
 #[cfg(test)]

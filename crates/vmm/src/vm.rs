@@ -648,6 +648,20 @@ impl Vm {
         Ok(())
     }
 
+    /// Every disk, its writes logged from now on (`copy_storage`).
+    pub fn log_disk_writes(&self) -> Result<Vec<migration::CopiedDisk>> {
+        self.bus.log_disk_writes().map_err(Error::State)
+    }
+
+    pub fn end_disk_logs(&self) {
+        self.bus.end_disk_logs();
+    }
+
+    /// This host's disks in `slots`, locked and open for what arrives (`copy_storage`).
+    pub fn disk_targets(&self, slots: &[u32]) -> Result<Vec<std::fs::File>> {
+        self.bus.disk_targets(slots).map_err(Error::State)
+    }
+
     /// Takes every disk (again) before the VM runs here; refused while another process holds
     /// one. A destination that just gave up lets go of its disks as its process ends, so a
     /// held lock is asked for again for up to `CLAIM_WAIT`.

@@ -48,6 +48,11 @@ pub struct SendMigrationData {
     pub tls_dir: Option<String>,
     /// `Precopy` (default) or `Postcopy`.
     pub memory_mode: Option<String>,
+    /// ferry's extension: the VM's disks move with it, in the migration's stream (pre-copy
+    /// only). The destination writes them to the disks its config names, which must exist
+    /// there, as large, under its `--allow-disk-dir`.
+    #[serde(default)]
+    pub copy_storage: Option<bool>,
 }
 
 /// CH's default `timeout_s` (ferry's own is shorter; the profile keeps CH's).

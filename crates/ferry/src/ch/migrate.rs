@@ -215,6 +215,7 @@ impl ChVmm {
             max_downtime_ms: Some(req.downtime_ms.unwrap_or(300)),
             timeout_s: Some(req.timeout_s.unwrap_or(CH_TIMEOUT_S)),
             connections: req.connections,
+            copy_storage: req.copy_storage,
             ..Default::default()
         };
         c.migrations.outgoing.set_tls(tls);

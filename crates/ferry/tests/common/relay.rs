@@ -26,6 +26,8 @@ pub enum Point {
     Round0Share(u8),
     /// The first page frame of round 2 (a writer's pre-copy keeps going for several rounds).
     RoundK,
+    /// The first disk blocks (`DiskData`) of a move that copies its disks.
+    Disk,
     /// The first frame after the pre-pause catch-up (`Sync` or `Stale`), or, with no rounds
     /// before it (post-copy), `PostcopyPending`: the source has paused, or is about to.
     Pause,
@@ -47,6 +49,7 @@ impl Point {
             Point::Round0 => "round 0".into(),
             Point::Round0Share(p) => format!("round 0 at {p}%"),
             Point::RoundK => "round k".into(),
+            Point::Disk => "disk".into(),
             Point::Pause => "pause".into(),
             Point::State => "state".into(),
             Point::Go => "go".into(),
@@ -145,6 +148,7 @@ impl Conversation {
                 point == Point::Pause && !self.caught_up
             }
             (true, Some(Message::VcpuState { index: 0, .. })) => point == Point::State,
+            (true, Some(Message::DiskData { .. })) => point == Point::Disk,
             (true, Some(Message::Go)) => {
                 self.went = true;
                 point == Point::Go

@@ -10,6 +10,7 @@ use super::install::{Installer, Installing};
 use super::lanes::{self, LaneReceivers};
 use super::postcopy;
 use super::prefault::{self, FaultIn, Plan, Prefaulter};
+use super::storage::DiskTargets;
 use crate::bitmap::Bitmap;
 use crate::cpu::CpuMeter;
 use crate::error::{Error, Result};
@@ -43,6 +44,8 @@ pub(super) struct Hello {
     pub source: String,
     pub connections: u32,
     pub session: u64,
+    /// The disks whose blocks the stream carries (`Storage`, read after `Config`).
+    pub storage: Vec<u32>,
 }
 
 impl Hello {
@@ -69,6 +72,7 @@ impl Hello {
             source,
             connections: connections.max(1),
             session,
+            storage: Vec::new(),
         };
         match (expect, hello.live()) {
             (Expect::Live, false) => Err(Error::Protocol(
@@ -95,6 +99,11 @@ impl Hello {
     /// Whether the VM's `Config` follows (after `Files` on a live update).
     pub fn config_follows(&self) -> bool {
         self.version >= wire::frame::CONFIG_SINCE
+    }
+
+    /// Whether `Storage` follows `Config`.
+    pub fn storage_follows(&self) -> bool {
+        self.version >= wire::frame::STORAGE_SINCE
     }
 
     /// Checks that the VM built for this stream (`built` describes it) has its RAM and vCPUs
@@ -187,6 +196,8 @@ pub(super) struct Filling {
     /// How long the source tries to carry a broken connection on (it said: `ResumeWindow`,
     /// at most `MAX_RESUME_WINDOW`).
     resume_window: Option<Duration>,
+    /// This host's disks that disk blocks fill (`copy_storage`).
+    disks: Option<DiskTargets>,
     /// Who sent the VM: a connection that carries the migration on must come from it.
     peer: PeerIdentity,
 }
@@ -251,9 +262,21 @@ impl Filling {
             checkpoint_every: None,
             round_started: Instant::now(),
             resume_window: None,
+            disks: None,
             peer,
             ram,
         })
+    }
+
+    /// This host's disks the stream fills (`copy_storage`).
+    pub fn fill_disks(&mut self, targets: DiskTargets) {
+        self.disks = Some(targets);
+    }
+
+    fn targets(&self) -> Result<&DiskTargets> {
+        self.disks
+            .as_ref()
+            .ok_or_else(|| Error::Protocol("disk blocks in a stream that named no disk".into()))
     }
 
     /// Who sent the VM.
@@ -320,6 +343,14 @@ impl Filling {
                 Ok(Event::Nothing)
             }
             (Memory, Message::Sync { lane_pages }) => self.on_sync(&lane_pages, stream),
+            (Memory, Message::DiskData { disk, offset, data }) => {
+                self.targets()?.write(disk, offset, &data)?;
+                Ok(Event::Nothing)
+            }
+            (Memory, Message::DiskZero { disk, offset, len }) => {
+                self.targets()?.zero(disk, offset, len)?;
+                Ok(Event::Nothing)
+            }
             (Memory, Message::Stale { map }) if self.live => self.on_stale(map, stream),
             (Memory | StaleDropped, Message::PostcopyPending { map }) if self.live => {
                 self.pending = Some(page_map(&self.ram, map)?);
@@ -485,6 +516,9 @@ impl Filling {
     /// Every page the source sent must have arrived, and intact.
     fn on_state_end(&mut self, pages_sent: u64, source_checksum: Option<u64>) -> Result<Event> {
         self.finish_lanes()?;
+        if let Some(disks) = &self.disks {
+            disks.sync()?;
+        }
         if pages_sent != self.pages.pages {
             return Err(Error::Protocol(format!(
                 "the source sent {pages_sent} pages but {} arrived",

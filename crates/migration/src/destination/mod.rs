@@ -15,6 +15,7 @@ pub mod postcopy;
 mod prefault;
 mod receive;
 mod resume;
+mod storage;
 
 use crate::sync::Locked;
 pub use handover::Handover;

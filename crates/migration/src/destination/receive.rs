@@ -9,6 +9,7 @@ use super::arrival::{Event, Expect, Filled, Filling, Hello, Opening};
 use super::handover::Handover;
 use super::postcopy::{self, Postcopy};
 use super::prefault::FaultIn;
+use super::storage::DiskTargets;
 use crate::board::StatusBoard;
 use crate::cpu::{CpuMeter, Work, Worker};
 use crate::error::{Error, Result};
@@ -110,7 +111,7 @@ impl Receiver<'_> {
         let mut laps = Laps::starting(started);
         stream.set_timeouts(Some(crate::io::transport::IO_TIMEOUT))?;
         let mut hello = Hello::parse(first, self.expect)?;
-        let vm = self.build(stream, &mut hello, build, started)?;
+        let (vm, disks) = self.build(stream, &mut hello, build, started)?;
         if hello.live() {
             wire::write_message(
                 stream,
@@ -120,7 +121,7 @@ impl Receiver<'_> {
             )?;
         }
         laps.lap("build", &mut self.status.report);
-        let filling = Filling::open(
+        let mut filling = Filling::open(
             &hello,
             vm.ram(),
             stream,
@@ -128,6 +129,9 @@ impl Receiver<'_> {
             self.fault_in,
             self.cpu.clone(),
         )?;
+        if let Some(disks) = disks {
+            filling.fill_disks(disks);
+        }
         if hello.connections > 1 {
             laps.lap("extra connections", &mut self.status.report);
         }
@@ -163,14 +167,15 @@ impl Receiver<'_> {
         Ok(Arrived::Complete(vm))
     }
 
-    /// Builds the VM `hello` describes and checks it is the one described.
+    /// Builds the VM `hello` describes and checks it is the one described; takes this host's
+    /// disks that the stream fills.
     fn build<V: Migratable>(
         &mut self,
         stream: &mut Stream,
         hello: &mut Hello,
         build: impl FnOnce(&VmDescriptor, Option<HandedFiles>) -> Result<Arc<V>>,
         started: Instant,
-    ) -> Result<Arc<V>> {
+    ) -> Result<(Arc<V>, Option<DiskTargets>)> {
         tracing::info!(
             "incoming {:?} migration from {}: {:?}",
             hello.mode,
@@ -184,17 +189,24 @@ impl Receiver<'_> {
         if hello.config_follows() {
             hello.descriptor.config = take_config(stream)?;
         }
+        if hello.storage_follows() {
+            hello.storage = take_storage(stream, hello.live())?;
+        }
         let vm = build(&hello.descriptor, files)?;
         let ram = vm.ram();
         ram.forbid_huge_pages();
         hello.check_built(&ram, &vm.descriptor())?;
+        let disks = match hello.storage.as_slice() {
+            [] => None,
+            slots => Some(DiskTargets::open(vm.as_ref(), slots, &hello.descriptor)?),
+        };
         self.status.mode = Some(hello.mode.into());
         self.status.memory_pages = ram.pages();
         self.status.connections = hello.connections;
         self.status.phase = Phase::Active;
         self.status.report.setup = started.elapsed();
         self.publish();
-        Ok(vm)
+        Ok((vm, disks))
     }
 
     /// A live update's files, which come right after `Hello`: what `Files` announces, then
@@ -549,6 +561,24 @@ fn spawn_guest_report<V: Migratable + 'static>(
 }
 
 /// The VM's config, which follows `Hello` (and `Files`) from `CONFIG_SINCE` on.
+/// The disks whose blocks the stream carries; a snapshot carries none.
+fn take_storage(stream: &mut Stream, live: bool) -> Result<Vec<u32>> {
+    match wire::read_message(stream)? {
+        Message::Storage { disks } if disks.is_empty() || live => Ok(disks),
+        Message::Storage { .. } => Err(Error::Protocol(
+            "a snapshot stream names disks whose blocks it carries, which only a live \
+             migration may"
+                .into(),
+        )),
+        Message::Abort { reason } => Err(Error::Peer(reason)),
+        other => Err(Error::out_of_turn(
+            "destination",
+            other.name(),
+            "AwaitStorage",
+        )),
+    }
+}
+
 fn take_config(stream: &mut Stream) -> Result<Option<String>> {
     match wire::read_message(stream)? {
         Message::Config { config } => Ok(config),

@@ -168,6 +168,8 @@ pub(super) struct Held<'a> {
     pub dirty_log: Option<DirtyLog<'a>>,
     pub throttle: Throttle<'a>,
     pub hints: Option<FreePageHints<'a>>,
+    /// The disks that move with the VM, their writes logged.
+    pub disks: Option<super::storage::DiskCopy<'a>>,
 }
 
 impl<'a> Held<'a> {
@@ -177,6 +179,7 @@ impl<'a> Held<'a> {
             dirty_log: None,
             throttle: Throttle::new(vm),
             hints: None,
+            disks: None,
         }
     }
 }

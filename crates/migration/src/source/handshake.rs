@@ -65,6 +65,9 @@ impl Session<'_> {
         if version >= wire::frame::CONFIG_SINCE {
             self.send(&Message::Config { config })?;
         }
+        if version >= wire::frame::STORAGE_SINCE {
+            self.announce_storage()?;
+        }
         if !self.stream.has_peer() {
             if connections > 1 {
                 self.open_lanes(session)?;
@@ -91,7 +94,8 @@ impl Session<'_> {
             self.lap("extra connections");
         }
         Ok(Agreed {
-            peer_postcopy,
+            // Disk blocks go before the switch: a switch to post-copy would leave them behind.
+            peer_postcopy: peer_postcopy && !self.params.copy_storage,
             round_trip,
         })
     }
@@ -117,6 +121,25 @@ impl Session<'_> {
         self.stream.send_files(&all)?;
         self.lap("files passed");
         Ok(())
+    }
+
+    /// Which disks this stream carries (`copy_storage`), logging their writes from here on:
+    /// the destination checks and locks its own before its `Ready`.
+    fn announce_storage(&mut self) -> Result<()> {
+        if self.params.copy_storage && !self.stream.has_peer() {
+            return Err(Error::Param(
+                "copy_storage moves disks to a destination that writes them; a snapshot \
+                 file holds memory and state only"
+                    .into(),
+            ));
+        }
+        self.start_disk_copy()?;
+        let disks = self
+            .held
+            .disks
+            .as_ref()
+            .map_or_else(Vec::new, |copy| copy.slots());
+        self.send(&Message::Storage { disks })
     }
 
     /// How many connections (or lanes of a file) the migration uses: a file takes lanes only

@@ -24,6 +24,7 @@ mod resume;
 mod rounds;
 mod serving;
 mod session;
+mod storage;
 mod switchover;
 
 use crate::sync::Locked;

@@ -8,6 +8,7 @@ use super::guards::{DirtyLog, FreePageHints};
 use super::handshake::Agreed;
 use super::lane::RoundShare;
 use super::session::Session;
+use super::storage;
 use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::params::{AutoConverge, Mode};
@@ -39,6 +40,8 @@ pub(super) struct Handover {
     pub pending: Bitmap,
     /// Whether they follow the switch (post-copy) rather than go inside it.
     pub postcopy: bool,
+    /// Per moving disk, the blocks not sent since they were last written (`copy_storage`).
+    pub written: Vec<Bitmap>,
 }
 
 impl Handover {
@@ -46,6 +49,16 @@ impl Handover {
         Self {
             pending,
             postcopy: true,
+            written: Vec::new(),
+        }
+    }
+
+    /// Nothing left: every page and block went in the rounds.
+    fn nothing(pages: u64) -> Self {
+        Self {
+            pending: Bitmap::new(pages),
+            postcopy: false,
+            written: Vec::new(),
         }
     }
 }
@@ -55,10 +68,7 @@ impl Session<'_> {
     pub(super) fn transfer(&mut self, mode: StreamMode, agreed: &Agreed) -> Result<Handover> {
         if mode == StreamMode::Local {
             // The destination maps the very memory: nothing to send, nothing to track.
-            return Ok(Handover {
-                pending: Bitmap::new(self.ram.gfn_end()),
-                postcopy: false,
-            });
+            return Ok(Handover::nothing(self.ram.gfn_end()));
         }
         // Log first, then look: a page the guest first touches while we scan is still caught.
         if mode == StreamMode::Precopy {
@@ -85,6 +95,7 @@ impl Session<'_> {
         self.lap("populated map");
         let cuttable = mode == StreamMode::Precopy && agreed.peer_postcopy;
         let carry = self.send_round_or_resume(0, &populated, cuttable)?;
+        self.send_whole_disks()?;
         match (mode, self.params.mode) {
             (StreamMode::Precopy, Mode::Hybrid) => {
                 let mut dirty = self.vm.take_dirty()?;
@@ -95,10 +106,7 @@ impl Session<'_> {
                 Ok(Handover::postcopy(dirty))
             }
             (StreamMode::Precopy, _) => self.iterate(agreed.peer_postcopy, carry),
-            _ => Ok(Handover {
-                pending: Bitmap::new(self.ram.gfn_end()),
-                postcopy: false,
-            }),
+            _ => Ok(Handover::nothing(self.ram.gfn_end())),
         }
     }
 
@@ -146,8 +154,10 @@ impl Session<'_> {
             if let Some(again) = carry.take() {
                 dirty.merge(&again);
             }
+            let written = self.take_disk_writes();
             self.lap(format!("harvest {round}"));
-            let count = dirty.count();
+            // Disk blocks weigh as the pages they hold: both must fit the pause.
+            let count = dirty.count() + storage::pending_pages(&written);
             stalled = if policy::shrank(previous, count) {
                 0
             } else {
@@ -192,6 +202,7 @@ impl Session<'_> {
                         stalled = 0; // a slower guest is a new game
                     }
                     carry = self.send_round_or_resume(round, &dirty, peer_postcopy)?;
+                    self.send_disk_blocks(&written, false)?;
                 }
                 Decision::SwitchOver { converged, why } => {
                     let postcopy = !converged && self.params.auto_postcopy;
@@ -204,6 +215,7 @@ impl Session<'_> {
                     return Ok(Handover {
                         pending: dirty,
                         postcopy,
+                        written,
                     });
                 }
             }
@@ -279,7 +291,10 @@ impl Session<'_> {
     /// A live pre-copy over one connection counts the copies it queues of each page, so that
     /// a broken connection can be carried on (`resume`).
     fn count_copies(&mut self) -> Result<()> {
+        // Disk blocks lost with a connection could not be told apart: such a move fails
+        // instead, and the VM runs on here.
         let resumable = self.params.resume_window_s > 0
+            && !self.params.copy_storage
             && self.stream.has_peer()
             && self.params.connections == 1
             && matches!(self.params.mode, Mode::Precopy | Mode::Hybrid);
@@ -393,7 +408,7 @@ impl Session<'_> {
     pub(super) fn count_sent(&mut self, began: Instant, bytes_before: u64, lane_bytes: u64) {
         let c = self.publish_counters();
         let p = &mut self.status.progress;
-        p.bytes_on_wire = c.bytes + lane_bytes;
+        p.bytes_on_wire = c.bytes + lane_bytes + self.message_bytes;
         p.throughput_mbps = p.bytes_on_wire.saturating_sub(bytes_before) as f64 * 8.0
             / began.elapsed().as_secs_f64().max(1e-9)
             / 1e6;

@@ -49,6 +49,7 @@ impl Session<'_> {
         let Handover {
             mut pending,
             postcopy,
+            mut written,
         } = handover;
         self.check_continue()?;
         self.catch_up(&pending, postcopy)?;
@@ -80,6 +81,7 @@ impl Session<'_> {
         } else {
             if !local {
                 self.send_last_round(&pending)?;
+                self.send_last_blocks(&mut written)?;
             }
             None
         };
@@ -99,6 +101,23 @@ impl Session<'_> {
         let at = self.lap("go, resumed");
         self.status.report.downtime = Some(paused_at.elapsed());
         Ok(Switched::Resumed { at, follow })
+    }
+
+    /// The disks' last written blocks: the VM is paused and its disks flushed, so these are
+    /// the last writes the guest made here.
+    fn send_last_blocks(&mut self, written: &mut Vec<Bitmap>) -> Result<()> {
+        if self.held.disks.is_none() {
+            return Ok(());
+        }
+        let last = self.take_disk_writes();
+        if written.is_empty() {
+            *written = last;
+        } else {
+            written.iter_mut().zip(&last).for_each(|(w, l)| w.merge(l));
+        }
+        self.send_disk_blocks(written, true)?;
+        self.lap("last blocks");
+        Ok(())
     }
 
     /// After live rounds, the destination catches up before the pause (and, for post-copy,

@@ -15,7 +15,7 @@ use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
-pub const VERSION: u32 = 14;
+pub const VERSION: u32 = 15;
 /// The oldest stream version this ferry still reads: a source writes the oldest version that
 /// carries everything its stream will hold, so that builds of different versions can still
 /// hand a VM over (live update both ways) while the messages that stream uses keep their bytes.
@@ -25,6 +25,8 @@ pub const OLDEST_READ: u32 = 10;
 pub const LOCAL_SINCE: u32 = 10;
 /// The first version whose streams carry `Config` after `Hello` (and `Files`).
 pub const CONFIG_SINCE: u32 = 14;
+/// The first version whose streams carry `Storage` after `Config`, and disk blocks.
+pub const STORAGE_SINCE: u32 = 15;
 pub const STREAM_HEADER_LEN: usize = 16;
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -111,6 +113,11 @@ pub fn frame_header(kind: u8, flags: u8, len: u32) -> [u8; FRAME_HEADER_LEN] {
 }
 
 pub fn write_message(w: &mut impl Write, msg: &Message) -> Result<()> {
+    write_message_counted(w, msg).map(|_| ())
+}
+
+/// `write_message`; the bytes the frame took on the wire.
+pub fn write_message_counted(w: &mut impl Write, msg: &Message) -> Result<u64> {
     let payload = msg.encode();
     let header = frame_header(KIND_CONTROL, 0, payload.len() as u32);
     let mut crc = crc32fast::Hasher::new();
@@ -126,7 +133,8 @@ pub fn write_message(w: &mut impl Write, msg: &Message) -> Result<()> {
         ],
     )?;
     w.flush()
-        .map_err(|e| Error::transport("sending a control frame", e))
+        .map_err(|e| Error::transport("sending a control frame", e))?;
+    Ok((header.len() + payload.len() + trailer.len()) as u64)
 }
 
 /// A frame as read: either a decoded control message or the start of a page frame, whose
@@ -245,7 +253,7 @@ mod tests {
     fn golden_stream_header() {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
-        assert_eq!(h, b"FERRYMIG\x0e\0\0\0\0\0\0\0");
+        assert_eq!(h, b"FERRYMIG\x0f\0\0\0\0\0\0\0");
     }
 
     #[test]
@@ -262,7 +270,7 @@ mod tests {
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
         assert!(
-            e.to_string().contains("version 14"),
+            e.to_string().contains("version 15"),
             "names both versions: {e}"
         );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();

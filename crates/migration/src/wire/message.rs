@@ -189,6 +189,21 @@ pub enum Message {
     /// console, a reboot and `vm.info`, and opens nothing it names unless its operator allowed
     /// it.
     Config { config: Option<String> },
+    /// Source → destination, right after `Config`, in streams of version `STORAGE_SINCE` on:
+    /// the slots of the disks whose blocks this stream carries (`copy_storage`), none where
+    /// the disks are shared storage. The destination writes them to its own disk at each
+    /// slot, which it locks before its `Ready`.
+    Storage { disks: Vec<u32> },
+    /// Source → destination, among the rounds and in the pause before the state: `data` (a
+    /// multiple of 512 bytes) belongs at `offset` of the disk in slot `disk`.
+    DiskData {
+        disk: u32,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    /// Source → destination: `len` bytes at `offset` of the disk in slot `disk` read as
+    /// zeros (a hole or zero blocks); the destination discards them.
+    DiskZero { disk: u32, offset: u64, len: u64 },
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -263,6 +278,9 @@ catalogue! {
     33 => Receipts,
     34 => Taken,
     35 => Config,
+    36 => Storage,
+    37 => DiskData,
+    38 => DiskZero,
 }
 
 impl Message {
@@ -373,6 +391,20 @@ impl Message {
             }
             Message::CheckpointTaken { seq } => e.u64(*seq),
             Message::Config { config } => e.opt_str(config.as_deref()),
+            Message::Storage { disks } => {
+                e.u32(disks.len() as u32);
+                disks.iter().for_each(|&d| e.u32(d));
+            }
+            Message::DiskData { disk, offset, data } => {
+                e.u32(*disk);
+                e.u64(*offset);
+                e.bytes(data);
+            }
+            Message::DiskZero { disk, offset, len } => {
+                e.u32(*disk);
+                e.u64(*offset);
+                e.u64(*len);
+            }
         }
         e.0
     }
@@ -459,6 +491,19 @@ impl Message {
             Kind::Taken => Message::Taken { pages: d.u64()? },
             Kind::Config => Message::Config {
                 config: d.opt_string()?,
+            },
+            Kind::Storage => Message::Storage {
+                disks: (0..d.count(4)?).map(|_| d.u32()).collect::<Result<_>>()?,
+            },
+            Kind::DiskData => Message::DiskData {
+                disk: d.u32()?,
+                offset: d.u64()?,
+                data: d.bytes()?,
+            },
+            Kind::DiskZero => Message::DiskZero {
+                disk: d.u32()?,
+                offset: d.u64()?,
+                len: d.u64()?,
             },
             Kind::CopiesHeld => Message::CopiesHeld {
                 pages: d.u64()?,
@@ -1046,6 +1091,26 @@ mod tests {
                 },
                 "2300 01 02000000 7b7d",
             ),
+            (
+                Message::Storage { disks: vec![0, 2] },
+                "2400 02000000 00000000 02000000",
+            ),
+            (
+                Message::DiskData {
+                    disk: 1,
+                    offset: 512,
+                    data: vec![0xab, 0xcd],
+                },
+                "2500 01000000 0002000000000000 02000000 abcd",
+            ),
+            (
+                Message::DiskZero {
+                    disk: 1,
+                    offset: 0,
+                    len: 65536,
+                },
+                "2600 01000000 0000000000000000 0000010000000000",
+            ),
         ]
     }
 
@@ -1054,7 +1119,7 @@ mod tests {
         let all = golden();
         assert_eq!(
             all.len(),
-            36,
+            39,
             "a golden example per message (Config with and without)"
         );
         for (msg, bytes) in all {

@@ -1,6 +1,7 @@
 //! Devices emulated in ferry: on port I/O the serial port and the heartbeat device, on MMIO
 //! virtio devices (PIC, IOAPIC and PIT live in KVM).
 
+mod disks;
 pub mod heartbeat;
 #[cfg(test)]
 mod round_trip;

@@ -10,7 +10,9 @@ use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
+use migration::disk_log::BlockLog;
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_RO, VIRTIO_BLK_ID_BYTES, VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK,
     VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN,
@@ -66,6 +68,8 @@ pub struct Block {
     readonly: bool,
     sectors: u64,
     locked: bool,
+    /// Where a migration that copies the disk learns what the guest wrote.
+    log: Option<Arc<BlockLog>>,
     /// Where data passes between the file and guest memory (kept: one per disk, not per
     /// request).
     buf: Vec<u8>,
@@ -105,6 +109,7 @@ impl Block {
             readonly: config.readonly,
             sectors: bytes / SECTOR,
             locked: false,
+            log: None,
             buf: vec![0u8; CHUNK],
             reads: 0,
             writes: 0,
@@ -235,6 +240,10 @@ impl Block {
             }
             Ok(true)
         })?;
+        // After the write, failed or not (part of it may have landed): see `disk_log`.
+        if let Some(log) = &self.log {
+            log.mark(offset, total);
+        }
         if !done {
             return Ok((VIRTIO_BLK_S_IOERR, 0));
         }
@@ -345,6 +354,11 @@ impl VirtioDevice for Block {
 
     fn file(&self) -> Option<std::os::fd::RawFd> {
         Some(self.file.as_raw_fd())
+    }
+
+    fn log_writes(&mut self, log: Option<Arc<BlockLog>>) -> bool {
+        self.log = log;
+        true
     }
 
     fn as_any_mut(&mut self) -> &mut dyn std::any::Any {

@@ -163,6 +163,11 @@ pub trait VirtioDevice: Send + crate::persist::Component {
     fn claim(&mut self) -> std::io::Result<()> {
         Ok(())
     }
+    /// A disk marks its writes in `log` from now on (`None`: no longer), for a migration
+    /// that copies it; false for a device that writes no disk.
+    fn log_writes(&mut self, _log: Option<std::sync::Arc<migration::disk_log::BlockLog>>) -> bool {
+        false
+    }
     /// What a destination's device must match to take this one's place (and what an empty
     /// VMM builds it from): its configuration and what it offers the guest.
     fn descriptor(&self) -> migration::DeviceDescriptor;

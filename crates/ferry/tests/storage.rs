@@ -1,0 +1,190 @@
+//! Storage migration (`--copy-storage`): the disk moves with its VM to a host whose disk is
+//! its own, in the migration's stream, while the guest writes it. The guest's `blk` workload
+//! stamps sectors and reads each one back; the rest of the disk (data written before the VM
+//! booted, holes, blocks of zeros) must arrive byte for byte over a target that held other
+//! bytes; and a move that fails leaves the VM running on its own disk, every write kept.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use api::MigrationPhase;
+use common::relay::{Action, Point};
+use common::*;
+
+const T: Duration = Duration::from_secs(60);
+const MIB: u64 = 1 << 20;
+const DISK_BYTES: u64 = 32 * MIB;
+/// The guest stamps the first MiB (2048 sectors); the rest is the disk's own data.
+const SECTORS: u64 = 2048;
+const WORKLOAD_BYTES: u64 = SECTORS * 512;
+
+/// Deterministic bytes that are not zeros: byte `i` of the disk.
+fn pattern(at: u64, len: usize) -> Vec<u8> {
+    (0..len as u64)
+        .map(|i| {
+            let x = (at + i).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            (x >> 56) as u8 | 1
+        })
+        .collect()
+}
+
+/// A sparse disk: 8 MiB of data from 4 MiB, an odd run of 64 KiB + 512 bytes at 20 MiB, an
+/// allocated block of zeros at 24 MiB, holes elsewhere (the guest's first MiB reads zeros).
+fn source_disk(dir: &Path) -> PathBuf {
+    let path = dir.join("source.img");
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(DISK_BYTES).unwrap();
+    f.write_all_at(&pattern(4 * MIB, 8 * MIB as usize), 4 * MIB)
+        .unwrap();
+    f.write_all_at(&pattern(20 * MIB, 64 * 1024 + 512), 20 * MIB)
+        .unwrap();
+    f.write_all_at(&vec![0; 64 * 1024], 24 * MIB).unwrap();
+    path
+}
+
+/// The destination's own disk, as large, every byte 0xEE: what arrives must replace it all.
+fn target_disk(dir: &Path) -> PathBuf {
+    let path = dir.join("target.img");
+    std::fs::write(&path, vec![0xEE; DISK_BYTES as usize]).unwrap();
+    path
+}
+
+fn disk_arg(path: &Path) -> String {
+    format!("path={}", path.display())
+}
+
+/// A writer guest stamping the disk's first MiB, once it has been round it.
+fn boot_on(disk: &Path) -> Ferry {
+    let guest = guest();
+    let cmdline = format!("write ws=16M seq verify blk blk_sectors={SECTORS} blk_rate=4000");
+    let vm = Ferry::start(&[
+        "--guest",
+        guest.to_str().unwrap(),
+        "--memory",
+        "256M",
+        "--cmdline",
+        &cmdline,
+        "--disk",
+        &disk_arg(disk),
+    ]);
+    vm.wait_info("a first round of the disk", T, |i| i.blk_writes >= SECTORS);
+    vm
+}
+
+/// Every sector read back once more on `vm` (from where it stands now), none wrong, and its
+/// memory intact.
+fn assert_disk_verified(vm: &Ferry, what: &str) {
+    let from = vm.info().blk_reads;
+    let info = vm.wait_info("every sector read back again", T, |i| {
+        i.blk_reads > from + SECTORS
+    });
+    assert_eq!(
+        info.blk_errors, 0,
+        "{what}: sectors read back wrong: {:?}",
+        info.blk_error_sectors
+    );
+    assert_eq!(info.verify_errors, 0, "{what}: memory verify errors");
+}
+
+fn read(path: &Path, from: u64) -> Vec<u8> {
+    let all = std::fs::read(path).unwrap();
+    all[from as usize..].to_vec()
+}
+
+#[test]
+fn a_disk_moves_with_its_vm_to_a_host_with_a_disk_of_its_own() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (source, target) = (source_disk(dir.path()), target_disk(dir.path()));
+    let mut src = boot_on(&source);
+    let url = format!("tcp:127.0.0.1:{}", free_port());
+    let dst = Ferry::start(&["--incoming", &url, "--disk", &disk_arg(&target)]);
+    let (report, ok, errors) = migrate(&src, &url, &["--copy-storage", "--checksum"]);
+    assert!(ok, "{errors}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(src.wait_exit(T).success(), "the source let go");
+    let storage = report.storage.expect("the report counts the disk");
+    assert_eq!((storage.disks, storage.disk_bytes), (1, DISK_BYTES));
+    assert!(
+        storage.data_bytes >= 8 * MIB + 64 * 1024,
+        "the disk's data went: {storage:?}"
+    );
+    assert!(
+        storage.zero_bytes >= 16 * MIB,
+        "holes went as zero ranges: {storage:?}"
+    );
+    assert!(
+        report.bytes_on_wire > storage.data_bytes,
+        "the disk's bytes are counted on the wire: {} against {storage:?}",
+        report.bytes_on_wire
+    );
+    // The guest reads back every sector it wrote, on the destination's own disk...
+    assert_disk_verified(&dst, "after the move");
+    // ...and everything past them is the source's, byte for byte, the 0xEE gone.
+    let (want, got) = (read(&source, WORKLOAD_BYTES), read(&target, WORKLOAD_BYTES));
+    let first_wrong = want.iter().zip(&got).position(|(a, b)| a != b);
+    assert_eq!(
+        first_wrong.map(|i| i as u64 + WORKLOAD_BYTES),
+        None,
+        "the target differs from the source"
+    );
+}
+
+/// A destination that dies while the disk copies: the source runs on, on its own disk, and
+/// no write the guest made is lost; the target is left to its owner.
+#[test]
+fn a_move_that_fails_while_the_disk_copies_leaves_the_vm_on_its_own_disk() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (source, target) = (source_disk(dir.path()), target_disk(dir.path()));
+    let src = boot_on(&source);
+    let (mut dst, relay) =
+        destination_behind_with(Point::Disk, Action::Hold, &["--disk", &disk_arg(&target)]);
+    let body = serde_json::json!({"destination": relay.url, "copy_storage": true});
+    src.api()
+        .put("vm.send-migration", Some(&body))
+        .expect("the migration starts");
+    assert!(relay.wait_reached(T), "no disk block crossed");
+    if let Some(child) = dst.child.as_mut() {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    relay.release();
+    let status = src.wait_migration_end();
+    assert_eq!(status.phase, MigrationPhase::Failed, "{status:?}");
+    assert_eq!(src.info().state, "running");
+    assert_disk_verified(&src, "on the source after the failed move");
+}
+
+/// What cannot work is refused before any block crosses, naming why, and the VM runs on:
+/// a target that is the source's own disk (it is locked), a post-copy that would switch
+/// before the disk arrived.
+#[test]
+fn a_move_that_cannot_copy_the_disk_is_refused_and_the_vm_runs_on() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let source = source_disk(dir.path());
+    let src = boot_on(&source);
+    let url = format!("tcp:127.0.0.1:{}", free_port());
+    let mut same = Ferry::start(&["--incoming", &url, "--disk", &disk_arg(&source)]);
+    // The destination refuses in the handshake: the migration does not even start.
+    let (_, ok, errors) = migrate(&src, &url, &["--copy-storage"]);
+    assert!(!ok);
+    assert!(errors.contains("in use by another process"), "{errors}");
+    assert!(same.wait_exit(T).success() || !same.is_running());
+
+    let (_, ok, errors) = migrate(&src, &url, &["--copy-storage", "--mode", "postcopy"]);
+    assert!(!ok);
+    assert!(errors.contains("copy_storage"), "{errors}");
+    assert_eq!(src.info().state, "running");
+    assert_disk_verified(&src, "on the source after the refusals");
+}

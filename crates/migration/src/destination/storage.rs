@@ -1,0 +1,136 @@
+//! `copy_storage` on the destination: the disks `Storage` names take their blocks from the
+//! stream, written to this host's disk in the same slot (the file or device its operator
+//! gave), which is locked here before `Ready`. They are flushed before the VM's state is
+//! loaded; a migration that fails before `Go` leaves them unused (the VM runs on at the
+//! source).
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+
+use crate::error::{Error, Result};
+use crate::vm::{DeviceDescriptor, Migratable, VmDescriptor};
+
+/// Zeros are written in pieces of this size where a range cannot be discarded.
+const ZERO_CHUNK: u64 = 1 << 20;
+const SECTOR: u64 = 512;
+
+struct Target {
+    slot: u32,
+    file: File,
+    bytes: u64,
+}
+
+/// This host's disks that the stream fills.
+pub(crate) struct DiskTargets(Vec<Target>);
+
+impl DiskTargets {
+    /// Checks that each slot of `slots` holds a disk of the VM described and takes this
+    /// host's disk there: locked, open for writing.
+    pub fn open(vm: &dyn Migratable, slots: &[u32], described: &VmDescriptor) -> Result<Self> {
+        let mut sizes = Vec::with_capacity(slots.len());
+        for (i, &slot) in slots.iter().enumerate() {
+            if slots[..i].contains(&slot) {
+                return Err(Error::Protocol(format!(
+                    "Storage names disk slot {slot} twice"
+                )));
+            }
+            match described.devices.get(slot as usize) {
+                Some(DeviceDescriptor::Disk { sectors, .. }) => sizes.push(sectors * SECTOR),
+                Some(other) => {
+                    return Err(Error::Protocol(format!(
+                        "Storage names slot {slot}, which holds a {}, not a disk",
+                        other.kind()
+                    )));
+                }
+                None => {
+                    return Err(Error::Protocol(format!(
+                        "Storage names slot {slot} of a VM with {} devices",
+                        described.devices.len()
+                    )));
+                }
+            }
+        }
+        let files = vm.disk_targets(slots)?;
+        Ok(Self(
+            slots
+                .iter()
+                .zip(files)
+                .zip(sizes)
+                .map(|((&slot, file), bytes)| Target { slot, file, bytes })
+                .collect(),
+        ))
+    }
+
+    /// The disk in `slot` and the range checked to lie inside it, sector aligned.
+    fn target(&self, slot: u32, offset: u64, len: u64) -> Result<&Target> {
+        let t = self.0.iter().find(|t| t.slot == slot).ok_or_else(|| {
+            Error::Protocol(format!(
+                "disk blocks for slot {slot}, which Storage did not name"
+            ))
+        })?;
+        let inside = offset.checked_add(len).is_some_and(|end| end <= t.bytes);
+        if !inside || !offset.is_multiple_of(SECTOR) || !len.is_multiple_of(SECTOR) {
+            return Err(Error::Protocol(format!(
+                "disk blocks at bytes {offset}..+{len} of slot {slot}, a disk of {} bytes in \
+                 {SECTOR}-byte sectors",
+                t.bytes
+            )));
+        }
+        Ok(t)
+    }
+
+    pub fn write(&self, slot: u32, offset: u64, data: &[u8]) -> Result<()> {
+        let t = self.target(slot, offset, data.len() as u64)?;
+        t.file
+            .write_all_at(data, offset)
+            .map_err(|e| Error::vm_caused(format!("writing disk {slot} at byte {offset}"), e))
+    }
+
+    /// `len` bytes at `offset` read as zeros: discarded, or written as zeros where the disk
+    /// cannot discard.
+    pub fn zero(&self, slot: u32, offset: u64, len: u64) -> Result<()> {
+        let t = self.target(slot, offset, len)?;
+        if len == 0 || punch(&t.file, offset, len).is_ok() {
+            return Ok(());
+        }
+        let zeros = vec![0u8; ZERO_CHUNK.min(len) as usize];
+        let mut at = offset;
+        while at < offset + len {
+            let n = ZERO_CHUNK.min(offset + len - at) as usize;
+            t.file
+                .write_all_at(&zeros[..n], at)
+                .map_err(|e| Error::vm_caused(format!("zeroing disk {slot} at byte {at}"), e))?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Makes what arrived durable, before the VM may run on it.
+    pub fn sync(&self) -> Result<()> {
+        for t in &self.0 {
+            t.file
+                .sync_data()
+                .map_err(|e| Error::vm_caused(format!("flushing disk {}", t.slot), e))?;
+        }
+        Ok(())
+    }
+}
+
+/// Deallocates a range so that it reads as zeros, the file's size kept.
+fn punch(file: &File, offset: u64, len: u64) -> std::io::Result<()> {
+    let mode = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+    // SAFETY: fallocate on a descriptor this value owns.
+    let r = unsafe {
+        libc::fallocate(
+            file.as_raw_fd(),
+            mode,
+            offset as libc::off_t,
+            len as libc::off_t,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
