@@ -43,6 +43,7 @@
  *   blk_sectors=N                512-byte sectors it cycles over (default 2048, at most the
  *                                disk's capacity)
  *   blk_rate=N                   at most N blk steps/s (default 2000, 0 = unlimited)
+ *   blk_random                   each blk step picks its sector at random (default: in turn)
  *   net=fwd                      also forward every frame a virtio-net device receives back
  *                                out, MACs swapped, from vCPU 0 (see "the net workload" below)
  *   virtio_mmio.device=SIZE@BASE:IRQ[:ID]
@@ -86,6 +87,7 @@ struct config {
     u64 serial_ms;
     enum fill fill;
     int blk;
+    int blk_random;
     u64 blk_sectors;
     u64 blk_rate;
     int net;          /* net=fwd */
@@ -340,6 +342,7 @@ static void parse_word(const char *w, u64 len)
     else if (word_is(w, len, "fill=mixed")) cfg.fill = FILL_MIXED;
     else if (word_is(w, len, "fill=fresh")) cfg.fill = FILL_FRESH;
     else if (word_is(w, len, "blk")) cfg.blk = 1;
+    else if (word_is(w, len, "blk_random")) cfg.blk = cfg.blk_random = 1;
     else if (word_is(w, len, "net=fwd")) cfg.net = 1;
     else if (len >= 4 && word_is(w, 4, "net=")) fatal("unknown net= mode ", word);
     else if (len >= 19 && word_is(w, 19, "virtio_mmio.device="))
@@ -349,7 +352,7 @@ static void parse_word(const char *w, u64 len)
 
 static void parse_cmdline(const char *s)
 {
-    cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD,
+    cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD, 0,
                           0, 2048, 2000, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 5000, 95};
     while (s && *s) {
         while (*s == ' ')
@@ -1071,7 +1074,8 @@ static int virtq_pop(struct virtq *q, struct virtq_used_elem *e)
 /*
  * ---- the blk workload: a poll-mode virtio-blk driver ----
  *
- * vCPU 0, beside its memory workload, steps through sectors 0..blk_sectors-1 over and over:
+ * vCPU 0, beside its memory workload, steps through sectors 0..blk_sectors-1 over and over
+ * (with blk_random, step k works on a sector a hash of k picks):
  * read the sector and check every 8-byte word against the stamps it was last written with
  * (zeros if never: a fresh disk file is zeros), then write the next generation's stamps; every
  * 64 writes a FLUSH when the device offers it. One request is in flight at a time, on queue
@@ -1194,20 +1198,38 @@ static int blk_sector_ok(u64 sector, u32 gen)
     return 1;
 }
 
+/* Whether this boot has not written sector s yet: in turn, the first round; at random, no
+ * write of it has been acknowledged. */
+static int blk_first_visit(u64 s)
+{
+    return cfg.blk_random ? expected_blk_gen[s] == 0 : blk.steps < cfg.blk_sectors;
+}
+
 /* On its first visit of this boot, a sector may hold what an earlier boot of this guest
  * left (a reboot keeps the disk): its own stamps of any generation, adopted as they are. */
 static int blk_earlier_boot(u64 sector, u32 *gen)
 {
     u32 found = (u32)(blk_req.data[0] >> 8) & 0xffffff;
-    if (blk.steps >= cfg.blk_sectors || found == 0 || !blk_sector_ok(sector, found))
+    if (!blk_first_visit(sector) || found == 0 || !blk_sector_ok(sector, found))
         return 0;
     *gen = found;
     return 1;
 }
 
+/* Step k's sector: k in turn, or (blk_random) a splitmix64 hash of k. */
+static u64 blk_sector_of(u64 k)
+{
+    if (!cfg.blk_random)
+        return k % cfg.blk_sectors;
+    u64 z = k + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return (z ^ (z >> 31)) % cfg.blk_sectors;
+}
+
 static void blk_step(struct worker *w)
 {
-    u64 s = blk.steps % cfg.blk_sectors;
+    u64 s = blk_sector_of(blk.steps);
     u32 gen = expected_blk_gen[s];
     if (!blk_request(w, VIRTIO_BLK_T_IN, s))
         report_blk_error(w, s, "read failed");

@@ -56,10 +56,27 @@ fn disk_arg(path: &Path) -> String {
     format!("path={}", path.display())
 }
 
-/// A writer guest stamping the disk's first MiB, once it has been round it.
+/// How the guest picks the sectors it stamps.
+#[derive(Clone, Copy)]
+enum Order {
+    /// In turn: each round of `SECTORS` steps reads every sector back.
+    InTurn,
+    /// At random (`blk_random`).
+    Random,
+}
+
+/// A writer guest stamping the disk's first MiB, once it has been round it (in turn).
 fn boot_on(disk: &Path) -> Ferry {
+    boot_writing(disk, Order::InTurn)
+}
+
+fn boot_writing(disk: &Path, order: Order) -> Ferry {
     let guest = guest();
-    let cmdline = format!("write ws=16M seq verify blk blk_sectors={SECTORS} blk_rate=4000");
+    let words = match order {
+        Order::InTurn => "blk",
+        Order::Random => "blk_random",
+    };
+    let cmdline = format!("write ws=16M seq verify {words} blk_sectors={SECTORS} blk_rate=4000");
     let vm = Ferry::start(&[
         "--guest",
         guest.to_str().unwrap(),
@@ -77,10 +94,13 @@ fn boot_on(disk: &Path) -> Ferry {
 /// Every sector read back once more on `vm` (from where it stands now), none wrong, and its
 /// memory intact.
 fn assert_disk_verified(vm: &Ferry, what: &str) {
+    assert_reads_right(vm, SECTORS, what);
+}
+
+/// `reads` more sectors read back on `vm`, none wrong, and its memory intact.
+fn assert_reads_right(vm: &Ferry, reads: u64, what: &str) {
     let from = vm.info().blk_reads;
-    let info = vm.wait_info("every sector read back again", T, |i| {
-        i.blk_reads > from + SECTORS
-    });
+    let info = vm.wait_info("sectors read back again", T, |i| i.blk_reads > from + reads);
     assert_eq!(
         info.blk_errors, 0,
         "{what}: sectors read back wrong: {:?}",
@@ -92,6 +112,17 @@ fn assert_disk_verified(vm: &Ferry, what: &str) {
 fn read(path: &Path, from: u64) -> Vec<u8> {
     let all = std::fs::read(path).unwrap();
     all[from as usize..].to_vec()
+}
+
+/// The target past the guest's sectors equals the source byte for byte.
+fn assert_rest_equal(source: &Path, target: &Path) {
+    let (want, got) = (read(source, WORKLOAD_BYTES), read(target, WORKLOAD_BYTES));
+    let first_wrong = want.iter().zip(&got).position(|(a, b)| a != b);
+    assert_eq!(
+        first_wrong.map(|i| i as u64 + WORKLOAD_BYTES),
+        None,
+        "the target differs from the source"
+    );
 }
 
 #[test]
@@ -126,13 +157,27 @@ fn a_disk_moves_with_its_vm_to_a_host_with_a_disk_of_its_own() {
     // The guest reads back every sector it wrote, on the destination's own disk...
     assert_disk_verified(&dst, "after the move");
     // ...and everything past them is the source's, byte for byte, the 0xEE gone.
-    let (want, got) = (read(&source, WORKLOAD_BYTES), read(&target, WORKLOAD_BYTES));
-    let first_wrong = want.iter().zip(&got).position(|(a, b)| a != b);
-    assert_eq!(
-        first_wrong.map(|i| i as u64 + WORKLOAD_BYTES),
-        None,
-        "the target differs from the source"
-    );
+    assert_rest_equal(&source, &target);
+}
+
+/// Writes at random sectors move as well: blocks dirtied anywhere, in any order, between
+/// rounds. The guest reads four rounds' worth of random sectors back on the destination.
+#[test]
+fn random_writes_move_with_the_disk() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (source, target) = (source_disk(dir.path()), target_disk(dir.path()));
+    let mut src = boot_writing(&source, Order::Random);
+    let url = format!("tcp:127.0.0.1:{}", free_port());
+    let dst = Ferry::start(&["--incoming", &url, "--disk", &disk_arg(&target)]);
+    let (report, ok, errors) = migrate(&src, &url, &["--copy-storage", "--connections", "2"]);
+    assert!(ok, "{errors}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(src.wait_exit(T).success(), "the source let go");
+    assert_reads_right(&dst, 4 * SECTORS, "after the move");
+    assert_rest_equal(&source, &target);
 }
 
 /// A destination that dies while the disk copies: the source runs on, on its own disk, and
