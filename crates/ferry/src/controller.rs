@@ -32,13 +32,16 @@ pub struct Controller {
 impl Controller {
     /// Runs the VM here again after a switch whose destination is gone (reclaim, rollback).
     /// A writable disk is shared storage the destination may have written since the switch:
-    /// that needs the operator's `force`.
+    /// that needs the operator's `force` — unless the migration copied the disks, and the
+    /// destination wrote only its own.
     fn take_back(&self, req: &api::TakeBackRequest) -> Result<Resumed, ApiError> {
         let vm = self
             .vm
             .get()
             .ok_or_else(|| ApiError::conflict("no VM here"))?;
+        let copied = self.migrations.board.read().progress.storage.is_some();
         if !req.force
+            && !copied
             && let Some(d) = vm.device_info().into_iter().find(|d| d.writable)
         {
             return Err(ApiError::conflict(format!(
