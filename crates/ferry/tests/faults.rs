@@ -178,6 +178,12 @@ fn modes() -> Vec<(&'static str, Vec<Point>)> {
             TWO_CONNECTIONS,
             vec![Setup, Round0, RoundK, Pause, State, Go, Completion],
         ),
+        // Pre-copy whose disk moves with it (`--copy-storage`): the guest stamps its disk
+        // throughout, and the running copy must read every sector back right.
+        (
+            COPY_STORAGE,
+            vec![Setup, Round0, Disk, RoundK, Pause, State, Go, Completion],
+        ),
         ("warm", vec![Setup, Round0, State, Go, Completion]),
         ("postcopy", [&[Setup, Pause, State][..], &postcopy].concat()),
         // Post-copy over two connections: the extra one pushes, the main one answers the
@@ -200,6 +206,9 @@ const GO_WITH_STATE: &str = "precopy go-with-state";
 /// The matrix's name for `--mode precopy --connections 2`.
 const TWO_CONNECTIONS: &str = "precopy 2 connections";
 
+/// The matrix's name for `--mode precopy --copy-storage`.
+const COPY_STORAGE: &str = "precopy copy-storage";
+
 /// The matrix's name for `--mode postcopy --connections 2`.
 const POSTCOPY_LANES: &str = "postcopy 2 connections";
 
@@ -213,6 +222,7 @@ fn mode_args(mode: &str) -> Vec<&str> {
     match mode {
         GO_WITH_STATE => vec!["--mode", "precopy", "--go-with-state"],
         TWO_CONNECTIONS => vec!["--mode", "precopy", "--connections", "2"],
+        COPY_STORAGE => vec!["--mode", "precopy", "--copy-storage"],
         POSTCOPY_LANES => vec!["--mode", "postcopy", "--connections", "2"],
         m => vec!["--mode", m],
     }
@@ -348,8 +358,8 @@ impl Case {
 
 struct Result {
     outcome: Outcome,
-    /// The running copy's verify errors after one more pass (0 when none runs); `None` when
-    /// no pass ended.
+    /// The running copy's verify errors (memory, and disk sectors where it has a disk) after
+    /// one more pass (0 when none runs); `None` when no pass ended.
     verify_errors: Option<u64>,
     checksums: Checksums,
     /// What the operator's request got, for a fault that is one.
@@ -360,16 +370,72 @@ struct Result {
     secs: f64,
 }
 
+/// The source's disk and the destination's own, for a mode that moves the disk.
+struct Disks {
+    _dir: tempfile::TempDir,
+    source: String,
+    target: String,
+}
+
+impl Disks {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let make = |name: &str| {
+            let path = dir.path().join(name);
+            std::fs::File::create(&path)
+                .and_then(|f| f.set_len(8 << 20))
+                .unwrap();
+            format!("path={}", path.display())
+        };
+        let (source, target) = (make("source.img"), make("target.img"));
+        Disks {
+            _dir: dir,
+            source,
+            target,
+        }
+    }
+}
+
+/// The source (a writer, with a disk it stamps when `disks`) and the destination, listening
+/// on `port` (with its own disk).
+fn sides_of_case(disks: Option<&Disks>, port: u16) -> (Ferry, Ferry) {
+    let url = format!("tcp:127.0.0.1:{port}");
+    let Some(disks) = disks else {
+        let src = Ferry::boot(VmSpec {
+            memory: "256M",
+            cmdline: "write ws=32M seq verify",
+            ..Default::default()
+        });
+        src.wait_info("a first pass", Duration::from_secs(60), |i| i.passes >= 1);
+        return (src, Ferry::incoming(&url));
+    };
+    let guest = guest();
+    let cmdline = format!(
+        "write ws=32M seq verify blk blk_sectors={}",
+        sides::DISK_SECTORS
+    );
+    let src = Ferry::start(&[
+        "--guest",
+        guest.to_str().unwrap(),
+        "--memory",
+        "256M",
+        "--cmdline",
+        &cmdline,
+        "--disk",
+        &disks.source,
+    ]);
+    src.wait_info("a first pass", Duration::from_secs(60), |i| {
+        i.passes >= 1 && i.blk_writes >= sides::DISK_SECTORS
+    });
+    let dst = Ferry::start(&["--incoming", &url, "--disk", &disks.target]);
+    (src, dst)
+}
+
 fn run_case(c: &Case) -> Result {
     let started = Instant::now();
-    let mut src = Ferry::boot(VmSpec {
-        memory: "256M",
-        cmdline: "write ws=32M seq verify",
-        ..Default::default()
-    });
-    src.wait_info("a first pass", Duration::from_secs(60), |i| i.passes >= 1);
+    let disks = (c.mode == COPY_STORAGE).then(Disks::new);
     let port = free_port();
-    let mut dst = Ferry::incoming(&format!("tcp:127.0.0.1:{port}"));
+    let (mut src, mut dst) = sides_of_case(disks.as_ref(), port);
     let relay = Relay::start(&format!("127.0.0.1:{port}"), c.point, c.fault.action());
     // At setup the strangers come first, queued before the source's connection.
     let early = c.fault == Fault::Strangers && c.point == Point::Setup;
@@ -606,8 +672,10 @@ fn all_cases() -> Vec<Case> {
 /// One case of each host and link fault (two of killing the destination: before the switch,
 /// and during post-copy, where the operator takes the VM back), spread over the modes and
 /// points, two stop requests: a SIGTERM the source must defer (at `Go`), and a stop that
-/// ends an arrival (at the state); and strangers at the door of a two-connection migration.
-const SHORT: [(&str, Point, Fault); 17] = [
+/// ends an arrival (at the state); strangers at the door of a two-connection migration; and
+/// a move that copies its disk, its destination killed as the disk crosses and its link cut
+/// at the pause and at `Go` (taken back without `force`: the disk there was its own).
+const SHORT: [(&str, Point, Fault); 20] = [
     ("precopy", Point::Go, Fault::Stop(Side::Source, How::Signal)),
     (TWO_CONNECTIONS, Point::Setup, Fault::Strangers),
     (
@@ -626,6 +694,9 @@ const SHORT: [(&str, Point, Fault); 17] = [
     ("hybrid", Point::Postcopy(50), Fault::KillDestination),
     ("hybrid", Point::Postcopy(90), Fault::Stall),
     ("precopy", Point::RoundK, Fault::Blip),
+    (COPY_STORAGE, Point::Disk, Fault::KillDestination),
+    (COPY_STORAGE, Point::Pause, Fault::Cut),
+    (COPY_STORAGE, Point::Go, Fault::Cut),
     (POSTCOPY_LANES, Point::Postcopy(50), Fault::Corrupt),
     (POSTCOPY_LANES, Point::Postcopy(90), Fault::Cut),
     // Lost to a reply the source could not write before 9a2ed35 (2 runs in 9).

@@ -13,6 +13,9 @@ pub const ANSWER_WAIT: Duration = Duration::from_secs(10);
 
 const POLL: Duration = Duration::from_millis(20);
 
+/// The sectors a guest with a disk stamps and reads back, over and over.
+pub const DISK_SECTORS: u64 = 1024;
+
 /// How a ferry process holds the VM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Holds {
@@ -114,16 +117,20 @@ pub fn settle(src: &mut Ferry, dst: &mut Ferry) -> bool {
 /// The running copy's verify errors after one more pass of its working set; `None` when no
 /// pass ended within 60 s.
 pub fn one_more_pass(f: &Ferry) -> Option<u64> {
-    let start = f.api().get("vm.info").ok()?["passes"].as_u64()?;
+    let info = f.api().get("vm.info").ok()?;
+    let (start, reads) = (info["passes"].as_u64()?, info["blk_reads"].as_u64());
+    // A guest that drives a disk reads every sector back once more too.
+    let disk = reads.filter(|_| info["blk_writes"].as_u64().unwrap_or(0) > 0);
     let mut errors = None;
     poll_until(Duration::from_secs(60), || {
         let Ok(info) = f.api().get("vm.info") else {
             return false;
         };
-        if info["passes"].as_u64().unwrap_or(0) <= start {
+        let read = |key: &str| info[key].as_u64().unwrap_or(0);
+        if read("passes") <= start || disk.is_some_and(|r| read("blk_reads") <= r + DISK_SECTORS) {
             return false;
         }
-        errors = info["verify_errors"].as_u64();
+        errors = Some(read("verify_errors") + read("blk_errors"));
         true
     });
     errors
