@@ -453,6 +453,11 @@ impl Filling {
                 ));
             }
         }
+        // The disks' blocks so far made durable while the guest still runs at the source:
+        // the flush at `StateEnd` then holds only the last ones, inside the pause.
+        if let Some(disks) = &self.disks {
+            disks.sync()?;
+        }
         wire::write_message(stream, &Message::Synced)?;
         Ok(Event::Nothing)
     }

@@ -1,7 +1,7 @@
 //! `copy_storage` on the destination: the disks `Storage` names take their blocks from the
 //! stream, written to this host's disk in the same slot (the file or device its operator
-//! gave), which is locked here before `Ready`. They are flushed before the VM's state is
-//! loaded; a migration that fails before `Go` leaves them unused (the VM runs on at the
+//! gave), which is locked here before `Ready`. They are flushed before the source pauses
+//! (`Sync`) and again before the VM's state is loaded; a migration that fails before `Go` leaves them unused (the VM runs on at the
 //! source).
 
 use std::fs::File;
