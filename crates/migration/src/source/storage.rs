@@ -166,26 +166,24 @@ impl Session<'_> {
             });
             let DiskCopy { disks, buf, .. } = copy;
             for piece in read_run(&disks[index], buf, first, end)? {
-                let msg = match piece {
+                let sent = match piece {
                     Piece::Data { offset, len } => {
                         let start = (offset - first * DISK_BLOCK) as usize;
                         self.count_disk(|c| c.data_bytes += len as u64);
-                        Message::DiskData {
-                            disk: slot,
-                            offset,
-                            data: buf[start..start + len].to_vec(),
-                        }
+                        let data = &buf[start..start + len];
+                        wire::frame::write_disk_data(&mut self.stream, slot, offset, data)?
                     }
                     Piece::Zero { offset, len } => {
                         self.count_disk(|c| c.zero_bytes += len);
-                        Message::DiskZero {
+                        let zero = Message::DiskZero {
                             disk: slot,
                             offset,
                             len,
-                        }
+                        };
+                        wire::frame::write_message_counted(&mut self.stream, &zero)?
                     }
                 };
-                self.send_disk(msg)?;
+                self.count_disk_bytes(sent);
             }
         }
         Ok(())
@@ -194,9 +192,14 @@ impl Session<'_> {
     /// One disk message, paced and counted like pages.
     fn send_disk(&mut self, msg: Message) -> Result<()> {
         let bytes = wire::frame::write_message_counted(&mut self.stream, &msg)?;
+        self.count_disk_bytes(bytes);
+        Ok(())
+    }
+
+    /// A disk frame of `bytes` went: paced and counted like pages.
+    fn count_disk_bytes(&mut self, bytes: u64) {
         self.limiter.take(bytes);
         self.message_bytes += bytes;
-        Ok(())
     }
 
     fn count_disk(&mut self, add: impl FnOnce(&mut StorageCounts)) {

@@ -118,23 +118,36 @@ pub fn write_message(w: &mut impl Write, msg: &Message) -> Result<()> {
 
 /// `write_message`; the bytes the frame took on the wire.
 pub fn write_message_counted(w: &mut impl Write, msg: &Message) -> Result<u64> {
-    let payload = msg.encode();
-    let header = frame_header(KIND_CONTROL, 0, payload.len() as u32);
+    write_control(w, &msg.encode(), &[])
+}
+
+/// `DiskData` written from `data` where it lies (`Message::disk_data_head` and the data): a
+/// disk's blocks are not copied into a message first.
+pub fn write_disk_data(w: &mut impl Write, disk: u32, offset: u64, data: &[u8]) -> Result<u64> {
+    write_control(w, &Message::disk_data_head(disk, offset, data.len()), data)
+}
+
+/// A control frame whose payload is `head` followed by `tail`; the bytes it took.
+fn write_control(w: &mut impl Write, head: &[u8], tail: &[u8]) -> Result<u64> {
+    let len = head.len() + tail.len();
+    let header = frame_header(KIND_CONTROL, 0, len as u32);
     let mut crc = crc32fast::Hasher::new();
     crc.update(&header);
-    crc.update(&payload);
+    crc.update(head);
+    crc.update(tail);
     let trailer = crc.finalize().to_le_bytes();
     write_all_vectored(
         w,
         &mut [
             IoSlice::new(&header),
-            IoSlice::new(&payload),
+            IoSlice::new(head),
+            IoSlice::new(tail),
             IoSlice::new(&trailer),
         ],
     )?;
     w.flush()
         .map_err(|e| Error::transport("sending a control frame", e))?;
-    Ok((header.len() + payload.len() + trailer.len()) as u64)
+    Ok((header.len() + len + trailer.len()) as u64)
 }
 
 /// A frame as read: either a decoded control message or the start of a page frame, whose

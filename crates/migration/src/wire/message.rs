@@ -409,6 +409,17 @@ impl Message {
         e.0
     }
 
+    /// `DiskData`'s encoding up to its data, which follows it (`len` bytes): what
+    /// `frame::write_disk_data` sends in front of a disk's blocks.
+    pub fn disk_data_head(disk: u32, offset: u64, len: usize) -> Vec<u8> {
+        let mut e = Encoder(Vec::with_capacity(18));
+        e.u16(Kind::DiskData as u16);
+        e.u32(disk);
+        e.u64(offset);
+        e.u32(len as u32);
+        e.0
+    }
+
     pub fn decode(payload: &[u8]) -> Result<Self> {
         let mut d = Decoder { buf: payload };
         let msg = match Kind::of_tag(d.u16()?)? {
@@ -1127,6 +1138,19 @@ mod tests {
             assert_eq!(hex(&msg.encode()), want, "encoding of {}", msg.name());
             assert_eq!(Message::decode(&msg.encode()).unwrap(), msg);
         }
+    }
+
+    #[test]
+    fn disk_data_head_is_the_message_up_to_its_data() {
+        let data = vec![7u8; 1024];
+        let mut sent = Message::disk_data_head(2, 4096, data.len());
+        sent.extend_from_slice(&data);
+        let msg = Message::DiskData {
+            disk: 2,
+            offset: 4096,
+            data,
+        };
+        assert_eq!(sent, msg.encode());
     }
 
     #[test]
