@@ -18,7 +18,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fb import balloon as balloon_mod, devices, page, qemu, report, util  # noqa: E402
+from fb import balloon as balloon_mod, devices, page, qemu, report, storage, util  # noqa: E402
 from fb import links as links_mod  # noqa: E402
 from fb.ferry import VARIANTS as FERRY_VARIANTS, FerryPeer  # noqa: E402
 from fb.links import Link  # noqa: E402
@@ -400,6 +400,12 @@ PROFILES = {
         "forwarding": {"rates": (1000, 10000, 100000), "modes": (None, "precopy", "postcopy", "hybrid")},
         "block": (None, "precopy", "postcopy", "hybrid"),
     },
+    # A VM and its disk to a host with a disk of its own (`--copy-storage`; QEMU: mirror to NBD
+    # and migrate): an 8 GiB disk holding 2 GiB, and a 1 GiB one holding 256 MiB.
+    "storage": {
+        "links": [], "peers": ["ferry", "qemu"], "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
+        "storage": ((8192, 2048), (1024, 256)),
+    },
     # Many cores and a large guest (runs with only `ferry`, the guest image and python3: see
     # `make scale-kit`); --scale-memory, --scale-ws and --scale-vcpus shrink it to fit a host.
     "scale": {
@@ -501,6 +507,16 @@ def build():
             "qemu": qemu_line}
 
 
+def device_run(procs, work, kind, vmm, mode, rate):
+    """One run of a device profile's `kind`: `rate` is the forwarding's frames/s, or the
+    storage move's (disk MiB, used MiB)."""
+    if kind == "forwarding":
+        return devices.forwarding_run(procs, work, vmm, mode, rate)
+    if kind == "block":
+        return devices.block_run(procs, work, vmm, mode)
+    return storage.storage_run(procs, work, vmm, *rate)
+
+
 def save_partial(results, outdir):
     partial = os.path.join(outdir, "results.json.partial")
     with open(partial, "w") as f:
@@ -558,7 +574,7 @@ def run(args):
     results = {"started": started, "profile": args.profile, "repeats": repeats, "machine": machine(),
                "build": build(), "pin": {k: sorted(v) for k, v in util.PINNING.items()} or None,
                "links": {}, "boot": [], "dirty_logging": None, "scenarios": [], "forwarding": [],
-               "block": []}
+               "block": [], "storage": []}
     if args.profile == "balloon":
         results["balloon"] = {"memory": args.balloon_memory, "guest_words_left_out": sorted(
             {w for sc in profile["scenarios"] for w in sc["balloon"]["left_out"]})}
@@ -666,6 +682,7 @@ def run(args):
             runs = [("forwarding", mode, rate) for rate in (forwarding["rates"] if forwarding else ())
                     for mode in forwarding["modes"]]
             runs += [("block", mode, 0) for mode in profile.get("block", ())]
+            runs += [("storage", "precopy", size) for size in profile.get("storage", ())]
             for kind, mode, rate in runs:
                 names = [v for v in vmms if not (v == "qemu" and mode == "hybrid")]
                 kept = {v: ([], None) for v in names}
@@ -675,20 +692,21 @@ def run(args):
                         rows, error = kept[vmm]
                         said = "ok"
                         try:
-                            rows.append(devices.forwarding_run(procs, work, vmm, mode, rate)
-                                        if kind == "forwarding" else devices.block_run(procs, work, vmm, mode))
+                            rows.append(device_run(procs, work, kind, vmm, mode, rate))
                         except (BenchError, Exception) as e:  # noqa: BLE001 - recorded, run goes on
                             error = str(e).splitlines()[0][:300]
                             said = "FAILED: " + error
                             traceback.print_exc(file=sys.stderr)
                         kept[vmm] = (rows, error)
-                        print(f"  {kind} {vmm:5} {mode or 'no move':9} {rate or '':6} run "
+                        print(f"  {kind} {vmm:5} {mode or 'no move':9} {str(rate or ''):6} run "
                               f"{i + 1}/{repeats} {said}", file=sys.stderr)
-                metrics = report.FORWARDING if kind == "forwarding" else report.BLOCK
+                metrics = {"forwarding": report.FORWARDING, "block": report.BLOCK,
+                           "storage": storage.METRICS}[kind]
                 for vmm in names:
                     rows, error = kept[vmm]
+                    what = storage.sizes(*rate) if kind == "storage" else {"rate": rate or None}
                     results[kind].append({
-                        "vmm": vmm, "mode": mode or "none", "rate": rate or None, "runs": rows, "error": error,
+                        "vmm": vmm, "mode": mode or "none", **what, "runs": rows, "error": error,
                         "summary": {m: summarize([r.get(m) for r in rows]) for m in metrics}})
         finally:
             procs.stop_all()
@@ -710,7 +728,8 @@ def run(args):
         print(f"docs/benchmarks.md's tables rewritten from docs/benchmarks/{page.RAW_FILES[args.profile]}",
               file=sys.stderr)
     print(f"results: {outdir} ({', '.join(os.path.basename(w) for w in written)})", file=sys.stderr)
-    failed = any(e.get("error") for e in results["scenarios"] + results["forwarding"] + results["block"])
+    failed = any(e.get("error") for e in results["scenarios"] + results["forwarding"] + results["block"]
+                 + results["storage"])
     return 1 if failed else 0
 
 

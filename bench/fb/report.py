@@ -528,6 +528,8 @@ def markdown(results):
                       ("longest write gap ms", lambda r, s: fmt(s, "longest_write_gap_ms")),
                       ("wrong sectors", lambda r, s: fmt(s, "blk_errors", digits=0)),
                       ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2))])]
+    if results.get("storage"):
+        lines += storage_lines(results["storage"])
     if results.get("ratios"):
         lines += ["", "## ferry / QEMU (medians; < 1 means ferry is better)", "",
                   "| link | scenario | ferry | versus | total (destination's clock) | guest downtime (console ticks) "
@@ -538,6 +540,37 @@ def markdown(results):
             lines.append(f"| {r['link']} | {r['scenario']} | {r['ferry']} | {r['versus']} | {f(r['total_ms'])} | "
                          f"{f(r['serial_downtime_ms'])} | {f(r['downtime_ms'])} | {f(r['wire_bytes'])} |")
     return "\n".join(lines) + "\n"
+
+
+def storage_lines(rows):
+    """The storage profile's table (bench/fb/storage.py says how each figure is taken) and
+    ferry / QEMU."""
+    from . import storage
+    lines = ["", "## A VM and its disk to a host with a disk of its own", "",
+             "The guest stamps its disk's first MiB (`blk`, 2048 sectors) and writes 16 MiB of memory "
+             "while the disk (sparse, its data pseudo-random) moves with it to an empty target as "
+             "large: ferry by `--copy-storage`, QEMU by `blockdev-mirror` to the destination's NBD "
+             "export, then `migrate`. Both over the loopback of a namespace of their own; *link "
+             "bytes*: what that loopback received. *Total*: request to the destination running, "
+             "this host's clock. *Wrong sectors*: read back on the destination without their last "
+             "stamp.", "",
+             *device_table(rows, [
+                 ("disk MiB (data)", lambda r, s: f"{r['disk_mib']} ({r['used_mib']})"),
+                 ("VMM", lambda r, s: r["vmm"] + (f" (failed: {r['error']})" if r.get("error") else "")),
+                 ("total ms", lambda r, s: fmt(s, "total_ms")),
+                 ("of it mirror ms", lambda r, s: fmt(s, "mirror_ms")),
+                 ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2)),
+                 ("guest downtime ms", lambda r, s: fmt(s, "guest_downtime_ms", digits=2)),
+                 ("link bytes", lambda r, s: fmt(s, "link_bytes", digits=0)),
+                 ("wrong sectors", lambda r, s: fmt(s, "blk_errors", digits=0))])]
+    pairs = storage.ratios(rows)
+    if pairs:
+        f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        lines += ["", "ferry / QEMU, medians (< 1: ferry better):", "",
+                  "| disk MiB (data) | total | downtime (VMM) | link bytes |", "|---|---|---|---|"]
+        lines += [f"| {p['disk_mib']} ({p['used_mib']}) | {f(p['total_ms'])} | {f(p['downtime_ms'])} | "
+                  f"{f(p['link_bytes'])} |" for p in pairs]
+    return lines
 
 
 def move_cell(run, _summary):
