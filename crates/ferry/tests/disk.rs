@@ -30,21 +30,8 @@ fn disk_arg(path: &Path) -> String {
 
 /// A writer guest with the disk workload beside it, once it has been round its sectors.
 fn boot_with_disk(path: &Path) -> Ferry {
-    let guest = guest();
-    let arg = disk_arg(path);
     let cmdline = format!("write ws=16M seq verify blk blk_sectors={SECTORS}");
-    let vm = Ferry::start(&[
-        "--guest",
-        guest.to_str().unwrap(),
-        "--memory",
-        "256M",
-        "--cmdline",
-        &cmdline,
-        "--disk",
-        &arg,
-    ]);
-    vm.wait_info("a first round of the disk", T, |i| i.blk_writes >= SECTORS);
-    vm
+    Ferry::disk_writer(&cmdline, &disk_arg(path), SECTORS)
 }
 
 /// A disk in a fresh directory and a VM writing it (None where KVM is missing).

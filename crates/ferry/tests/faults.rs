@@ -409,24 +409,12 @@ fn sides_of_case(disks: Option<&Disks>, port: u16) -> (Ferry, Ferry) {
         src.wait_info("a first pass", Duration::from_secs(60), |i| i.passes >= 1);
         return (src, Ferry::incoming(&url));
     };
-    let guest = guest();
     let cmdline = format!(
         "write ws=32M seq verify blk blk_sectors={}",
         sides::DISK_SECTORS
     );
-    let src = Ferry::start(&[
-        "--guest",
-        guest.to_str().unwrap(),
-        "--memory",
-        "256M",
-        "--cmdline",
-        &cmdline,
-        "--disk",
-        &disks.source,
-    ]);
-    src.wait_info("a first pass", Duration::from_secs(60), |i| {
-        i.passes >= 1 && i.blk_writes >= sides::DISK_SECTORS
-    });
+    let src = Ferry::disk_writer(&cmdline, &disks.source, sides::DISK_SECTORS);
+    src.wait_info("a first pass", Duration::from_secs(60), |i| i.passes >= 1);
     let dst = Ferry::start(&["--incoming", &url, "--disk", &disks.target]);
     (src, dst)
 }

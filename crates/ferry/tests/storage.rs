@@ -10,7 +10,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use api::MigrationPhase;
+use api::{MigrationPhase, MigrationStatus};
 use common::relay::{Action, Point};
 use common::*;
 
@@ -71,24 +71,12 @@ fn boot_on(disk: &Path) -> Ferry {
 }
 
 fn boot_writing(disk: &Path, order: Order) -> Ferry {
-    let guest = guest();
     let words = match order {
         Order::InTurn => "blk",
         Order::Random => "blk_random",
     };
     let cmdline = format!("write ws=16M seq verify {words} blk_sectors={SECTORS} blk_rate=4000");
-    let vm = Ferry::start(&[
-        "--guest",
-        guest.to_str().unwrap(),
-        "--memory",
-        "256M",
-        "--cmdline",
-        &cmdline,
-        "--disk",
-        &disk_arg(disk),
-    ]);
-    vm.wait_info("a first round of the disk", T, |i| i.blk_writes >= SECTORS);
-    vm
+    Ferry::disk_writer(&cmdline, &disk_arg(disk), SECTORS)
 }
 
 /// Every sector read back once more on `vm` (from where it stands now), none wrong, and its
@@ -125,6 +113,24 @@ fn assert_rest_equal(source: &Path, target: &Path) {
     );
 }
 
+/// A guest writing its disk in `order` moves with it (`ferry migrate --copy-storage` and
+/// `args`) to a destination whose disk is `target`; the destination, and the source's report.
+fn move_with_disk(
+    source: &Path,
+    target: &Path,
+    order: Order,
+    args: &[&str],
+) -> (Ferry, MigrationStatus) {
+    let mut src = boot_writing(source, order);
+    let url = format!("tcp:127.0.0.1:{}", free_port());
+    let dst = Ferry::start(&["--incoming", &url, "--disk", &disk_arg(target)]);
+    let (report, ok, errors) = migrate(&src, &url, &[&["--copy-storage"], args].concat());
+    assert!(ok, "{errors}");
+    assert_eq!(report.phase, MigrationPhase::Completed);
+    assert!(src.wait_exit(T).success(), "the source let go");
+    (dst, report)
+}
+
 #[test]
 fn a_disk_moves_with_its_vm_to_a_host_with_a_disk_of_its_own() {
     if !kvm_available() {
@@ -132,13 +138,7 @@ fn a_disk_moves_with_its_vm_to_a_host_with_a_disk_of_its_own() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (source, target) = (source_disk(dir.path()), target_disk(dir.path()));
-    let mut src = boot_on(&source);
-    let url = format!("tcp:127.0.0.1:{}", free_port());
-    let dst = Ferry::start(&["--incoming", &url, "--disk", &disk_arg(&target)]);
-    let (report, ok, errors) = migrate(&src, &url, &["--copy-storage", "--checksum"]);
-    assert!(ok, "{errors}");
-    assert_eq!(report.phase, MigrationPhase::Completed);
-    assert!(src.wait_exit(T).success(), "the source let go");
+    let (dst, report) = move_with_disk(&source, &target, Order::InTurn, &["--checksum"]);
     let storage = report.storage.expect("the report counts the disk");
     assert_eq!((storage.disks, storage.disk_bytes), (1, DISK_BYTES));
     assert!(
@@ -169,13 +169,7 @@ fn random_writes_move_with_the_disk() {
     }
     let dir = tempfile::tempdir().unwrap();
     let (source, target) = (source_disk(dir.path()), target_disk(dir.path()));
-    let mut src = boot_writing(&source, Order::Random);
-    let url = format!("tcp:127.0.0.1:{}", free_port());
-    let dst = Ferry::start(&["--incoming", &url, "--disk", &disk_arg(&target)]);
-    let (report, ok, errors) = migrate(&src, &url, &["--copy-storage", "--connections", "2"]);
-    assert!(ok, "{errors}");
-    assert_eq!(report.phase, MigrationPhase::Completed);
-    assert!(src.wait_exit(T).success(), "the source let go");
+    let (dst, _) = move_with_disk(&source, &target, Order::Random, &["--connections", "2"]);
     assert_reads_right(&dst, 4 * SECTORS, "after the move");
     assert_rest_equal(&source, &target);
 }

@@ -178,6 +178,26 @@ impl Ferry {
         Ferry::start(&["--incoming", url])
     }
 
+    /// A 256 MiB guest running `cmdline` (a disk workload) on the disk `--disk disk` names,
+    /// once it has written `sectors` sectors.
+    pub fn disk_writer(cmdline: &str, disk: &str, sectors: u64) -> Ferry {
+        let guest = guest();
+        let vm = Ferry::start(&[
+            "--guest",
+            guest.to_str().unwrap(),
+            "--memory",
+            "256M",
+            "--cmdline",
+            cmdline,
+            "--disk",
+            disk,
+        ]);
+        vm.wait_info("a first round of the disk", Duration::from_secs(60), |i| {
+            i.blk_writes >= sectors
+        });
+        vm
+    }
+
     /// A one-vCPU, 1 GiB guest running `cmdline` that has finished its first pass.
     pub fn writer(cmdline: &str) -> Ferry {
         let ferry = Ferry::boot(VmSpec {
