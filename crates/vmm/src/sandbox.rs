@@ -262,12 +262,25 @@ pub fn enter_process(on: bool) -> Result<(), String> {
         return Ok(());
     }
     crate::memory::open_pagemap().map_err(|e| format!("sandbox: {e}"))?;
+    bound_malloc_arenas();
     install_sigsys_handler()?;
     for filter in [clone3_filter(), process_filter()] {
         seccompiler::apply_filter_all_threads(&filter)
             .map_err(|e| format!("sandbox: cannot install the seccomp filter: {e}"))?;
     }
     Ok(())
+}
+
+/// glibc's malloc bounds its arenas the first time it has more than a few: unless told the
+/// bound, it reads `/sys/devices/system/cpu/online` then, from whichever thread frees or
+/// allocates at that moment — a metrics or device thread, which may open no file, as often as
+/// any (seen as two refused `openat`s in a metrics thread's exit). Told the bound it would
+/// compute (8 arenas per core on 64-bit), it never reads the file.
+fn bound_malloc_arenas() {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let arenas = i32::try_from(cores * 8).unwrap_or(i32::MAX);
+    // SAFETY: mallopt takes a plain integer option, under malloc's own lock.
+    unsafe { libc::mallopt(libc::M_ARENA_MAX, arenas) };
 }
 
 /// Narrows the calling thread to the device threads' allow-list, when the sandbox is on.

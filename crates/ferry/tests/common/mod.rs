@@ -373,7 +373,10 @@ impl Drop for Ferry {
             .map(String::from)
             .collect();
         if !refused.is_empty() && !std::thread::panicking() {
-            panic!("the sandbox refused ferry's own work: {refused:?}");
+            panic!(
+                "the sandbox refused ferry's own work: {refused:?}\n{}",
+                self.stderr_text()
+            );
         }
     }
 }
