@@ -13,12 +13,17 @@ use crate::vm::{DeviceDescriptor, Migratable, VmDescriptor};
 
 /// Zeros are written in pieces of this size where a range cannot be discarded.
 const ZERO_CHUNK: u64 = 1 << 20;
+/// Write-back of what arrived is started every this many bytes: in large batches, so that
+/// the disk writes while more arrives and the flush before the pause finds little left.
+const WRITE_BACK_EVERY: u64 = 32 << 20;
 const SECTOR: u64 = 512;
 
 struct Target {
     slot: u32,
     file: File,
     bytes: u64,
+    /// Bytes written since write-back was last started.
+    unstarted: std::cell::Cell<u64>,
 }
 
 /// This host's disks that the stream fills.
@@ -57,7 +62,12 @@ impl DiskTargets {
                 .iter()
                 .zip(files)
                 .zip(sizes)
-                .map(|((&slot, file), bytes)| Target { slot, file, bytes })
+                .map(|((&slot, file), bytes)| Target {
+                    slot,
+                    file,
+                    bytes,
+                    unstarted: std::cell::Cell::new(0),
+                })
                 .collect(),
         ))
     }
@@ -85,17 +95,14 @@ impl DiskTargets {
         t.file
             .write_all_at(data, offset)
             .map_err(|e| Error::vm_caused(format!("writing disk {slot} at byte {offset}"), e))?;
-        // Write-back starts now, in the background, so that the flushes before and in the
-        // pause find little left to write (a hint: `sync` reports any failure).
-        // SAFETY: sync_file_range on a descriptor this value owns; it only starts write-back.
-        unsafe {
-            libc::sync_file_range(
-                t.file.as_raw_fd(),
-                offset as libc::off64_t,
-                data.len() as libc::off64_t,
-                libc::SYNC_FILE_RANGE_WRITE,
-            )
-        };
+        let unstarted = t.unstarted.get() + data.len() as u64;
+        t.unstarted.set(unstarted % WRITE_BACK_EVERY);
+        if unstarted >= WRITE_BACK_EVERY {
+            // A hint, in the background: `sync` reports any failure.
+            // SAFETY: sync_file_range on a descriptor this value owns (0, 0: the whole
+            // file); it only starts write-back.
+            unsafe { libc::sync_file_range(t.file.as_raw_fd(), 0, 0, libc::SYNC_FILE_RANGE_WRITE) };
+        }
         Ok(())
     }
 
