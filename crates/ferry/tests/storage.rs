@@ -174,6 +174,25 @@ fn random_writes_move_with_the_disk() {
     assert_rest_equal(&source, &target);
 }
 
+/// Warm: the guest pauses first and the whole disk goes in the pause, counted so.
+#[test]
+fn a_warm_move_takes_the_whole_disk_in_its_pause() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (source, target) = (source_disk(dir.path()), target_disk(dir.path()));
+    let (dst, report) = move_with_disk(&source, &target, Order::InTurn, &["--mode", "warm"]);
+    let storage = report.storage.expect("the report counts the disk");
+    let data_blocks = storage.data_bytes.div_ceil(64 * 1024);
+    assert!(
+        storage.blocks_in_pause >= data_blocks,
+        "every block went with the guest paused: {storage:?}"
+    );
+    assert_disk_verified(&dst, "after the warm move");
+    assert_rest_equal(&source, &target);
+}
+
 /// A destination that dies while the disk copies: the source runs on, on its own disk, and
 /// no write the guest made is lost; the target is left to its owner.
 #[test]

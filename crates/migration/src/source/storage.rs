@@ -126,15 +126,16 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// Sends the blocks of `sets` (one per disk); `paused`: the last ones, in the pause.
-    pub(super) fn send_disk_blocks(&mut self, sets: &[Bitmap], paused: bool) -> Result<()> {
+    /// Sends the blocks of `sets` (one per disk); `last`: the switch's last ones, which no
+    /// cancel interrupts (as the last pages).
+    pub(super) fn send_disk_blocks(&mut self, sets: &[Bitmap], last: bool) -> Result<()> {
         let Some(mut copy) = self.held.disks.take() else {
             return Ok(());
         };
         let sent = sets
             .iter()
             .enumerate()
-            .try_for_each(|(i, set)| self.send_disk_set(&mut copy, i, set, paused));
+            .try_for_each(|(i, set)| self.send_disk_set(&mut copy, i, set, last));
         self.held.disks = Some(copy);
         sent
     }
@@ -144,12 +145,14 @@ impl Session<'_> {
         copy: &mut DiskCopy<'_>,
         index: usize,
         set: &Bitmap,
-        paused: bool,
+        last: bool,
     ) -> Result<()> {
         let slot = copy.disks[index].slot;
+        // Warm sends everything with the guest paused; pre-copy only the last blocks.
+        let paused = self.is_paused();
         let mut blocks = set.iter().peekable();
         while let Some(first) = blocks.next() {
-            if !paused {
+            if !last {
                 self.check_continue()?;
             }
             let mut end = first + 1;
