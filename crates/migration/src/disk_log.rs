@@ -12,6 +12,8 @@ use crate::bitmap::Bitmap;
 
 /// Disks are logged and sent in blocks of this many bytes.
 pub const DISK_BLOCK: u64 = 64 << 10;
+/// Contiguous blocks sent in one message, at most (1 MiB).
+pub const RUN_BLOCKS: u64 = 16;
 
 pub struct BlockLog {
     words: Vec<AtomicU64>,

@@ -6,9 +6,11 @@
 
 use std::time::{Duration, Instant};
 
+use crate::bitmap::Bitmap;
+use crate::disk_log::{DISK_BLOCK, RUN_BLOCKS};
 use crate::error::Result;
-use crate::status::now_ns;
-use crate::vm::Migratable;
+use crate::status::{StorageCounts, now_ns};
+use crate::vm::{CopiedDisk, Migratable};
 
 /// The guest paused for the switch (or, warm and snapshot, for the whole copy).
 pub(super) struct Paused<'a> {
@@ -162,6 +164,55 @@ impl Drop for FreePageHints<'_> {
     }
 }
 
+/// The disks a migration copies, their writes logged until it ends (however it ends).
+pub(super) struct DiskCopy<'a> {
+    vm: &'a dyn Migratable,
+    pub disks: Vec<CopiedDisk>,
+    /// Blocks sent at least once, per disk: a block sent again counts as resent.
+    pub sent: Vec<Bitmap>,
+    /// Where a run of blocks is read to.
+    pub buf: Vec<u8>,
+}
+
+impl<'a> DiskCopy<'a> {
+    /// Logs the disks' writes from now on: a write made while a round reads is still caught.
+    pub fn start(vm: &'a dyn Migratable) -> Result<Self> {
+        let disks = vm.log_disk_writes()?;
+        let sent = disks.iter().map(|d| Bitmap::new(d.log.blocks())).collect();
+        Ok(Self {
+            vm,
+            disks,
+            sent,
+            buf: vec![0; (RUN_BLOCKS * DISK_BLOCK) as usize],
+        })
+    }
+
+    /// The slots of the disks that move, for `Storage`.
+    pub fn slots(&self) -> Vec<u32> {
+        self.disks.iter().map(|d| d.slot).collect()
+    }
+
+    /// What the figures start from.
+    pub fn counts(&self) -> StorageCounts {
+        StorageCounts {
+            disks: self.disks.len() as u32,
+            disk_bytes: self.disks.iter().map(|d| d.bytes).sum(),
+            ..StorageCounts::default()
+        }
+    }
+
+    /// The blocks written since the last take, per disk.
+    pub fn take_written(&self) -> Vec<Bitmap> {
+        self.disks.iter().map(|d| d.log.take()).collect()
+    }
+}
+
+impl Drop for DiskCopy<'_> {
+    fn drop(&mut self) {
+        self.vm.end_disk_logs();
+    }
+}
+
 /// Everything a migration holds on its VM.
 pub(super) struct Held<'a> {
     pub paused: Option<Paused<'a>>,
@@ -169,7 +220,7 @@ pub(super) struct Held<'a> {
     pub throttle: Throttle<'a>,
     pub hints: Option<FreePageHints<'a>>,
     /// The disks that move with the VM, their writes logged.
-    pub disks: Option<super::storage::DiskCopy<'a>>,
+    pub disks: Option<DiskCopy<'a>>,
 }
 
 impl<'a> Held<'a> {

@@ -8,65 +8,15 @@
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
+use super::guards::DiskCopy;
 use super::session::Session;
 use crate::bitmap::Bitmap;
-use crate::disk_log::DISK_BLOCK;
+use crate::disk_log::{DISK_BLOCK, RUN_BLOCKS};
 use crate::error::{Error, Result};
 use crate::status::StorageCounts;
-use crate::vm::{CopiedDisk, Migratable};
+use crate::vm::CopiedDisk;
 use crate::wire::{self, Message};
 use crate::zero::is_zero_page;
-
-/// Contiguous blocks sent in one message, at most (1 MiB).
-const RUN_BLOCKS: u64 = 16;
-
-/// The disks a migration copies, their writes logged until it ends (however it ends).
-pub(super) struct DiskCopy<'a> {
-    vm: &'a dyn Migratable,
-    disks: Vec<CopiedDisk>,
-    /// Blocks sent at least once, per disk: a block sent again counts as resent.
-    sent: Vec<Bitmap>,
-    buf: Vec<u8>,
-}
-
-impl<'a> DiskCopy<'a> {
-    /// Logs the disks' writes from now on: a write made while a round reads is still caught.
-    pub fn start(vm: &'a dyn Migratable) -> Result<Self> {
-        let disks = vm.log_disk_writes()?;
-        let sent = disks.iter().map(|d| Bitmap::new(d.log.blocks())).collect();
-        Ok(Self {
-            vm,
-            disks,
-            sent,
-            buf: vec![0; (RUN_BLOCKS * DISK_BLOCK) as usize],
-        })
-    }
-
-    /// The slots of the disks that move, for `Storage`.
-    pub fn slots(&self) -> Vec<u32> {
-        self.disks.iter().map(|d| d.slot).collect()
-    }
-
-    /// What the figures start from.
-    pub fn counts(&self) -> StorageCounts {
-        StorageCounts {
-            disks: self.disks.len() as u32,
-            disk_bytes: self.disks.iter().map(|d| d.bytes).sum(),
-            ..StorageCounts::default()
-        }
-    }
-
-    /// The blocks written since the last take, per disk.
-    pub fn take_written(&self) -> Vec<Bitmap> {
-        self.disks.iter().map(|d| d.log.take()).collect()
-    }
-}
-
-impl Drop for DiskCopy<'_> {
-    fn drop(&mut self) {
-        self.vm.end_disk_logs();
-    }
-}
 
 /// Blocks in `sets` (one per disk), in 4 KiB pages: what the policy weighs beside pages.
 pub(super) fn pending_pages(sets: &[Bitmap]) -> u64 {
