@@ -161,9 +161,13 @@ def qemu_move(vm, netns, target):
 MOVES = {"ferry": ferry_move, "qemu": qemu_move}
 
 
+def median(row, metric):
+    s = row["summary"].get(metric)
+    return s["median"] if s else None
+
+
 def ratios(rows):
     """ferry / QEMU medians per disk size, for the sizes both moved."""
-    from .report import median
     out = []
     for r in rows:
         if r["vmm"] != "ferry":
@@ -174,7 +178,7 @@ def ratios(rows):
             continue
         pair = {"disk_mib": r["disk_mib"], "used_mib": r["used_mib"]}
         for m in ("total_ms", "downtime_ms", "link_bytes"):
-            a, b = median(r["summary"], m), median(q["summary"], m)
+            a, b = median(r, m), median(q, m)
             pair[m] = a / b if a is not None and b else None
         out.append(pair)
     return out
