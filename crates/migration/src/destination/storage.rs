@@ -1,8 +1,8 @@
 //! `copy_storage` on the destination: the disks `Storage` names take their blocks from the
 //! stream, written to this host's disk in the same slot (the file or device its operator
 //! gave), which is locked here before `Ready`. They are flushed before the source pauses
-//! (`Sync`) and again before the VM's state is loaded; a migration that fails before `Go` leaves them unused (the VM runs on at the
-//! source).
+//! (`Sync`) and again before the VM's state is loaded; a migration that fails before `Go`
+//! leaves them unused (the VM runs on at the source).
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -41,7 +41,11 @@ impl DiskTargets {
                 )));
             }
             match described.devices.get(slot as usize) {
-                Some(DeviceDescriptor::Disk { sectors, .. }) => sizes.push(sectors * SECTOR),
+                // The VM's devices were checked equal to this host's (`check_devices`), so
+                // this is this host's disk's size too.
+                Some(DeviceDescriptor::Disk { sectors, .. }) => {
+                    sizes.push(sectors.saturating_mul(SECTOR));
+                }
                 Some(other) => {
                     return Err(Error::Protocol(format!(
                         "Storage names slot {slot}, which holds a {}, not a disk",
