@@ -7,6 +7,7 @@ import argparse
 import datetime
 import os
 import hashlib
+import shutil
 import json
 import platform
 import re
@@ -718,6 +719,13 @@ def run(args):
                  or args.balloon_memory != BALLOON_MEMORY or args.resume_memory != RESUME_MEMORY
                  or args.resume_stall_s != RESUME_STALL_S) and (
         not args.peers or profile.get("pick"))
+    if whole and args.profile == "storage":
+        # The storage page is written from its raw data, kept beside it.
+        shutil.copy(os.path.join(outdir, "results.json"), os.path.join(page.RAW, storage.RAW_FILE))
+        with open(os.path.join(page.RAW, storage.PAGE_FILE), "w") as f:
+            f.write(report.storage_page(results))
+        print(f"docs/benchmarks/{storage.PAGE_FILE} written from docs/benchmarks/{storage.RAW_FILE}",
+              file=sys.stderr)
     if whole and args.profile in page.RAW_FILES:
         # A whole run of a page's profile is what the results page cites.
         limits = {sc["name"]: sc["max_downtime_ms"] for sc in headline() + profile["scenarios"]}

@@ -5,6 +5,7 @@ import re
 import statistics
 import sys
 
+from . import storage
 from .util import summarize
 
 METRICS = ["total_ms", "total_ms_reported", "wire_bytes", "downtime_ms", "destination_downtime_ms", "guest_downtime_ms", "serial_downtime_ms", "bytes", "rounds",
@@ -545,7 +546,6 @@ def markdown(results):
 def storage_lines(rows):
     """The storage profile's table (bench/fb/storage.py says how each figure is taken) and
     ferry / QEMU."""
-    from . import storage
     lines = ["", "## A VM and its disk to a host with a disk of its own", "",
              "The guest stamps its disk's first MiB (`blk`, 2048 sectors) and writes 16 MiB of memory "
              "while the disk (sparse, its data pseudo-random) moves with it to an empty target as "
@@ -571,6 +571,40 @@ def storage_lines(rows):
         lines += [f"| {p['disk_mib']} ({p['used_mib']}) | {f(p['total_ms'])} | {f(p['downtime_ms'])} | "
                   f"{f(p['link_bytes'])} |" for p in pairs]
     return lines
+
+
+def storage_page(results):
+    """docs/benchmarks/storage.md: the storage profile's run (`results`), its provenance, its
+    table and what the medians say against the goal (0.7 of QEMU's total, no more bytes)."""
+    b, m = results["build"], results["machine"]
+    lines = ["# A VM and its disk to a host with a disk of its own (`--copy-storage`)", "",
+             "Written by `python3 bench/run.py --profile storage` from "
+             "[storage.json](storage.json), beside it.", "",
+             f"Run `{results['started']}`, {results['repeats']} runs per row, at "
+             f"{b['commit'][:7]}{' (tree changed)' if b.get('tree_changed') else ''}: ferry sha256 "
+             f"`{b['ferry_sha256'][:16]}…`, {b['qemu']}; {m['cpu']}, {m['cores']} cores, kernel "
+             f"{m['kernel']}, KVM {m['kvm']}. ferry runs with `--copy-storage` and no other flag; "
+             "QEMU (microvm) exports the destination's disk over NBD, mirrors onto it "
+             "(`blockdev-mirror sync=full copy-mode=write-blocking`), migrates once the mirror is "
+             "ready (downtime limit 300 ms, ferry's default), then cancels the job and stops the "
+             "export, as libvirt's `--copy-storage-all` does (bench/fb/storage.py)."]
+    lines += storage_lines(results["storage"])[2:]
+    goal = {"total_ms": 0.7, "link_bytes": 1.0}
+    said = []
+    for p in storage.ratios(results["storage"]):
+        size = f"{p['disk_mib']} MiB ({p['used_mib']} MiB of data)"
+        verdicts = [f"{name} {p[m]:.2f} of QEMU's ({'meets' if p[m] <= limit else 'misses'} the "
+                    f"goal of {limit})" for m, limit, name in
+                    (("total_ms", goal["total_ms"], "total"), ("link_bytes", goal["link_bytes"], "bytes"))
+                    if p[m] is not None]
+        said.append(f"- {size}: " + "; ".join(verdicts) + ".")
+    if said:
+        lines += ["", "Against the goal, by the medians above:", "", *said]
+    runs = [r for row in results["storage"] for r in row["runs"]]
+    wrong = sum(r.get("blk_errors") or 0 for r in runs)
+    unequal = sum(not r.get("target_equal") for r in runs)
+    lines += ["", f"{len(runs)} runs: {wrong} wrong sectors, {unequal} targets unlike their source."]
+    return "\n".join(lines) + "\n"
 
 
 def move_cell(run, _summary):

@@ -39,6 +39,8 @@ DISK = {
     "qemu": lambda path: ["-blockdev", f"driver=file,filename={path},node-name=disk0",
                           "-device", "virtio-blk-device,drive=disk0"],
 }
+# The run the results cite, and the page written from it (docs/benchmarks/).
+RAW_FILE, PAGE_FILE = "storage.json", "storage.md"
 METRICS = ["total_ms", "downtime_ms", "link_bytes", "blk_errors", "mirror_ms", "guest_downtime_ms"]
 
 
