@@ -1,6 +1,6 @@
-//! What `auto` learns from beside the frames a sender writes: how fast the connection's send
-//! queue drains (`QueueProbe`), and samples of a frame's pages packed with a codec it means to
-//! measure again while the frame goes plain (`Sample`).
+//! What `auto` learns from beside the frames a sender writes: how fast the connection
+//! delivers, window by window (`LinkProbe`), and samples of a frame's pages packed with a
+//! codec it means to measure again while the frame goes plain (`Sample`).
 
 use std::time::{Duration, Instant};
 
@@ -12,99 +12,96 @@ use crate::wire::codec::{Codec, Contexts};
 
 /// A send queue holding this much is busy: the link, not the sender, sets the pace.
 const BUSY_QUEUE: u64 = 256 * 1024;
-/// A drain sample spans at least this long: a short span can catch a burst (loopback, a
-/// shaper's bucket) far above the link's rate.
-const MIN_SPAN: Duration = Duration::from_millis(1);
-
-/// A window of drain samples in which the receiver's window held TCP back for more than this
-/// share of the time measured the receiver (writing into memory it first touches, or sharing
+/// A window of the link's delivery that the receiver's window held TCP back for more than
+/// this share of measured the receiver (writing into memory it first touches, or sharing
 /// the sender's cores), not the link: the receiver would take packed pages no sooner.
 const RECEIVER_BOUND: f64 = 0.5;
-/// How long a window of drain samples lasts before it is judged: TCP counts the time the
-/// receiver held it back in jiffies (up to 4 ms each), so a window spans several.
+/// How long a window of delivery lasts before it is judged: long beside a shaper's burst
+/// (a token bucket lets one through far above the link's rate) and beside TCP's count of the
+/// time the receiver held it back, in jiffies of up to 4 ms.
 const WINDOW: Duration = Duration::from_millis(32);
-/// Drain samples held back at most per window (one per frame sent; a window holds far fewer).
-const WINDOW_SAMPLES: usize = 64;
 
-/// A handle on a sender's connection, to see how fast its send queue drains.
-pub(super) struct QueueProbe {
-    stream: Stream,
-    /// The last look: when, bytes drained so far, bytes still queued.
-    last: Option<(Instant, u64, u64)>,
-    /// The window being gathered: when it began, how long TCP had been held back by the
-    /// receiver's window by then, and its drain samples, held until the window is judged.
-    window: Option<(Instant, Duration)>,
-    pending: Vec<f64>,
+/// What one window showed of the link.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkSample {
+    /// Bytes per second the connection delivered through the window (the peer took them).
+    pub rate: f64,
+    /// Whether the link set that pace: the send queue stayed busy through the window and the
+    /// receiver did not hold TCP back. Otherwise the sender (or the receiver) did, and the
+    /// rate is only a floor under the link's.
+    pub saturated: bool,
 }
 
-impl QueueProbe {
+/// A handle on a sender's connection, to see how fast it delivers.
+pub(super) struct LinkProbe {
+    stream: Stream,
+    window: Option<Window>,
+}
+
+/// The window being gathered.
+struct Window {
+    began: Instant,
+    /// Bytes delivered by then.
+    delivered: u64,
+    /// How long TCP had been held back by the receiver's window by then.
+    held_back: Option<Duration>,
+    /// Whether every look so far found the send queue busy.
+    busy: bool,
+}
+
+impl LinkProbe {
     pub fn new(stream: Stream) -> Self {
         Self {
             stream,
-            last: None,
             window: None,
-            pending: Vec::new(),
         }
     }
 
-    /// Hands `learn` the link's drain rates (bytes/s) measured so far, `written` bytes having
-    /// gone into the queue: one per look that the queue stayed busy since the one before
-    /// (otherwise the link may have idled), given once their window is judged not bound by
-    /// the receiver (`RECEIVER_BOUND`; on a stream that is not TCP, every one). True when
-    /// this look judged a window the receiver's.
-    pub fn look(&mut self, written: u64, learn: impl FnMut(f64)) -> bool {
-        if let Some(rate) = self.drain_rate(written)
-            && self.pending.len() < WINDOW_SAMPLES
-        {
-            self.pending.push(rate);
-        }
-        self.judge_window(learn)
-    }
-
-    /// The drain rate since the last look, when the queue stayed busy through it.
-    fn drain_rate(&mut self, written: u64) -> Option<f64> {
+    /// A look after a frame, `written` bytes having gone into the connection so far: once
+    /// the window has lasted `WINDOW`, what it showed of the link, and the next one begins.
+    pub fn look(&mut self, written: u64) -> Option<LinkSample> {
         let queued = self.stream.unsent() as u64;
         let now = Instant::now();
-        let drained = written.saturating_sub(queued);
-        let mut rate = None;
-        if let Some((then, drained_then, queued_then)) = self.last {
-            let span = now.duration_since(then);
-            if span < MIN_SPAN && queued >= BUSY_QUEUE {
-                // Too short to tell a rate from a burst: the next look measures from `then`.
-                return None;
-            }
-            if queued_then >= BUSY_QUEUE && queued >= BUSY_QUEUE && drained > drained_then {
-                rate = Some((drained - drained_then) as f64 / span.as_secs_f64());
-            }
+        let delivered = written.saturating_sub(queued);
+        let busy = queued >= BUSY_QUEUE;
+        let Some(w) = self.window.as_mut() else {
+            self.begin(now, delivered, busy);
+            return None;
+        };
+        w.busy &= busy;
+        let span = now.duration_since(w.began);
+        if span < WINDOW {
+            return None;
         }
-        self.last = Some((now, drained, queued));
-        rate
+        let span = span.as_secs_f64();
+        // TCP is asked only here: a look comes once per frame sent.
+        let held_back = self.stream.receiver_limited();
+        let receiver_bound = match (held_back, w.held_back) {
+            (Some(now), Some(then)) => {
+                now.saturating_sub(then).as_secs_f64() > RECEIVER_BOUND * span
+            }
+            _ => false,
+        };
+        let sample = LinkSample {
+            rate: delivered.saturating_sub(w.delivered) as f64 / span,
+            saturated: w.busy && busy && !receiver_bound,
+        };
+        self.window = Some(Window {
+            began: now,
+            delivered,
+            held_back,
+            busy,
+        });
+        Some(sample)
     }
 
-    /// Once the window has lasted `WINDOW`, gives its samples to `learn` unless the receiver
-    /// held TCP back for most of it (then true), and starts the next. TCP is asked only then:
-    /// this runs once per frame sent.
-    fn judge_window(&mut self, learn: impl FnMut(f64)) -> bool {
-        let now = Instant::now();
-        if let Some((began, _)) = self.window
-            && now.duration_since(began) < WINDOW
-        {
-            return false;
-        }
-        let Some(held_back) = self.stream.receiver_limited() else {
-            self.pending.drain(..).for_each(learn);
-            return false;
-        };
-        let Some((began, held_back_then)) = self.window.replace((now, held_back)) else {
-            return false;
-        };
-        let span = now.duration_since(began).as_secs_f64();
-        if held_back.saturating_sub(held_back_then).as_secs_f64() > RECEIVER_BOUND * span {
-            self.pending.clear();
-            return true;
-        }
-        self.pending.drain(..).for_each(learn);
-        false
+    fn begin(&mut self, now: Instant, delivered: u64, busy: bool) {
+        self.window = Some(Window {
+            began: now,
+            delivered,
+            held_back: self.stream.receiver_limited(),
+            busy,
+        });
     }
 }
 
@@ -146,8 +143,8 @@ mod tests {
     use std::net::{TcpListener, TcpStream};
 
     /// A receiver slower than the link (one writing into memory it first touches) drains the
-    /// send queue at its own pace: that is not the link's rate, and `auto` must not price
-    /// plain frames by it (it compressed for a link plain moved sooner).
+    /// send queue at its own pace: that is no measure of the link (only a floor under it), and
+    /// `auto` must not price plain frames by it (it compressed for a link plain moved sooner).
     #[test]
     fn a_slow_receiver_is_not_taken_for_the_link() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -163,7 +160,7 @@ mod tests {
             }
         });
         tx.set_nonblocking(true).unwrap();
-        let mut probe = QueueProbe::new(Stream::Tcp(tx.try_clone().unwrap()));
+        let mut probe = LinkProbe::new(Stream::Tcp(tx.try_clone().unwrap()));
         let chunk = vec![7u8; 64 * 1024];
         let (mut written, mut busy_looks, mut rates) = (0u64, 0, Vec::new());
         let mut last_drained = 0;
@@ -182,7 +179,7 @@ mod tests {
                 busy_looks += 1;
             }
             last_drained = drained;
-            probe.look(written, |rate| rates.push(rate));
+            rates.extend(probe.look(written));
         }
         drop(tx);
         drop(probe);
@@ -191,9 +188,10 @@ mod tests {
             busy_looks > 10,
             "the queue stayed busy and drained: {busy_looks} looks"
         );
+        assert!(!rates.is_empty(), "no window judged");
         assert!(
-            rates.is_empty(),
-            "the receiver's pace taken for the link: {rates:?}"
+            rates.iter().all(|s| !s.saturated),
+            "the receiver's pace taken for the link's: {rates:?}"
         );
     }
 }

@@ -8,6 +8,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use super::auto::LinkSample;
 use crate::wire::codec::Codec;
 
 /// One batch's outcome, as `Chooser` learns from it.
@@ -33,8 +34,12 @@ pub struct BatchCost {
 /// the two sets the pace; `cores` threads compress side by side (`--migration-threads`), or
 /// a connection's share of the host's cores where the migration's compressing threads
 /// outnumber them.
-/// Plain is never tried: its time is `raw / link`, known from the link's rate, which every
-/// batch measures; a plain batch sent to measure it only moved more bytes.
+/// Plain's time is `raw / link`, from the link's rate, which every window of delivery
+/// measures while plain is the pick. While a codec is, the sender sets the pace and the
+/// windows show only a floor under the link's rate: plain's whole batches go for one window
+/// now and then (`PlainProbe`), so that a rate measured low (in a stall, or by a receiver
+/// busy with memory it first touches) does not keep a codec the pick on a link that plain
+/// fills sooner.
 /// Every `PROBE_EVERY` batches (every `WARM_PROBE_EVERY` until each codec has
 /// `WARM_MEASURES` measures) it tries the codec it has measured least recently (at first: the
 /// least often), so a change in the data or the link is seen, and no first batch unlike the
@@ -50,16 +55,16 @@ pub struct BatchCost {
 #[derive(Debug, Default)]
 pub struct Chooser {
     measures: CodecMeasures,
-    /// Bytes per second the link took: the median of the last `LINK_WINDOW` samples of what
-    /// the send queue drained while it stayed busy (`learn_link`), or, before the first such
-    /// sample, an EWMA of bytes written ÷ time the write held the sender (which a large
-    /// socket buffer hides at first), until the receiver is seen to set the pace.
+    /// Bytes per second the link takes: the most of the windows kept (`learn_link`), or,
+    /// before the first window, an EWMA of bytes written ÷ time the write held the sender
+    /// (which a large socket buffer hides at first).
     link: Option<f64>,
-    /// The latest drain samples, newest last.
-    drained: VecDeque<f64>,
-    /// Whether the receiver, not the link, has set the pace of a stretch of drains: a write's
-    /// time then measures the receiver too, and no longer stands in for the link's rate.
-    receiver_bound: bool,
+    /// The delivery rates of the latest windows kept (at most `LINK_WINDOWS`), newest last.
+    windows: VecDeque<f64>,
+    /// Whether a window has been judged: from then on windows alone give the link's rate.
+    windowed: bool,
+    /// When plain goes for a window while a codec is the pick.
+    probe: PlainProbe,
     /// Cores compressing this sender's batches side by side (0: one, the sender itself); less
     /// than one where the migration's threads outnumber the host's cores.
     cores: f64,
@@ -154,8 +159,53 @@ pub const SAMPLE_SHARE: usize = 16;
 /// A link at least this fast moves a page in a few microseconds, near what copying it out
 /// for the delta cache costs: plain frames go straight from guest memory there.
 const IN_PLACE_LINK: f64 = 500e6;
-/// How many of the latest drain samples the link's rate is the median of.
-const LINK_WINDOW: usize = 16;
+/// How many windows the link's rate is the most of.
+const LINK_WINDOWS: usize = 16;
+/// While a codec is the pick, plain goes for one window after this many windows, then after
+/// twice as many each time the codec stays the pick, up to `PLAIN_PROBE_LAST`.
+const PLAIN_PROBE_FIRST: u32 = 8;
+const PLAIN_PROBE_LAST: u32 = 256;
+
+/// A window of plain batches now and then while a codec is the pick: the windows sent with a
+/// codec show how fast the sender packs, not how fast the link goes, and plain's time is the
+/// link's. The wait doubles while the probes find the codec sooner (on a slow link, a
+/// window of plain moves fewer pages than the codec would), and starts over once plain wins.
+#[derive(Debug)]
+struct PlainProbe {
+    /// Windows to wait between probes.
+    every: u32,
+    /// Windows waited since the last one.
+    waited: u32,
+    /// Whether this window is a probe.
+    on: bool,
+}
+
+impl Default for PlainProbe {
+    fn default() -> Self {
+        Self {
+            every: PLAIN_PROBE_FIRST,
+            waited: 0,
+            on: false,
+        }
+    }
+}
+
+impl PlainProbe {
+    /// A window ended, after which `codec_best` says whether a codec is the pick.
+    fn after_window(&mut self, codec_best: bool) {
+        if !codec_best {
+            *self = Self::default();
+        } else if std::mem::take(&mut self.on) {
+            self.every = (self.every * 2).min(PLAIN_PROBE_LAST);
+        } else {
+            self.waited += 1;
+            if self.waited >= self.every {
+                self.waited = 0;
+                self.on = true;
+            }
+        }
+    }
+}
 /// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
 
@@ -204,6 +254,14 @@ impl Chooser {
         }
         let mut m = self.measures.lock();
         m.batches += 1;
+        if self.probe.on {
+            let batch = m.batches;
+            m.last_used[Codec::None.index()] = batch;
+            return Pick {
+                send: Codec::None,
+                sample: None,
+            };
+        }
         m.forget_stale_plain_pace();
         // Measure every codec once first, then keep each estimate fresh. A pick counts as a
         // use at once: with packer threads it is learned from only batches later.
@@ -329,7 +387,7 @@ impl Chooser {
             let n = m.paced[i];
             m.pace[i] = average(m.pace[i], cycle.as_secs_f64() / b.raw_bytes as f64, n);
         }
-        if self.drained.is_empty() && !self.receiver_bound {
+        if !self.windowed {
             let w = b.write_time.as_secs_f64().max(1e-7);
             let rate = b.packed_bytes as f64 / w;
             self.link = Some(self.link.map_or(rate, |l| l + EWMA_NEW * (rate - l)));
@@ -373,39 +431,37 @@ impl Chooser {
         self.local || self.link.is_some_and(|l| l >= IN_PLACE_LINK)
     }
 
-    /// The receiver set the pace of the latest drains (`QueueProbe`): from now on the link's
-    /// rate is learned from drains alone, never from how long writes took.
-    pub fn receiver_set_the_pace(&mut self) {
-        self.receiver_bound = true;
-    }
-
-    /// A measured drain rate of the link (bytes/s), taken while data waited in the send queue.
-    /// A sample falls short of the link where the receiver stalled (on the same cores, or
-    /// writing into memory it first touches), and overshoots it where a shaper's bucket let a
-    /// burst through: the link's rate is the median of the recent ones. (An average of them
-    /// fell far below a fast link in stalls, and `auto` then compressed what plain moved
-    /// sooner; the most of them overshot a shaped link, and `auto` sent it plain frames it
-    /// did not carry sooner.) Samples taken while TCP said the receiver held it back never
-    /// come here (`QueueProbe`): they measure the receiver, which packed pages do not help.
-    pub fn learn_link(&mut self, bytes_per_s: f64) {
-        if self.drained.len() == LINK_WINDOW {
-            self.drained.pop_front();
+    /// What a window of delivery showed (`LinkProbe`). The link's rate is the most of the
+    /// latest windows kept, as BBR keeps its bottleneck bandwidth: a stall (the sender
+    /// descheduled, the receiver on the same cores) pulls one window down, not the rate, and
+    /// a link that slows is seen once its windows fill the filter. A window the link did not
+    /// saturate (the sender or the receiver set its pace) shows only a floor under the rate:
+    /// it is kept only where it is above it.
+    pub fn learn_link(&mut self, sample: LinkSample) {
+        self.windowed = true;
+        if sample.saturated || self.link.is_none_or(|l| sample.rate > l) {
+            if self.windows.len() == LINK_WINDOWS {
+                self.windows.pop_front();
+            }
+            self.windows.push_back(sample.rate);
+            self.link = self.windows.iter().copied().reduce(f64::max);
         }
-        self.drained.push_back(bytes_per_s);
-        // On the stack: this runs once per frame sent.
-        let mut sorted = [0.0; LINK_WINDOW];
-        let n = self.drained.len();
-        for (slot, &rate) in sorted.iter_mut().zip(&self.drained) {
-            *slot = rate;
-        }
-        sorted[..n].sort_unstable_by(f64::total_cmp);
-        self.link = Some(sorted[n / 2]);
+        let codec_best = !self.local && self.best() != Codec::None;
+        self.probe.after_window(codec_best);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A window the link saturated at `rate` bytes/s.
+    fn busy(rate: f64) -> LinkSample {
+        LinkSample {
+            rate,
+            saturated: true,
+        }
+    }
 
     fn cost(codec: Codec, ratio: f64, speed_mb: f64, link_mb: f64) -> BatchCost {
         let raw = 4 << 20;
@@ -437,15 +493,15 @@ mod tests {
             trained(125.0, [(1.0, 2000.0), (1.0, 800.0)]).best(),
             Codec::None
         );
-        // The send queue's drain rate overrides write times (which a socket buffer makes
+        // A window's delivery rate overrides write times (which a socket buffer makes
         // look like an infinitely fast link).
         let mut buffered = trained(5000.0, text);
-        buffered.learn_link(125e6);
+        buffered.learn_link(busy(125e6));
         assert_eq!(buffered.best(), Codec::Zstd);
     }
 
     /// A receiver that sets the pace (writing into memory it first touches) makes writes
-    /// block as long as it takes: once drains showed it, that is not the link's rate, and
+    /// block as long as it takes: once a window showed it, that is not the link's rate, and
     /// plain frames are not priced by it (`auto` compressed for a link plain moved sooner).
     #[test]
     fn writes_held_up_by_the_receiver_do_not_set_the_links_rate() {
@@ -456,7 +512,10 @@ mod tests {
             }
         };
         let mut told = trained(2000.0, text);
-        told.receiver_set_the_pace();
+        told.learn_link(LinkSample {
+            rate: 50e6,
+            saturated: false,
+        });
         held_up(&mut told);
         assert_eq!(told.best(), Codec::None);
         // Not told, the writes' 50 MB/s stands for the link, and a codec wins.
@@ -492,7 +551,7 @@ mod tests {
     #[test]
     fn a_first_batch_unlike_the_data_is_soon_outweighed() {
         let mut c = Chooser::default();
-        c.learn_link(60e6);
+        c.learn_link(busy(60e6));
         for _ in 0..3 {
             c.pick(true);
         }
@@ -610,26 +669,116 @@ mod tests {
         }
     }
 
-    /// A drain sample falls short of the link's rate when the receiver stalls, and overshoots
-    /// it in a shaper's burst: a few such do not change the link's rate, but a link that
-    /// stays slow is seen within `LINK_WINDOW` samples.
+    /// A window falls short of the link's rate in a stall: fewer than `LINK_WINDOWS` such do
+    /// not change the link's rate, but a link that stays slow is seen once they fill the
+    /// filter. A window the link did not saturate is a floor: it raises the rate, never
+    /// lowers it.
     #[test]
-    fn stalls_and_bursts_do_not_change_the_links_rate() {
+    fn stalls_do_not_change_the_links_rate_and_floors_only_raise_it() {
         let text = [(0.45, 900.0), (0.3, 400.0)];
-        let drains = |c: &mut Chooser, rate: f64, n: usize| (0..n).for_each(|_| c.learn_link(rate));
+        let windows = |c: &mut Chooser, rate: f64, saturated: bool, n: usize| {
+            (0..n).for_each(|_| c.learn_link(LinkSample { rate, saturated }))
+        };
         let mut c = trained(5000.0, text);
-        drains(&mut c, 5000e6, LINK_WINDOW);
+        windows(&mut c, 5000e6, true, 1);
         assert_eq!(c.best(), Codec::None);
-        drains(&mut c, 40e6, 4);
+        windows(&mut c, 40e6, true, LINK_WINDOWS - 1);
         assert_eq!(c.best(), Codec::None, "a stall");
-        drains(&mut c, 40e6, LINK_WINDOW - 4);
+        windows(&mut c, 40e6, true, 1);
         assert_ne!(c.best(), Codec::None, "a slow link");
-        // On a 125 MB/s link where zstd is the pick, bursts read at 380 MB/s leave it so.
+        let mut floors = trained(5000.0, text);
+        windows(&mut floors, 5000e6, true, 1);
+        windows(&mut floors, 40e6, false, 4 * LINK_WINDOWS);
+        assert_eq!(floors.best(), Codec::None, "the sender set the pace");
         let mut slow = trained(125.0, text);
-        drains(&mut slow, 125e6, LINK_WINDOW);
+        windows(&mut slow, 125e6, true, 1);
         assert_eq!(slow.best(), Codec::Zstd);
-        drains(&mut slow, 380e6, 4);
-        assert_eq!(slow.best(), Codec::Zstd, "a burst");
+        windows(&mut slow, 5000e6, false, 1);
+        assert_eq!(
+            slow.best(),
+            Codec::None,
+            "plain went faster than the rate known"
+        );
+    }
+
+    /// Windows of `per_window` batches each on a link of `link_mb` MB/s with codecs of
+    /// (ratio, MB/s on one core) for lz4 and zstd: a window of plain batches saturates the
+    /// link; one with a codec delivers what the codec packs (a floor, unless that fills the
+    /// link). Returns the codec of each window's last batch.
+    fn windows_on(c: &mut Chooser, link_mb: f64, codecs: [(f64, f64); 2], n: usize) -> Vec<Codec> {
+        let of = |codec: Codec| match codec {
+            Codec::None => (1.0, f64::INFINITY),
+            Codec::Lz4 => codecs[0],
+            Codec::Zstd => codecs[1],
+        };
+        let batch = |codec: Codec| {
+            let (ratio, speed) = of(codec);
+            cost(
+                codec,
+                ratio,
+                if speed.is_finite() { speed } else { 0.0 },
+                link_mb,
+            )
+        };
+        let mut last = Vec::new();
+        for _ in 0..n {
+            let mut output: f64 = link_mb;
+            let mut sent = Codec::None;
+            for _ in 0..8 {
+                let p = c.pick(true);
+                c.learn(batch(p.send));
+                if let Some(tried) = p.sample {
+                    let b = batch(tried);
+                    c.learn_sample(tried, b.raw_bytes, b.packed_bytes, b.compress_time);
+                }
+                let (ratio, speed) = of(p.send);
+                output = output.min(speed * ratio);
+                sent = p.send;
+            }
+            c.learn_link(LinkSample {
+                rate: output * 1e6,
+                saturated: output >= link_mb,
+            });
+            last.push(sent);
+        }
+        last
+    }
+
+    /// The lock `auto` had (a 10 Gbit link, runs of 881 and 785 ms against ~170): a stall
+    /// while the link's rate was first measured made it look slow, a codec became the pick,
+    /// the sender packing set the pace from then on, and no window could show the link was
+    /// faster. Plain's window now and then shows it, and plain becomes the pick.
+    #[test]
+    fn a_rate_measured_in_a_stall_does_not_lock_a_codec_in() {
+        let text = [(0.45, 900.0), (0.3, 400.0)];
+        let mut c = trained(1250.0, text);
+        c.learn_link(busy(60e6));
+        assert_ne!(
+            c.best(),
+            Codec::None,
+            "the stall's rate makes a codec the pick"
+        );
+        let sent = windows_on(&mut c, 1250.0, text, 32);
+        let plain_from = sent.iter().position(|&s| s == Codec::None);
+        assert!(
+            plain_from.is_some_and(|w| w <= PLAIN_PROBE_FIRST as usize + 1),
+            "locked: {sent:?}"
+        );
+        assert_eq!(c.best(), Codec::None);
+        assert!(sent.ends_with(&[Codec::None; 8]), "{sent:?}");
+    }
+
+    /// Where a codec is the pick by right (a 1 Gbit link), plain's windows come ever more
+    /// seldom: five in 300 windows (about ten seconds), and the codec stays the pick.
+    #[test]
+    fn plain_probes_grow_rare_while_a_codec_wins() {
+        let text = [(0.45, 900.0), (0.3, 400.0)];
+        let mut c = trained(125.0, text);
+        c.learn_link(busy(125e6));
+        let sent = windows_on(&mut c, 125.0, text, 300);
+        let plain = sent.iter().filter(|&&s| s == Codec::None).count();
+        assert!((1..=5).contains(&plain), "{plain} plain windows: {sent:?}");
+        assert_eq!(c.best(), Codec::Zstd);
     }
 
     /// `b` as the sender saw it: `ms_per_mb` of its whole time per MB.
@@ -656,7 +805,7 @@ mod tests {
             "each codec on one whole batch in all: {first:?}"
         );
         for lane in &mut lanes {
-            lane.learn_link(125e6);
+            lane.learn_link(busy(125e6));
         }
         for _ in 0..WARM_MEASURES {
             lanes[0].learn(cost(Codec::None, 1.0, 0.0, 125.0));
@@ -675,7 +824,7 @@ mod tests {
         assert_eq!(tries.len(), 4, "{picks:?}");
         // A chooser on measures of its own, on the same link, learned nothing of the codecs.
         let mut alone = Chooser::default();
-        alone.learn_link(125e6);
+        alone.learn_link(busy(125e6));
         assert_eq!(alone.best(), Codec::None);
     }
 
@@ -743,7 +892,7 @@ mod tests {
         let quiet: Vec<Pick> = (0..PROBE_EVERY).map(|_| c.pick(false)).collect();
         assert!(quiet.iter().all(|p| *p == plain), "{quiet:?}");
         // A slow link and text-like data: a codec wins; the others go on whole batches.
-        c.learn_link(125e6);
+        c.learn_link(busy(125e6));
         for _ in 0..4 {
             c.learn(cost(Codec::Lz4, 0.45, 900.0, 125.0));
             c.learn_sample(Codec::Zstd, 1 << 20, 315_000, Duration::from_micros(6000));
@@ -775,7 +924,7 @@ mod tests {
     fn a_close_second_is_tried_often() {
         // lz4 the pick, zstd expected 26 % later (7.2 ms per MB against 5.7).
         let mut c = trained(118.0, [(0.63, 175.0), (0.49, 139.0)]);
-        c.learn_link(118e6);
+        c.learn_link(busy(118e6));
         assert_eq!(c.best(), Codec::Lz4);
         let sent: Vec<Codec> = (0..PROBE_EVERY * 4).map(|_| c.pick(true).send).collect();
         let count = |codec| sent.iter().filter(|&&s| s == codec).count();
@@ -783,7 +932,7 @@ mod tests {
         assert_eq!(count(Codec::None), 0, "{sent:?}");
         // Far apart, the second waits its turn like the third.
         let mut far = trained(118.0, [(0.63, 175.0), (0.49, 57.5)]);
-        far.learn_link(118e6);
+        far.learn_link(busy(118e6));
         for _ in 0..3 {
             far.pick(true); // the first try of each
         }

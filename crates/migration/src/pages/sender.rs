@@ -2,12 +2,12 @@
 //! A plain frame goes straight from guest memory (`in_place`); a compressed or delta frame is
 //! copied out first (`gather`), packed on this thread or on packer threads (`packers`), and
 //! leaves in the order it was gathered. `auto` picks each frame's codec (`Chooser`) from what
-//! the frames, samples and the send queue show (`auto`).
+//! the frames, samples and the link's delivery show (`auto`).
 
 use std::io::{IoSlice, Write};
 use std::time::{Duration, Instant};
 
-use super::auto::{QueueProbe, Sample};
+use super::auto::{LinkProbe, Sample};
 use super::deltas::DeltaCache;
 use super::in_place::{full_pages, write_in_place};
 use super::packers::{FrameBufs, Packed, Packers, pack};
@@ -80,8 +80,8 @@ pub struct PageSender {
     delta: Option<DeltaCache>,
     /// `auto`'s sample of a frame's pages.
     sample: Sample,
-    /// For `auto`: how fast the connection's send queue drains.
-    queue: Option<QueueProbe>,
+    /// For `auto`: how fast the connection delivers.
+    link: Option<LinkProbe>,
     /// When the last frame of this run of frames was written (`None` after a flush).
     last_written: Option<Instant>,
     /// Time spent measuring samples since that write: not the batch's own cost.
@@ -104,16 +104,16 @@ impl PageSender {
             packers: None,
             delta: None,
             sample: Sample::default(),
-            queue: None,
+            link: None,
             last_written: None,
             sampling: Duration::ZERO,
         }
     }
 
-    /// Lets `auto` (set before) time the link by how fast `stream`'s send queue drains.
-    pub fn with_queue_probe(mut self, stream: Option<Stream>) -> Self {
+    /// Lets `auto` (set before) time the link by how fast `stream` delivers.
+    pub fn with_link_probe(mut self, stream: Option<Stream>) -> Self {
         if self.compression == Compression::Auto {
-            self.queue = stream.map(QueueProbe::new);
+            self.link = stream.map(LinkProbe::new);
         }
         self
     }
@@ -363,12 +363,8 @@ impl PageSender {
                 cost.cycle = since.map(|t| (now - t).saturating_sub(sampling));
             }
             self.chooser.learn(cost);
-            // The link's drain rate while the send queue stayed busy.
-            if let Some(queue) = self.queue.as_mut() {
-                let chooser = &mut self.chooser;
-                if queue.look(self.counters.bytes, |rate| chooser.learn_link(rate)) {
-                    chooser.receiver_set_the_pace();
-                }
+            if let Some(sample) = self.link.as_mut().and_then(|l| l.look(self.counters.bytes)) {
+                self.chooser.learn_link(sample);
             }
         }
     }

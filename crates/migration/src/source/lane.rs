@@ -199,7 +199,7 @@ impl Lane {
 
 /// Connection `lane`'s page sender and its rate limiter, as `params` ask (each connection
 /// takes its share of the bandwidth limit, the delta cache and the compressing threads);
-/// `auto` times the link by `stream`'s send queue (or sends plain to a receiver on this host
+/// `auto` times the link by how fast `stream` delivers (or sends plain to a receiver on this host
 /// where no limit holds the link), and its packers count their CPU in `cpu`.
 pub(super) fn page_sender(
     params: &MigrationParams,
@@ -221,7 +221,7 @@ pub(super) fn page_sender(
     let pages = if params.max_bandwidth_mbps.is_none() && stream.peer_on_this_host() {
         pages.to_a_peer_on_this_host()
     } else {
-        pages.with_queue_probe(stream.try_clone().ok())
+        pages.with_link_probe(stream.try_clone().ok())
     };
     (pages, limiter)
 }
