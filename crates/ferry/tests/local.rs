@@ -140,7 +140,14 @@ fn stand_in(listener: UnixListener, until: Until) -> JoinHandle<usize> {
         if let Until::Files = until {
             return files;
         }
-        wire::write_message(&mut s, &Message::Ready { postcopy: false }).unwrap();
+        wire::write_message(
+            &mut s,
+            &Message::Ready {
+                postcopy: false,
+                host: None,
+            },
+        )
+        .unwrap();
         while !matches!(
             wire::read_message(&mut s).unwrap(),
             Message::StateEnd { .. }

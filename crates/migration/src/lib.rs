@@ -5,7 +5,7 @@
 //! gate, snapshot files). Beside them the pure parts: `policy`, `prepaging`, `ratelimit`;
 //! and what both sides share: guest `memory`, page sets (`bitmap`), the `zero` check, `scan`,
 //! `params`, `status` (published on a `board`, summed in `totals`, with `buckets` for
-//! histograms), the `vm` trait.
+//! histograms), which `host` each end runs on, the `vm` trait.
 //!
 //! It knows nothing of KVM: it drives a VM through the `Migratable` trait, which the KVM VM
 //! implements and tests implement with plain memory.
@@ -18,6 +18,7 @@ pub mod cpu;
 pub mod destination;
 pub mod disk_log;
 pub mod error;
+pub mod host;
 pub mod io;
 pub mod memory;
 pub mod pages;

@@ -1052,7 +1052,14 @@ fn fake_destination(
     use migration::wire::{self, Frame, Message};
     scripted_destination(move |s| {
         wire::read_message(s).unwrap(); // Hello
-        wire::write_message(s, &Message::Ready { postcopy: false }).unwrap();
+        wire::write_message(
+            s,
+            &Message::Ready {
+                postcopy: false,
+                host: None,
+            },
+        )
+        .unwrap();
         loop {
             match wire::read_frame(s).unwrap() {
                 Frame::Message(Message::StateEnd { .. }) => break,
@@ -1559,7 +1566,14 @@ fn a_connection_that_dies_mid_round_fails_the_migration_and_the_source_runs_on()
             panic!("Hello first")
         };
         assert_eq!(connections, 2);
-        migration::wire::write_message(&mut main, &Message::Ready { postcopy: false }).unwrap();
+        migration::wire::write_message(
+            &mut main,
+            &Message::Ready {
+                postcopy: false,
+                host: None,
+            },
+        )
+        .unwrap();
         let (mut lane, _) = listener.accept().unwrap();
         migration::wire::read_stream_header(&mut lane).unwrap();
         let joined = migration::wire::read_message(&mut lane).unwrap();
@@ -1649,7 +1663,10 @@ fn breaking_destination(
                 break;
             }
             let answer = match msg {
-                Message::Hello { .. } => Message::Ready { postcopy: true },
+                Message::Hello { .. } => Message::Ready {
+                    postcopy: true,
+                    host: None,
+                },
                 Message::Sync { .. } => Message::Synced,
                 Message::Stale { .. } => Message::StaleDropped,
                 Message::StateEnd { .. } => Message::Loaded {

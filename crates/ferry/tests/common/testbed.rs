@@ -83,6 +83,12 @@ impl Testbed {
         ip_in(&self.switch, &["addr", "add", cidr, "dev", "gen"]);
     }
 
+    /// Gives host `i`'s bridge the address `cidr`: the hosts reach each other through the
+    /// switch, as two machines on one LAN do.
+    pub fn address_host(&self, i: usize, cidr: &str) {
+        ip_in(&self.hosts[i], &["addr", "add", cidr, "dev", "br0"]);
+    }
+
     /// Whether the guest at `ip` answers: a UDP datagram to a port nobody listens on comes
     /// back as ICMP port-unreachable from its kernel (a connected socket's `recv` fails with
     /// ConnectionRefused). Up to `tries` tries, a second each: the first may wait for ARP,

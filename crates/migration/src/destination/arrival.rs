@@ -106,6 +106,11 @@ impl Hello {
         self.version >= wire::frame::STORAGE_SINCE
     }
 
+    /// Whether the source reads which host this is in `Ready`.
+    pub fn reads_host(&self) -> bool {
+        self.version >= wire::frame::HOST_SINCE
+    }
+
     /// Checks that the VM built for this stream (`built` describes it) has its RAM and vCPUs
     /// where the stream says, and devices that can take the place of the VM's: before `Ready`,
     /// so that a destination that cannot take the VM refuses it before any page crosses.

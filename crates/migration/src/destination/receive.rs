@@ -117,6 +117,7 @@ impl Receiver<'_> {
                 stream,
                 &Message::Ready {
                     postcopy: postcopy::supported(),
+                    host: hello.reads_host().then(crate::host::this_host).flatten(),
                 },
             )?;
         }

@@ -454,16 +454,10 @@ impl Stream {
         }
     }
 
-    /// Whether the other end runs on this host: a Unix socket, or TCP between two addresses
-    /// of this host (the same address on both ends, or loopback).
-    pub fn peer_on_this_host(&self) -> bool {
-        let Some(tcp) = self.tcp() else {
-            return matches!(self, Stream::Unix(_));
-        };
-        match (tcp.local_addr(), tcp.peer_addr()) {
-            (Ok(here), Ok(there)) => here.ip() == there.ip() || there.ip().is_loopback(),
-            _ => false,
-        }
+    /// Whether the other end runs on this host by the stream's kind alone: a Unix socket.
+    /// (Over TCP, the destination says which host it is: `Ready`.)
+    pub fn is_local_socket(&self) -> bool {
+        matches!(self, Stream::Unix(_))
     }
 
     /// Bytes written but not yet sent by the kernel (socket send queue); 0 for files.
@@ -781,19 +775,6 @@ mod tests {
             let e = bad.parse::<Endpoint>().unwrap_err().to_string();
             assert!(e.contains("not a migration address"), "{bad}: {e}");
         }
-    }
-
-    /// A Unix socket's and a loopback TCP connection's other end runs on this host; a
-    /// snapshot file has none.
-    #[test]
-    fn tells_a_peer_on_this_host() {
-        let (a, _b) = UnixStream::pair().unwrap();
-        assert!(Stream::Unix(a).peer_on_this_host());
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let tcp = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        assert!(Stream::Tcp(tcp).peer_on_this_host());
-        let file = SnapshotFile::Plain(tempfile::tempfile().unwrap());
-        assert!(!Stream::File(file).peer_on_this_host());
     }
 
     /// What came and was not read is seen without reading it, on a socket and over TCP.

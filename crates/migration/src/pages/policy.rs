@@ -59,8 +59,8 @@ pub struct Chooser {
     /// before the first window, an EWMA of bytes written ÷ time the write held the sender
     /// (which a large socket buffer hides at first).
     link: Option<f64>,
-    /// The delivery rates of the latest windows kept (at most `LINK_WINDOWS`), newest last.
-    windows: VecDeque<f64>,
+    /// The latest windows kept (at most `LINK_WINDOWS`), newest last.
+    windows: VecDeque<LinkSample>,
     /// Whether a window has been judged: from then on windows alone give the link's rate.
     windowed: bool,
     /// When plain goes for a window while a codec is the pick.
@@ -70,8 +70,8 @@ pub struct Chooser {
     cores: f64,
     /// The best pick at the last batch (its changes are logged).
     last_best: Option<Codec>,
-    /// The receiver runs on this host (`for_a_peer_on_this_host`): every batch goes plain.
-    local: bool,
+    /// The receiver runs on this host (`for_a_peer_on_this_host`): batches go plain (`local`).
+    same_host: bool,
 }
 
 /// What `auto` has measured of each codec on one migration's pages, shared by its
@@ -225,11 +225,27 @@ impl Chooser {
     }
 
     /// A chooser for a receiver on this host. Its cores are this sender's: a page packed here
-    /// is unpacked there, on the same cores, and the bytes saved cross no wire, so every batch
-    /// goes plain, straight from guest memory (the link is as fast as a copy).
+    /// is unpacked there, on the same cores, so batches go plain, straight from guest memory
+    /// (`local`).
     pub fn for_a_peer_on_this_host(mut self) -> Self {
-        self.local = true;
+        self.same_host = true;
         self
+    }
+
+    /// Whether this chooser is for a receiver on this host.
+    pub fn is_for_a_peer_on_this_host(&self) -> bool {
+        self.same_host
+    }
+
+    /// Whether every batch goes plain and nothing is measured of the codecs: the receiver is
+    /// on this host, and no window has shown the link itself full below `IN_PLACE_LINK` (a
+    /// shaped or slow path between namespaces). A window that measured only a floor (the
+    /// sender or the receiver set its pace) shows the cores, which packing would only load
+    /// more.
+    fn local(&self) -> bool {
+        self.same_host
+            && !(self.link.is_some_and(|l| l < IN_PLACE_LINK)
+                && self.windows.iter().any(|w| w.saturated))
     }
 
     /// A chooser that learns the codecs with (and from) every other chooser on `measures`.
@@ -246,7 +262,7 @@ impl Chooser {
     /// The codec for the next batch, and one to measure on a sample of it (only when
     /// `may_sample`: the batch has page data, and no one waits for it alone).
     pub fn pick(&mut self, may_sample: bool) -> Pick {
-        if self.local {
+        if self.local() {
             return Pick {
                 send: Codec::None,
                 sample: None,
@@ -376,7 +392,7 @@ impl Chooser {
     /// A batch that went on the wire: the codec's ratio and speed, and the link's rate.
     pub fn learn(&mut self, b: BatchCost) {
         // A receiver on this host gets plain whatever is measured: nothing to learn.
-        if b.raw_bytes == 0 || self.local {
+        if b.raw_bytes == 0 || self.local() {
             return;
         }
         self.learn_codec(b.codec, b.raw_bytes, b.packed_bytes, b.compress_time);
@@ -428,7 +444,7 @@ impl Chooser {
     /// time on the wire. On a slower link the copy is a small part of it, and a page sent
     /// again goes as its delta — in the pause above all, where its wire time is downtime.
     pub fn plain_goes_in_place(&self) -> bool {
-        self.local || self.link.is_some_and(|l| l >= IN_PLACE_LINK)
+        self.local() || self.link.is_some_and(|l| l >= IN_PLACE_LINK)
     }
 
     /// What a window of delivery showed (`LinkProbe`). The link's rate is the most of the
@@ -443,10 +459,10 @@ impl Chooser {
             if self.windows.len() == LINK_WINDOWS {
                 self.windows.pop_front();
             }
-            self.windows.push_back(sample.rate);
-            self.link = self.windows.iter().copied().reduce(f64::max);
+            self.windows.push_back(sample);
+            self.link = self.windows.iter().map(|w| w.rate).reduce(f64::max);
         }
-        let codec_best = !self.local && self.best() != Codec::None;
+        let codec_best = !self.local() && self.best() != Codec::None;
         self.probe.after_window(codec_best);
     }
 }
@@ -829,8 +845,10 @@ mod tests {
     }
 
     /// A receiver on this host gets every batch plain, straight from guest memory, whatever
-    /// the link and the codecs measure: here a link that the receiver's own stalls would
-    /// show at 125 MB/s, where a receiver elsewhere would get zstd.
+    /// the codecs measure and whatever the windows paced by the shared cores show: here a
+    /// link that the receiver's own stalls would show at 125 MB/s, where a receiver
+    /// elsewhere would get zstd. A link the windows show full below `IN_PLACE_LINK` is one
+    /// the bytes saved cross.
     #[test]
     fn a_peer_on_this_host_gets_plain_pages_in_place() {
         let text = [(0.45, 900.0), (0.3, 400.0)];
@@ -847,6 +865,19 @@ mod tests {
             "no codec, no sample"
         );
         assert!(here.plain_goes_in_place());
+        // Windows the sender or the receiver paced (the shared cores) leave it plain...
+        for _ in 0..LINK_WINDOWS {
+            here.learn_link(LinkSample {
+                rate: 125e6,
+                saturated: false,
+            });
+        }
+        assert!((0..64).all(|_| here.pick(true) == plain));
+        // ...one the link itself filled at 125 MB/s (a shaped path between namespaces) does
+        // not: the bytes saved cross a slow link there.
+        here.learn_link(busy(125e6));
+        assert!((0..64).any(|_| here.pick(true).send != Codec::None));
+        assert!(!here.plain_goes_in_place());
     }
 
     /// A chooser that has seen four batches of each codec: (ratio, MB/s) for lz4 and zstd.

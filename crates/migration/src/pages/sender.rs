@@ -120,9 +120,13 @@ impl PageSender {
 
     /// Tells `auto` the receiver runs on this host over a link no limit holds: it sends plain
     /// (`Chooser::for_a_peer_on_this_host`).
-    pub fn to_a_peer_on_this_host(mut self) -> Self {
+    pub fn to_a_peer_on_this_host(&mut self) {
         self.chooser = std::mem::take(&mut self.chooser).for_a_peer_on_this_host();
-        self
+    }
+
+    /// Whether `auto` was told the receiver runs on this host.
+    pub fn goes_to_this_host(&self) -> bool {
+        self.chooser.is_for_a_peer_on_this_host()
     }
 
     /// Sends re-sent pages as deltas of their last copy, keeping the last `pages` copies

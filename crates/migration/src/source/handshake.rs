@@ -9,6 +9,7 @@ use super::lane;
 use super::machine::Event;
 use super::session::Session;
 use crate::error::{Error, Result};
+use crate::host::HostId;
 use crate::wire::{self, Message, StreamMode};
 
 /// What the handshake settled, for the phases after it.
@@ -78,7 +79,11 @@ impl Session<'_> {
                 round_trip: None,
             });
         }
-        let peer_postcopy = self.hear_ready()?;
+        let (peer_postcopy, peer_host) = self.hear_ready()?;
+        if peer_host.is_some() && peer_host == crate::host::this_host() {
+            // Before the extra connections open: they learn it from this one.
+            lane::to_this_host(self.params, &mut self.pages);
+        }
         if self.params.mode.wants_postcopy() && !peer_postcopy {
             return Err(Error::Param(
                 "the destination cannot take post-copy (no userfaultfd there)".into(),
@@ -152,8 +157,8 @@ impl Session<'_> {
         }
     }
 
-    /// The destination's `Ready`: whether it can take post-copy.
-    fn hear_ready(&mut self) -> Result<bool> {
+    /// The destination's `Ready`: whether it can take post-copy, and which host it is on.
+    fn hear_ready(&mut self) -> Result<(bool, Option<HostId>)> {
         // A cancel now closes the connection (see `Controls::handshake`); one that came
         // before is seen here.
         *self.controls.handshake.locked() = self.stream.try_clone().ok();
@@ -170,8 +175,12 @@ impl Session<'_> {
             });
         *self.controls.handshake.locked() = None;
         self.cancel_closes(&self.stream);
-        let postcopy = matches!(ready?, Message::Ready { postcopy: true });
+        let (postcopy, host) = match ready? {
+            Message::Ready { postcopy, host } => (postcopy, host),
+            // The state machine (`check_continue`'s step) lets nothing else through.
+            _ => (false, None),
+        };
         self.status.destination_supports_postcopy = Some(postcopy);
-        Ok(postcopy)
+        Ok((postcopy, host))
     }
 }

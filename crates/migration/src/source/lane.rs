@@ -199,12 +199,13 @@ impl Lane {
 
 /// Connection `lane`'s page sender and its rate limiter, as `params` ask (each connection
 /// takes its share of the bandwidth limit, the delta cache and the compressing threads);
-/// `auto` times the link by how fast `stream` delivers (or sends plain to a receiver on this host
-/// where no limit holds the link), and its packers count their CPU in `cpu`.
+/// `auto` times the link by how fast `stream` delivers (and sends plain to a receiver on this
+/// host, `same_host`, where no limit holds the link), and its packers count their CPU in `cpu`.
 pub(super) fn page_sender(
     params: &MigrationParams,
     lane: u32,
     stream: &Stream,
+    same_host: bool,
     cpu: &CpuMeter,
 ) -> (PageSender, RateLimiter) {
     let limiter = RateLimiter::new(
@@ -218,12 +219,19 @@ pub(super) fn page_sender(
         .with_packers(params.packers_of(lane), cpu)
         .with_compress_cores(params.compress_cores_of(lane, host_cores))
         .with_delta_cache(delta_cache_pages(params));
-    let pages = if params.max_bandwidth_mbps.is_none() && stream.peer_on_this_host() {
-        pages.to_a_peer_on_this_host()
-    } else {
-        pages.with_link_probe(stream.try_clone().ok())
-    };
+    let mut pages = pages.with_link_probe(stream.try_clone().ok());
+    if same_host {
+        to_this_host(params, &mut pages);
+    }
     (pages, limiter)
+}
+
+/// Tells `pages` its receiver runs on this host, unless a bandwidth limit holds the link: a
+/// limited link is priced like any other.
+pub(super) fn to_this_host(params: &MigrationParams, pages: &mut PageSender) {
+    if params.max_bandwidth_mbps.is_none() {
+        pages.to_a_peer_on_this_host();
+    }
 }
 
 /// Each connection's share of the delta cache, in pages.

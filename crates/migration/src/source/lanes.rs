@@ -33,7 +33,8 @@ impl Session<'_> {
             wire::write_stream_header(&mut stream)?;
             wire::write_message(&mut stream, &Message::Join { session, lane })?;
             self.cancel_closes(&stream);
-            let (pages, limiter) = page_sender(self.params, lane, &stream, &self.cpu);
+            let same_host = self.pages.goes_to_this_host();
+            let (pages, limiter) = page_sender(self.params, lane, &stream, same_host, &self.cpu);
             let pages = pages.with_codec_measures(&measures);
             self.lanes.push(Lane::new(stream, pages, limiter));
         }

@@ -111,7 +111,10 @@ mod tests {
     }
 
     /// The destination's answers every conversation below hears.
-    static READY: Message = Message::Ready { postcopy: true };
+    static READY: Message = Message::Ready {
+        postcopy: true,
+        host: None,
+    };
     static LOADED: Message = Message::Loaded {
         memory_checksum: None,
     };
@@ -231,7 +234,10 @@ mod tests {
                 .contains("unexpected Loaded while the source was in AwaitReady")
         );
         // Go before the destination loaded the state: never.
-        let ready = Message::Ready { postcopy: false };
+        let ready = Message::Ready {
+            postcopy: false,
+            host: None,
+        };
         let e = run(vec![
             Event::Heard(&ready),
             Event::GoSent { postcopy: false },

@@ -123,7 +123,8 @@ impl Session<'_> {
         // What never landed is not counted as sent: the destination checks the total.
         let sent = self.pages.counters.full + self.pages.counters.zero;
         self.pages_lost = sent.saturating_sub(received);
-        let (mut pages, limiter) = lane::page_sender(self.params, 0, &stream, &self.cpu);
+        let same_host = self.pages.goes_to_this_host();
+        let (mut pages, limiter) = lane::page_sender(self.params, 0, &stream, same_host, &self.cpu);
         pages.counters = self.pages.counters;
         self.pages = pages;
         self.limiter = limiter;

@@ -102,7 +102,8 @@ impl<'a> Session<'a> {
     ) -> Self {
         let ram = vm.ram();
         let cpu = CpuMeter::default();
-        let (pages, limiter) = lane::page_sender(params, 0, &stream, &cpu);
+        let local = stream.is_local_socket();
+        let (pages, limiter) = lane::page_sender(params, 0, &stream, local, &cpu);
         Self {
             vm,
             sent_once: Bitmap::new(ram.gfn_end()),

@@ -15,7 +15,7 @@ use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
-pub const VERSION: u32 = 15;
+pub const VERSION: u32 = 16;
 /// The oldest stream version this ferry still reads: a source writes the oldest version that
 /// carries everything its stream will hold, so that builds of different versions can still
 /// hand a VM over (live update both ways) while the messages that stream uses keep their bytes.
@@ -27,6 +27,8 @@ pub const LOCAL_SINCE: u32 = 10;
 pub const CONFIG_SINCE: u32 = 14;
 /// The first version whose streams carry `Storage` after `Config`, and disk blocks.
 pub const STORAGE_SINCE: u32 = 15;
+/// The first version whose destinations say in `Ready` which host they run on.
+pub const HOST_SINCE: u32 = 16;
 pub const STREAM_HEADER_LEN: usize = 16;
 pub const FRAME_HEADER_LEN: usize = 8;
 
@@ -266,7 +268,7 @@ mod tests {
     fn golden_stream_header() {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
-        assert_eq!(h, b"FERRYMIG\x0f\0\0\0\0\0\0\0");
+        assert_eq!(h, b"FERRYMIG\x10\0\0\0\0\0\0\0");
     }
 
     #[test]
@@ -283,7 +285,7 @@ mod tests {
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
         assert!(
-            e.to_string().contains("version 15"),
+            e.to_string().contains("version 16"),
             "names both versions: {e}"
         );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();

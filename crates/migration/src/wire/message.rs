@@ -5,6 +5,7 @@
 
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
+use crate::host::HostId;
 use crate::memory::RamRange;
 use crate::vm::{DeviceDescriptor, VmDescriptor};
 
@@ -78,8 +79,12 @@ pub enum Message {
         /// Names this migration to its extra connections (random; 0 when there are none).
         session: u64,
     },
-    /// Destination → source: the VM is built, send pages; whether it can take post-copy.
-    Ready { postcopy: bool },
+    /// Destination → source: the VM is built, send pages; whether it can take post-copy, and
+    /// (in streams of version `HOST_SINCE` on) which host it runs on, where it knows.
+    Ready {
+        postcopy: bool,
+        host: Option<HostId>,
+    },
     /// Source → destination: round `round` is complete.
     RoundEnd { round: u32, pages: u64 },
     /// Source → destination: one vCPU's state (versioned by the VMM).
@@ -312,7 +317,13 @@ impl Message {
                 e.u32(*connections);
                 e.u64(*session);
             }
-            Message::Ready { postcopy } => e.bool(*postcopy),
+            Message::Ready { postcopy, host } => {
+                e.bool(*postcopy);
+                // Absent, not a flag: builds before `HOST_SINCE` read a bool and nothing else.
+                if let Some(host) = host {
+                    e.0.extend_from_slice(host);
+                }
+            }
             Message::RoundEnd { round, pages } => {
                 e.u32(*round);
                 e.u64(*pages);
@@ -432,6 +443,10 @@ impl Message {
             },
             Kind::Ready => Message::Ready {
                 postcopy: d.bool()?,
+                host: match d.buf.len() {
+                    0 => None,
+                    _ => Some(d.take(16)?.try_into().expect("16 bytes")),
+                },
             },
             Kind::RoundEnd => Message::RoundEnd {
                 round: d.u32()?,
@@ -966,7 +981,20 @@ mod tests {
                  03 0200000000000000 01 00 05000000 0700000001000000 \
                  01 0100000066 02000000 5500000000000000",
             ),
-            (Message::Ready { postcopy: true }, "020001"),
+            (
+                Message::Ready {
+                    postcopy: true,
+                    host: None,
+                },
+                "020001",
+            ),
+            (
+                Message::Ready {
+                    postcopy: false,
+                    host: Some([0xab; 16]),
+                },
+                "020000abababababababababababababababab",
+            ),
             (
                 Message::RoundEnd { round: 3, pages: 5 },
                 "0300030000000500000000000000",
@@ -1130,8 +1158,8 @@ mod tests {
         let all = golden();
         assert_eq!(
             all.len(),
-            39,
-            "a golden example per message (Config with and without)"
+            40,
+            "a golden example per message (Config and Ready with and without)"
         );
         for (msg, bytes) in all {
             let want: String = bytes.split_whitespace().collect();
