@@ -30,10 +30,25 @@ impl Vmm {
     }
 
     fn start_allowing(dir: &Path, name: &str, disks: &Path) -> Vmm {
+        Self::spawn(Command::new(FERRY), dir, name, disks)
+    }
+
+    /// A VMM on a host of its own as far as files go: in a mount namespace where `own` is
+    /// what `path` names (as two hosts each hold a disk at the same path).
+    fn start_with_file_at(dir: &Path, name: &str, path: &Path, own: &Path) -> Vmm {
+        let mut command = Command::new("unshare");
+        command
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(r#"mount --bind "$1" "$2" && shift 2 && exec "$@""#)
+            .args(["sh", own.to_str().unwrap(), path.to_str().unwrap(), FERRY]);
+        Self::spawn(command, dir, name, dir)
+    }
+
+    fn spawn(mut command: Command, dir: &Path, name: &str, disks: &Path) -> Vmm {
         let socket = dir.join(format!("{name}.sock"));
         let events = dir.join(format!("{name}.events"));
         let metrics = dir.join(format!("{name}.metrics"));
-        let child = Command::new(FERRY)
+        let child = command
             .arg("ch")
             .arg("--api-socket")
             .arg(format!("path={}", socket.display()))
@@ -812,6 +827,61 @@ fn a_migrated_vm_brings_its_config_and_reboots_there() {
     dst.ok("PUT", "vm.reboot", None);
     wait_for_text(&pty, "ferry-guest: e820");
     verifies(&dst, "after a reboot where it arrived");
+}
+
+/// `vm.send-migration` with `copy_storage` (ferry's extension): the disk moves in the stream
+/// to the destination's own disk at the same path (here, a mount namespace holds another file
+/// there), the guest reads every sector it wrote back right there (`verifies`), and the rest
+/// of it equals the source's; the source's file is left as the source had it.
+#[test]
+fn a_disk_moves_with_its_vm_through_the_profile() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (disk, target) = (dir.path().join("disk.img"), dir.path().join("target.img"));
+    // The guest stamps the first sectors, which must read zero until it has; data after them.
+    let workload = (SECTORS * 512) as usize;
+    let data: Vec<u8> = (0..4u32 << 20)
+        .map(|i| match i as usize {
+            i if i < workload => 0,
+            i => (i.wrapping_mul(2654435761) >> 24) as u8 | 1,
+        })
+        .collect();
+    std::fs::write(&disk, &data).unwrap();
+    std::fs::write(&target, vec![0xEE; data.len()]).unwrap();
+    let src = Vmm::start(dir.path(), "src");
+    let mut vm = config(&format!(
+        "write ws=16M seq verify blk blk_sectors={SECTORS}"
+    ));
+    vm["disks"] = json!([{"path": disk}]);
+    src.ok("PUT", "vm.create", Some(vm));
+    src.ok("PUT", "vm.boot", None);
+    verifies(&src, "before the move");
+
+    let dst = Vmm::start_with_file_at(dir.path(), "dst", &disk, &target);
+    let url = format!("unix:{}", dir.path().join("m.sock").display());
+    let receiver = receive(&dst, json!({"receiver_url": url}));
+    src.ok(
+        "PUT",
+        "vm.send-migration",
+        Some(json!({"destination_url": url, "copy_storage": true})),
+    );
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
+    verifies(&dst, "after the move, reading its own disk");
+    let disks = &dst.ok("GET", "vm.info", None)["config"]["disks"];
+    assert_eq!(disks[0]["path"], disk.to_str().unwrap(), "{disks}");
+    let arrived = std::fs::read(&target).unwrap();
+    assert!(
+        arrived[workload..] == data[workload..],
+        "the disk beyond what the guest writes arrived as the source had it"
+    );
+    let left = std::fs::read(&disk).unwrap();
+    assert!(
+        left[workload..] == data[workload..],
+        "the source's disk is its own"
+    );
 }
 
 /// `src`'s VM moved to a new VMM `name` in `dir` that allows files beneath `allow`.
