@@ -5,8 +5,9 @@ use std::sync::OnceLock;
 
 /// A host's identity: a hash of its kernel's boot id, which every process under one running
 /// kernel shares (in any namespace: a destination behind a veth in a namespace of its own is
-/// on this host all the same), and no other host's does. Hashed, so that the peer learns
-/// only whether it is the same.
+/// on this host all the same), and no other host's does — unless two hosts are VMs restored
+/// from one memory image, which `auto` then tells apart only by a slow link's windows.
+/// Hashed, so that the peer learns only whether it is the same.
 pub type HostId = [u8; 16];
 
 /// This host's identity, or None where the kernel does not say (no /proc).

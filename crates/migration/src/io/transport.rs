@@ -454,6 +454,11 @@ impl Stream {
         }
     }
 
+    /// Whether the stream's bytes cross a TCP connection (under TLS, the one carrying them).
+    pub fn crosses_a_network(&self) -> bool {
+        self.tcp().is_some()
+    }
+
     /// Whether the other end runs on this host by the stream's kind alone: a Unix socket.
     /// (Over TCP, the destination says which host it is: `Ready`.)
     pub fn is_local_socket(&self) -> bool {

@@ -10,7 +10,8 @@ use crate::io::transport::Stream;
 use crate::memory::GuestRam;
 use crate::wire::codec::{Codec, Contexts};
 
-/// A send queue holding this much is busy: the link, not the sender, sets the pace.
+/// A send queue holding this much before a frame went in is busy: the link, not the sender,
+/// sets the pace.
 const BUSY_QUEUE: u64 = 256 * 1024;
 /// A window of the link's delivery that the receiver's window held TCP back for more than
 /// this share of measured the receiver (writing into memory it first touches, or sharing
@@ -32,9 +33,25 @@ pub struct LinkSample {
     pub saturated: bool,
 }
 
+/// What a probe asks of a connection: bytes written and not yet taken by the peer, and how
+/// long, all told, the receiver's window held TCP back (None: not TCP).
+pub(super) trait SendQueue {
+    fn unsent(&self) -> usize;
+    fn receiver_limited(&self) -> Option<Duration>;
+}
+
+impl SendQueue for Stream {
+    fn unsent(&self) -> usize {
+        Stream::unsent(self)
+    }
+    fn receiver_limited(&self) -> Option<Duration> {
+        Stream::receiver_limited(self)
+    }
+}
+
 /// A handle on a sender's connection, to see how fast it delivers.
-pub(super) struct LinkProbe {
-    stream: Stream,
+pub(super) struct LinkProbe<Q = Stream> {
+    stream: Q,
     window: Option<Window>,
 }
 
@@ -45,25 +62,27 @@ struct Window {
     delivered: u64,
     /// How long TCP had been held back by the receiver's window by then.
     held_back: Option<Duration>,
-    /// Whether every look so far found the send queue busy.
+    /// Whether every look so far found the send queue busy before its frame.
     busy: bool,
 }
 
-impl LinkProbe {
-    pub fn new(stream: Stream) -> Self {
+impl<Q: SendQueue> LinkProbe<Q> {
+    pub fn new(stream: Q) -> Self {
         Self {
             stream,
             window: None,
         }
     }
 
-    /// A look after a frame, `written` bytes having gone into the connection so far: once
-    /// the window has lasted `WINDOW`, what it showed of the link, and the next one begins.
-    pub fn look(&mut self, written: u64) -> Option<LinkSample> {
+    /// A look after a frame of `frame` bytes, `written` bytes having gone into the connection
+    /// so far: once the window has lasted `WINDOW`, what it showed of the link, and the next
+    /// one begins. The queue counts as busy where it held `BUSY_QUEUE` without this frame: one
+    /// written into an empty queue fills it for a moment, whatever the link.
+    pub fn look(&mut self, written: u64, frame: u64) -> Option<LinkSample> {
         let queued = self.stream.unsent() as u64;
         let now = Instant::now();
         let delivered = written.saturating_sub(queued);
-        let busy = queued >= BUSY_QUEUE;
+        let busy = queued.saturating_sub(frame) >= BUSY_QUEUE;
         let Some(w) = self.window.as_mut() else {
             self.begin(now, delivered, busy);
             return None;
@@ -93,6 +112,12 @@ impl LinkProbe {
             busy,
         });
         Some(sample)
+    }
+
+    /// Forgets the window being gathered: the sender stops writing for a while (a round
+    /// ended), and a window spanning that pause would measure the pause.
+    pub fn restart(&mut self) {
+        self.window = None;
     }
 
     fn begin(&mut self, now: Instant, delivered: u64, busy: bool) {
@@ -179,7 +204,7 @@ mod tests {
                 busy_looks += 1;
             }
             last_drained = drained;
-            rates.extend(probe.look(written));
+            rates.extend(probe.look(written, 0));
         }
         drop(tx);
         drop(probe);
@@ -193,5 +218,70 @@ mod tests {
             rates.iter().all(|s| !s.saturated),
             "the receiver's pace taken for the link's: {rates:?}"
         );
+    }
+
+    /// A scripted send queue: it holds `queued` bytes at every look.
+    struct Scripted {
+        queued: std::cell::Cell<usize>,
+    }
+
+    impl SendQueue for Scripted {
+        fn unsent(&self) -> usize {
+            self.queued.get()
+        }
+        fn receiver_limited(&self) -> Option<Duration> {
+            Some(Duration::ZERO)
+        }
+    }
+
+    /// Frames of `frame` bytes, the queue holding `queued` after each, for two windows:
+    /// what the second showed.
+    fn second_window(frame: u64, queued: usize) -> LinkSample {
+        let mut probe = LinkProbe::new(Scripted {
+            queued: std::cell::Cell::new(queued),
+        });
+        let mut written = 0;
+        let mut samples = Vec::new();
+        while samples.len() < 2 {
+            written += frame;
+            samples.extend(probe.look(written, frame));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        samples[1]
+    }
+
+    /// A frame written into an empty queue fills it for a moment, whatever the link: a window
+    /// of such frames is the sender's pace, a floor under the link's rate. A queue that held
+    /// more than `BUSY_QUEUE` before each frame is the link's.
+    #[test]
+    fn a_window_is_the_links_only_where_the_queue_waited_before_each_frame() {
+        let frame = 1 << 20;
+        let sender_paced = second_window(frame, frame as usize);
+        assert!(!sender_paced.saturated, "{sender_paced:?}");
+        assert!(sender_paced.rate > 0.0);
+        let link_paced = second_window(frame, frame as usize + 2 * BUSY_QUEUE as usize);
+        assert!(link_paced.saturated, "{link_paced:?}");
+    }
+
+    /// A window does not span a pause in the sending (a round's end): it starts again.
+    #[test]
+    fn a_restart_forgets_the_window() {
+        let mut probe = LinkProbe::new(Scripted {
+            queued: std::cell::Cell::new(4 * BUSY_QUEUE as usize),
+        });
+        assert_eq!(
+            probe.look(1 << 20, 1 << 20),
+            None,
+            "the first look begins one"
+        );
+        std::thread::sleep(WINDOW);
+        probe.restart();
+        assert_eq!(
+            probe.look(2 << 20, 1 << 20),
+            None,
+            "begun again, not judged"
+        );
+        std::thread::sleep(WINDOW);
+        assert!(probe.look(3 << 20, 1 << 20).is_some());
     }
 }

@@ -1,5 +1,5 @@
 //! `auto`: the choice of the codec that moves a batch of pages soonest over this link with the
-//! cores this sender may use, learned from the batches sent, samples and the link's drain
+//! cores this sender may use, learned from the batches sent, samples and the link's delivery
 //! rate. The codecs come from the field (`wire::codec`); only the choice is ours: no library
 //! picks a codec by link and data.
 
@@ -18,7 +18,7 @@ pub struct BatchCost {
     pub raw_bytes: usize,
     pub packed_bytes: usize,
     pub compress_time: Duration,
-    /// Time the write (and the rate limiter) held the sender: how fast the link drains.
+    /// Time the write (and the rate limiter) held the sender: how fast the link takes it.
     pub write_time: Duration,
     /// The sender's whole time for this batch, from the end of the write before it (finding
     /// the pages, copying, packing, writing; not a sample measured for another codec), where
@@ -113,9 +113,9 @@ impl Measures {
             .min_by_key(|c| (self.measured[c.index()], self.last_used[c.index()]))
     }
 
-    /// Plain is never tried, so its pace is refreshed only while it is the pick: one measured
-    /// in a stall (or while the guest and the receiver held the cores) would otherwise shut
-    /// it out for the rest of the move. After `PROBE_EVERY` batches without it, its time is
+    /// Plain is tried only on a probe's window, so its pace is refreshed mostly while it is the
+    /// pick: one measured in a stall (or while the guest and the receiver held the cores)
+    /// would otherwise shut it out until the next probe. After `PROBE_EVERY` batches without it, its time is
     /// the link's again (the codecs' paces are refreshed by their re-tries).
     fn forget_stale_plain_pace(&mut self) {
         let plain = Codec::None.index();
@@ -161,6 +161,9 @@ pub const SAMPLE_SHARE: usize = 16;
 const IN_PLACE_LINK: f64 = 500e6;
 /// How many windows the link's rate is the most of.
 const LINK_WINDOWS: usize = 16;
+/// To a receiver on this host, how many full windows, none at `IN_PLACE_LINK`, show a link the
+/// bytes saved cross (`local`).
+const SHAPED_WINDOWS: usize = 8;
 /// While a codec is the pick, plain goes for one window after this many windows, then after
 /// twice as many each time the codec stays the pick, up to `PLAIN_PROBE_LAST`.
 const PLAIN_PROBE_FIRST: u32 = 8;
@@ -238,14 +241,14 @@ impl Chooser {
     }
 
     /// Whether every batch goes plain and nothing is measured of the codecs: the receiver is
-    /// on this host, and no window has shown the link itself full below `IN_PLACE_LINK` (a
-    /// shaped or slow path between namespaces). A window that measured only a floor (the
-    /// sender or the receiver set its pace) shows the cores, which packing would only load
-    /// more.
+    /// on this host, and the windows have not shown the link itself full below
+    /// `IN_PLACE_LINK` (`SHAPED_WINDOWS` of them kept, none faster: a shaped or slow path
+    /// between namespaces). A window that measured only a floor (the sender or the receiver
+    /// set its pace), or a few full ones on cores busy with other work, show the cores, which
+    /// packing would only load more.
     fn local(&self) -> bool {
-        self.same_host
-            && !(self.link.is_some_and(|l| l < IN_PLACE_LINK)
-                && self.windows.iter().any(|w| w.saturated))
+        let full = self.windows.iter().filter(|w| w.saturated).count();
+        self.same_host && !(self.link.is_some_and(|l| l < IN_PLACE_LINK) && full >= SHAPED_WINDOWS)
     }
 
     /// A chooser that learns the codecs with (and from) every other chooser on `measures`.
@@ -653,9 +656,9 @@ mod tests {
     }
 
     /// A plain batch that met a stall (the sender descheduled while the guest and the
-    /// receiver held the cores) makes plain look slow; plain is never tried, so without
-    /// forgetting that pace it would stay shut out for the rest of the move (as it was on a
-    /// 10 Gbit link, where lz4 went on where plain was much sooner).
+    /// receiver held the cores) makes plain look slow; plain is not tried between probes, so
+    /// without forgetting that pace it would stay shut out until the next one (as it was, for
+    /// the rest of the move, on a 10 Gbit link where lz4 went on and plain was much sooner).
     #[test]
     fn a_stall_does_not_shut_plain_out() {
         let mut c = trained(5000.0, [(0.45, 900.0), (0.3, 400.0)]);
@@ -717,7 +720,7 @@ mod tests {
         );
     }
 
-    /// Windows of `per_window` batches each on a link of `link_mb` MB/s with codecs of
+    /// `n` windows of 8 batches each on a link of `link_mb` MB/s with codecs of
     /// (ratio, MB/s on one core) for lz4 and zstd: a window of plain batches saturates the
     /// link; one with a codec delivers what the codec packs (a floor, unless that fills the
     /// link). Returns the codec of each window's last batch.
@@ -873,8 +876,13 @@ mod tests {
             });
         }
         assert!((0..64).all(|_| here.pick(true) == plain));
-        // ...one the link itself filled at 125 MB/s (a shaped path between namespaces) does
-        // not: the bytes saved cross a slow link there.
+        // ...and so do a few the link filled at 125 MB/s (cores busy with other work)...
+        for _ in 0..SHAPED_WINDOWS - 1 {
+            here.learn_link(busy(125e6));
+        }
+        assert!((0..64).all(|_| here.pick(true) == plain));
+        // ...but not a stretch of them (a shaped path between namespaces): the bytes saved
+        // cross a slow link there.
         here.learn_link(busy(125e6));
         assert!((0..64).any(|_| here.pick(true).send != Codec::None));
         assert!(!here.plain_goes_in_place());
@@ -944,7 +952,7 @@ mod tests {
         );
         assert!(
             !tried.contains(&Codec::None),
-            "plain is never tried: {picks:?}"
+            "plain is not tried between probes: {picks:?}"
         );
     }
 

@@ -110,8 +110,10 @@ impl PageSender {
         }
     }
 
-    /// Lets `auto` (set before) time the link by how fast `stream` delivers.
+    /// Lets `auto` (set before) time the link by how fast `stream` delivers, where it crosses
+    /// a network: a file's writes and a Unix socket's peer say nothing of a link.
     pub fn with_link_probe(mut self, stream: Option<Stream>) -> Self {
+        let stream = stream.filter(Stream::crosses_a_network);
         if self.compression == Compression::Auto {
             self.link = stream.map(LinkProbe::new);
         }
@@ -214,6 +216,9 @@ impl PageSender {
         self.drain(w, limiter)?;
         // What comes next waits for more than this sender's own work.
         self.last_written = None;
+        if let Some(link) = self.link.as_mut() {
+            link.restart();
+        }
         Ok(())
     }
 
@@ -367,7 +372,8 @@ impl PageSender {
                 cost.cycle = since.map(|t| (now - t).saturating_sub(sampling));
             }
             self.chooser.learn(cost);
-            if let Some(sample) = self.link.as_mut().and_then(|l| l.look(self.counters.bytes)) {
+            let look = |l: &mut LinkProbe| l.look(self.counters.bytes, frame_bytes);
+            if let Some(sample) = self.link.as_mut().and_then(look) {
                 self.chooser.learn_link(sample);
             }
         }
