@@ -57,6 +57,15 @@ impl std::fmt::Display for Endpoint {
     }
 }
 
+/// What TCP says of the time it spent on a connection (`Stream::sending_times`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SendingTimes {
+    /// Time it had data to send, all told.
+    pub with_data: Duration,
+    /// Of that, time the receiver's window held it back.
+    pub receiver_held: Duration,
+}
+
 /// A byte stream to or from a peer (or a snapshot file).
 pub enum Stream {
     Tcp(TcpStream),
@@ -71,7 +80,9 @@ pub enum Stream {
 // Offsets in struct tcp_info (include/uapi/linux/tcp.h): not all of it is in `libc`.
 const TCPI_MIN_RTT_US: usize = 148;
 const TCPI_DELIVERY_RATE: usize = 160;
+const TCPI_BUSY_TIME_US: usize = 168;
 const TCPI_RWND_LIMITED_US: usize = 176;
+const TCPI_SNDBUF_LIMITED_US: usize = 184;
 
 /// The byte `send_files` passes its files with.
 const FILES_BYTE: u8 = 0xfd;
@@ -501,13 +512,22 @@ impl Stream {
         Some((rate, Duration::from_micros(u64::from(min_rtt))))
     }
 
-    /// How long, all told, TCP has had data to send but the receiver's window shut it out:
-    /// time in which the receiver, not the link, set the pace. None for a stream that is not
-    /// TCP, or a kernel that does not say (before 4.10).
-    pub fn receiver_limited(&self) -> Option<Duration> {
-        let info = self.tcp_info(TCPI_RWND_LIMITED_US + 8)?;
-        let us = u64::from_ne_bytes(info[TCPI_RWND_LIMITED_US..][..8].try_into().ok()?);
-        Some(Duration::from_micros(us))
+    /// How long, all told, TCP has had data to send (sending it, or held back by the
+    /// receiver's window or its own send buffer), and how long of that the receiver's window
+    /// shut it out: time in which the receiver, not the link, set the pace (the kernel's
+    /// chronographs). None for a stream that is not TCP, or a kernel that does not say
+    /// (before 4.10).
+    pub fn sending_times(&self) -> Option<SendingTimes> {
+        let info = self.tcp_info(TCPI_SNDBUF_LIMITED_US + 8)?;
+        let us = |at: usize| -> Option<Duration> {
+            let v = u64::from_ne_bytes(info[at..][..8].try_into().ok()?);
+            Some(Duration::from_micros(v))
+        };
+        let receiver_held = us(TCPI_RWND_LIMITED_US)?;
+        Some(SendingTimes {
+            with_data: us(TCPI_BUSY_TIME_US)? + receiver_held + us(TCPI_SNDBUF_LIMITED_US)?,
+            receiver_held,
+        })
     }
 
     /// The kernel's `tcp_info` of this stream's TCP connection, when it holds at least `len`

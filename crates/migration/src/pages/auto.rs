@@ -6,13 +6,13 @@ use std::time::{Duration, Instant};
 
 use super::policy::{Chooser, SAMPLE_SHARE};
 use crate::error::Result;
-use crate::io::transport::Stream;
+use crate::io::transport::{SendingTimes, Stream};
 use crate::memory::GuestRam;
 use crate::wire::codec::{Codec, Contexts};
 
-/// A send queue holding this much before a frame went in is busy: the link, not the sender,
-/// sets the pace.
-const BUSY_QUEUE: u64 = 256 * 1024;
+/// A window in which TCP had data to send for less than this share of the time was paced by
+/// the sender (packing, finding pages): the link would have taken more.
+const WITH_DATA: f64 = 0.9;
 /// A window of the link's delivery that the receiver's window held TCP back for more than
 /// this share of measured the receiver (writing into memory it first touches, or sharing
 /// the sender's cores), not the link: the receiver would take packed pages no sooner.
@@ -27,25 +27,25 @@ const WINDOW: Duration = Duration::from_millis(32);
 pub struct LinkSample {
     /// Bytes per second the connection delivered through the window (the peer took them).
     pub rate: f64,
-    /// Whether the link set that pace: the send queue stayed busy through the window and the
-    /// receiver did not hold TCP back. Otherwise the sender (or the receiver) did, and the
+    /// Whether the link set that pace: TCP had data to send through the window and the
+    /// receiver did not hold it back. Otherwise the sender (or the receiver) did, and the
     /// rate is only a floor under the link's.
     pub saturated: bool,
 }
 
-/// What a probe asks of a connection: bytes written and not yet taken by the peer, and how
-/// long, all told, the receiver's window held TCP back (None: not TCP).
+/// What a probe asks of a connection: bytes written and not yet taken by the peer, and
+/// TCP's account of its time.
 pub(super) trait SendQueue {
     fn unsent(&self) -> usize;
-    fn receiver_limited(&self) -> Option<Duration>;
+    fn sending_times(&self) -> Option<SendingTimes>;
 }
 
 impl SendQueue for Stream {
     fn unsent(&self) -> usize {
         Stream::unsent(self)
     }
-    fn receiver_limited(&self) -> Option<Duration> {
-        Stream::receiver_limited(self)
+    fn sending_times(&self) -> Option<SendingTimes> {
+        Stream::sending_times(self)
     }
 }
 
@@ -55,15 +55,11 @@ pub(super) struct LinkProbe<Q = Stream> {
     window: Option<Window>,
 }
 
-/// The window being gathered.
+/// The window being gathered: when it began, bytes delivered by then, and TCP's times then.
 struct Window {
     began: Instant,
-    /// Bytes delivered by then.
     delivered: u64,
-    /// How long TCP had been held back by the receiver's window by then.
-    held_back: Option<Duration>,
-    /// Whether every look so far found the send queue busy before its frame.
-    busy: bool,
+    times: Option<SendingTimes>,
 }
 
 impl<Q: SendQueue> LinkProbe<Q> {
@@ -74,42 +70,38 @@ impl<Q: SendQueue> LinkProbe<Q> {
         }
     }
 
-    /// A look after a frame of `frame` bytes, `written` bytes having gone into the connection
-    /// so far: once the window has lasted `WINDOW`, what it showed of the link, and the next
-    /// one begins. The queue counts as busy where it held `BUSY_QUEUE` without this frame: one
-    /// written into an empty queue fills it for a moment, whatever the link.
-    pub fn look(&mut self, written: u64, frame: u64) -> Option<LinkSample> {
-        let queued = self.stream.unsent() as u64;
+    /// A look after a frame, `written` bytes having gone into the connection so far: once
+    /// the window has lasted `WINDOW`, what it showed of the link, and the next one begins.
+    pub fn look(&mut self, written: u64) -> Option<LinkSample> {
         let now = Instant::now();
-        let delivered = written.saturating_sub(queued);
-        let busy = queued.saturating_sub(frame) >= BUSY_QUEUE;
-        let Some(w) = self.window.as_mut() else {
-            self.begin(now, delivered, busy);
+        let Some(w) = self.window.as_ref() else {
+            self.begin(now, written);
             return None;
         };
-        w.busy &= busy;
         let span = now.duration_since(w.began);
         if span < WINDOW {
             return None;
         }
-        let span = span.as_secs_f64();
         // TCP is asked only here: a look comes once per frame sent.
-        let held_back = self.stream.receiver_limited();
-        let receiver_bound = match (held_back, w.held_back) {
+        let delivered = written.saturating_sub(self.stream.unsent() as u64);
+        let times = self.stream.sending_times();
+        let span_s = span.as_secs_f64();
+        let share = |d: Duration| d.as_secs_f64() / span_s;
+        let saturated = match (times, w.times) {
             (Some(now), Some(then)) => {
-                now.saturating_sub(then).as_secs_f64() > RECEIVER_BOUND * span
+                share(now.with_data.saturating_sub(then.with_data)) >= WITH_DATA
+                    && share(now.receiver_held.saturating_sub(then.receiver_held)) <= RECEIVER_BOUND
             }
             _ => false,
         };
         let sample = LinkSample {
-            rate: delivered.saturating_sub(w.delivered) as f64 / span,
-            saturated: w.busy && busy && !receiver_bound,
+            rate: delivered.saturating_sub(w.delivered) as f64 / span_s,
+            saturated,
         };
         self.window = Some(Window {
             began: now,
             delivered,
-            held_back,
-            busy,
+            times,
         });
         Some(sample)
     }
@@ -120,12 +112,11 @@ impl<Q: SendQueue> LinkProbe<Q> {
         self.window = None;
     }
 
-    fn begin(&mut self, now: Instant, delivered: u64, busy: bool) {
+    fn begin(&mut self, now: Instant, written: u64) {
         self.window = Some(Window {
             began: now,
-            delivered,
-            held_back: self.stream.receiver_limited(),
-            busy,
+            delivered: written.saturating_sub(self.stream.unsent() as u64),
+            times: self.stream.sending_times(),
         });
     }
 }
@@ -200,11 +191,11 @@ mod tests {
             std::thread::sleep(Duration::from_millis(2));
             let queued = probe.stream.unsent() as u64;
             let drained = written - queued;
-            if queued >= BUSY_QUEUE && drained > last_drained {
+            if queued >= 256 * 1024 && drained > last_drained {
                 busy_looks += 1;
             }
             last_drained = drained;
-            rates.extend(probe.look(written, 0));
+            rates.extend(probe.look(written));
         }
         drop(tx);
         drop(probe);
@@ -220,68 +211,71 @@ mod tests {
         );
     }
 
-    /// A scripted send queue: it holds `queued` bytes at every look.
+    /// A scripted connection: since it was made, TCP had data to send `with_data` of the
+    /// time, and the receiver held it back `receiver_held` of it.
     struct Scripted {
-        queued: std::cell::Cell<usize>,
+        made: Instant,
+        with_data: f64,
+        receiver_held: f64,
     }
 
     impl SendQueue for Scripted {
         fn unsent(&self) -> usize {
-            self.queued.get()
+            0
         }
-        fn receiver_limited(&self) -> Option<Duration> {
-            Some(Duration::ZERO)
+        fn sending_times(&self) -> Option<SendingTimes> {
+            let t = self.made.elapsed();
+            Some(SendingTimes {
+                with_data: t.mul_f64(self.with_data),
+                receiver_held: t.mul_f64(self.receiver_held),
+            })
         }
     }
 
-    /// Frames of `frame` bytes, the queue holding `queued` after each, for two windows:
-    /// what the second showed.
-    fn second_window(frame: u64, queued: usize) -> LinkSample {
+    /// A frame of 1 MiB every 2 ms for two windows: what the second showed.
+    fn second_window(with_data: f64, receiver_held: f64) -> LinkSample {
         let mut probe = LinkProbe::new(Scripted {
-            queued: std::cell::Cell::new(queued),
+            made: Instant::now(),
+            with_data,
+            receiver_held,
         });
         let mut written = 0;
         let mut samples = Vec::new();
         while samples.len() < 2 {
-            written += frame;
-            samples.extend(probe.look(written, frame));
+            written += 1 << 20;
+            samples.extend(probe.look(written));
             std::thread::sleep(Duration::from_millis(2));
         }
         samples[1]
     }
 
-    /// A frame written into an empty queue fills it for a moment, whatever the link: a window
-    /// of such frames is the sender's pace, a floor under the link's rate. A queue that held
-    /// more than `BUSY_QUEUE` before each frame is the link's.
+    /// A window is the link's only where TCP had data to send nearly all of it and the
+    /// receiver did not hold it back: one the sender paced (TCP idle between its frames) is a
+    /// floor under the link's rate, and so is one the receiver paced.
     #[test]
-    fn a_window_is_the_links_only_where_the_queue_waited_before_each_frame() {
-        let frame = 1 << 20;
-        let sender_paced = second_window(frame, frame as usize);
+    fn a_window_is_the_links_only_where_tcp_always_had_data() {
+        let sender_paced = second_window(0.3, 0.0);
         assert!(!sender_paced.saturated, "{sender_paced:?}");
         assert!(sender_paced.rate > 0.0);
-        let link_paced = second_window(frame, frame as usize + 2 * BUSY_QUEUE as usize);
+        let link_paced = second_window(1.0, 0.0);
         assert!(link_paced.saturated, "{link_paced:?}");
+        let receiver_paced = second_window(1.0, 0.8);
+        assert!(!receiver_paced.saturated, "{receiver_paced:?}");
     }
 
     /// A window does not span a pause in the sending (a round's end): it starts again.
     #[test]
     fn a_restart_forgets_the_window() {
         let mut probe = LinkProbe::new(Scripted {
-            queued: std::cell::Cell::new(4 * BUSY_QUEUE as usize),
+            made: Instant::now(),
+            with_data: 1.0,
+            receiver_held: 0.0,
         });
-        assert_eq!(
-            probe.look(1 << 20, 1 << 20),
-            None,
-            "the first look begins one"
-        );
+        assert_eq!(probe.look(1 << 20), None, "the first look begins one");
         std::thread::sleep(WINDOW);
         probe.restart();
-        assert_eq!(
-            probe.look(2 << 20, 1 << 20),
-            None,
-            "begun again, not judged"
-        );
+        assert_eq!(probe.look(2 << 20), None, "begun again, not judged");
         std::thread::sleep(WINDOW);
-        assert!(probe.look(3 << 20, 1 << 20).is_some());
+        assert!(probe.look(3 << 20).is_some());
     }
 }

@@ -163,7 +163,7 @@ const IN_PLACE_LINK: f64 = 500e6;
 const LINK_WINDOWS: usize = 16;
 /// To a receiver on this host, how many full windows, none at `IN_PLACE_LINK`, show a link the
 /// bytes saved cross (`local`).
-const SHAPED_WINDOWS: usize = 8;
+const SHAPED_WINDOWS: usize = 3;
 /// While a codec is the pick, plain goes for one window after this many windows, then after
 /// twice as many each time the codec stays the pick, up to `PLAIN_PROBE_LAST`.
 const PLAIN_PROBE_FIRST: u32 = 8;

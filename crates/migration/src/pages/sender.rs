@@ -82,8 +82,9 @@ pub struct PageSender {
     sample: Sample,
     /// For `auto`: how fast the connection delivers.
     link: Option<LinkProbe>,
-    /// When the last frame of this run of frames was written (`None` after a flush).
-    last_written: Option<Instant>,
+    /// When the last frame of this run of frames was written, and with which codec (`None`
+    /// after a flush).
+    last_written: Option<(Instant, Codec)>,
     /// Time spent measuring samples since that write: not the batch's own cost.
     sampling: Duration,
 }
@@ -365,15 +366,18 @@ impl PageSender {
         }
         if self.compression == Compression::Auto {
             let now = Instant::now();
-            let since = self.last_written.replace(now);
+            let since = self.last_written.replace((now, used));
             let sampling = std::mem::take(&mut self.sampling);
-            // With packer threads a frame's cycle is not what its codec cost.
+            // With packer threads a frame's cycle is not what its codec cost. Nor is it after
+            // a frame of another codec: its write waited for that frame's bytes to leave (a
+            // codec tried after plain frames filled the queue was charged for their drain).
             if self.packers.is_none() {
-                cost.cycle = since.map(|t| (now - t).saturating_sub(sampling));
+                cost.cycle = since
+                    .filter(|&(_, before)| before == used)
+                    .map(|(t, _)| (now - t).saturating_sub(sampling));
             }
             self.chooser.learn(cost);
-            let look = |l: &mut LinkProbe| l.look(self.counters.bytes, frame_bytes);
-            if let Some(sample) = self.link.as_mut().and_then(look) {
+            if let Some(sample) = self.link.as_mut().and_then(|l| l.look(self.counters.bytes)) {
                 self.chooser.learn_link(sample);
             }
         }
