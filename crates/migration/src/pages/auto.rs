@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use super::policy::{Chooser, SAMPLE_SHARE};
+use super::policy::{Chooser, LinkSample, SAMPLE_SHARE};
 use crate::error::Result;
 use crate::io::transport::{SendingTimes, Stream};
 use crate::memory::GuestRam;
@@ -21,17 +21,6 @@ const RECEIVER_BOUND: f64 = 0.5;
 /// (a token bucket lets one through far above the link's rate) and beside TCP's count of the
 /// time the receiver held it back, in jiffies of up to 4 ms.
 const WINDOW: Duration = Duration::from_millis(32);
-
-/// What one window showed of the link.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct LinkSample {
-    /// Bytes per second the connection delivered through the window (the peer took them).
-    pub rate: f64,
-    /// Whether the link set that pace: TCP had data to send through the window and the
-    /// receiver did not hold it back. Otherwise the sender (or the receiver) did, and the
-    /// rate is only a floor under the link's.
-    pub saturated: bool,
-}
 
 /// What a probe asks of a connection: bytes written and not yet taken by the peer, and
 /// TCP's account of its time.

@@ -8,7 +8,6 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::auto::LinkSample;
 use crate::wire::codec::Codec;
 
 /// One batch's outcome, as `Chooser` learns from it.
@@ -25,6 +24,17 @@ pub struct BatchCost {
     /// this thread packs and a batch came before it in this run of batches: what the codec
     /// costs here, all told.
     pub cycle: Option<Duration>,
+}
+
+/// What one window of delivery showed of the link (`auto::LinkProbe`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LinkSample {
+    /// Bytes per second the connection delivered through the window (the peer took them).
+    pub rate: f64,
+    /// Whether the link set that pace: TCP had data to send through the window and the
+    /// receiver did not hold it back. Otherwise the sender (or the receiver) did, and the
+    /// rate is only a floor under the link's.
+    pub saturated: bool,
 }
 
 /// Learns each codec's speed per core and ratio on this data, and the link's rate, and picks
