@@ -52,7 +52,7 @@ use migration::{HandedFiles, Incoming, Migratable, PAGE_SIZE, StatusBoard, VmDes
 
 pub use live::{LANE_MARK, RESUME_MARK, live_destination, resume};
 pub use local::{local_destination, local_seed};
-pub use plain_vm::PlainVm;
+pub use plain_vm::{PlainVm, seed_disk};
 pub use queues::virtio_queues;
 pub use source::{params_from, source};
 pub use state::vm_state;

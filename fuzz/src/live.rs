@@ -43,8 +43,9 @@ pub fn live_destination(data: &[u8]) {
     receive_live(data);
 }
 
-/// `live_destination`; what the destination's status said at the end.
-fn receive_live(data: &[u8]) -> migration::status::Status {
+/// `live_destination`; what the destination's status said at the end, and the VM if one
+/// arrived.
+fn receive_live(data: &[u8]) -> (migration::status::Status, Option<Arc<PlainVm>>) {
     ignore_sigpipe();
     let (before, resumed) = match find(data, RESUME_MARK) {
         Some(at) => (&data[..at], Some(&data[at + RESUME_MARK.len()..])),
@@ -94,7 +95,7 @@ fn receive_live(data: &[u8]) -> migration::status::Status {
     drop(incoming);
     peers.close();
     built.check(&result, "live migration");
-    board.read()
+    (board.read(), result.ok().flatten())
 }
 
 /// The resume conversation: a pre-copy of `PlainVm::small` whose main connection ends after
@@ -107,7 +108,7 @@ fn receive_resumed(data: &[u8]) -> migration::status::Status {
     let mut input = resume_prefix().clone();
     input.extend_from_slice(RESUME_MARK);
     input.extend_from_slice(data);
-    receive_live(&input)
+    receive_live(&input).0
 }
 
 /// The `resume` target's main connection: the stream header, `Hello`, `Config`, `Storage`,
@@ -308,6 +309,20 @@ mod tests {
             let status = super::receive_resumed(&std::fs::read(dir.join(seed)).unwrap());
             assert_eq!(status.report.resumes, 1, "{seed}: {:?}", status.note);
         }
+    }
+
+    /// The copy-storage seed reaches the destination's disk code: the VM arrives with the
+    /// source's disk, byte for byte.
+    #[test]
+    fn a_disk_seed_fills_the_destinations_disk() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus/live_destination");
+        let seed = std::fs::read(dir.join("copy-storage.ferry")).unwrap();
+        let (status, arrived) = super::receive_live(&seed);
+        let vm = arrived.unwrap_or_else(|| panic!("no VM arrived: {:?}", status.error));
+        assert!(
+            vm.disk(0) == Some(crate::seed_disk()),
+            "the disk arrived whole"
+        );
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! A VM of plain memory and nothing else, for the harnesses: it holds RAM in the shape a
-//! stream asks for (within limits a real destination would also set) and remembers whether it
-//! was ever resumed.
+//! stream asks for (within limits a real destination would also set), an in-memory file for
+//! each disk the stream names (which a migration that copies its disks fills), and remembers
+//! whether it was ever resumed.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -16,6 +17,9 @@ const MAX_RAM: u64 = 32 << 20;
 const MAX_GPA_END: u64 = 64 << 30;
 /// As ferry's VMM (`vmm::vm::MAX_VCPUS`).
 const MAX_VCPUS: u32 = 16;
+/// The largest disk a harness VM holds (a real host holds what its operator gave it).
+const MAX_DISK: u64 = 8 << 20;
+const SECTOR: u64 = 512;
 
 /// One region of fresh anonymous memory, mapped as a VMM maps guest RAM: no page is there
 /// before something writes it (post-copy's userfaultfd fills missing pages only).
@@ -62,6 +66,8 @@ pub struct PlainVm {
     vcpus: u32,
     /// The devices it was built with (as an empty VMM builds those a `Hello` names).
     devices: Vec<DeviceDescriptor>,
+    /// Per device slot, a disk's file (in memory).
+    disks: Vec<Option<std::fs::File>>,
     _blocks: Vec<Block>,
     running: AtomicBool,
     resumed: AtomicBool,
@@ -109,10 +115,55 @@ impl PlainVm {
         if d.vcpus == 0 || d.vcpus > MAX_VCPUS {
             return Err(Error::vm(format!("{} vCPUs", d.vcpus)));
         }
+        let disks = d
+            .devices
+            .iter()
+            .map(|device| match device {
+                DeviceDescriptor::Disk { sectors, .. } => {
+                    let bytes = sectors.checked_mul(SECTOR).filter(|&b| b <= MAX_DISK);
+                    let bytes = bytes.ok_or_else(|| Error::vm("a disk larger than this host's"))?;
+                    let file = disk_file(&[]);
+                    file.set_len(bytes)
+                        .map_err(|e| Error::vm_caused("a disk", e))?;
+                    Ok(Some(file))
+                }
+                _ => Ok(None),
+            })
+            .collect::<Result<_>>()?;
         Ok(Self {
             devices: d.devices.clone(),
+            disks,
             ..Self::with_ranges(&d.ranges, d.vcpus)?
         })
+    }
+
+    /// `small`, with a disk in slot 0 holding `data` (whole sectors).
+    pub fn small_with_disk(data: &[u8]) -> Self {
+        let bytes = data.len() as u64;
+        assert!(bytes.is_multiple_of(SECTOR) && bytes <= MAX_DISK);
+        Self {
+            devices: vec![DeviceDescriptor::Disk {
+                path: "/fuzz/disk.img".into(),
+                readonly: false,
+                sectors: bytes / SECTOR,
+            }],
+            disks: vec![Some(disk_file(data))],
+            ..Self::small()
+        }
+    }
+
+    /// What the disk in `slot` holds.
+    pub fn disk(&self, slot: usize) -> Option<Vec<u8>> {
+        use std::os::unix::fs::FileExt;
+        let file = self.disks.get(slot)?.as_ref()?;
+        let mut data = vec![0; file.metadata().ok()?.len() as usize];
+        file.read_exact_at(&mut data, 0).ok()?;
+        Some(data)
+    }
+
+    fn disk_in(&self, slot: u32) -> Result<&std::fs::File> {
+        let disk = self.disks.get(slot as usize).and_then(Option::as_ref);
+        disk.ok_or_else(|| Error::vm(format!("slot {slot} holds no disk here")))
     }
 
     fn with_ranges(ranges: &[RamRange], vcpus: u32) -> Result<Self> {
@@ -130,6 +181,7 @@ impl PlainVm {
             ram,
             vcpus,
             devices: Vec::new(),
+            disks: Vec::new(),
             _blocks: blocks,
             running: AtomicBool::new(false),
             resumed: AtomicBool::new(false),
@@ -216,14 +268,52 @@ impl Migratable for PlainVm {
         true
     }
     fn end_free_page_hints(&self) {}
-    /// No disks: nothing moves with it.
+    /// Nothing writes a harness VM's disks while it runs: no block is ever marked.
     fn log_disk_writes(&self) -> migration::Result<Vec<migration::CopiedDisk>> {
-        Ok(Vec::new())
+        let disks = self.disks.iter().enumerate();
+        let disks = disks.filter_map(|(slot, file)| Some((slot as u32, file.as_ref()?)));
+        disks
+            .map(|(slot, file)| {
+                let bytes = file
+                    .metadata()
+                    .map_err(|e| Error::vm_caused("a disk", e))?
+                    .len();
+                Ok(migration::CopiedDisk {
+                    slot,
+                    file: file
+                        .try_clone()
+                        .map_err(|e| Error::vm_caused("a disk", e))?,
+                    bytes,
+                    log: std::sync::Arc::new(migration::disk_log::BlockLog::new(bytes)),
+                })
+            })
+            .collect()
     }
     fn end_disk_logs(&self) {}
     fn disk_targets(&self, slots: &[u32]) -> migration::Result<Vec<std::fs::File>> {
-        Err(migration::Error::vm(format!(
-            "no disks here to take slots {slots:?}"
-        )))
+        slots
+            .iter()
+            .map(|&slot| {
+                let file = self.disk_in(slot)?;
+                file.try_clone().map_err(|e| Error::vm_caused("a disk", e))
+            })
+            .collect()
     }
+}
+
+/// An in-memory file holding `data`.
+fn disk_file(data: &[u8]) -> std::fs::File {
+    crate::memfd_with(data)
+}
+
+/// The disk of the copy-storage seed (1 MiB): 64 KiB of data, 64 KiB of zeros, 192 KiB of
+/// data, then zeros.
+pub fn seed_disk() -> Vec<u8> {
+    let mut disk = vec![0u8; 1 << 20];
+    for (i, b) in disk.iter_mut().enumerate() {
+        if i < 64 << 10 || (128 << 10..320 << 10).contains(&i) {
+            *b = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[7] | 1;
+        }
+    }
+    disk
 }

@@ -118,13 +118,13 @@ pub struct Progress {
     pub storage: Option<StorageCounts>,
 }
 
-/// What moved of the VM's disks (`copy_storage`), both sides' view.
+/// What moved of the VM's disks (`copy_storage`), as the source counts it.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StorageCounts {
     pub disks: u32,
     /// Bytes the disks hold, all together.
     pub disk_bytes: u64,
-    /// Bytes of data sent (source) or written (destination).
+    /// Bytes of data sent.
     pub data_bytes: u64,
     /// Bytes that went as zero ranges: holes and blocks of zeros.
     pub zero_bytes: u64,

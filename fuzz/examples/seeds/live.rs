@@ -34,7 +34,7 @@ pub fn seeds(write: &dyn Fn(&str, &str, &[u8])) {
             connections,
             ..ferry_fuzz::params_from(knobs)
         };
-        let connections = migrate(params);
+        let connections = migrate(params, PlainVm::small());
         write(
             "live_destination",
             &format!("{name}.ferry"),
@@ -49,6 +49,14 @@ pub fn seeds(write: &dyn Fn(&str, &str, &[u8])) {
             write("source", &format!("{name}.ferry"), &input);
         }
     }
+    // A pre-copy whose disk moves with it: data, a block of zeros, a hole.
+    let params = MigrationParams {
+        copy_storage: true,
+        ..ferry_fuzz::params_from(0)
+    };
+    let connections = migrate(params, PlainVm::small_with_disk(&ferry_fuzz::seed_disk()));
+    let input = destination_input(&connections);
+    write("live_destination", "copy-storage.ferry", &input);
 }
 
 /// Seeds of a resumed pre-copy from the main connection of one that ran whole: for `resume`,
@@ -129,8 +137,8 @@ fn destination_input(connections: &[Recorded]) -> Vec<u8> {
     input
 }
 
-/// Migrates a VM of plain memory through a relay; what each connection carried.
-fn migrate(params: MigrationParams) -> Vec<Recorded> {
+/// Migrates `vm` through a relay; what each connection carried.
+fn migrate(params: MigrationParams, vm: PlainVm) -> Vec<Recorded> {
     let dir = std::env::temp_dir().join(format!("ferry-seeds-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (to, via) = (dir.join("destination.sock"), dir.join("relay.sock"));
@@ -153,7 +161,7 @@ fn migrate(params: MigrationParams) -> Vec<Recorded> {
             .map(|_| relay_one(&relay, &to))
             .collect::<Vec<_>>()
     });
-    let vm = Arc::new(PlainVm::small());
+    let vm = Arc::new(vm);
     fill(&vm);
     vm.resume().unwrap();
     let (tx, rx) = mpsc::channel();
