@@ -123,10 +123,10 @@ impl Measures {
             .min_by_key(|c| (self.measured[c.index()], self.last_used[c.index()]))
     }
 
-    /// Plain is tried only on a probe's window, so its pace is refreshed mostly while it is the
-    /// pick: one measured in a stall (or while the guest and the receiver held the cores)
-    /// would otherwise shut it out until the next probe. After `PROBE_EVERY` batches without it, its time is
-    /// the link's again (the codecs' paces are refreshed by their re-tries).
+    /// Plain is tried only on a probe's window, so its pace is refreshed mostly while it is
+    /// the pick: one measured in a stall (or while the guest and the receiver held the cores)
+    /// would otherwise shut it out until the next probe. After `PROBE_EVERY` batches without
+    /// it, its time is the link's again (the codecs' paces are refreshed by their re-tries).
     fn forget_stale_plain_pace(&mut self) {
         let plain = Codec::None.index();
         if self.pace[plain].is_some() && self.batches - self.last_used[plain] > PROBE_EVERY {
@@ -219,6 +219,7 @@ impl PlainProbe {
         }
     }
 }
+
 /// Weight of the newest sample in every average.
 const EWMA_NEW: f64 = 0.25;
 
