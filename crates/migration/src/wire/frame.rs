@@ -179,7 +179,7 @@ pub fn read_frame(r: &mut impl Read) -> Result<Frame> {
             crc.update(&header);
             crc.update(&payload);
             check_trailer(r, crc.finalize(), "control frame")?;
-            Ok(Frame::Message(Message::decode(&payload)?))
+            Ok(Frame::Message(Message::decode_owned(payload)?))
         }
         KIND_PAGES => Ok(Frame::Pages { header, len }),
         other => Err(Error::Protocol(format!("unknown frame kind {other}"))),

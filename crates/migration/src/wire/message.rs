@@ -65,6 +65,33 @@ pub struct PostcopyReport {
     pub timeline_10ms: Vec<[u32; 3]>,
 }
 
+/// The end of a payload, from `at` on: a `DiskData`'s blocks, kept in the buffer they were
+/// read into.
+#[derive(Clone, Debug)]
+pub struct Tail {
+    buf: Vec<u8>,
+    at: usize,
+}
+
+impl std::ops::Deref for Tail {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf[self.at..]
+    }
+}
+
+impl From<Vec<u8>> for Tail {
+    fn from(buf: Vec<u8>) -> Self {
+        Self { buf, at: 0 }
+    }
+}
+
+impl PartialEq for Tail {
+    fn eq(&self, other: &Self) -> bool {
+        **self == **other
+    }
+}
+
 /// Every frame that is not a page frame. The comment on each names who sends it.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {
@@ -201,11 +228,7 @@ pub enum Message {
     Storage { disks: Vec<u32> },
     /// Source → destination, among the rounds and in the pause before the state: `data` (a
     /// multiple of 512 bytes) belongs at `offset` of the disk in slot `disk`.
-    DiskData {
-        disk: u32,
-        offset: u64,
-        data: Vec<u8>,
-    },
+    DiskData { disk: u32, offset: u64, data: Tail },
     /// Source → destination: `len` bytes at `offset` of the disk in slot `disk` read as
     /// zeros (a hole or zero blocks); the destination discards them.
     DiskZero { disk: u32, offset: u64, len: u64 },
@@ -420,6 +443,25 @@ impl Message {
         e.0
     }
 
+    /// `decode` of a payload this message may keep: a `DiskData` keeps its blocks where they
+    /// were read (up to 1 MiB a frame), not in a copy of them.
+    pub fn decode_owned(payload: Vec<u8>) -> Result<Self> {
+        let mut d = Decoder { buf: &payload };
+        if Kind::of_tag(d.u16()?)? != Kind::DiskData {
+            return Self::decode(&payload);
+        }
+        let (disk, offset, len) = (d.u32()?, d.u64()?, d.count(1)?);
+        if d.buf.len() != len {
+            return Self::decode(&payload); // says what is wrong with it
+        }
+        let at = payload.len() - len;
+        Ok(Message::DiskData {
+            disk,
+            offset,
+            data: Tail { buf: payload, at },
+        })
+    }
+
     /// `DiskData`'s encoding up to its data, which follows it (`len` bytes): what
     /// `frame::write_disk_data` sends in front of a disk's blocks.
     pub fn disk_data_head(disk: u32, offset: u64, len: usize) -> Vec<u8> {
@@ -524,7 +566,7 @@ impl Message {
             Kind::DiskData => Message::DiskData {
                 disk: d.u32()?,
                 offset: d.u64()?,
-                data: d.bytes()?,
+                data: d.bytes()?.into(),
             },
             Kind::DiskZero => Message::DiskZero {
                 disk: d.u32()?,
@@ -1138,7 +1180,7 @@ mod tests {
                 Message::DiskData {
                     disk: 1,
                     offset: 512,
-                    data: vec![0xab, 0xcd],
+                    data: vec![0xab, 0xcd].into(),
                 },
                 "2500 01000000 0002000000000000 02000000 abcd",
             ),
@@ -1176,9 +1218,18 @@ mod tests {
         let msg = Message::DiskData {
             disk: 2,
             offset: 4096,
-            data,
+            data: data.into(),
         };
         assert_eq!(sent, msg.encode());
+        // Read back without a copy, it is the same message; so is every other kind, and a
+        // `DiskData` whose length is wrong is refused as `decode` refuses it.
+        assert_eq!(Message::decode_owned(sent.clone()).unwrap(), msg);
+        for (other, _) in golden() {
+            assert_eq!(Message::decode_owned(other.encode()).unwrap(), other);
+        }
+        sent.pop();
+        let owned = Message::decode_owned(sent.clone()).unwrap_err().to_string();
+        assert_eq!(owned, Message::decode(&sent).unwrap_err().to_string());
     }
 
     #[test]
