@@ -172,6 +172,12 @@ impl PageSender {
         self
     }
 
+    /// Whether `auto` measures the link in windows of delivery.
+    #[cfg(test)]
+    pub(super) fn measures_the_link(&self) -> bool {
+        self.link.is_some()
+    }
+
     /// Whether frames are compressed on packer threads.
     #[cfg(test)]
     pub(super) fn has_packers(&self) -> bool {

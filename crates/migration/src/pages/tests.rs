@@ -587,3 +587,29 @@ fn every_page_frame_kind_has_fixed_bytes() {
         }
     }
 }
+
+/// `auto` measures the link in windows only where the bytes cross TCP: a file's writes and a
+/// Unix socket's peer say nothing of a link (a snapshot keeps its write-time estimate; a
+/// receiver behind a Unix socket is on this host, and stays plain).
+#[test]
+fn only_a_tcp_stream_is_measured_in_windows() {
+    use crate::io::transport::Stream;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let tcp = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    let (unix, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    let file = crate::io::lanefile::SnapshotFile::Plain(tempfile::tempfile().unwrap());
+    for (stream, measured) in [
+        (Stream::Tcp(tcp), true),
+        (Stream::Unix(unix), false),
+        (Stream::File(file), false),
+    ] {
+        let sender = PageSender::new(4)
+            .with_compression(Compression::Auto)
+            .with_link_probe(Some(stream));
+        assert_eq!(sender.measures_the_link(), measured);
+    }
+    let plain = PageSender::new(4).with_link_probe(Some(Stream::Tcp(
+        std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap(),
+    )));
+    assert!(!plain.measures_the_link(), "nothing to choose without auto");
+}
