@@ -122,7 +122,7 @@ impl PlainVm {
                 DeviceDescriptor::Disk { sectors, .. } => {
                     let bytes = sectors.checked_mul(SECTOR).filter(|&b| b <= MAX_DISK);
                     let bytes = bytes.ok_or_else(|| Error::vm("a disk larger than this host's"))?;
-                    let file = disk_file(&[]);
+                    let file = crate::memfd_with(&[]);
                     file.set_len(bytes)
                         .map_err(|e| Error::vm_caused("a disk", e))?;
                     Ok(Some(file))
@@ -147,7 +147,7 @@ impl PlainVm {
                 readonly: false,
                 sectors: bytes / SECTOR,
             }],
-            disks: vec![Some(disk_file(data))],
+            disks: vec![Some(crate::memfd_with(data))],
             ..Self::small()
         }
     }
@@ -299,11 +299,6 @@ impl Migratable for PlainVm {
             })
             .collect()
     }
-}
-
-/// An in-memory file holding `data`.
-fn disk_file(data: &[u8]) -> std::fs::File {
-    crate::memfd_with(data)
 }
 
 /// The disk of the copy-storage seed (1 MiB): 64 KiB of data, 64 KiB of zeros, 192 KiB of
