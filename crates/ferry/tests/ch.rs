@@ -1035,3 +1035,31 @@ fn tls_cancel_snapshot_and_restore_through_the_profile() {
     verifies(&restored, "the restored guest");
     assert!(restored.said("restored"), "{:?}", restored.events());
 }
+
+/// A reboot lets go of the old VM's disk before the new boot takes it: boot after boot, the
+/// disk's lock is free for the next one, and the guest reads back what it wrote.
+#[test]
+fn a_vm_with_a_disk_reboots_again_and_again() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk.img");
+    std::fs::File::create(&disk)
+        .and_then(|f| f.set_len(4 << 20))
+        .unwrap();
+    let vmm = Vmm::start(dir.path(), "reboots");
+    let mut vm = config(&format!("write ws=4M seq verify blk blk_sectors={SECTORS}"));
+    vm["disks"] = json!([{"path": disk}]);
+    vmm.ok("PUT", "vm.create", Some(vm));
+    vmm.ok("PUT", "vm.boot", None);
+    for reboot in 0..20 {
+        vmm.ok("PUT", "vm.reboot", None);
+        assert_eq!(
+            vmm.ok("GET", "vm.info", None)["state"],
+            "Running",
+            "reboot {reboot}"
+        );
+    }
+    verifies(&vmm, "after 20 reboots");
+}

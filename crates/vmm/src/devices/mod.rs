@@ -146,11 +146,12 @@ impl DeviceBus {
     /// request it is serving is done). A thread still busy after `JOIN_WAIT` is left behind
     /// (in a post-copy whose source died, a request can wait for ever for a page that will
     /// not come); it holds its own references to the bus and guest memory, so nothing it
-    /// uses goes away. Not from an I/O thread.
-    pub fn join_io_threads(&self) {
+    /// uses goes away. Not from an I/O thread. True when every thread stopped.
+    pub fn join_io_threads(&self) -> bool {
         self.stop();
         let threads = std::mem::take(&mut *self.io_threads.locked());
         let deadline = std::time::Instant::now() + JOIN_WAIT;
+        let mut all = true;
         for t in threads {
             while !t.is_finished() && std::time::Instant::now() < deadline {
                 std::thread::sleep(std::time::Duration::from_millis(1));
@@ -158,12 +159,14 @@ impl DeviceBus {
             if t.is_finished() {
                 let _ = t.join();
             } else {
+                all = false;
                 tracing::warn!(
                     "{} is still serving a request after {JOIN_WAIT:?}; left behind",
                     t.thread().name().unwrap_or("an I/O thread")
                 );
             }
         }
+        all
     }
 
     /// Starts each device's I/O thread: it serves the queues the driver notifies through their

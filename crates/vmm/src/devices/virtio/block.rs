@@ -68,6 +68,9 @@ pub struct Block {
     readonly: bool,
     sectors: u64,
     locked: bool,
+    /// The lock is shared with the process a live update passed the file to: it is that
+    /// process's to let go of, not this one's.
+    lock_passed_on: bool,
     /// Where a migration that copies the disk learns what the guest wrote.
     log: Option<Arc<BlockLog>>,
     /// Where data passes between the file and guest memory (kept: one per disk, not per
@@ -109,6 +112,7 @@ impl Block {
             readonly: config.readonly,
             sectors: bytes / SECTOR,
             locked: false,
+            lock_passed_on: false,
             log: None,
             buf: vec![0u8; CHUNK],
             reads: 0,
@@ -322,7 +326,8 @@ impl VirtioDevice for Block {
 
     fn release(&mut self, keep_lock: bool) -> std::io::Result<()> {
         self.file.sync_data()?;
-        if self.locked && !keep_lock {
+        self.lock_passed_on |= keep_lock;
+        if self.locked && !self.lock_passed_on {
             lock(&self.file, libc::LOCK_UN)?;
             self.locked = false;
         }
@@ -330,6 +335,8 @@ impl VirtioDevice for Block {
     }
 
     fn claim(&mut self) -> std::io::Result<()> {
+        // The VM runs here again (a handover that failed): the disk is this process's.
+        self.lock_passed_on = false;
         if self.locked {
             return Ok(());
         }
@@ -488,10 +495,36 @@ mod tests {
         let passed = old.file.try_clone().unwrap();
         let mut new = Block::on(&config, passed, false).unwrap();
         new.claim().unwrap();
+        // The old process shuts its VM down: the lock is the new one's to let go of.
+        old.release(false).unwrap();
+        assert!(
+            !another_writer_may(&path),
+            "the old VM's shutdown freed the disk"
+        );
         drop(old); // the old process ends
         assert!(!another_writer_may(&path), "the new process holds the disk");
         // A move to another host lets go for real.
         new.release(false).unwrap();
         assert!(another_writer_may(&path));
+    }
+
+    #[test]
+    fn a_vm_that_takes_its_disk_back_lets_go_of_it_at_shutdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("disk.img");
+        File::create(&path).unwrap().set_len(1 << 20).unwrap();
+        let config = DiskConfig {
+            path: path.clone(),
+            readonly: false,
+        };
+        let mut disk = Block::open(&config, true).unwrap();
+        // A live update that failed: the VM runs on here and the disk is its own again.
+        disk.release(true).unwrap();
+        disk.claim().unwrap();
+        disk.release(false).unwrap();
+        assert!(
+            another_writer_may(&path),
+            "a reboot could not take the disk"
+        );
     }
 }
