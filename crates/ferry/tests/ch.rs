@@ -11,7 +11,12 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use common::ch_api::call;
+use common::linux::{
+    GUEST_IP, SWITCH_CIDR, Writer, linux_guest, remove_root, root_copy, test_cmdline,
+    wait_writer_header,
+};
 use common::scrape::{must, scrape, value};
+use common::testbed::{self, Testbed};
 use common::{FERRY, certs, free_port, guest, kvm_available, wait_for};
 use serde_json::{Value, json};
 
@@ -44,6 +49,14 @@ impl Vmm {
         Self::spawn(command, dir, name, dir)
     }
 
+    /// A VMM in network namespace `ns` (a testbed host) that lets arriving VMs open disks in
+    /// `dir` and attach its tap.
+    fn start_in_netns(dir: &Path, name: &str, ns: &str) -> Vmm {
+        let mut command = Command::new("ip");
+        command.args(["netns", "exec", ns, FERRY]);
+        Self::spawn(command, dir, name, dir)
+    }
+
     fn spawn(mut command: Command, dir: &Path, name: &str, disks: &Path) -> Vmm {
         let socket = dir.join(format!("{name}.sock"));
         let events = dir.join(format!("{name}.events"));
@@ -58,6 +71,8 @@ impl Vmm {
             .arg(format!("unix:{}", metrics.display()))
             .arg("--allow-disk-dir")
             .arg(disks)
+            .arg("--allow-tap")
+            .arg(testbed::TAP)
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn ferry ch");
@@ -1063,3 +1078,72 @@ fn a_vm_with_a_disk_reboots_again_and_again() {
     }
     verifies(&vmm, "after 20 reboots");
 }
+
+/// A real Linux kernel moves between two VMMs driven only through the profile, as an
+/// orchestrator drives them: booted by `vm.create` from its payload with its root filesystem
+/// on virtio-blk and its NIC on a testbed host's tap, sent to a VMM on the other host. There
+/// its native writer goes on with every page it stamped intact, it reads its file from the
+/// disk through the new VMM's virtio-blk, and its kernel answers on the NIC.
+#[test]
+fn a_linux_guest_moves_through_the_profile() {
+    if !kvm_available() {
+        return;
+    }
+    let Some(guest) = linux_guest() else { return };
+    let bed = Testbed::new("lnxch", 2);
+    bed.address_switch(SWITCH_CIDR);
+    let root = root_copy(&guest);
+    let dir = root.parent().unwrap();
+    let serial = dir.join("serial.log");
+    let console = || std::fs::read_to_string(&serial).unwrap_or_default();
+    let src = Vmm::start_in_netns(dir, "src", &bed.hosts[0]);
+    let vm = json!({
+        "payload": {"kernel": guest.vmlinux, "cmdline": test_cmdline(&guest)},
+        "cpus": {"boot_vcpus": 1, "max_vcpus": 1},
+        "memory": {"size": 256u64 << 20, "shared": true},
+        "disks": [{"path": root}],
+        "net": [{"tap": testbed::TAP}],
+        "serial": {"mode": "File", "file": serial},
+        "console": {"mode": "Off"},
+    });
+    src.ok("PUT", "vm.create", Some(vm));
+    src.ok("PUT", "vm.boot", None);
+    let writer = |vmm: &Vmm, what: &str, pred: &dyn Fn(&Writer) -> bool| {
+        wait_writer_header(vmm.child.id(), what, LINUX_LIMIT, pred, console)
+    };
+    let before = writer(&src, "/init's first passes", &|w| w.passes >= 3);
+
+    let dst = Vmm::start_in_netns(dir, "dst", &bed.hosts[1]);
+    let url = format!("unix:{}", dir.join("move.sock").display());
+    let receiver = receive(&dst, json!({"receiver_url": url}));
+    src.ok(
+        "PUT",
+        "vm.send-migration",
+        Some(json!({"destination_url": url})),
+    );
+    let (status, answer) = receiver.join().unwrap();
+    assert_eq!(status, 204, "{answer}");
+
+    let after = writer(&dst, "the writer where it arrived", &|w| {
+        w.passes >= before.passes + 3 && w.file_pages >= before.file_pages + 8
+    });
+    assert_eq!((after.errors, after.first_bad), (0, 0), "{after:?}");
+    assert_eq!(after.file_errors, 0, "{after:?}");
+    // A read reaches the new VMM's virtio-blk once the kernel's readahead window is used up.
+    wait_for("a read through the new VMM", LINUX_LIMIT, || {
+        let reads = dst.ok("GET", "vm.counters", None)["_disk0"]["reads"].as_u64();
+        reads.filter(|&r| r > 0)
+    });
+    let read_on = writer(&dst, "the file read on", &|w| {
+        w.file_pages >= after.file_pages + 8
+    });
+    assert_eq!(read_on.file_errors, 0, "{read_on:?}");
+    assert!(bed.knock(GUEST_IP, 10), "the guest answers on its NIC");
+    drop(dst);
+    drop(src);
+    remove_root(&root);
+}
+
+/// A Linux boot or step's bound: ring 0 runs in KVM's emulator on the development host, and
+/// the kernel reaches /init in about two minutes. It bounds a hang; it measures nothing.
+const LINUX_LIMIT: Duration = Duration::from_secs(600);

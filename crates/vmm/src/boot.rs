@@ -180,6 +180,67 @@ fn load_kernel(memory: &GuestMemory, path: &Path) -> Result<(KernelLoaderResult,
     }
 }
 
+/// Whether the ELF at `path` is a Linux kernel: a `vmlinux` carries notes owned by "Linux"
+/// (its build's `.notes`). A Linux kernel with a PVH note boots either way; ferry boots it by
+/// the Linux protocol, which tells it the CPU model's leftovers on its command line.
+/// linux-loader keeps its ELF structures private, hence the few reads here.
+pub fn is_linux_elf(path: &Path) -> bool {
+    std::fs::read(path).is_ok_and(|image| has_linux_note(&image))
+}
+
+fn has_linux_note(image: &[u8]) -> bool {
+    const PT_NOTE: u64 = 4;
+    // ELF64, little-endian: e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38.
+    if image.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
+        return false;
+    }
+    let (Some(phoff), Some(entsize), Some(count)) = (
+        le::<8>(image, 0x20),
+        le::<2>(image, 0x36),
+        le::<2>(image, 0x38),
+    ) else {
+        return false;
+    };
+    (0..count).any(|i| {
+        let ph = phoff.saturating_add(i * entsize) as usize;
+        match (
+            le::<4>(image, ph),
+            le::<8>(image, ph.saturating_add(8)),
+            le::<8>(image, ph.saturating_add(32)),
+        ) {
+            (Some(PT_NOTE), Some(offset), Some(size)) => {
+                let end = offset.saturating_add(size) as usize;
+                image
+                    .get(offset as usize..end)
+                    .is_some_and(|notes| has_owner(notes, b"Linux"))
+            }
+            _ => false,
+        }
+    })
+}
+
+/// Whether one of the ELF notes in `notes` is owned by `owner`.
+fn has_owner(notes: &[u8], owner: &[u8]) -> bool {
+    let mut at = 0usize;
+    while let (Some(name_len), Some(desc_len)) = (le::<4>(notes, at), le::<4>(notes, at + 4)) {
+        let name_at = at + 12;
+        let name = notes.get(name_at..name_at.saturating_add(name_len as usize));
+        // The name's length counts its closing NUL.
+        if name.is_some_and(|n| n.strip_suffix(b"\0") == Some(owner)) {
+            return true;
+        }
+        let padded = |n: u64| n.div_ceil(4) * 4;
+        at = name_at.saturating_add((padded(name_len) + padded(desc_len)) as usize);
+    }
+    false
+}
+
+/// The `N`-byte little-endian number at `at` in `bytes`, if it is all there.
+fn le<const N: usize>(bytes: &[u8], at: usize) -> Option<u64> {
+    let field = bytes.get(at..at.checked_add(N)?)?;
+    Some(field.iter().rev().fold(0, |n, &b| n << 8 | u64::from(b)))
+}
+
 /// Places the initrd at the top of RAM below the hole, above the kernel.
 fn load_initrd(
     memory: &GuestMemory,
@@ -351,6 +412,49 @@ mod tests {
             vcpus: 1,
             virtio: Vec::new(),
         }
+    }
+
+    /// An ELF64 image with one PT_NOTE segment holding a note owned by `owner`.
+    fn elf_with_note(owner: &[u8]) -> Vec<u8> {
+        let mut image = vec![0u8; 64 + 56];
+        image[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        image[0x20..0x28].copy_from_slice(&64u64.to_le_bytes());
+        image[0x36..0x38].copy_from_slice(&56u16.to_le_bytes());
+        image[0x38..0x3a].copy_from_slice(&1u16.to_le_bytes());
+        let mut note = Vec::new();
+        for word in [owner.len() as u32 + 1, 4, 1] {
+            note.extend_from_slice(&word.to_le_bytes());
+        }
+        note.extend_from_slice(owner);
+        note.push(0);
+        note.resize(note.len().next_multiple_of(4), 0);
+        note.extend_from_slice(&[0; 4]);
+        let at = image.len() as u64;
+        image[64..68].copy_from_slice(&4u32.to_le_bytes());
+        image[72..80].copy_from_slice(&at.to_le_bytes());
+        image[96..104].copy_from_slice(&(note.len() as u64).to_le_bytes());
+        image.extend_from_slice(&note);
+        image
+    }
+
+    #[test]
+    fn a_linux_kernel_is_told_by_its_notes() {
+        assert!(has_linux_note(&elf_with_note(b"Linux")));
+        assert!(
+            !has_linux_note(&elf_with_note(b"Xen")),
+            "a PVH guest's note"
+        );
+        assert!(!has_linux_note(&elf_with_note(b"Linu")));
+        let whole = elf_with_note(b"Linux");
+        for cut in [0, 10, 64, 100, whole.len() - 5] {
+            assert!(!has_linux_note(&whole[..cut]), "cut at {cut}");
+        }
+        let mut wild = whole.clone();
+        wild[0x20..0x28].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(
+            !has_linux_note(&wild),
+            "a program header table past the end"
+        );
     }
 
     #[test]

@@ -13,7 +13,8 @@ fn failed(e: impl std::fmt::Display) -> ApiError {
 }
 
 /// A PVH ELF boots by its PVH entry (with `vcpus=N` on its command line, which ferry's
-/// workload guest reads); anything else, or an ELF with an initramfs, by the Linux protocol.
+/// workload guest reads); a Linux kernel (a bzImage, or a vmlinux even with a PVH note),
+/// or an ELF with an initramfs, by the Linux protocol, as `ferry run --kernel` boots it.
 fn image(spec: &VmSpec) -> Result<(BootImage, String), ApiError> {
     run::check_file("payload.kernel", spec.kernel.as_ref()).map_err(failed)?;
     let mut magic = [0u8; 4];
@@ -21,7 +22,8 @@ fn image(spec: &VmSpec) -> Result<(BootImage, String), ApiError> {
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
         .is_ok()
         && magic == *b"\x7fELF";
-    if elf && spec.initramfs.is_none() {
+    let kernel = std::path::Path::new(&spec.kernel);
+    if elf && spec.initramfs.is_none() && !vmm::boot::is_linux_elf(kernel) {
         let cmdline = run::cmdline_with_vcpus(&spec.cmdline, spec.vcpus).map_err(failed)?;
         return Ok((BootImage::Pvh(spec.kernel.clone().into()), cmdline));
     }

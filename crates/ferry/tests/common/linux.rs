@@ -93,11 +93,43 @@ fn find_header(memory: &File) -> Option<Writer> {
     None
 }
 
+/// The writer's header in the guest memory of ferry process `pid` (None before /init runs).
+pub fn writer_header_of(pid: u32) -> Option<Writer> {
+    find_header(&guest_memfd(pid)?)
+}
+
+/// Waits until the writer's header in process `pid`'s guest memory satisfies `pred`; on
+/// timeout, fails with the header and the end of the guest's console (`console()`).
+pub fn wait_writer_header(
+    pid: u32,
+    what: &str,
+    limit: Duration,
+    pred: impl Fn(&Writer) -> bool,
+    console: impl Fn() -> String,
+) -> Writer {
+    let deadline = Instant::now() + limit;
+    loop {
+        let header = writer_header_of(pid);
+        if let Some(w) = header.filter(&pred) {
+            return w;
+        }
+        if Instant::now() >= deadline {
+            let serial = console();
+            let tail: Vec<&str> = serial.lines().rev().take(20).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!(
+                "timed out waiting for {what}; the writer: {header:?}; the console ends:\n{}",
+                tail.join("\n")
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 impl Ferry {
     /// The Linux guest's writer as it stands in this VM's memory (None before /init runs).
     pub fn writer_header(&self) -> Option<Writer> {
-        let pid = self.child.as_ref()?.id();
-        find_header(&guest_memfd(pid)?)
+        writer_header_of(self.child.as_ref()?.id())
     }
 
     /// Waits until the writer has done `passes` passes more than `after`; returns its header.
@@ -105,31 +137,15 @@ impl Ferry {
         self.wait_header(what, limit, |w| w.passes >= after + passes)
     }
 
-    /// Waits until the writer's header satisfies `pred`; on timeout, fails with the header
-    /// and the end of the guest's console.
+    /// Waits until the writer's header satisfies `pred`.
     pub fn wait_header(
         &self,
         what: &str,
         limit: Duration,
         pred: impl Fn(&Writer) -> bool,
     ) -> Writer {
-        let deadline = Instant::now() + limit;
-        loop {
-            let header = self.writer_header();
-            if let Some(w) = header.filter(&pred) {
-                return w;
-            }
-            if Instant::now() >= deadline {
-                let serial = self.serial_text();
-                let tail: Vec<&str> = serial.lines().rev().take(20).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
-                panic!(
-                    "timed out waiting for {what}; the writer: {header:?}; the console ends:\n{}",
-                    tail.join("\n")
-                );
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        let pid = self.child.as_ref().map_or(0, |c| c.id());
+        wait_writer_header(pid, what, limit, pred, || self.serial_text())
     }
 }
 
@@ -151,17 +167,29 @@ pub fn linux_devices(root: &Path) -> Vec<String> {
     .to_vec()
 }
 
+/// A private copy of the guest's root filesystem, in a directory of its own (`remove_root`
+/// removes both).
+pub fn root_copy(guest: &LinuxGuest) -> PathBuf {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let root = dir.keep().join("rootfs.ext2");
+    std::fs::copy(&guest.rootfs, &root).expect("copy the root filesystem");
+    root
+}
+
+/// The guest's command line in these tests: the writer over 16 MiB, the NIC at `GUEST_IP`.
+pub fn test_cmdline(guest: &LinuxGuest) -> String {
+    format!(
+        "{} ferry_writer_mib=16 ip={GUEST_IP}::10.213.0.1:255.255.255.0::eth0:off",
+        guest.cmdline
+    )
+}
+
 /// Boots the Linux guest in network namespace `ns` (a testbed host, whose `tap0` its NIC
 /// takes): 256 MiB, one vCPU, the writer over 16 MiB, a private copy of the root filesystem
 /// (returned), and `extra` arguments.
 pub fn boot_linux(guest: &LinuxGuest, ns: &str, extra: &[&str]) -> (Ferry, PathBuf) {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let root = dir.keep().join("rootfs.ext2");
-    std::fs::copy(&guest.rootfs, &root).expect("copy the root filesystem");
-    let cmdline = format!(
-        "{} ferry_writer_mib=16 ip={GUEST_IP}::10.213.0.1:255.255.255.0::eth0:off",
-        guest.cmdline
-    );
+    let root = root_copy(guest);
+    let cmdline = test_cmdline(guest);
     let devices = linux_devices(&root);
     let mut args = vec![
         "--kernel",
