@@ -641,10 +641,7 @@ fn a_live_update_through_the_profile() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let disk = dir.path().join("disk.img");
-    std::fs::File::create(&disk)
-        .and_then(|f| f.set_len(4 << 20))
-        .unwrap();
+    let disk = scratch_disk(dir.path());
     let src = Vmm::start(dir.path(), "src");
     let mut vm = config(&format!(
         "write ws=16M seq verify blk blk_sectors={SECTORS}"
@@ -998,10 +995,7 @@ fn tls_cancel_snapshot_and_restore_through_the_profile() {
     // empty VMM builds the devices the source names.
     // Its disk is shared storage: every host opens the same file, as the source named it.
     let first = Vmm::start(dir.path(), "first");
-    let disk = dir.path().join("disk.img");
-    std::fs::File::create(&disk)
-        .and_then(|f| f.set_len(4 << 20))
-        .unwrap();
+    let disk = scratch_disk(dir.path());
     let mut with_disk = config(&format!(
         "write ws=32M seq verify blk blk_sectors={SECTORS}"
     ));
@@ -1059,10 +1053,7 @@ fn a_vm_with_a_disk_reboots_again_and_again() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let disk = dir.path().join("disk.img");
-    std::fs::File::create(&disk)
-        .and_then(|f| f.set_len(4 << 20))
-        .unwrap();
+    let disk = scratch_disk(dir.path());
     let vmm = Vmm::start(dir.path(), "reboots");
     let mut vm = config(&format!("write ws=4M seq verify blk blk_sectors={SECTORS}"));
     vm["disks"] = json!([{"path": disk}]);
@@ -1147,3 +1138,12 @@ fn a_linux_guest_moves_through_the_profile() {
 /// A Linux boot or step's bound: ring 0 runs in KVM's emulator on the development host, and
 /// the kernel reaches /init in about two minutes. It bounds a hang; it measures nothing.
 const LINUX_LIMIT: Duration = Duration::from_secs(600);
+
+/// A 4 MiB disk file, all zeros, in `dir`.
+fn scratch_disk(dir: &Path) -> PathBuf {
+    let disk = dir.join("disk.img");
+    std::fs::File::create(&disk)
+        .and_then(|f| f.set_len(4 << 20))
+        .unwrap();
+    disk
+}

@@ -9,11 +9,11 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::linux::{
-    GUEST_IP, SWITCH_CIDR, assert_said, boot_linux, boot_seconds, linux_devices, linux_guest,
-    remove_root,
+    GUEST_IP, HZ, SWITCH_CIDR, assert_said, boot_linux, boot_seconds, jiffies_of, kernel_symbol,
+    linux_devices, linux_guest, remove_root,
 };
 use common::testbed::Testbed;
 use common::{Ferry, kvm_available, migrate, wait_for};
@@ -142,10 +142,46 @@ fn hop(src: &Ferry, how: Move, root: &std::path::Path, to: &str, n: usize) -> Fe
     }
 }
 
+/// The kernel's clock across a move, from `jiffies_64` in guest memory: it goes on from where
+/// the source left it, never ahead of the time that passed on this host, and it ticks on at
+/// the destination (timer interrupts arrive, the clocksource advances).
+struct Ticks {
+    at: u64,
+    seen: u64,
+    when: Instant,
+}
+
+impl Ticks {
+    fn read(vm: &Ferry, at: u64) -> Ticks {
+        let pid = vm.child.as_ref().unwrap().id();
+        Ticks {
+            at,
+            seen: jiffies_of(pid, at),
+            when: Instant::now(),
+        }
+    }
+
+    /// Checks the clock of `vm` (where the VM runs now) against this earlier reading.
+    fn go_on_in(&self, vm: &Ferry, how: Move) {
+        let now = Ticks::read(vm, self.at);
+        let allowed = self.when.elapsed().as_millis() as u64 * HZ / 1000 + 2;
+        assert!(
+            now.seen >= self.seen && now.seen - self.seen <= allowed,
+            "{how:?}: jiffies went from {} to {}, {allowed} allowed by the time that passed",
+            self.seen,
+            now.seen
+        );
+        let pid = vm.child.as_ref().unwrap().id();
+        wait_for("the kernel's tick to go on", STEP, || {
+            (jiffies_of(pid, self.at) >= now.seen + HZ).then_some(())
+        });
+    }
+}
+
 /// The Linux guest moves in every mode, one after another: after each move its writer goes
 /// on with every page it stamped intact, it keeps reading its file from the root filesystem
 /// on virtio-blk (right, every page), its kernel answers on the NIC (now on the destination
-/// host's tap), and its balloon driver follows a new target.
+/// host's tap), its clock goes on (`Ticks`), and its balloon driver follows a new target.
 #[test]
 fn linux_moves_in_every_mode_with_its_writer_disk_and_balloon() {
     if !kvm_available() {
@@ -157,6 +193,7 @@ fn linux_moves_in_every_mode_with_its_writer_disk_and_balloon() {
     let (first, root) = boot_linux(&guest, &bed.hosts[0], &[]);
     let mut host = 0;
     let mut last = first.wait_writer("/init's first passes", 0, 3, BOOT);
+    let jiffies = kernel_symbol(&guest.vmlinux, "jiffies_64");
     let mut vm = first;
     let moves = [
         Move::Live("precopy"),
@@ -171,12 +208,14 @@ fn linux_moves_in_every_mode_with_its_writer_disk_and_balloon() {
         if !matches!(how, Move::LiveUpdate) {
             host = 1 - host;
         }
+        let ticks = Ticks::read(&vm, jiffies);
         let next = hop(&vm, how, &root, &bed.hosts[host], n);
         drop(vm);
         vm = next;
         let now = vm.wait_writer(&format!("the writer after {how:?}"), last.passes, 3, STEP);
         assert_eq!((now.errors, now.first_bad), (0, 0), "{how:?}: {now:?}");
         assert_eq!(now.file_errors, 0, "{how:?}: {now:?}");
+        ticks.go_on_in(&vm, how);
         // The file goes on coming from the disk through this ferry's virtio-blk (a read
         // reaches it once the kernel's readahead window is used up), every page right.
         wait_for("a read from the disk here", STEP, || {

@@ -126,6 +126,35 @@ pub fn wait_writer_header(
     }
 }
 
+/// The kernel's tick rate (`CONFIG_HZ_100` in guest/linux/config).
+pub const HZ: u64 = 100;
+/// Where the kernel's image is mapped (`__START_KERNEL_map`): it runs where it was linked,
+/// its physical address its virtual one less this (no KASLR in guest/linux/config).
+const KERNEL_MAP: u64 = 0xffff_ffff_8000_0000;
+
+/// The guest-physical address of `symbol` in `vmlinux` (binutils' `nm`).
+pub fn kernel_symbol(vmlinux: &Path, symbol: &str) -> u64 {
+    let out = std::process::Command::new("nm")
+        .arg(vmlinux)
+        .output()
+        .expect("nm (binutils)");
+    let listing = String::from_utf8_lossy(&out.stdout);
+    let line = listing
+        .lines()
+        .find(|l| l.split_whitespace().nth(2) == Some(symbol))
+        .unwrap_or_else(|| panic!("{symbol} is not in {}", vmlinux.display()));
+    let virt = u64::from_str_radix(line.split_whitespace().next().unwrap(), 16).unwrap();
+    virt - KERNEL_MAP
+}
+
+/// The kernel's `jiffies_64` (at guest-physical `at`) in ferry process `pid`'s guest memory.
+pub fn jiffies_of(pid: u32, at: u64) -> u64 {
+    let memory = guest_memfd(pid).expect("the guest's memfd");
+    let mut word = [0u8; 8];
+    memory.read_exact_at(&mut word, at).expect("read jiffies");
+    u64::from_le_bytes(word)
+}
+
 impl Ferry {
     /// The Linux guest's writer as it stands in this VM's memory (None before /init runs).
     pub fn writer_header(&self) -> Option<Writer> {

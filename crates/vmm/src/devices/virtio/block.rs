@@ -477,8 +477,8 @@ mod tests {
         free
     }
 
-    #[test]
-    fn a_live_update_keeps_the_lock_the_passed_file_shares() {
+    /// A 1 MiB disk in a directory of its own (removed when the first value drops).
+    fn scratch_disk() -> (tempfile::TempDir, PathBuf, DiskConfig) {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("disk.img");
         File::create(&path).unwrap().set_len(1 << 20).unwrap();
@@ -486,6 +486,12 @@ mod tests {
             path: path.clone(),
             readonly: false,
         };
+        (dir, path, config)
+    }
+
+    #[test]
+    fn a_live_update_keeps_the_lock_the_passed_file_shares() {
+        let (_dir, path, config) = scratch_disk();
         let mut old = Block::open(&config, true).unwrap();
         assert!(!another_writer_may(&path), "the running VM holds the disk");
         // The old process lets go for a live update: flushed, the lock kept; the new one
@@ -510,13 +516,7 @@ mod tests {
 
     #[test]
     fn a_vm_that_takes_its_disk_back_lets_go_of_it_at_shutdown() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("disk.img");
-        File::create(&path).unwrap().set_len(1 << 20).unwrap();
-        let config = DiskConfig {
-            path: path.clone(),
-            readonly: false,
-        };
+        let (_dir, path, config) = scratch_disk();
         let mut disk = Block::open(&config, true).unwrap();
         // A live update that failed: the VM runs on here and the disk is its own again.
         disk.release(true).unwrap();
