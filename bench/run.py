@@ -19,7 +19,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fb import balloon as balloon_mod, devices, page, qemu, report, storage, util  # noqa: E402
+from fb import balloon as balloon_mod, devices, linux, page, qemu, report, storage, util  # noqa: E402
 from fb import links as links_mod  # noqa: E402
 from fb.ferry import VARIANTS as FERRY_VARIANTS, FerryPeer  # noqa: E402
 from fb.links import Link  # noqa: E402
@@ -407,6 +407,12 @@ PROFILES = {
         "links": [], "peers": ["ferry", "qemu"], "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
         "storage": ((8192, 2048), (1024, 256)),
     },
+    # ferry's Linux guest (`make linux-guest`) moved pre-copy by ferry and by QEMU (microvm),
+    # as an expert sets it and with multifd; each run boots the kernel (about 2 minutes here).
+    "linux": {
+        "links": [], "peers": linux.PEERS, "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
+        "linux": True,
+    },
     # Many cores and a large guest (runs with only `ferry`, the guest image and python3: see
     # `make scale-kit`); --scale-memory, --scale-ws and --scale-vcpus shrink it to fit a host.
     "scale": {
@@ -510,11 +516,14 @@ def build():
 
 def device_run(procs, work, kind, vmm, mode, rate):
     """One run of a device profile's `kind`: `rate` is the forwarding's frames/s, or the
-    storage move's (disk MiB, used MiB)."""
+    storage move's (disk MiB, used MiB); a Linux move's `vmm` is a peer (ferry or a QEMU
+    variant)."""
     if kind == "forwarding":
         return devices.forwarding_run(procs, work, vmm, mode, rate)
     if kind == "block":
         return devices.block_run(procs, work, vmm, mode)
+    if kind == "linux":
+        return linux.linux_run(procs, work, vmm)
     return storage.storage_run(procs, work, vmm, *rate)
 
 
@@ -575,7 +584,7 @@ def run(args):
     results = {"started": started, "profile": args.profile, "repeats": repeats, "machine": machine(),
                "build": build(), "pin": {k: sorted(v) for k, v in util.PINNING.items()} or None,
                "links": {}, "boot": [], "dirty_logging": None, "scenarios": [], "forwarding": [],
-               "block": [], "storage": []}
+               "block": [], "storage": [], "linux": []}
     if args.profile == "balloon":
         results["balloon"] = {"memory": args.balloon_memory, "guest_words_left_out": sorted(
             {w for sc in profile["scenarios"] for w in sc["balloon"]["left_out"]})}
@@ -684,8 +693,10 @@ def run(args):
                     for mode in forwarding["modes"]]
             runs += [("block", mode, 0) for mode in profile.get("block", ())]
             runs += [("storage", "precopy", size) for size in profile.get("storage", ())]
+            runs += [("linux", "precopy", 0)] if profile.get("linux") else []
             for kind, mode, rate in runs:
-                names = [v for v in vmms if not (v == "qemu" and mode == "hybrid")]
+                names = peers if kind == "linux" else [
+                    v for v in vmms if not (v == "qemu" and mode == "hybrid")]
                 kept = {v: ([], None) for v in names}
                 # Runs interleave (ferry, QEMU, ferry, ...), as the migration scenarios do.
                 for i in range(repeats):
@@ -702,7 +713,7 @@ def run(args):
                         print(f"  {kind} {vmm:5} {mode or 'no move':9} {str(rate or ''):6} run "
                               f"{i + 1}/{repeats} {said}", file=sys.stderr)
                 metrics = {"forwarding": report.FORWARDING, "block": report.BLOCK,
-                           "storage": storage.METRICS}[kind]
+                           "storage": storage.METRICS, "linux": linux.METRICS}[kind]
                 for vmm in names:
                     rows, error = kept[vmm]
                     what = storage.sizes(*rate) if kind == "storage" else {"rate": rate or None}
@@ -719,12 +730,14 @@ def run(args):
                  or args.balloon_memory != BALLOON_MEMORY or args.resume_memory != RESUME_MEMORY
                  or args.resume_stall_s != RESUME_STALL_S) and (
         not args.peers or profile.get("pick"))
-    if whole and args.profile == "storage":
-        # The storage page is written from its raw data, kept beside it.
-        shutil.copy(os.path.join(outdir, "results.json"), os.path.join(page.RAW, storage.RAW_FILE))
-        with open(os.path.join(page.RAW, storage.PAGE_FILE), "w") as f:
-            f.write(report.storage_page(results))
-        print(f"docs/benchmarks/{storage.PAGE_FILE} written from docs/benchmarks/{storage.RAW_FILE}",
+    own_page = {"storage": (storage, report.storage_page), "linux": (linux, report.linux_page)}
+    if whole and args.profile in own_page:
+        # The profile's page is written from its raw data, kept beside it.
+        mod, write_page = own_page[args.profile]
+        shutil.copy(os.path.join(outdir, "results.json"), os.path.join(page.RAW, mod.RAW_FILE))
+        with open(os.path.join(page.RAW, mod.PAGE_FILE), "w") as f:
+            f.write(write_page(results))
+        print(f"docs/benchmarks/{mod.PAGE_FILE} written from docs/benchmarks/{mod.RAW_FILE}",
               file=sys.stderr)
     if whole and args.profile in page.RAW_FILES:
         # A whole run of a page's profile is what the results page cites.
@@ -737,7 +750,7 @@ def run(args):
               file=sys.stderr)
     print(f"results: {outdir} ({', '.join(os.path.basename(w) for w in written)})", file=sys.stderr)
     failed = any(e.get("error") for e in results["scenarios"] + results["forwarding"] + results["block"]
-                 + results["storage"])
+                 + results["storage"] + results["linux"])
     return 1 if failed else 0
 
 

@@ -5,7 +5,7 @@ import re
 import statistics
 import sys
 
-from . import storage
+from . import linux, storage
 from .util import summarize
 
 METRICS = ["total_ms", "total_ms_reported", "wire_bytes", "downtime_ms", "destination_downtime_ms", "guest_downtime_ms", "serial_downtime_ms", "bytes", "rounds",
@@ -232,6 +232,16 @@ def ratios(results):
                 row[m] = (a / b) if (a is not None and b) else None
             out.append(row)
     return out
+
+
+def ratio_text(v):
+    """A ratio in a table cell ("-": not measured)."""
+    return f"{v:.2f}" if v is not None else "-"
+
+
+def vmm_cell(row, _summary):
+    """A device row's VMM, and why it failed if it did."""
+    return row["vmm"] + (f" (failed: {row['error']})" if row.get("error") else "")
 
 
 def fmt(summary, metric, scale=1.0, digits=1):
@@ -511,7 +521,7 @@ def markdown(results):
         if pairs:
             lines += ["", "ferry / QEMU, medians (< 1: ferry better):", "",
                       "| frames/s | move | longest gap | lost | downtime (VMM) |", "|---|---|---|---|---|"]
-            f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+            f = ratio_text
             for p in pairs:
                 lines.append(f"| {p['rate']} | {p['mode']} | {f(p['longest_gap_ms'])} | {f(p['lost'])} | "
                              f"{f(p['downtime_ms'])} |")
@@ -531,12 +541,14 @@ def markdown(results):
                       ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2))])]
     if results.get("storage"):
         lines += storage_lines(results["storage"])
+    if results.get("linux"):
+        lines += linux_lines(results["linux"])
     if results.get("ratios"):
         lines += ["", "## ferry / QEMU (medians; < 1 means ferry is better)", "",
                   "| link | scenario | ferry | versus | total (destination's clock) | guest downtime (console ticks) "
                   "| downtime (VMM) | bytes on the link |",
                   "|---|---|---|---|---|---|---|---|"]
-        f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        f = ratio_text
         for r in results["ratios"]:
             lines.append(f"| {r['link']} | {r['scenario']} | {r['ferry']} | {r['versus']} | {f(r['total_ms'])} | "
                          f"{f(r['serial_downtime_ms'])} | {f(r['downtime_ms'])} | {f(r['wire_bytes'])} |")
@@ -556,7 +568,7 @@ def storage_lines(rows):
              "stamp.", "",
              *device_table(rows, [
                  ("disk MiB (data)", lambda r, s: f"{r['disk_mib']} ({r['used_mib']})"),
-                 ("VMM", lambda r, s: r["vmm"] + (f" (failed: {r['error']})" if r.get("error") else "")),
+                 ("VMM", vmm_cell),
                  ("total ms", lambda r, s: fmt(s, "total_ms")),
                  ("of it mirror ms", lambda r, s: fmt(s, "mirror_ms")),
                  ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2)),
@@ -565,7 +577,7 @@ def storage_lines(rows):
                  ("wrong sectors", lambda r, s: fmt(s, "blk_errors", digits=0))])]
     pairs = storage.ratios(rows)
     if pairs:
-        f = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+        f = ratio_text
         lines += ["", "ferry / QEMU, medians (< 1: ferry better):", "",
                   "| disk MiB (data) | total | downtime (VMM) | link bytes |", "|---|---|---|---|"]
         lines += [f"| {p['disk_mib']} ({p['used_mib']}) | {f(p['total_ms'])} | {f(p['downtime_ms'])} | "
@@ -573,17 +585,22 @@ def storage_lines(rows):
     return lines
 
 
+def provenance(results, raw):
+    """Where a profile's own page comes from: the run, the build, QEMU and the machine."""
+    b, m = results["build"], results["machine"]
+    return (f"Written by `python3 bench/run.py --profile {results['profile']}` from "
+            f"[{raw}]({raw}), beside it.\n\n"
+            f"Run `{results['started']}`, {results['repeats']} runs per row, at "
+            f"{b['commit'][:7]}{' (tree changed)' if b.get('tree_changed') else ''}: ferry sha256 "
+            f"`{b['ferry_sha256'][:16]}…`, {b['qemu']}; {m['cpu']}, {m['cores']} cores, kernel "
+            f"{m['kernel']}, KVM {m['kvm']}.")
+
+
 def storage_page(results):
     """docs/benchmarks/storage.md: the storage profile's run (`results`), its provenance, its
     table and what the medians say against the goal (0.7 of QEMU's total, no more bytes)."""
-    b, m = results["build"], results["machine"]
     lines = ["# A VM and its disk to a host with a disk of its own (`--copy-storage`)", "",
-             "Written by `python3 bench/run.py --profile storage` from "
-             "[storage.json](storage.json), beside it.", "",
-             f"Run `{results['started']}`, {results['repeats']} runs per row, at "
-             f"{b['commit'][:7]}{' (tree changed)' if b.get('tree_changed') else ''}: ferry sha256 "
-             f"`{b['ferry_sha256'][:16]}…`, {b['qemu']}; {m['cpu']}, {m['cores']} cores, kernel "
-             f"{m['kernel']}, KVM {m['kvm']}. ferry runs with `--copy-storage` and no other flag; "
+             provenance(results, storage.RAW_FILE) + " ferry runs with `--copy-storage` and no other flag; "
              "QEMU (microvm) exports the destination's disk over NBD, mirrors onto it "
              "(`blockdev-mirror sync=full copy-mode=write-blocking`), migrates once the mirror is "
              "ready (downtime limit 300 ms, ferry's default), then cancels the job and stops the "
@@ -604,6 +621,56 @@ def storage_page(results):
     wrong = sum(r.get("blk_errors") or 0 for r in runs)
     unequal = sum(not r.get("target_equal") for r in runs)
     lines += ["", f"{len(runs)} runs: {wrong} wrong sectors, {unequal} targets unlike their source."]
+    return "\n".join(lines) + "\n"
+
+
+def linux_lines(rows):
+    """The Linux profile's table (bench/fb/linux.py says how each figure is taken) and ferry
+    against QEMU's best variant for each metric."""
+    lines = ["", "## ferry's Linux guest moved", "",
+             "Debian's 6.12 kernel with ferry's syscall-free `/init` stamping 16 MiB natively, "
+             f"{linux.MEMORY_MIB} MiB, 1 vCPU, root on virtio-blk (one file both sides open), "
+             "moved pre-copy over a namespace's loopback; each run boots the kernel. *Total*: "
+             "request to the destination running, this host's clock. *Guest stall*: the writer's "
+             "progress counter, read from both sides' guest memory by the host, from its last move "
+             "on the source to its first on the destination; *longest stall*: the longest time it "
+             "stood still over the move; *sampling*: the host's longest gap between two reads "
+             "(the instrument's resolution). *Boot*: the kernel's clock at `/init`.", "",
+             *device_table(rows, [
+                 ("VMM", vmm_cell),
+                 ("runs", lambda r, s: str(len(r["runs"]))),
+                 ("total ms", lambda r, s: fmt(s, "total_ms")),
+                 ("guest stall ms", lambda r, s: fmt(s, "guest_stall_ms", digits=2)),
+                 ("longest stall ms", lambda r, s: fmt(s, "longest_stall_ms", digits=2)),
+                 ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2)),
+                 ("link bytes", lambda r, s: fmt(s, "link_bytes", digits=0)),
+                 ("boot s", lambda r, s: fmt(s, "boot_s")),
+                 ("sampling ms", lambda r, s: fmt(s, "sample_gap_ms", digits=2))])]
+    best = linux.against_best(rows)
+    if best:
+        f = ratio_text
+        lines += ["", "ferry / QEMU's best variant for each metric, medians (< 1: ferry better):", "",
+                  "| metric | QEMU's best | ferry / it | goal |", "|---|---|---|---|"]
+        lines += [f"| {b['metric']} | {b['versus']} | {f(b['ratio'])} | ≤ {b['goal']} |" for b in best]
+    return lines
+
+
+def linux_page(results):
+    """docs/benchmarks/linux.md: the Linux profile's run, its provenance, its table and what
+    the medians say against the goal."""
+    lines = ["# ferry's Linux guest moved by ferry and by QEMU", "",
+             provenance(results, linux.RAW_FILE) + " ferry runs with no flag; QEMU (microvm, its "
+             "memory a shared memfd) with the downtime limit ferry uses (300 ms) and no bandwidth "
+             "cap (`qemu`), and with 2 multifd channels (`qemu-mfd2`) (bench/fb/linux.py)."]
+    lines += linux_lines(results["linux"])[2:]
+    said = [f"- {b['metric']}: {b['ratio']:.2f} of {b['versus']}'s "
+            f"({'meets' if b['ratio'] <= b['goal'] else 'misses'} the goal of {b['goal']})."
+            for b in linux.against_best(results["linux"]) if b["ratio"] is not None]
+    if said:
+        lines += ["", "Against the goal, by the medians above:", "", *said]
+    runs = [r for row in results["linux"] for r in row["runs"]]
+    wrong = sum((r.get("writer_errors") or 0) + (r.get("file_errors") or 0) for r in runs)
+    lines += ["", f"{len(runs)} runs: {wrong} pages found wrong by the writer after its move."]
     return "\n".join(lines) + "\n"
 
 

@@ -335,6 +335,51 @@ svg = page.plot.svg(page.plot.rows_of(page.by_cell(head), page.ratio), page.GOAL
 assert svg.count("<rect") == 3 + 3 and ">0.8<" in svg and ">0.4<" in svg and ">0.5<" in svg, svg
 print("ok")
 "#;
+    bench_python_says_ok(program);
+}
+
+/// The Linux row's figures, on made-up samples and rows: the stall at the switch runs from the
+/// source counter's last move to the destination's first move past it (midpoints of the
+/// sampling windows), the longest stall counts a stall before the switch, and ferry is judged
+/// against QEMU's best variant for each metric separately.
+#[test]
+fn the_linux_row_reads_both_sides_counters_and_judges_each_metric() {
+    let program = r#"
+import sys
+sys.path.insert(0, sys.argv[1])
+from fb import linux, report
+ms = lambda i: i / 1000
+# The source stands still from 1 ms to 22 ms (a stall while it runs), reaches 4 at 23 ms and
+# stops; the destination, a stale copy until then, passes 4 at 26 ms.
+samples = [(0.0, 1, None), (ms(1), 2, None)] + [(ms(i), 2, 0) for i in range(2, 22)]
+samples += [(ms(22), 3, 0), (ms(23), 4, 0), (ms(24), 4, 0), (ms(25), 4, 3), (ms(26), 4, 5), (ms(27), 4, 6)]
+f = linux.stalls(samples)
+assert abs(f["guest_stall_ms"] - 3.0) < 1e-9, f
+assert abs(f["longest_stall_ms"] - 21.0) < 1e-9, f
+assert abs(f["sample_gap_ms"] - 1.0) < 1e-9, f
+s = lambda v: {"median": v, "min": v, "max": v, "n": 1}
+row = lambda vmm, total, stall, wire: {"vmm": vmm, "mode": "precopy", "runs": [{"writer_errors": 0}],
+    "error": None, "summary": {"total_ms": s(total), "guest_stall_ms": s(stall), "link_bytes": s(wire)}}
+rows = [row("ferry", 70, 1, 100), row("qemu", 120, 4, 90), row("qemu-mfd2", 100, 5, 95)]
+best = {b["metric"]: (b["versus"], round(b["ratio"], 2)) for b in linux.against_best(rows)}
+assert best == {"total_ms": ("qemu-mfd2", 0.7), "guest_stall_ms": ("qemu", 0.25),
+                "link_bytes": ("qemu", 1.11)}, best
+meta = {"profile": "linux", "started": "t", "repeats": 1,
+        "machine": {"cores": 2, "cpu": "c", "kvm": "k", "kernel": "6"},
+        "build": {"commit": "0123456789ab", "ferry_sha256": "f" * 64, "qemu": "QEMU 10"}}
+text = report.linux_page(dict(meta, linux=rows))
+for said in ("total_ms: 0.70 of qemu-mfd2's (meets the goal of 0.7)",
+             "guest_stall_ms: 0.25 of qemu's (meets the goal of 0.5)",
+             "link_bytes: 1.11 of qemu's (misses the goal of 1.0)",
+             "[linux.json](linux.json)", "at 0123456", "3 runs: 0 pages found wrong"):
+    assert said in text, (said, text)
+print("ok")
+"#;
+    bench_python_says_ok(program);
+}
+
+/// Runs `program` with bench/ as its first argument; it must print only "ok".
+fn bench_python_says_ok(program: &str) {
     let out = Command::new("/usr/bin/python3")
         .args(["-c", program])
         .arg(repo_root().join("bench"))
