@@ -253,6 +253,7 @@ class FerryLinux:
             raise BenchError(f"ferry migrate failed: {out.stderr.strip()}")
         report = json.loads(out.stdout)
         status = settled_migration(self.dst_api)
+        self.breakdown = {"source": report.get("breakdown"), "destination": status.get("breakdown")}
         return (status["resumed_at_unix_ns"] / 1e9 - asked) * 1e3, report.get("downtime_ms")
 
 
@@ -336,7 +337,8 @@ def linux_run(procs, work, peer):
             return {"peer": peer, "total_ms": total_ms, "downtime_ms": downtime_ms,
                     "link_bytes": link_bytes, "boot_s": boot_seconds(vm.side.serial),
                     "writer_errors": after["errors"], "file_errors": after["file_errors"],
-                    "cmdline_words": CPU_WORDS["words"], **figures}
+                    "cmdline_words": CPU_WORDS["words"],
+                    "breakdown": getattr(vm, "breakdown", None), **figures}
     finally:
         procs.stop_all()
         for side in sides:
