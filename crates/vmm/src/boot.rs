@@ -185,34 +185,48 @@ fn load_kernel(memory: &GuestMemory, path: &Path) -> Result<(KernelLoaderResult,
 /// the Linux protocol, which tells it the CPU model's leftovers on its command line.
 /// linux-loader keeps its ELF structures private, hence the few reads here.
 pub fn is_linux_elf(path: &Path) -> bool {
-    std::fs::read(path).is_ok_and(|image| has_linux_note(&image))
+    use std::os::unix::fs::FileExt;
+    let Ok(file) = File::open(path) else {
+        return false;
+    };
+    has_linux_note(|at, len| {
+        let mut bytes = vec![0u8; len];
+        file.read_exact_at(&mut bytes, at).ok().map(|()| bytes)
+    })
 }
 
-fn has_linux_note(image: &[u8]) -> bool {
+/// The most read of an ELF's program headers or of one note segment to tell a Linux kernel
+/// (both are small; a kernel image is tens of MiB, and only these parts are read).
+const ELF_READ_MAX: u64 = 64 << 10;
+
+/// `read(offset, len)`: that much of the image, if it is all there.
+fn has_linux_note(read: impl Fn(u64, usize) -> Option<Vec<u8>>) -> bool {
     const PT_NOTE: u64 = 4;
+    const PHDR_LEN: u64 = 56;
     // ELF64, little-endian: e_phoff at 0x20, e_phentsize at 0x36, e_phnum at 0x38.
-    if image.get(..6) != Some(b"\x7fELF\x02\x01".as_slice()) {
+    let Some(head) = read(0, 64) else {
+        return false;
+    };
+    if head[..6] != *b"\x7fELF\x02\x01" {
         return false;
     }
     let (Some(phoff), Some(entsize), Some(count)) = (
-        le::<8>(image, 0x20),
-        le::<2>(image, 0x36),
-        le::<2>(image, 0x38),
+        le::<8>(&head, 0x20),
+        le::<2>(&head, 0x36),
+        le::<2>(&head, 0x38),
     ) else {
         return false;
     };
-    (0..count).any(|i| {
-        let ph = phoff.saturating_add(i * entsize) as usize;
-        match (
-            le::<4>(image, ph),
-            le::<8>(image, ph.saturating_add(8)),
-            le::<8>(image, ph.saturating_add(32)),
-        ) {
-            (Some(PT_NOTE), Some(offset), Some(size)) => {
-                let end = offset.saturating_add(size) as usize;
-                image
-                    .get(offset as usize..end)
-                    .is_some_and(|notes| has_owner(notes, b"Linux"))
+    if entsize < PHDR_LEN || entsize * count > ELF_READ_MAX {
+        return false;
+    }
+    let Some(table) = read(phoff, (entsize * count) as usize) else {
+        return false;
+    };
+    table.chunks_exact(entsize as usize).any(|ph| {
+        match (le::<4>(ph, 0), le::<8>(ph, 8), le::<8>(ph, 32)) {
+            (Some(PT_NOTE), Some(offset), Some(size)) if size <= ELF_READ_MAX => {
+                read(offset, size as usize).is_some_and(|notes| has_owner(&notes, b"Linux"))
             }
             _ => false,
         }
@@ -437,24 +451,30 @@ mod tests {
         image
     }
 
+    /// Whether `image`, read as a file would be, is a Linux kernel.
+    fn linux(image: &[u8]) -> bool {
+        has_linux_note(|at, len| {
+            let at = usize::try_from(at).ok()?;
+            image.get(at..at.checked_add(len)?).map(<[u8]>::to_vec)
+        })
+    }
+
     #[test]
     fn a_linux_kernel_is_told_by_its_notes() {
-        assert!(has_linux_note(&elf_with_note(b"Linux")));
-        assert!(
-            !has_linux_note(&elf_with_note(b"Xen")),
-            "a PVH guest's note"
-        );
-        assert!(!has_linux_note(&elf_with_note(b"Linu")));
+        assert!(linux(&elf_with_note(b"Linux")));
+        assert!(!linux(&elf_with_note(b"Xen")), "a PVH guest's note");
+        assert!(!linux(&elf_with_note(b"Linu")));
         let whole = elf_with_note(b"Linux");
         for cut in [0, 10, 64, 100, whole.len() - 5] {
-            assert!(!has_linux_note(&whole[..cut]), "cut at {cut}");
+            assert!(!linux(&whole[..cut]), "cut at {cut}");
         }
         let mut wild = whole.clone();
         wild[0x20..0x28].copy_from_slice(&u64::MAX.to_le_bytes());
-        assert!(
-            !has_linux_note(&wild),
-            "a program header table past the end"
-        );
+        assert!(!linux(&wild), "a program header table past the end");
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("vmlinux");
+        std::fs::write(&file, &whole).unwrap();
+        assert!(is_linux_elf(&file), "read from a file");
     }
 
     #[test]
