@@ -480,6 +480,10 @@ pub struct MigrationStatus {
     /// Of those, the pages the guest had given back (its balloon's, or reported free).
     #[serde(default)]
     pub pages_skipped_free: u64,
+    /// Pages that held only zeros when round 0 began: never sent (the destination's fresh
+    /// memory reads as zeros).
+    #[serde(default)]
+    pub pages_skipped_zero: u64,
     pub pages_resent: u64,
     /// Pre-copy: broken connections carried on over a new one, and the pages sent again
     /// because their last copy had not landed.

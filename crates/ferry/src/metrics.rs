@@ -505,7 +505,8 @@ fn encode_counters(
     let p = &s.progress;
     let mut m = enc.encode_descriptor(
         "ferry_migration_pages",
-        "Pages moved, by kind: full (data), zero, skipped (never populated).",
+        "Pages moved, by kind: full (data), zero (markers), skipped (never populated), \
+         skipped_zero (zeros when round 0 began).",
         None,
         MetricType::Counter,
     )?;
@@ -513,6 +514,7 @@ fn encode_counters(
         ("full", t.pages_full, p.pages.full),
         ("zero", t.pages_zero, p.pages.zero),
         ("skipped", t.pages_skipped, p.pages.skipped_unpopulated),
+        ("skipped_zero", t.pages_skipped_zero, p.pages.skipped_zero),
     ] {
         m.encode_family(&[("kind", kind)])?
             .encode_counter::<NoLabelSet, _, u64>(&(total + now(current)), None)?;

@@ -125,6 +125,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
         pages_zero: p.pages.zero,
         pages_skipped_unpopulated: p.pages.skipped_unpopulated,
         pages_skipped_free: p.pages.skipped_free,
+        pages_skipped_zero: p.pages.skipped_zero,
         pages_resent: p.pages.resent,
         resumes: r.resumes,
         pages_sent_again: r.pages_sent_again,

@@ -100,7 +100,7 @@ fn sent(s: &MigrationStatus, figure: String) -> String {
 }
 
 /// The figures every migration has, one per row.
-fn summary(s: &MigrationStatus) -> [(&'static str, String); 21] {
+fn summary(s: &MigrationStatus) -> [(&'static str, String); 22] {
     [
         ("setup", format!("{:.2} ms", s.setup_ms)),
         ("downtime (source's clock)", opt_ms(s.downtime_ms)),
@@ -126,6 +126,10 @@ fn summary(s: &MigrationStatus) -> [(&'static str, String); 21] {
         (
             "  of which given back by the guest",
             sent(s, s.pages_skipped_free.to_string()),
+        ),
+        (
+            "pages skipped (zeros when round 0 began)",
+            sent(s, s.pages_skipped_zero.to_string()),
         ),
         (
             "pages resent (dirtied again)",

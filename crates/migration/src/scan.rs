@@ -190,6 +190,18 @@ fn mark_file_data(fd: RawFd, range: RamRange, out: &mut Bitmap) -> Result<()> {
     Ok(())
 }
 
+/// The pages of `pages` that hold only zeros now. Each is read, so `pages` should name only
+/// populated ones (reading a never-touched page would populate it).
+pub fn zero_pages_of(ram: &GuestRam, pages: &Bitmap) -> Result<Bitmap> {
+    let mut zeros = Bitmap::new(pages.pages());
+    for pfn in pages.iter() {
+        if is_zero_page(ram.page(pfn)?) {
+            zeros.set(pfn);
+        }
+    }
+    Ok(zeros)
+}
+
 /// One page's share of `memory_checksum`: CRC32 over (page number, data); 0 for a zero page.
 pub fn page_digest(pfn: u64, page: &[u8]) -> u64 {
     if is_zero_page(page) {

@@ -77,6 +77,9 @@ pub struct PageCounts {
     pub skipped_unpopulated: u64,
     /// Of those, the pages the guest had given back (its balloon's, or reported free).
     pub skipped_free: u64,
+    /// Populated but all zeros when round 0 began: skipped (a destination's fresh memory
+    /// reads as zeros; a later write is in the dirty log).
+    pub skipped_zero: u64,
     /// Sent again after an earlier round had sent them.
     pub resent: u64,
     /// Post-copy: pushed by the source / requested by the destination's faults.

@@ -15,6 +15,7 @@ pub struct Totals {
     pub pages_skipped: u64,
     /// Of `pages_skipped`, those the guest gave back (its balloon's).
     pub pages_skipped_free: u64,
+    pub pages_skipped_zero: u64,
     pub bytes_on_wire: u64,
     pub rounds: u64,
     /// Each completed migration's downtime on this host's clock.
@@ -33,6 +34,7 @@ impl Default for Totals {
             pages_zero: 0,
             pages_skipped: 0,
             pages_skipped_free: 0,
+            pages_skipped_zero: 0,
             bytes_on_wire: 0,
             rounds: 0,
             downtime: Buckets::new(&DOWNTIME_BUCKETS_S),
@@ -64,6 +66,7 @@ impl Totals {
         self.pages_zero += p.pages.zero;
         self.pages_skipped += p.pages.skipped_unpopulated;
         self.pages_skipped_free += p.pages.skipped_free;
+        self.pages_skipped_zero += p.pages.skipped_zero;
         self.bytes_on_wire += p.bytes_on_wire;
         self.rounds += p.rounds.len() as u64;
         let downtime = match s.role {

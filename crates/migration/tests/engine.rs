@@ -81,6 +81,8 @@ struct FakeVm {
     /// driver), and every start, end and state save in order.
     hinted: Mutex<Vec<u64>>,
     hint_events: Mutex<Vec<&'static str>>,
+    /// Pages the guest writes as the source first harvests the dirty log (after round 0).
+    written_at_harvest: Mutex<Vec<u64>>,
 }
 
 impl FakeVm {
@@ -102,6 +104,7 @@ impl FakeVm {
             given: Mutex::new(None),
             hinted: Mutex::new(Vec::new()),
             hint_events: Mutex::new(Vec::new()),
+            written_at_harvest: Mutex::new(Vec::new()),
         })
     }
 
@@ -223,6 +226,9 @@ impl Migratable for FakeVm {
         Ok(())
     }
     fn take_dirty(&self) -> migration::Result<Bitmap> {
+        for pfn in std::mem::take(&mut *self.written_at_harvest.lock().unwrap()) {
+            self.write_page(pfn, 1);
+        }
         let mut d = self.dirty.lock().unwrap();
         Ok(std::mem::replace(&mut *d, Bitmap::new(GFN_END)))
     }
@@ -805,6 +811,35 @@ fn zero_pages_travel_as_markers() {
     }
     let p = migrate_warm(&src);
     assert_eq!((p.full, p.zero), (32, 32));
+}
+
+/// Pre-copy: pages that hold only zeros as round 0 begins are neither sent (not even as
+/// markers) nor faulted in on the destination; one the guest writes after the scan arrives
+/// with its data in a later round.
+#[test]
+fn zero_pages_stay_off_the_wire_and_out_of_the_destination() {
+    let src = FakeVm::new();
+    for pfn in 0..64 {
+        src.write_page(pfn, 0);
+    }
+    for pfn in 32..64 {
+        src.ram().zero_page(pfn).unwrap(); // populated, but zero
+    }
+    *src.written_at_harvest.lock().unwrap() = vec![40];
+    src.paused.store(false, Ordering::Release);
+    let run = migrate(&src, MigrationParams::default(), None);
+    run.result.expect("migration");
+    let dest = run.dest.unwrap();
+    let p = run.source_status.progress.pages;
+    assert_eq!((p.full, p.zero, p.skipped_zero), (33, 0, 32), "{p:?}");
+    let resident = dest.resident_pages();
+    let (written, zero): (Vec<u64>, Vec<u64>) = (0..64).partition(|&p| p < 32 || p == 40);
+    assert!(written.iter().all(|&p| resident[p as usize].is_some()));
+    assert!(
+        zero.iter().all(|&p| resident[p as usize].is_none()),
+        "a zero page was faulted in on the destination"
+    );
+    assert!(src.memory() == dest.memory());
 }
 
 /// Each side's report says where its time went: named stretches that follow each other and

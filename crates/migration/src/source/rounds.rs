@@ -13,7 +13,7 @@ use crate::bitmap::Bitmap;
 use crate::error::Result;
 use crate::params::{AutoConverge, Mode};
 use crate::policy::{self, Decision, FULL_PAGE_WIRE_BYTES, Limits, Measured};
-use crate::scan::populated_pages;
+use crate::scan::{populated_pages, zero_pages_of};
 use crate::status::RoundStats;
 use crate::wire::lanes::lane_of;
 use crate::wire::{Message, StreamMode};
@@ -81,12 +81,15 @@ impl Session<'_> {
             self.check_page_data(); // the guest is still
             self.lap("pause");
         }
-        let populated = populated_pages(&self.ram)?;
+        let mut populated = populated_pages(&self.ram)?;
         self.lap("populated scan");
         self.count_skipped(&populated);
         if self.params.mode == Mode::Postcopy {
             // Nothing moves before the switch: every page that holds data follows it.
             return Ok(Handover::postcopy(populated));
+        }
+        if mode == StreamMode::Precopy {
+            self.skip_zero_pages(&mut populated)?;
         }
         // Which pages round 0 sends, so that the destination faults them in meanwhile.
         self.send(&Message::Populated {
@@ -125,6 +128,19 @@ impl Session<'_> {
         // every page after this, so no write before it is lost.
         self.vm.take_dirty()?;
         self.lap("free page hints");
+        Ok(())
+    }
+
+    /// Takes the pages that hold only zeros out of round 0: a destination's fresh memory reads
+    /// as zeros, so it neither faults them in nor is sent a marker for each, and it stays as
+    /// sparse as the source was (a booted Linux guest's memory is mostly such pages).
+    /// The dirty log is on: a page written after it was read here is sent in a later round.
+    /// Only before live rounds: post-copy switches at once and a paused guest would wait.
+    fn skip_zero_pages(&mut self, populated: &mut Bitmap) -> Result<()> {
+        let zeros = zero_pages_of(&self.ram, populated)?;
+        populated.subtract(&zeros);
+        self.status.progress.pages.skipped_zero = zeros.count();
+        self.lap("zero scan");
         Ok(())
     }
 
