@@ -14,9 +14,10 @@ received-bytes counter is the bytes on the link for both; both sides open one ro
 - the guest's stall at the switch: the writer's progress counter, read out of the guest's
   memory (each VMM's memfd) by a real-time process of this host every ~0.2 ms on both sides
   (its longest gap between two readings is reported: the instrument's resolution), from the
-  last moment the source's counter moved to the first moment the destination's passed it;
-  and the longest time the counter stood still anywhere in the move (source before the
-  switch, destination for 0.5 s after);
+  last moment the source's counter moved to the first moment the destination's passed it,
+  and the part of it after the destination's VMM said the VM runs (ferry's
+  `resumed_at_unix_ns`, QEMU's RESUME event); and the longest time the counter stood still
+  anywhere in the move (source before the switch, destination for 0.5 s after);
 - each VMM's own downtime figure, beside it.
 
 After the move the writer must go on at the destination with every page it stamped intact
@@ -24,6 +25,7 @@ and its table read right from the root filesystem; a run where it does not fails
 import json
 import mmap
 import os
+import select
 import shutil
 import struct
 import subprocess
@@ -50,7 +52,7 @@ AFTER_SWITCH_S = 0.5
 BOOT_S = 600
 # The run the results cite, and the page written from it (docs/benchmarks/).
 RAW_FILE, PAGE_FILE = "linux.json", "linux.md"
-METRICS = ["total_ms", "guest_stall_ms", "longest_stall_ms", "downtime_ms", "link_bytes",
+METRICS = ["total_ms", "guest_stall_ms", "stall_after_resume_ms", "longest_stall_ms", "downtime_ms", "link_bytes",
            "boot_s", "sample_gap_ms"]
 # QEMU variants the profile runs: as an expert sets it for a move (the downtime limit, no
 # bandwidth cap) and with multifd, the sweep's pick for loopback.
@@ -140,20 +142,24 @@ def cpu_words(serial):
 def sample(src_pid, dst_pid, at, timeout):
     """The writer's progress counter on the source and the destination, read every
     `SAMPLE_S` until the destination's has run `AFTER_SWITCH_S` past the source's (or
-    `timeout` s): a list of (host monotonic time, source's value, destination's value or None
-    before its VMM made the memory). Runs in a process of its own, real-time (`ProgressWatch`),
-    so that neither the guests' spinning vCPUs nor this runner's threads delay a reading."""
+    `timeout` s): a list of (host time, source's value, destination's value or None before its
+    VMM made the memory). Runs in a process of its own, real-time (`ProgressWatch`), so that
+    neither the guests' spinning vCPUs nor this runner's threads delay a reading; it says
+    "ready" on stdout once it reads the source, before which the move must not be asked for
+    (starting Python at real-time priority takes a core for tens of ms)."""
     src, dst = GuestSide(src_pid, None), GuestSide(dst_pid, None)
     read = lambda fd: struct.unpack("<Q", os.pread(fd, 8, at + PROGRESS_AT))[0]  # noqa: E731
+    read(src.memory())
+    print("ready", flush=True)
     samples, go = [], None
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        now, dst_fd = time.monotonic(), dst.memory()
+        now, dst_fd = time.time(), dst.memory()
         s, d = read(src.memory()), read(dst_fd) if dst_fd is not None else None
         samples.append((now, s, d))
         # Until the switch the destination holds an older copy of the counter, never more.
-        go = go or (now if d is not None and d > s else None)
-        if go and now - go >= AFTER_SWITCH_S:
+        go = go or (time.monotonic() if d is not None and d > s else None)
+        if go and time.monotonic() - go >= AFTER_SWITCH_S:
             break
         time.sleep(SAMPLE_S)
     return samples
@@ -161,7 +167,8 @@ def sample(src_pid, dst_pid, at, timeout):
 
 class ProgressWatch:
     """`sample` in a process of its own at real-time priority (SCHED_FIFO 10, as both VMMs'
-    runs get it), started before the move."""
+    runs get it), started and ready before the move."""
+    READY_S = 30
 
     def __init__(self, src, dst, at, timeout=120):
         code = ("import json,sys;sys.path.insert(0,sys.argv[1]);from fb import linux;"
@@ -171,22 +178,28 @@ class ProgressWatch:
             ["chrt", "-f", "10", sys.executable, "-c", code, bench, str(src.pid), str(dst.pid),
              str(at), str(timeout)], stdout=subprocess.PIPE, text=True)
         self.timeout = timeout
+        ready = select.select([self.proc.stdout], [], [], self.READY_S)[0]
+        if not ready or self.proc.stdout.readline().strip() != "ready":
+            self.proc.kill()
+            raise BenchError(f"the progress sampler was not ready within {self.READY_S} s")
 
-    def wait_resumed(self):
-        """The figures once the destination ran on: the stall at the switch, the longest
+    def wait_resumed(self, resumed_at):
+        """The figures once the destination ran on (`resumed_at`: its VMM's word that the VM
+        runs, host time): the stall at the switch and its part after that word, the longest
         stall, the sampler's own longest gap (its resolution)."""
         out, _ = self.proc.communicate(timeout=self.timeout + 30)
         samples = json.loads(out)
         if not any(d is not None and d > samples[-1][1] for _, _, d in samples):
             raise BenchError("the writer did not run on at the destination")
-        return stalls(samples)
+        return stalls(samples, resumed_at)
 
 
-def stalls(samples):
+def stalls(samples, resumed_at):
     """From the samples: the stall at the switch (from the last source sample before its
     counter's final value to the first destination sample past it, the midpoints of the
-    sampling windows), the longest time either counter stood still while its side ran, and the
-    longest gap between two samples."""
+    sampling windows) and its part after the destination's VMM said the VM runs, the longest
+    time either counter stood still while its side ran, and the longest gap between two
+    samples."""
     final = samples[-1][1]
     k = next(i for i, s in enumerate(samples) if s[1] == final)
     j = next(i for i, s in enumerate(samples) if s[2] is not None and s[2] > final)
@@ -197,8 +210,8 @@ def stalls(samples):
         moved = [s[0] for a, s in zip(run, run[1:]) if s[side] != a[side]]
         longest = max([longest] + [b - a for a, b in zip(moved, moved[1:])])
     gap = max(b[0] - a[0] for a, b in zip(samples, samples[1:]))
-    return {"guest_stall_ms": switch * 1e3, "longest_stall_ms": longest * 1e3,
-            "sample_gap_ms": gap * 1e3}
+    return {"guest_stall_ms": switch * 1e3, "stall_after_resume_ms": (mid(j) - resumed_at) * 1e3,
+            "longest_stall_ms": longest * 1e3, "sample_gap_ms": gap * 1e3}
 
 
 def wait_writer(side, passes, what, timeout=BOOT_S, at=None):
@@ -244,7 +257,8 @@ class FerryLinux:
         return GuestSide(p.pid, None)
 
     def move(self):
-        """Moves the VM; (total ms, the VMM's downtime ms)."""
+        """Moves the VM; (total ms, the VMM's downtime ms). Keeps when the destination said
+        the VM runs (`resumed_at`, host time)."""
         asked = time.time()
         out = subprocess.run([FERRY, "migrate", "--api-socket", self.api, "--to",
                               f"tcp:127.0.0.1:{PORT}", "--json"],
@@ -254,7 +268,8 @@ class FerryLinux:
         report = json.loads(out.stdout)
         status = settled_migration(self.dst_api)
         self.breakdown = {"source": report.get("breakdown"), "destination": status.get("breakdown")}
-        return (status["resumed_at_unix_ns"] / 1e9 - asked) * 1e3, report.get("downtime_ms")
+        self.resumed_at = status["resumed_at_unix_ns"] / 1e9
+        return (self.resumed_at - asked) * 1e3, report.get("downtime_ms")
 
 
 class QemuLinux:
@@ -307,7 +322,8 @@ class QemuLinux:
         self.dst.cmd("migrate-incoming", uri=f"tcp:127.0.0.1:{PORT}")
         asked = time.time()
         info = self.peer.migrate(self.qmp, self.scenario, self.spec, f"tcp:127.0.0.1:{PORT}")
-        return (self.dst.event_time("RESUME", 30) - asked) * 1e3, info.get("downtime")
+        self.resumed_at = self.dst.event_time("RESUME", 30)
+        return (self.resumed_at - asked) * 1e3, info.get("downtime")
 
 
 def linux_run(procs, work, peer):
@@ -329,7 +345,7 @@ def linux_run(procs, work, peer):
             sent = ns.lo_bytes()
             watch = ProgressWatch(vm.side, dst, at)
             total_ms, downtime_ms = vm.move()
-            figures = watch.wait_resumed()
+            figures = watch.wait_resumed(vm.resumed_at)
             link_bytes = ns.lo_bytes() - sent
             _, after = wait_writer(dst, before["passes"] + 3, "the writer at the destination", 120, at)
             if after["errors"] or after["file_errors"]:

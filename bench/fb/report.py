@@ -633,7 +633,8 @@ def linux_lines(rows):
              "moved pre-copy over a namespace's loopback; each run boots the kernel. *Total*: "
              "request to the destination running, this host's clock. *Guest stall*: the writer's "
              "progress counter, read from both sides' guest memory by the host, from its last move "
-             "on the source to its first on the destination; *longest stall*: the longest time it "
+             "on the source to its first on the destination, and the part of it after the destination's "
+             "VMM said the VM runs; *longest stall*: the longest time it "
              "stood still over the move; *sampling*: the host's longest gap between two reads "
              "(the instrument's resolution). *Boot*: the kernel's clock at `/init`.", "",
              *device_table(rows, [
@@ -641,6 +642,7 @@ def linux_lines(rows):
                  ("runs", lambda r, s: str(len(r["runs"]))),
                  ("total ms", lambda r, s: fmt(s, "total_ms")),
                  ("guest stall ms", lambda r, s: fmt(s, "guest_stall_ms", digits=2)),
+                 ("of it after resume ms", lambda r, s: fmt(s, "stall_after_resume_ms", digits=2)),
                  ("longest stall ms", lambda r, s: fmt(s, "longest_stall_ms", digits=2)),
                  ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2)),
                  ("link bytes", lambda r, s: fmt(s, "link_bytes", digits=0)),

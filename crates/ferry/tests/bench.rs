@@ -340,7 +340,7 @@ print("ok")
 
 /// The Linux row's figures, on made-up samples and rows: the stall at the switch runs from the
 /// source counter's last move to the destination's first move past it (midpoints of the
-/// sampling windows), the longest stall counts a stall before the switch, and ferry is judged
+/// sampling windows), with its part after the destination said it runs; the longest stall counts a stall before the switch, and ferry is judged
 /// against QEMU's best variant for each metric separately.
 #[test]
 fn the_linux_row_reads_both_sides_counters_and_judges_each_metric() {
@@ -353,8 +353,10 @@ ms = lambda i: i / 1000
 # stops; the destination, a stale copy until then, passes 4 at 26 ms.
 samples = [(0.0, 1, None), (ms(1), 2, None)] + [(ms(i), 2, 0) for i in range(2, 22)]
 samples += [(ms(22), 3, 0), (ms(23), 4, 0), (ms(24), 4, 0), (ms(25), 4, 3), (ms(26), 4, 5), (ms(27), 4, 6)]
-f = linux.stalls(samples)
+# The destination's VMM said the VM runs at 24.2 ms: 1.3 ms before the guest moved there.
+f = linux.stalls(samples, ms(24.2))
 assert abs(f["guest_stall_ms"] - 3.0) < 1e-9, f
+assert abs(f["stall_after_resume_ms"] - 1.3) < 1e-9, f
 assert abs(f["longest_stall_ms"] - 21.0) < 1e-9, f
 assert abs(f["sample_gap_ms"] - 1.0) < 1e-9, f
 s = lambda v: {"median": v, "min": v, "max": v, "n": 1}
