@@ -172,9 +172,10 @@ pub trait Migratable: Send + Sync {
     /// Pages written since the last call (by the guest or by the VMM), and resets the set:
     /// a bitmap over guest page numbers, `ram().gfn_end()` long.
     fn take_dirty(&self) -> Result<Bitmap>;
-    /// `take_dirty`, added to `into` (a set as long): a VMM that can saves making a whole
-    /// bitmap where it counts, in the pause.
-    fn take_dirty_into(&self, into: &mut Bitmap) -> Result<()> {
+    /// The switch's last `take_dirty`, the VM paused, added to `into` (a set as long): a VMM
+    /// that can saves making a whole bitmap, and protecting the pages again, in the pause. The
+    /// pages it reports may be reported again by a later call (after a failed switch).
+    fn take_last_dirty(&self, into: &mut Bitmap) -> Result<()> {
         into.merge(&self.take_dirty()?);
         Ok(())
     }

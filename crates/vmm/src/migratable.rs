@@ -171,8 +171,8 @@ impl Migratable for Vm {
         Ok(dirty)
     }
 
-    fn take_dirty_into(&self, into: &mut Bitmap) -> migration::Result<()> {
-        self.take_dirty_log_into(into).map_err(vm_err)?;
+    fn take_last_dirty(&self, into: &mut Bitmap) -> migration::Result<()> {
+        self.take_last_dirty_log_into(into).map_err(vm_err)?;
         self.drain_vmm_writes(Some(into));
         Ok(())
     }

@@ -478,22 +478,33 @@ impl Vm {
 
     /// `take_dirty_log`, added to `dirty` (a bitmap of every guest page).
     pub fn take_dirty_log_into(&self, dirty: &mut Bitmap) -> Result<()> {
-        let (read, slots) = self.harvest_into(dirty)?;
+        let (read, slots) = self.harvest_into(dirty, true)?;
         tracing::trace!("dirty log: read {read} of {slots} slots");
         Ok(())
     }
 
-    /// `take_dirty_log_into`; returns how many slots' logs it read, and of how many.
-    fn harvest_into(&self, dirty: &mut Bitmap) -> Result<(usize, usize)> {
+    /// The switch's last harvest, into `dirty`, the VM paused: the pages it reports are not
+    /// protected again, which on a host with a shadow MMU walks every mapping of each page
+    /// inside the downtime. Their bits stay set in KVM's log (manual protection), so a
+    /// harvest after a failed switch resumes the guest reports them again.
+    pub fn take_last_dirty_log_into(&self, dirty: &mut Bitmap) -> Result<()> {
+        self.require_paused("take the last dirty log")?;
+        self.harvest_into(dirty, false).map(drop)
+    }
+
+    /// `take_dirty_log_into`, protecting the pages read again where `protect`; returns how many
+    /// slots' logs it read, and of how many.
+    fn harvest_into(&self, dirty: &mut Bitmap, protect: bool) -> Result<(usize, usize)> {
         let slots = kvm_slots(&self.memory);
         let populated = match self.dirty_protect {
-            Protect::ManualInitiallySet => Some(self.populated()?),
+            Protect::ManualInitiallySet => Some(self.populated_since()?),
             _ => None,
         };
         let mut buffers = self.dirty_buffers.locked();
         if buffers.len() != slots.len() {
             *buffers = dirty_buffers(&slots);
         }
+        let protect = protect && self.dirty_protect != Protect::OnRead;
         let mut read = 0;
         for (slot, (&(range, _), bitmap)) in slots.iter().zip(buffers.iter_mut()).enumerate() {
             let first_word = (range.first_gfn() / 64) as usize;
@@ -520,7 +531,7 @@ impl Vm {
                 if span.iter().all(|&w| w == 0) {
                     continue;
                 }
-                if self.dirty_protect != Protect::OnRead {
+                if protect {
                     crate::dirty_log::clear(&self.fd, slot as u32, first_page, span)
                         .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
                 }
@@ -528,6 +539,17 @@ impl Vm {
             }
         }
         Ok((read, slots.len()))
+    }
+
+    /// The pages of guest memory that held data when the log was turned on or since, in the
+    /// map `populated` keeps: only pages outside it are looked at (`scan::grow_populated`), so
+    /// a harvest, the pause's included, does not walk again all the memory that holds data.
+    /// The pages of that map had their bits cleared, so a bit set there is a write.
+    fn populated_since(&self) -> Result<std::sync::MutexGuard<'_, Bitmap>> {
+        let mut map = self.populated.locked();
+        migration::scan::grow_populated(&migration::Migratable::ram(self), &mut map)
+            .map_err(|e| Error::State(format!("finding populated memory: {e}")))?;
+        Ok(map)
     }
 
     /// The pages of guest memory that hold data now, in the bitmap kept for it.
@@ -1073,7 +1095,8 @@ pub(crate) mod tests {
     /// A harvest reads the log of the slots that hold data, stretch by stretch where memory
     /// holds data, and skips the rest: a page first touched after logging began is still
     /// found, in a stretch or a slot that held data or in one that held none, once; a page
-    /// never touched, never; a slot that never held data is not read.
+    /// never touched, never; a slot that never held data is not read. The switch's last
+    /// harvest leaves what it read in the log.
     #[test]
     fn the_dirty_log_finds_first_touches_in_any_stretch_once() {
         if !kvm_here() {
@@ -1102,7 +1125,7 @@ pub(crate) mod tests {
         let harvest = || {
             let end = regions[1].0.end_gfn();
             let mut dirty = Bitmap::new(end);
-            let read = vm.harvest_into(&mut dirty).unwrap();
+            let read = vm.harvest_into(&mut dirty, true).unwrap();
             (dirty.iter().collect::<Vec<u64>>(), read)
         };
         let nothing = Vec::<u64>::new();
@@ -1118,9 +1141,20 @@ pub(crate) mod tests {
         assert_eq!(harvest(), (first_touches.to_vec(), (3, 4)));
         assert_eq!(
             harvest(),
-            (nothing, (3, 4)),
+            (nothing.clone(), (3, 4)),
             "each first touch is read once"
         );
+        // The switch's last harvest (paused) protects nothing again: what it read stays in
+        // the log, for a harvest after a failed switch.
+        touch(7);
+        let last = || {
+            let mut dirty = Bitmap::new(regions[1].0.end_gfn());
+            vm.take_last_dirty_log_into(&mut dirty).unwrap();
+            dirty.iter().collect::<Vec<u64>>()
+        };
+        assert_eq!((last(), last()), (vec![7], vec![7]));
+        assert_eq!(harvest(), (vec![7], (3, 4)));
+        assert_eq!(harvest(), (nothing, (3, 4)));
         vm.set_dirty_logging(false).unwrap();
     }
 

@@ -72,7 +72,7 @@ impl Session<'_> {
             self.vm.guest_progress_rate(start_ns, paused_at_ns);
         self.status.report.vcpus_throttled = Some(self.vm.take_throttled());
         if self.held.dirty_log.is_some() {
-            self.vm.take_dirty_into(&mut pending)?;
+            self.vm.take_last_dirty(&mut pending)?;
             self.lap("harvest paused");
         }
         self.check_page_data(); // the guest is still
