@@ -1760,6 +1760,8 @@ fn breaking_params(mode: Mode) -> MigrationParams {
     MigrationParams {
         mode,
         go_with_state: Some(false),
+        // A destination gone in the rounds is dialled again for this long (a test of its own).
+        resume_window_s: 1,
         ..Default::default()
     }
 }
@@ -1834,6 +1836,34 @@ fn a_destination_breaking_off_in_any_state_leaves_the_source_as_it_was() {
             src.paused.load(Ordering::Acquire),
             "{mode:?}: neither resumed here"
         );
+    }
+}
+
+/// A destination that refuses in the rounds (its `Abort`, then its close) ends the migration
+/// with its reason at once: the source's failed write is not taken for a broken link to dial
+/// again for the resume window (it was, whenever the write failed before the source read).
+#[test]
+fn a_destination_that_aborts_in_the_rounds_is_not_dialled_again() {
+    for at in ["Populated", "RoundEnd"] {
+        let src = FakeVm::new(); // untouched: the scripted destination takes no pages
+        src.paused.store(false, Ordering::Release);
+        let (_dir, endpoint, script) =
+            breaking_destination(at, Cut::Abort, std::sync::mpsc::channel().0);
+        let params = MigrationParams {
+            go_with_state: Some(false),
+            ..Default::default()
+        };
+        let (board, error) = send_and_wait(&src, endpoint, params);
+        script.join().unwrap();
+        let error = error.expect("the destination refused");
+        assert!(
+            error.contains(&format!("scripted abort at {at}")),
+            "{error}"
+        );
+        let status = board.read();
+        let note = status.note.unwrap_or_default();
+        assert!(!note.contains("reconnecting"), "{at}: {note}");
+        assert_as_it_was(&src, at);
     }
 }
 

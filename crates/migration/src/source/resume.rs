@@ -37,9 +37,23 @@ impl Session<'_> {
         match self.send_round(round, set, cuttable) {
             Ok(unsent) => Ok(unsent),
             Err(e) if self.copies.is_some() && e.is_break() && !self.is_paused() => {
-                self.resume_precopy(e).map(Some)
+                match self.refused(e) {
+                    e if e.is_break() => self.resume_precopy(e).map(Some),
+                    refusal => Err(refusal),
+                }
             }
             Err(e) => Err(e),
+        }
+    }
+
+    /// A break where the destination said why it gave up (an `Abort` waiting unread, sent
+    /// before it closed) is its refusal, not a link to carry on over: a peer that refused is
+    /// not dialled again for the resume window.
+    fn refused(&mut self, e: Error) -> Error {
+        if self.stream.has_unread() {
+            self.explain(e)
+        } else {
+            e
         }
     }
 

@@ -323,7 +323,7 @@ impl<'a> Session<'a> {
     }
 
     /// A send that failed because the peer gave up: fetch the peer's reason if it sent one.
-    fn explain(&mut self, e: Error) -> Error {
+    pub(super) fn explain(&mut self, e: Error) -> Error {
         // A cancel closed the connection under the read or the write.
         if self.controls.cancel.load(Ordering::Acquire)
             && matches!(e, Error::Transport { .. } | Error::Protocol(_))
