@@ -179,6 +179,13 @@ pub trait Migratable: Send + Sync {
         into.merge(&self.take_dirty()?);
         Ok(())
     }
+    /// The pages set in `words` (64 a word, from `first_gfn`, a multiple of 64) are about to
+    /// be read for sending, the log on and the guest running: the writes to them so far need
+    /// not be reported (the send carries them), only those from now on. A VMM that cannot
+    /// leaves them in its log: they are sent again.
+    fn forget_dirty(&self, _first_gfn: u64, _words: &[u64]) -> Result<()> {
+        Ok(())
+    }
     fn stop_dirty_log(&self) -> Result<()>;
     /// Parks every vCPU with complete state.
     fn pause(&self) -> Result<()>;

@@ -83,6 +83,8 @@ struct FakeVm {
     hint_events: Mutex<Vec<&'static str>>,
     /// Pages the guest writes as the source first harvests the dirty log (after round 0).
     written_at_harvest: Mutex<Vec<u64>>,
+    /// Pages the guest writes right after the dirty log starts (before round 0 sends them).
+    written_at_log_on: Mutex<Vec<u64>>,
 }
 
 impl FakeVm {
@@ -105,6 +107,7 @@ impl FakeVm {
             hinted: Mutex::new(Vec::new()),
             hint_events: Mutex::new(Vec::new()),
             written_at_harvest: Mutex::new(Vec::new()),
+            written_at_log_on: Mutex::new(Vec::new()),
         })
     }
 
@@ -223,6 +226,18 @@ impl Migratable for FakeVm {
     fn start_dirty_log(&self) -> migration::Result<()> {
         self.dirty.lock().unwrap().clear();
         self.logging.store(true, Ordering::Release);
+        for pfn in std::mem::take(&mut *self.written_at_log_on.lock().unwrap()) {
+            self.write_page(pfn, 1);
+        }
+        Ok(())
+    }
+    fn forget_dirty(&self, first_gfn: u64, words: &[u64]) -> migration::Result<()> {
+        let mut dirty = self.dirty.lock().unwrap();
+        for (i, &w) in words.iter().enumerate() {
+            for bit in (0..64).filter(|b| w & (1 << b) != 0) {
+                dirty.unset(first_gfn + 64 * i as u64 + bit);
+            }
+        }
         Ok(())
     }
     fn take_dirty(&self) -> migration::Result<Bitmap> {
@@ -840,6 +855,23 @@ fn zero_pages_stay_off_the_wire_and_out_of_the_destination() {
         "a zero page was faulted in on the destination"
     );
     assert!(src.memory() == dest.memory());
+}
+
+/// A page the guest writes after the dirty log starts but before round 0 reaches it goes
+/// once, with what it wrote: round 0 tells the log to forget each chunk as it sends it.
+#[test]
+fn a_page_written_before_round_0_reaches_it_goes_once() {
+    let src = FakeVm::new();
+    for pfn in 0..64 {
+        src.write_page(pfn, 0);
+    }
+    *src.written_at_log_on.lock().unwrap() = vec![10, 20];
+    src.paused.store(false, Ordering::Release);
+    let run = migrate(&src, MigrationParams::default(), None);
+    run.result.expect("migration");
+    let p = run.source_status.progress.pages;
+    assert_eq!((p.full, p.resent), (64, 0), "{p:?}");
+    assert!(src.memory() == run.dest.unwrap().memory());
 }
 
 /// Each side's report says where its time went: named stretches that follow each other and

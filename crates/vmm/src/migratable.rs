@@ -177,6 +177,10 @@ impl Migratable for Vm {
         Ok(())
     }
 
+    fn forget_dirty(&self, first_gfn: u64, words: &[u64]) -> migration::Result<()> {
+        self.forget_dirty_log(first_gfn, words).map_err(vm_err)
+    }
+
     fn stop_dirty_log(&self) -> migration::Result<()> {
         self.set_dirty_logging(false).map_err(vm_err)
     }

@@ -483,6 +483,30 @@ impl Vm {
         Ok(())
     }
 
+    /// Clears the log's bits of the pages set in `words` (64 a word, from `first_gfn`, a
+    /// multiple of 64) and protects those pages again: their writes so far are forgotten
+    /// (`Migratable::forget_dirty`). Without manual protection reading the log does that.
+    pub fn forget_dirty_log(&self, first_gfn: u64, words: &[u64]) -> Result<()> {
+        if self.dirty_protect == Protect::OnRead {
+            return Ok(());
+        }
+        let end = first_gfn + 64 * words.len() as u64;
+        for (slot, &(range, _)) in kvm_slots(&self.memory).iter().enumerate() {
+            let (from, to) = (first_gfn.max(range.first_gfn()), end.min(range.end_gfn()));
+            if from >= to {
+                continue;
+            }
+            // Slots begin on a multiple of 64 pages, so `from` keeps a word's alignment.
+            let span =
+                &words[((from - first_gfn) / 64) as usize..(to - first_gfn).div_ceil(64) as usize];
+            if span.iter().any(|&w| w != 0) {
+                crate::dirty_log::clear(&self.fd, slot as u32, from - range.first_gfn(), span)
+                    .map_err(|e| Error::State(format!("KVM_CLEAR_DIRTY_LOG: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The switch's last harvest, into `dirty`, the VM paused: the pages it reports are not
     /// protected again, which on a host with a shadow MMU walks every mapping of each page
     /// inside the downtime. Their bits stay set in KVM's log (manual protection), so a
@@ -1096,7 +1120,7 @@ pub(crate) mod tests {
     /// holds data, and skips the rest: a page first touched after logging began is still
     /// found, in a stretch or a slot that held data or in one that held none, once; a page
     /// never touched, never; a slot that never held data is not read. The switch's last
-    /// harvest leaves what it read in the log.
+    /// harvest leaves what it read in the log; a write forgotten before a send is not read.
     #[test]
     fn the_dirty_log_finds_first_touches_in_any_stretch_once() {
         if !kvm_here() {
@@ -1155,6 +1179,11 @@ pub(crate) mod tests {
         assert_eq!((last(), last()), (vec![7], vec![7]));
         assert_eq!(harvest(), (vec![7], (3, 4)));
         assert_eq!(harvest(), (nothing, (3, 4)));
+        // Writes a send is about to carry are forgotten, in either region; the others not.
+        [9, 11, high + 70].into_iter().for_each(touch);
+        vm.forget_dirty_log(0, &[1 << 9]).unwrap();
+        vm.forget_dirty_log(high + 64, &[1 << 6]).unwrap();
+        assert_eq!(harvest(), (vec![11], (3, 4)));
         vm.set_dirty_logging(false).unwrap();
     }
 

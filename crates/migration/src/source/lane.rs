@@ -15,7 +15,8 @@ use crate::memory::GuestRam;
 use crate::pages::PageSender;
 use crate::params::MigrationParams;
 use crate::ratelimit::RateLimiter;
-use crate::wire::lanes::lane_of;
+use crate::vm::Migratable;
+use crate::wire::lanes::{LANE_CHUNK_PAGES, lane_of};
 use crate::wire::{self, Message};
 
 /// Pages per frame, unless a bandwidth limit asks for fewer (`RateLimiter::batch_pages`).
@@ -36,6 +37,9 @@ pub(crate) struct Lane {
 pub(super) struct RoundShare<'r> {
     pub set: &'r Bitmap,
     pub ram: &'r GuestRam,
+    /// The VM whose dirty log runs beside this round (the guest running), told of each chunk
+    /// as its first page is sent (`entering`).
+    pub logged: Option<&'r dyn Migratable>,
     pub lanes: u32,
     /// Set by the user's cancel or by a lane that failed: the others stop early.
     pub stop: &'r AtomicBool,
@@ -56,6 +60,24 @@ pub(super) struct RoundShare<'r> {
 }
 
 impl RoundShare<'_> {
+    /// Called with each page before it is sent, in order: on the first page of a chunk
+    /// (`LANE_CHUNK_PAGES`, so one sender's alone), the writes to the chunk's pages of this
+    /// round so far are forgotten by the log, as the send reads them after this. Without it
+    /// a page the guest wrote after the log began but before round 0 reached it went twice.
+    pub(super) fn entering(&self, gfn: u64, chunk: &mut Option<u64>) -> Result<()> {
+        let (Some(vm), this) = (self.logged, gfn / LANE_CHUNK_PAGES) else {
+            return Ok(());
+        };
+        if *chunk == Some(this) {
+            return Ok(());
+        }
+        *chunk = Some(this);
+        let first = this * LANE_CHUNK_PAGES;
+        let words: [u64; (LANE_CHUNK_PAGES / 64) as usize] =
+            std::array::from_fn(|i| self.set.word((first / 64) as usize + i));
+        vm.forget_dirty(first, &words)
+    }
+
     /// Whether the round is being cut short for post-copy.
     pub(super) fn cut_now(&self) -> bool {
         self.cut.is_some_and(|c| c.load(Ordering::Acquire))
@@ -162,6 +184,7 @@ impl Lane {
     fn send_pages(&mut self, lane: u32, share: &RoundShare<'_>) -> Result<()> {
         let mut sent = 0u64;
         let mut bytes = self.pages.counters.bytes;
+        let mut chunk = None;
         for gfn in share
             .set
             .iter()
@@ -171,6 +194,7 @@ impl Lane {
                 share.left_from[lane as usize].store(gfn, Ordering::Release);
                 break;
             }
+            share.entering(gfn, &mut chunk)?;
             self.pages
                 .push(&mut self.stream, share.ram, gfn, &mut self.limiter)?;
             sent += 1;

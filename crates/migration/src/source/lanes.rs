@@ -56,9 +56,13 @@ impl Session<'_> {
         let left_from: Vec<AtomicU64> = (0..=lanes.len())
             .map(|_| AtomicU64::new(u64::MAX))
             .collect();
+        // Not while paused (the last round): nothing writes, and protecting pages again
+        // would cost inside the pause.
+        let logged = (self.held.dirty_log.is_some() && !self.is_paused()).then_some(self.vm);
         let share = RoundShare {
             set,
             ram: &ram,
+            logged,
             lanes: lanes.len() as u32 + 1,
             stop: &stop,
             cancel: &self.controls.cancel,

@@ -379,6 +379,7 @@ impl Session<'_> {
     ) -> Result<()> {
         let total = share.set.count();
         let mut last_status = Instant::now();
+        let mut chunk = None;
         for (i, gfn) in share.set.iter().enumerate() {
             // A round that starts after the request sends nothing.
             if i == 0 && share.cut_now() {
@@ -391,6 +392,7 @@ impl Session<'_> {
                 self.sent_once.set(gfn);
             }
             if lane_of(gfn, share.lanes) == 0 {
+                share.entering(gfn, &mut chunk)?;
                 self.pages
                     .push(&mut self.stream, &self.ram, gfn, &mut self.limiter)?;
             }

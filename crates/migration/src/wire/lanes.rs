@@ -5,7 +5,7 @@
 /// Most connections one migration may use.
 pub const MAX_CONNECTIONS: u32 = 16;
 /// Pages of one 2 MiB chunk travel on the same connection (see `lane_of`).
-const LANE_CHUNK_PAGES: u64 = 512;
+pub const LANE_CHUNK_PAGES: u64 = 512;
 
 /// The connection (0..lanes) that carries page `pfn` when a migration uses `lanes` of them:
 /// always the same one, so a page's copies arrive in the order they were sent.
