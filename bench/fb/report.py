@@ -251,6 +251,11 @@ def fmt(summary, metric, scale=1.0, digits=1):
     return f"{s['median'] / scale:.{digits}f} [{s['min'] / scale:.{digits}f}–{s['max'] / scale:.{digits}f}]"
 
 
+def figure(header, metric, digits=1):
+    """A table column of one metric's median [min–max] (`fmt`), for `device_table`."""
+    return header, lambda _run, summary: fmt(summary, metric, digits=digits)
+
+
 def breakdown_tables(scenarios):
     """Idle rows: each side's stretches (median ms over the runs), so that no time is unexplained."""
     lines = []
@@ -511,12 +516,12 @@ def markdown(results):
                       ("frames/s", lambda r, s: str(r["rate"])),
                       ("VMM", lambda r, s: r.get("vmm", "ferry")),
                       ("move", move_cell),
-                      ("offered/s", lambda r, s: fmt(s, "offered_per_s", digits=0)),
-                      ("back", lambda r, s: fmt(s, "received", digits=0)),
-                      ("lost", lambda r, s: fmt(s, "lost", digits=0)),
-                      ("longest gap ms", lambda r, s: fmt(s, "longest_gap_ms")),
-                      ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2)),
-                      ("guest downtime ms", lambda r, s: fmt(s, "guest_downtime_ms", digits=2))])]
+                      figure("offered/s", "offered_per_s", 0),
+                      figure("back", "received", 0),
+                      figure("lost", "lost", 0),
+                      figure("longest gap ms", "longest_gap_ms"),
+                      figure("downtime ms (VMM)", "downtime_ms", 2),
+                      figure("guest downtime ms", "guest_downtime_ms", 2)])]
         pairs = forwarding_ratios(results["forwarding"])
         if pairs:
             lines += ["", "ferry / QEMU, medians (< 1: ferry better):", "",
@@ -535,10 +540,10 @@ def markdown(results):
                   *device_table(results["block"], [
                       ("VMM", lambda r, s: r["vmm"]),
                       ("move", move_cell),
-                      ("modify events", lambda r, s: fmt(s, "writes_seen", digits=0)),
-                      ("longest write gap ms", lambda r, s: fmt(s, "longest_write_gap_ms")),
-                      ("wrong sectors", lambda r, s: fmt(s, "blk_errors", digits=0)),
-                      ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2))])]
+                      figure("modify events", "writes_seen", 0),
+                      figure("longest write gap ms", "longest_write_gap_ms"),
+                      figure("wrong sectors", "blk_errors", 0),
+                      figure("downtime ms (VMM)", "downtime_ms", 2)])]
     if results.get("storage"):
         lines += storage_lines(results["storage"])
     if results.get("linux"):
@@ -569,12 +574,12 @@ def storage_lines(rows):
              *device_table(rows, [
                  ("disk MiB (data)", lambda r, s: f"{r['disk_mib']} ({r['used_mib']})"),
                  ("VMM", vmm_cell),
-                 ("total ms", lambda r, s: fmt(s, "total_ms")),
-                 ("of it mirror ms", lambda r, s: fmt(s, "mirror_ms")),
-                 ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2)),
-                 ("guest downtime ms", lambda r, s: fmt(s, "guest_downtime_ms", digits=2)),
-                 ("link bytes", lambda r, s: fmt(s, "link_bytes", digits=0)),
-                 ("wrong sectors", lambda r, s: fmt(s, "blk_errors", digits=0))])]
+                 figure("total ms", "total_ms"),
+                 figure("of it mirror ms", "mirror_ms"),
+                 figure("downtime ms (VMM)", "downtime_ms", 2),
+                 figure("guest downtime ms", "guest_downtime_ms", 2),
+                 figure("link bytes", "link_bytes", 0),
+                 figure("wrong sectors", "blk_errors", 0)])]
     pairs = storage.ratios(rows)
     if pairs:
         f = ratio_text
@@ -640,14 +645,14 @@ def linux_lines(rows):
              *device_table(rows, [
                  ("VMM", vmm_cell),
                  ("runs", lambda r, s: str(len(r["runs"]))),
-                 ("total ms", lambda r, s: fmt(s, "total_ms")),
-                 ("guest stall ms", lambda r, s: fmt(s, "guest_stall_ms", digits=2)),
-                 ("of it after resume ms", lambda r, s: fmt(s, "stall_after_resume_ms", digits=2)),
-                 ("longest stall ms", lambda r, s: fmt(s, "longest_stall_ms", digits=2)),
-                 ("downtime ms (VMM)", lambda r, s: fmt(s, "downtime_ms", digits=2)),
-                 ("link bytes", lambda r, s: fmt(s, "link_bytes", digits=0)),
-                 ("boot s", lambda r, s: fmt(s, "boot_s")),
-                 ("sampling ms", lambda r, s: fmt(s, "sample_gap_ms", digits=2))])]
+                 figure("total ms", "total_ms"),
+                 figure("guest stall ms", "guest_stall_ms", 2),
+                 figure("of it after resume ms", "stall_after_resume_ms", 2),
+                 figure("longest stall ms", "longest_stall_ms", 2),
+                 figure("downtime ms (VMM)", "downtime_ms", 2),
+                 figure("link bytes", "link_bytes", 0),
+                 figure("boot s", "boot_s"),
+                 figure("sampling ms", "sample_gap_ms", 2)])]
     best = linux.against_best(rows)
     if best:
         f = ratio_text

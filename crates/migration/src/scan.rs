@@ -56,12 +56,15 @@ pub fn grow_populated(ram: &GuestRam, known: &mut Bitmap) -> Result<()> {
     if known.pages() != ram.gfn_end() {
         return populated_pages_into(ram, known);
     }
+    // Only as many runs as are worth probing are gathered: one more means a whole scan.
+    let worth = (known.count() / RUN_COST_PAGES) as usize;
     let runs: Vec<(usize, std::ops::Range<u64>)> = ram
         .backed_regions()
         .enumerate()
         .flat_map(|(i, (range, ..))| unset_runs(known, range).map(move |r| (i, r)))
+        .take(worth + 1)
         .collect();
-    if runs.len() as u64 * RUN_COST_PAGES > known.count() {
+    if runs.len() > worth {
         let mut now = Bitmap::new(ram.gfn_end());
         populated_pages_into(ram, &mut now)?;
         known.merge(&now);

@@ -38,6 +38,13 @@ const TSS_ADDRESS: usize = 0xfffb_d000;
 /// 512 KiB), not what the guest has. Not less: turning dirty logging on costs a KVM call per
 /// slot.
 const SLOT_SPAN: u64 = 16 << 30;
+
+/// How `Vm::populated` finds the pages that hold data.
+#[derive(Clone, Copy)]
+enum Populated {
+    Fresh,
+    Grown,
+}
 pub const MAX_VCPUS: usize = 16;
 /// How long a VM about to run waits for a disk another process still holds.
 const CLAIM_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -451,7 +458,7 @@ impl Vm {
             // Every bit starts set and nothing is protected: protect what holds data now (what
             // the first round sends), chunk by chunk; the bits of pages never touched stay set
             // (`take_dirty_log`).
-            let populated = self.populated()?;
+            let populated = self.populated(Populated::Fresh)?;
             for (slot, &(range, _)) in slots.iter().enumerate() {
                 each_chunk_in(&populated, range, |first_page, words| {
                     crate::dirty_log::clear(&self.fd, slot as u32, first_page, words)
@@ -521,7 +528,7 @@ impl Vm {
     fn harvest_into(&self, dirty: &mut Bitmap, protect: bool) -> Result<(usize, usize)> {
         let slots = kvm_slots(&self.memory);
         let populated = match self.dirty_protect {
-            Protect::ManualInitiallySet => Some(self.populated_since()?),
+            Protect::ManualInitiallySet => Some(self.populated(Populated::Grown)?),
             _ => None,
         };
         let mut buffers = self.dirty_buffers.locked();
@@ -565,22 +572,19 @@ impl Vm {
         Ok((read, slots.len()))
     }
 
-    /// The pages of guest memory that held data when the log was turned on or since, in the
-    /// map `populated` keeps: only pages outside it are looked at (`scan::grow_populated`), so
-    /// a harvest, the pause's included, does not walk again all the memory that holds data.
-    /// The pages of that map had their bits cleared, so a bit set there is a write.
-    fn populated_since(&self) -> Result<std::sync::MutexGuard<'_, Bitmap>> {
+    /// The pages of guest memory that hold data, in the map `populated` keeps: found anew
+    /// (`Fresh`, as the log is turned on) or grown by what was populated since (`Grown`, as a
+    /// harvest reads it: only pages outside the map are looked at, `scan::grow_populated`, so
+    /// the pause's harvest does not walk again all the memory that holds data; the pages of
+    /// the map had their bits cleared, so a bit set there is a write).
+    fn populated(&self, how: Populated) -> Result<std::sync::MutexGuard<'_, Bitmap>> {
         let mut map = self.populated.locked();
-        migration::scan::grow_populated(&migration::Migratable::ram(self), &mut map)
-            .map_err(|e| Error::State(format!("finding populated memory: {e}")))?;
-        Ok(map)
-    }
-
-    /// The pages of guest memory that hold data now, in the bitmap kept for it.
-    fn populated(&self) -> Result<std::sync::MutexGuard<'_, Bitmap>> {
-        let mut map = self.populated.locked();
-        migration::scan::populated_pages_into(&migration::Migratable::ram(self), &mut map)
-            .map_err(|e| Error::State(format!("finding populated memory: {e}")))?;
+        let ram = migration::Migratable::ram(self);
+        match how {
+            Populated::Fresh => migration::scan::populated_pages_into(&ram, &mut map),
+            Populated::Grown => migration::scan::grow_populated(&ram, &mut map),
+        }
+        .map_err(|e| Error::State(format!("finding populated memory: {e}")))?;
         Ok(map)
     }
 
