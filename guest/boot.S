@@ -142,6 +142,8 @@ gdt:
     .quad 0x00cf9a000000ffff        /* 0x08: 32-bit code */
     .quad 0x00af9a000000ffff        /* 0x10: 64-bit code */
     .quad 0x00cf92000000ffff        /* 0x18: data */
+    .quad 0x00cff2000000ffff        /* 0x20: user data (DPL 3) */
+    .quad 0x00affa000000ffff        /* 0x28: user 64-bit code (DPL 3) */
 gdt_end:
 gdt_ptr:
     .word gdt_end - gdt - 1

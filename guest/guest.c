@@ -26,9 +26,17 @@
  *                                first cycle on)
  *   dsb_ms=N                     the balloon's period in ms (default 5000)
  *   dsb_pct=N                    the share of free memory DSB inflates with (default 95)
- *   seq | random                 page order (default seq)
+ *   seq | random | zipf          page order (default seq); zipf: after the first pass (in
+ *                                order), pages hot and cold by Zipf's law (see "zipf")
+ *   reads=N                      write: N % of the steady state's touches only read
+ *   user                         run the workload in user mode (ring 3): on a host whose KVM
+ *                                emulates guest kernels (PVM), user mode runs natively, so
+ *                                memory is written at the CPU's speed, not the emulator's
+ *                                (no blk, net or balloon: their drivers stay in the kernel)
  *   verify                       stamp every page, check every stamp
- *   fill=word|random|mixed|fresh page content (default word), see "page content" below
+ *   fill=word|random|mixed|fresh|real
+ *                                page content (default word), see "page content" below;
+ *                                real: pages of real processes' memory (guest-app.elf only)
  *   rate=N                       at most N pages/s in total
  *   vcpus=N                      vCPUs sharing the work (started here with INIT/SIPI; at
  *                                most as many as the ACPI MADT lists)
@@ -73,7 +81,7 @@ struct hvm_memmap_entry {
 };
 
 enum mode { MODE_IDLE, MODE_WRITE, MODE_READ, MODE_CHURN };
-enum fill { FILL_WORD, FILL_RANDOM, FILL_MIXED, FILL_FRESH };
+enum fill { FILL_WORD, FILL_RANDOM, FILL_MIXED, FILL_FRESH, FILL_REAL };
 
 struct config {
     enum mode mode;
@@ -101,11 +109,14 @@ struct config {
     int hint_any;     /* a page back from a hint may hold anything */
     u64 dsb_ms;
     u64 dsb_pct;
+    int zipf;         /* page order: Zipf-skewed after the first pass */
+    u64 reads;        /* write: % of steady-state touches that only read */
+    int user;         /* the workload runs in ring 3 */
 };
 
 extern char __image_end[];
 extern char ap_trampoline[], ap_trampoline_end[];
-extern u64 boot_pdpt[], boot_pd[];
+extern u64 boot_pml4[], boot_pdpt[], boot_pd[];
 
 #define MAPPED_GIB 128                  /* boot_pd's size in boot.S */
 #define TRAMPOLINE_ADDR 0x9000ull       /* where APs start (SIPI vector 0x09) */
@@ -133,8 +144,28 @@ static u64 tsc_khz;
 static volatile u64 go;         /* set by vCPU 0 once the layout is ready */
 static u64 *random_pool, *text_pool; /* fill=random|mixed: content copied into pages */
 
+#define ZIPF_REGIONS 1024ull    /* see "zipf" */
 #define POOL_SLICES 1024ull     /* pages within 4 MiB draw on distinct 4 KiB of a pool */
 #define POOL_BYTES (POOL_SLICES * PAGE_SIZE + PAGE_SIZE)
+
+/*
+ * fill=real draws on pages of real processes' memory (guest/sample.py takes them at build
+ * time), built into guest-app.elf only: the plain image stays small, so an idle guest's
+ * migration carries no sample it does not use.
+ */
+#ifdef MEMORY_SAMPLE
+__asm__(".section .rodata.sample, \"a\"\n"
+        ".balign 4096\n"
+        "memory_sample:\n"
+        ".incbin \"" MEMORY_SAMPLE "\"\n"
+        "memory_sample_end:\n"
+        ".previous\n");
+extern const u8 memory_sample[], memory_sample_end[];
+static u64 sample_pages(void) { return (u64)(memory_sample_end - memory_sample) / PAGE_SIZE; }
+#else
+static const u8 *const memory_sample = 0;
+static u64 sample_pages(void) { return 0; }
+#endif
 
 /* ---- port I/O and time ---- */
 
@@ -315,6 +346,7 @@ static void parse_word(const char *w, u64 len)
         {"tick_ms=", &cfg.tick_ms, 0}, {"peak=", &cfg.peak_bytes, 1},
         {"dsb_ms=", &cfg.dsb_ms, 0}, {"dsb_pct=", &cfg.dsb_pct, 0},
         {"blk_sectors=", &cfg.blk_sectors, 0}, {"blk_rate=", &cfg.blk_rate, 0},
+        {"reads=", &cfg.reads, 0},
     };
     for (unsigned k = 0; k < sizeof(numbers) / sizeof(numbers[0]); k++) {
         u64 kl = 0;
@@ -334,13 +366,16 @@ static void parse_word(const char *w, u64 len)
     else if (word_is(w, len, "dsb")) cfg.balloon = cfg.dsb = 1;
     else if (word_is(w, len, "balloon_flood")) cfg.balloon = cfg.flood = 1;
     else if (word_is(w, len, "hint_any")) cfg.hint_any = 1;
-    else if (word_is(w, len, "seq")) cfg.random = 0;
-    else if (word_is(w, len, "random")) cfg.random = 1;
+    else if (word_is(w, len, "seq")) cfg.random = cfg.zipf = 0;
+    else if (word_is(w, len, "random")) cfg.random = 1, cfg.zipf = 0;
+    else if (word_is(w, len, "zipf")) cfg.random = 0, cfg.zipf = 1;
+    else if (word_is(w, len, "user")) cfg.user = 1;
     else if (word_is(w, len, "verify")) cfg.verify = 1;
     else if (word_is(w, len, "fill=word")) cfg.fill = FILL_WORD;
     else if (word_is(w, len, "fill=random")) cfg.fill = FILL_RANDOM;
     else if (word_is(w, len, "fill=mixed")) cfg.fill = FILL_MIXED;
     else if (word_is(w, len, "fill=fresh")) cfg.fill = FILL_FRESH;
+    else if (word_is(w, len, "fill=real")) cfg.fill = FILL_REAL;
     else if (word_is(w, len, "blk")) cfg.blk = 1;
     else if (word_is(w, len, "blk_random")) cfg.blk = cfg.blk_random = 1;
     else if (word_is(w, len, "net=fwd")) cfg.net = 1;
@@ -353,7 +388,7 @@ static void parse_word(const char *w, u64 len)
 static void parse_cmdline(const char *s)
 {
     cfg = (struct config){MODE_IDLE, 64ull << 20, 0, 0, NO_LIMIT, 1, 0, 1000, 1000, FILL_WORD, 0,
-                          0, 2048, 2000, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 5000, 95};
+                          0, 2048, 2000, 0, {0}, 0, 0, 0, 0, 0, 0, 0, 5000, 95, 0, 0, 0};
     while (s && *s) {
         while (*s == ' ')
             s++;
@@ -373,6 +408,14 @@ static void parse_cmdline(const char *s)
         fatal("dsb_ms must be positive and dsb_pct 1..100", "");
     if (cfg.mode == MODE_CHURN && cfg.fill != FILL_WORD)
         fatal("churn writes one stamp a page: fill=word only", "");
+    if (cfg.zipf && cfg.ws_bytes / PAGE_SIZE / cfg.vcpus < ZIPF_REGIONS)
+        fatal("zipf needs at least 4 MiB of working set per vCPU", "");
+    if (cfg.reads > 100)
+        fatal("reads= is a percentage: 0..100", "");
+    if (cfg.user && (cfg.blk || cfg.net || cfg.balloon))
+        fatal("user runs no device driver: drop blk, net and balloon words", "");
+    if (cfg.fill == FILL_REAL && !sample_pages())
+        fatal("fill=real needs the memory sample: boot guest-app.elf", "");
 }
 
 /* ---- memory layout ---- */
@@ -657,7 +700,7 @@ static void plan_layout(void)
         expected_blk_gen = (u32 *)carve(cfg.blk_sectors * sizeof(u32));
     if (cfg.verify && ws_pages)
         expected_gen = (u32 *)carve(ws_pages * sizeof(u32));
-    if (ws_pages && cfg.fill != FILL_WORD)
+    if (ws_pages && cfg.fill != FILL_WORD && cfg.fill != FILL_REAL)
         random_pool = (u64 *)carve(POOL_BYTES);
     if (ws_pages && (cfg.fill == FILL_MIXED || cfg.fill == FILL_FRESH))
         text_pool = (u64 *)carve(POOL_BYTES);
@@ -763,6 +806,7 @@ struct worker {
     u64 hb_ticks, serial_ticks, next_hb, next_serial;
     u64 tick_ticks, next_tick;
     u64 start_tsc, rate;
+    u64 rate_tsc, rate_pages; /* rate=N counts from here (fill=real: from the first pass's end) */
     int blk;          /* this vCPU drives the disk (vCPU 0 with blk) */
     u64 blk_ticks, next_blk;
     int net;          /* this vCPU forwards frames (vCPU 0 with net=fwd) */
@@ -1913,12 +1957,12 @@ static void devices_step(struct worker *w)
 /* Keeps the vCPU under its share of rate=N, heart still beating (and vCPU 0's devices busy). */
 static void throttle(struct worker *w)
 {
-    if (!w->rate)
+    if (!w->rate || (cfg.fill == FILL_REAL && w->hb->passes == 0))
         return;
     for (;;) {
-        u64 elapsed = rdtsc() - w->start_tsc;
+        u64 elapsed = rdtsc() - w->rate_tsc;
         u64 allowed = elapsed / tsc_khz * w->rate / 1000;
-        if (w->hb->pages < allowed)
+        if (w->hb->pages - w->rate_pages < allowed)
             return;
         heartbeat_if_due(w);
         devices_step(w);
@@ -1965,7 +2009,7 @@ static inline volatile u64 *page_word(u64 page)
  * last one (nothing for a delta encoder to find) and no page is zero; about 2x with zstd,
  * like memory a real guest keeps rewriting. Each write costs a whole copy (see above).
  */
-enum kind { KIND_WORD, KIND_ZERO, KIND_TEXT, KIND_RANDOM };
+enum kind { KIND_WORD, KIND_ZERO, KIND_TEXT, KIND_RANDOM, KIND_REAL };
 
 /* 64 tokens of 4 bytes; text is made of them. */
 static const char text_tokens[] =
@@ -2017,11 +2061,19 @@ static inline enum kind page_kind(u64 page)
         return KIND_WORD;
     if (cfg.fill == FILL_RANDOM)
         return KIND_RANDOM;
+    if (cfg.fill == FILL_REAL)
+        return KIND_REAL;
     if (cfg.fill == FILL_FRESH)
         return (page * 0x9e3779b97f4a7c15ull) >> 62 ? KIND_TEXT : KIND_RANDOM;
     static const u8 mix[8] = {KIND_ZERO, KIND_ZERO, KIND_ZERO, KIND_TEXT,
                               KIND_TEXT, KIND_TEXT, KIND_TEXT, KIND_RANDOM};
     return (enum kind)mix[(page * 0x9e3779b97f4a7c15ull) >> 61];
+}
+
+/* fill=real: the sample page `page` copies, spread so that neighbours differ. */
+static inline const u8 *sample_page(u64 page)
+{
+    return memory_sample + ((page * 0x9e3779b97f4a7c15ull) >> 32) % sample_pages() * PAGE_SIZE;
 }
 
 /* The page's content before its stamp: once, or (fill=fresh) at every write `gen`. */
@@ -2030,10 +2082,40 @@ static void lay_down(struct worker *w, u64 page, volatile u64 *word, enum kind k
     const u64 *pool = kind == KIND_TEXT ? text_pool : random_pool;
     u64 shift = ((page / POOL_SLICES) * 8 * 61 + gen * 8 * 127) % PAGE_SIZE;
     const void *src = (const u8 *)pool + (page % POOL_SLICES) * PAGE_SIZE + shift;
+    if (kind == KIND_REAL)
+        src = sample_page(page);
     void *dst = (void *)word;
     u64 n = PAGE_SIZE / 8;
     __asm__ volatile("rep movsq" : "+D"(dst), "+S"(src), "+c"(n)::"memory");
+    if (kind == KIND_REAL)
+        word[1] ^= page; /* no two pages of the working set are equal */
     heartbeat_if_due(w); /* a copy takes as long as ~40 stamps: keep the beat steady */
+}
+
+/*
+ * fill=real after the first write: an application changes part of a page, not all of it.
+ * Rewrites one 256-byte chunk of 16 from another sample page, at an offset that moves with
+ * the generation: what a delta encoder finds, and content that compresses as the sample does.
+ */
+#define REAL_CHUNK 256ull
+static void rewrite_chunk(u64 page, volatile u64 *word, u64 gen)
+{
+    u64 at = (page + gen * 7) % (PAGE_SIZE / REAL_CHUNK) * REAL_CHUNK;
+    const void *src = sample_page(page + gen) + at;
+    void *dst = (u8 *)word + at;
+    u64 n = REAL_CHUNK / 8;
+    __asm__ volatile("rep movsq" : "+D"(dst), "+S"(src), "+c"(n)::"memory");
+}
+
+/* A write's content before its stamp `gen` (the page's first write has gen 1). */
+static void write_content(struct worker *w, u64 page, volatile u64 *word, enum kind kind, u64 gen)
+{
+    if (kind == KIND_WORD)
+        return;
+    if (*word == 0 || cfg.fill == FILL_FRESH)
+        lay_down(w, page, word, kind, cfg.fill == FILL_FRESH ? gen : 0);
+    else if (kind == KIND_REAL)
+        rewrite_chunk(page, word, gen);
 }
 
 static void report_mismatch(struct worker *w, u64 page)
@@ -2062,14 +2144,12 @@ static void touch(struct worker *w, u64 page, int write)
         if (gen && *word != stamp(page, gen))
             report_mismatch(w, page);
         if (write) {
-            if (kind != KIND_WORD && (*word == 0 || cfg.fill == FILL_FRESH))
-                lay_down(w, page, word, kind, cfg.fill == FILL_FRESH ? gen + 1 : 0);
+            write_content(w, page, word, kind, gen + 1);
             *word = stamp(page, gen + 1);
             expected_gen[page] = gen + 1;
         }
     } else if (write) {
-        if (kind != KIND_WORD && (*word == 0 || cfg.fill == FILL_FRESH))
-            lay_down(w, page, word, kind, cfg.fill == FILL_FRESH ? w->hb->passes + 1 : 0);
+        write_content(w, page, word, kind, w->hb->passes + 1);
         *word = stamp(page, (u32)w->hb->passes + 1);
     } else {
         (void)*word;
@@ -2077,20 +2157,67 @@ static void touch(struct worker *w, u64 page, int write)
     w->hb->pages++;
 }
 
-static u64 next_page(struct worker *w, u64 i)
+static inline u64 next_random(struct worker *w)
 {
-    if (!cfg.random)
-        return w->first + i;
     w->rng ^= w->rng << 13;
     w->rng ^= w->rng >> 7;
     w->rng ^= w->rng << 17;
-    return w->first + w->rng % w->count;
+    return w->rng;
+}
+
+/*
+ * ---- zipf: hot and cold pages ----
+ *
+ * A vCPU's share is cut into ZIPF_REGIONS regions of equal size; region k (in a scrambled
+ * order, so the hottest is not the first) is chosen with weight 1/(k+1), Zipf's law with
+ * exponent 1, and the page within it uniformly: the top 10 % of the regions take ~3/4 of
+ * the touches, as an application's heap and caches do. Integer weights: the guest has no
+ * floating point. The first pass still goes in order, laying every page down once.
+ */
+#define ZIPF_SCRAMBLE 619ull /* odd: k -> k * 619 mod 1024 is a permutation */
+static u64 zipf_cdf[ZIPF_REGIONS];
+
+static void make_zipf(void)
+{
+    u64 sum = 0;
+    for (u64 k = 0; k < ZIPF_REGIONS; k++)
+        zipf_cdf[k] = sum += (1ull << 40) / (k + 1);
+}
+
+static u64 zipf_page(struct worker *w)
+{
+    u64 u = next_random(w) % zipf_cdf[ZIPF_REGIONS - 1], lo = 0, hi = ZIPF_REGIONS - 1;
+    while (lo < hi) {
+        u64 mid = (lo + hi) / 2;
+        if (zipf_cdf[mid] > u)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    u64 region = lo * ZIPF_SCRAMBLE % ZIPF_REGIONS;
+    u64 start = region * w->count / ZIPF_REGIONS, end = (region + 1) * w->count / ZIPF_REGIONS;
+    return w->first + start + next_random(w) % (end - start);
+}
+
+static u64 next_page(struct worker *w, u64 i)
+{
+    if (cfg.zipf && w->hb->passes)
+        return zipf_page(w);
+    if (!cfg.random)
+        return w->first + i;
+    return w->first + next_random(w) % w->count;
+}
+
+/* reads=N: whether this touch of a writing pass only reads (never in the first pass). */
+static inline int reads_only(struct worker *w)
+{
+    return cfg.reads && w->hb->passes && next_random(w) % 100 < cfg.reads;
 }
 
 static void run_pass(struct worker *w, int write)
 {
     for (u64 i = 0; i < w->count; i++) {
-        touch(w, next_page(w, i), write);
+        touch(w, next_page(w, i), write && !reads_only(w));
         if ((i & 15) == 15) {
             heartbeat_if_due(w);
             devices_step(w);
@@ -2257,7 +2384,7 @@ static void run_worker(u64 cpu)
     w.hb_ticks = tsc_khz * cfg.hb_us / 1000;
     w.serial_ticks = tsc_khz * cfg.serial_ms;
     w.tick_ticks = tsc_khz * cfg.tick_ms;
-    w.start_tsc = rdtsc();
+    w.start_tsc = w.rate_tsc = rdtsc();
     w.rate = cfg.rate / cfg.vcpus;
     w.blk = cfg.blk && cpu == 0;
     w.blk_ticks = cfg.blk_rate ? tsc_khz * 1000 / cfg.blk_rate : 0;
@@ -2294,6 +2421,10 @@ static void run_worker(u64 cpu)
             w.hb->passes++;
         } else {
             run_pass(&w, cfg.mode == MODE_WRITE);
+            if (pass == 0 && cfg.fill == FILL_REAL) {
+                w.rate_tsc = rdtsc();
+                w.rate_pages = w.hb->pages;
+            }
             if (pass == 0 && cpu == 0) {
                 /* With fill=random|mixed the first pass lays the content down: say how long. */
                 put_str("ferry-guest: first pass ms=");
@@ -2398,6 +2529,66 @@ static void start_aps(void)
     (void)lapic_read(0x20);
 }
 
+/*
+ * ---- user mode ----
+ *
+ * With `user`, every vCPU drops to ring 3 (boot.S's GDT has the selectors) before its
+ * worker starts and never comes back: the workload makes no system call. IOPL 3 keeps port
+ * I/O (serial, heartbeats) working; every page is mapped for user access.
+ */
+#define USER_DATA_SELECTOR 0x23 /* GDT entry 4, RPL 3 */
+#define USER_CODE_SELECTOR 0x2b /* GDT entry 5, RPL 3 */
+#define USER_RFLAGS 0x3002ull   /* IOPL 3, interrupts off, the reserved bit */
+#define USER_STACK 16384ull
+static u8 user_stacks[MAX_CPUS][USER_STACK] __attribute__((aligned(16)));
+
+/* Sets the user bit in every present entry of the page tables, then flushes the TLB. */
+static void allow_user_access(void)
+{
+    boot_pml4[0] |= 4;
+    for (u64 g = 0; g < MAPPED_GIB; g++) {
+        if (!(boot_pdpt[g] & 1))
+            continue;
+        boot_pdpt[g] |= 4;
+        for (u64 i = 0; i < 512 && !(boot_pdpt[g] & 0x80); i++)
+            if (boot_pd[g * 512 + i] & 1)
+                boot_pd[g * 512 + i] |= 4;
+    }
+    u64 cr3;
+    __asm__ volatile("mov %%cr3, %0; mov %0, %%cr3" : "=r"(cr3)::"memory");
+}
+
+/* Where a worker that ends in user mode returns to: it cannot halt there. */
+static void parked_in_user(void)
+{
+    for (;;)
+        cpu_relax();
+}
+
+static void run_worker(u64 cpu);
+
+/* Runs vCPU `cpu`'s worker, in ring 3 with `user`. */
+static void start_worker(u64 cpu)
+{
+    if (!cfg.user) {
+        run_worker(cpu);
+        return;
+    }
+    u64 *top = (u64 *)(user_stacks[cpu] + USER_STACK);
+    *--top = (u64)parked_in_user; /* run_worker's return address */
+    __asm__ volatile("pushq %[ss]\n\t"
+                     "pushq %[sp]\n\t"
+                     "pushq %[flags]\n\t"
+                     "pushq %[cs]\n\t"
+                     "pushq %[ip]\n\t"
+                     "iretq"
+                     :
+                     : [ss] "i"(USER_DATA_SELECTOR), [sp] "r"(top), [flags] "i"(USER_RFLAGS),
+                       [cs] "i"(USER_CODE_SELECTOR), [ip] "r"(run_worker), "D"(cpu)
+                     : "memory");
+    __builtin_unreachable();
+}
+
 void guest_main(const struct hvm_start_info *si)
 {
     put_str("ferry-guest: booted\n");
@@ -2416,6 +2607,10 @@ void guest_main(const struct hvm_start_info *si)
         tsc_khz = 2000000;
     }
     make_pools();
+    if (cfg.zipf)
+        make_zipf();
+    if (cfg.user)
+        allow_user_access();
     if (cfg.balloon)
         balloon_init();
     u64 cpus = madt_cpus(si);
@@ -2431,12 +2626,22 @@ void guest_main(const struct hvm_start_info *si)
     put_str(" ws_pages=");
     put_u64(ws_pages);
     put_str(" order=");
-    put_str(cfg.random ? "random" : "seq");
+    put_str(cfg.zipf ? "zipf" : cfg.random ? "random" : "seq");
     put_str(cfg.verify ? " verify" : "");
     put_str(cfg.fill == FILL_WORD     ? " fill=word"
             : cfg.fill == FILL_RANDOM ? " fill=random"
             : cfg.fill == FILL_MIXED  ? " fill=mixed"
-                                      : " fill=fresh");
+            : cfg.fill == FILL_FRESH  ? " fill=fresh"
+                                      : " fill=real");
+    if (cfg.fill == FILL_REAL) {
+        put_str(" sample_pages=");
+        put_u64(sample_pages());
+    }
+    if (cfg.reads) {
+        put_str(" reads=");
+        put_u64(cfg.reads);
+    }
+    put_str(cfg.user ? " user" : "");
     put_str(" vcpus=");
     put_u64(cfg.vcpus);
     put_str(" tsc_khz=");
@@ -2463,7 +2668,7 @@ void guest_main(const struct hvm_start_info *si)
     }
     put_str("\n");
     __atomic_store_n(&go, 1, __ATOMIC_RELEASE);
-    run_worker(0);
+    start_worker(0);
 }
 
 void secondary_main(u64 cpu)
@@ -2472,5 +2677,5 @@ void secondary_main(u64 cpu)
     while (!__atomic_load_n(&go, __ATOMIC_ACQUIRE))
         cpu_relax();
     if (cpu < cfg.vcpus)
-        run_worker(cpu);
+        start_worker(cpu);
 }

@@ -19,6 +19,8 @@ command -v promtool >/dev/null || need_promtool=1  # promtool checks the metrics
 command -v objcopy >/dev/null || need+=(binutils)
 [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/x86_64-linux-gnu/libclang*.so >/dev/null 2>&1 || need+=(libclang-dev)
 [ -x /usr/bin/python3 ] || need+=(python3)
+command -v zstd >/dev/null || need+=(zstd)  # guest/sample.py says how far its sample shrinks
+command -v lz4 >/dev/null || need+=(lz4)
 /usr/bin/python3 -c 'import matplotlib' 2>/dev/null || need+=(python3-matplotlib)
 
 # The suite beside bookworm's, on the mirror apt already uses.

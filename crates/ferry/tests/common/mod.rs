@@ -21,7 +21,13 @@ pub fn repo_root() -> PathBuf {
 
 /// The workload guest, built by `make -C guest` if it is not there yet.
 pub fn guest() -> PathBuf {
-    let path = repo_root().join("guest/build/guest.elf");
+    guest_image("guest.elf")
+}
+
+/// One of the workload guest's images in guest/build (`guest.elf`, or `guest-app.elf`: the
+/// same with the memory sample that fill=real copies), built if it is not there yet.
+pub fn guest_image(name: &str) -> PathBuf {
+    let path = repo_root().join("guest/build").join(name);
     if !path.exists() {
         let ok = Command::new("make")
             .arg("-s")
@@ -90,6 +96,8 @@ pub struct VmSpec<'a> {
     pub debug_api: bool,
     /// `anonymous` or `memfd`.
     pub memory_backend: &'a str,
+    /// The image: `guest.elf`, or `guest-app.elf` for fill=real.
+    pub image: &'a str,
 }
 
 impl Default for VmSpec<'_> {
@@ -100,6 +108,7 @@ impl Default for VmSpec<'_> {
             cmdline: "idle",
             debug_api: false,
             memory_backend: "anonymous",
+            image: "guest.elf",
         }
     }
 }
@@ -214,7 +223,7 @@ impl Ferry {
 
     /// `boot` with more `ferry run` arguments (TLS credentials, say).
     pub fn boot_with(spec: VmSpec, extra: &[&str]) -> Ferry {
-        let guest = guest();
+        let guest = guest_image(spec.image);
         let vcpus = spec.vcpus.to_string();
         let mut args = vec![
             "--guest",
