@@ -289,13 +289,19 @@ fn dsb_keeps_free_memory_off_the_wire_in_postcopy() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     for mode in ["postcopy", "hybrid"] {
         let r = migrate_churner(Giving::Dsb, &["--mode", mode]);
-        let moved = sent(&r) + r.pages_pushed + r.pages_requested;
+        // Every page pushed or requested is sent once, with data or as a zero marker (those
+        // of huge pages the guest touched only in part: zeros, but populated).
+        let moved = sent(&r);
         eprintln!(
-            "{mode} with DSB: {moved} pages sent, pushed or requested, {} skipped as given back",
-            r.pages_skipped_free
+            "{mode} with DSB: {moved} pages sent ({} with data; {} pushed, {} requested), {} \
+             skipped as given back",
+            r.pages_full, r.pages_pushed, r.pages_requested, r.pages_skipped_free
         );
         assert!(r.postcopy, "{r:?}");
-        assert!(moved < PEAK_PAGES / 4, "{r:?}");
+        // Given-back pages pushed even as markers would be most of the peak's.
+        assert!(moved < PEAK_PAGES / 2, "{r:?}");
+        // Data: the working set and the guest's tables, not the memory it touched once.
+        assert!(r.pages_full < 2 * WS_PAGES, "{r:?}");
         assert_eq!(r.postcopy_report.as_ref().map(|p| p.duplicates), Some(0));
     }
 }

@@ -1135,6 +1135,7 @@ pub(crate) mod tests {
             ..bare_config()
         };
         let vm = Vm::for_restore(config, Box::new(std::io::sink())).unwrap();
+        crate::memory::use_small_pages(&vm.memory);
         if vm.dirty_protect != Protect::ManualInitiallySet {
             eprintln!("*** KVM's dirty log cannot start all set here: skipped ***");
             return;

@@ -820,6 +820,7 @@ mod tests {
         fn set_up(features: u64) -> Rig {
             let balloon = Balloon::new(&BalloonConfig::default()).unwrap();
             let m = create_guest_memory(MIN_MEMORY, MemoryBackend::Anonymous).unwrap();
+            crate::memory::use_small_pages(&m);
             let t = MmioTransport::new(Box::new(balloon), EventFd::new(0).unwrap());
             let mut r = Rig {
                 t,
