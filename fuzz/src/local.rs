@@ -111,7 +111,9 @@ fn receive_update(data: &[u8]) -> Result<(), String> {
         .expect("a listener in this process's own directory");
     let socket = UnixStream::connect(&path).expect("a connection to the listener");
     let hung_up = Arc::new(AtomicBool::new(false));
-    let closer = socket.try_clone().expect("a second handle on the source's end");
+    let closer = socket
+        .try_clone()
+        .expect("a second handle on the source's end");
     let peer = feed(socket, stream, files, hung_up.clone());
     let built = Built::default();
     let builder = built.builder();
