@@ -24,24 +24,26 @@ from fb import links as links_mod  # noqa: E402
 from fb.ferry import VARIANTS as FERRY_VARIANTS, FerryPeer  # noqa: E402
 from fb.links import Link  # noqa: E402
 from fb.util import (FERRY, REPO, BenchError, DidNotConverge, Processes,  # noqa: E402
-                     fault_in_bytes_per_s, summarize)
+                     fault_in_bytes_per_s, guest_image, summarize)
 
 # A progress line every 10 ms and an empty line every 1 ms: the guest clock both VMMs show.
 SERIAL = "serial_ms=10 tick_ms=1"
 
 
 def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5,
-             timeout_s=120, prepaging=None, extra=(), tls=False, cpu_gib=None, ready_s=120):
+             timeout_s=120, prepaging=None, extra=(), tls=False, cpu_gib=None, ready_s=120,
+             image=None):
     """`extra`: more `ferry migrate` arguments (ferry rows only; such scenarios are ferry's).
     `tls`: both ferry processes with certificates (TLS 1.3) instead of `--plain-tcp`.
     `cpu_gib`: measure the host CPU the move costs, per this many GiB of populated memory.
-    `ready_s`: how long the guest may take to populate its working set before the move."""
+    `ready_s`: how long the guest may take to populate its working set before the move.
+    `image`: the guest image beside guest.elf (`guest-app.elf` for fill=real)."""
     if vcpus > 1:
         cmdline = f"{cmdline} vcpus={vcpus}"
     return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
             "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s,
             "timeout_s": timeout_s, "prepaging": prepaging, "extra": list(extra), "tls": tls,
-            "cpu": bool(cpu_gib), "cpu_gib": cpu_gib, "ready_s": ready_s}
+            "cpu": bool(cpu_gib), "cpu_gib": cpu_gib, "ready_s": ready_s, "image": image}
 
 
 def throughput():
@@ -311,6 +313,22 @@ def headline():
             scenario("write seq 128M / 1G fill=fresh", "1G", "write ws=128M seq fill=fresh", timeout_s=60)]
 
 
+# An application's memory (#54's realistic guest): a 4 GiB guest whose workload writes 80 % of
+# its memory with pages of real processes' memory (fill=real), then keeps rewriting parts of
+# pages, hot and cold by Zipf's law, a quarter of its touches reads, at a set rate: 8,000 and
+# 16,000 pages/s are ~30 % and ~60 % of what a 1 Gbit/s link carries. It runs in user mode
+# (natively here; each write to a page the dirty log protects still costs an exit): one vCPU
+# at each rate, and two sharing the faster one.
+APP_ROWS = ((1, 8000), (1, 16000), (2, 16000))
+
+
+def application():
+    return [scenario(f"app 3.2G / 4G {v} vCPU{'s' if v > 1 else ''} {r // 1000}k pages/s", "4G",
+                     f"write ws=3276M zipf reads=25 user fill=real rate={r}", vcpus=v,
+                     image="guest-app.elf", timeout_s=180, ready_s=300)
+            for v, r in APP_ROWS]
+
+
 HEADLINE_LINKS = ["loopback", "1gbit", "10gbit", "1gbit+50ms"]
 
 PROFILES = {
@@ -329,6 +347,11 @@ PROFILES = {
     "flags": {
         "links": HEADLINE_LINKS, "peers": [v for v in FERRY_VARIANTS if v != "ferry-best"], "repeats": 1, "boot": [],
         "dirty": False, "scenarios": [sc for sc in headline() if "write" in sc["name"]],
+    },
+    # The application's memory: ferry against QEMU as an expert sets it and with multifd.
+    "app": {
+        "links": ["loopback", "1gbit"], "peers": ["ferry", "qemu", "qemu-mfd2", "qemu-mfd2-zstd"],
+        "repeats": 3, "boot": [], "dirty": False, "scenarios": application(),
     },
     # The floor: idle guests of growing size, ferry alone (its goal does not involve QEMU).
     "floor": {
@@ -486,7 +509,8 @@ def machine():
         "kvm_intel" if os.path.exists("/sys/module/kvm_intel") else
         "kvm_amd" if os.path.exists("/sys/module/kvm_amd") else "?")
     return {"cpu": cpu, "cores": os.cpu_count(), "kernel": platform.release(), "kvm": kvm,
-            "guest_execution": "KVM instruction emulator on PVM (see docs/platform.md)"
+            "guest_execution": "PVM: guest ring 0 in KVM's instruction emulator, guest user mode "
+            "native (the `user` rows' workload runs there; see docs/platform.md)"
             if "PVM" in kvm else "native"}
 
 
@@ -500,6 +524,12 @@ def build():
             return None
     with open(FERRY, "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
+    images = {}
+    for image in ("guest.elf", "guest-app.elf"):
+        path = guest_image({"image": image})
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                images[image] = hashlib.sha256(f.read()).hexdigest()
     qemu_version = out(qemu.QEMU, "--version") if qemu.available() else None
     qemu_line = qemu_version.splitlines()[0] if qemu_version else None
     # A kit copied to a host without git (`make scale-kit`) says which commit it was built from.
@@ -507,10 +537,10 @@ def build():
     if os.path.exists(kit):
         commit, state = open(kit).read().split()  # "<sha> clean|changed"
         return {"commit": commit, "tree_changed": state == "changed", "ferry_sha256": digest,
-                "qemu": qemu_line, "kit": os.path.dirname(FERRY)}
+                "guest_sha256": images, "qemu": qemu_line, "kit": os.path.dirname(FERRY)}
     return {"commit": out("git", "rev-parse", "HEAD"),
             "tree_changed": bool(out("git", "status", "--porcelain", "--untracked-files=no")),
-            "ferry_sha256": digest,
+            "ferry_sha256": digest, "guest_sha256": images,
             "qemu": qemu_line}
 
 
@@ -741,7 +771,7 @@ def run(args):
               file=sys.stderr)
     if whole and args.profile in page.RAW_FILES:
         # A whole run of a page's profile is what the results page cites.
-        limits = {sc["name"]: sc["max_downtime_ms"] for sc in headline() + profile["scenarios"]}
+        limits = {sc["name"]: sc["max_downtime_ms"] for sc in headline() + application() + profile["scenarios"]}
         page.keep_raw(args.profile, outdir, some_peers=bool(args.peers))
         if profile.get("pick"):
             page.write_winners(page.load(args.profile), limits, qemu.BEST_FILE)

@@ -11,7 +11,7 @@ from . import balloon
 from .cutter import Cutter
 from .serial import SerialClock, observed_downtime_ms
 from .links import ADDR_DST
-from .util import FERRY, GUEST, BenchError, CpuMeter, cpu_row, free_port, wait_until
+from .util import FERRY, GUEST, BenchError, CpuMeter, cpu_row, free_port, guest_image, wait_until
 
 
 class _UnixHTTP(http.client.HTTPConnection):
@@ -106,12 +106,12 @@ class FerryPeer:
                 "--tls-key", os.path.join(tls, f"{host}.key"), "--tls-ca", os.path.join(tls, "ca.pem")]
 
     def boot(self, memory, vcpus, cmdline, netns=None, serial=None, transport=("--plain-tcp",),
-             devices=()):
+             devices=(), image=GUEST):
         """`devices`: more `ferry run` arguments (a balloon: `--balloon`)."""
         sock = os.path.join(self.work, f"src-{time.time_ns()}.sock")
         serial_path = serial or os.path.join(self.work, "src.serial")
         err = os.path.join(self.work, "src.err")
-        p = self.procs.start([FERRY, "run", "--guest", GUEST, "--memory", memory, "--vcpus", str(vcpus),
+        p = self.procs.start([FERRY, "run", "--guest", image, "--memory", memory, "--vcpus", str(vcpus),
                               "--cmdline", cmdline, "--api-socket", sock, "--serial", serial_path,
                               *devices, *transport, "--enable-debug-api", "--snapshot-dir", self.work],
                              netns=netns, side="source", stderr=open(err, "ab"))
@@ -146,7 +146,7 @@ class FerryPeer:
     def snapshot_once(self, scenario):
         """One snapshot (`ferry snapshot`, the scenario's `extra` arguments), then the file
         restored: how long each took, and that the restored guest verifies its memory."""
-        src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"])
+        src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"], image=guest_image(scenario))
         self.ready(src, scenario)
         path = os.path.join(self.work, f"snap-{time.time_ns()}.ferry")
         out = subprocess.run([FERRY, "snapshot", "--api-socket", src, "--to", path, "--json",
@@ -193,6 +193,7 @@ class FerryPeer:
         src_clock.follow_fifo(src_serial)
         dst_clock.follow_fifo(dst_serial)
         src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"], serial=src_serial,
+                        image=guest_image(scenario),
                         devices=["--memory-backend", "memfd", *scenario.get("ferry_args", [])])
         src_proc = self.source_proc
         ready_s = self.ready(src, scenario, src_clock)
@@ -266,7 +267,7 @@ class FerryPeer:
         tls = scenario.get("tls")
         # Devices both sides are given (as a destination is given the source's disks).
         devices = scenario.get("ferry_args", [])
-        src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"],
+        src = self.boot(scenario["memory"], scenario["vcpus"], scenario["cmdline"], image=guest_image(scenario),
                         netns=link.ns_src, serial=src_serial,
                         transport=self.tls_args("source.local") if tls else ("--plain-tcp",),
                         devices=devices)

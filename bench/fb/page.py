@@ -22,7 +22,7 @@ PROFILES_HEAD = ("# Benchmarks: the other profiles\n\nWritten by `bench/run.py` 
 # Raw data each profile leaves for the page, under docs/benchmarks/.
 RAW_FILES = {"headline": "headline.json", "sweep": "qemu-sweep.json", "flags": "ferry-flags.json",
              "floor": "idle-floor.json", "balloon": "balloon.json", "update": "live-update.json",
-             "resume": "resume.json", "postcopy-lanes": "postcopy-lanes.json"}
+             "resume": "resume.json", "postcopy-lanes": "postcopy-lanes.json", "app": "app.json"}
 # The headline's chart, beside its raw data.
 CHART = "headline.svg"
 # The floor's goal: an idle guest's total (ms) by its memory, and its downtime on both clocks.
@@ -50,6 +50,18 @@ def pick(entries, limit_ms):
     if kept:
         return min(kept, key=lambda e: med(e, "total_ms"))
     return min(ran, key=lambda e: med(e, "serial_downtime_ms"), default=None)
+
+
+def best_per_metric(entries, limit_ms):
+    """Of `entries` (one cell's QEMU variants), the best for each goal metric on its own: the
+    shortest total among those whose guest downtime kept `limit_ms` (among all if none did),
+    the shortest guest downtime, the fewest bytes on the link."""
+    ran = [e for e in entries if med(e, "total_ms") is not None]
+    kept = [e for e in ran if keeps_limit(e, limit_ms)] or ran
+    best = {"total_ms": min(kept, key=lambda e: med(e, "total_ms"), default=None)}
+    for m in ("serial_downtime_ms", "wire_bytes"):
+        best[m] = min((e for e in ran if med(e, m) is not None), key=lambda e: med(e, m), default=None)
+    return best
 
 
 def by_cell(results):
@@ -201,6 +213,40 @@ def headline_tables(results):
     return lines
 
 
+def app_tables(results, limits):
+    """Per link: ferry (no flags) against the best of QEMU's variants of the same run, metric by
+    metric (each metric's winner named), with the ratios and the goal."""
+    lines = [provenance(results, "Application's memory"), ""]
+    cells = by_cell(results)
+    names = {"total_ms": "total", "serial_downtime_ms": "downtime", "wire_bytes": "bytes"}
+    for link in dict.fromkeys(e["link"] for e in results["scenarios"]):
+        lines += [f"### {link}", "",
+                  "| scenario | total ms ferry | QEMU's shortest | guest downtime ms ferry | QEMU's shortest "
+                  "| MB on the link ferry | QEMU's fewest | ratio total | ratio downtime | ratio bytes | goal |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (l, scenario), entries in cells.items():
+            if l != link:
+                continue
+            ferry = next((e for e in entries if e["peer"] == "ferry"), None)
+            best = best_per_metric([e for e in entries if e["peer"].startswith("qemu")],
+                                   limits.get(scenario, 20))
+            r = {m: ratio(ferry, best[m], m) for m in GOAL}
+            verdict = "-" if None in r.values() else (
+                "met" if all(r[m] <= GOAL[m] for m in GOAL) else
+                "not met: " + ", ".join(names[m] for m in GOAL if r[m] > GOAL[m]))
+
+            def theirs(m, scale=1.0, digits=1):
+                return f"{spread(best[m], m, scale, digits)} {best[m]['peer']}" if best[m] else "-"
+            lines.append(
+                f"| {scenario} | {spread(ferry, 'total_ms', digits=0)} | {theirs('total_ms', digits=0)} "
+                f"| {spread(ferry, 'serial_downtime_ms')} | {theirs('serial_downtime_ms')} "
+                f"| {spread(ferry, 'wire_bytes', 1e6, 0)} | {theirs('wire_bytes', 1e6, 0)} "
+                f"| {num(r['total_ms'], 2)} | {num(r['serial_downtime_ms'], 2)} | {num(r['wire_bytes'], 2)} "
+                f"| {verdict} |")
+        lines.append("")
+    return lines
+
+
 def self_reported(results):
     """Each VMM's own figures beside the measured ones (medians)."""
     lines = ["| link | scenario | peer | total ms (destination) | total ms (VMM's own) | guest downtime ms "
@@ -304,12 +350,14 @@ def tables(limits):
     if head:
         lines += ["## Headline: ferry with no flags against QEMU at its best", "",
                   f"![ferry ÷ QEMU per link and scenario](benchmarks/{CHART})", ""] + headline_tables(head)
-        lines += ["### Each VMM's own figures beside the measured ones", ""] + self_reported(head)
         idle = breakdown_tables([e for e in head["scenarios"] if e["peer"] == "ferry"])
         if idle:
             lines += ["### Where ferry's idle move spends its time", ""] + idle[2:]
-    lines += [f"The other profiles' tables (floor, QEMU's sweep, ferry's flags, live update, resume, "
-              f"post-copy lanes, balloon) are on [{PROFILES_NAME}](benchmarks/{PROFILES_NAME}), "
+    app = load("app")
+    if app:
+        lines += ["## An application's memory: ferry against QEMU's best per metric", ""] + app_tables(app, limits)
+    lines += [f"Each VMM's own figures beside the measured ones and the other profiles' tables (floor, "
+              f"QEMU's sweep, ferry's flags, live update, resume, post-copy lanes, balloon) are on [{PROFILES_NAME}](benchmarks/{PROFILES_NAME}), "
               "written by the same runner.", ""]
     return lines
 
@@ -318,6 +366,9 @@ def profile_tables(limits):
     """The second page: every profile's tables but the headline's."""
     lines = []
     sweep, flags, floor = load("sweep"), load("flags"), load("floor")
+    head = load("headline")
+    if head:
+        lines += ["## The headline: each VMM's own figures beside the measured ones", ""] + self_reported(head)
     if floor:
         lines += ["## The floor: idle guests by size (`bench/run.py --profile floor`)", ""] + floor_table(floor)
     if sweep:

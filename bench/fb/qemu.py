@@ -22,7 +22,7 @@ import time
 
 from . import balloon
 from .serial import SerialClock, observed_downtime_ms
-from .util import GUEST, BenchError, CpuMeter, DidNotConverge, cpu_row, free_port, wait_until
+from .util import BenchError, CpuMeter, DidNotConverge, cpu_row, free_port, guest_image, wait_until
 
 QEMU = "qemu-system-x86_64"
 
@@ -202,7 +202,7 @@ class QemuPeer:
         argv = [QEMU, *(() if "-accel" in extra else ("-enable-kvm",)), "-nodefaults", "-display", "none", "-m", str(mem_mib),
                 "-smp", str(scenario["vcpus"]),
                 "-chardev", *console, "-serial", "chardev:ser0",
-                "-kernel", GUEST, "-append", scenario.get("qemu_cmdline") or scenario["cmdline"], *monitor]
+                "-kernel", guest_image(scenario), "-append", scenario.get("qemu_cmdline") or scenario["cmdline"], *monitor]
         if machine:
             argv += ["-M", machine]
         argv += list(extra)

@@ -13,6 +13,13 @@ FERRY = os.environ.get("FERRY_BIN") or os.path.join(REPO, "target", "release", "
 GUEST = os.environ.get("FERRY_GUEST") or os.path.join(REPO, "guest", "build", "guest.elf")
 
 
+def guest_image(scenario):
+    """The workload guest image a scenario boots: `GUEST`, or the image it names beside it
+    (`guest-app.elf`, whose memory sample fill=real copies)."""
+    name = scenario.get("image")
+    return os.path.join(os.path.dirname(GUEST), name) if name else GUEST
+
+
 class BenchError(Exception):
     """A scenario could not be measured; the message says why."""
 
