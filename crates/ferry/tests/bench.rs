@@ -281,8 +281,8 @@ fn scale_profile_runs_from_a_kit_alone() {
 
 /// The results page's rules, on made-up rows: QEMU's pick is the shortest total among the
 /// variants that kept the downtime limit (the shortest downtime where none did), a ferry
-/// variant that beats the defaults is named, and the headline's ratios and verdict follow
-/// the medians.
+/// variant that beats the defaults is named, the headline's ratios and verdict follow the
+/// medians, and the application rows take QEMU's best for each metric on its own.
 #[test]
 fn the_page_picks_and_judges_by_its_rules() {
     let program = r#"
@@ -330,6 +330,17 @@ assert sorted((e["link"], e["peer"]) for e in again["scenarios"]) == [
 assert page.winners(again, {"w": 20})["1gbit"] == {"w": "qemu-f"}
 said = page.provenance(again, "Sweep")
 assert "1gbit: t, commit 0123456789" in said and "1gbit (qemu-b, qemu-f): v, commit abcdefabcd" in said, said
+# The application rows: QEMU's best for each metric on its own (the shortest total among the
+# variants that kept the limit), each named, and ferry judged against each.
+app = dict(meta, scenarios=[entry("ferry", 60, 4, 3e6, scenario="app"), entry("qemu", 200, 8, 4e6, scenario="app"),
+                            entry("qemu-mfd2", 100, 30, 4e6, scenario="app"),
+                            entry("qemu-zstd", 150, 12, 2e6, scenario="app")])
+best = page.best_per_metric(app["scenarios"][1:], 20)
+assert {m: e["peer"] for m, e in best.items()} == {
+    "total_ms": "qemu-zstd", "serial_downtime_ms": "qemu", "wire_bytes": "qemu-zstd"}, best
+line = next(l for l in page.app_tables(app, {"app": 20}) if l.startswith("| app |"))
+assert "150 (150–150) qemu-zstd" in line and "8.0 (8.0–8.0) qemu" in line, line
+assert line.endswith("| 0.40 | 0.50 | 1.50 | not met: bytes |"), line
 # The headline's chart: a bar per metric and row, ferry ÷ QEMU, each goal marked.
 svg = page.plot.svg(page.plot.rows_of(page.by_cell(head), page.ratio), page.GOAL)
 assert svg.count("<rect") == 3 + 3 and ">0.8<" in svg and ">0.4<" in svg and ">0.5<" in svg, svg
