@@ -221,18 +221,14 @@ impl ChVmm {
         c.migrations.outgoing.set_tls(tls);
         self.carry_config(&c)?;
         *self.began() = Some(Instant::now());
-        self.events.emit(
-            "vm",
-            "migration-started",
-            &[("url", req.destination_url.clone())],
-        );
+        self.events.emit("vm", "migration-started", &[]);
         if let Err(e) = c.send_migration(&request) {
             self.events
                 .emit("vm", "migration-failed", &[("error", e.message.clone())]);
             return Err(as_ch(e));
         }
         // It ends with the migration.
-        drop(self.watch_migration(c, Arc::new(AtomicBool::new(false))));
+        *self.progress.locked() = self.watch_migration(c, Arc::new(AtomicBool::new(false)));
         Ok(Value::Null)
     }
 
@@ -252,11 +248,7 @@ impl ChVmm {
         let endpoint: Endpoint = req.receiver_url.parse().map_err(api_error)?;
         let tls = self.migration_tls(&endpoint, req.tls_dir.as_deref(), "server")?;
         let source = Source::listen(&endpoint, tls.as_ref()).map_err(api_error)?;
-        self.events.emit(
-            "vm",
-            "migration-receive-ready",
-            &[("url", req.receiver_url.clone())],
-        );
+        self.events.emit("vm", "migration-receive-ready", &[]);
         let outcome = self.arrive(
             source,
             per_request(tls),
@@ -552,8 +544,9 @@ impl ChVmm {
 
 /// What a source's event stream has said of its migration, as CH's says it: each pre-copy
 /// round as it completes (`migration-memory-iteration`, its number as `id`), then the pause
-/// at the switch (`pausing`, `paused`). The status is read every 50 ms, so rounds shorter
-/// than that are said together, in order.
+/// at the switch (`pausing`, `paused`) and the devices' state taken (`snapshotting`,
+/// `snapshotted`). The status is read every 50 ms, so rounds shorter than that are said
+/// together, in order.
 #[derive(Default)]
 struct Said {
     rounds: u32,
@@ -590,6 +583,9 @@ impl Said {
             self.paused = true;
             events.emit("vm", "pausing", &[]);
             events.emit("vm", "paused", &[]);
+            // CH's source takes the devices' state as a snapshot for the last send.
+            events.emit("vm", "snapshotting", &[]);
+            events.emit("vm", "snapshotted", &[]);
         }
     }
 }

@@ -116,7 +116,7 @@ pub fn main(argv: &[String]) -> Result<i32> {
     std::thread::sleep(std::time::Duration::from_millis(100));
     drop(server);
     drop(metrics);
-    vmm.end_vm(vmm::Slot::Empty);
+    vmm.end_all();
     vmm.events.emit("vmm", "shutdown", &[]);
     Ok(code)
 }

@@ -60,6 +60,9 @@ pub struct ChVmm {
     port: Mutex<Option<Port>>,
     /// The migrations' board of the latest VM here, kept once it has gone for `--metrics`.
     last_board: Mutex<Option<StatusBoard>>,
+    /// What says an outgoing migration's progress: the source's end waits for it to have
+    /// said the migration's end.
+    pub progress: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 /// No VM here: CH answers 500 (its `VmNotCreated` is an error like any other).
@@ -100,6 +103,7 @@ impl ChVmm {
             allowed,
             migration_began: Mutex::new(None),
             last_board: Mutex::new(None),
+            progress: Mutex::new(None),
             port: Mutex::new(None),
         })
     }
@@ -203,14 +207,17 @@ impl ChVmm {
                 _ => None,
             };
             if let Some(code) = ended {
-                self.events.emit("vm", "shutdown", &[]);
+                // The VMM's end says `shutdown` (as CH's exit path does, `end_all`).
                 self.exit(code);
                 return;
             }
             if controller.phase() == Phase::Migrated {
-                // The progress and its end were said by the migration's watcher; let a
-                // client read the last figures, then go, as CH's source does.
+                // Let a client read the last figures, then go, as CH's source does, once the
+                // migration's watcher has said its end.
                 std::thread::sleep(Duration::from_secs(1));
+                if let Some(progress) = self.progress.locked().take() {
+                    let _ = progress.join();
+                }
                 self.exit(0);
                 return;
             }
@@ -476,10 +483,11 @@ impl ChVmm {
         Ok(Value::Null)
     }
 
-    /// `vmm.shutdown`: as CH's, the VM is shut down and deleted first, and says so.
-    fn end_all(&self) {
+    /// The VMM's end, `vmm.shutdown` or `vm.delete`: as CH's, a running VM is shut down and
+    /// its config deleted first, and each said (a VM that moved away is not running here).
+    pub fn end_all(&self) {
         let (live, created) = match &*self.slot() {
-            Slot::Live(..) => (true, true),
+            Slot::Live(c, _) => (c.phase() != Phase::Migrated, true),
             Slot::Created(_) => (false, true),
             _ => (false, false),
         };
@@ -501,9 +509,7 @@ impl ChVmm {
             }
             _ => {}
         }
-        self.end_vm(Slot::Empty);
-        *self.port.locked() = None;
-        self.events.emit("vm", "deleted", &[]);
+        self.end_all();
         Ok(Value::Null)
     }
 
