@@ -32,18 +32,20 @@ SERIAL = "serial_ms=10 tick_ms=1"
 
 def scenario(name, memory, cmdline, vcpus=1, mode="precopy", max_downtime_ms=20, warmup_s=0.5,
              timeout_s=120, prepaging=None, extra=(), tls=False, cpu_gib=None, ready_s=120,
-             image=None):
+             image=None, stall=False):
     """`extra`: more `ferry migrate` arguments (ferry rows only; such scenarios are ferry's).
     `tls`: both ferry processes with certificates (TLS 1.3) instead of `--plain-tcp`.
     `cpu_gib`: measure the host CPU the move costs, per this many GiB of populated memory.
     `ready_s`: how long the guest may take to populate its working set before the move.
-    `image`: the guest image beside guest.elf (`guest-app.elf` for fill=real)."""
+    `image`: the guest image beside guest.elf (`guest-app.elf` for fill=real).
+    `stall`: also read the guest's stalls out of its memory on both sides (bench/fb/stall.py)."""
     if vcpus > 1:
         cmdline = f"{cmdline} vcpus={vcpus}"
     return {"name": name, "memory": memory, "vcpus": vcpus, "cmdline": f"{cmdline} {SERIAL}",
             "mode": mode, "max_downtime_ms": max_downtime_ms, "warmup_s": warmup_s,
             "timeout_s": timeout_s, "prepaging": prepaging, "extra": list(extra), "tls": tls,
-            "cpu": bool(cpu_gib), "cpu_gib": cpu_gib, "ready_s": ready_s, "image": image}
+            "cpu": bool(cpu_gib), "cpu_gib": cpu_gib, "ready_s": ready_s, "image": image,
+            "stall": stall}
 
 
 def throughput():
@@ -325,7 +327,7 @@ APP_ROWS = ((1, 8000), (1, 16000), (2, 16000))
 def application():
     return [scenario(f"app 3.2G / 4G {v} vCPU{'s' if v > 1 else ''} {r // 1000}k pages/s", "4G",
                      f"write ws=3276M zipf reads=25 user fill=real rate={r}", vcpus=v,
-                     image="guest-app.elf", timeout_s=180, ready_s=300)
+                     image="guest-app.elf", timeout_s=180, ready_s=300, stall=True)
             for v, r in APP_ROWS]
 
 

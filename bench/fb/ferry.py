@@ -7,7 +7,7 @@ import socket
 import subprocess
 import time
 
-from . import balloon
+from . import balloon, stall
 from .cutter import Cutter
 from .serial import SerialClock, observed_downtime_ms
 from .links import ADDR_DST
@@ -304,11 +304,14 @@ class FerryPeer:
             argv += ["--prepaging", scenario["prepaging"]]
         argv += scenario.get("extra", []) + flags
         meter = CpuMeter(self.source_pid, dst_proc.pid) if scenario.get("cpu") else None
+        watch = stall.scenario_watch(scenario, self.source_pid, dst_proc.pid)
         wire_before = link.wire_bytes()
         started = time.time()
         out = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         wire = link.wire_bytes() - wire_before
         if out.returncode != 0:
+            if watch:
+                watch.stop()
             seen = cutter.said() if cutter else ""
             raise BenchError(f"ferry migrate failed{seen}: {out.stderr.strip()} {out.stdout[-400:]}")
         # A successful source exits: its CPU is read from its exit.
@@ -390,6 +393,7 @@ class FerryPeer:
             **cpu_row(cpu, scenario, meter and meter.guest_until(dst_status["completed_at_unix_ns"] / 1e9)),
             **balloon.row(settled, wire, dst_clock),
             **resumed,
+            **stall.figures(watch, dst_status["resumed_at_unix_ns"] / 1e9),
         }
 
     def resume_row(self, scenario, report, cutter, dst, dinfo, started):

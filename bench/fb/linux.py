@@ -25,13 +25,12 @@ and its table read right from the root filesystem; a run where it does not fails
 import json
 import mmap
 import os
-import select
 import shutil
 import struct
 import subprocess
-import sys
 import time
 
+from . import stall
 from .ferry import settled_migration
 from .qemu import QEMU, VARIANTS as QEMU_VARIANTS, QemuPeer, Qmp
 from .storage import Namespace
@@ -47,8 +46,7 @@ HEADER_MAGIC = 0x6672726C6E786864
 FIELDS = ("pages", "passes", "errors", "first_bad", "bad_word", "progress", "file_pages",
           "file_errors")
 PROGRESS_AT = 16 + 8 * FIELDS.index("progress")
-SAMPLE_S = 0.0002
-AFTER_SWITCH_S = 0.5
+WATCH_S = 120
 BOOT_S = 600
 # The run the results cite, and the page written from it (docs/benchmarks/).
 RAW_FILE, PAGE_FILE = "linux.json", "linux.md"
@@ -140,78 +138,14 @@ def cpu_words(serial):
 
 
 def sample(src_pid, dst_pid, at, timeout):
-    """The writer's progress counter on the source and the destination, read every
-    `SAMPLE_S` until the destination's has run `AFTER_SWITCH_S` past the source's (or
-    `timeout` s): a list of (host time, source's value, destination's value or None before its
-    VMM made the memory). Runs in a process of its own, real-time (`ProgressWatch`), so that
-    neither the guests' spinning vCPUs nor this runner's threads delay a reading; it says
-    "ready" on stdout once it reads the source, before which the move must not be asked for
-    (starting Python at real-time priority takes a core for tens of ms)."""
-    src, dst = GuestSide(src_pid, None), GuestSide(dst_pid, None)
-    read = lambda fd: struct.unpack("<Q", os.pread(fd, 8, at + PROGRESS_AT))[0]  # noqa: E731
-    read(src.memory())
-    print("ready", flush=True)
-    samples, go = [], None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        now, dst_fd = time.time(), dst.memory()
-        s, d = read(src.memory()), read(dst_fd) if dst_fd is not None else None
-        samples.append((now, s, d))
-        # Until the switch the destination holds an older copy of the counter, never more.
-        go = go or (time.monotonic() if d is not None and d > s else None)
-        if go and time.monotonic() - go >= AFTER_SWITCH_S:
-            break
-        time.sleep(SAMPLE_S)
-    return samples
-
-
-class ProgressWatch:
-    """`sample` in a process of its own at real-time priority (SCHED_FIFO 10, as both VMMs'
-    runs get it), started and ready before the move."""
-    READY_S = 30
-
-    def __init__(self, src, dst, at, timeout=120):
-        code = ("import json,sys;sys.path.insert(0,sys.argv[1]);from fb import linux;"
-                "print(json.dumps(linux.sample(*map(int, sys.argv[2:6]))))")
-        bench = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        self.proc = subprocess.Popen(
-            ["chrt", "-f", "10", sys.executable, "-c", code, bench, str(src.pid), str(dst.pid),
-             str(at), str(timeout)], stdout=subprocess.PIPE, text=True)
-        self.timeout = timeout
-        ready = select.select([self.proc.stdout], [], [], self.READY_S)[0]
-        if not ready or self.proc.stdout.readline().strip() != "ready":
-            self.proc.kill()
-            raise BenchError(f"the progress sampler was not ready within {self.READY_S} s")
-
-    def wait_resumed(self, resumed_at):
-        """The figures once the destination ran on (`resumed_at`: its VMM's word that the VM
-        runs, host time): the stall at the switch and its part after that word, the longest
-        stall, the sampler's own longest gap (its resolution)."""
-        out, _ = self.proc.communicate(timeout=self.timeout + 30)
-        samples = json.loads(out)
-        if not any(d is not None and d > samples[-1][1] for _, _, d in samples):
-            raise BenchError("the writer did not run on at the destination")
-        return stalls(samples, resumed_at)
-
-
-def stalls(samples, resumed_at):
-    """From the samples: the stall at the switch (from the last source sample before its
-    counter's final value to the first destination sample past it, the midpoints of the
-    sampling windows) and its part after the destination's VMM said the VM runs, the longest
-    time either counter stood still while its side ran, and the longest gap between two
-    samples."""
-    final = samples[-1][1]
-    k = next(i for i, s in enumerate(samples) if s[1] == final)
-    j = next(i for i, s in enumerate(samples) if s[2] is not None and s[2] > final)
-    mid = lambda i: (samples[max(i - 1, 0)][0] + samples[i][0]) / 2  # noqa: E731
-    switch = mid(j) - mid(k)
-    longest = switch
-    for side, run in ((1, samples[:k + 1]), (2, samples[j:])):
-        moved = [s[0] for a, s in zip(run, run[1:]) if s[side] != a[side]]
-        longest = max([longest] + [b - a for a, b in zip(moved, moved[1:])])
-    gap = max(b[0] - a[0] for a, b in zip(samples, samples[1:]))
-    return {"guest_stall_ms": switch * 1e3, "stall_after_resume_ms": (mid(j) - resumed_at) * 1e3,
-            "longest_stall_ms": longest * 1e3, "sample_gap_ms": gap * 1e3}
+    """The writer's progress counter on both sides, through each VMM's memfd
+    (`stall.ProgressWatch("linux", …)`)."""
+    def reader(side):
+        def read():
+            fd = side.memory()
+            return None if fd is None else struct.unpack("<Q", os.pread(fd, 8, at + PROGRESS_AT))[0]
+        return read
+    return stall.sample_counters(reader(GuestSide(src_pid, None)), reader(GuestSide(dst_pid, None)), timeout)
 
 
 def wait_writer(side, passes, what, timeout=BOOT_S, at=None):
@@ -343,7 +277,7 @@ def linux_run(procs, work, peer):
             dst = vm.destination()
             sides.append(dst)
             sent = ns.lo_bytes()
-            watch = ProgressWatch(vm.side, dst, at)
+            watch = stall.ProgressWatch("linux", [vm.side.pid, dst.pid, at, WATCH_S], WATCH_S)
             total_ms, downtime_ms = vm.move()
             figures = watch.wait_resumed(vm.resumed_at)
             link_bytes = ns.lo_bytes() - sent

@@ -20,9 +20,9 @@ import subprocess
 import threading
 import time
 
-from . import balloon
+from . import balloon, stall
 from .serial import SerialClock, observed_downtime_ms
-from .util import BenchError, CpuMeter, DidNotConverge, cpu_row, free_port, guest_image, wait_until
+from .util import BenchError, CpuMeter, DidNotConverge, cpu_row, free_port, guest_image, parse_mib, wait_until
 
 QEMU = "qemu-system-x86_64"
 
@@ -399,12 +399,19 @@ class QemuPeer:
         # The destination says when it ran the VM, and when post-copy's last page came.
         dst.cmd("migrate-set-capabilities", capabilities=[{"capability": "events", "state": True}])
         meter = CpuMeter(self.pids["src"], self.pids["dst"]) if scenario.get("cpu") else None
+        watch = stall.scenario_watch(scenario, self.pids["src"], self.pids["dst"])
         wire_before = link.wire_bytes()
         started = time.time()
         if scenario["mode"] == "warm":
             src.cmd("stop")  # QEMU's warm migration: a paused guest, moved by pre-copy
-        info = self.migrate(src, scenario, spec, f"tcp:{link.dst_host}:{port}")
+        try:
+            info = self.migrate(src, scenario, spec, f"tcp:{link.dst_host}:{port}")
+        except BenchError:
+            if watch:
+                watch.stop()
+            raise
         finished = dst.event_time("MIGRATION", 30, lambda d: d.get("status") == "completed")
+        stalled = stall.figures(watch, dst.event_time("RESUME", 30)) if watch else {}
         wire = link.wire_bytes() - wire_before
         cpu = meter.seconds(src_exits=False) if meter else None
         time.sleep(0.5)
@@ -442,6 +449,7 @@ class QemuPeer:
             "pages_transferred": (ram.get("normal") or 0) + (ram.get("duplicate") or 0),
             **cpu_row(cpu, scenario),
             **balloon.row(settled, wire, dst_clock),
+            **stalled,
         }
 
 
@@ -468,12 +476,6 @@ def _try(f):
 def passes(clock):
     """The guest's completed passes, from its latest serial progress line."""
     return clock.counter("passes")
-
-
-def parse_mib(size):
-    unit = size[-1].upper()
-    n = int(size[:-1]) if unit in "KMG" else int(size)
-    return {"G": n * 1024, "M": n, "K": max(1, n // 1024)}.get(unit, n >> 20)
 
 
 def wait_ready(clock, scenario):

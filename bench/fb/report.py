@@ -8,7 +8,8 @@ import sys
 from . import linux, storage
 from .util import summarize
 
-METRICS = ["total_ms", "total_ms_reported", "wire_bytes", "downtime_ms", "destination_downtime_ms", "guest_downtime_ms", "serial_downtime_ms", "bytes", "rounds",
+METRICS = ["total_ms", "total_ms_reported", "wire_bytes", "downtime_ms", "destination_downtime_ms", "guest_downtime_ms", "serial_downtime_ms",
+           "guest_stall_ms", "stall_after_resume_ms", "longest_stall_ms", "sample_gap_ms", "bytes", "rounds",
            "network_faults", "network_fault_share", "zero_faults", "resume_ms", "pages_transferred",
            "fault_latency_p50_ms", "fault_latency_p99_ms", "rate_after", "checkpoint_count",
            "checkpoint_mb_back", "checkpoint_pause_ms_mean", "checkpoint_pause_ms_max",

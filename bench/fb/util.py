@@ -20,6 +20,13 @@ def guest_image(scenario):
     return os.path.join(os.path.dirname(GUEST), name) if name else GUEST
 
 
+def parse_mib(size):
+    """A size as the guest's command line and the scenarios write it (`4G`, `768M`), in MiB."""
+    unit = size[-1].upper()
+    n = int(size[:-1]) if unit in "KMG" else int(size)
+    return {"G": n * 1024, "M": n, "K": max(1, n // 1024)}.get(unit, n >> 20)
+
+
 class BenchError(Exception):
     """A scenario could not be measured; the message says why."""
 

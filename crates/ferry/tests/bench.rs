@@ -341,6 +341,18 @@ assert {m: e["peer"] for m, e in best.items()} == {
 line = next(l for l in page.app_tables(app, {"app": 20}) if l.startswith("| app |"))
 assert "150 (150–150) qemu-zstd" in line and "8.0 (8.0–8.0) qemu" in line, line
 assert line.endswith("| 0.40 | 0.50 | 1.50 | not met: bytes |"), line
+# A run that read the guest's stalls out of its memory is judged by the stall at the switch;
+# each peer's stalls, the console's gap (here the other way round) beside them, on a table of
+# their own.
+for e, stall in zip(app["scenarios"], (3, 20, 6, 9)):
+    for m, v in (("guest_stall_ms", stall), ("stall_after_resume_ms", 1), ("longest_stall_ms", 30),
+                 ("sample_gap_ms", 0.4), ("downtime_ms", 2)):
+        e["summary"][m] = {"median": v, "min": v, "max": v}
+tables = page.app_tables(app, {"app": 20})
+line = next(l for l in tables if l.startswith("| app |"))
+assert "6.0 (6.0–6.0) qemu-mfd2" in line and line.endswith("| 0.60 | 0.50 | 1.50 | not met: bytes |"), line
+stalls = [l for l in page.stall_table(app) if l.startswith("| 1gbit | app |")]
+assert len(stalls) == 4 and stalls[0].startswith("| 1gbit | app | ferry | 3.0 (3.0–3.0) | 1.0"), stalls
 # The headline's chart: a bar per metric and row, ferry ÷ QEMU, each goal marked.
 svg = page.plot.svg(page.plot.rows_of(page.by_cell(head), page.ratio), page.GOAL)
 assert svg.count("<rect") == 3 + 3 and ">0.8<" in svg and ">0.4<" in svg and ">0.5<" in svg, svg
@@ -358,18 +370,24 @@ fn the_linux_row_reads_both_sides_counters_and_judges_each_metric() {
     let program = r#"
 import sys
 sys.path.insert(0, sys.argv[1])
-from fb import linux, report
+from fb import linux, report, stall
 ms = lambda i: i / 1000
 # The source stands still from 1 ms to 22 ms (a stall while it runs), reaches 4 at 23 ms and
 # stops; the destination, a stale copy until then, passes 4 at 26 ms.
 samples = [(0.0, 1, None), (ms(1), 2, None)] + [(ms(i), 2, 0) for i in range(2, 22)]
 samples += [(ms(22), 3, 0), (ms(23), 4, 0), (ms(24), 4, 0), (ms(25), 4, 3), (ms(26), 4, 5), (ms(27), 4, 6)]
 # The destination's VMM said the VM runs at 24.2 ms: 1.3 ms before the guest moved there.
-f = linux.stalls(samples, ms(24.2))
+f = stall.stalls(samples, ms(24.2))
 assert abs(f["guest_stall_ms"] - 3.0) < 1e-9, f
 assert abs(f["stall_after_resume_ms"] - 1.3) < 1e-9, f
 assert abs(f["longest_stall_ms"] - 21.0) < 1e-9, f
 assert abs(f["sample_gap_ms"] - 1.0) < 1e-9, f
+# The instrument's longest gap: where it began, from the source's last move, and how far the
+# counter went on across it (here the source's, from 9 to 13 ms, while it stood still).
+gappy = samples[:10] + samples[13:]
+g = stall.stalls(gappy, ms(24.2))
+assert abs(g["sample_gap_ms"] - 4.0) < 1e-9 and abs(g["sample_gap_at_ms"] + 13.5) < 1e-9, g
+assert g["sample_gap_moved"] == 0, g
 s = lambda v: {"median": v, "min": v, "max": v, "n": 1}
 row = lambda vmm, total, stall, wire: {"vmm": vmm, "mode": "precopy", "runs": [{"writer_errors": 0}],
     "error": None, "summary": {"total_ms": s(total), "guest_stall_ms": s(stall), "link_bytes": s(wire)}}
@@ -386,6 +404,41 @@ for said in ("total_ms: 0.70 of qemu-mfd2's (meets the goal of 0.7)",
              "link_bytes: 1.11 of qemu's (misses the goal of 1.0)",
              "[linux.json](linux.json)", "at 0123456", "3 runs: 0 pages found wrong"):
     assert said in text, (said, text)
+print("ok")
+"#;
+    bench_python_says_ok(program);
+}
+
+/// The workload guest's stall instrument finds guest memory in a VMM's address space by the
+/// first heartbeat block's magic, at the start of the mapping or, when the RAM above the hole
+/// was mapped right before the RAM below it, at its end, and sums the vCPUs' counters.
+#[test]
+fn the_stall_instrument_finds_the_heartbeat_blocks_and_sums_them() {
+    let program = r#"
+import mmap, os, struct, sys
+sys.path.insert(0, sys.argv[1])
+from fb import stall
+BLOCKS = 0x66c100
+def block(cpu, pages):
+    b = bytearray(stall.HB_SIZE)
+    struct.pack_into("<Q", b, stall.HB_PAGES_AT, pages)
+    struct.pack_into("<II", b, 48, cpu, stall.HB_MAGIC)
+    return bytes(b)
+# A 16 MiB guest whose RAM starts its mapping, and one laid out as [4 MiB above][12 MiB below]
+# in a single mapping (the kernel merges the two).
+for low_at in (0, 4 << 20):
+    ram = mmap.mmap(-1, 16 << 20)
+    ram[low_at + BLOCKS:low_at + BLOCKS + 256] = block(0, 1000) + block(1, 234)
+    side = stall.WorkloadSide(os.getpid(), (16 << 20) - low_at, BLOCKS, 2)
+    assert side.pages() == 1234, low_at
+    ram[low_at + BLOCKS + 8:low_at + BLOCKS + 16] = struct.pack("<Q", 1001)
+    assert side.pages() == 1235
+    ram.close()
+# Memory without the blocks (a destination before they arrived) reads as nothing yet.
+empty = mmap.mmap(-1, 16 << 20)
+assert stall.WorkloadSide(os.getpid(), 16 << 20, BLOCKS, 1).pages() is None
+# The guest image's symbol, as the bench looks it up.
+assert stall.symbol(os.path.join(sys.argv[1], "..", "guest", "build", "guest.elf"), "blocks") > 0x100000
 print("ok")
 "#;
     bench_python_says_ok(program);
