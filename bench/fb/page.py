@@ -256,29 +256,37 @@ def app_tables(results, limits):
     return lines
 
 
+def entry_table(results, columns):
+    """A row per entry (link, scenario, peer), then a cell per column: (heading, its text)."""
+    lines = ["| link | scenario | peer | " + " | ".join(h for h, _ in columns) + " |",
+             "|---" * (3 + len(columns)) + "|"]
+    for e in results["scenarios"]:
+        lines.append(f"| {e['link']} | {e['scenario']} | {e['peer']} | "
+                     + " | ".join(cell(e) for _, cell in columns) + " |")
+    return lines + [""]
+
+
 def stall_table(results):
     """Each peer's stalls, as the guest's memory shows them (medians and ranges, ms)."""
-    lines = ["| link | scenario | peer | stall at the switch | of it after the VMM said it runs "
-             "| longest stall in the move | console gap | VMM's own downtime | resolution |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for e in results["scenarios"]:
-        lines.append(f"| {e['link']} | {e['scenario']} | {e['peer']} | {spread(e, 'guest_stall_ms')} "
-                     f"| {spread(e, 'stall_after_resume_ms')} | {spread(e, 'longest_stall_ms')} "
-                     f"| {spread(e, 'serial_downtime_ms')} | {spread(e, 'downtime_ms')} "
-                     f"| {num(med(e, 'sample_gap_ms'), 2)} |")
-    return lines + [""]
+    return entry_table(results, [
+        ("stall at the switch", lambda e: spread(e, "guest_stall_ms")),
+        ("of it after the VMM said it runs", lambda e: spread(e, "stall_after_resume_ms")),
+        ("longest stall in the move", lambda e: spread(e, "longest_stall_ms")),
+        ("console gap", lambda e: spread(e, "serial_downtime_ms")),
+        ("VMM's own downtime", lambda e: spread(e, "downtime_ms")),
+        ("resolution", lambda e: num(med(e, "sample_gap_ms"), 2))])
 
 
 def self_reported(results):
     """Each VMM's own figures beside the measured ones (medians)."""
-    lines = ["| link | scenario | peer | total ms (destination) | total ms (VMM's own) | guest downtime ms "
-             "| downtime ms (VMM's own) | MB on the link | MB (VMM's own) |", "|---|---|---|---|---|---|---|---|---|"]
-    for e in results["scenarios"]:
-        lines.append(f"| {e['link']} | {e['scenario']} | {e['peer']} | {num(med(e, 'total_ms'), 0)} "
-                     f"| {num(med(e, 'total_ms_reported'), 0)} | {num(med(e, 'serial_downtime_ms'))} "
-                     f"| {num(med(e, 'downtime_ms'), 2)} | {num(med(e, 'wire_bytes') and med(e, 'wire_bytes') / 1e6)} "
-                     f"| {num(med(e, 'bytes') and med(e, 'bytes') / 1e6)} |")
-    return lines + [""]
+    mb = lambda e, m: num(med(e, m) and med(e, m) / 1e6)  # noqa: E731
+    return entry_table(results, [
+        ("total ms (destination)", lambda e: num(med(e, "total_ms"), 0)),
+        ("total ms (VMM's own)", lambda e: num(med(e, "total_ms_reported"), 0)),
+        ("guest downtime ms", lambda e: num(med(e, "serial_downtime_ms"))),
+        ("downtime ms (VMM's own)", lambda e: num(med(e, "downtime_ms"), 2)),
+        ("MB on the link", lambda e: mb(e, "wire_bytes")),
+        ("MB (VMM's own)", lambda e: mb(e, "bytes"))])
 
 
 def runs(results):
