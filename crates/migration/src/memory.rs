@@ -268,16 +268,23 @@ impl GuestRam {
     /// does the same on a post-copy destination). Where THP is off or the kernel refuses,
     /// nothing changes.
     pub fn forbid_huge_pages(&self) {
+        self.advise_all(libc::MADV_NOHUGEPAGE, "MADV_NOHUGEPAGE");
+    }
+
+    /// Takes `forbid_huge_pages` back once every page is here (as QEMU does when post-copy
+    /// ends): the VM runs on here, and the host may back its memory with huge pages again
+    /// (new faults take whole ones, khugepaged merges what arrived page by page), as it did
+    /// on the source.
+    pub fn allow_huge_pages(&self) {
+        self.advise_all(libc::MADV_HUGEPAGE, "MADV_HUGEPAGE");
+    }
+
+    fn advise_all(&self, advice: libc::c_int, name: &str) {
         for r in self.regions.iter() {
             // SAFETY: advice on our own mapping; it changes no content.
-            let rc = unsafe {
-                libc::madvise(r.host.cast(), r.range.len as usize, libc::MADV_NOHUGEPAGE)
-            };
+            let rc = unsafe { libc::madvise(r.host.cast(), r.range.len as usize, advice) };
             if rc != 0 {
-                tracing::debug!(
-                    "MADV_NOHUGEPAGE on guest RAM: {}",
-                    std::io::Error::last_os_error()
-                );
+                tracing::debug!("{name} on guest RAM: {}", std::io::Error::last_os_error());
             }
         }
     }

@@ -493,7 +493,35 @@ pub fn assert_every_page_arrived(
         "pages lost: {:?}",
         info.verify_error_pages
     );
+    // Once every page is here the destination gives its memory back to huge pages, which
+    // it forbade while pages arrived (post-copy must hear each 4 KiB page touched).
+    let pid = dst.child.as_ref().expect("the destination runs").id();
+    let flags = guest_memory_flags(pid);
+    assert!(
+        flags.split_whitespace().any(|f| f == "hg"),
+        "the destination's guest memory may take huge pages again: {flags}"
+    );
     info
+}
+
+/// The `VmFlags` of process `pid`'s largest mapping (a VMM's guest memory).
+pub fn guest_memory_flags(pid: u32) -> String {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut largest = (0u64, String::new());
+    let mut size = 0;
+    for line in smaps.lines() {
+        if let Some(flags) = line.strip_prefix("VmFlags:") {
+            if size > largest.0 {
+                largest = (size, flags.trim().to_string());
+            }
+        } else if let Some((range, _)) = line.split_once(' ')
+            && let Some((a, b)) = range.split_once('-')
+            && let (Ok(a), Ok(b)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+        {
+            size = b - a;
+        }
+    }
+    largest.1
 }
 
 /// Sectors a disk workload cycles over in the live update tests: each is read back every

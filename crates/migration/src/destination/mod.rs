@@ -281,6 +281,7 @@ impl Incoming {
         let mut s = self.board.read();
         match result {
             Ok(report) => {
+                dest.ram().allow_huge_pages();
                 s.phase = Phase::Completed;
                 s.report.completed_at_unix_ns = Some(crate::status::now_ns());
                 s.error = None;

@@ -278,6 +278,11 @@ impl FaultPath {
 }
 
 impl Postcopy {
+    /// The guest memory it fills.
+    pub(super) fn ram(&self) -> &GuestRam {
+        &self.ram
+    }
+
     /// Drops stale copies of pending pages (those in `received`) and registers guest memory
     /// of `vm` for missing-page faults. The vCPUs must still be parked.
     pub fn arm(

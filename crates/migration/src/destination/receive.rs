@@ -164,6 +164,7 @@ impl Receiver<'_> {
             self.board.guest_after(GuestAfter::Pending);
             spawn_guest_report(vm.clone(), resumed_at_ns, Reply::Stream(reply), self.board);
         }
+        vm.ram().allow_huge_pages();
         self.complete(started);
         Ok(Arrived::Complete(vm))
     }
@@ -445,6 +446,7 @@ impl Receiver<'_> {
             Ok(report) => {
                 self.status.report.memory_checksum_destination = report.memory_checksum;
                 self.status.report.postcopy_report = Some(report);
+                vm.ram().allow_huge_pages();
                 self.complete(started);
                 Arrived::Complete(vm)
             }
