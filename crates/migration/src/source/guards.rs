@@ -18,6 +18,8 @@ pub(super) struct Paused<'a> {
     /// Only a VM that ran before is resumed: an operator's pause outlives the migration.
     was_running: bool,
     armed: bool,
+    /// When the pause was asked for: the guest may stop from then on, so the downtime counts
+    /// from here, the wait for every vCPU to park included.
     pub at: Instant,
     /// `at` on the clock the guest's progress is kept on.
     pub at_ns: u64,
@@ -25,13 +27,14 @@ pub(super) struct Paused<'a> {
 
 impl<'a> Paused<'a> {
     pub fn new(vm: &'a dyn Migratable, was_running: bool) -> Result<Self> {
+        let (at, at_ns) = (Instant::now(), now_ns());
         vm.pause()?;
         Ok(Self {
             vm,
             was_running,
             armed: true,
-            at: Instant::now(),
-            at_ns: now_ns(),
+            at,
+            at_ns,
         })
     }
 
