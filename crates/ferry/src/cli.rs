@@ -40,7 +40,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Boot a guest (or wait for an incoming migration) and serve the control API.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Print the VM's state and guest progress (GET vm.info) as JSON.
     Status(ApiArgs),
     /// Pause every vCPU.
@@ -373,11 +373,16 @@ pub struct RunArgs {
     /// anyone who reaches the port can send a VM. For trusted, isolated networks only.
     #[arg(long, conflicts_with = "tls_cert")]
     pub plain_tcp: bool,
-    /// The seccomp sandbox (docs/security.md): vCPU and device threads may ask the kernel only
-    /// for what they need, and no thread may run a program, mount, trace or load a module.
+    /// The sandbox (docs/security.md): seccomp filters (vCPU and device threads may ask the
+    /// kernel only for what they need, no thread may run a program, mount, trace or load a
+    /// module) and Landlock (the process reaches only the files its command line names).
     /// `off` for debugging only.
     #[arg(long, value_enum, default_value = "on")]
     pub sandbox: Sandbox,
+    /// A host path the sandbox lets this ferry reach besides those its command line names:
+    /// path=PATH,access=r|rw (Cloud Hypervisor's spelling; repeat for more).
+    #[arg(long = "landlock-rules", value_name = "path=PATH,access=r|rw")]
+    pub landlock_rules: Vec<vmm::landlock::Rule>,
     /// Serve the test and benchmark hooks (vm.debug-corrupt-page, vm.debug-dirty-logging);
     /// without it they answer 403.
     #[arg(long)]

@@ -4,6 +4,7 @@ mod balloon;
 mod certs;
 mod ch;
 mod cli;
+mod confine;
 mod controller;
 mod dirty_bench;
 mod follow;
@@ -36,7 +37,7 @@ fn main() {
     }
     let args = cli::Cli::parse();
     let result = match args.command {
-        cli::Command::Run(run_args) => run::run(run_args),
+        cli::Command::Run(run_args) => run::run(*run_args),
         cli::Command::Status(a) => status::status(&a),
         cli::Command::Pause(a) => status::simple_put(&a, "vm.pause"),
         cli::Command::Resume(a) => status::simple_put(&a, "vm.resume"),

@@ -56,6 +56,9 @@ pub fn run(args: RunArgs) -> Result<i32> {
             );
         }
     }
+    if args.sandbox == crate::cli::Sandbox::On {
+        crate::confine::enter(&crate::confine::for_run(&args)?)?;
+    }
     let security = security(&args)?;
     let incoming = match (&args.incoming, &args.restore) {
         (Some(url), None) => Some(Incoming::Listen(url.parse()?)),

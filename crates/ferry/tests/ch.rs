@@ -38,6 +38,14 @@ impl Vmm {
         Self::spawn(Command::new(FERRY), dir, name, disks)
     }
 
+    /// A VMM confined by Landlock to its flags' files, `dir` and `more` (read only).
+    fn start_landlocked(dir: &Path, name: &str, more: &Path) -> Vmm {
+        let mut command = Command::new(FERRY);
+        command.args(["ch", "--landlock", "--landlock-rules"]);
+        command.arg(format!("path={},access=r", more.display()));
+        Self::spawn_ch(command, dir, name, dir)
+    }
+
     /// A VMM on a host of its own as far as files go: in a mount namespace where `own` is
     /// what `path` names (as two hosts each hold a disk at the same path).
     fn start_with_file_at(dir: &Path, name: &str, path: &Path, own: &Path) -> Vmm {
@@ -58,11 +66,16 @@ impl Vmm {
     }
 
     fn spawn(mut command: Command, dir: &Path, name: &str, disks: &Path) -> Vmm {
+        command.arg("ch");
+        Self::spawn_ch(command, dir, name, disks)
+    }
+
+    /// Starts `command`, which already says `ch`, with the flags every test VMM has.
+    fn spawn_ch(mut command: Command, dir: &Path, name: &str, disks: &Path) -> Vmm {
         let socket = dir.join(format!("{name}.sock"));
         let events = dir.join(format!("{name}.events"));
         let metrics = dir.join(format!("{name}.metrics"));
         let child = command
-            .arg("ch")
             .arg("--api-socket")
             .arg(format!("path={}", socket.display()))
             .arg("--event-monitor")
@@ -1068,6 +1081,54 @@ fn a_vm_with_a_disk_reboots_again_and_again() {
         );
     }
     verifies(&vmm, "after 20 reboots");
+}
+
+/// `ferry ch --landlock` reaches only what its flags name (its sockets, event file, the
+/// `--allow-disk-dir` directory and the `--landlock-rules` path): a VM whose disk lies
+/// elsewhere is refused, naming the disk, as is a snapshot written elsewhere; a VM whose disk
+/// lies in the allowed directory boots, writes and verifies its memory and disk, and is
+/// snapshotted there.
+#[test]
+fn a_landlocked_vmm_opens_only_what_its_flags_name() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    let vmm = Vmm::start_landlocked(dir.path(), "landlocked", Path::new(&guest()));
+    let vm = |disk: &Path| {
+        let mut vm = config(&format!("write ws=4M seq verify blk blk_sectors={SECTORS}"));
+        vm["disks"] = json!([{"path": disk}]);
+        vm
+    };
+    let foreign = scratch_disk(outside.path());
+    vmm.ok("PUT", "vm.create", Some(vm(&foreign)));
+    let refused = vmm.call("PUT", "vm.boot", None);
+    assert!(refused.0 >= 400, "a disk outside booted: {}", refused.1);
+    let said = refused.1.to_string();
+    assert!(
+        said.contains(foreign.to_str().unwrap()) && said.contains("ermission denied"),
+        "{said}"
+    );
+    vmm.ok("PUT", "vm.delete", None);
+
+    vmm.ok("PUT", "vm.create", Some(vm(&scratch_disk(dir.path()))));
+    vmm.ok("PUT", "vm.boot", None);
+    verifies(&vmm, "a landlocked VM");
+    vmm.ok("PUT", "vm.pause", None);
+    let to = |d: &Path| json!({"destination_url": format!("file://{}", d.display())});
+    let refused = vmm.call("PUT", "vm.snapshot", Some(to(outside.path())));
+    assert!(
+        refused.0 >= 400,
+        "a snapshot outside was written: {}",
+        refused.1
+    );
+    assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 1);
+    let snap = dir.path().join("snap");
+    std::fs::create_dir(&snap).unwrap();
+    vmm.ok("PUT", "vm.snapshot", Some(to(&snap)));
+    vmm.ok("PUT", "vm.resume", None);
+    verifies(&vmm, "after its snapshots");
 }
 
 /// A real Linux kernel moves between two VMMs driven only through the profile, as an

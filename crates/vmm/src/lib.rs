@@ -9,6 +9,7 @@ pub mod cpuid;
 pub mod devices;
 pub mod dirty_log;
 pub mod error;
+pub mod landlock;
 pub mod layout;
 pub mod memory;
 pub mod migratable;

@@ -40,6 +40,10 @@ pub struct ChArgs {
     pub allow_taps: Vec<String>,
     /// CH's `--seccomp true|false`: ferry's sandbox, on unless `false`.
     pub sandbox: bool,
+    /// CH's `--landlock`: the process reaches only the files its flags name (docs/security.md).
+    pub landlock: bool,
+    /// CH's `--landlock-rules path=PATH,access=r|w|rw ...`: more it may reach.
+    pub landlock_rules: Vec<vmm::landlock::Rule>,
     pub version: bool,
 }
 
@@ -155,6 +159,8 @@ const KNOWN: &[&str] = &[
     "allow-disk-dir",
     "allow-tap",
     "seccomp",
+    "landlock",
+    "landlock-rules",
     "v",
     "version",
     "V",
@@ -190,9 +196,16 @@ pub fn parse(argv: &[String]) -> Result<ChArgs> {
                 bail!("--seccomp {other}: ferry takes true or false (it has no logging mode)")
             }
         },
+        landlock: flags.contains_key("landlock"),
+        landlock_rules: list(&flags, "landlock-rules")
+            .map(|r| r.parse().map_err(|e| anyhow!("--landlock-rules {e}")))
+            .collect::<Result<_>>()?,
         version: flags.contains_key("version") || flags.contains_key("V"),
         ..Default::default()
     };
+    if !args.landlock_rules.is_empty() && !args.landlock {
+        bail!("--landlock-rules needs --landlock");
+    }
     let config = config(&flags)?;
     match config {
         Some(config) => {

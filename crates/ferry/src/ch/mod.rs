@@ -6,6 +6,7 @@
 
 mod allow;
 mod cli;
+mod confine;
 mod console;
 mod events;
 mod machine;
@@ -86,6 +87,9 @@ pub fn main(argv: &[String]) -> Result<i32> {
     }
     crate::run::install_termination_handler();
     ::vmm::sandbox::enter_process(args.sandbox).map_err(anyhow::Error::msg)?;
+    if args.landlock {
+        crate::confine::enter(&confine::rules(&args)?)?;
+    }
     let events = events::Events::new(
         event_file(args.event_monitor.as_ref())?
             .map(|f| Box::new(f) as Box<dyn std::io::Write + Send>),
