@@ -383,6 +383,11 @@ pub struct RunArgs {
     /// path=PATH,access=r|rw (Cloud Hypervisor's spelling; repeat for more).
     #[arg(long = "landlock-rules", value_name = "path=PATH,access=r|rw")]
     pub landlock_rules: Vec<vmm::landlock::Rule>,
+    /// Become this user (and group: the user's own unless given) once the VM runs — booted,
+    /// or arrived with every page — giving up root and every capability: USER[:GROUP], names
+    /// or numbers. Snapshots then need a --snapshot-dir the user may write.
+    #[arg(long, value_name = "USER[:GROUP]")]
+    pub user: Option<vmm::privileges::RunAs>,
     /// Serve the test and benchmark hooks (vm.debug-corrupt-page, vm.debug-dirty-logging);
     /// without it they answer 403.
     #[arg(long)]

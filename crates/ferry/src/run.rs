@@ -42,7 +42,7 @@ pub fn run(args: RunArgs) -> Result<i32> {
         ApiServer::ensure_available(socket)?;
     }
     install_termination_handler();
-    vmm::sandbox::enter_process(args.sandbox == crate::cli::Sandbox::On)
+    vmm::sandbox::enter_process(args.sandbox == crate::cli::Sandbox::On, args.user)
         .map_err(anyhow::Error::msg)?;
     // A missing disk is said at once, not when a migration arrives.
     for disk in &args.disks {
@@ -121,7 +121,18 @@ fn run_boot(args: &RunArgs, security: Security) -> Result<i32> {
     let controller = Controller::with_vm(Arc::new(vm), security);
     configure(&controller, args)?;
     let (_api, metrics) = start_servers(&controller, args)?;
+    give_up_root(args);
     Ok(supervise(&controller, metrics.as_ref()))
+}
+
+/// With `--user`, becomes that user now that the VM runs and everything that needs root is
+/// open (docs/security.md). A VM that runs is never ended for it: a failure is said loudly.
+fn give_up_root(args: &RunArgs) {
+    if let Some(to) = args.user
+        && let Err(e) = vmm::privileges::drop_to(to)
+    {
+        eprintln!("ferry: WARNING: --user: {e}; the VM runs on as root");
+    }
 }
 
 /// Boots `image` with `config`. A PVH image (ferry's workload guest) finds each virtio-mmio
@@ -197,6 +208,7 @@ fn run_incoming(args: &RunArgs, incoming: &Incoming, security: Security) -> Resu
              signal again to stop it"
         );
     }
+    give_up_root(args);
     Ok(supervise(&controller, metrics.as_ref()))
 }
 

@@ -31,16 +31,28 @@ pub fn populated_pages(ram: &GuestRam) -> Result<Bitmap> {
 /// `populated_pages` into `out`, a bitmap kept from an earlier call (cleared here): one that
 /// is asked often reuses memory already faulted in.
 pub fn populated_pages_into(ram: &GuestRam, out: &mut Bitmap) -> Result<()> {
-    let pagemap = File::open("/proc/self/pagemap")?;
+    let pagemap = pagemap()?;
     if out.pages() == ram.gfn_end() {
         out.clear();
     } else {
         *out = Bitmap::new(ram.gfn_end());
     }
     for (range, host, file) in ram.backed_regions() {
-        mark_populated(&pagemap, (range, host, file), 0..range.pages(), out)?;
+        mark_populated(pagemap, (range, host, file), 0..range.pages(), out)?;
     }
     Ok(())
+}
+
+static PAGEMAP: std::sync::OnceLock<std::io::Result<File>> = std::sync::OnceLock::new();
+
+/// This process's `/proc/self/pagemap`, opened the first time it is asked for and kept: it
+/// may not be opened later (a device thread may open no file; a process that gave up root
+/// may not open its own /proc files), so the sandbox asks for it when it starts.
+pub fn pagemap() -> std::io::Result<&'static File> {
+    PAGEMAP
+        .get_or_init(|| File::open("/proc/self/pagemap"))
+        .as_ref()
+        .map_err(|e| std::io::Error::new(e.kind(), format!("/proc/self/pagemap: {e}")))
 }
 
 /// A run of pages outside `known` costs a whole scan about this many pages inside it: a
@@ -70,12 +82,12 @@ pub fn grow_populated(ram: &GuestRam, known: &mut Bitmap) -> Result<()> {
         known.merge(&now);
         return Ok(());
     }
-    let pagemap = File::open("/proc/self/pagemap")?;
+    let pagemap = pagemap()?;
     let regions: Vec<_> = ram.backed_regions().collect();
     for (i, run) in runs {
         let (range, ..) = regions[i];
         let pages = run.start - range.first_gfn()..run.end - range.first_gfn();
-        mark_populated(&pagemap, regions[i], pages, known)?;
+        mark_populated(pagemap, regions[i], pages, known)?;
     }
     Ok(())
 }

@@ -14,6 +14,7 @@ pub mod layout;
 pub mod memory;
 pub mod migratable;
 pub mod persist;
+pub mod privileges;
 pub mod sandbox;
 pub mod state;
 pub mod vcpu;

@@ -315,21 +315,10 @@ fn swapped(host: *mut u8, pages: usize) -> std::io::Result<Vec<bool>> {
 
 const PAGEMAP_SWAPPED: u64 = 1 << 62;
 
-static PAGEMAP: std::sync::OnceLock<std::io::Result<std::fs::File>> = std::sync::OnceLock::new();
-
-/// This process's `/proc/self/pagemap`, opened the first time it is asked for: the sandbox
-/// asks before device threads (which may open no file) need it.
-pub fn open_pagemap() -> std::io::Result<&'static std::fs::File> {
-    PAGEMAP
-        .get_or_init(|| std::fs::File::open("/proc/self/pagemap"))
-        .as_ref()
-        .map_err(|e| std::io::Error::new(e.kind(), format!("/proc/self/pagemap: {e}")))
-}
-
 /// The pagemap entries of `pages` pages mapped at `host`.
 fn pagemap(host: *mut u8, pages: usize) -> std::io::Result<Vec<u64>> {
     use std::os::unix::fs::FileExt;
-    let file = open_pagemap()?;
+    let file = migration::scan::pagemap()?;
     let mut bytes = vec![0u8; pages * 8];
     file.read_exact_at(&mut bytes, host as u64 / PAGE * 8)?;
     Ok(bytes

@@ -23,6 +23,7 @@ use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::privileges::RunAs;
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
     SeccompRule, TargetArch,
@@ -30,6 +31,8 @@ use seccompiler::{
 
 /// Whether the sandbox is on, once the process said (`enter_process`).
 static ON: OnceLock<bool> = OnceLock::new();
+/// Whom the process will become once its VM runs (`ferry run --user`), if anyone.
+static RUN_AS: OnceLock<Option<RunAs>> = OnceLock::new();
 /// The filter for device threads, built once.
 static DEVICE_FILTER: OnceLock<BpfProgram> = OnceLock::new();
 /// System calls refused so far.
@@ -212,18 +215,44 @@ fn allowed(calls: &[libc::c_long]) -> BTreeMap<i64, Vec<SeccompRule>> {
         .collect()
 }
 
-/// The device threads' allow-list: anything else is refused.
-pub fn device_filter() -> BpfProgram {
+/// The device threads' allow-list: anything else is refused. With `run_as`, the calls that
+/// make the thread that user, with exactly its ids (`privileges::drop_to`).
+pub fn device_filter(run_as: Option<RunAs>) -> BpfProgram {
     let mut rules = allowed(DEVICE_SYSCALLS);
     let kvm = condition(1, SeccompCmpOp::MaskedEq(0xff00), KVM_IOCTL_TYPE << 8);
     let kvm = SeccompRule::new(vec![kvm]).expect("one condition");
     rules.insert(libc::SYS_ioctl, vec![kvm]);
+    rules.extend(becoming(run_as));
     compile(rules, SeccompAction::Trap, SeccompAction::Allow)
 }
 
-/// The metrics endpoint's allow-list (and `prctl` to name a thread).
-pub fn metrics_filter() -> BpfProgram {
+/// `setgroups` to none, `setresgid` and `setresuid` to `run_as`'s ids and no others: what
+/// the C library has every thread call when the process becomes that user. A thread that
+/// makes them only gives up root.
+fn becoming(run_as: Option<RunAs>) -> BTreeMap<i64, Vec<SeccompRule>> {
+    let Some(to) = run_as else {
+        return BTreeMap::new();
+    };
+    let all_three = |id: u32| {
+        let same = (0..3).map(|arg| condition(arg, SeccompCmpOp::Eq, u64::from(id)));
+        vec![SeccompRule::new(same.collect()).expect("three conditions")]
+    };
+    let no_groups = condition(0, SeccompCmpOp::Eq, 0);
+    BTreeMap::from([
+        (
+            libc::SYS_setgroups,
+            vec![SeccompRule::new(vec![no_groups]).expect("one")],
+        ),
+        (libc::SYS_setresgid, all_three(to.gid)),
+        (libc::SYS_setresuid, all_three(to.uid)),
+    ])
+}
+
+/// The metrics endpoint's allow-list (and `prctl` to name a thread), and the calls that
+/// make it `run_as`.
+pub fn metrics_filter(run_as: Option<RunAs>) -> BpfProgram {
     let mut rules = allowed(METRICS_SYSCALLS);
+    rules.extend(becoming(run_as));
     let naming = condition(0, SeccompCmpOp::Eq, libc::PR_SET_NAME as u64);
     rules.insert(
         libc::SYS_prctl,
@@ -253,15 +282,17 @@ fn clone3_filter() -> BpfProgram {
 }
 
 /// Turns the sandbox on (or says it is off) for this process: the `SIGSYS` handler, then the
-/// deny-list on every thread. Call once, early, before the VM's threads start.
-pub fn enter_process(on: bool) -> Result<(), String> {
-    if ON.set(on).is_err() {
+/// deny-list on every thread. `run_as`: whom the process will become once its VM runs, which
+/// the allow-lists must let every thread become. Call once, early, before the VM's threads
+/// start.
+pub fn enter_process(on: bool, run_as: Option<RunAs>) -> Result<(), String> {
+    if ON.set(on).is_err() || RUN_AS.set(run_as).is_err() {
         return Err("the sandbox was already set up".into());
     }
     if !on {
         return Ok(());
     }
-    crate::memory::open_pagemap().map_err(|e| format!("sandbox: {e}"))?;
+    migration::scan::pagemap().map_err(|e| format!("sandbox: {e}"))?;
     bound_malloc_arenas();
     install_sigsys_handler()?;
     for filter in [clone3_filter(), process_filter()] {
@@ -289,7 +320,8 @@ pub fn enter_device_thread() -> Result<(), String> {
     if !ON.get().copied().unwrap_or(false) {
         return Ok(());
     }
-    seccompiler::apply_filter(DEVICE_FILTER.get_or_init(device_filter))
+    let filter = DEVICE_FILTER.get_or_init(|| device_filter(run_as()));
+    seccompiler::apply_filter(filter)
         .map_err(|e| format!("sandbox: cannot narrow a device thread: {e}"))
 }
 
@@ -299,8 +331,12 @@ pub fn enter_metrics_thread() -> Result<(), String> {
     if !ON.get().copied().unwrap_or(false) {
         return Ok(());
     }
-    seccompiler::apply_filter(&metrics_filter())
+    seccompiler::apply_filter(&metrics_filter(run_as()))
         .map_err(|e| format!("sandbox: cannot narrow the metrics endpoint's thread: {e}"))
+}
+
+fn run_as() -> Option<RunAs> {
+    RUN_AS.get().copied().flatten()
 }
 
 /// System calls the sandbox refused since the process started.
@@ -366,12 +402,16 @@ mod tests {
     /// metrics endpoint serves a scrape on a thread of its own, refused nothing, but makes no
     /// socket and opens no file. Another thread (the deny-list) may make a socket, not
     /// unshare or change its root.
+    /// The tests count refusals: one at a time.
+    static ALONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     #[test]
     fn device_threads_are_refused_what_the_guest_should_never_get() {
+        let _alone = ALONE.lock().unwrap();
         install_sigsys_handler().unwrap();
         let before = refused();
         std::thread::spawn(|| {
-            seccompiler::apply_filter(&device_filter()).unwrap();
+            seccompiler::apply_filter(&device_filter(None)).unwrap();
             // SAFETY: plain system calls with valid (or null) arguments.
             unsafe {
                 assert_eq!(libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0), -1);
@@ -397,7 +437,7 @@ mod tests {
         let at = listener.local_addr().unwrap();
         let before = refused();
         let endpoint = std::thread::spawn(move || {
-            seccompiler::apply_filter(&metrics_filter()).unwrap();
+            seccompiler::apply_filter(&metrics_filter(None)).unwrap();
             // A scrape on a thread of its own, named as the endpoint names it.
             let served = std::thread::Builder::new()
                 .name("metrics-scrape".into())
@@ -445,5 +485,61 @@ mod tests {
         })
         .join()
         .unwrap();
+    }
+
+    /// A device thread of a process that will become nobody may become nobody (the C library
+    /// has every thread make the call), and not anyone else.
+    #[test]
+    fn device_threads_may_become_only_the_user_named() {
+        install_sigsys_handler().unwrap();
+        let nobody = RunAs {
+            uid: 65534,
+            gid: 65534,
+        };
+        let _alone = ALONE.lock().unwrap();
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            seccompiler::apply_filter(&device_filter(Some(nobody))).unwrap();
+            // Raw calls change this thread alone (the C library's wrappers would change every
+            // thread of the test process).
+            let call = |nr, a: u32, b: u32, c: u32| {
+                // SAFETY: a credential call on this thread with plain integer arguments.
+                let r = unsafe { libc::syscall(nr, a, b, c) };
+                (r, errno())
+            };
+            assert_eq!(
+                call(libc::SYS_setresuid, 1000, 1000, 1000),
+                (-1, libc::EPERM)
+            );
+            assert_eq!(
+                call(libc::SYS_setresgid, 0, 65534, 65534),
+                (-1, libc::EPERM)
+            );
+            assert_eq!(call(libc::SYS_setgroups, 1, 0, 0).0, -1);
+            assert_eq!(call(libc::SYS_setgroups, 0, 0, 0).0, 0);
+            assert_eq!(call(libc::SYS_setresgid, 65534, 65534, 65534).0, 0);
+            assert_eq!(call(libc::SYS_setresuid, 65534, 65534, 65534).0, 0);
+            // SAFETY: gettid takes nothing.
+            tid_tx.send(unsafe { libc::gettid() }).unwrap();
+            let _ = done_rx.recv();
+        });
+        let tid = tid_rx.recv().unwrap();
+        let status = std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap();
+        let line = |key: &str| {
+            status
+                .lines()
+                .find(|l| l.starts_with(key))
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(line("Uid:"), "Uid:\t65534\t65534\t65534\t65534");
+        assert_eq!(line("Gid:"), "Gid:\t65534\t65534\t65534\t65534");
+        assert_eq!(line("CapEff:"), "CapEff:\t0000000000000000");
+        done_tx.send(()).unwrap();
+        thread.join().unwrap();
+        // SAFETY: reads this thread's id.
+        let euid = unsafe { libc::geteuid() };
+        assert_eq!(euid, 0, "the rest of the process stays root");
     }
 }

@@ -86,7 +86,7 @@ pub fn main(argv: &[String]) -> Result<i32> {
         bail!("give --api-socket path=PATH|fd=N, or --kernel to boot a VM");
     }
     crate::run::install_termination_handler();
-    ::vmm::sandbox::enter_process(args.sandbox).map_err(anyhow::Error::msg)?;
+    ::vmm::sandbox::enter_process(args.sandbox, None).map_err(anyhow::Error::msg)?;
     if args.landlock {
         crate::confine::enter(&confine::rules(&args)?)?;
     }
