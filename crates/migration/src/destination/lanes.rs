@@ -18,8 +18,9 @@ use crate::pages::PageReceiver;
 use crate::wire::lanes::MAX_CONNECTIONS;
 use crate::wire::{self, Frame, Message};
 
-/// How long the source has to open all its extra connections once `Ready` is sent.
-const JOIN_WAIT: Duration = Duration::from_secs(10);
+/// How long the source has to open all its extra connections once `Ready` is sent: as long as
+/// each of them may take to open.
+const JOIN_WAIT: Duration = IO_TIMEOUT;
 
 pub(super) struct LaneReceivers {
     /// Each lane's reader, in lane order. Every one is joined before this value is gone: a
@@ -60,7 +61,10 @@ pub(super) fn accept(
     let mut joined = LaneReceivers::new(lanes, cpu);
     let mut taken = vec![false; lanes as usize];
     taken[0] = true; // the main connection
-    let gate = Gate::new(listener)?;
+    // A lane may take as long to open as a connection may stay silent anywhere else: a
+    // post-copy pauses right after its lanes open, and a link that stalls then holds their
+    // `Join` as long as it holds everything else.
+    let gate = Gate::opening_within(listener, IO_TIMEOUT)?;
     while joined.threads.len() + 1 < lanes as usize {
         let Some(opened) = gate.next(&|| Instant::now() >= deadline)? else {
             return Err(Error::Protocol(format!(

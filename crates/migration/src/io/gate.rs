@@ -78,14 +78,24 @@ pub struct Gate<'a> {
 }
 
 impl<'a> Gate<'a> {
+    /// A gate where each connection has `OPENING_WAIT` to open.
     pub fn new(listener: &'a Listener) -> Result<Self> {
+        Self::opening_within(listener, OPENING_WAIT)
+    }
+
+    /// A gate where each connection has `wait` to open. A silent one still gives its slot to
+    /// a newcomer when the slots are full (the oldest unopened is cut).
+    pub fn opening_within(listener: &'a Listener, wait: Duration) -> Result<Self> {
         let (bell, ring) = UnixStream::pair().map_err(|e| Error::transport("gate", e))?;
         bell.set_nonblocking(true)?;
         ring.set_nonblocking(true)?;
         let (send, opened) = channel();
         Ok(Self {
             listener,
-            doors: Arc::default(),
+            doors: Arc::new(Doors {
+                slots: Mutex::default(),
+                opening_wait: wait,
+            }),
             opened,
             send,
             bell,
@@ -228,9 +238,10 @@ fn tell_and_close(mut stream: Stream, why: &str) {
 }
 
 /// The slots: how many connections are opening, from where, and a handle on each to cut it.
-#[derive(Default)]
 struct Doors {
     slots: Mutex<Slots>,
+    /// How long each connection has to open.
+    opening_wait: Duration,
 }
 
 #[derive(Default)]
@@ -327,7 +338,7 @@ impl Doors {
             doors: self.clone(),
             id,
             peer,
-            deadline: Instant::now() + OPENING_WAIT,
+            deadline: Instant::now() + self.opening_wait,
         })
     }
 
