@@ -47,13 +47,16 @@ pub fn for_run(args: &RunArgs) -> Result<Vec<Rule>> {
 }
 
 /// A file ferry appends to: made now if missing, so that the rule can name the file alone
-/// rather than its whole directory.
+/// rather than its whole directory. One that exists is not opened here: it may be a FIFO
+/// whose reader comes only once ferry's API answers.
 pub fn output_file(path: &Path) -> Result<Rule> {
-    std::fs::File::options()
-        .create(true)
-        .append(true)
-        .open(path)
-        .with_context(|| format!("{}", path.display()))?;
+    if !path.exists() {
+        std::fs::File::options()
+            .create(true)
+            .append(true)
+            .open(path)
+            .with_context(|| format!("{}", path.display()))?;
+    }
     Ok(Rule::read_write(path))
 }
 
@@ -86,6 +89,23 @@ mod tests {
             crate::cli::Command::Run(args) => *args,
             _ => unreachable!(),
         }
+    }
+
+    /// A serial FIFO (a benchmark reads the console from one once the API answers) is named
+    /// by its rule without being opened, which would wait for its reader.
+    #[test]
+    fn an_existing_output_is_not_opened() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("serial.fifo");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid path string and a mode.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let (tx, rx) = std::sync::mpsc::channel();
+        let at = fifo.clone();
+        // A thread of its own: an open that waits for a reader would never return.
+        std::thread::spawn(move || tx.send(output_file(&at).unwrap()));
+        let rule = rx.recv_timeout(std::time::Duration::from_secs(10));
+        assert_eq!(rule, Ok(Rule::read_write(&fifo)), "the FIFO was opened");
     }
 
     /// `ferry run` reaches the files its command line names, each as it uses it, and the
