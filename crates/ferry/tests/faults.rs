@@ -70,7 +70,7 @@ const STOPS: [Fault; 4] = [
 const STOP_MODES: [&str; 3] = ["precopy", GO_WITH_STATE, "postcopy"];
 
 /// Tried at every point of the modes whose rounds can be carried on after a broken link.
-const BLIP_MODES: [&str; 3] = ["precopy", GO_WITH_STATE, "hybrid"];
+const BLIP_MODES: [&str; 4] = ["precopy", GO_WITH_STATE, "hybrid", COPY_STORAGE];
 
 /// Strangers come at these points of these modes: before the source (setup: first in the
 /// listener's queue, where two connections' extra one must still get in), during the rounds,
@@ -231,9 +231,12 @@ fn mode_args(mode: &str) -> Vec<&str> {
 /// Where the switch stands when the frame at `point` is held.
 fn moment(mode: &str, point: Point) -> Moment {
     match point {
-        Point::Setup | Point::Round0 | Point::Round0Share(_) | Point::RoundK | Point::Disk => {
-            Moment::Live
-        }
+        Point::Setup
+        | Point::Round0
+        | Point::Round0Share(_)
+        | Point::RoundK
+        | Point::Disk
+        | Point::DiskFrame(_) => Moment::Live,
         Point::Pause | Point::State if mode == GO_WITH_STATE => Moment::AroundGo,
         Point::Pause | Point::State => Moment::Paused,
         Point::Go => Moment::GoHeld,
@@ -248,7 +251,14 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
     let postcopy = is_postcopy(mode);
     // A blip while rounds run is carried on; anywhere else it is a cut.
     let fault = match (point, fault) {
-        (Point::Round0 | Point::Round0Share(_) | Point::RoundK, Fault::Blip) => {
+        (
+            Point::Round0
+            | Point::Round0Share(_)
+            | Point::RoundK
+            | Point::Disk
+            | Point::DiskFrame(_),
+            Fault::Blip,
+        ) => {
             return &[Destination];
         }
         (_, Fault::Blip) => Fault::Cut,
@@ -283,6 +293,7 @@ fn promised(mode: &str, point: Point, fault: Fault) -> &'static [Outcome] {
             | Point::Round0Share(_)
             | Point::RoundK
             | Point::Disk
+            | Point::DiskFrame(_)
             | Point::Pause
             | Point::State,
             f,

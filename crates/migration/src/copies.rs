@@ -1,10 +1,11 @@
-//! How many copies of each guest page crossed a pre-copy's connection, counted by the source
-//! as it queues them and by the destination as they land: after a broken connection the two
-//! counts say which pages the destination holds as last sent. A page always travels on the
-//! same connection, in order, so the destination's count reaches the source's exactly when
-//! the last copy arrived; any other count (a copy lost in flight, a frame cut half-way) means
-//! the page goes again. Counts wrap at 2^16: a page would need that many copies lost at once
-//! to be taken for current, more than there are rounds (`params::MAX_ROUNDS`).
+//! How many copies of each guest page (or disk block, `copy_storage`) crossed a pre-copy's
+//! connection, counted by the source as it queues them and by the destination as they land:
+//! after a broken connection the two counts say which pages the destination holds as last
+//! sent. A page always travels on the same connection, in order, so the destination's count
+//! reaches the source's exactly when the last copy arrived; any other count (a copy lost in
+//! flight, a frame cut half-way) means the page goes again. Counts wrap at 2^16: a page would
+//! need that many copies lost at once to be taken for current, more than there are rounds
+//! (`params::MAX_ROUNDS`).
 
 use std::sync::atomic::{AtomicU16, Ordering};
 
@@ -34,20 +35,24 @@ impl Copies {
         set.iter().for_each(|gfn| self.add(gfn));
     }
 
+    /// Each page of `range` gets one more copy.
+    pub fn add_range(&self, range: std::ops::Range<u64>) {
+        range.for_each(|gfn| self.add(gfn));
+    }
+
     fn get(&self, gfn: usize) -> u16 {
         self.0[gfn].load(Ordering::Relaxed)
     }
 
     /// The counts as runs of equal counts; a page of `unusable` (its copy failed its check)
-    /// counts as holding none.
+    /// holds none: its count becomes 0, as the source will take it to be.
     pub fn runs(&self, unusable: &Bitmap) -> Vec<(u16, u32)> {
         let mut runs: Vec<(u16, u32)> = Vec::new();
         for gfn in 0..self.0.len() {
-            let count = if unusable.get(gfn as u64) {
-                0
-            } else {
-                self.get(gfn)
-            };
+            if unusable.get(gfn as u64) {
+                self.0[gfn].store(0, Ordering::Relaxed);
+            }
+            let count = self.get(gfn);
             match runs.last_mut() {
                 Some((c, n)) if *c == count && *n < u32::MAX => *n += 1,
                 _ => runs.push((count, 1)),
@@ -57,13 +62,15 @@ impl Copies {
     }
 
     /// The pages whose count the peer's `runs` give otherwise: those it does not hold as last
-    /// sent. Runs that do not cover exactly these pages are refused.
-    pub fn differing(&self, runs: &[(u16, u32)]) -> Result<Bitmap> {
+    /// sent. The peer's counts are taken as ours from here on, so that a page sent again is
+    /// current once its new copy lands. Runs that do not cover exactly these pages (`what`
+    /// names them in the error) are refused, and change nothing.
+    pub fn reconcile(&self, runs: &[(u16, u32)], what: &str) -> Result<Bitmap> {
         let pages = self.0.len() as u64;
         let covered: u64 = runs.iter().map(|&(_, n)| u64::from(n)).sum();
         if covered != pages {
             return Err(Error::Protocol(format!(
-                "the destination counts copies of {covered} pages, the VM has {pages}"
+                "the destination counts copies of {covered} {what}, this side {pages}"
             )));
         }
         let mut differ = Bitmap::new(pages);
@@ -72,6 +79,7 @@ impl Copies {
             for g in gfn..gfn + n as usize {
                 if self.get(g) != count {
                     differ.set(g as u64);
+                    self.0[g].store(count, Ordering::Relaxed);
                 }
             }
             gfn += n as usize;
@@ -95,10 +103,20 @@ mod tests {
         source.add(1);
         let mut suspect = Bitmap::new(8);
         suspect.set(3); // landed, but failed its check
-        let again = source.differing(&destination.runs(&suspect)).unwrap();
+        let again = source
+            .reconcile(&destination.runs(&suspect), "pages")
+            .unwrap();
         assert_eq!(again.iter().collect::<Vec<_>>(), vec![1, 3, 4, 5]);
-        // Counts that do not cover the VM's pages are refused.
-        assert!(source.differing(&[(0, 7)]).is_err());
+        // Sent again and landed, they are current: a second break sends nothing twice.
+        again.iter().for_each(|g| {
+            source.add(g);
+            destination.add(g);
+        });
+        let none = source.reconcile(&destination.runs(&Bitmap::new(8)), "pages");
+        assert_eq!(none.unwrap().count(), 0);
+        // Counts that do not cover the VM's pages are refused, naming what they count.
+        let e = source.reconcile(&[(0, 7)], "blocks").unwrap_err();
+        assert!(e.to_string().contains("7 blocks, this side 8"), "{e}");
     }
 
     #[test]

@@ -28,6 +28,8 @@ pub enum Point {
     RoundK,
     /// The first disk blocks (`DiskData`) of a move that copies its disks.
     Disk,
+    /// The n-th `DiskData` (from 1): some of the disk has crossed.
+    DiskFrame(u32),
     /// The first frame after the pre-pause catch-up (`Sync` or `Stale`), or, with no rounds
     /// before it (post-copy), `PostcopyPending`: the source has paused, or is about to.
     Pause,
@@ -50,6 +52,7 @@ impl Point {
             Point::Round0Share(p) => format!("round 0 at {p}%"),
             Point::RoundK => "round k".into(),
             Point::Disk => "disk".into(),
+            Point::DiskFrame(n) => format!("disk frame {n}"),
             Point::Pause => "pause".into(),
             Point::State => "state".into(),
             Point::Go => "go".into(),
@@ -89,6 +92,7 @@ struct Conversation {
     /// Round 0's pages (`Populated`) and those its frames carried so far.
     round0_pages: u64,
     round0_sent: u64,
+    disk_frames: u32,
 }
 
 impl Conversation {
@@ -148,7 +152,10 @@ impl Conversation {
                 point == Point::Pause && !self.caught_up
             }
             (true, Some(Message::VcpuState { index: 0, .. })) => point == Point::State,
-            (true, Some(Message::DiskData { .. })) => point == Point::Disk,
+            (true, Some(Message::DiskData { .. })) => {
+                self.disk_frames += 1;
+                point == Point::Disk || point == Point::DiskFrame(self.disk_frames)
+            }
             (true, Some(Message::Go)) => {
                 self.went = true;
                 point == Point::Go

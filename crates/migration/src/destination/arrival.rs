@@ -275,7 +275,11 @@ impl Filling {
 
     /// This host's disks the stream fills (`copy_storage`).
     pub fn fill_disks(&mut self, targets: DiskTargets) {
-        self.disks = Some(targets);
+        // Blocks are counted as pages are, for a resume.
+        self.disks = Some(match self.pages.counts_copies() {
+            true => targets.counting_copies(),
+            false => targets,
+        });
     }
 
     fn targets(&self) -> Result<&DiskTargets> {
@@ -309,6 +313,12 @@ impl Filling {
     pub fn copies_held(&self) -> Option<Message> {
         let (pages, runs) = self.pages.copies_held()?;
         Some(Message::CopiesHeld { pages, runs })
+    }
+
+    /// What landed of the disks, for `BlocksHeld` (`None`: no disk moves).
+    pub fn blocks_held(&self) -> Option<Message> {
+        let disks = self.disks.as_ref()?.blocks_held()?;
+        Some(Message::BlocksHeld { disks })
     }
 
     /// The next frame on the main connection. When a lane failed it closed this stream: its

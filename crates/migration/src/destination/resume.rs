@@ -1,7 +1,8 @@
 //! Carrying a pre-copy on after its connection broke before the switch: the VM never ran
 //! here, and its memory holds what landed. The destination keeps listening where the source
-//! first came, for as long as the source said it tries (`ResumeWindow`), for a connection that opens with `ResumePrecopy`
-//! naming this migration; it answers with the copies of each page that landed (`CopiesHeld`)
+//! first came, for as long as the source said it tries (`ResumeWindow`), for a connection
+//! that opens with `ResumePrecopy` naming this migration; it answers with the copies of each
+//! page that landed (`CopiesHeld`), and of each disk block where disks move (`BlocksHeld`),
 //! and the conversation goes on over it. Anything else that connects meanwhile is told why
 //! it is turned away.
 
@@ -70,6 +71,9 @@ impl Receiver<'_> {
                     new.set_timeouts(Some(IO_TIMEOUT))?;
                     let held = filling.copies_held().expect("a resumable filling counts");
                     wire::write_message(&mut new, &held)?;
+                    if let Some(blocks) = filling.blocks_held() {
+                        wire::write_message(&mut new, &blocks)?;
+                    }
                     // Said before the old connection closes: whoever sees it close finds
                     // the migration carried on.
                     self.status.report.resumes += 1;

@@ -8,6 +8,9 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
+use crate::bitmap::Bitmap;
+use crate::copies::Copies;
+use crate::disk_log::DISK_BLOCK;
 use crate::error::{Error, Result};
 use crate::vm::{DeviceDescriptor, Migratable, VmDescriptor};
 
@@ -24,6 +27,8 @@ struct Target {
     bytes: u64,
     /// Bytes written since write-back was last started.
     unstarted: std::cell::Cell<u64>,
+    /// Copies of each block that landed, where a broken connection may be carried on.
+    copies: Option<Copies>,
 }
 
 /// This host's disks that the stream fills.
@@ -71,9 +76,31 @@ impl DiskTargets {
                     file,
                     bytes,
                     unstarted: std::cell::Cell::new(0),
+                    copies: None,
                 })
                 .collect(),
         ))
+    }
+
+    /// Counts the copies of each block that land, for a source that carries a broken
+    /// connection on (`blocks_held`).
+    pub fn counting_copies(mut self) -> Self {
+        for t in &mut self.0 {
+            t.copies = Some(Copies::new(t.bytes.div_ceil(DISK_BLOCK)));
+        }
+        self
+    }
+
+    /// Per disk, in the order `Storage` named them, the copies of each block that landed
+    /// (`None`: not counted).
+    pub fn blocks_held(&self) -> Option<Vec<Vec<(u16, u32)>>> {
+        self.0
+            .iter()
+            .map(|t| {
+                let copies = t.copies.as_ref()?;
+                Some(copies.runs(&Bitmap::new(t.bytes.div_ceil(DISK_BLOCK))))
+            })
+            .collect()
     }
 
     /// The disk in `slot` and the range checked to lie inside it, sector aligned.
@@ -99,6 +126,7 @@ impl DiskTargets {
         t.file
             .write_all_at(data, offset)
             .map_err(|e| Error::vm_caused(format!("writing disk {slot} at byte {offset}"), e))?;
+        t.landed(offset, data.len() as u64);
         let unstarted = t.unstarted.get() + data.len() as u64;
         t.unstarted.set(unstarted % WRITE_BACK_EVERY);
         if unstarted >= WRITE_BACK_EVERY {
@@ -115,6 +143,7 @@ impl DiskTargets {
     pub fn zero(&self, slot: u32, offset: u64, len: u64) -> Result<()> {
         let t = self.target(slot, offset, len)?;
         if len == 0 || punch(&t.file, offset, len).is_ok() {
+            t.landed(offset, len);
             return Ok(());
         }
         let zeros = vec![0u8; ZERO_CHUNK.min(len) as usize];
@@ -126,6 +155,7 @@ impl DiskTargets {
                 .map_err(|e| Error::vm_caused(format!("zeroing disk {slot} at byte {at}"), e))?;
             at += n as u64;
         }
+        t.landed(offset, len);
         Ok(())
     }
 
@@ -137,6 +167,16 @@ impl DiskTargets {
                 .map_err(|e| Error::vm_caused(format!("flushing disk {}", t.slot), e))?;
         }
         Ok(())
+    }
+}
+
+impl Target {
+    /// `len` bytes at `offset` are on the disk: one more copy of each block they touch (the
+    /// source sends whole blocks, so a block lands in one piece).
+    fn landed(&self, offset: u64, len: u64) {
+        if let Some(copies) = &self.copies {
+            copies.add_range(offset / DISK_BLOCK..(offset + len).div_ceil(DISK_BLOCK));
+        }
     }
 }
 

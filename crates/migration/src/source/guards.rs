@@ -7,8 +7,9 @@
 use std::time::{Duration, Instant};
 
 use crate::bitmap::Bitmap;
+use crate::copies::Copies;
 use crate::disk_log::{DISK_BLOCK, RUN_BLOCKS};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::status::{StorageCounts, now_ns};
 use crate::vm::{CopiedDisk, Migratable};
 
@@ -175,19 +176,73 @@ pub(super) struct DiskCopy<'a> {
     pub sent: Vec<Bitmap>,
     /// Where a run of blocks is read to.
     pub buf: Vec<u8>,
+    /// Copies of each block queued, per disk, where a broken connection may be carried on.
+    copies: Option<Vec<Copies>>,
+    /// Per disk, the blocks whose last copy did not land before a connection broke: they go
+    /// with the next blocks taken.
+    again: Vec<Bitmap>,
 }
 
 impl<'a> DiskCopy<'a> {
     /// Logs the disks' writes from now on: a write made while a round reads is still caught.
     pub fn start(vm: &'a dyn Migratable) -> Result<Self> {
         let disks = vm.log_disk_writes()?;
-        let sent = disks.iter().map(|d| Bitmap::new(d.log.blocks())).collect();
+        let none = || disks.iter().map(|d| Bitmap::new(d.log.blocks())).collect();
         Ok(Self {
             vm,
+            sent: none(),
+            again: none(),
             disks,
-            sent,
             buf: vec![0; (RUN_BLOCKS * DISK_BLOCK) as usize],
+            copies: None,
         })
+    }
+
+    /// Counts the copies queued of each block, so that a broken connection can be carried
+    /// on (`reconcile`).
+    pub fn count_copies(&mut self) {
+        let counts = self.disks.iter().map(|d| Copies::new(d.log.blocks()));
+        self.copies = Some(counts.collect());
+    }
+
+    /// Blocks `range` of disk `index` are queued: one more copy each.
+    pub fn queued(&self, index: usize, range: std::ops::Range<u64>) {
+        if let Some(copies) = &self.copies {
+            copies[index].add_range(range);
+        }
+    }
+
+    /// The blocks of `set` of disk `index` are queued.
+    pub fn queued_set(&self, index: usize, set: &Bitmap) {
+        if let Some(copies) = &self.copies {
+            copies[index].add_all(set);
+        }
+    }
+
+    /// After a broken connection: the blocks whose copies the destination counts otherwise
+    /// (`BlocksHeld`'s runs, per disk) go again with the next take. How many.
+    pub fn reconcile(&mut self, held: &[Vec<(u16, u32)>]) -> Result<u64> {
+        let copies = self.copies.as_ref().ok_or_else(|| {
+            Error::Protocol("the destination counts disk blocks this side never counted".into())
+        })?;
+        if held.len() != copies.len() {
+            return Err(Error::Protocol(format!(
+                "the destination counts the blocks of {} disks, {} move",
+                held.len(),
+                copies.len()
+            )));
+        }
+        let mut count = 0;
+        for ((c, runs), (again, disk)) in copies
+            .iter()
+            .zip(held)
+            .zip(self.again.iter_mut().zip(&self.disks))
+        {
+            let differ = c.reconcile(runs, &format!("blocks of disk {}", disk.slot))?;
+            count += differ.count();
+            again.merge(&differ);
+        }
+        Ok(count)
     }
 
     /// The slots of the disks that move, for `Storage`.
@@ -204,9 +259,17 @@ impl<'a> DiskCopy<'a> {
         }
     }
 
-    /// The blocks written since the last take, per disk.
-    pub fn take_written(&self) -> Vec<Bitmap> {
-        self.disks.iter().map(|d| d.log.take()).collect()
+    /// The blocks written since the last take, and those a broken connection lost, per disk.
+    pub fn take_written(&mut self) -> Vec<Bitmap> {
+        let written = self.disks.iter().map(|d| d.log.take());
+        written
+            .zip(&mut self.again)
+            .map(|(mut set, again)| {
+                set.merge(again);
+                *again = Bitmap::new(set.pages());
+                set
+            })
+            .collect()
     }
 }
 

@@ -1,9 +1,10 @@
 //! Carrying a pre-copy on when its connection breaks while the VM still runs here: the dirty
 //! log stays on, the source dials the destination again (for up to `resume_window_s`), says
-//! `ResumePrecopy`, and hears from `CopiesHeld` how many copies of each page landed. The
-//! pages whose count is not ours (their last copy was lost on the way, or never left) go
-//! again with the next round, together with what the guest dirtied meanwhile: nothing that
-//! arrived intact crosses twice. Nothing changes for the VM: it never stopped running here.
+//! `ResumePrecopy`, and hears from `CopiesHeld` how many copies of each page landed (and from
+//! `BlocksHeld` of each disk block, where disks move). The pages and blocks whose count is
+//! not ours (their last copy was lost on the way, or never left) go again with the next
+//! round, together with what the guest wrote meanwhile: nothing that arrived intact crosses
+//! twice. Nothing changes for the VM: it never stopped running here.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -13,6 +14,7 @@ use super::lane;
 use super::session::Session;
 use crate::bitmap::Bitmap;
 use crate::error::{Error, Result};
+use crate::io::transport::Stream;
 use crate::sync::Locked;
 use crate::wire::{self, Message};
 
@@ -36,13 +38,36 @@ impl Session<'_> {
     ) -> Result<Option<Bitmap>> {
         match self.send_round(round, set, cuttable) {
             Ok(unsent) => Ok(unsent),
-            Err(e) if self.copies.is_some() && e.is_break() && !self.is_paused() => {
-                match self.refused(e) {
-                    e if e.is_break() => self.resume_precopy(e).map(Some),
-                    refusal => Err(refusal),
-                }
-            }
-            Err(e) => Err(e),
+            Err(e) => self.resume_after(e).map(Some),
+        }
+    }
+
+    /// Sends the disks' blocks of a live round: `sets` (one per disk), or with `None` all
+    /// they hold (round 0). Should the connection break, carries the migration on over a new
+    /// one; the pages that must go again (the blocks go with the next ones taken).
+    pub(super) fn send_disks_or_resume(
+        &mut self,
+        sets: Option<&[Bitmap]>,
+    ) -> Result<Option<Bitmap>> {
+        let sent = match sets {
+            Some(sets) => self.send_disk_blocks(sets, false),
+            None => self.send_whole_disks(),
+        };
+        match sent {
+            Ok(()) => Ok(None),
+            Err(e) => self.resume_after(e).map(Some),
+        }
+    }
+
+    /// A send failed with `e`: where the link broke under a counted, running pre-copy, it is
+    /// carried on over a new connection; the pages that go again.
+    fn resume_after(&mut self, e: Error) -> Result<Bitmap> {
+        if self.copies.is_none() || !e.is_break() || self.is_paused() {
+            return Err(e);
+        }
+        match self.refused(e) {
+            e if e.is_break() => self.resume_precopy(e),
+            refusal => Err(refusal),
         }
     }
 
@@ -72,8 +97,8 @@ impl Session<'_> {
         let last = loop {
             self.check_continue()?;
             let error = match self.reconnect() {
-                Ok(again) => {
-                    self.carried_on(broke, &again);
+                Ok((again, blocks)) => {
+                    self.carried_on(broke, &again, blocks);
                     return Ok(again);
                 }
                 Err(e) if e.is_break() => e,
@@ -108,8 +133,9 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// One try: a new connection, the destination's counts, and a fresh sender on it.
-    fn reconnect(&mut self) -> Result<Bitmap> {
+    /// One try: a new connection, the destination's counts, and a fresh sender on it. The
+    /// pages that go again, and how many disk blocks do.
+    fn reconnect(&mut self) -> Result<(Bitmap, u64)> {
         let dial = self
             .dial
             .as_ref()
@@ -133,7 +159,8 @@ impl Session<'_> {
             .copies
             .as_ref()
             .expect("only a counted pre-copy resumes");
-        let again = copies.differing(&runs)?;
+        let again = copies.reconcile(&runs, "pages")?;
+        let blocks = self.blocks_held(&mut stream)?;
         // What never landed is not counted as sent: the destination checks the total.
         let sent = self.pages.counters.full + self.pages.counters.zero;
         self.pages_lost = sent.saturating_sub(received);
@@ -144,7 +171,20 @@ impl Session<'_> {
         self.limiter = limiter;
         self.cancel_closes(&stream);
         self.stream = stream;
-        Ok(again)
+        Ok((again, blocks))
+    }
+
+    /// Where disks move, the destination's `BlocksHeld` after `CopiesHeld`: the blocks whose
+    /// last copy did not land go with the next ones taken. How many.
+    fn blocks_held(&mut self, stream: &mut Stream) -> Result<u64> {
+        let Some(disks) = self.held.disks.as_mut() else {
+            return Ok(0);
+        };
+        match wire::read_message(stream)? {
+            Message::BlocksHeld { disks: held } => disks.reconcile(&held),
+            Message::Abort { reason } => Err(Error::Peer(reason)),
+            other => Err(Error::out_of_turn("source", other.name(), "Resuming")),
+        }
     }
 
     /// Tells a destination that waits to carry a broken pre-copy on that it will not be
@@ -165,23 +205,34 @@ impl Session<'_> {
             .and_then(|()| wire::write_stream_header(&mut stream))
             .and_then(|()| wire::write_message(&mut stream, &resume))
             .and_then(|()| wire::read_message(&mut stream));
+        // Where disks move, their counts follow: read, so that nothing unread resets the
+        // connection under the abort.
+        let heard_all = |stream: &mut Stream| {
+            self.held.disks.is_none()
+                || matches!(wire::read_message(stream), Ok(Message::BlocksHeld { .. }))
+        };
         if let Ok(Message::CopiesHeld { .. }) = heard
+            && heard_all(&mut stream)
             && wire::write_message(&mut stream, abort).is_ok()
         {
             stream.close_after_last_word(FAREWELL_WAIT);
         }
     }
 
-    fn carried_on(&mut self, broke: Instant, again: &Bitmap) {
+    fn carried_on(&mut self, broke: Instant, again: &Bitmap, blocks: u64) {
         let crossed = again.iter().filter(|&gfn| self.sent_once.get(gfn)).count() as u64;
         let r = &mut self.status.report;
         r.resumes += 1;
         // Those that had crossed before (the rest of the round was never sent).
         r.pages_sent_again += crossed;
         let resumes = r.resumes;
+        let blocks = match self.held.disks {
+            Some(_) => format!(", and {blocks} disk blocks"),
+            None => String::new(),
+        };
         self.status.note = Some(format!(
             "the connection broke and a new one carried the migration on after {:.1} s: {} \
-             pages go again, {crossed} of them a second time",
+             pages go again, {crossed} of them a second time{blocks}",
             broke.elapsed().as_secs_f64(),
             again.count()
         ));

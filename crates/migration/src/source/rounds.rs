@@ -98,7 +98,7 @@ impl Session<'_> {
         self.lap("populated map");
         let cuttable = mode == StreamMode::Precopy && agreed.peer_postcopy;
         let carry = self.send_round_or_resume(0, &populated, cuttable)?;
-        self.send_whole_disks()?;
+        let carry = joined(carry, self.send_disks_or_resume(None)?);
         match (mode, self.params.mode) {
             (StreamMode::Precopy, Mode::Hybrid) => {
                 let mut dirty = self.vm.take_dirty()?;
@@ -218,7 +218,7 @@ impl Session<'_> {
                         stalled = 0; // a slower guest is a new game
                     }
                     carry = self.send_round_or_resume(round, &dirty, peer_postcopy)?;
-                    self.send_disk_blocks(&written, false)?;
+                    carry = joined(carry, self.send_disks_or_resume(Some(&written))?);
                 }
                 Decision::SwitchOver { converged, why } => {
                     let postcopy = !converged && self.params.auto_postcopy;
@@ -304,18 +304,18 @@ impl Session<'_> {
         Ok(true)
     }
 
-    /// A live pre-copy over one connection counts the copies it queues of each page, so that
-    /// a broken connection can be carried on (`resume`).
+    /// A live pre-copy over one connection counts the copies it queues of each page (and
+    /// disk block), so that a broken connection can be carried on (`resume`).
     fn count_copies(&mut self) -> Result<()> {
-        // Disk blocks lost with a connection could not be told apart: such a move fails
-        // instead, and the VM runs on here.
         let resumable = self.params.resume_window_s > 0
-            && !self.params.copy_storage
             && self.stream.has_peer()
             && self.params.connections == 1
             && matches!(self.params.mode, Mode::Precopy | Mode::Hybrid);
         if resumable {
             self.copies = Some(crate::copies::Copies::new(self.ram.gfn_end()));
+            if let Some(disks) = self.held.disks.as_mut() {
+                disks.count_copies();
+            }
             let seconds = self.params.resume_window_s.min(u64::from(u32::MAX)) as u32;
             self.send(&Message::ResumeWindow { seconds })?;
         }
@@ -430,5 +430,16 @@ impl Session<'_> {
         p.throughput_mbps = p.bytes_on_wire.saturating_sub(bytes_before) as f64 * 8.0
             / began.elapsed().as_secs_f64().max(1e-9)
             / 1e6;
+    }
+}
+
+/// Pages that go again for either of two reasons.
+fn joined(a: Option<Bitmap>, b: Option<Bitmap>) -> Option<Bitmap> {
+    match (a, b) {
+        (Some(mut a), Some(b)) => {
+            a.merge(&b);
+            Some(a)
+        }
+        (a, b) => a.or(b),
     }
 }

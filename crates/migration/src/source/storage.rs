@@ -41,11 +41,12 @@ impl Session<'_> {
         Ok(())
     }
 
-    /// The blocks the guest wrote since the last take, per moving disk (none without).
-    pub(super) fn take_disk_writes(&self) -> Vec<Bitmap> {
+    /// The blocks the guest wrote since the last take (and those a broken connection lost),
+    /// per moving disk (none without).
+    pub(super) fn take_disk_writes(&mut self) -> Vec<Bitmap> {
         self.held
             .disks
-            .as_ref()
+            .as_mut()
             .map_or_else(Vec::new, DiskCopy::take_written)
     }
 
@@ -59,6 +60,13 @@ impl Session<'_> {
             .iter()
             .map(|disk| extents(disk).map(|(data, holes)| (disk.slot, data, holes)))
             .collect::<Result<_>>()?;
+        // Counted before anything goes: what a broken connection leaves unsent goes again.
+        for (index, (_, data, holes)) in found.iter().enumerate() {
+            holes
+                .iter()
+                .for_each(|&(offset, len)| copy.queued(index, blocks_of(offset, len)));
+            copy.queued_set(index, data);
+        }
         let mut sets = Vec::with_capacity(found.len());
         for (slot, data, holes) in found {
             for (offset, len) in holes {
@@ -71,7 +79,7 @@ impl Session<'_> {
             }
             sets.push(data);
         }
-        self.send_disk_blocks(&sets, false)?;
+        self.send_queued_blocks(&sets, false)?;
         self.lap("disks");
         Ok(())
     }
@@ -79,6 +87,14 @@ impl Session<'_> {
     /// Sends the blocks of `sets` (one per disk); `last`: the switch's last ones, which no
     /// cancel interrupts (as the last pages).
     pub(super) fn send_disk_blocks(&mut self, sets: &[Bitmap], last: bool) -> Result<()> {
+        if let Some(copy) = &self.held.disks {
+            (0..sets.len()).for_each(|i| copy.queued_set(i, &sets[i]));
+        }
+        self.send_queued_blocks(sets, last)
+    }
+
+    /// `send_disk_blocks` of blocks already counted as queued.
+    fn send_queued_blocks(&mut self, sets: &[Bitmap], last: bool) -> Result<()> {
         let Some(mut copy) = self.held.disks.take() else {
             return Ok(());
         };
@@ -160,6 +176,11 @@ impl Session<'_> {
             add(c);
         }
     }
+}
+
+/// The blocks `len` bytes at `offset` touch.
+fn blocks_of(offset: u64, len: u64) -> std::ops::Range<u64> {
+    offset / DISK_BLOCK..(offset + len).div_ceil(DISK_BLOCK)
 }
 
 /// Reads blocks `first..end` of `disk` into `buf`; the runs of data and of zero blocks in it.

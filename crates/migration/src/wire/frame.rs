@@ -15,7 +15,7 @@ use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
 /// Moves with every change of the bytes on the wire (docs/protocol.md keeps the changelog).
-pub const VERSION: u32 = 16;
+pub const VERSION: u32 = 17;
 /// The oldest stream version this ferry still reads: a source writes the oldest version that
 /// carries everything its stream will hold, so that builds of different versions can still
 /// hand a VM over (live update both ways) while the messages that stream uses keep their bytes.
@@ -268,7 +268,7 @@ mod tests {
     fn golden_stream_header() {
         let mut h = Vec::new();
         write_stream_header(&mut h).unwrap();
-        assert_eq!(h, b"FERRYMIG\x10\0\0\0\0\0\0\0");
+        assert_eq!(h, b"FERRYMIG\x11\0\0\0\0\0\0\0");
     }
 
     #[test]
@@ -285,7 +285,7 @@ mod tests {
         let e = read_stream_header(&mut other.as_slice()).unwrap_err();
         assert!(e.to_string().contains("version 9"), "{e}");
         assert!(
-            e.to_string().contains("version 16"),
+            e.to_string().contains("version 17"),
             "names both versions: {e}"
         );
         let e = read_stream_header(&mut &b"GET / HTTP/1.1\r\n"[..]).unwrap_err();

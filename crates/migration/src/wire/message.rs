@@ -232,6 +232,11 @@ pub enum Message {
     /// Source → destination: `len` bytes at `offset` of the disk in slot `disk` read as
     /// zeros (a hole or zero blocks); the destination discards them.
     DiskZero { disk: u32, offset: u64, len: u64 },
+    /// Destination → source, right after `CopiesHeld` where the stream carries disks (version
+    /// 17 on; before it such a pre-copy was not carried on): per disk `Storage` named, in its
+    /// order, the copies of each 64 KiB block that landed, as runs (count, blocks) as
+    /// `CopiesHeld`'s.
+    BlocksHeld { disks: Vec<Vec<(u16, u32)>> },
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -309,6 +314,7 @@ catalogue! {
     36 => Storage,
     37 => DiskData,
     38 => DiskZero,
+    39 => BlocksHeld,
 }
 
 impl Message {
@@ -398,11 +404,11 @@ impl Message {
             Message::ResumeWindow { seconds } => e.u32(*seconds),
             Message::CopiesHeld { pages, runs } => {
                 e.u64(*pages);
-                e.u32(runs.len() as u32);
-                for &(count, len) in runs {
-                    e.u16(count);
-                    e.u32(len);
-                }
+                e.runs(runs);
+            }
+            Message::BlocksHeld { disks } => {
+                e.u32(disks.len() as u32);
+                disks.iter().for_each(|runs| e.runs(runs));
             }
             Message::Join { session, lane } => {
                 e.u64(*session);
@@ -575,9 +581,10 @@ impl Message {
             },
             Kind::CopiesHeld => Message::CopiesHeld {
                 pages: d.u64()?,
-                runs: (0..d.count(6)?)
-                    .map(|_| Ok((d.u16()?, d.u32()?)))
-                    .collect::<Result<_>>()?,
+                runs: d.runs()?,
+            },
+            Kind::BlocksHeld => Message::BlocksHeld {
+                disks: (0..d.count(4)?).map(|_| d.runs()).collect::<Result<_>>()?,
             },
             Kind::Files => Message::Files {
                 memory: d.u32()?,
@@ -624,6 +631,13 @@ impl Encoder {
     }
     fn opt_f64(&mut self, v: Option<f64>) {
         self.opt_u64(v.map(f64::to_bits));
+    }
+    fn runs(&mut self, runs: &[(u16, u32)]) {
+        self.u32(runs.len() as u32);
+        for &(count, len) in runs {
+            self.u16(count);
+            self.u32(len);
+        }
     }
     fn bytes(&mut self, v: &[u8]) {
         self.u32(v.len() as u32);
@@ -820,6 +834,12 @@ impl<'a> Decoder<'a> {
             )));
         }
         Ok(n)
+    }
+    /// Runs of copy counts: (count u16, length u32) each.
+    fn runs(&mut self) -> Result<Vec<(u16, u32)>> {
+        (0..self.count(6)?)
+            .map(|_| Ok((self.u16()?, self.u32()?)))
+            .collect()
     }
     fn bytes(&mut self) -> Result<Vec<u8>> {
         let n = self.count(1)?;
@@ -1192,6 +1212,12 @@ mod tests {
                 },
                 "2600 01000000 0000000000000000 0000010000000000",
             ),
+            (
+                Message::BlocksHeld {
+                    disks: vec![vec![(1, 2)], vec![]],
+                },
+                "2700 02000000 01000000 0100 02000000 00000000",
+            ),
         ]
     }
 
@@ -1200,7 +1226,7 @@ mod tests {
         let all = golden();
         assert_eq!(
             all.len(),
-            40,
+            41,
             "a golden example per message (Config and Ready with and without)"
         );
         for (msg, bytes) in all {
