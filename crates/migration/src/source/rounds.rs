@@ -1,5 +1,6 @@
-//! Pre-copy rounds: round 0 sends every page that holds data; later rounds send what the
-//! dirty log says changed, until the policy (or the user) says switch over.
+//! Pre-copy rounds: round 0 sends every page that holds data (after what the disks that move
+//! hold); later rounds send what the dirty log says changed, and the blocks written, until
+//! the policy (or the user) says switch over.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -81,6 +82,9 @@ impl Session<'_> {
             self.check_page_data(); // the guest is still
             self.lap("pause");
         }
+        // The disks first: they are most of what moves, and memory the guest dirties while
+        // they cross would otherwise cross twice (QEMU's mirror runs before its RAM too).
+        let disks_carry = self.send_disks_or_resume(None)?;
         let mut populated = populated_pages(&self.ram)?;
         self.lap("populated scan");
         self.count_skipped(&populated);
@@ -97,8 +101,7 @@ impl Session<'_> {
         })?;
         self.lap("populated map");
         let cuttable = mode == StreamMode::Precopy && agreed.peer_postcopy;
-        let carry = self.send_round_or_resume(0, &populated, cuttable)?;
-        let carry = joined(carry, self.send_disks_or_resume(None)?);
+        let carry = joined(disks_carry, self.send_round_or_resume(0, &populated, cuttable)?);
         match (mode, self.params.mode) {
             (StreamMode::Precopy, Mode::Hybrid) => {
                 let mut dirty = self.vm.take_dirty()?;
