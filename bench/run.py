@@ -427,10 +427,11 @@ PROFILES = {
         "block": (None, "precopy", "postcopy", "hybrid"),
     },
     # A VM and its disk to a host with a disk of its own (`--copy-storage`; QEMU: mirror to NBD
-    # and migrate): an 8 GiB disk holding 2 GiB, and a 1 GiB one holding 256 MiB.
+    # and migrate): an 8 GiB disk holding 2 GiB, and a 1 GiB one holding 256 MiB, on
+    # loopback; the 8 GiB one on a 1 Gbit/s link too.
     "storage": {
         "links": [], "peers": ["ferry", "qemu"], "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
-        "storage": ((8192, 2048), (1024, 256)),
+        "storage": ((8192, 2048, "loopback"), (1024, 256, "loopback"), (8192, 2048, "1gbit")),
     },
     # ferry's Linux guest (`make linux-guest`) moved pre-copy by ferry and by QEMU (microvm),
     # as an expert sets it and with multifd; each run boots the kernel (about 2 minutes here).

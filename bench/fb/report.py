@@ -568,12 +568,13 @@ def storage_lines(rows):
              "The guest stamps its disk's first MiB (`blk`, 2048 sectors) and writes 16 MiB of memory "
              "while the disk (sparse, its data pseudo-random) moves with it to an empty target as "
              "large: ferry by `--copy-storage`, QEMU by `blockdev-mirror` to the destination's NBD "
-             "export, then `migrate`. Both over the loopback of a namespace of their own; *link "
-             "bytes*: what that loopback received. *Total*: request to the destination running, "
+             "export, then `migrate`. Both over the loopback of a namespace of their own (*link*: "
+             "as it is, or shaped by tbf); *link bytes*: what that loopback received. *Total*: request to the destination running, "
              "this host's clock. *Wrong sectors*: read back on the destination without their last "
              "stamp.", "",
              *device_table(rows, [
                  ("disk MiB (data)", lambda r, s: f"{r['disk_mib']} ({r['used_mib']})"),
+                 ("link", lambda r, s: r.get("link", "loopback")),
                  ("VMM", vmm_cell),
                  figure("total ms", "total_ms"),
                  figure("of it mirror ms", "mirror_ms"),
@@ -585,9 +586,9 @@ def storage_lines(rows):
     if pairs:
         f = ratio_text
         lines += ["", "ferry / QEMU, medians (< 1: ferry better):", "",
-                  "| disk MiB (data) | total | downtime (VMM) | link bytes |", "|---|---|---|---|"]
-        lines += [f"| {p['disk_mib']} ({p['used_mib']}) | {f(p['total_ms'])} | {f(p['downtime_ms'])} | "
-                  f"{f(p['link_bytes'])} |" for p in pairs]
+                  "| disk MiB (data) | link | total | downtime (VMM) | link bytes |", "|---|---|---|---|---|"]
+        lines += [f"| {p['disk_mib']} ({p['used_mib']}) | {p['link']} | {f(p['total_ms'])} | "
+                  f"{f(p['downtime_ms'])} | {f(p['link_bytes'])} |" for p in pairs]
     return lines
 
 
@@ -615,7 +616,7 @@ def storage_page(results):
     goal = {"total_ms": 0.7, "link_bytes": 1.0}
     said = []
     for p in storage.ratios(results["storage"]):
-        size = f"{p['disk_mib']} MiB ({p['used_mib']} MiB of data)"
+        size = f"{p['disk_mib']} MiB ({p['used_mib']} MiB of data), {p['link']}"
         verdicts = [f"{name} {p[m]:.2f} of QEMU's ({'meets' if p[m] <= limit else 'misses'} the "
                     f"goal of {limit})" for m, limit, name in
                     (("total_ms", goal["total_ms"], "total"), ("link_bytes", goal["link_bytes"], "bytes"))

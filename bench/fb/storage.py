@@ -9,9 +9,10 @@ the guest stamps the disk's first MiB (`blk`) and writes 16 MiB of memory.
   ready, every guest write reaches both disks); then `migrate` (downtime limit 300 ms, as
   ferry's default); once the destination runs, `block-job-cancel` and `nbd-server-stop`.
 
-Both VMMs run inside a network namespace of their own and move over its loopback, whose
-received-bytes counter (`/proc/net/dev`) is the bytes on the link for both: every migration and
-NBD byte, TCP/IP headers included. Total: from the request (ferry's `migrate`, QEMU's mirror) to
+Both VMMs run inside a network namespace of their own and move over its loopback (as it is,
+or shaped to 1 Gbit/s with tbf, as the other profiles' veth links are), whose received-bytes
+counter (`/proc/net/dev`) is the bytes on the link for both: every migration and NBD byte,
+TCP/IP headers included. Total: from the request (ferry's `migrate`, QEMU's mirror) to
 the destination's word that the VM runs (ferry's `resumed_at_unix_ns`, QEMU's RESUME event),
 both on this host's clock. Downtime: each VMM's own. After the move every stamped sector is read
 back on the destination and must carry its last stamp, and the target past the stamped MiB must
@@ -23,7 +24,7 @@ import time
 
 from .devices import MIGRATION_PORT, VMS
 from .ferry import settled_migration
-from .links import sh
+from .links import shape, sh
 from .qemu import VARIANTS as QEMU_VARIANTS
 from .serial import SerialClock
 from .util import FERRY, BenchError, wait_until
@@ -44,8 +45,16 @@ RAW_FILE, PAGE_FILE = "storage.json", "storage.md"
 METRICS = ["total_ms", "downtime_ms", "link_bytes", "blk_errors", "mirror_ms", "guest_downtime_ms"]
 
 
-def sizes(disk_mib, used_mib):
-    return {"disk_mib": disk_mib, "used_mib": used_mib}
+def sizes(disk_mib, used_mib, link="loopback"):
+    """A row's key: the disk, its data, and the link (`loopback`, or a speed of links.SPEEDS
+    the namespace's loopback is shaped to)."""
+    return {"disk_mib": disk_mib, "used_mib": used_mib, "link": link}
+
+
+def same_row(a, b):
+    """Whether two rows moved the same disk over the same link (rows before the link was a
+    key moved over loopback)."""
+    return all(a.get(k, "loopback") == b.get(k, "loopback") for k in ("disk_mib", "used_mib", "link"))
 
 
 def make_disks(work, disk_mib, used_mib):
@@ -64,15 +73,18 @@ def make_disks(work, disk_mib, used_mib):
 
 
 class Namespace:
-    """A network namespace with its loopback up, removed when left."""
+    """A network namespace with its loopback up (shaped to `link`'s speed unless it is
+    `loopback`), removed when left."""
 
-    def __init__(self, name):
-        self.name = name
+    def __init__(self, name, link):
+        self.name, self.link = name, link
 
     def __enter__(self):
         subprocess.run(["ip", "netns", "del", self.name], capture_output=True)
         sh("ip", "netns", "add", self.name)
         sh("ip", "-n", self.name, "link", "set", "lo", "up")
+        if self.link != "loopback":
+            shape(self.name, "lo", self.link)
         return self
 
     def __exit__(self, *exc):
@@ -85,11 +97,11 @@ class Namespace:
         return int(line.split(":", 1)[1].split()[0])
 
 
-def storage_run(procs, work, vmm, disk_mib, used_mib):
-    """One move of a VM and its disk on `vmm` (ferry or qemu)."""
+def storage_run(procs, work, vmm, disk_mib, used_mib, link="loopback"):
+    """One move of a VM and its disk on `vmm` (ferry or qemu) over `link`."""
     src, dst = make_disks(work, disk_mib, used_mib)
     try:
-        with Namespace(f"fst-{os.getpid() % 100000}") as ns:
+        with Namespace(f"fst-{os.getpid() % 100000}", link) as ns:
             vm = VMS[vmm](procs, work, ns.name, CMDLINE, DISK[vmm](src))
             wait_until("the first disk writes", 60, lambda: vm.counter("blk_writes") > BLK_SECTORS)
             before = ns.lo_bytes()
@@ -101,7 +113,7 @@ def storage_run(procs, work, vmm, disk_mib, used_mib):
             same = subprocess.run(["cmp", "-s", "-i", str(BLK_SECTORS * 512), src, dst]).returncode == 0
             if not same:
                 raise BenchError("the target differs from the source past the stamped sectors")
-            return {"vmm": vmm, "mode": "precopy", **sizes(disk_mib, used_mib), "link_bytes": link_bytes,
+            return {"vmm": vmm, "mode": "precopy", **sizes(disk_mib, used_mib, link), "link_bytes": link_bytes,
                     "blk_errors": vm.counter("blk_errors"), "target_equal": same, **moved}
     finally:
         procs.stop_all()
@@ -169,16 +181,15 @@ def median(row, metric):
 
 
 def ratios(rows):
-    """ferry / QEMU medians per disk size, for the sizes both moved."""
+    """ferry / QEMU medians per disk size and link, for the rows both moved."""
     out = []
     for r in rows:
         if r["vmm"] != "ferry":
             continue
-        q = next((x for x in rows if x["vmm"] == "qemu" and x["disk_mib"] == r["disk_mib"]
-                  and x["used_mib"] == r["used_mib"]), None)
+        q = next((x for x in rows if x["vmm"] == "qemu" and same_row(x, r)), None)
         if not q:
             continue
-        pair = {"disk_mib": r["disk_mib"], "used_mib": r["used_mib"]}
+        pair = sizes(r["disk_mib"], r["used_mib"], r.get("link", "loopback"))
         for m in ("total_ms", "downtime_ms", "link_bytes"):
             a, b = median(r, m), median(q, m)
             pair[m] = a / b if a is not None and b else None
