@@ -379,6 +379,10 @@ pub struct StorageStats {
     pub disk_bytes: u64,
     /// Bytes of data sent.
     pub data_bytes: u64,
+    /// What that data took on the wire, frames included: less where runs of it went packed
+    /// (`compression`, lz4 or zstd).
+    #[serde(default)]
+    pub data_wire_bytes: u64,
     /// Bytes that went as zero ranges (holes and blocks of zeros): a few bytes on the wire.
     pub zero_bytes: u64,
     /// 64 KiB blocks sent again because the guest wrote them after they were sent.

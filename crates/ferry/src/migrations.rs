@@ -221,6 +221,7 @@ pub fn to_api(s: &migration::Status) -> api::MigrationStatus {
             disks: c.disks,
             disk_bytes: c.disk_bytes,
             data_bytes: c.data_bytes,
+            data_wire_bytes: c.data_wire_bytes,
             zero_bytes: c.zero_bytes,
             blocks_resent: c.blocks_resent,
             blocks_in_pause: c.blocks_in_pause,

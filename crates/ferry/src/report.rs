@@ -61,9 +61,15 @@ pub fn render(s: &MigrationStatus) -> String {
     if let Some(d) = &s.storage {
         let _ = writeln!(
             o,
-            "  disks moved: {} of {} bytes; data {} bytes, zeros {} bytes; blocks resent {}, \
-             in the pause {}",
-            d.disks, d.disk_bytes, d.data_bytes, d.zero_bytes, d.blocks_resent, d.blocks_in_pause
+            "  disks moved: {} of {} bytes; data {} bytes ({} on the wire), zeros {} bytes; \
+             blocks resent {}, in the pause {}",
+            d.disks,
+            d.disk_bytes,
+            d.data_bytes,
+            d.data_wire_bytes,
+            d.zero_bytes,
+            d.blocks_resent,
+            d.blocks_in_pause
         );
     }
     if s.postcopy {

@@ -45,6 +45,19 @@ fn source_disk(dir: &Path) -> PathBuf {
     path
 }
 
+/// A disk whose 8 MiB of data from 4 MiB is text, as a file system's often is.
+fn text_disk(dir: &Path) -> PathBuf {
+    let path = dir.join("text.img");
+    let f = std::fs::File::create(&path).unwrap();
+    f.set_len(DISK_BYTES).unwrap();
+    let line = b"The quick brown fox jumps over the lazy dog, line after line; ";
+    let text: Vec<u8> = (0..8 * MIB as usize)
+        .map(|i| line[i % line.len()] ^ (i / 4096) as u8 & 7)
+        .collect();
+    f.write_all_at(&text, 4 * MIB).unwrap();
+    path
+}
+
 /// The destination's own disk, as large, every byte 0xEE: what arrives must replace it all.
 fn target_disk(dir: &Path) -> PathBuf {
     let path = dir.join("target.img");
@@ -171,6 +184,26 @@ fn random_writes_move_with_the_disk() {
     let (source, target) = (source_disk(dir.path()), target_disk(dir.path()));
     let (dst, _) = move_with_disk(&source, &target, Order::Random, &["--connections", "2"]);
     assert_reads_right(&dst, 4 * SECTORS, "after the move");
+    assert_rest_equal(&source, &target);
+}
+
+/// Blocks that compress go packed with the codec asked for (`--compression zstd`), and unpack
+/// to the very bytes: the rest of the target equals the source.
+#[test]
+fn a_disk_that_compresses_goes_packed() {
+    if !kvm_available() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (source, target) = (text_disk(dir.path()), target_disk(dir.path()));
+    let args = ["--compression", "zstd"];
+    let (dst, report) = move_with_disk(&source, &target, Order::InTurn, &args);
+    let storage = report.storage.expect("the report counts the disk");
+    assert!(
+        storage.data_bytes >= 8 * MIB && storage.data_wire_bytes * 4 < storage.data_bytes,
+        "the text went packed: {storage:?}"
+    );
+    assert_disk_verified(&dst, "after the packed move");
     assert_rest_equal(&source, &target);
 }
 

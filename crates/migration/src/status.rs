@@ -129,6 +129,8 @@ pub struct StorageCounts {
     pub disk_bytes: u64,
     /// Bytes of data sent.
     pub data_bytes: u64,
+    /// What that data took on the wire: less where runs of it went packed.
+    pub data_wire_bytes: u64,
     /// Bytes that went as zero ranges: holes and blocks of zeros.
     pub zero_bytes: u64,
     /// Blocks sent again because the guest wrote them after they were sent.

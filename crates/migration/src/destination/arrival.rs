@@ -362,6 +362,20 @@ impl Filling {
                 self.targets()?.write(disk, offset, &data)?;
                 Ok(Event::Nothing)
             }
+            (
+                Memory,
+                Message::DiskPacked {
+                    disk,
+                    offset,
+                    codec,
+                    len,
+                    data,
+                },
+            ) => {
+                self.targets()?
+                    .write_packed((disk, offset), codec, len, &data)?;
+                Ok(Event::Nothing)
+            }
             (Memory, Message::DiskZero { disk, offset, len }) => {
                 self.targets()?.zero(disk, offset, len)?;
                 Ok(Event::Nothing)

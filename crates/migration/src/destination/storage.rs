@@ -4,15 +4,17 @@
 //! (`Sync`) and again before the VM's state is loaded; a migration that fails before `Go`
 //! leaves them unused (the VM runs on at the source).
 
+use std::cell::RefCell;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use crate::bitmap::Bitmap;
 use crate::copies::Copies;
-use crate::disk_log::DISK_BLOCK;
+use crate::disk_log::{DISK_BLOCK, RUN_BLOCKS};
 use crate::error::{Error, Result};
 use crate::vm::{DeviceDescriptor, Migratable, VmDescriptor};
+use crate::wire::codec::Codec;
 
 /// Zeros are written in pieces of this size where a range cannot be discarded.
 const ZERO_CHUNK: u64 = 1 << 20;
@@ -32,7 +34,11 @@ struct Target {
 }
 
 /// This host's disks that the stream fills.
-pub(crate) struct DiskTargets(Vec<Target>);
+pub(crate) struct DiskTargets {
+    targets: Vec<Target>,
+    /// Where a packed run is unpacked to.
+    unpacked: RefCell<Vec<u8>>,
+}
 
 impl DiskTargets {
     /// Checks that each slot of `slots` holds a disk of the VM described and takes this
@@ -66,26 +72,28 @@ impl DiskTargets {
             }
         }
         let files = vm.disk_targets(slots)?;
-        Ok(Self(
-            slots
-                .iter()
-                .zip(files)
-                .zip(sizes)
-                .map(|((&slot, file), bytes)| Target {
-                    slot,
-                    file,
-                    bytes,
-                    unstarted: std::cell::Cell::new(0),
-                    copies: None,
-                })
-                .collect(),
-        ))
+        let targets = slots
+            .iter()
+            .zip(files)
+            .zip(sizes)
+            .map(|((&slot, file), bytes)| Target {
+                slot,
+                file,
+                bytes,
+                unstarted: std::cell::Cell::new(0),
+                copies: None,
+            })
+            .collect();
+        Ok(Self {
+            targets,
+            unpacked: RefCell::new(Vec::new()),
+        })
     }
 
     /// Counts the copies of each block that land, for a source that carries a broken
     /// connection on (`blocks_held`).
     pub fn counting_copies(mut self) -> Self {
-        for t in &mut self.0 {
+        for t in &mut self.targets {
             t.copies = Some(Copies::new(t.bytes.div_ceil(DISK_BLOCK)));
         }
         self
@@ -94,7 +102,7 @@ impl DiskTargets {
     /// Per disk, in the order `Storage` named them, the copies of each block that landed
     /// (`None`: not counted).
     pub fn blocks_held(&self) -> Option<Vec<Vec<(u16, u32)>>> {
-        self.0
+        self.targets
             .iter()
             .map(|t| {
                 let copies = t.copies.as_ref()?;
@@ -105,11 +113,15 @@ impl DiskTargets {
 
     /// The disk in `slot` and the range checked to lie inside it, sector aligned.
     fn target(&self, slot: u32, offset: u64, len: u64) -> Result<&Target> {
-        let t = self.0.iter().find(|t| t.slot == slot).ok_or_else(|| {
-            Error::Protocol(format!(
-                "disk blocks for slot {slot}, which Storage did not name"
-            ))
-        })?;
+        let t = self
+            .targets
+            .iter()
+            .find(|t| t.slot == slot)
+            .ok_or_else(|| {
+                Error::Protocol(format!(
+                    "disk blocks for slot {slot}, which Storage did not name"
+                ))
+            })?;
         let inside = offset.checked_add(len).is_some_and(|end| end <= t.bytes);
         if !inside || !offset.is_multiple_of(SECTOR) || !len.is_multiple_of(SECTOR) {
             return Err(Error::Protocol(format!(
@@ -138,6 +150,28 @@ impl DiskTargets {
         Ok(())
     }
 
+    /// A run packed by `codec` into `packed`, `len` bytes once unpacked, written at `offset`.
+    pub fn write_packed(
+        &self,
+        (slot, offset): (u32, u64),
+        codec: Codec,
+        len: u32,
+        packed: &[u8],
+    ) -> Result<()> {
+        let len = len as usize;
+        if len as u64 > RUN_BLOCKS * DISK_BLOCK {
+            return Err(Error::Protocol(format!(
+                "a packed run of {len} bytes for disk {slot}, more than the {} a run may hold",
+                RUN_BLOCKS * DISK_BLOCK
+            )));
+        }
+        let mut unpacked = self.unpacked.borrow_mut();
+        unpacked.resize(len, 0);
+        // Into exactly `len` bytes, at least `len` of them: nothing else is taken.
+        codec.decompress(packed, &mut unpacked, len)?;
+        self.write(slot, offset, &unpacked)
+    }
+
     /// `len` bytes at `offset` read as zeros: discarded, or written as zeros where the disk
     /// cannot discard.
     pub fn zero(&self, slot: u32, offset: u64, len: u64) -> Result<()> {
@@ -161,7 +195,7 @@ impl DiskTargets {
 
     /// Makes what arrived durable, before the VM may run on it.
     pub fn sync(&self) -> Result<()> {
-        for t in &self.0 {
+        for t in &self.targets {
             t.file
                 .sync_data()
                 .map_err(|e| Error::vm_caused(format!("flushing disk {}", t.slot), e))?;

@@ -8,6 +8,7 @@
 //! and `auto` (what it learns from beside the frames).
 
 mod auto;
+mod blocks;
 pub mod deltas;
 mod in_place;
 mod packers;
@@ -17,5 +18,6 @@ mod sender;
 #[cfg(test)]
 mod tests;
 
+pub use blocks::BlockPacker;
 pub use receiver::{PagePlacer, PageReceiver};
 pub use sender::{PageSender, SendCounters};

@@ -10,6 +10,7 @@ use crate::bitmap::Bitmap;
 use crate::copies::Copies;
 use crate::disk_log::{DISK_BLOCK, RUN_BLOCKS};
 use crate::error::{Error, Result};
+use crate::pages::BlockPacker;
 use crate::status::{StorageCounts, now_ns};
 use crate::vm::{CopiedDisk, Migratable};
 
@@ -176,6 +177,9 @@ pub(super) struct DiskCopy<'a> {
     pub sent: Vec<Bitmap>,
     /// Where a run of blocks is read to.
     pub buf: Vec<u8>,
+    /// How runs are packed on the connection now (made when the first run goes, and again
+    /// for a new connection).
+    pub packer: Option<BlockPacker>,
     /// Copies of each block queued, per disk, where a broken connection may be carried on.
     copies: Option<Vec<Copies>>,
     /// Per disk, the blocks whose last copy did not land before a connection broke: they go
@@ -194,6 +198,7 @@ impl<'a> DiskCopy<'a> {
             again: none(),
             disks,
             buf: vec![0; (RUN_BLOCKS * DISK_BLOCK) as usize],
+            packer: None,
             copies: None,
         })
     }

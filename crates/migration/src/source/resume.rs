@@ -171,6 +171,9 @@ impl Session<'_> {
         self.limiter = limiter;
         self.cancel_closes(&stream);
         self.stream = stream;
+        if let Some(disks) = self.held.disks.as_mut() {
+            disks.packer = None; // its link windows were the old connection's
+        }
         Ok((again, blocks))
     }
 

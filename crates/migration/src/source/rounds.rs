@@ -101,7 +101,10 @@ impl Session<'_> {
         })?;
         self.lap("populated map");
         let cuttable = mode == StreamMode::Precopy && agreed.peer_postcopy;
-        let carry = joined(disks_carry, self.send_round_or_resume(0, &populated, cuttable)?);
+        let carry = joined(
+            disks_carry,
+            self.send_round_or_resume(0, &populated, cuttable)?,
+        );
         match (mode, self.params.mode) {
             (StreamMode::Precopy, Mode::Hybrid) => {
                 let mut dirty = self.vm.take_dirty()?;

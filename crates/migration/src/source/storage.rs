@@ -7,14 +7,17 @@
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
+use std::time::Instant;
 
 use super::guards::DiskCopy;
 use super::session::Session;
 use crate::bitmap::Bitmap;
 use crate::disk_log::{DISK_BLOCK, RUN_BLOCKS};
 use crate::error::{Error, Result};
+use crate::pages::BlockPacker;
 use crate::status::StorageCounts;
 use crate::vm::CopiedDisk;
+use crate::wire::codec::Codec;
 use crate::wire::{self, Message};
 use crate::zero::is_zero_page;
 
@@ -98,6 +101,16 @@ impl Session<'_> {
         let Some(mut copy) = self.held.disks.take() else {
             return Ok(());
         };
+        match &mut copy.packer {
+            // Pages went since the last runs: neither a link window nor a run's cost spans them.
+            Some(packer) => packer.paused(),
+            None => {
+                let same_host = self.pages.goes_to_this_host();
+                let packer =
+                    BlockPacker::new(self.params.compression, Some(&self.stream), same_host);
+                copy.packer = Some(packer);
+            }
+        }
         let sent = sets
             .iter()
             .enumerate()
@@ -133,14 +146,21 @@ impl Session<'_> {
                     c.blocks_in_pause += end - first;
                 }
             });
-            let DiskCopy { disks, buf, .. } = copy;
+            let DiskCopy {
+                disks, buf, packer, ..
+            } = copy;
+            let packer = packer.as_mut().expect("made before the first run");
             for piece in read_run(&disks[index], buf, first, end)? {
                 let sent = match piece {
                     Piece::Data { offset, len } => {
                         let start = (offset - first * DISK_BLOCK) as usize;
-                        self.count_disk(|c| c.data_bytes += len as u64);
                         let data = &buf[start..start + len];
-                        wire::frame::write_disk_data(&mut self.stream, slot, offset, data)?
+                        let sent = self.send_data((slot, offset), data, packer)?;
+                        self.count_disk(|c| {
+                            c.data_bytes += len as u64;
+                            c.data_wire_bytes += sent;
+                        });
+                        sent
                     }
                     Piece::Zero { offset, len } => {
                         self.count_disk(|c| c.zero_bytes += len);
@@ -156,6 +176,29 @@ impl Session<'_> {
             }
         }
         Ok(())
+    }
+
+    /// A run of data at `offset` of the disk in `slot`, packed where it shrinks; its bytes
+    /// on the wire.
+    fn send_data(
+        &mut self,
+        (slot, offset): (u32, u64),
+        data: &[u8],
+        packer: &mut BlockPacker,
+    ) -> Result<u64> {
+        let packed = packer.pack(data)?;
+        let (codec, took) = (packed.codec, packed.took);
+        let writing = Instant::now();
+        let sent = match codec {
+            Codec::None => wire::frame::write_disk_data(&mut self.stream, slot, offset, data)?,
+            _ => {
+                let len = data.len() as u32;
+                let at = (slot, offset);
+                wire::frame::write_disk_packed(&mut self.stream, at, codec, len, packed.data)?
+            }
+        };
+        packer.sent(codec, data.len(), sent, took, writing.elapsed());
+        Ok(sent)
     }
 
     /// One disk message, paced and counted like pages.

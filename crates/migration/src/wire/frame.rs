@@ -11,6 +11,7 @@
 use std::io::{IoSlice, Read, Write};
 
 use crate::error::{Error, Result};
+use crate::wire::codec::Codec;
 use crate::wire::message::Message;
 
 pub const MAGIC: &[u8; 8] = b"FERRYMIG";
@@ -127,6 +128,18 @@ pub fn write_message_counted(w: &mut impl Write, msg: &Message) -> Result<u64> {
 /// disk's blocks are not copied into a message first.
 pub fn write_disk_data(w: &mut impl Write, disk: u32, offset: u64, data: &[u8]) -> Result<u64> {
     write_control(w, &Message::disk_data_head(disk, offset, data.len()), data)
+}
+
+/// `DiskPacked` written from `packed` where it lies: `len` bytes packed by `codec`.
+pub fn write_disk_packed(
+    w: &mut impl Write,
+    (disk, offset): (u32, u64),
+    codec: Codec,
+    len: u32,
+    packed: &[u8],
+) -> Result<u64> {
+    let head = Message::disk_packed_head(disk, offset, codec, len, packed.len());
+    write_control(w, &head, packed)
 }
 
 /// A control frame whose payload is `head` followed by `tail`; the bytes it took.

@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::host::HostId;
 use crate::memory::RamRange;
 use crate::vm::{DeviceDescriptor, VmDescriptor};
+use crate::wire::codec::Codec;
 
 /// What kind of stream a source opens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -237,6 +238,16 @@ pub enum Message {
     /// order, the copies of each 64 KiB block that landed, as runs (count, blocks) as
     /// `CopiesHeld`'s.
     BlocksHeld { disks: Vec<Vec<(u16, u32)>> },
+    /// Source → destination, as `DiskData` (version 17 on): `data`, packed by `codec` (lz4 or
+    /// zstd), unpacks to `len` bytes (a multiple of 512, at most a run of 16 blocks) that
+    /// belong at `offset` of the disk in slot `disk`.
+    DiskPacked {
+        disk: u32,
+        offset: u64,
+        codec: Codec,
+        len: u32,
+        data: Tail,
+    },
 }
 
 /// The catalogue: every message's tag on the wire, written once. `tag`, `name` and the
@@ -315,6 +326,7 @@ catalogue! {
     37 => DiskData,
     38 => DiskZero,
     39 => BlocksHeld,
+    40 => DiskPacked,
 }
 
 impl Message {
@@ -410,6 +422,19 @@ impl Message {
                 e.u32(disks.len() as u32);
                 disks.iter().for_each(|runs| e.runs(runs));
             }
+            Message::DiskPacked {
+                disk,
+                offset,
+                codec,
+                len,
+                data,
+            } => {
+                e.u32(*disk);
+                e.u64(*offset);
+                e.u8(codec.index() as u8);
+                e.u32(*len);
+                e.bytes(data);
+            }
             Message::Join { session, lane } => {
                 e.u64(*session);
                 e.u32(*lane);
@@ -449,33 +474,55 @@ impl Message {
         e.0
     }
 
-    /// `decode` of a payload this message may keep: a `DiskData` keeps its blocks where they
-    /// were read (up to 1 MiB a frame), not in a copy of them.
+    /// `decode` of a payload this message may keep: a `DiskData` or `DiskPacked` keeps its
+    /// blocks where they were read (up to 1 MiB a frame), not in a copy of them.
     pub fn decode_owned(payload: Vec<u8>) -> Result<Self> {
-        let mut d = Decoder { buf: &payload };
-        if Kind::of_tag(d.u16()?)? != Kind::DiskData {
-            return Self::decode(&payload);
-        }
-        let (disk, offset, len) = (d.u32()?, d.u64()?, d.count(1)?);
-        if d.buf.len() != len {
-            return Self::decode(&payload); // says what is wrong with it
-        }
-        let at = payload.len() - len;
-        Ok(Message::DiskData {
-            disk,
-            offset,
-            data: Tail { buf: payload, at },
+        let Some(head) = disk_run_head(&payload) else {
+            return Self::decode(&payload); // another kind, or says what is wrong with it
+        };
+        let (disk, offset) = (head.disk, head.offset);
+        let data = Tail {
+            buf: payload,
+            at: head.at,
+        };
+        Ok(match head.packing {
+            Some((codec, len)) => Message::DiskPacked {
+                disk,
+                offset,
+                codec,
+                len,
+                data,
+            },
+            None => Message::DiskData { disk, offset, data },
         })
     }
 
     /// `DiskData`'s encoding up to its data, which follows it (`len` bytes): what
-    /// `frame::write_disk_data` sends in front of a disk's blocks.
+    /// `frame::write_disk_run` sends in front of a disk's blocks.
     pub fn disk_data_head(disk: u32, offset: u64, len: usize) -> Vec<u8> {
         let mut e = Encoder(Vec::with_capacity(18));
         e.u16(Kind::DiskData as u16);
         e.u32(disk);
         e.u64(offset);
         e.u32(len as u32);
+        e.0
+    }
+
+    /// `DiskPacked`'s encoding up to its `packed` bytes of data, which follow it.
+    pub fn disk_packed_head(
+        disk: u32,
+        offset: u64,
+        codec: Codec,
+        len: u32,
+        packed: usize,
+    ) -> Vec<u8> {
+        let mut e = Encoder(Vec::with_capacity(23));
+        e.u16(Kind::DiskPacked as u16);
+        e.u32(disk);
+        e.u64(offset);
+        e.u8(codec.index() as u8);
+        e.u32(len);
+        e.u32(packed as u32);
         e.0
     }
 
@@ -583,6 +630,13 @@ impl Message {
                 pages: d.u64()?,
                 runs: d.runs()?,
             },
+            Kind::DiskPacked => Message::DiskPacked {
+                disk: d.u32()?,
+                offset: d.u64()?,
+                codec: packing_codec(d.u8()?)?,
+                len: d.u32()?,
+                data: d.bytes()?.into(),
+            },
             Kind::BlocksHeld => Message::BlocksHeld {
                 disks: (0..d.count(4)?).map(|_| d.runs()).collect::<Result<_>>()?,
             },
@@ -599,6 +653,45 @@ impl Message {
             )));
         }
         Ok(msg)
+    }
+}
+
+/// A `DiskData` or `DiskPacked` up to its data.
+struct DiskRunHead {
+    disk: u32,
+    offset: u64,
+    /// `DiskPacked`'s codec and unpacked length.
+    packing: Option<(Codec, u32)>,
+    /// Where its data starts in the payload.
+    at: usize,
+}
+
+/// The head of a well-formed `DiskData` or `DiskPacked` (`None` for anything else).
+fn disk_run_head(payload: &[u8]) -> Option<DiskRunHead> {
+    let mut d = Decoder { buf: payload };
+    let kind = Kind::of_tag(d.u16().ok()?).ok()?;
+    let (disk, offset) = (d.u32().ok()?, d.u64().ok()?);
+    let packing = match kind {
+        Kind::DiskData => None,
+        Kind::DiskPacked => Some((packing_codec(d.u8().ok()?).ok()?, d.u32().ok()?)),
+        _ => return None,
+    };
+    let len = d.count(1).ok()?;
+    (d.buf.len() == len).then_some(DiskRunHead {
+        disk,
+        offset,
+        packing,
+        at: payload.len() - len,
+    })
+}
+
+/// The codec a `DiskPacked` names: lz4 or zstd (a run that was not packed is `DiskData`).
+fn packing_codec(v: u8) -> Result<Codec> {
+    match Codec::ALL.get(usize::from(v)) {
+        Some(&c) if c != Codec::None => Ok(c),
+        _ => Err(Error::Protocol(format!(
+            "DiskPacked names codec {v} (1: lz4, 2: zstd)"
+        ))),
     }
 }
 
@@ -1218,6 +1311,16 @@ mod tests {
                 },
                 "2700 02000000 01000000 0100 02000000 00000000",
             ),
+            (
+                Message::DiskPacked {
+                    disk: 1,
+                    offset: 512,
+                    codec: Codec::Zstd,
+                    len: 1024,
+                    data: vec![0xab, 0xcd].into(),
+                },
+                "2800 01000000 0002000000000000 02 00040000 02000000 abcd",
+            ),
         ]
     }
 
@@ -1226,7 +1329,7 @@ mod tests {
         let all = golden();
         assert_eq!(
             all.len(),
-            41,
+            42,
             "a golden example per message (Config and Ready with and without)"
         );
         for (msg, bytes) in all {
@@ -1244,7 +1347,7 @@ mod tests {
         let msg = Message::DiskData {
             disk: 2,
             offset: 4096,
-            data: data.into(),
+            data: data.clone().into(),
         };
         assert_eq!(sent, msg.encode());
         // Read back without a copy, it is the same message; so is every other kind, and a
@@ -1256,6 +1359,21 @@ mod tests {
         sent.pop();
         let owned = Message::decode_owned(sent.clone()).unwrap_err().to_string();
         assert_eq!(owned, Message::decode(&sent).unwrap_err().to_string());
+        // A packed run likewise; one naming no codec it could be packed with is refused.
+        let mut sent = Message::disk_packed_head(2, 4096, Codec::Lz4, 8192, data.len());
+        sent.extend_from_slice(&data);
+        let msg = Message::DiskPacked {
+            disk: 2,
+            offset: 4096,
+            codec: Codec::Lz4,
+            len: 8192,
+            data: data.into(),
+        };
+        assert_eq!(sent, msg.encode());
+        assert_eq!(Message::decode_owned(sent.clone()).unwrap(), msg);
+        sent[14] = 0;
+        let e = Message::decode_owned(sent).unwrap_err().to_string();
+        assert!(e.contains("DiskPacked names codec 0"), "{e}");
     }
 
     #[test]
