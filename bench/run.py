@@ -427,11 +427,13 @@ PROFILES = {
         "block": (None, "precopy", "postcopy", "hybrid"),
     },
     # A VM and its disk to a host with a disk of its own (`--copy-storage`; QEMU: mirror to NBD
-    # and migrate): an 8 GiB disk holding 2 GiB, and a 1 GiB one holding 256 MiB, on
-    # loopback; the 8 GiB one on a 1 Gbit/s link too.
+    # and migrate): an 8 GiB disk holding 2 GiB of random data, and a 1 GiB one holding 256 MiB,
+    # on loopback; the 8 GiB one on a 1 Gbit/s link too, and an 8 GiB disk holding a file
+    # system of this host's /usr/share over both.
     "storage": {
         "links": [], "peers": ["ferry", "qemu"], "repeats": 3, "boot": [], "dirty": False, "scenarios": [],
-        "storage": ((8192, 2048, "loopback"), (1024, 256, "loopback"), (8192, 2048, "1gbit")),
+        "storage": ((8192, 2048, "loopback"), (1024, 256, "loopback"), (8192, 2048, "1gbit"),
+                    (8192, 0, "loopback", "files"), (8192, 0, "1gbit", "files")),
     },
     # ferry's Linux guest (`make linux-guest`) moved pre-copy by ferry and by QEMU (microvm),
     # as an expert sets it and with multifd; each run boots the kernel (about 2 minutes here).

@@ -566,14 +566,15 @@ def storage_lines(rows):
     ferry / QEMU."""
     lines = ["", "## A VM and its disk to a host with a disk of its own", "",
              "The guest stamps its disk's first MiB (`blk`, 2048 sectors) and writes 16 MiB of memory "
-             "while the disk (sparse, its data pseudo-random) moves with it to an empty target as "
-             "large: ferry by `--copy-storage`, QEMU by `blockdev-mirror` to the destination's NBD "
+             "while the disk (sparse: its data pseudo-random, or for *files* an ext4 file system "
+             f"of this host's `{storage.FILES_FROM}`, what it took in parentheses) moves with it to "
+             "an empty target as large: ferry by `--copy-storage`, QEMU by `blockdev-mirror` to the destination's NBD "
              "export, then `migrate`. Both over the loopback of a namespace of their own (*link*: "
              "as it is, or shaped by tbf); *link bytes*: what that loopback received. *Total*: request to the destination running, "
              "this host's clock. *Wrong sectors*: read back on the destination without their last "
              "stamp.", "",
              *device_table(rows, [
-                 ("disk MiB (data)", lambda r, s: f"{r['disk_mib']} ({r['used_mib']})"),
+                 ("disk MiB (data)", lambda r, s: disk_cell(r)),
                  ("link", lambda r, s: r.get("link", "loopback")),
                  ("VMM", vmm_cell),
                  figure("total ms", "total_ms"),
@@ -587,9 +588,35 @@ def storage_lines(rows):
         f = ratio_text
         lines += ["", "ferry / QEMU, medians (< 1: ferry better):", "",
                   "| disk MiB (data) | link | total | downtime (VMM) | link bytes |", "|---|---|---|---|---|"]
-        lines += [f"| {p['disk_mib']} ({p['used_mib']}) | {p['link']} | {f(p['total_ms'])} | "
+        lines += [f"| {disk_cell(p, rows)} | {p['link']} | {f(p['total_ms'])} | "
                   f"{f(p['downtime_ms'])} | {f(p['link_bytes'])} |" for p in pairs]
     return lines
+
+
+def close(ratio, limit):
+    """A ratio to two places, or to as many more (up to five) as tell it from the limit."""
+    places = next((n for n in range(2, 6) if f"{ratio:.{n}f}" != f"{limit:.{n}f}"), 5)
+    return f"{ratio:.{places}f}"
+
+
+def disk_words(pair, rows):
+    """A storage pair's disk in words."""
+    cell = disk_cell(pair, rows)
+    size, _, data = cell.partition(" (")
+    if pair.get("content", "random") == "files":
+        return f"{size} MiB holding a file system ({data.removeprefix('files, ').rstrip(')')} MiB)"
+    return f"{size} MiB ({data.rstrip(')')} MiB of data)"
+
+
+def disk_cell(row, rows=None):
+    """A storage row's disk: its size and data, `files` with the MiB its file system took
+    (the median of `row`'s runs, or of the row of `rows` it pairs with)."""
+    if row.get("content", "random") != "files":
+        return f"{row['disk_mib']} ({row['used_mib']})"
+    if "summary" not in row:
+        row = next(r for r in rows if storage.same_row(r, row))
+    taken = row["summary"].get("data_mib")
+    return f"{row['disk_mib']} (files, {taken['median']:.0f})" if taken else f"{row['disk_mib']} (files)"
 
 
 def provenance(results, raw):
@@ -616,8 +643,8 @@ def storage_page(results):
     goal = {"total_ms": 0.7, "link_bytes": 1.0}
     said = []
     for p in storage.ratios(results["storage"]):
-        size = f"{p['disk_mib']} MiB ({p['used_mib']} MiB of data), {p['link']}"
-        verdicts = [f"{name} {p[m]:.2f} of QEMU's ({'meets' if p[m] <= limit else 'misses'} the "
+        size = f"{disk_words(p, results['storage'])}, {p['link']}"
+        verdicts = [f"{name} {close(p[m], limit)} of QEMU's ({'meets' if p[m] <= limit else 'misses'} the "
                     f"goal of {limit})" for m, limit, name in
                     (("total_ms", goal["total_ms"], "total"), ("link_bytes", goal["link_bytes"], "bytes"))
                     if p[m] is not None]

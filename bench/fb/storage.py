@@ -1,6 +1,7 @@
 """Storage migration (`ferry migrate --copy-storage`) against QEMU's way of doing it: the disk
 moves with its VM to a host whose disk is its own, empty and as large (a sparse file), while
-the guest stamps the disk's first MiB (`blk`) and writes 16 MiB of memory.
+the guest stamps the disk's first MiB (`blk`) and writes 16 MiB of memory. The disk's data is
+pseudo-random (nothing compresses it), or a file system of this host's files (`files` rows).
 
 - ferry: `ferry migrate --copy-storage`: the blocks travel in the migration's own stream.
 - QEMU 10 (microvm), as libvirt's `--copy-storage-all` drives it: the destination exports its
@@ -42,24 +43,35 @@ DISK = {
 }
 # The run the results cite, and the page written from it (docs/benchmarks/).
 RAW_FILE, PAGE_FILE = "storage.json", "storage.md"
-METRICS = ["total_ms", "downtime_ms", "link_bytes", "blk_errors", "mirror_ms", "guest_downtime_ms"]
+METRICS = ["total_ms", "downtime_ms", "link_bytes", "blk_errors", "mirror_ms", "guest_downtime_ms", "data_mib"]
 
 
-def sizes(disk_mib, used_mib, link="loopback"):
-    """A row's key: the disk, its data, and the link (`loopback`, or a speed of links.SPEEDS
-    the namespace's loopback is shaped to)."""
-    return {"disk_mib": disk_mib, "used_mib": used_mib, "link": link}
+# What a row's key holds where its run predates that part of the key.
+KEY_DEFAULTS = {"link": "loopback", "content": "random"}
+# The files a `files` disk holds: this host's shared data (documentation, locales, icons,
+# scripts), as a distribution's root file system holds them.
+FILES_FROM = "/usr/share"
+
+
+def sizes(disk_mib, used_mib, link="loopback", content="random"):
+    """A row's key: the disk, its data, the link (`loopback`, or a speed of links.SPEEDS the
+    namespace's loopback is shaped to) and what the data is: `random` (`used_mib` of
+    pseudo-random bytes, which nothing compresses) or `files` (an ext4 file system of
+    `FILES_FROM`'s files; `used_mib` is then what the file system took)."""
+    return {"disk_mib": disk_mib, "used_mib": used_mib, "link": link, "content": content}
 
 
 def same_row(a, b):
-    """Whether two rows moved the same disk over the same link (rows before the link was a
-    key moved over loopback)."""
-    return all(a.get(k, "loopback") == b.get(k, "loopback") for k in ("disk_mib", "used_mib", "link"))
+    """Whether two rows moved the same disk over the same link."""
+    keys = ("disk_mib", "used_mib", "link", "content")
+    return all(a.get(k, KEY_DEFAULTS.get(k)) == b.get(k, KEY_DEFAULTS.get(k)) for k in keys)
 
 
-def make_disks(work, disk_mib, used_mib):
-    """A sparse source disk with `used_mib` of data (pseudo-random: neither side compresses
-    it) from `DATA_AT`, and an empty target as large."""
+def make_disks(work, disk_mib, used_mib, content="random"):
+    """A sparse source disk and an empty target as large: with `used_mib` of pseudo-random
+    data from `DATA_AT` (neither side compresses it), or a file system of files."""
+    if content == "files":
+        return make_files_disks(work, disk_mib)
     src, dst = os.path.join(work, "source.img"), os.path.join(work, "target.img")
     chunk = os.urandom(1 << 20)
     with open(src, "wb") as f:
@@ -70,6 +82,29 @@ def make_disks(work, disk_mib, used_mib):
     with open(dst, "wb") as f:
         f.truncate(disk_mib << 20)
     return src, dst
+
+
+def make_files_disks(work, disk_mib):
+    """A source disk holding an ext4 file system of `FILES_FROM` (made once per run of the
+    profile, copied sparse for each move), and an empty target as large."""
+    image = os.path.join(work, f"files-{disk_mib}.img")
+    if not os.path.exists(image):
+        sh("mke2fs", "-q", "-F", "-t", "ext4", "-d", FILES_FROM, image, f"{disk_mib}M")
+        # The sectors the guest stamps start as zeros, as on the other disks: it counts a
+        # sector that holds anything but its own stamp as wrong (the file system's first
+        # metadata is lost to its stamps either way; its files lie past them).
+        with open(image, "r+b") as f:
+            f.write(bytes(BLK_SECTORS * 512))
+    src, dst = os.path.join(work, "source.img"), os.path.join(work, "target.img")
+    sh("cp", "--sparse=always", image, src)
+    with open(dst, "wb") as f:
+        f.truncate(disk_mib << 20)
+    return src, dst
+
+
+def allocated_mib(path):
+    """What a sparse file holds, in MiB."""
+    return os.stat(path).st_blocks * 512 / (1 << 20)
 
 
 class Namespace:
@@ -97,9 +132,10 @@ class Namespace:
         return int(line.split(":", 1)[1].split()[0])
 
 
-def storage_run(procs, work, vmm, disk_mib, used_mib, link="loopback"):
+def storage_run(procs, work, vmm, disk_mib, used_mib, link="loopback", content="random"):
     """One move of a VM and its disk on `vmm` (ferry or qemu) over `link`."""
-    src, dst = make_disks(work, disk_mib, used_mib)
+    src, dst = make_disks(work, disk_mib, used_mib, content)
+    data_mib = allocated_mib(src)
     try:
         with Namespace(f"fst-{os.getpid() % 100000}", link) as ns:
             vm = VMS[vmm](procs, work, ns.name, CMDLINE, DISK[vmm](src))
@@ -113,7 +149,8 @@ def storage_run(procs, work, vmm, disk_mib, used_mib, link="loopback"):
             same = subprocess.run(["cmp", "-s", "-i", str(BLK_SECTORS * 512), src, dst]).returncode == 0
             if not same:
                 raise BenchError("the target differs from the source past the stamped sectors")
-            return {"vmm": vmm, "mode": "precopy", **sizes(disk_mib, used_mib, link), "link_bytes": link_bytes,
+            return {"vmm": vmm, "mode": "precopy", **sizes(disk_mib, used_mib, link, content),
+                    "data_mib": data_mib, "link_bytes": link_bytes,
                     "blk_errors": vm.counter("blk_errors"), "target_equal": same, **moved}
     finally:
         procs.stop_all()
@@ -189,7 +226,7 @@ def ratios(rows):
         q = next((x for x in rows if x["vmm"] == "qemu" and same_row(x, r)), None)
         if not q:
             continue
-        pair = sizes(r["disk_mib"], r["used_mib"], r.get("link", "loopback"))
+        pair = sizes(r["disk_mib"], r["used_mib"], *(r.get(k, KEY_DEFAULTS[k]) for k in ("link", "content")))
         for m in ("total_ms", "downtime_ms", "link_bytes"):
             a, b = median(r, m), median(q, m)
             pair[m] = a / b if a is not None and b else None
