@@ -1,9 +1,10 @@
 //! `copy_storage`: the VM's disks travel in the migration's own stream, on its main
-//! connection. Round 0 sends what each disk holds (holes as zero ranges, found with
-//! SEEK_DATA/SEEK_HOLE, and blocks of zeros likewise); each later round the blocks the guest
-//! wrote since they were sent (`disk_log`); the pause the last of them, before the VM's state.
-//! Until `Go` the source's disk is the only one the VM writes: a migration that fails before
-//! leaves the destination's copy unused.
+//! connection. Before memory's round 0 goes what each disk holds (holes as zero ranges, found
+//! with SEEK_DATA/SEEK_HOLE, and blocks of zeros likewise); after each later round's pages the
+//! blocks the guest wrote since they were sent (`disk_log`); in the pause the last of them,
+//! before the VM's state. Runs of data go packed where they shrink (`BlockPacker`). Until `Go`
+//! the source's disk is the only one the VM writes: a migration that fails before leaves the
+//! destination's copy unused.
 
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
