@@ -30,6 +30,8 @@ pub mod scan;
 pub mod source;
 pub mod status;
 pub mod sync;
+#[cfg(test)]
+mod test_data;
 pub mod totals;
 mod urgent;
 pub mod vm;

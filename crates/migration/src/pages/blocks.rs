@@ -159,18 +159,6 @@ mod tests {
             .collect()
     }
 
-    fn noise(len: usize) -> Vec<u8> {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
-    }
-
     #[test]
     fn a_named_codec_packs_what_shrinks_and_sends_the_rest_as_it_is() {
         let mut p = BlockPacker::new(Compression::Fixed(Codec::Lz4), None, false);
@@ -183,7 +171,7 @@ mod tests {
             .decompress(packed.data, &mut back, raw.len())
             .unwrap();
         assert_eq!(&back[..n], &raw[..]);
-        let random = noise(1 << 20);
+        let random = crate::test_data::noise(7, 1 << 20);
         let as_is = p.pack(&random).unwrap();
         assert_eq!((as_is.codec, as_is.data.len()), (Codec::None, random.len()));
         let mut none = BlockPacker::new(Compression::None, None, false);

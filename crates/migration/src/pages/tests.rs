@@ -28,18 +28,12 @@ fn ram(buf: &mut [u8]) -> GuestRam {
 
 /// Page `pfn` as text (compresses) or as pseudo-random bytes (does not).
 fn fill(ram: &GuestRam, pfn: u64, random: bool) {
-    let mut page = vec![0u8; PAGE_SIZE];
-    let mut x = pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    for (i, b) in page.iter_mut().enumerate() {
-        *b = if random {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        } else {
-            b"the guest wrote page "[i % 21]
-        };
-    }
+    let page = match random {
+        true => crate::test_data::noise(pfn.wrapping_mul(0x9e37_79b9_7f4a_7c15), PAGE_SIZE),
+        false => (0..PAGE_SIZE)
+            .map(|i| b"the guest wrote page "[i % 21])
+            .collect(),
+    };
     ram.write_page(pfn, &page).unwrap();
 }
 

@@ -109,15 +109,7 @@ mod tests {
     use super::*;
 
     fn page(seed: u64) -> Vec<u8> {
-        let mut x = seed | 1;
-        (0..PAGE_SIZE)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect()
+        crate::test_data::noise(seed, PAGE_SIZE)
     }
 
     #[test]
