@@ -2,7 +2,8 @@
 //! the parameters name, or with `auto`'s pick. `auto` keeps a chooser of its own for the
 //! disks (their data compresses unlike memory: a file system's text and binaries, or
 //! encrypted and media blocks that do not shrink), fed by every run sent and by the link's
-//! delivery windows, as a page sender's is. A run goes packed only where the codec shrank it.
+//! delivery windows, as a page sender's is (plain to a receiver on this host, unless the
+//! windows show a slow, shaped path to it). A run goes packed only where the codec shrank it.
 
 use std::time::{Duration, Instant};
 
