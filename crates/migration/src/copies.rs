@@ -14,6 +14,9 @@ use crate::error::{Error, Result};
 
 pub struct Copies(Box<[AtomicU16]>);
 
+/// Counts of copies as runs: (count, how many pages or blocks in a row hold it).
+pub type CountRuns = Vec<(u16, u32)>;
+
 impl Copies {
     /// Counts for pages `0..pages`, all zero. The memory is the allocator's zeroed memory, taken
     /// from the host only where a count is written: a VM's untouched memory costs none.

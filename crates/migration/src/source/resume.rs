@@ -13,6 +13,7 @@ use super::controls::Controls;
 use super::lane;
 use super::session::Session;
 use crate::bitmap::Bitmap;
+use crate::copies::CountRuns;
 use crate::error::{Error, Result};
 use crate::io::transport::Stream;
 use crate::sync::Locked;
@@ -155,12 +156,18 @@ impl Session<'_> {
             Message::Abort { reason } => return Err(Error::Peer(reason)),
             other => return Err(Error::out_of_turn("source", other.name(), "Resuming")),
         };
+        // Everything is heard before any count changes: a connection that breaks meanwhile
+        // leaves the counts as they were for the next try.
+        let held_blocks = self.hear_blocks_held(&mut stream)?;
         let copies = self
             .copies
             .as_ref()
             .expect("only a counted pre-copy resumes");
         let again = copies.reconcile(&runs, "pages")?;
-        let blocks = self.blocks_held(&mut stream)?;
+        let blocks = match (held_blocks, self.held.disks.as_mut()) {
+            (Some(held), Some(disks)) => disks.reconcile(&held)?,
+            _ => 0,
+        };
         // What never landed is not counted as sent: the destination checks the total.
         let sent = self.pages.counters.full + self.pages.counters.zero;
         self.pages_lost = sent.saturating_sub(received);
@@ -177,14 +184,14 @@ impl Session<'_> {
         Ok((again, blocks))
     }
 
-    /// Where disks move, the destination's `BlocksHeld` after `CopiesHeld`: the blocks whose
-    /// last copy did not land go with the next ones taken. How many.
-    fn blocks_held(&mut self, stream: &mut Stream) -> Result<u64> {
-        let Some(disks) = self.held.disks.as_mut() else {
-            return Ok(0);
-        };
+    /// Where disks move, the destination's `BlocksHeld` after `CopiesHeld`: per disk, the
+    /// copies of each block that landed.
+    fn hear_blocks_held(&self, stream: &mut Stream) -> Result<Option<Vec<CountRuns>>> {
+        if self.held.disks.is_none() {
+            return Ok(None);
+        }
         match wire::read_message(stream)? {
-            Message::BlocksHeld { disks: held } => disks.reconcile(&held),
+            Message::BlocksHeld { disks } => Ok(Some(disks)),
             Message::Abort { reason } => Err(Error::Peer(reason)),
             other => Err(Error::out_of_turn("source", other.name(), "Resuming")),
         }
